@@ -1,0 +1,221 @@
+//! Throughput of the hot ops through the exported ABI, against STREAM copy and a
+//! large f32 GEMM. Run: `cargo run --release -p tessera-kernels-cpu --example bench`.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use tessera_kernel_abi::*;
+use tessera_kernels_cpu::ffi::*;
+
+fn alloc(dev: *mut TkDevice, bytes: usize) -> TkPtr {
+    let mut b = std::ptr::null_mut();
+    // SAFETY: valid device and out pointer.
+    assert_eq!(unsafe { tk_alloc(dev, bytes as u64, &mut b) }, TK_OK);
+    TkPtr { buf: b, offset: 0 }
+}
+
+fn time(mut f: impl FnMut(), iters: usize) -> f64 {
+    f();
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    t.elapsed().as_secs_f64() / iters as f64
+}
+
+fn main() {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let cfg = TkDeviceConfig {
+        threads: threads as u32,
+        device_index: 0,
+        memory_limit_bytes: 0,
+    };
+    let mut dev = std::ptr::null_mut();
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { tk_device_create(&cfg, &mut dev) }, TK_OK);
+
+    // STREAM copy with the same thread count.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let n = 64 << 20; // 64 Mi f32 = 256 MiB per array
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let t = time(
+        || {
+            pool.install(|| {
+                dst.par_chunks_mut(1 << 16)
+                    .zip(src.par_chunks(1 << 16))
+                    .for_each(|(d, s)| d.copy_from_slice(s))
+            })
+        },
+        5,
+    );
+    let stream = 2.0 * 4.0 * n as f64 / t / 1e9;
+    println!("STREAM copy ({threads} threads): {stream:.1} GB/s");
+    drop((src, dst));
+
+    // Big f32 GEMM through tk_linear.
+    let s = 2048usize;
+    let (o, x, w) = (
+        alloc(dev, s * s * 4),
+        alloc(dev, s * s * 4),
+        alloc(dev, s * s * 4),
+    );
+    let t = time(
+        // SAFETY: valid device and buffers of the right size.
+        || {
+            assert_eq!(
+                unsafe {
+                    tk_linear(
+                        dev,
+                        o,
+                        x,
+                        w,
+                        TK_DTYPE_F32,
+                        TkPtr::NULL,
+                        s as u32,
+                        s as u32,
+                        s as u32,
+                    )
+                },
+                TK_OK
+            )
+        },
+        3,
+    );
+    let big = 2.0 * (s * s * s) as f64 / t / 1e9;
+    println!("tk_linear f32 2048^3: {big:.1} GFLOP/s");
+
+    // GEMV.
+    for &(dt, name, es) in &[
+        (TK_DTYPE_F16, "f16", 2usize),
+        (TK_DTYPE_BF16, "bf16", 2),
+        (TK_DTYPE_F32, "f32", 4),
+    ] {
+        for &m in &[1usize, 4] {
+            let (n, k) = (8192usize, 4096usize);
+            let (o, x, w) = (
+                alloc(dev, m * n * 4),
+                alloc(dev, m * k * 4),
+                alloc(dev, n * k * es),
+            );
+            let t = time(
+                // SAFETY: as above.
+                || {
+                    assert_eq!(
+                        unsafe {
+                            tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32)
+                        },
+                        TK_OK
+                    )
+                },
+                20,
+            );
+            let bw = (n * k * es) as f64 / t / 1e9;
+            println!(
+                "GEMV {name} m={m} n={n} k={k}: {bw:.1} GB/s weights ({:.0}% of STREAM copy)",
+                bw / stream * 100.0
+            );
+        }
+    }
+
+    // Mid / large m with half weights.
+    for &(dt, name) in &[
+        (TK_DTYPE_F16, "f16"),
+        (TK_DTYPE_BF16, "bf16"),
+        (TK_DTYPE_F32, "f32"),
+    ] {
+        for &(m, n) in &[(32usize, 2048usize), (32, 8192), (512, 2048), (512, 8192)] {
+            let k = 2048usize;
+            let es = if dt == TK_DTYPE_F32 { 4 } else { 2 };
+            let (o, x, w) = (
+                alloc(dev, m * n * 4),
+                alloc(dev, m * k * 4),
+                alloc(dev, n * k * es),
+            );
+            let t = time(
+                // SAFETY: as above.
+                || {
+                    assert_eq!(
+                        unsafe {
+                            tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32)
+                        },
+                        TK_OK
+                    )
+                },
+                5,
+            );
+            let gf = 2.0 * (m * n * k) as f64 / t / 1e9;
+            println!(
+                "linear {name} m={m} n={n} k={k}: {gf:.1} GFLOP/s ({:.0}% of big f32 GEMM)",
+                gf / big * 100.0
+            );
+        }
+    }
+
+    // Prefill attention: 512 tokens, 32 heads, 8 kv heads, hd 64, block 16, f16/f32 cache.
+    for &(dt, name, es) in &[(TK_DTYPE_F32, "f32", 4usize), (TK_DTYPE_F16, "f16", 2)] {
+        let (tq, h, kvh, hd, bs) = (512usize, 32usize, 8usize, 64usize, 16usize);
+        let nb = tq / bs;
+        let kc = alloc(dev, nb * kvh * bs * hd * es);
+        let vc = alloc(dev, nb * kvh * bs * hd * es);
+        let cache = TkKvCache {
+            k: kc,
+            v: vc,
+            dtype: dt,
+            num_blocks: nb as u32,
+            block_size: bs as u32,
+            num_kv_heads: kvh as u32,
+            head_dim: hd as u32,
+        };
+        let qs = alloc(dev, 8);
+        let cl = alloc(dev, 4);
+        let bt = alloc(dev, nb * 4);
+        let table: Vec<i32> = (0..nb as i32).collect();
+        // SAFETY: valid buffers and host sources.
+        unsafe {
+            assert_eq!(
+                tk_copy_h2d(dev, qs, [0i32, tq as i32].as_ptr().cast(), 8),
+                TK_OK
+            );
+            assert_eq!(tk_copy_h2d(dev, cl, [tq as i32].as_ptr().cast(), 4), TK_OK);
+            assert_eq!(
+                tk_copy_h2d(dev, bt, table.as_ptr().cast(), (nb * 4) as u64),
+                TK_OK
+            );
+        }
+        let batch = TkAttnBatch {
+            num_seqs: 1,
+            max_blocks_per_seq: nb as u32,
+            query_start: qs,
+            context_lens: cl,
+            block_tables: bt,
+        };
+        let (o, q) = (alloc(dev, tq * h * hd * 4), alloc(dev, tq * h * hd * 4));
+        let t = time(
+            // SAFETY: as above.
+            || {
+                assert_eq!(
+                    unsafe {
+                        tk_prefill_attention(dev, o, q, &cache, &batch, tq as u32, h as u32, 0.125)
+                    },
+                    TK_OK
+                )
+            },
+            10,
+        );
+        let pairs = (tq * (tq + 1) / 2) as f64;
+        let gf = 4.0 * hd as f64 * pairs * h as f64 / t / 1e9;
+        println!(
+            "prefill attention {name} cache 512 tok 32/8 heads hd 64: {:.2} ms, {gf:.1} GFLOP/s ({:.0}% of big f32 GEMM)",
+            t * 1e3,
+            gf / big * 100.0
+        );
+    }
+    // SAFETY: valid device.
+    unsafe { tk_device_destroy(dev) };
+}

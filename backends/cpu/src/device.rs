@@ -1,0 +1,205 @@
+//! A CPU "device": a rayon thread pool, a memory budget and the registry of the buffers
+//! it owns. Buffer handles are opaque ids that are never dereferenced, so a stale or
+//! foreign handle is simply not found in the registry.
+
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::error::{KernelError, Result};
+
+/// Alignment of every allocation.
+pub const ALIGN: usize = 64;
+/// The most threads a device may be configured with.
+pub const MAX_THREADS: u32 = 4096;
+
+/// Handle ids are unique over the life of the process (never reused), and start high
+/// so that small integers cast to pointers are never valid handles.
+static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(0x1000_0000);
+
+/// One live buffer of a device.
+#[derive(Debug, Clone, Copy)]
+pub struct BufferEntry {
+    /// Start address of the memory.
+    pub addr: usize,
+    /// Size in bytes.
+    pub len: usize,
+    /// Wrapped caller memory: never written, never freed by us.
+    pub read_only: bool,
+}
+
+pub struct Device {
+    pub pool: rayon::ThreadPool,
+    pub threads: usize,
+    pub memory_limit: u64,
+    used: Mutex<u64>,
+    buffers: Mutex<HashMap<usize, BufferEntry>>,
+}
+
+/// Physical RAM in bytes (from /proc/meminfo), or 16 GiB if it cannot be read.
+pub fn physical_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| {
+                    l.split_whitespace()
+                        .nth(1)
+                        .and_then(|kb| kb.parse::<u64>().ok())
+                })
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(16 << 30)
+}
+
+fn layout(bytes: usize) -> Result<Layout> {
+    Layout::from_size_align(bytes.max(1), ALIGN)
+        .map_err(|_| KernelError::OutOfMemory(format!("{bytes} bytes cannot be allocated")))
+}
+
+impl Device {
+    /// Creates a device with `threads` workers (0 = all cores) and a memory limit
+    /// (0 = physical RAM).
+    pub fn new(threads: u32, memory_limit: u64) -> Result<Device> {
+        if threads > MAX_THREADS {
+            return Err(crate::invalid!(
+                "config.threads = {threads} exceeds the maximum of {MAX_THREADS}"
+            ));
+        }
+        let threads = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads as usize
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("tessera-cpu-{i}"))
+            .build()
+            .map_err(|e| KernelError::Internal(format!("cannot build thread pool: {e}")))?;
+        let memory_limit = if memory_limit == 0 {
+            physical_memory()
+        } else {
+            memory_limit
+        };
+        Ok(Device {
+            pool,
+            threads,
+            memory_limit,
+            used: Mutex::new(0),
+            buffers: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Bytes currently allocated by `alloc`.
+    pub fn used_bytes(&self) -> u64 {
+        *self.used.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Allocates `bytes` of zeroed, 64-byte-aligned memory and returns its handle id.
+    pub fn alloc(&self, bytes: u64) -> Result<usize> {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let limit = self.memory_limit;
+        if bytes > limit.saturating_sub(*used) || usize::try_from(bytes).is_err() {
+            return Err(KernelError::OutOfMemory(format!(
+                "requested {bytes} bytes but {used} of {limit} bytes are in use",
+                used = *used
+            )));
+        }
+        let len = bytes as usize;
+        let layout = layout(len)?;
+        // SAFETY: the layout has non-zero size (at least 1 byte).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(KernelError::OutOfMemory(format!(
+                "the system refused {bytes} bytes ({used} of {limit} bytes in use)",
+                used = *used
+            )));
+        }
+        *used += bytes;
+        Ok(self.register(BufferEntry {
+            addr: ptr as usize,
+            len,
+            read_only: false,
+        }))
+    }
+
+    /// Registers caller memory as a read-only buffer and returns its handle id.
+    pub fn wrap_host(&self, addr: usize, bytes: u64) -> Result<usize> {
+        let len = usize::try_from(bytes)
+            .map_err(|_| crate::invalid!("bytes = {bytes} does not fit the address space"))?;
+        if addr.checked_add(len).is_none() {
+            return Err(crate::invalid!("host {addr:#x} + {bytes} bytes overflows"));
+        }
+        Ok(self.register(BufferEntry {
+            addr,
+            len,
+            read_only: true,
+        }))
+    }
+
+    fn register(&self, entry: BufferEntry) -> usize {
+        let id = NEXT_HANDLE.fetch_add(16, Ordering::Relaxed);
+        self.buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, entry);
+        id
+    }
+
+    /// The live buffer with handle `id`, if this device owns one.
+    pub fn lookup(&self, id: usize) -> Option<BufferEntry> {
+        self.buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .copied()
+    }
+
+    /// Frees the buffer `id`; false if this device has no such live buffer.
+    pub fn free(&self, id: usize) -> bool {
+        let entry = self
+            .buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        match entry {
+            Some(e) => {
+                self.release(e);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn release(&self, e: BufferEntry) {
+        if e.read_only {
+            return;
+        }
+        if let Ok(layout) = layout(e.len) {
+            // SAFETY: `e` came from `alloc` with exactly this layout and was removed
+            // from the registry, so it is freed once.
+            unsafe { std::alloc::dealloc(e.addr as *mut u8, layout) };
+        }
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        *used = used.saturating_sub(e.len as u64);
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        let entries: Vec<BufferEntry> = self
+            .buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, e)| e)
+            .collect();
+        for e in entries {
+            self.release(e);
+        }
+    }
+}

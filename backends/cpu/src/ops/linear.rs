@@ -1,0 +1,241 @@
+//! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV for m <= 4, otherwise the
+//! `gemm` crate (directly for f32 weights; on f32 tiles of converted weight rows for
+//! f16/bf16 weights).
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use super::SendPtr;
+use crate::dtype::WSlice;
+use crate::simd;
+
+/// The largest m served by the GEMV kernel.
+pub const GEMV_MAX_M: usize = 4;
+
+/// Computes the linear layer. Slices must hold exactly `m*n`, `m*k`, `n*k` and `n`
+/// (bias) elements; the FFI layer checks that.
+pub fn linear(
+    out: &mut [f32],
+    x: &[f32],
+    w: WSlice,
+    bias: Option<WSlice>,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let out = &mut out[..m * n];
+    if k == 0 {
+        out.fill(0.0);
+    } else if m <= GEMV_MAX_M {
+        gemv(out, x, w, m, n, k);
+    } else {
+        match w {
+            WSlice::F32(w) => gemm_f32(out, x, w, m, n, k),
+            _ => gemm_tiled(out, x, w, m, n, k),
+        }
+    }
+    if let Some(b) = bias {
+        let b = b.to_vec_f32();
+        out.par_chunks_mut(n).for_each(|row| {
+            for (o, bi) in row.iter_mut().zip(&b) {
+                *o += bi;
+            }
+        });
+    }
+}
+
+fn gemv(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
+    let threads = rayon::current_num_threads().max(1);
+    // Enough chunks to balance, each large enough to amortise the task overhead.
+    let chunk = n.div_ceil(threads * 8).max((16384 / k).clamp(1, 64)).max(1);
+    if m == 1 {
+        out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
+            let rows = o.len();
+            simd::gemv(w, ci * chunk, rows, x, 1, k, o);
+        });
+        return;
+    }
+    // Results land as [n][m] (contiguous per chunk), then are transposed.
+    let mut tmp = vec![0.0f32; n * m];
+    tmp.par_chunks_mut(chunk * m)
+        .enumerate()
+        .for_each(|(ci, o)| {
+            let rows = o.len() / m;
+            simd::gemv(w, ci * chunk, rows, x, m, k, o);
+        });
+    for (j, r) in tmp.chunks_exact(m).enumerate() {
+        for (i, v) in r.iter().enumerate() {
+            out[i * n + j] = *v;
+        }
+    }
+}
+
+fn gemm_f32(out: &mut [f32], x: &[f32], w: &[f32], m: usize, n: usize, k: usize) {
+    let threads = rayon::current_num_threads();
+    // SAFETY: out is m x n row-major (rs n, cs 1), x is m x k (rs k, cs 1), and
+    // rhs(kk, j) = w[j * k + kk] (rs 1, cs k); the caller checked all lengths.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::Rayon(threads),
+        )
+    }
+}
+
+/// Rows of weights converted per tile: about 512 KiB of f32.
+fn tile_rows(k: usize) -> usize {
+    ((256 * 1024) / k.max(1)).clamp(16, 256) / 16 * 16
+}
+
+fn gemm_tiled(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
+    let tn = tile_rows(k);
+    let tiles = n.div_ceil(tn);
+    let optr = SendPtr(out.as_mut_ptr());
+    (0..tiles).into_par_iter().for_each_init(
+        || vec![0.0f32; tn * k],
+        |scratch, t| {
+            let j0 = t * tn;
+            let rows = tn.min(n - j0);
+            let buf = &mut scratch[..rows * k];
+            w.to_f32(j0 * k, buf);
+            // SAFETY: this task writes only columns [j0, j0 + rows) of the m x n
+            // output (row stride n), disjoint from every other task; buf is rows x k.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    rows,
+                    k,
+                    optr.get().add(j0),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    buf.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                )
+            }
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::*;
+    use half::{bf16, f16};
+    use proptest::prelude::*;
+
+    fn naive(x: &[f32], w: &[f32], b: Option<&[f32]>, m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for kk in 0..k {
+                    s += x[i * k + kk] as f64 * w[j * k + kk] as f64;
+                }
+                out[i * n + j] = (s + b.map_or(0.0, |b| b[j] as f64)) as f32;
+            }
+        }
+        out
+    }
+
+    fn check(m: usize, n: usize, k: usize, dtype: u8, with_bias: bool, seed: u64) {
+        let mut rng = Rng(seed | 1);
+        let x = rng.vec(m * k);
+        let w32 = rng.vec(n * k);
+        let b32 = rng.vec(n);
+        let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
+        let wb: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
+        let b16: Vec<f16> = b32.iter().map(|&v| f16::from_f32(v)).collect();
+        let bb: Vec<bf16> = b32.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (w, b) = match dtype {
+            0 => (WSlice::F32(&w32), WSlice::F32(&b32)),
+            1 => (WSlice::F16(&w16), WSlice::F16(&b16)),
+            _ => (WSlice::Bf16(&wb), WSlice::Bf16(&bb)),
+        };
+        let (wf, bf) = (w.to_vec_f32(), b.to_vec_f32());
+        let mut out = vec![f32::NAN; m * n];
+        linear(&mut out, &x, w, with_bias.then_some(b), m, n, k);
+        let want = naive(&x, &wf, with_bias.then_some(&bf[..]), m, n, k);
+        // Errors scale with sqrt(k) for sums of k products of magnitude <= 1.
+        let tol = 2e-6 * (k as f32).sqrt() + 1e-5;
+        assert_close(
+            &out,
+            &want,
+            tol,
+            &format!("linear m={m} n={n} k={k} dtype={dtype}"),
+        );
+    }
+
+    #[test]
+    fn linear_fixed_shapes() {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (1, 37, 19),
+            (2, 64, 64),
+            (3, 130, 33),
+            (4, 17, 200),
+            (5, 33, 70),
+            (32, 100, 300),
+        ] {
+            for dt in 0..3 {
+                check(m, n, k, dt, true, (m * 1000 + n * 10 + k) as u64);
+                check(m, n, k, dt, false, 99 + dt as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn gemv_simd_matches_scalar() {
+        let mut rng = Rng(77);
+        let (n, k) = (9, 45);
+        let w = rng.vec(n * k);
+        let x = rng.vec(4 * k);
+        for m in 1..=4 {
+            let mut a = vec![0.0; n * m];
+            let mut b = vec![0.0; n * m];
+            simd::gemv(WSlice::F32(&w), 1, n - 1, &x, m, k, &mut a);
+            simd::gemv_scalar(WSlice::F32(&w), 1, n - 1, &x, m, k, &mut b);
+            assert_close(&a, &b, 1e-5, "gemv");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn linear_random_shapes(m in 1usize..40, n in 1usize..80, k in 1usize..150,
+                                dt in 0u8..3, bias in any::<bool>(), seed in any::<u64>()) {
+            check(m, n, k, dt, bias, seed);
+        }
+    }
+}

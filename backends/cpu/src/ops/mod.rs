@@ -1,0 +1,59 @@
+//! Safe implementations of every op on validated slices. They run on the current rayon
+//! pool (the FFI layer calls them inside the device's `pool.install`).
+
+pub mod attention;
+pub mod linear;
+pub mod misc;
+pub mod norm;
+pub mod rope;
+
+/// A raw pointer that may cross into rayon tasks; used only where tasks write
+/// provably disjoint parts of one output (and `gemm` needs raw pointers anyway).
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub *mut f32);
+// SAFETY: users only write disjoint regions through it from different threads.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    #[inline]
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    /// A small deterministic PRNG for tests.
+    pub struct Rng(pub u64);
+    impl Rng {
+        pub fn next_u64(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        /// Uniform in [-1, 1).
+        pub fn f32(&mut self) -> f32 {
+            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        pub fn vec(&mut self, n: usize) -> Vec<f32> {
+            (0..n).map(|_| self.f32()).collect()
+        }
+        pub fn below(&mut self, n: usize) -> usize {
+            (self.next_u64() % n as u64) as usize
+        }
+    }
+
+    pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let err = (g - w).abs();
+            assert!(
+                err <= tol * (1.0 + w.abs()),
+                "{what}: index {i}: got {g}, want {w} (err {err}, tol {tol})"
+            );
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! Vector kernels: the small-m GEMV over f32/f16/bf16 weights (AVX2+FMA+F16C with a
+//! portable fallback, chosen at run time) and conversion / dot-product helpers.
+
+use half::{bf16, f16};
+
+use crate::dtype::WSlice;
+
+/// True when the AVX2 + FMA + F16C kernels can run on this CPU.
+#[inline]
+pub fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// f16 -> f32 conversion of a slice.
+pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the required CPU features were detected just above.
+        unsafe { x86::f16_to_f32(src, dst) };
+        return;
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
+/// bf16 -> f32 conversion of a slice (a shift; the compiler vectorises it).
+pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((s.to_bits() as u32) << 16);
+    }
+}
+
+/// Dot product of two f32 slices of equal length, 8 independent lanes.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        s += x * y;
+    }
+    s
+}
+
+/// `y += a * x`.
+#[inline]
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
+/// GEMV for `m` (1..=4) activation rows: for each weight row `row0 + r` (r < rows) and
+/// activation row `i`, `out[r * m + i] = dot(w[row0 + r, :], x[i, :])`. Each weight row
+/// is read once for all `m` activation rows.
+pub fn gemv(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
+    assert!((1..=4).contains(&m));
+    assert!(x.len() >= m * k && out.len() >= rows * m);
+    assert!(w.len() >= (row0 + rows) * k);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU features were detected, and the asserts above guarantee every
+        // row read (`w[(row0 + r) * k ..][..k]`, `x[i * k ..][..k]`) is in bounds.
+        unsafe {
+            match w {
+                WSlice::F32(s) => x86::gemv_f32(s, row0, rows, x, m, k, out),
+                WSlice::F16(s) => x86::gemv_f16(s, row0, rows, x, m, k, out),
+                WSlice::Bf16(s) => x86::gemv_bf16(s, row0, rows, x, m, k, out),
+            }
+        }
+        return;
+    }
+    gemv_scalar(w, row0, rows, x, m, k, out);
+}
+
+/// The portable GEMV (also the reference for the SIMD one).
+pub fn gemv_scalar(
+    w: WSlice,
+    row0: usize,
+    rows: usize,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    out: &mut [f32],
+) {
+    let mut row = vec![0.0f32; k];
+    for r in 0..rows {
+        w.to_f32((row0 + r) * k, &mut row);
+        for i in 0..m {
+            out[r * m + i] = dot(&row, &x[i * k..(i + 1) * k]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n = src.len() = dst.len().
+            unsafe {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i) as *const __m128i));
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), v);
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Generates a GEMV kernel for one weight type: `$load` turns a pointer to 8
+    /// weights into a __m256, `$scalar` converts one weight.
+    macro_rules! gemv_kernel {
+        ($name:ident, $inner:ident, $t:ty, $load:expr, $scalar:expr) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn $inner<const M: usize>(
+                w: &[$t],
+                row0: usize,
+                rows: usize,
+                x: &[f32],
+                k: usize,
+                out: &mut [f32],
+            ) {
+                let load = $load;
+                let scalar = $scalar;
+                let xp = x.as_ptr();
+                for r in 0..rows {
+                    // SAFETY (whole block): the caller checked that w holds
+                    // (row0 + rows) * k elements and x holds M * k; every offset below
+                    // is < k within its row.
+                    unsafe {
+                        let wr = w.as_ptr().add((row0 + r) * k);
+                        let mut acc0 = [_mm256_setzero_ps(); M];
+                        let mut acc1 = [_mm256_setzero_ps(); M];
+                        let mut i = 0;
+                        while i + 16 <= k {
+                            let w0 = load(wr.add(i));
+                            let w1 = load(wr.add(i + 8));
+                            for mi in 0..M {
+                                let xr = xp.add(mi * k + i);
+                                acc0[mi] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[mi]);
+                                acc1[mi] =
+                                    _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr.add(8)), acc1[mi]);
+                            }
+                            i += 16;
+                        }
+                        if i + 8 <= k {
+                            let w0 = load(wr.add(i));
+                            for mi in 0..M {
+                                let xr = xp.add(mi * k + i);
+                                acc0[mi] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[mi]);
+                            }
+                            i += 8;
+                        }
+                        for mi in 0..M {
+                            let mut s = hsum(_mm256_add_ps(acc0[mi], acc1[mi]));
+                            for j in i..k {
+                                s += scalar(*wr.add(j)) * *xp.add(mi * k + j);
+                            }
+                            out[r * M + mi] = s;
+                        }
+                    }
+                }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $name(
+                w: &[$t],
+                row0: usize,
+                rows: usize,
+                x: &[f32],
+                m: usize,
+                k: usize,
+                out: &mut [f32],
+            ) {
+                // SAFETY: forwarded caller contract.
+                unsafe {
+                    match m {
+                        1 => $inner::<1>(w, row0, rows, x, k, out),
+                        2 => $inner::<2>(w, row0, rows, x, k, out),
+                        3 => $inner::<3>(w, row0, rows, x, k, out),
+                        _ => $inner::<4>(w, row0, rows, x, k, out),
+                    }
+                }
+            }
+        };
+    }
+
+    gemv_kernel!(
+        gemv_f32,
+        gemv_f32_m,
+        f32,
+        // SAFETY: callers pass pointers with 8 readable elements.
+        |p: *const f32| unsafe { _mm256_loadu_ps(p) },
+        |v: f32| v
+    );
+    gemv_kernel!(
+        gemv_f16,
+        gemv_f16_m,
+        f16,
+        // SAFETY: callers pass pointers with 8 readable elements.
+        |p: *const f16| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) },
+        |v: f16| v.to_f32()
+    );
+    gemv_kernel!(
+        gemv_bf16,
+        gemv_bf16_m,
+        bf16,
+        // SAFETY: callers pass pointers with 8 readable elements.
+        |p: *const bf16| unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+                16,
+            ))
+        },
+        |v: bf16| v.to_f32()
+    );
+}

@@ -1,0 +1,196 @@
+/*
+ * tessera_kernels.h — the Tessera kernel ABI.
+ *
+ * A vendor ships a shared library exporting every function below; Tessera loads it at
+ * run time (dlopen) and calls nothing else. The op set follows the fused LLM ops that
+ * inference middlewares expose. The reference implementation is backends/cpu.
+ *
+ * Conventions
+ *  - Every call returns tk_status; on failure tk_last_error() describes what was wrong
+ *    (a thread-local string owned by the library, valid until the next call on the
+ *    same thread).
+ *  - Tensors are passed as tk_ptr {buffer, byte offset}; shapes are explicit
+ *    arguments; all shapes are row-major and contiguous. A library must check that
+ *    every tensor fits inside its buffer and refuse the call otherwise.
+ *  - Activations are float32. Weights may be f32, f16 or bf16 (a tk_dtype argument).
+ *    The KV cache may be f32, f16 or bf16. Index tensors are int32.
+ *  - A device is used by one host thread at a time. Calls may be asynchronous with
+ *    respect to the host; tk_synchronize() waits for all of them. Copies to the host
+ *    (tk_copy_d2h) are synchronous.
+ *  - Exported functions never unwind across the ABI.
+ */
+#ifndef TESSERA_KERNELS_H
+#define TESSERA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ABI version. tk_abi_version() returns (MAJOR << 16) | MINOR. A loader accepts a
+ * library whose major equals its own and whose minor is at least the one it needs. */
+#define TK_ABI_MAJOR 1
+#define TK_ABI_MINOR 0
+
+typedef int32_t tk_status;
+#define TK_OK 0
+#define TK_ERR_INVALID_ARGUMENT 1
+#define TK_ERR_OUT_OF_MEMORY 2
+#define TK_ERR_UNSUPPORTED 3
+#define TK_ERR_INTERNAL 4
+
+typedef int32_t tk_dtype;
+#define TK_DTYPE_F32 0
+#define TK_DTYPE_F16 1
+#define TK_DTYPE_BF16 2
+#define TK_DTYPE_I32 3
+
+/* Rope scaling kinds (tk_rope.scaling). */
+#define TK_ROPE_NONE 0
+#define TK_ROPE_LLAMA3 1
+#define TK_ROPE_LINEAR 2
+
+typedef struct tk_device tk_device;
+typedef struct tk_buffer tk_buffer;
+
+typedef struct {
+    uint32_t threads;            /* worker threads; 0 = all cores */
+    uint32_t device_index;       /* which physical device, for multi-device libraries */
+    uint64_t memory_limit_bytes; /* 0 = whatever the device has */
+} tk_device_config;
+
+typedef struct {
+    char name[64];               /* NUL-terminated */
+    uint64_t memory_bytes;       /* usable device memory (the limit if one was set) */
+    uint32_t compute_units;      /* cores / SMs / AI cores */
+    uint32_t host_memory_shared; /* 1: tk_buffer_wrap_host is zero-copy */
+} tk_device_info;
+
+/* A tensor argument: a buffer plus a byte offset into it. buf == NULL means "absent"
+ * where an argument is documented as optional. */
+typedef struct {
+    tk_buffer *buf;
+    uint64_t offset;
+} tk_ptr;
+
+/* HF rotary embedding, "rotate half" convention: for each head, dims [0, d/2) pair
+ * with [d/2, d). inv_freq[i] = theta^(-2i/d), then scaled as `scaling` says:
+ *  - TK_ROPE_LINEAR: inv_freq /= factor
+ *  - TK_ROPE_LLAMA3: Llama-3.1 wavelength-dependent scaling with factor,
+ *    low_freq_factor, high_freq_factor and original_max_position. */
+typedef struct {
+    float theta;
+    uint32_t scaling;
+    float factor;
+    float low_freq_factor;
+    float high_freq_factor;
+    uint32_t original_max_position;
+} tk_rope;
+
+/* One layer's paged KV cache. k and v are each [num_blocks][num_kv_heads][block_size]
+ * [head_dim] of `dtype` (head-major within a block). Slot s is block s / block_size,
+ * offset s % block_size. */
+typedef struct {
+    tk_ptr k;
+    tk_ptr v;
+    tk_dtype dtype;
+    uint32_t num_blocks;
+    uint32_t block_size;
+    uint32_t num_kv_heads;
+    uint32_t head_dim;
+} tk_kv_cache;
+
+/* A batch of sequences for attention over the paged cache. Sequence i owns queries
+ * [query_start[i], query_start[i+1]) of the packed q tensor; those queries are the
+ * LAST tokens of its context_lens[i] cached tokens (so a chunked prefill attends to
+ * every earlier chunk), and query j of the sequence sits at position
+ * context_lens[i] - q_len + j and attends causally to positions <= that.
+ * block_tables is [num_seqs][max_blocks_per_seq]. */
+typedef struct {
+    uint32_t num_seqs;
+    uint32_t max_blocks_per_seq;
+    tk_ptr query_start;  /* i32 [num_seqs + 1] */
+    tk_ptr context_lens; /* i32 [num_seqs] */
+    tk_ptr block_tables; /* i32 [num_seqs][max_blocks_per_seq] */
+} tk_attn_batch;
+
+/* ---- library and device ------------------------------------------------------- */
+uint32_t tk_abi_version(void);
+const char *tk_last_error(void);
+tk_status tk_device_create(const tk_device_config *config, tk_device **out);
+void tk_device_destroy(tk_device *dev);
+tk_status tk_device_info_get(tk_device *dev, tk_device_info *out);
+tk_status tk_synchronize(tk_device *dev);
+
+/* ---- memory -------------------------------------------------------------------- */
+tk_status tk_alloc(tk_device *dev, uint64_t bytes, tk_buffer **out);
+/* Wrap caller-owned host memory as a READ-ONLY buffer (e.g. memory-mapped weights).
+ * Zero-copy where host_memory_shared, else the library copies. The caller keeps the
+ * memory alive until tk_free. Ops refuse a wrapped buffer as an output. */
+tk_status tk_buffer_wrap_host(tk_device *dev, const void *host, uint64_t bytes,
+                              tk_buffer **out);
+tk_status tk_free(tk_device *dev, tk_buffer *buf);
+tk_status tk_copy_h2d(tk_device *dev, tk_ptr dst, const void *src, uint64_t bytes);
+tk_status tk_copy_d2h(tk_device *dev, void *dst, tk_ptr src, uint64_t bytes);
+tk_status tk_copy_d2d(tk_device *dev, tk_ptr dst, tk_ptr src, uint64_t bytes);
+
+/* ---- ops ----------------------------------------------------------------------- */
+/* out[i, :] = table[ids[i], :] as f32. table [vocab][hidden] of table_dtype. */
+tk_status tk_embedding(tk_device *dev, tk_ptr out, tk_ptr table, tk_dtype table_dtype,
+                       tk_ptr ids, uint32_t n, uint32_t hidden, uint32_t vocab);
+
+/* out[m][n] = x[m][k] . w[n][k]^T (+ bias[n]); w and bias are of w_dtype; bias.buf may
+ * be NULL. */
+tk_status tk_linear(tk_device *dev, tk_ptr out, tk_ptr x, tk_ptr w, tk_dtype w_dtype,
+                    tk_ptr bias, uint32_t m, uint32_t n, uint32_t k);
+
+/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * weight; weight [hidden] of w_dtype. */
+tk_status tk_rms_norm(tk_device *dev, tk_ptr out, tk_ptr x, tk_ptr weight,
+                      tk_dtype w_dtype, uint32_t n, uint32_t hidden, float eps);
+
+/* residual += x; out = rms_norm(residual) * weight. out may not alias residual. */
+tk_status tk_add_rms_norm(tk_device *dev, tk_ptr residual, tk_ptr x, tk_ptr weight,
+                          tk_dtype w_dtype, tk_ptr out, uint32_t n, uint32_t hidden,
+                          float eps);
+
+/* In place: q [n][num_heads][head_dim], k [n][num_kv_heads][head_dim], positions i32 [n]. */
+tk_status tk_apply_rotary_pos_emb(tk_device *dev, tk_ptr q, tk_ptr k, tk_ptr positions,
+                                  uint32_t n, uint32_t num_heads, uint32_t num_kv_heads,
+                                  uint32_t head_dim, const tk_rope *rope);
+
+/* out[i][j] = silu(gate[i][j]) * up[i][j]; all [n][inter] f32. */
+tk_status tk_silu_and_mul(tk_device *dev, tk_ptr out, tk_ptr gate, tk_ptr up, uint32_t n,
+                          uint32_t inter);
+
+/* Write k, v ([n][num_kv_heads][head_dim] f32) into the cache at slot_mapping (i32 [n]);
+ * a negative slot skips that token. */
+tk_status tk_fill_kv_cache(tk_device *dev, const tk_kv_cache *cache, tk_ptr k, tk_ptr v,
+                           tk_ptr slot_mapping, uint32_t n);
+
+/* Causal GQA attention of packed queries over the paged cache (see tk_attn_batch).
+ * q and out are [total_q][num_heads][head_dim] f32. */
+tk_status tk_prefill_attention(tk_device *dev, tk_ptr out, tk_ptr q,
+                               const tk_kv_cache *cache, const tk_attn_batch *batch,
+                               uint32_t total_q, uint32_t num_heads, float scale);
+
+/* One query per sequence: q and out [num_seqs][num_heads][head_dim] f32; each query
+ * attends to all context_lens[i] cached tokens of its sequence. */
+tk_status tk_paged_decode_attention(tk_device *dev, tk_ptr out, tk_ptr q,
+                                    const tk_kv_cache *cache, tk_ptr block_tables,
+                                    tk_ptr context_lens, uint32_t num_seqs,
+                                    uint32_t max_blocks_per_seq, uint32_t num_heads,
+                                    float scale);
+
+/* out i32 [n] = argmax over each row of logits [n][vocab] (lowest index wins ties). */
+tk_status tk_argmax(tk_device *dev, tk_ptr out, tk_ptr logits, uint32_t n, uint32_t vocab);
+
+/* out [n][vocab] = log_softmax(logits) per row; out may equal logits. */
+tk_status tk_log_softmax(tk_device *dev, tk_ptr out, tk_ptr logits, uint32_t n,
+                         uint32_t vocab);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TESSERA_KERNELS_H */

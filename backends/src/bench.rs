@@ -1,0 +1,274 @@
+//! `tessera bench engine`: prefill and decode throughput of one chip, set against what
+//! the same machine measures in the same run — its memory bandwidth (STREAM-style copy)
+//! and its matmul peak (a large f32 GEMM through the device) — as bandwidth and compute
+//! utilisation.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
+use crate::model::{LogitsWanted, Model, SeqChunk};
+use crate::sampling::Rng;
+
+#[derive(Debug, Clone)]
+pub struct EngineBenchOptions {
+    pub batches: Vec<usize>,
+    pub prompt_len: usize,
+    pub context: usize,
+    pub steps: usize,
+    pub kv_dtype: DType,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillFigures {
+    pub tokens: usize,
+    pub seconds_median: f64,
+    pub tokens_per_s: f64,
+    pub flops: f64,
+    pub compute_utilisation: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DecodeFigures {
+    pub batch: usize,
+    pub step_ms_median: f64,
+    pub tokens_per_s: f64,
+    pub bytes_per_step: f64,
+    pub flops_per_step: f64,
+    pub bandwidth_utilisation: f64,
+    pub compute_utilisation: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineBenchReport {
+    pub device: String,
+    pub threads: u32,
+    pub weight_dtype: String,
+    pub kv_dtype: String,
+    pub linear_params: usize,
+    pub weight_bytes: u64,
+    /// STREAM copy, counting bytes read + written, with the device's thread count.
+    pub stream_copy_gb_s: f64,
+    /// f32 GEMM 2048^3 through the device's `tk_linear`.
+    pub gemm_f32_gflop_s: f64,
+    pub prefill: PrefillFigures,
+    pub decode: Vec<DecodeFigures>,
+}
+
+impl EngineBenchReport {
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "device {} ({} threads); weights {} ({:.0}M linear params, {:.2} GB); KV {}\n\
+             machine: STREAM copy {:.1} GB/s; f32 GEMM {:.1} GFLOP/s\n\n",
+            self.device,
+            self.threads,
+            self.weight_dtype,
+            self.linear_params as f64 / 1e6,
+            self.weight_bytes as f64 / 1e9,
+            self.kv_dtype,
+            self.stream_copy_gb_s,
+            self.gemm_f32_gflop_s
+        );
+        let p = &self.prefill;
+        s += &format!(
+            "prefill {} tokens: {:.3} s, {:.1} tok/s, compute utilisation {:.2}\n\n",
+            p.tokens, p.seconds_median, p.tokens_per_s, p.compute_utilisation
+        );
+        s += "batch  step ms  tok/s     GB/step  GFLOP/step  BW util  compute util\n";
+        for d in &self.decode {
+            s += &format!(
+                "{:>5}  {:>7.2}  {:>8.1}  {:>7.3}  {:>10.2}  {:>7.2}  {:>12.2}\n",
+                d.batch,
+                d.step_ms_median,
+                d.tokens_per_s,
+                d.bytes_per_step / 1e9,
+                d.flops_per_step / 1e9,
+                d.bandwidth_utilisation,
+                d.compute_utilisation
+            );
+        }
+        s
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// STREAM "copy" bandwidth in GB/s (read + written bytes), best of several passes over
+/// arrays far larger than any cache, split across `threads` threads.
+pub fn stream_copy_gb_s(threads: usize) -> f64 {
+    const BYTES: usize = 512 << 20;
+    let n = BYTES / 8;
+    let src = vec![1.0f64; n];
+    let mut dst = vec![0.0f64; n];
+    let threads = threads.max(1);
+    let chunk = n.div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        let t = Instant::now();
+        std::thread::scope(|scope| {
+            for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                scope.spawn(move || d.copy_from_slice(s));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    2.0 * BYTES as f64 / best / 1e9
+}
+
+/// GFLOP/s of a 2048^3 f32 GEMM through the device (median of 5 after a warm-up).
+pub fn gemm_f32_gflop_s(model: &Model) -> Result<f64> {
+    const N: usize = 2048;
+    let dev = model.device();
+    let mut rng = Rng::seeded(1);
+    let a: Vec<f32> = (0..N * N).map(|_| rng.next_f64() as f32 - 0.5).collect();
+    let (x, w, out) = (dev.upload(&a)?, dev.upload(&a)?, dev.alloc(N * N * 4)?);
+    let mut times = Vec::new();
+    for i in 0..6 {
+        let t = Instant::now();
+        dev.linear(out.view(), x.view(), w.view(), DType::F32, None, N as u32, N as u32, N as u32)?;
+        dev.synchronize()?;
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(2.0 * (N * N * N) as f64 / median(times) / 1e9)
+}
+
+/// Attention FLOPs (QKᵀ and PV) of `q_len` queries ending a context of `ctx` tokens.
+fn attention_flops(model: &Model, q_len: usize, ctx: usize) -> f64 {
+    let c = model.config();
+    // Query j (0-based) of the chunk sees ctx - q_len + j + 1 keys.
+    let pairs: usize = (0..q_len).map(|j| ctx - q_len + j + 1).sum();
+    4.0 * (c.num_heads * c.head_dim * c.num_layers * pairs) as f64
+}
+
+fn random_tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
+}
+
+/// Appends `tokens` for each sequence and runs them as one step.
+fn run_step(
+    model: &mut Model,
+    kv: &mut PagedKvCache,
+    seqs: &mut [SequenceKv],
+    tokens: &[Vec<u32>],
+    logits: LogitsWanted,
+) -> Result<f64> {
+    let mut starts = Vec::new();
+    let mut slots = Vec::new();
+    for (seq, t) in seqs.iter_mut().zip(tokens) {
+        starts.push(seq.len());
+        slots.push(kv.append(seq, t)?);
+    }
+    let chunks: Vec<SeqChunk<'_>> = seqs
+        .iter()
+        .zip(tokens)
+        .zip(starts.iter().zip(&slots))
+        .map(|((seq, t), (&start_pos, slots))| SeqChunk {
+            tokens: t,
+            start_pos,
+            block_table: seq.block_table(),
+            slots,
+            logits,
+        })
+        .collect();
+    let t = Instant::now();
+    model.forward(kv, &chunks)?;
+    model.device().synchronize()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<EngineBenchReport> {
+    let c = model.config().clone();
+    let threads = model.device().info().compute_units;
+    let stream = stream_copy_gb_s(threads as usize);
+    let gemm = gemm_f32_gflop_s(&model)?;
+    let max_batch = opts.batches.iter().copied().max().unwrap_or(1);
+    let block_size = crate::kv::DEFAULT_BLOCK_SIZE;
+    let per_seq = (opts.context + opts.steps + 2).max(opts.prompt_len).div_ceil(block_size);
+    let kv_config = KvCacheConfig { block_size, num_blocks: per_seq * max_batch.max(1), dtype: opts.kv_dtype };
+    let mut kv = PagedKvCache::new(model.device(), &c, kv_config)?;
+    let mut rng = Rng::seeded(7);
+    let vocab = c.vocab_size;
+    let head_params = c.vocab_size * c.hidden_size;
+    let body_params = c.linear_params() - head_params;
+
+    // Prefill: one prompt in one step, logits for its last token only.
+    let mut prefill_times = Vec::new();
+    for i in 0..4 {
+        let len = if i == 0 { opts.prompt_len.min(64) } else { opts.prompt_len };
+        let mut seqs = vec![SequenceKv::default()];
+        let t = run_step(&mut model, &mut kv, &mut seqs, &[random_tokens(&mut rng, len, vocab)], LogitsWanted::Last)?;
+        kv.release(&mut seqs[0]);
+        if i > 0 {
+            prefill_times.push(t);
+        }
+    }
+    let p_s = median(prefill_times);
+    let p_len = opts.prompt_len;
+    let p_flops = 2.0 * (body_params * p_len + head_params) as f64 + attention_flops(&model, p_len, p_len);
+    let prefill = PrefillFigures {
+        tokens: p_len,
+        seconds_median: p_s,
+        tokens_per_s: p_len as f64 / p_s,
+        flops: p_flops,
+        compute_utilisation: p_flops / p_s / (gemm * 1e9),
+    };
+
+    let kv_token_bytes = c.kv_bytes_per_token(opts.kv_dtype.size_bytes());
+    let norm_bytes = (2 * c.num_layers + 1) * c.hidden_size * model.dtype().size_bytes();
+    let weight_read = c.linear_params() * model.dtype().size_bytes() + norm_bytes;
+    let mut decode = Vec::new();
+    for &batch in &opts.batches {
+        let mut seqs = vec![SequenceKv::default(); batch];
+        let prompts: Vec<Vec<u32>> = (0..batch).map(|_| random_tokens(&mut rng, opts.context, vocab)).collect();
+        run_step(&mut model, &mut kv, &mut seqs, &prompts, LogitsWanted::None)?;
+        let mut times = Vec::new();
+        let mut bytes = Vec::new();
+        let mut flops = Vec::new();
+        for i in 0..=opts.steps {
+            let next: Vec<Vec<u32>> = (0..batch).map(|_| random_tokens(&mut rng, 1, vocab)).collect();
+            let ctx_total: usize = seqs.iter().map(|s| s.len() + 1).sum();
+            let attn: f64 = seqs.iter().map(|s| attention_flops(&model, 1, s.len() + 1)).sum();
+            let t = run_step(&mut model, &mut kv, &mut seqs, &next, LogitsWanted::Last)?;
+            if i > 0 {
+                times.push(t);
+                bytes.push((weight_read + ctx_total * kv_token_bytes) as f64);
+                flops.push(2.0 * (c.linear_params() * batch) as f64 + attn);
+            }
+        }
+        for s in &mut seqs {
+            kv.release(s);
+        }
+        let step = median(times);
+        let (b, f) = (median(bytes), median(flops));
+        decode.push(DecodeFigures {
+            batch,
+            step_ms_median: step * 1e3,
+            tokens_per_s: batch as f64 / step,
+            bytes_per_step: b,
+            flops_per_step: f,
+            bandwidth_utilisation: b / step / (stream * 1e9),
+            compute_utilisation: f / step / (gemm * 1e9),
+        });
+    }
+    Ok(EngineBenchReport {
+        device: model.device().info().name.clone(),
+        threads,
+        weight_dtype: model.dtype().to_string(),
+        kv_dtype: opts.kv_dtype.to_string(),
+        linear_params: c.linear_params(),
+        weight_bytes: model.weight_bytes(),
+        stream_copy_gb_s: stream,
+        gemm_f32_gflop_s: gemm,
+        prefill,
+        decode,
+    })
+}

@@ -1,0 +1,47 @@
+//! The one error type of the backends crate. Each variant names what was wrong and
+//! where (file, tensor, library, symbol) so an operator can act on it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: invalid model config: {reason}")]
+    Config { path: PathBuf, reason: String },
+    #[error("{path}: unsupported architecture {arch:?} (supported: {supported})")]
+    UnknownArchitecture { path: PathBuf, arch: String, supported: String },
+    #[error("{path}: invalid safetensors file: {reason}")]
+    Safetensors { path: PathBuf, reason: String },
+    #[error("checkpoint {dir}: missing tensor {name:?}")]
+    MissingTensor { dir: PathBuf, name: String },
+    #[error("checkpoint {dir}: tensor {name:?} has shape {found:?}, expected {expected:?}")]
+    TensorShape { dir: PathBuf, name: String, found: Vec<usize>, expected: Vec<usize> },
+    #[error("checkpoint {dir}: tensor {name:?} has dtype {found}, supported: F32, F16, BF16")]
+    TensorDtype { dir: PathBuf, name: String, found: String },
+    #[error("{path}: tokenizer: {reason}")]
+    Tokenizer { path: PathBuf, reason: String },
+    #[error("kernel library {library}: {reason}")]
+    KernelLibrary { library: PathBuf, reason: String },
+    #[error("kernel library {library}: missing symbol `{symbol}` (required by ABI {abi_major}.{abi_minor})")]
+    MissingSymbol { library: PathBuf, symbol: String, abi_major: u32, abi_minor: u32 },
+    #[error(
+        "kernel library {library}: ABI version {found_major}.{found_minor} is not compatible with \
+         this Tessera (needs {need_major}.x with x >= {need_minor})"
+    )]
+    AbiVersion { library: PathBuf, found_major: u32, found_minor: u32, need_major: u32, need_minor: u32 },
+    #[error("kernel {op} failed on {device} ({status}): {message}")]
+    Kernel { op: &'static str, device: String, status: &'static str, message: String },
+    #[error("KV cache: {0}")]
+    KvCache(String),
+    #[error("invalid request: {0}")]
+    Request(String),
+}
+
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+impl BackendError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        BackendError::Io { path: path.into(), source }
+    }
+}

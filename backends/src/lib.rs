@@ -1,0 +1,24 @@
+//! Tessera's data plane on one chip: the kernel ABI loader and safe `Device` wrapper,
+//! model configs and memory-mapped weights, the Llama-family executor over a paged KV
+//! cache, tokenizer and sampling. It knows nothing of actors, buses or topology files,
+//! and reaches kernels only through the C ABI of a library loaded at run time.
+#![deny(unsafe_code)]
+
+pub mod bench;
+pub mod builtin;
+pub mod config;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod kv;
+pub mod model;
+pub mod sampling;
+pub mod engine;
+#[allow(unsafe_code)]
+pub mod loader;
+#[allow(unsafe_code)]
+pub mod mmap;
+pub mod npy;
+pub mod weights;
+pub mod synth;
+pub mod tokenizer;

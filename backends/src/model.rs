@@ -1,0 +1,355 @@
+//! The Llama-family executor: loads a checkpoint onto a `Device` and runs one batched
+//! forward step over the paged KV cache. A step packs many sequences, each contributing
+//! a chunk of new tokens (a prefill chunk or a single decode token), which is the shape
+//! continuous batching needs.
+
+use std::path::Path;
+
+use tessera_kernel_abi as abi;
+
+use crate::config::{ModelConfig, RopeKind};
+use crate::device::{AttnBatchView, Buffer, Device};
+use crate::dtype::DType;
+use crate::error::{BackendError, Result};
+use crate::kv::PagedKvCache;
+use crate::weights::Checkpoint;
+
+/// A linear layer's weight `[out_features, in_features]` and optional bias.
+pub struct LinearWeights {
+    pub w: Buffer,
+    pub bias: Option<Buffer>,
+    pub out_features: usize,
+    pub in_features: usize,
+}
+
+struct LayerWeights {
+    input_norm: Buffer,
+    q: LinearWeights,
+    k: LinearWeights,
+    v: LinearWeights,
+    o: LinearWeights,
+    post_norm: Buffer,
+    gate: LinearWeights,
+    up: LinearWeights,
+    down: LinearWeights,
+}
+
+/// Which logits a sequence wants from a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (a prefill chunk that does not end the prompt).
+    None,
+    /// The last token's row (the next token is sampled from it).
+    Last,
+    /// One row per new token (scoring, tests).
+    All,
+}
+
+/// One sequence's part of a step: `tokens` are appended after the `start_pos` tokens
+/// already cached; `slots` are their cache slots (from `PagedKvCache::append`).
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    pub block_table: &'a [u32],
+    pub slots: &'a [i32],
+    pub logits: LogitsWanted,
+}
+
+/// Step-sized device buffers, grown on demand and reused across steps.
+#[derive(Default)]
+struct Scratch {
+    bufs: Vec<Option<Buffer>>,
+}
+
+const S_RESIDUAL: usize = 0;
+const S_H: usize = 1;
+const S_Q: usize = 2;
+const S_K: usize = 3;
+const S_V: usize = 4;
+const S_ATTN: usize = 5;
+const S_TMP: usize = 6;
+const S_GATE: usize = 7;
+const S_UP: usize = 8;
+const S_ACT: usize = 9;
+const S_IDS: usize = 10;
+const S_POS: usize = 11;
+const S_SLOTS: usize = 12;
+const S_QSTART: usize = 13;
+const S_CTX: usize = 14;
+const S_TABLES: usize = 15;
+const S_ROWS: usize = 16;
+const S_LOGITS: usize = 17;
+const S_COUNT: usize = 18;
+
+/// A loaded model on one device.
+pub struct Model {
+    config: ModelConfig,
+    dtype: DType,
+    device: Device,
+    embed: Buffer,
+    layers: Vec<LayerWeights>,
+    norm: Buffer,
+    lm_head: Option<LinearWeights>,
+    rope: abi::TkRope,
+    weight_bytes: u64,
+    scratch: Scratch,
+}
+
+/// Uploads checkpoint tensors as one dtype, counting the bytes.
+struct WeightLoader<'a> {
+    ckpt: &'a Checkpoint,
+    device: &'a Device,
+    dtype: DType,
+    bytes: u64,
+}
+
+impl WeightLoader<'_> {
+    fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Buffer> {
+        let buf = self.ckpt.upload(self.device, name, shape, self.dtype)?;
+        self.bytes += buf.len_bytes() as u64;
+        Ok(buf)
+    }
+
+    fn linear(&mut self, name: &str, out_features: usize, in_features: usize, bias: bool) -> Result<LinearWeights> {
+        let w = self.tensor(&format!("{name}.weight"), &[out_features, in_features])?;
+        let bias = if bias { Some(self.tensor(&format!("{name}.bias"), &[out_features])?) } else { None };
+        Ok(LinearWeights { w, bias, out_features, in_features })
+    }
+}
+
+fn rope_params(config: &ModelConfig) -> abi::TkRope {
+    let mut rope = abi::TkRope { theta: config.rope_theta, scaling: abi::TK_ROPE_NONE, factor: 1.0, ..Default::default() };
+    match config.rope {
+        RopeKind::None => {}
+        RopeKind::Linear { factor } => {
+            rope.scaling = abi::TK_ROPE_LINEAR;
+            rope.factor = factor;
+        }
+        RopeKind::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+            rope.scaling = abi::TK_ROPE_LLAMA3;
+            rope.factor = factor;
+            rope.low_freq_factor = low_freq_factor;
+            rope.high_freq_factor = high_freq_factor;
+            rope.original_max_position = original_max_position;
+        }
+    }
+    rope
+}
+
+impl Model {
+    /// Loads the checkpoint in `dir` onto `device`, with weights as `dtype` (None =
+    /// as stored). Every tensor is checked for presence, shape and dtype first.
+    pub fn load(dir: &Path, device: Device, dtype: Option<DType>) -> Result<Model> {
+        std::fs::read_dir(dir).map_err(|e| BackendError::io(dir, e))?;
+        let config = ModelConfig::from_dir(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let dtype = match dtype {
+            Some(d) => d,
+            None => ckpt.get("model.embed_tokens.weight", &[v, h])?.dtype,
+        };
+        let mut ld = WeightLoader { ckpt: &ckpt, device: &device, dtype, bytes: 0 };
+        let qd = config.num_heads * config.head_dim;
+        let kvd = config.num_kv_heads * config.head_dim;
+        let inter = config.intermediate_size;
+        let embed = ld.tensor("model.embed_tokens.weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let p = format!("model.layers.{i}");
+            let b = config.qkv_bias;
+            layers.push(LayerWeights {
+                input_norm: ld.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
+                q: ld.linear(&format!("{p}.self_attn.q_proj"), qd, h, b)?,
+                k: ld.linear(&format!("{p}.self_attn.k_proj"), kvd, h, b)?,
+                v: ld.linear(&format!("{p}.self_attn.v_proj"), kvd, h, b)?,
+                o: ld.linear(&format!("{p}.self_attn.o_proj"), h, qd, false)?,
+                post_norm: ld.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate: ld.linear(&format!("{p}.mlp.gate_proj"), inter, h, false)?,
+                up: ld.linear(&format!("{p}.mlp.up_proj"), inter, h, false)?,
+                down: ld.linear(&format!("{p}.mlp.down_proj"), h, inter, false)?,
+            });
+        }
+        let norm = ld.tensor("model.norm.weight", &[h])?;
+        // Tied checkpoints may still ship an lm_head copy; use it if present.
+        let lm_head = if config.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
+            None
+        } else {
+            Some(ld.linear("lm_head", v, h, false)?)
+        };
+        let weight_bytes = ld.bytes;
+        let rope = rope_params(&config);
+        Ok(Model { config, dtype, device, embed, layers, norm, lm_head, rope, weight_bytes, scratch: Scratch::default() })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The dtype the weights are held in on the device.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Bytes of weights resident on the device (what one decode step reads).
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// Grows the step buffers to hold `tokens` tokens, `seqs` sequences with tables of
+    /// `table` entries, and `rows` logits rows.
+    fn ensure_scratch(&mut self, tokens: usize, seqs: usize, table: usize, rows: usize) -> Result<()> {
+        let c = &self.config;
+        let (h, qd, kvd, i) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+        let mut sizes = [0usize; S_COUNT];
+        for (slot, per_token) in [(S_RESIDUAL, h), (S_H, h), (S_Q, qd), (S_K, kvd), (S_V, kvd), (S_ATTN, qd), (S_TMP, h), (S_GATE, i), (S_UP, i), (S_ACT, i), (S_IDS, 1), (S_POS, 1), (S_SLOTS, 1)] {
+            sizes[slot] = 4 * per_token * tokens;
+        }
+        sizes[S_QSTART] = 4 * (seqs + 1);
+        sizes[S_CTX] = 4 * seqs;
+        sizes[S_TABLES] = 4 * seqs * table.max(1);
+        sizes[S_ROWS] = 4 * h * rows.max(1);
+        sizes[S_LOGITS] = 4 * c.vocab_size * rows.max(1);
+        let scratch = &mut self.scratch;
+        scratch.bufs.resize_with(S_COUNT, || None);
+        for (slot, &need) in sizes.iter().enumerate() {
+            let fits = scratch.bufs[slot].as_ref().is_some_and(|b| b.len_bytes() >= need);
+            if !fits {
+                // Grow geometrically so a slowly growing batch does not reallocate every step.
+                let have = scratch.bufs[slot].as_ref().map_or(0, |b| b.len_bytes());
+                scratch.bufs[slot] = None;
+                scratch.bufs[slot] = Some(self.device.alloc(need.max(have * 3 / 2))?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one forward step over `batch` and returns the requested logits rows, in
+    /// batch order, `vocab_size` floats each.
+    pub fn forward(&mut self, kv: &PagedKvCache, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>> {
+        let c = self.config.clone();
+        let num_seqs = batch.len();
+        let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        if num_seqs == 0 || total == 0 {
+            return Err(BackendError::Request("a forward step needs at least one token".into()));
+        }
+        let bs = kv.config().block_size;
+        let mut ids = Vec::with_capacity(total);
+        let mut positions = Vec::with_capacity(total);
+        let mut slots = Vec::with_capacity(total);
+        let mut query_start = Vec::with_capacity(num_seqs + 1);
+        let mut ctx_lens = Vec::with_capacity(num_seqs);
+        let mut rows = Vec::new();
+        let max_blocks = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        let mut tables = vec![0i32; num_seqs * max_blocks.max(1)];
+        query_start.push(0i32);
+        for (si, s) in batch.iter().enumerate() {
+            let ctx = s.start_pos + s.tokens.len();
+            if s.tokens.is_empty() || s.slots.len() != s.tokens.len() || s.block_table.len() * bs < ctx {
+                return Err(BackendError::Request(format!(
+                    "sequence {si} of the step: {} tokens, {} slots, {} blocks of {bs} for {ctx} positions",
+                    s.tokens.len(),
+                    s.slots.len(),
+                    s.block_table.len()
+                )));
+            }
+            if ctx > c.max_context {
+                return Err(BackendError::Request(format!("sequence of {ctx} tokens exceeds the model's context of {}", c.max_context)));
+            }
+            for (j, &t) in s.tokens.iter().enumerate() {
+                if t as usize >= c.vocab_size {
+                    return Err(BackendError::Request(format!("token id {t} is outside the vocabulary ({})", c.vocab_size)));
+                }
+                ids.push(t as i32);
+                positions.push((s.start_pos + j) as i32);
+            }
+            slots.extend_from_slice(s.slots);
+            let first = query_start[si] as usize;
+            match s.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last => rows.push(first + s.tokens.len() - 1),
+                LogitsWanted::All => rows.extend(first..first + s.tokens.len()),
+            }
+            query_start.push((first + s.tokens.len()) as i32);
+            ctx_lens.push(ctx as i32);
+            for (b, &blk) in s.block_table.iter().enumerate() {
+                tables[si * max_blocks + b] = blk as i32;
+            }
+        }
+        self.ensure_scratch(total, num_seqs, max_blocks, rows.len())?;
+        let buf = |slot: usize| self.scratch.bufs[slot].as_ref().map(|b| b.view());
+        let [Some(residual), Some(hbuf), Some(q), Some(k), Some(v), Some(attn), Some(tmp), Some(gate), Some(up), Some(act), Some(ids_b), Some(pos_b), Some(slots_b), Some(qs_b), Some(ctx_b), Some(tab_b), Some(rows_b), Some(logits_b)] =
+            std::array::from_fn::<_, S_COUNT, _>(buf)
+        else {
+            return Err(BackendError::Request("scratch buffers were not allocated".into()));
+        };
+        let dev = &self.device;
+        dev.write(ids_b, &ids)?;
+        dev.write(pos_b, &positions)?;
+        dev.write(slots_b, &slots)?;
+        dev.write(qs_b, &query_start)?;
+        dev.write(ctx_b, &ctx_lens)?;
+        dev.write(tab_b, &tables)?;
+        let t = total as u32;
+        let (h, nh, nkv, hd) = (c.hidden_size as u32, c.num_heads as u32, c.num_kv_heads as u32, c.head_dim as u32);
+        let eps = c.rms_norm_eps;
+        let dt = self.dtype;
+        let lin = |out, x, w: &LinearWeights, m: u32| {
+            dev.linear(out, x, w.w.view(), dt, w.bias.as_ref().map(|b| b.view()), m, w.out_features as u32, w.in_features as u32)
+        };
+        let all_decode = batch.iter().all(|s| s.tokens.len() == 1);
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        dev.embedding(residual, self.embed.view(), dt, ids_b, t, h, c.vocab_size as u32)?;
+        dev.rms_norm(hbuf, residual, self.layers[0].input_norm.view(), dt, t, h, eps)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            lin(q, hbuf, &layer.q, t)?;
+            lin(k, hbuf, &layer.k, t)?;
+            lin(v, hbuf, &layer.v, t)?;
+            dev.apply_rotary_pos_emb(q, k, pos_b, t, nh, nkv, hd, &self.rope)?;
+            let cache = kv.layer_view(li);
+            dev.fill_kv_cache(&cache, k, v, slots_b, t)?;
+            if all_decode {
+                dev.paged_decode_attention(attn, q, &cache, tab_b, ctx_b, num_seqs as u32, max_blocks as u32, nh, scale)?;
+            } else {
+                let ab = AttnBatchView {
+                    num_seqs: num_seqs as u32,
+                    max_blocks_per_seq: max_blocks as u32,
+                    query_start: qs_b,
+                    context_lens: ctx_b,
+                    block_tables: tab_b,
+                };
+                dev.prefill_attention(attn, q, &cache, &ab, t, nh, scale)?;
+            }
+            lin(tmp, attn, &layer.o, t)?;
+            dev.add_rms_norm(residual, tmp, layer.post_norm.view(), dt, hbuf, t, h, eps)?;
+            lin(gate, hbuf, &layer.gate, t)?;
+            lin(up, hbuf, &layer.up, t)?;
+            dev.silu_and_mul(act, gate, up, t, c.intermediate_size as u32)?;
+            lin(tmp, act, &layer.down, t)?;
+            let next_norm = self.layers.get(li + 1).map_or(&self.norm, |l| &l.input_norm);
+            dev.add_rms_norm(residual, tmp, next_norm.view(), dt, hbuf, t, h, eps)?;
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let row_bytes = 4 * c.hidden_size;
+        let (rows_in, r) = if rows.len() == total {
+            (hbuf, total as u32)
+        } else {
+            for (dst, &src) in rows.iter().enumerate() {
+                dev.copy(rows_b.offset_by(dst * row_bytes), hbuf.offset_by(src * row_bytes), row_bytes)?;
+            }
+            (rows_b, rows.len() as u32)
+        };
+        let vocab = c.vocab_size as u32;
+        match &self.lm_head {
+            Some(head) => lin(logits_b, rows_in, head, r)?,
+            None => dev.linear(logits_b, rows_in, self.embed.view(), dt, None, r, vocab, h)?,
+        }
+        dev.read_vec(logits_b, rows.len() * c.vocab_size)
+    }
+}

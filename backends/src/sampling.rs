@@ -1,0 +1,231 @@
+//! Token sampling on the host: greedy, temperature, top-k and top-p with a seeded
+//! generator, so that a request with a seed samples the same tokens on every run and
+//! every chip.
+
+use crate::error::{BackendError, Result};
+
+/// How one request picks its tokens and when it stops.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = no top-k cut.
+    pub top_k: usize,
+    /// 1.0 = no nucleus cut.
+    pub top_p: f32,
+    /// Seed of the sampling generator; None = fresh entropy.
+    pub seed: Option<u64>,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the model's end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, max_tokens: 16, stop_token_ids: Vec::new(), ignore_eos: false }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams { max_tokens, ..Default::default() }
+    }
+
+    /// Refuses parameters outside their domain, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(BackendError::Request(format!("temperature must be >= 0, got {}", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(BackendError::Request(format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if self.max_tokens == 0 {
+            return Err(BackendError::Request("max_tokens must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+}
+
+/// xoshiro256** seeded through SplitMix64: small, fast, and stable forever (results
+/// must not change with a dependency's version).
+#[derive(Debug, Clone)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn seeded(seed: u64) -> Self {
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Rng { s: [next(), next(), next(), next()] }
+    }
+
+    pub fn from_entropy() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(0x7E55_E8A);
+        Rng::seeded(h.finish())
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Index of the largest logit; the lowest index wins ties (as the kernels' argmax).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// One request's sampler.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = params.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        Sampler { params, rng }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from one row of logits.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let inv_t = 1.0 / self.params.temperature;
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
+        // Highest first; ties by lower id so the order never depends on the sort.
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let k = self.params.top_k;
+        if k > 0 && k < cand.len() {
+            cand.select_nth_unstable_by(k - 1, by_logit);
+            cand.truncate(k);
+        }
+        cand.sort_unstable_by(by_logit);
+        let max = cand[0].1;
+        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        if self.params.top_p < 1.0 {
+            let mut cum = 0.0;
+            let keep = probs
+                .iter()
+                .position(|p| {
+                    cum += p;
+                    cum >= self.params.top_p as f64
+                })
+                .map_or(probs.len(), |i| i + 1);
+            probs.truncate(keep);
+        }
+        let total: f64 = probs.iter().sum();
+        let mut r = self.rng.next_f64() * total;
+        for (i, p) in probs.iter().enumerate() {
+            if r < *p {
+                return cand[i].0;
+            }
+            r -= p;
+        }
+        cand[probs.len() - 1].0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
+        SamplingParams { temperature, top_k, top_p, seed: Some(seed), max_tokens: 1, stop_token_ids: vec![], ignore_eos: false }
+    }
+
+    #[test]
+    fn greedy_takes_lowest_index_of_max() {
+        let mut s = Sampler::new(params(0.0, 0, 1.0, 0));
+        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_seeds_differ() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let run = |seed| {
+            let mut s = Sampler::new(params(1.0, 0, 1.0, seed));
+            (0..40).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        // Table: (top_k, top_p, allowed ids). Logits make id 3 > 2 > 1 > 0 > rest.
+        let logits = [2.0, 3.0, 4.0, 5.0, -9.0, -9.0];
+        let cases: &[(usize, f32, &[u32])] = &[(2, 1.0, &[2, 3]), (0, 0.5, &[3]), (3, 0.9, &[1, 2, 3]), (1, 1.0, &[3])];
+        for &(k, p, allowed) in cases {
+            let mut s = Sampler::new(params(1.0, k, p, 1));
+            for _ in 0..200 {
+                let t = s.sample(&logits);
+                assert!(allowed.contains(&t), "top_k={k} top_p={p} sampled {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        // p = softmax([0, ln 3]) = [0.25, 0.75]
+        let logits = [0.0, 3f32.ln()];
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 42));
+        let n = 20_000;
+        let ones = (0..n).filter(|_| s.sample(&logits) == 1).count();
+        let frac = ones as f64 / n as f64;
+        assert!((frac - 0.75).abs() < 0.02, "{frac}");
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let cases = [
+            (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
+            (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
+            (SamplingParams { max_tokens: 0, ..Default::default() }, "max_tokens"),
+        ];
+        for (p, field) in cases {
+            assert!(p.validate().unwrap_err().to_string().contains(field));
+        }
+    }
+}

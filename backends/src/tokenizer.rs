@@ -1,0 +1,494 @@
+//! The tokenizer the runtime uses: a Hugging Face `tokenizer.json` (plus the optional
+//! `tokenizer_config.json` / `generation_config.json`) with BOS/EOS handling, the chat
+//! template, and an incremental decoder for streaming that never splits a character.
+
+use std::path::{Path, PathBuf};
+
+use tokenizers::{DecoderWrapper, Tokenizer};
+
+use crate::error::{BackendError, Result};
+
+/// The GPT-2 byte-to-character table of byte-level BPE: printable bytes map to
+/// themselves, the others to code points from U+0100 on. Index = byte value.
+pub(crate) fn byte_to_char_table() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 256u32;
+    for (b, slot) in table.iter_mut().enumerate() {
+        let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+        let code = if printable {
+            b as u32
+        } else {
+            let c = next;
+            next += 1;
+            c
+        };
+        // All codes are < 0x200, far from the surrogate range.
+        *slot = char::from_u32(code).unwrap_or('\0');
+    }
+    table
+}
+
+/// A loaded tokenizer with the special tokens and chat template of its checkpoint.
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    path: PathBuf,
+    bos_id: Option<u32>,
+    eos_ids: Vec<u32>,
+    chat_template: Option<String>,
+    /// Per-id raw bytes when the decoder is byte-level (exact byte streaming); else `None`.
+    token_bytes: Option<Vec<Option<Vec<u8>>>>,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("path", &self.path)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` as `tokenizer_config.json` writes special tokens.
+fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(m) => m.get("content").and_then(|c| c.as_str()).map(str::to_owned),
+        _ => None,
+    }
+}
+
+fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| BackendError::Tokenizer { path: path.to_path_buf(), reason: format!("invalid JSON: {e}") }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(BackendError::io(path, e)),
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `dir/tokenizer.json` (required) and `dir/tokenizer_config.json` and
+    /// `dir/generation_config.json` (optional: chat template, BOS/EOS).
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let tok_err = |reason: String| BackendError::Tokenizer { path: path.clone(), reason };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(tok_err(format!(
+                    "file not found; the checkpoint directory {} must contain a Hugging Face tokenizer.json",
+                    dir.display()
+                )));
+            }
+            Err(e) => return Err(BackendError::io(&path, e)),
+        };
+        let inner: Tokenizer =
+            text.parse().map_err(|e| tok_err(format!("cannot parse as a Hugging Face tokenizer.json: {e}")))?;
+
+        let config_path = dir.join("tokenizer_config.json");
+        let config = read_optional_json(&config_path)?;
+        let gen_config = read_optional_json(&dir.join("generation_config.json"))?;
+
+        let lookup = |name: &str, what: &str, at: &Path| -> Result<u32> {
+            inner.token_to_id(name).ok_or_else(|| BackendError::Tokenizer {
+                path: at.to_path_buf(),
+                reason: format!("{what} {name:?} is not in the vocabulary of {}", path.display()),
+            })
+        };
+        let mut bos_id = None;
+        let mut eos_ids = Vec::new();
+        let mut chat_template = None;
+        if let Some(cfg) = &config {
+            if let Some(bos) = token_string(cfg.get("bos_token")) {
+                bos_id = Some(lookup(&bos, "bos_token", &config_path)?);
+            }
+            if let Some(eos) = token_string(cfg.get("eos_token")) {
+                eos_ids.push(lookup(&eos, "eos_token", &config_path)?);
+            }
+            chat_template = match cfg.get("chat_template") {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                // The list form: [{"name": "default", "template": ...}, ...].
+                Some(serde_json::Value::Array(items)) => items
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .or_else(|| items.first())
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(str::to_owned),
+                _ => None,
+            };
+        }
+        if let Some(eos) = gen_config.as_ref().and_then(|g| g.get("eos_token_id")) {
+            let ids: Vec<u64> = match eos {
+                serde_json::Value::Number(n) => n.as_u64().into_iter().collect(),
+                serde_json::Value::Array(a) => a.iter().filter_map(|v| v.as_u64()).collect(),
+                _ => Vec::new(),
+            };
+            for id in ids {
+                if let Ok(id) = u32::try_from(id)
+                    && !eos_ids.contains(&id)
+                {
+                    eos_ids.push(id);
+                }
+            }
+        }
+
+        let token_bytes = matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_))).then(|| {
+            let table = byte_to_char_table();
+            let mut char_to_byte = std::collections::HashMap::with_capacity(256);
+            for (b, c) in table.iter().enumerate() {
+                char_to_byte.insert(*c, b as u8);
+            }
+            let n = inner.get_vocab_size(true);
+            let mut max_id = n;
+            for id in inner.get_added_vocabulary().get_added_tokens_decoder().keys() {
+                max_id = max_id.max(*id as usize + 1);
+            }
+            (0..max_id)
+                .map(|id| {
+                    // Same rule as the ByteLevel decoder: map every char back to its byte,
+                    // or take the token's UTF-8 as is if any char is outside the table.
+                    inner.id_to_token(id as u32).map(|t| {
+                        t.chars()
+                            .map(|c| char_to_byte.get(&c).copied())
+                            .collect::<Option<Vec<u8>>>()
+                            .unwrap_or_else(|| t.as_bytes().to_vec())
+                    })
+                })
+                .collect()
+        });
+
+        Ok(TextTokenizer { inner, path, bos_id, eos_ids, chat_template, token_bytes })
+    }
+
+    fn err(&self, reason: String) -> BackendError {
+        BackendError::Tokenizer { path: self.path.clone(), reason }
+    }
+
+    /// Token ids of `text`. Special-token strings in `text` (as a rendered chat template
+    /// has) become their ids. With `add_bos`, the BOS id is prepended unless the text
+    /// already starts with it or the tokenizer has none.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| self.err(format!("cannot encode text: {e}")))?;
+        let ids = enc.get_ids();
+        match self.bos_id {
+            Some(bos) if add_bos && ids.first() != Some(&bos) => {
+                let mut out = Vec::with_capacity(ids.len() + 1);
+                out.push(bos);
+                out.extend_from_slice(ids);
+                Ok(out)
+            }
+            _ => Ok(ids.to_vec()),
+        }
+    }
+
+    /// The text of `ids`, special tokens included (so `decode(encode(s)) == s`). Ids the
+    /// tokenizer does not know (the model's vocabulary may be larger) decode to "".
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        if let Some(table) = &self.token_bytes {
+            let mut bytes = Vec::new();
+            for &id in ids {
+                if let Some(Some(b)) = table.get(id as usize) {
+                    bytes.extend_from_slice(b);
+                }
+            }
+            return Ok(String::from_utf8_lossy(&bytes).into_owned());
+        }
+        let known: Vec<u32> = ids.iter().copied().filter(|&id| self.inner.id_to_token(id).is_some()).collect();
+        self.inner.decode(&known, false).map_err(|e| self.err(format!("cannot decode ids: {e}")))
+    }
+
+    /// Number of tokens including added/special tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// Ids that end generation: `tokenizer_config.json`'s `eos_token`, then the
+    /// `eos_token_id`s of `generation_config.json` (deduplicated, in that order).
+    pub fn eos_ids(&self) -> Vec<u32> {
+        self.eos_ids.clone()
+    }
+
+    /// The Jinja chat template of `tokenizer_config.json`, if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// The id of a token string (special tokens included).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// An incremental decoder for streaming output.
+    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
+        StreamDecoder { tok: self, ids: Vec::new(), prefix_offset: 0, read_offset: 0, pending: Vec::new() }
+    }
+}
+
+/// Incremental detokenisation: `push` returns only newly completed text, never half of
+/// a multi-byte character, and all pushes plus `finish` concatenate to `decode(ids)`.
+pub struct StreamDecoder<'a> {
+    tok: &'a TextTokenizer,
+    /// Generic path: all ids so far and the token offsets of the last emitted window.
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    /// Byte-level path: bytes not yet emitted (an incomplete UTF-8 sequence).
+    pending: Vec<u8>,
+}
+
+impl std::fmt::Debug for StreamDecoder<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamDecoder").field("ids", &self.ids.len()).field("pending", &self.pending).finish()
+    }
+}
+
+/// Splits `bytes` into the text that is final and the incomplete UTF-8 tail (at most 3
+/// bytes that a following byte could still complete). Invalid bytes become U+FFFD
+/// exactly as `String::from_utf8_lossy` does.
+fn take_complete(bytes: &[u8], at_end: bool) -> (String, usize) {
+    let mut out = String::new();
+    let mut consumed = 0;
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(chunk.valid());
+        consumed += chunk.valid().len();
+        let invalid = chunk.invalid();
+        if invalid.is_empty() {
+            continue;
+        }
+        let is_tail = consumed + invalid.len() == bytes.len();
+        if is_tail && !at_end && std::str::from_utf8(invalid).err().is_some_and(|e| e.error_len().is_none()) {
+            // A valid prefix of a character: wait for more bytes.
+            break;
+        }
+        out.push(char::REPLACEMENT_CHARACTER);
+        consumed += invalid.len();
+    }
+    (out, consumed)
+}
+
+impl StreamDecoder<'_> {
+    /// Adds one generated id; returns the text it completes, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        if let Some(table) = &self.tok.token_bytes {
+            if let Some(Some(b)) = table.get(id as usize) {
+                self.pending.extend_from_slice(b);
+            }
+            let (text, consumed) = take_complete(&self.pending, false);
+            self.pending.drain(..consumed);
+            return Ok((!text.is_empty()).then_some(text));
+        }
+        // Generic path (e.g. SentencePiece-style decoders): decode a window that starts a
+        // few tokens back so context-dependent spacing is right, emit the new suffix once
+        // it no longer ends in an incomplete character.
+        self.ids.push(id);
+        let prefix = self.tok.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = self.tok.decode(&self.ids[self.prefix_offset..])?;
+        if full.len() > prefix.len() && !full.ends_with(char::REPLACEMENT_CHARACTER) && full.starts_with(&prefix) {
+            let new = full[prefix.len()..].to_owned();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            return Ok(Some(new));
+        }
+        Ok(None)
+    }
+
+    /// Flushes whatever is held back (an incomplete character becomes U+FFFD, as in
+    /// `decode`). Call once after the last `push`.
+    pub fn finish(&mut self) -> Result<Option<String>> {
+        if self.tok.token_bytes.is_some() {
+            let (text, _) = take_complete(&self.pending, true);
+            self.pending.clear();
+            return Ok((!text.is_empty()).then_some(text));
+        }
+        if self.read_offset == self.ids.len() {
+            return Ok(None);
+        }
+        let prefix = self.tok.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = self.tok.decode(&self.ids[self.prefix_offset..])?;
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        let new = full.strip_prefix(prefix.as_str()).unwrap_or(full.as_str());
+        Ok((!new.is_empty()).then(|| new.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{self, Preset, SynthArch, SynthSpec};
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tessera-tok-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A directory with only the tokenizer files of the tiny preset (no weights).
+    fn tiny_tokenizer_dir(tag: &str) -> PathBuf {
+        let d = tmpdir(tag);
+        let spec = SynthSpec { preset: Preset::Tiny, arch: SynthArch::Llama, seed: 1, dtype: None, shards: 1 };
+        synth::write_tokenizer_files(&d, &synth::hf_config(&spec)).unwrap();
+        d
+    }
+
+    const SAMPLES: &[&str] = &[
+        "",
+        "Hello, world!",
+        "  leading and   internal   spaces  ",
+        "line one\nline two\n\n\ttabbed\r\n",
+        "Café naïve résumé Ångström",
+        "你好，世界。こんにちは 안녕하세요",
+        "emoji 🙂👍🚀 and flags 🇫🇷 and zwj 👩‍👩‍👧",
+        "<|im_start|>user\nhi<|im_end|>\n",
+        "\u{0}\u{7f}\u{80}\u{ffff}\u{10ffff}",
+    ];
+
+    #[test]
+    fn round_trips_every_sample() {
+        let d = tiny_tokenizer_dir("rt");
+        let tok = TextTokenizer::from_dir(&d).unwrap();
+        assert!(tok.vocab_size() <= 1024 && tok.vocab_size() > 300, "{}", tok.vocab_size());
+        for s in SAMPLES {
+            let ids = tok.encode(s, false).unwrap();
+            assert_eq!(tok.decode(&ids).unwrap(), *s, "ids {ids:?}");
+        }
+        // Merges do compress English.
+        let text = "The tortoise and the hare ran a race.";
+        assert!(tok.encode(text, false).unwrap().len() < text.len() / 2);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn specials_bos_eos_and_template() {
+        let d = tiny_tokenizer_dir("sp");
+        let tok = TextTokenizer::from_dir(&d).unwrap();
+        let bos = tok.bos_id().unwrap();
+        assert_eq!(tok.token_to_id("<|begin_of_text|>"), Some(bos));
+        let im_end = tok.token_to_id("<|im_end|>").unwrap();
+        let eot = tok.token_to_id("<|end_of_text|>").unwrap();
+        assert_eq!(tok.eos_ids(), vec![eot, im_end]);
+        let ids = tok.encode("hi", true).unwrap();
+        assert_eq!(ids[0], bos);
+        // No double BOS when the text already has it.
+        let ids2 = tok.encode("<|begin_of_text|>hi", true).unwrap();
+        assert_eq!(ids, ids2);
+        let chat = tok.encode("<|im_start|>user\nhi<|im_end|>", false).unwrap();
+        assert_eq!(chat[0], tok.token_to_id("<|im_start|>").unwrap());
+        assert_eq!(*chat.last().unwrap(), im_end);
+        assert!(tok.chat_template().unwrap().contains("<|im_start|>"));
+        // Ids past the tokenizer's vocabulary decode to nothing.
+        assert_eq!(tok.decode(&[u32::MAX, 5000, 72]).unwrap(), "H");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn stream_decode_equals_full_decode() {
+        let d = tiny_tokenizer_dir("st");
+        let tok = TextTokenizer::from_dir(&d).unwrap();
+        for s in SAMPLES {
+            let ids = tok.encode(s, true).unwrap();
+            let mut dec = tok.stream_decoder();
+            let mut out = String::new();
+            for &id in &ids {
+                if let Some(piece) = dec.push(id).unwrap() {
+                    assert!(!piece.contains('\u{fffd}') || s.contains('\u{fffd}'), "split char in {piece:?}");
+                    out.push_str(&piece);
+                }
+            }
+            if let Some(rest) = dec.finish().unwrap() {
+                out.push_str(&rest);
+            }
+            assert_eq!(out, tok.decode(&ids).unwrap());
+        }
+        // Arbitrary (random-model) id sequences, including lone continuation bytes and
+        // ids beyond the vocabulary: still equal to the full decode.
+        let mut x = 12345u64;
+        for _ in 0..50 {
+            let ids: Vec<u32> = (0..40)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((x >> 33) % 1100) as u32
+                })
+                .collect();
+            let mut dec = tok.stream_decoder();
+            let mut out = String::new();
+            for &id in &ids {
+                out.push_str(&dec.push(id).unwrap().unwrap_or_default());
+            }
+            out.push_str(&dec.finish().unwrap().unwrap_or_default());
+            assert_eq!(out, tok.decode(&ids).unwrap(), "{ids:?}");
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn multibyte_char_is_held_until_complete() {
+        let d = tiny_tokenizer_dir("mb");
+        let tok = TextTokenizer::from_dir(&d).unwrap();
+        // Byte tokens: ids 0..256 are the raw bytes. "€" = E2 82 AC.
+        let mut dec = tok.stream_decoder();
+        assert_eq!(dec.push(0xE2).unwrap(), None);
+        assert_eq!(dec.push(0x82).unwrap(), None);
+        assert_eq!(dec.push(0xAC).unwrap().as_deref(), Some("€"));
+        assert_eq!(dec.push(0xE2).unwrap(), None);
+        assert_eq!(dec.finish().unwrap().as_deref(), Some("\u{fffd}"));
+        assert_eq!(tok.decode(&[0xE2, 0x82, 0xAC, 0xE2]).unwrap(), "€\u{fffd}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn generic_decoder_path_streams_too() {
+        // A tokenizer.json without a byte-level decoder takes the generic path.
+        let d = tiny_tokenizer_dir("gen");
+        let path = d.join("tokenizer.json");
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        v["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [
+            {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}]});
+        std::fs::write(&path, v.to_string()).unwrap();
+        let tok = TextTokenizer::from_dir(&d).unwrap();
+        assert!(tok.token_bytes.is_none());
+        for s in SAMPLES {
+            let ids = tok.encode(s, false).unwrap();
+            assert_eq!(tok.decode(&ids).unwrap(), *s);
+            let mut dec = tok.stream_decoder();
+            let mut out = String::new();
+            for &id in &ids {
+                out.push_str(&dec.push(id).unwrap().unwrap_or_default());
+            }
+            out.push_str(&dec.finish().unwrap().unwrap_or_default());
+            assert_eq!(out, *s);
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn missing_or_broken_tokenizer_is_a_clear_error() {
+        let d = tmpdir("missing");
+        let err = TextTokenizer::from_dir(&d).unwrap_err().to_string();
+        assert!(err.contains("tokenizer.json") && err.contains("file not found"), "{err}");
+        std::fs::write(d.join("tokenizer.json"), "{not json").unwrap();
+        let err = TextTokenizer::from_dir(&d).unwrap_err().to_string();
+        assert!(err.contains("cannot parse as a Hugging Face tokenizer.json"), "{err}");
+        let _ = std::fs::remove_dir_all(&d);
+
+        let d = tiny_tokenizer_dir("badcfg");
+        std::fs::write(d.join("tokenizer_config.json"), r#"{"eos_token": "<nope>"}"#).unwrap();
+        let err = TextTokenizer::from_dir(&d).unwrap_err().to_string();
+        assert!(err.contains("eos_token \"<nope>\" is not in the vocabulary"), "{err}");
+        // tokenizer_config.json is optional.
+        std::fs::remove_file(d.join("tokenizer_config.json")).unwrap();
+        std::fs::remove_file(d.join("generation_config.json")).unwrap();
+        let tok = TextTokenizer::from_dir(&d).unwrap();
+        assert_eq!((tok.bos_id(), tok.eos_ids(), tok.chat_template()), (None, vec![], None));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

@@ -1,0 +1,285 @@
+//! The `tessera` command line: parses arguments and wires the crates together. It holds
+//! no logic of its own beyond presenting results.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+use tessera_backends::device::{Device, DeviceConfig};
+use tessera_backends::dtype::DType;
+use tessera_backends::engine::{Engine, EngineConfig};
+use tessera_backends::kv::{DEFAULT_BLOCK_SIZE, KvCacheConfig};
+use tessera_backends::loader::KernelLibrary;
+use tessera_backends::model::Model;
+use tessera_backends::sampling::SamplingParams;
+use tessera_backends::synth::{self, Preset, SynthArch, SynthSpec, WeightDtype};
+use tessera_backends::tokenizer::TextTokenizer;
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Serve one LLM across a cluster of unlike AI chips")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion on one chip.
+    Generate(GenerateArgs),
+    /// Model utilities.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Write a deterministic random-weight checkpoint in the Hugging Face layout.
+    MakeTiny(MakeTinyArgs),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode throughput of one chip, against the machine's measured
+    /// memory bandwidth and matmul peak.
+    Engine(BenchEngineArgs),
+}
+
+/// Where the kernels run.
+#[derive(Args, Clone)]
+struct DeviceArgs {
+    /// Kernel library to load (default: the CPU library cargo builds, or $TESSERA_KERNEL_LIB).
+    #[arg(long, value_name = "PATH")]
+    kernel_lib: Option<PathBuf>,
+    /// Worker threads of the device (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: u32,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory (config.json, safetensors, tokenizer.json), or
+    /// `builtin:tiny` / `builtin:small` for a generated test model.
+    #[arg(long, value_name = "DIR")]
+    model: String,
+    /// Prompt text.
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',', value_name = "ID,ID,...")]
+    prompt_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Weight dtype on the device (default: as stored).
+    #[arg(long)]
+    dtype: Option<DType>,
+    /// KV cache dtype.
+    #[arg(long, default_value = "f32")]
+    kv_dtype: DType,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    block_size: usize,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Write the logits each token was sampled from: float32 [tokens, vocab] .npy.
+    #[arg(long, value_name = "FILE.npy")]
+    dump_logits: Option<PathBuf>,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+#[derive(Args)]
+struct MakeTinyArgs {
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    #[arg(long, default_value = "tiny")]
+    preset: Preset,
+    #[arg(long, default_value = "llama")]
+    arch: SynthArch,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Weight dtype in the file (default: f32 for tiny/small, f16 for bench).
+    #[arg(long)]
+    dtype: Option<WeightDtype>,
+    /// Split the weights over this many safetensors shards (with an index file).
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
+}
+
+#[derive(Args)]
+struct BenchEngineArgs {
+    #[arg(long, value_name = "DIR")]
+    model: String,
+    #[arg(long)]
+    dtype: Option<DType>,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batch: Vec<usize>,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_len: usize,
+    /// Tokens already in each sequence's cache during decode.
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 8)]
+    steps: usize,
+    /// KV cache dtype.
+    #[arg(long, default_value = "f32")]
+    kv_dtype: DType,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Model(ModelCommand::MakeTiny(args)) => make_tiny(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn open_device(args: &DeviceArgs) -> Result<Device> {
+    let lib = match &args.kernel_lib {
+        Some(path) => KernelLibrary::load(path)?,
+        None => KernelLibrary::load_default()?,
+    };
+    Ok(Device::open(&lib, &DeviceConfig { threads: args.threads, ..Default::default() })?)
+}
+
+/// A checkpoint directory, or a builtin test model generated on first use.
+fn resolve_model(spec: &str) -> Result<PathBuf> {
+    match spec.strip_prefix("builtin:") {
+        Some(name) => {
+            let preset: Preset = name.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+            Ok(tessera_backends::builtin::model_dir(preset)?)
+        }
+        None => Ok(PathBuf::from(spec)),
+    }
+}
+
+fn load_model(model: &str, dtype: Option<DType>, device: &DeviceArgs) -> Result<(PathBuf, Model)> {
+    let dir = resolve_model(model)?;
+    let device = open_device(device)?;
+    let model = Model::load(&dir, device, dtype)?;
+    Ok((dir, model))
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let (dir, model) = load_model(&args.model, args.dtype, &args.device)?;
+    let tokenizer = TextTokenizer::from_dir(&dir)?;
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (Some(text), _) => tokenizer.encode(text, true)?,
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop_token_ids: Vec::new(),
+        ignore_eos: args.ignore_eos,
+    };
+    let vocab = model.config().vocab_size;
+    let longest = (prompt.len() + args.max_tokens).min(model.config().max_context);
+    let kv = KvCacheConfig { block_size: args.block_size, num_blocks: longest.div_ceil(args.block_size.max(1)).max(1), dtype: args.kv_dtype };
+    let config = EngineConfig { keep_logits: args.dump_logits.is_some(), ..Default::default() };
+    let mut engine = Engine::new(model, kv, config)?;
+    engine.add_request(0, &prompt, params)?;
+    let started = Instant::now();
+    let mut first_token_s = None;
+    let mut decoder = tokenizer.stream_decoder();
+    let mut out = std::io::stdout().lock();
+    use std::io::Write;
+    while engine.has_work() {
+        let report = engine.step()?;
+        for (_, token) in report.sampled {
+            first_token_s.get_or_insert(started.elapsed().as_secs_f64());
+            if let Some(text) = decoder.push(token)? {
+                write!(out, "{text}")?;
+                out.flush()?;
+            }
+        }
+    }
+    if let Some(text) = decoder.finish()? {
+        write!(out, "{text}")?;
+    }
+    writeln!(out)?;
+    let done = engine.take_finished().pop().context("the request did not finish")?;
+    let total_s = started.elapsed().as_secs_f64();
+    let ttft = first_token_s.unwrap_or(total_s);
+    let decode_tps = if done.tokens.len() > 1 { (done.tokens.len() - 1) as f64 / (total_s - ttft).max(1e-9) } else { 0.0 };
+    eprintln!(
+        "[{} prompt + {} generated tokens ({:?}); ttft {:.1} ms; decode {:.1} tok/s; token ids {:?}]",
+        done.prompt_tokens,
+        done.tokens.len(),
+        done.finish,
+        ttft * 1e3,
+        decode_tps,
+        done.tokens
+    );
+    if let Some(path) = &args.dump_logits {
+        tessera_backends::npy::write_f32(path, &[done.tokens.len(), vocab], &done.logits)?;
+        eprintln!("[logits of {} tokens written to {}]", done.tokens.len(), path.display());
+    }
+    Ok(())
+}
+
+fn make_tiny(args: MakeTinyArgs) -> Result<()> {
+    let spec = SynthSpec { preset: args.preset, arch: args.arch, seed: args.seed, dtype: args.dtype, shards: args.shards };
+    let started = Instant::now();
+    let summary = synth::write_checkpoint(&args.out, &spec)?;
+    println!(
+        "wrote {} ({} {}, {:.1}M parameters, {:.1} MB) in {:.1} s",
+        summary.dir.display(),
+        args.preset,
+        args.arch,
+        summary.params as f64 / 1e6,
+        summary.bytes_written as f64 / 1e6,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn bench_engine(args: BenchEngineArgs) -> Result<()> {
+    let (_, model) = load_model(&args.model, args.dtype, &args.device)?;
+    let opts = tessera_backends::bench::EngineBenchOptions {
+        batches: args.batch.clone(),
+        prompt_len: args.prompt_len,
+        context: args.context,
+        steps: args.steps,
+        kv_dtype: args.kv_dtype,
+    };
+    let report = tessera_backends::bench::run_engine_bench(model, &opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
