@@ -119,21 +119,25 @@ fn gemm_tiled(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
             let rows = tn.min(n - j0);
             let buf = &mut scratch[..rows * k];
             w.to_f32(j0 * k, buf);
+            // Solved transposed, outᵀ[j0.., :] = tile · xᵀ: a tall (rows x m) product
+            // suits gemm's micro-kernels far better than a short m x rows one when m
+            // is a decode batch (tens of rows).
             // SAFETY: this task writes only columns [j0, j0 + rows) of the m x n
-            // output (row stride n), disjoint from every other task; buf is rows x k.
+            // output (dst(j, i) = out[i * n + j0 + j]), disjoint from every other task;
+            // buf is rows x k row-major; rhs(kk, i) = x[i * k + kk].
             unsafe {
                 gemm::gemm(
-                    m,
                     rows,
+                    m,
                     k,
                     optr.get().add(j0),
-                    1,
                     n as isize,
+                    1,
                     false,
-                    x.as_ptr(),
+                    buf.as_ptr(),
                     1,
                     k as isize,
-                    buf.as_ptr(),
+                    x.as_ptr(),
                     k as isize,
                     1,
                     0.0,
