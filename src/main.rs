@@ -207,7 +207,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
     let vocab = model.config().vocab_size;
     let longest = (prompt.len() + args.max_tokens).min(model.config().max_context);
-    let kv = KvCacheConfig { block_size: args.block_size, num_blocks: longest.div_ceil(args.block_size.max(1)).max(1), dtype: args.kv_dtype };
+    let kv = KvCacheConfig {
+        block_size: args.block_size,
+        num_blocks: longest.div_ceil(args.block_size.max(1)).max(1),
+        dtype: args.kv_dtype,
+    };
     let config = EngineConfig { keep_logits: args.dump_logits.is_some(), ..Default::default() };
     let mut engine = Engine::new(model, kv, config)?;
     engine.add_request(0, &prompt, params)?;
@@ -233,7 +237,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let done = engine.take_finished().pop().context("the request did not finish")?;
     let total_s = started.elapsed().as_secs_f64();
     let ttft = first_token_s.unwrap_or(total_s);
-    let decode_tps = if done.tokens.len() > 1 { (done.tokens.len() - 1) as f64 / (total_s - ttft).max(1e-9) } else { 0.0 };
+    let decode_tps =
+        if done.tokens.len() > 1 { (done.tokens.len() - 1) as f64 / (total_s - ttft).max(1e-9) } else { 0.0 };
     eprintln!(
         "[{} prompt + {} generated tokens ({:?}); ttft {:.1} ms; decode {:.1} tok/s; token ids {:?}]",
         done.prompt_tokens,
@@ -251,7 +256,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn make_tiny(args: MakeTinyArgs) -> Result<()> {
-    let spec = SynthSpec { preset: args.preset, arch: args.arch, seed: args.seed, dtype: args.dtype, shards: args.shards };
+    let spec =
+        SynthSpec { preset: args.preset, arch: args.arch, seed: args.seed, dtype: args.dtype, shards: args.shards };
     let started = Instant::now();
     let summary = synth::write_checkpoint(&args.out, &spec)?;
     println!(

@@ -1,1 +1,316 @@
-#[test] fn placeholder() {}
+//! End-to-end runs of the `tessera` binary: make a tiny checkpoint, generate from it,
+//! and check the dumped logits against the generated tokens.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tessera");
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).env_remove("TESSERA_KERNEL_LIB").output().expect("run tessera")
+}
+
+#[track_caller]
+fn ok(out: Output) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "tessera failed ({:?}); stdout:\n{stdout}\nstderr:\n{stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (stdout, stderr)
+}
+
+fn make_tiny(dir: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["model", "make-tiny", "--out", dir.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let (stdout, _) = ok(run(&args));
+    assert!(stdout.contains("wrote"), "{stdout}");
+    stdout
+}
+
+/// The ids printed in the `token ids [...]` part of generate's stderr summary.
+fn token_ids(stderr: &str) -> Vec<u32> {
+    let start =
+        stderr.find("token ids [").unwrap_or_else(|| panic!("no token ids in:\n{stderr}")) + "token ids [".len();
+    let end = start + stderr[start..].find(']').unwrap();
+    let inner = stderr[start..end].trim();
+    if inner.is_empty() { Vec::new() } else { inner.split(',').map(|s| s.trim().parse().unwrap()).collect() }
+}
+
+fn vocab_size(dir: &Path) -> usize {
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["vocab_size"].as_u64().unwrap() as usize
+}
+
+/// A minimal `.npy` reader: format 1.0/2.0, little-endian float32, C order.
+fn read_npy(path: &Path) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..6], b"\x93NUMPY", "magic");
+    let (hlen, hstart) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 => (u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize, 12),
+        v => panic!("npy version {v}"),
+    };
+    assert_eq!((hstart + hlen) % 16, 0, "header is padded for alignment");
+    let header = std::str::from_utf8(&bytes[hstart..hstart + hlen]).unwrap();
+    assert!(header.ends_with('\n'), "{header:?}");
+    let header = header.trim();
+    assert!(header.starts_with('{') && header.ends_with('}'), "{header}");
+    assert!(header.contains("'descr': '<f4'"), "{header}");
+    assert!(header.contains("'fortran_order': False"), "{header}");
+    let s = header.find("'shape': (").unwrap() + "'shape': (".len();
+    let e = s + header[s..].find(')').unwrap();
+    let shape: Vec<usize> =
+        header[s..e].split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse().unwrap()).collect();
+    let data: Vec<f32> =
+        bytes[hstart + hlen..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(bytes.len() - hstart - hlen, data.len() * 4, "trailing bytes");
+    assert_eq!(data.len(), shape.iter().product::<usize>(), "data matches shape {shape:?}");
+    (shape, data)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// make-tiny with `extra`, then greedy generation of 8 tokens with logits dumped:
+/// the dump has one row per token and each token is its row's argmax.
+fn roundtrip(extra: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    make_tiny(&dir, extra);
+    let vocab = vocab_size(&dir);
+    let npy = tmp.path().join("logits.npy");
+    let args = [
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--dump-logits",
+        npy.to_str().unwrap(),
+    ];
+    let (stdout1, stderr) = ok(run(&args));
+    assert!(stderr.contains("3 prompt + 8 generated tokens"), "{stderr}");
+    let ids = token_ids(&stderr);
+    assert_eq!(ids.len(), 8, "{stderr}");
+    assert!(ids.iter().all(|&t| (t as usize) < vocab));
+    let (shape, data) = read_npy(&npy);
+    assert_eq!(shape, vec![8, vocab]);
+    for (i, row) in data.chunks(vocab).enumerate() {
+        assert!(row.iter().all(|v| v.is_finite()), "row {i} has non-finite logits");
+        assert_eq!(
+            argmax(row),
+            ids[i] as usize,
+            "token {i}: generated {} but the row's argmax is {}",
+            ids[i],
+            argmax(row)
+        );
+    }
+    // Logits are not degenerate (random weights still give varied rows).
+    assert!(data.chunks(vocab).any(|r| r.iter().any(|&v| v != r[0])));
+
+    // Greedy generation is deterministic: the same stdout and ids again, with and
+    // without the dump.
+    let (stdout2, stderr2) = ok(run(&args));
+    assert_eq!(stdout1, stdout2);
+    assert_eq!(token_ids(&stderr2), ids);
+    let (stdout3, stderr3) = ok(run(&args[..8]));
+    assert_eq!(stdout1, stdout3);
+    assert_eq!(token_ids(&stderr3), ids);
+    let (_, data2) = read_npy(&npy);
+    assert_eq!(data, data2, "the logits dump is reproducible");
+}
+
+#[test]
+fn llama_single_file_roundtrip() {
+    roundtrip(&[]);
+}
+
+#[test]
+fn qwen2_roundtrip() {
+    roundtrip(&["--arch", "qwen2"]);
+}
+
+#[test]
+fn sharded_roundtrip() {
+    roundtrip(&["--shards", "2"]);
+}
+
+#[test]
+fn sharding_and_dtype_do_not_change_the_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = tmp.path().join("one");
+    let three = tmp.path().join("three");
+    make_tiny(&one, &[]);
+    make_tiny(&three, &["--shards", "3"]);
+    assert!(three.join("model.safetensors.index.json").is_file());
+    assert!(three.join("model-00003-of-00003.safetensors").is_file());
+    assert!(!three.join("model.safetensors").exists());
+    let gen_args = |dir: &Path, extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "5,6,7,8",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let go = |args: Vec<String>| {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (_, stderr) = ok(run(&refs));
+        token_ids(&stderr)
+    };
+    let base = go(gen_args(&one, &[]));
+    assert_eq!(base.len(), 6);
+    assert_eq!(go(gen_args(&three, &[])), base, "sharded checkpoint");
+    // Different KV block sizes and a bf16/f16 cache layout give the same greedy tokens
+    // on this tiny model only approximately, so just check they run and stay in vocab.
+    for extra in [&["--block-size", "1"][..], &["--block-size", "3"], &["--kv-dtype", "f16"], &["--dtype", "bf16"]] {
+        let ids = go(gen_args(&one, extra));
+        assert_eq!(ids.len(), 6, "{extra:?}");
+    }
+    assert_eq!(go(gen_args(&one, &["--block-size", "1"])), base, "block size 1 (f32 cache is exact enough)");
+}
+
+#[test]
+fn text_prompt_works() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    make_tiny(&dir, &[]);
+    let args = ["generate", "--model", dir.to_str().unwrap(), "--prompt", "Hello", "--max-tokens", "5"];
+    let (stdout, stderr) = ok(run(&args));
+    let ids = token_ids(&stderr);
+    assert!(!ids.is_empty() && ids.len() <= 5, "{stderr}");
+    assert!(stderr.contains("prompt +"), "{stderr}");
+    let (stdout2, _) = ok(run(&args));
+    assert_eq!(stdout, stdout2, "greedy is deterministic");
+    // Sampling with a seed is reproducible too.
+    let sampled = [
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--seed",
+        "42",
+    ];
+    let (a, ea) = ok(run(&sampled));
+    let (b, eb) = ok(run(&sampled));
+    assert_eq!(a, b);
+    assert_eq!(token_ids(&ea), token_ids(&eb));
+}
+
+#[test]
+fn builtin_tiny_is_generated_on_first_use() {
+    let home = tempfile::tempdir().unwrap();
+    let args = ["generate", "--model", "builtin:tiny", "--prompt", "Hello", "--max-tokens", "3"];
+    let first = Command::new(BIN)
+        .args(args)
+        .env("TESSERA_HOME", home.path())
+        .env_remove("TESSERA_KERNEL_LIB")
+        .output()
+        .unwrap();
+    let (stdout1, stderr1) = ok(first);
+    let model_dir = home.path().join("models").join("tiny-llama-seed0");
+    assert!(model_dir.join("config.json").is_file(), "generated into TESSERA_HOME");
+    assert!(model_dir.join("tokenizer.json").is_file());
+    // Second use reuses the cached copy and gives the same output.
+    let modified = std::fs::metadata(model_dir.join("config.json")).unwrap().modified().unwrap();
+    let second = Command::new(BIN)
+        .args(args)
+        .env("TESSERA_HOME", home.path())
+        .env_remove("TESSERA_KERNEL_LIB")
+        .output()
+        .unwrap();
+    let (stdout2, stderr2) = ok(second);
+    assert_eq!(stdout1, stdout2);
+    assert_eq!(token_ids(&stderr1), token_ids(&stderr2));
+    assert_eq!(std::fs::metadata(model_dir.join("config.json")).unwrap().modified().unwrap(), modified);
+    // No stray temporary folders are left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(home.path().join("models"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn make_tiny_is_deterministic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    let b = tmp.path().join("b");
+    make_tiny(&a, &["--seed", "3"]);
+    make_tiny(&b, &["--seed", "3"]);
+    for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+        assert!(std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(), "{f} differs");
+    }
+}
+
+#[test]
+fn help_and_version() {
+    let (stdout, _) = ok(run(&["--help"]));
+    assert!(stdout.contains("generate"));
+    let (stdout, _) = ok(run(&["--version"]));
+    assert!(stdout.contains("tessera"));
+    let out = run(&[]);
+    assert!(!out.status.success());
+}
+
+#[test]
+fn bench_engine_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    make_tiny(&dir, &[]);
+    let args = [
+        "bench",
+        "engine",
+        "--model",
+        dir.to_str().unwrap(),
+        "--batch",
+        "1,2",
+        "--prompt-len",
+        "8",
+        "--context",
+        "8",
+        "--steps",
+        "2",
+        "--json",
+        "--threads",
+        "1",
+    ];
+    let (stdout, _) = ok(run(&args));
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}:\n{stdout}"));
+    assert_eq!(report["threads"], 1, "{report}");
+    assert_eq!(report["weight_dtype"], "f32");
+    assert_eq!(report["prefill"]["tokens"], 8);
+    assert!(report["prefill"]["tokens_per_s"].as_f64().unwrap() > 0.0);
+    let decode = report["decode"].as_array().unwrap();
+    let batches: Vec<u64> = decode.iter().map(|d| d["batch"].as_u64().unwrap()).collect();
+    assert_eq!(batches, vec![1, 2]);
+    assert!(decode.iter().all(|d| d["tokens_per_s"].as_f64().unwrap() > 0.0));
+}

@@ -189,14 +189,14 @@ impl ModelConfig {
         }
         let num_heads = hf.num_attention_heads;
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(num_heads);
-        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             return Err(config_err(format!(
                 "`num_key_value_heads` = {num_kv_heads} must divide `num_attention_heads` = {num_heads}"
             )));
         }
         let head_dim = match hf.head_dim {
             Some(d) => d,
-            None if hf.hidden_size % num_heads == 0 => hf.hidden_size / num_heads,
+            None if hf.hidden_size.is_multiple_of(num_heads) => hf.hidden_size / num_heads,
             None => {
                 return Err(config_err(format!(
                     "`hidden_size` = {} is not a multiple of `num_attention_heads` = {num_heads} and no `head_dim` is given",
@@ -204,7 +204,7 @@ impl ModelConfig {
                 )));
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(config_err(format!("`head_dim` = {head_dim} must be even and positive")));
         }
         if !(hf.rms_norm_eps > 0.0 && hf.rms_norm_eps.is_finite()) {

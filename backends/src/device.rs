@@ -180,10 +180,22 @@ impl Device {
         })
     }
 
-    fn buffer(&self, op: &'static str, status: abi::TkStatus, ptr: *mut abi::TkBuffer, bytes: usize, owner: Option<Arc<dyn std::any::Any + Send + Sync>>) -> Result<Buffer> {
+    fn buffer(
+        &self,
+        op: &'static str,
+        status: abi::TkStatus,
+        ptr: *mut abi::TkBuffer,
+        bytes: usize,
+        owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<Buffer> {
         self.check(op, status)?;
         if ptr.is_null() {
-            return Err(BackendError::Kernel { op, device: self.info.name.clone(), status: "internal error", message: "returned a null buffer".into() });
+            return Err(BackendError::Kernel {
+                op,
+                device: self.info.name.clone(),
+                status: "internal error",
+                message: "returned a null buffer".into(),
+            });
         }
         Ok(Buffer { raw: RawBuffer { dev: self.raw.clone(), ptr, _owner: owner }, bytes })
     }
@@ -201,7 +213,10 @@ impl Device {
         O: AsRef<[u8]> + Send + Sync + 'static,
     {
         let bytes = owner.as_ref().as_ref().get(range.clone()).ok_or_else(|| {
-            BackendError::Request(format!("host range {range:?} is outside its {} bytes", owner.as_ref().as_ref().len()))
+            BackendError::Request(format!(
+                "host range {range:?} is outside its {} bytes",
+                owner.as_ref().as_ref().len()
+            ))
         })?;
         let (status, ptr) = raw::wrap_host(&self.raw.lib, self.raw.ptr, bytes);
         let len = bytes.len();
@@ -241,34 +256,115 @@ impl Device {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn embedding(&self, out: View<'_>, table: View<'_>, dtype: DType, ids: View<'_>, n: u32, hidden: u32, vocab: u32) -> Result<()> {
-        let s = raw::embedding(&self.raw.lib, self.raw.ptr, out.abi(), table.abi(), dtype.to_abi(), ids.abi(), n, hidden, vocab);
+    pub fn embedding(
+        &self,
+        out: View<'_>,
+        table: View<'_>,
+        dtype: DType,
+        ids: View<'_>,
+        n: u32,
+        hidden: u32,
+        vocab: u32,
+    ) -> Result<()> {
+        let s = raw::embedding(
+            &self.raw.lib,
+            self.raw.ptr,
+            out.abi(),
+            table.abi(),
+            dtype.to_abi(),
+            ids.abi(),
+            n,
+            hidden,
+            vocab,
+        );
         self.check("tk_embedding", s)
     }
 
     /// `out[m][n] = x[m][k] · w[n][k]ᵀ (+ bias)`.
     #[allow(clippy::too_many_arguments)]
-    pub fn linear(&self, out: View<'_>, x: View<'_>, w: View<'_>, dtype: DType, bias: Option<View<'_>>, m: u32, n: u32, k: u32) -> Result<()> {
-        let s = raw::linear(&self.raw.lib, self.raw.ptr, out.abi(), x.abi(), w.abi(), dtype.to_abi(), opt(bias), m, n, k);
+    pub fn linear(
+        &self,
+        out: View<'_>,
+        x: View<'_>,
+        w: View<'_>,
+        dtype: DType,
+        bias: Option<View<'_>>,
+        m: u32,
+        n: u32,
+        k: u32,
+    ) -> Result<()> {
+        let s =
+            raw::linear(&self.raw.lib, self.raw.ptr, out.abi(), x.abi(), w.abi(), dtype.to_abi(), opt(bias), m, n, k);
         self.check("tk_linear", s)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn rms_norm(&self, out: View<'_>, x: View<'_>, w: View<'_>, dtype: DType, n: u32, hidden: u32, eps: f32) -> Result<()> {
+    pub fn rms_norm(
+        &self,
+        out: View<'_>,
+        x: View<'_>,
+        w: View<'_>,
+        dtype: DType,
+        n: u32,
+        hidden: u32,
+        eps: f32,
+    ) -> Result<()> {
         let s = raw::rms_norm(&self.raw.lib, self.raw.ptr, out.abi(), x.abi(), w.abi(), dtype.to_abi(), n, hidden, eps);
         self.check("tk_rms_norm", s)
     }
 
     /// `residual += x; out = rms_norm(residual) * w`.
     #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm(&self, residual: View<'_>, x: View<'_>, w: View<'_>, dtype: DType, out: View<'_>, n: u32, hidden: u32, eps: f32) -> Result<()> {
-        let s = raw::add_rms_norm(&self.raw.lib, self.raw.ptr, residual.abi(), x.abi(), w.abi(), dtype.to_abi(), out.abi(), n, hidden, eps);
+    pub fn add_rms_norm(
+        &self,
+        residual: View<'_>,
+        x: View<'_>,
+        w: View<'_>,
+        dtype: DType,
+        out: View<'_>,
+        n: u32,
+        hidden: u32,
+        eps: f32,
+    ) -> Result<()> {
+        let s = raw::add_rms_norm(
+            &self.raw.lib,
+            self.raw.ptr,
+            residual.abi(),
+            x.abi(),
+            w.abi(),
+            dtype.to_abi(),
+            out.abi(),
+            n,
+            hidden,
+            eps,
+        );
         self.check("tk_add_rms_norm", s)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn apply_rotary_pos_emb(&self, q: View<'_>, k: View<'_>, positions: View<'_>, n: u32, num_heads: u32, num_kv_heads: u32, head_dim: u32, rope: &abi::TkRope) -> Result<()> {
-        let s = raw::apply_rotary_pos_emb(&self.raw.lib, self.raw.ptr, q.abi(), k.abi(), positions.abi(), n, num_heads, num_kv_heads, head_dim, rope);
+    pub fn apply_rotary_pos_emb(
+        &self,
+        q: View<'_>,
+        k: View<'_>,
+        positions: View<'_>,
+        n: u32,
+        num_heads: u32,
+        num_kv_heads: u32,
+        head_dim: u32,
+        rope: &abi::TkRope,
+    ) -> Result<()> {
+        let s = raw::apply_rotary_pos_emb(
+            &self.raw.lib,
+            self.raw.ptr,
+            q.abi(),
+            k.abi(),
+            positions.abi(),
+            n,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope,
+        );
         self.check("tk_apply_rotary_pos_emb", s)
     }
 
@@ -277,13 +373,29 @@ impl Device {
         self.check("tk_silu_and_mul", s)
     }
 
-    pub fn fill_kv_cache(&self, cache: &KvCacheView<'_>, k: View<'_>, v: View<'_>, slots: View<'_>, n: u32) -> Result<()> {
+    pub fn fill_kv_cache(
+        &self,
+        cache: &KvCacheView<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        slots: View<'_>,
+        n: u32,
+    ) -> Result<()> {
         let s = raw::fill_kv_cache(&self.raw.lib, self.raw.ptr, &cache.abi(), k.abi(), v.abi(), slots.abi(), n);
         self.check("tk_fill_kv_cache", s)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn prefill_attention(&self, out: View<'_>, q: View<'_>, cache: &KvCacheView<'_>, batch: &AttnBatchView<'_>, total_q: u32, num_heads: u32, scale: f32) -> Result<()> {
+    pub fn prefill_attention(
+        &self,
+        out: View<'_>,
+        q: View<'_>,
+        cache: &KvCacheView<'_>,
+        batch: &AttnBatchView<'_>,
+        total_q: u32,
+        num_heads: u32,
+        scale: f32,
+    ) -> Result<()> {
         let b = abi::TkAttnBatch {
             num_seqs: batch.num_seqs,
             max_blocks_per_seq: batch.max_blocks_per_seq,
@@ -291,13 +403,46 @@ impl Device {
             context_lens: batch.context_lens.abi(),
             block_tables: batch.block_tables.abi(),
         };
-        let s = raw::prefill_attention(&self.raw.lib, self.raw.ptr, out.abi(), q.abi(), &cache.abi(), &b, total_q, num_heads, scale);
+        let s = raw::prefill_attention(
+            &self.raw.lib,
+            self.raw.ptr,
+            out.abi(),
+            q.abi(),
+            &cache.abi(),
+            &b,
+            total_q,
+            num_heads,
+            scale,
+        );
         self.check("tk_prefill_attention", s)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_decode_attention(&self, out: View<'_>, q: View<'_>, cache: &KvCacheView<'_>, block_tables: View<'_>, context_lens: View<'_>, num_seqs: u32, max_blocks_per_seq: u32, num_heads: u32, scale: f32) -> Result<()> {
-        let s = raw::paged_decode_attention(&self.raw.lib, self.raw.ptr, out.abi(), q.abi(), &cache.abi(), block_tables.abi(), context_lens.abi(), num_seqs, max_blocks_per_seq, num_heads, scale);
+    pub fn paged_decode_attention(
+        &self,
+        out: View<'_>,
+        q: View<'_>,
+        cache: &KvCacheView<'_>,
+        block_tables: View<'_>,
+        context_lens: View<'_>,
+        num_seqs: u32,
+        max_blocks_per_seq: u32,
+        num_heads: u32,
+        scale: f32,
+    ) -> Result<()> {
+        let s = raw::paged_decode_attention(
+            &self.raw.lib,
+            self.raw.ptr,
+            out.abi(),
+            q.abi(),
+            &cache.abi(),
+            block_tables.abi(),
+            context_lens.abi(),
+            num_seqs,
+            max_blocks_per_seq,
+            num_heads,
+            scale,
+        );
         self.check("tk_paged_decode_attention", s)
     }
 

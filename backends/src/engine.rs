@@ -115,7 +115,10 @@ impl Engine {
             return Err(BackendError::Request("the prompt is empty".into()));
         }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(BackendError::Request(format!("prompt token id {bad} is outside the vocabulary ({})", c.vocab_size)));
+            return Err(BackendError::Request(format!(
+                "prompt token id {bad} is outside the vocabulary ({})",
+                c.vocab_size
+            )));
         }
         if prompt.len() >= c.max_context {
             return Err(BackendError::Request(format!(
@@ -148,7 +151,9 @@ impl Engine {
 
     /// Drops a request and frees its blocks. Returns whether it was running.
     pub fn abort(&mut self, id: u64) -> bool {
-        let Some(i) = self.running.iter().position(|s| s.id == id) else { return false };
+        let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            return false;
+        };
         let mut seq = self.running.remove(i);
         self.kv.release(&mut seq.kv);
         true

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    // Not a `#[source]`: the message already carries it, and `{:#}` would print it twice.
+    #[error("cannot read {path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: invalid model config: {reason}")]
     Config { path: PathBuf, reason: String },
     #[error("{path}: unsupported architecture {arch:?} (supported: {supported})")]
@@ -42,6 +43,6 @@ pub type Result<T> = std::result::Result<T, BackendError>;
 
 impl BackendError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        BackendError::Io { path: path.into(), source }
+        BackendError::Io { path: path.into(), error: source }
     }
 }

@@ -80,7 +80,9 @@ impl BlockAllocator {
     }
 
     fn release(&mut self, id: u32) {
-        let Some(rec) = self.blocks.get_mut(id as usize) else { return };
+        let Some(rec) = self.blocks.get_mut(id as usize) else {
+            return;
+        };
         rec.refs -= 1;
         if rec.refs == 0 {
             self.blocks.remove(id as usize);
@@ -213,9 +215,8 @@ impl PagedKvCache {
         let bs = self.config.block_size;
         let start = seq.tokens.len();
         seq.tokens.extend_from_slice(tokens);
-        let slots = (start..seq.tokens.len())
-            .map(|pos| (seq.block_table[pos / bs] as usize * bs + pos % bs) as i32)
-            .collect();
+        let slots =
+            (start..seq.tokens.len()).map(|pos| (seq.block_table[pos / bs] as usize * bs + pos % bs) as i32).collect();
         while seq.block_hashes.len() < seq.tokens.len() / bs {
             let i = seq.block_hashes.len();
             let hash = chained_block_hash(seq.block_hashes.last().copied(), &seq.tokens[i * bs..(i + 1) * bs]);

@@ -9,16 +9,16 @@ pub mod builtin;
 pub mod config;
 pub mod device;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 pub mod kv;
-pub mod model;
-pub mod sampling;
-pub mod engine;
 #[allow(unsafe_code)]
 pub mod loader;
 #[allow(unsafe_code)]
 pub mod mmap;
+pub mod model;
 pub mod npy;
-pub mod weights;
+pub mod sampling;
 pub mod synth;
 pub mod tokenizer;
+pub mod weights;

@@ -74,7 +74,9 @@ impl KernelLibrary {
         // SAFETY: loading a shared object runs its initialisers. A kernel library is
         // trusted code by contract (like a vendor driver); the path came from the
         // operator. Nothing else can be checked before it is loaded.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| lib_err(e.to_string()))?;
+        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
+            lib_err(std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| format!("{e}: {s}")))
+        })?;
         let (need_major, need_minor) = (abi::TK_ABI_MAJOR, abi::TK_ABI_MINOR);
         let missing = |symbol: &str| BackendError::MissingSymbol {
             library: path.to_path_buf(),
@@ -225,11 +227,7 @@ pub(crate) mod raw {
 
     /// # Safety contract (checked by the caller)
     /// `host[..]` must stay alive and unmodified until the buffer is freed.
-    pub fn wrap_host(
-        lib: &KernelLibrary,
-        dev: *mut abi::TkDevice,
-        host: &[u8],
-    ) -> (abi::TkStatus, *mut abi::TkBuffer) {
+    pub fn wrap_host(lib: &KernelLibrary, dev: *mut abi::TkDevice, host: &[u8]) -> (abi::TkStatus, *mut abi::TkBuffer) {
         let mut out = std::ptr::null_mut();
         // SAFETY: `host` is valid for reads of its length; the caller keeps it alive
         // for the buffer's life (device.rs stores its owner inside the Buffer).

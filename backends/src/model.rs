@@ -119,7 +119,8 @@ impl WeightLoader<'_> {
 }
 
 fn rope_params(config: &ModelConfig) -> abi::TkRope {
-    let mut rope = abi::TkRope { theta: config.rope_theta, scaling: abi::TK_ROPE_NONE, factor: 1.0, ..Default::default() };
+    let mut rope =
+        abi::TkRope { theta: config.rope_theta, scaling: abi::TK_ROPE_NONE, factor: 1.0, ..Default::default() };
     match config.rope {
         RopeKind::None => {}
         RopeKind::Linear { factor } => {
@@ -179,7 +180,18 @@ impl Model {
         };
         let weight_bytes = ld.bytes;
         let rope = rope_params(&config);
-        Ok(Model { config, dtype, device, embed, layers, norm, lm_head, rope, weight_bytes, scratch: Scratch::default() })
+        Ok(Model {
+            config,
+            dtype,
+            device,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            weight_bytes,
+            scratch: Scratch::default(),
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -204,9 +216,24 @@ impl Model {
     /// `table` entries, and `rows` logits rows.
     fn ensure_scratch(&mut self, tokens: usize, seqs: usize, table: usize, rows: usize) -> Result<()> {
         let c = &self.config;
-        let (h, qd, kvd, i) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+        let (h, qd, kvd, i) =
+            (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
         let mut sizes = [0usize; S_COUNT];
-        for (slot, per_token) in [(S_RESIDUAL, h), (S_H, h), (S_Q, qd), (S_K, kvd), (S_V, kvd), (S_ATTN, qd), (S_TMP, h), (S_GATE, i), (S_UP, i), (S_ACT, i), (S_IDS, 1), (S_POS, 1), (S_SLOTS, 1)] {
+        for (slot, per_token) in [
+            (S_RESIDUAL, h),
+            (S_H, h),
+            (S_Q, qd),
+            (S_K, kvd),
+            (S_V, kvd),
+            (S_ATTN, qd),
+            (S_TMP, h),
+            (S_GATE, i),
+            (S_UP, i),
+            (S_ACT, i),
+            (S_IDS, 1),
+            (S_POS, 1),
+            (S_SLOTS, 1),
+        ] {
             sizes[slot] = 4 * per_token * tokens;
         }
         sizes[S_QSTART] = 4 * (seqs + 1);
@@ -258,11 +285,17 @@ impl Model {
                 )));
             }
             if ctx > c.max_context {
-                return Err(BackendError::Request(format!("sequence of {ctx} tokens exceeds the model's context of {}", c.max_context)));
+                return Err(BackendError::Request(format!(
+                    "sequence of {ctx} tokens exceeds the model's context of {}",
+                    c.max_context
+                )));
             }
             for (j, &t) in s.tokens.iter().enumerate() {
                 if t as usize >= c.vocab_size {
-                    return Err(BackendError::Request(format!("token id {t} is outside the vocabulary ({})", c.vocab_size)));
+                    return Err(BackendError::Request(format!(
+                        "token id {t} is outside the vocabulary ({})",
+                        c.vocab_size
+                    )));
                 }
                 ids.push(t as i32);
                 positions.push((s.start_pos + j) as i32);
@@ -282,8 +315,26 @@ impl Model {
         }
         self.ensure_scratch(total, num_seqs, max_blocks, rows.len())?;
         let buf = |slot: usize| self.scratch.bufs[slot].as_ref().map(|b| b.view());
-        let [Some(residual), Some(hbuf), Some(q), Some(k), Some(v), Some(attn), Some(tmp), Some(gate), Some(up), Some(act), Some(ids_b), Some(pos_b), Some(slots_b), Some(qs_b), Some(ctx_b), Some(tab_b), Some(rows_b), Some(logits_b)] =
-            std::array::from_fn::<_, S_COUNT, _>(buf)
+        let [
+            Some(residual),
+            Some(hbuf),
+            Some(q),
+            Some(k),
+            Some(v),
+            Some(attn),
+            Some(tmp),
+            Some(gate),
+            Some(up),
+            Some(act),
+            Some(ids_b),
+            Some(pos_b),
+            Some(slots_b),
+            Some(qs_b),
+            Some(ctx_b),
+            Some(tab_b),
+            Some(rows_b),
+            Some(logits_b),
+        ] = std::array::from_fn::<_, S_COUNT, _>(buf)
         else {
             return Err(BackendError::Request("scratch buffers were not allocated".into()));
         };
@@ -299,7 +350,16 @@ impl Model {
         let eps = c.rms_norm_eps;
         let dt = self.dtype;
         let lin = |out, x, w: &LinearWeights, m: u32| {
-            dev.linear(out, x, w.w.view(), dt, w.bias.as_ref().map(|b| b.view()), m, w.out_features as u32, w.in_features as u32)
+            dev.linear(
+                out,
+                x,
+                w.w.view(),
+                dt,
+                w.bias.as_ref().map(|b| b.view()),
+                m,
+                w.out_features as u32,
+                w.in_features as u32,
+            )
         };
         let all_decode = batch.iter().all(|s| s.tokens.len() == 1);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
@@ -313,7 +373,17 @@ impl Model {
             let cache = kv.layer_view(li);
             dev.fill_kv_cache(&cache, k, v, slots_b, t)?;
             if all_decode {
-                dev.paged_decode_attention(attn, q, &cache, tab_b, ctx_b, num_seqs as u32, max_blocks as u32, nh, scale)?;
+                dev.paged_decode_attention(
+                    attn,
+                    q,
+                    &cache,
+                    tab_b,
+                    ctx_b,
+                    num_seqs as u32,
+                    max_blocks as u32,
+                    nh,
+                    scale,
+                )?;
             } else {
                 let ab = AttnBatchView {
                     num_seqs: num_seqs as u32,

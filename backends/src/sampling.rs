@@ -23,7 +23,15 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None, max_tokens: 16, stop_token_ids: Vec::new(), ignore_eos: false }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
     }
 }
 
@@ -74,7 +82,7 @@ impl Rng {
     pub fn from_entropy() -> Self {
         use std::hash::{BuildHasher, Hasher};
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(0x7E55_E8A);
+        h.write_u64(u64::from(std::process::id()));
         Rng::seeded(h.finish())
     }
 
@@ -172,7 +180,15 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, seed: Some(seed), max_tokens: 1, stop_token_ids: vec![], ignore_eos: false }
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: Some(seed),
+            max_tokens: 1,
+            stop_token_ids: vec![],
+            ignore_eos: false,
+        }
     }
 
     #[test]

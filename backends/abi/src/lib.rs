@@ -115,23 +115,16 @@ pub struct TkAttnBatch {
 
 pub type AbiVersionFn = unsafe extern "C" fn() -> u32;
 pub type LastErrorFn = unsafe extern "C" fn() -> *const c_char;
-pub type DeviceCreateFn =
-    unsafe extern "C" fn(config: *const TkDeviceConfig, out: *mut *mut TkDevice) -> TkStatus;
+pub type DeviceCreateFn = unsafe extern "C" fn(config: *const TkDeviceConfig, out: *mut *mut TkDevice) -> TkStatus;
 pub type DeviceDestroyFn = unsafe extern "C" fn(dev: *mut TkDevice);
 pub type DeviceInfoGetFn = unsafe extern "C" fn(dev: *mut TkDevice, out: *mut TkDeviceInfo) -> TkStatus;
 pub type SynchronizeFn = unsafe extern "C" fn(dev: *mut TkDevice) -> TkStatus;
 pub type AllocFn = unsafe extern "C" fn(dev: *mut TkDevice, bytes: u64, out: *mut *mut TkBuffer) -> TkStatus;
-pub type BufferWrapHostFn = unsafe extern "C" fn(
-    dev: *mut TkDevice,
-    host: *const c_void,
-    bytes: u64,
-    out: *mut *mut TkBuffer,
-) -> TkStatus;
+pub type BufferWrapHostFn =
+    unsafe extern "C" fn(dev: *mut TkDevice, host: *const c_void, bytes: u64, out: *mut *mut TkBuffer) -> TkStatus;
 pub type FreeFn = unsafe extern "C" fn(dev: *mut TkDevice, buf: *mut TkBuffer) -> TkStatus;
-pub type CopyH2dFn =
-    unsafe extern "C" fn(dev: *mut TkDevice, dst: TkPtr, src: *const c_void, bytes: u64) -> TkStatus;
-pub type CopyD2hFn =
-    unsafe extern "C" fn(dev: *mut TkDevice, dst: *mut c_void, src: TkPtr, bytes: u64) -> TkStatus;
+pub type CopyH2dFn = unsafe extern "C" fn(dev: *mut TkDevice, dst: TkPtr, src: *const c_void, bytes: u64) -> TkStatus;
+pub type CopyD2hFn = unsafe extern "C" fn(dev: *mut TkDevice, dst: *mut c_void, src: TkPtr, bytes: u64) -> TkStatus;
 pub type CopyD2dFn = unsafe extern "C" fn(dev: *mut TkDevice, dst: TkPtr, src: TkPtr, bytes: u64) -> TkStatus;
 pub type EmbeddingFn = unsafe extern "C" fn(
     dev: *mut TkDevice,
@@ -218,8 +211,7 @@ pub type PagedDecodeAttentionFn = unsafe extern "C" fn(
     num_heads: u32,
     scale: f32,
 ) -> TkStatus;
-pub type ArgmaxFn =
-    unsafe extern "C" fn(dev: *mut TkDevice, out: TkPtr, logits: TkPtr, n: u32, vocab: u32) -> TkStatus;
+pub type ArgmaxFn = unsafe extern "C" fn(dev: *mut TkDevice, out: TkPtr, logits: TkPtr, n: u32, vocab: u32) -> TkStatus;
 pub type LogSoftmaxFn =
     unsafe extern "C" fn(dev: *mut TkDevice, out: TkPtr, logits: TkPtr, n: u32, vocab: u32) -> TkStatus;
 

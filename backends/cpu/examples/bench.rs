@@ -24,32 +24,21 @@ fn time(mut f: impl FnMut(), iters: usize) -> f64 {
 }
 
 fn main() {
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let cfg = TkDeviceConfig {
-        threads: threads as u32,
-        device_index: 0,
-        memory_limit_bytes: 0,
-    };
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cfg = TkDeviceConfig { threads: threads as u32, device_index: 0, memory_limit_bytes: 0 };
     let mut dev = std::ptr::null_mut();
     // SAFETY: valid pointers.
     assert_eq!(unsafe { tk_device_create(&cfg, &mut dev) }, TK_OK);
 
     // STREAM copy with the same thread count.
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     let n = 64 << 20; // 64 Mi f32 = 256 MiB per array
     let src = vec![1.0f32; n];
     let mut dst = vec![0.0f32; n];
     let t = time(
         || {
             pool.install(|| {
-                dst.par_chunks_mut(1 << 16)
-                    .zip(src.par_chunks(1 << 16))
-                    .for_each(|(d, s)| d.copy_from_slice(s))
+                dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s))
             })
         },
         5,
@@ -60,28 +49,12 @@ fn main() {
 
     // Big f32 GEMM through tk_linear.
     let s = 2048usize;
-    let (o, x, w) = (
-        alloc(dev, s * s * 4),
-        alloc(dev, s * s * 4),
-        alloc(dev, s * s * 4),
-    );
+    let (o, x, w) = (alloc(dev, s * s * 4), alloc(dev, s * s * 4), alloc(dev, s * s * 4));
     let t = time(
         // SAFETY: valid device and buffers of the right size.
         || {
             assert_eq!(
-                unsafe {
-                    tk_linear(
-                        dev,
-                        o,
-                        x,
-                        w,
-                        TK_DTYPE_F32,
-                        TkPtr::NULL,
-                        s as u32,
-                        s as u32,
-                        s as u32,
-                    )
-                },
+                unsafe { tk_linear(dev, o, x, w, TK_DTYPE_F32, TkPtr::NULL, s as u32, s as u32, s as u32,) },
                 TK_OK
             )
         },
@@ -91,28 +64,13 @@ fn main() {
     println!("tk_linear f32 2048^3: {big:.1} GFLOP/s");
 
     // GEMV.
-    for &(dt, name, es) in &[
-        (TK_DTYPE_F16, "f16", 2usize),
-        (TK_DTYPE_BF16, "bf16", 2),
-        (TK_DTYPE_F32, "f32", 4),
-    ] {
+    for &(dt, name, es) in &[(TK_DTYPE_F16, "f16", 2usize), (TK_DTYPE_BF16, "bf16", 2), (TK_DTYPE_F32, "f32", 4)] {
         for &m in &[1usize, 4] {
             let (n, k) = (8192usize, 4096usize);
-            let (o, x, w) = (
-                alloc(dev, m * n * 4),
-                alloc(dev, m * k * 4),
-                alloc(dev, n * k * es),
-            );
+            let (o, x, w) = (alloc(dev, m * n * 4), alloc(dev, m * k * 4), alloc(dev, n * k * es));
             let t = time(
                 // SAFETY: as above.
-                || {
-                    assert_eq!(
-                        unsafe {
-                            tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32)
-                        },
-                        TK_OK
-                    )
-                },
+                || assert_eq!(unsafe { tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32) }, TK_OK),
                 20,
             );
             let bw = (n * k * es) as f64 / t / 1e9;
@@ -124,36 +82,18 @@ fn main() {
     }
 
     // Mid / large m with half weights.
-    for &(dt, name) in &[
-        (TK_DTYPE_F16, "f16"),
-        (TK_DTYPE_BF16, "bf16"),
-        (TK_DTYPE_F32, "f32"),
-    ] {
+    for &(dt, name) in &[(TK_DTYPE_F16, "f16"), (TK_DTYPE_BF16, "bf16"), (TK_DTYPE_F32, "f32")] {
         for &(m, n) in &[(32usize, 2048usize), (32, 8192), (512, 2048), (512, 8192)] {
             let k = 2048usize;
             let es = if dt == TK_DTYPE_F32 { 4 } else { 2 };
-            let (o, x, w) = (
-                alloc(dev, m * n * 4),
-                alloc(dev, m * k * 4),
-                alloc(dev, n * k * es),
-            );
+            let (o, x, w) = (alloc(dev, m * n * 4), alloc(dev, m * k * 4), alloc(dev, n * k * es));
             let t = time(
                 // SAFETY: as above.
-                || {
-                    assert_eq!(
-                        unsafe {
-                            tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32)
-                        },
-                        TK_OK
-                    )
-                },
+                || assert_eq!(unsafe { tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32) }, TK_OK),
                 5,
             );
             let gf = 2.0 * (m * n * k) as f64 / t / 1e9;
-            println!(
-                "linear {name} m={m} n={n} k={k}: {gf:.1} GFLOP/s ({:.0}% of big f32 GEMM)",
-                gf / big * 100.0
-            );
+            println!("linear {name} m={m} n={n} k={k}: {gf:.1} GFLOP/s ({:.0}% of big f32 GEMM)", gf / big * 100.0);
         }
     }
 
@@ -178,15 +118,9 @@ fn main() {
         let table: Vec<i32> = (0..nb as i32).collect();
         // SAFETY: valid buffers and host sources.
         unsafe {
-            assert_eq!(
-                tk_copy_h2d(dev, qs, [0i32, tq as i32].as_ptr().cast(), 8),
-                TK_OK
-            );
+            assert_eq!(tk_copy_h2d(dev, qs, [0i32, tq as i32].as_ptr().cast(), 8), TK_OK);
             assert_eq!(tk_copy_h2d(dev, cl, [tq as i32].as_ptr().cast(), 4), TK_OK);
-            assert_eq!(
-                tk_copy_h2d(dev, bt, table.as_ptr().cast(), (nb * 4) as u64),
-                TK_OK
-            );
+            assert_eq!(tk_copy_h2d(dev, bt, table.as_ptr().cast(), (nb * 4) as u64), TK_OK);
         }
         let batch = TkAttnBatch {
             num_seqs: 1,
@@ -200,9 +134,7 @@ fn main() {
             // SAFETY: as above.
             || {
                 assert_eq!(
-                    unsafe {
-                        tk_prefill_attention(dev, o, q, &cache, &batch, tq as u32, h as u32, 0.125)
-                    },
+                    unsafe { tk_prefill_attention(dev, o, q, &cache, &batch, tq as u32, h as u32, 0.125) },
                     TK_OK
                 )
             },

@@ -44,11 +44,7 @@ pub fn physical_memory() -> u64 {
         .and_then(|s| {
             s.lines()
                 .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| {
-                    l.split_whitespace()
-                        .nth(1)
-                        .and_then(|kb| kb.parse::<u64>().ok())
-                })
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
         })
         .map(|kb| kb * 1024)
         .unwrap_or(16 << 30)
@@ -64,14 +60,10 @@ impl Device {
     /// (0 = physical RAM).
     pub fn new(threads: u32, memory_limit: u64) -> Result<Device> {
         if threads > MAX_THREADS {
-            return Err(crate::invalid!(
-                "config.threads = {threads} exceeds the maximum of {MAX_THREADS}"
-            ));
+            return Err(crate::invalid!("config.threads = {threads} exceeds the maximum of {MAX_THREADS}"));
         }
         let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
         } else {
             threads as usize
         };
@@ -80,18 +72,8 @@ impl Device {
             .thread_name(|i| format!("tessera-cpu-{i}"))
             .build()
             .map_err(|e| KernelError::Internal(format!("cannot build thread pool: {e}")))?;
-        let memory_limit = if memory_limit == 0 {
-            physical_memory()
-        } else {
-            memory_limit
-        };
-        Ok(Device {
-            pool,
-            threads,
-            memory_limit,
-            used: Mutex::new(0),
-            buffers: Mutex::new(HashMap::new()),
-        })
+        let memory_limit = if memory_limit == 0 { physical_memory() } else { memory_limit };
+        Ok(Device { pool, threads, memory_limit, used: Mutex::new(0), buffers: Mutex::new(HashMap::new()) })
     }
 
     /// Bytes currently allocated by `alloc`.
@@ -120,52 +102,33 @@ impl Device {
             )));
         }
         *used += bytes;
-        Ok(self.register(BufferEntry {
-            addr: ptr as usize,
-            len,
-            read_only: false,
-        }))
+        Ok(self.register(BufferEntry { addr: ptr as usize, len, read_only: false }))
     }
 
     /// Registers caller memory as a read-only buffer and returns its handle id.
     pub fn wrap_host(&self, addr: usize, bytes: u64) -> Result<usize> {
-        let len = usize::try_from(bytes)
-            .map_err(|_| crate::invalid!("bytes = {bytes} does not fit the address space"))?;
+        let len =
+            usize::try_from(bytes).map_err(|_| crate::invalid!("bytes = {bytes} does not fit the address space"))?;
         if addr.checked_add(len).is_none() {
             return Err(crate::invalid!("host {addr:#x} + {bytes} bytes overflows"));
         }
-        Ok(self.register(BufferEntry {
-            addr,
-            len,
-            read_only: true,
-        }))
+        Ok(self.register(BufferEntry { addr, len, read_only: true }))
     }
 
     fn register(&self, entry: BufferEntry) -> usize {
         let id = NEXT_HANDLE.fetch_add(16, Ordering::Relaxed);
-        self.buffers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, entry);
+        self.buffers.lock().unwrap_or_else(|e| e.into_inner()).insert(id, entry);
         id
     }
 
     /// The live buffer with handle `id`, if this device owns one.
     pub fn lookup(&self, id: usize) -> Option<BufferEntry> {
-        self.buffers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .copied()
+        self.buffers.lock().unwrap_or_else(|e| e.into_inner()).get(&id).copied()
     }
 
     /// Frees the buffer `id`; false if this device has no such live buffer.
     pub fn free(&self, id: usize) -> bool {
-        let entry = self
-            .buffers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        let entry = self.buffers.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
         match entry {
             Some(e) => {
                 self.release(e);
@@ -191,13 +154,8 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        let entries: Vec<BufferEntry> = self
-            .buffers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .map(|(_, e)| e)
-            .collect();
+        let entries: Vec<BufferEntry> =
+            self.buffers.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, e)| e).collect();
         for e in entries {
             self.release(e);
         }

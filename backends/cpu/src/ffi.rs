@@ -70,10 +70,7 @@ struct Arg {
 
 impl Arg {
     fn overlaps(&self, o: &Arg) -> bool {
-        self.bytes > 0
-            && o.bytes > 0
-            && self.addr < o.addr + o.bytes
-            && o.addr < self.addr + self.bytes
+        self.bytes > 0 && o.bytes > 0 && self.addr < o.addr + o.bytes && o.addr < self.addr + self.bytes
     }
 }
 
@@ -89,32 +86,19 @@ fn arg(dev: &Device, name: &str, p: TkPtr, count: usize, elem: usize, write: boo
     if p.buf.is_null() {
         return Err(invalid!("{name} is a null buffer"));
     }
-    let b = dev.lookup(p.buf as usize).ok_or_else(|| {
-        invalid!(
-            "{name} buffer {:p} is not a live buffer of this device",
-            p.buf
-        )
-    })?;
+    let b = dev
+        .lookup(p.buf as usize)
+        .ok_or_else(|| invalid!("{name} buffer {:p} is not a live buffer of this device", p.buf))?;
     let off = p.offset;
-    if off
-        .checked_add(bytes as u64)
-        .is_none_or(|end| end > b.len as u64)
-    {
-        return Err(invalid!(
-            "{name} needs {bytes} bytes at offset {off} but buffer holds {}",
-            b.len
-        ));
+    if off.checked_add(bytes as u64).is_none_or(|end| end > b.len as u64) {
+        return Err(invalid!("{name} needs {bytes} bytes at offset {off} but buffer holds {}", b.len));
     }
     let addr = b.addr + off as usize;
     if !addr.is_multiple_of(elem) {
-        return Err(invalid!(
-            "{name} at offset {off} (address {addr:#x}) is not aligned to its {elem}-byte elements"
-        ));
+        return Err(invalid!("{name} at offset {off} (address {addr:#x}) is not aligned to its {elem}-byte elements"));
     }
     if write && b.read_only {
-        return Err(invalid!(
-            "{name} is a read-only (wrapped host) buffer and cannot be written"
-        ));
+        return Err(invalid!("{name} is a read-only (wrapped host) buffer and cannot be written"));
     }
     Ok(Arg { addr, bytes })
 }
@@ -136,11 +120,7 @@ fn input<'a, T: Copy>(a: &Arg, outputs: &[&Arg]) -> Cow<'a, [T]> {
     // the device is used by one thread so the buffer lives through this call); T is a
     // plain numeric type valid for any bit pattern.
     let s: &'a [T] = unsafe { std::slice::from_raw_parts(a.addr as *const T, n) };
-    if outputs.iter().any(|o| o.overlaps(a)) {
-        Cow::Owned(s.to_vec())
-    } else {
-        Cow::Borrowed(s)
-    }
+    if outputs.iter().any(|o| o.overlaps(a)) { Cow::Owned(s.to_vec()) } else { Cow::Borrowed(s) }
 }
 
 /// An output slice. Callers ensure it overlaps no other live slice.
@@ -199,11 +179,7 @@ fn read_struct<'a, T>(p: *const T, name: &str) -> Result<&'a T> {
 }
 
 fn check_out_ptr<T>(out: *mut T, name: &str) -> Result<()> {
-    if out.is_null() {
-        Err(invalid!("{name} is null"))
-    } else {
-        Ok(())
-    }
+    if out.is_null() { Err(invalid!("{name} is null")) } else { Ok(()) }
 }
 
 // ---- library and device --------------------------------------------------------
@@ -227,20 +203,13 @@ pub unsafe extern "C" fn tk_last_error() -> *const c_char {
 /// # Safety
 /// `config` must be null or point to a valid config; `out` null or writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_device_create(
-    config: *const TkDeviceConfig,
-    out: *mut *mut TkDevice,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_device_create(config: *const TkDeviceConfig, out: *mut *mut TkDevice) -> TkStatus {
     guard("tk_device_create", || {
         check_out_ptr(out, "out")?;
         let cfg = *read_struct(config, "config")?;
         let dev = Device::new(cfg.threads, cfg.memory_limit_bytes)?;
         let p = Box::into_raw(Box::new(dev));
-        LIVE_DEVICES
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(HashSet::new)
-            .insert(p as usize);
+        LIVE_DEVICES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashSet::new).insert(p as usize);
         // SAFETY: out is non-null and, per the ABI, writable.
         unsafe { *out = p as *mut TkDevice };
         Ok(())
@@ -252,11 +221,8 @@ pub unsafe extern "C" fn tk_device_create(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn tk_device_destroy(dev: *mut TkDevice) {
     let _ = guard("tk_device_destroy", || {
-        let removed = LIVE_DEVICES
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-            .is_some_and(|s| s.remove(&(dev as usize)));
+        let removed =
+            LIVE_DEVICES.lock().unwrap_or_else(|e| e.into_inner()).as_mut().is_some_and(|s| s.remove(&(dev as usize)));
         if removed {
             // SAFETY: the address was live (created by Box::into_raw) and is now
             // removed from the set, so it is dropped exactly once.
@@ -269,10 +235,7 @@ pub unsafe extern "C" fn tk_device_destroy(dev: *mut TkDevice) {
 /// # Safety
 /// `out` must be null or writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_device_info_get(
-    dev: *mut TkDevice,
-    out: *mut TkDeviceInfo,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_device_info_get(dev: *mut TkDevice, out: *mut TkDeviceInfo) -> TkStatus {
     guard("tk_device_info_get", || {
         let d = device(dev)?;
         check_out_ptr(out, "out")?;
@@ -304,11 +267,7 @@ pub unsafe extern "C" fn tk_synchronize(dev: *mut TkDevice) -> TkStatus {
 /// # Safety
 /// `out` must be null or writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_alloc(
-    dev: *mut TkDevice,
-    bytes: u64,
-    out: *mut *mut TkBuffer,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_alloc(dev: *mut TkDevice, bytes: u64, out: *mut *mut TkBuffer) -> TkStatus {
     guard("tk_alloc", || {
         let d = device(dev)?;
         check_out_ptr(out, "out")?;
@@ -361,12 +320,7 @@ pub unsafe extern "C" fn tk_free(dev: *mut TkDevice, buf: *mut TkBuffer) -> TkSt
 /// # Safety
 /// `src` must be readable for `bytes` bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_copy_h2d(
-    dev: *mut TkDevice,
-    dst: TkPtr,
-    src: *const c_void,
-    bytes: u64,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_copy_h2d(dev: *mut TkDevice, dst: TkPtr, src: *const c_void, bytes: u64) -> TkStatus {
     guard("tk_copy_h2d", || {
         let d = device(dev)?;
         let n = usize::try_from(bytes).map_err(|_| invalid!("bytes = {bytes} is too large"))?;
@@ -387,12 +341,7 @@ pub unsafe extern "C" fn tk_copy_h2d(
 /// # Safety
 /// `dst` must be writable for `bytes` bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_copy_d2h(
-    dev: *mut TkDevice,
-    dst: *mut c_void,
-    src: TkPtr,
-    bytes: u64,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_copy_d2h(dev: *mut TkDevice, dst: *mut c_void, src: TkPtr, bytes: u64) -> TkStatus {
     guard("tk_copy_d2h", || {
         let d = device(dev)?;
         let n = usize::try_from(bytes).map_err(|_| invalid!("bytes = {bytes} is too large"))?;
@@ -413,12 +362,7 @@ pub unsafe extern "C" fn tk_copy_d2h(
 /// Every handle and tensor argument is validated; host pointers (none here
 /// beyond the handles) follow the C ABI contract in `tessera_kernels.h`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_copy_d2d(
-    dev: *mut TkDevice,
-    dst: TkPtr,
-    src: TkPtr,
-    bytes: u64,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_copy_d2d(dev: *mut TkDevice, dst: TkPtr, src: TkPtr, bytes: u64) -> TkStatus {
     guard("tk_copy_d2d", || {
         let d = device(dev)?;
         let n = usize::try_from(bytes).map_err(|_| invalid!("bytes = {bytes} is too large"))?;
@@ -456,22 +400,13 @@ pub unsafe extern "C" fn tk_embedding(
         let d = device(dev)?;
         let dt = DType::from_abi(table_dtype, "table")?;
         let o = arg(d, "out", out, dims("out", &[n, hidden])?, 4, true)?;
-        let t = arg(
-            d,
-            "table",
-            table,
-            dims("table", &[vocab, hidden])?,
-            dt.size(),
-            false,
-        )?;
+        let t = arg(d, "table", table, dims("table", &[vocab, hidden])?, dt.size(), false)?;
         let i = arg(d, "ids", ids, n as usize, 4, false)?;
         let t = winput(dt, &t, &[&o]);
         let i = input::<i32>(&i, &[&o]);
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
-        d.pool.install(|| {
-            ops::misc::embedding(o, t.view(), &i, n as usize, hidden as usize, vocab as usize)
-        })
+        d.pool.install(|| ops::misc::embedding(o, t.view(), &i, n as usize, hidden as usize, vocab as usize))
     })
 }
 
@@ -496,26 +431,14 @@ pub unsafe extern "C" fn tk_linear(
         let o = arg(d, "out", out, dims("out", &[m, n])?, 4, true)?;
         let xa = arg(d, "x", x, dims("x", &[m, k])?, 4, false)?;
         let wa = arg(d, "w", w, dims("w", &[n, k])?, dt.size(), false)?;
-        let ba = if bias.buf.is_null() {
-            None
-        } else {
-            Some(arg(d, "bias", bias, n as usize, dt.size(), false)?)
-        };
+        let ba = if bias.buf.is_null() { None } else { Some(arg(d, "bias", bias, n as usize, dt.size(), false)?) };
         let xs = input::<f32>(&xa, &[&o]);
         let ws = winput(dt, &wa, &[&o]);
         let bs = ba.map(|b| winput(dt, &b, &[&o]));
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
         d.pool.install(|| {
-            ops::linear::linear(
-                o,
-                &xs,
-                ws.view(),
-                bs.as_ref().map(|b| b.view()),
-                m as usize,
-                n as usize,
-                k as usize,
-            )
+            ops::linear::linear(o, &xs, ws.view(), bs.as_ref().map(|b| b.view()), m as usize, n as usize, k as usize)
         });
         Ok(())
     })
@@ -545,8 +468,7 @@ pub unsafe extern "C" fn tk_rms_norm(
         let ws = winput(dt, &wa, &[&o]);
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
-        d.pool
-            .install(|| ops::norm::rms_norm(o, &xs, ws.view(), n as usize, hidden as usize, eps));
+        d.pool.install(|| ops::norm::rms_norm(o, &xs, ws.view(), n as usize, hidden as usize, eps));
         Ok(())
     })
 }
@@ -579,9 +501,7 @@ pub unsafe extern "C" fn tk_add_rms_norm(
         let ws = winput(dt, &wa, &[&o, &r]);
         // SAFETY: r and o are disjoint; inputs overlapping either were copied.
         let (r, o) = unsafe { (output::<f32>(&r), output::<f32>(&o)) };
-        d.pool.install(|| {
-            ops::norm::add_rms_norm(r, &xs, ws.view(), o, n as usize, hidden as usize, eps)
-        });
+        d.pool.install(|| ops::norm::add_rms_norm(r, &xs, ws.view(), o, n as usize, hidden as usize, eps));
         Ok(())
     })
 }
@@ -744,11 +664,7 @@ pub unsafe extern "C" fn tk_prefill_attention(
         let bt = input::<i32>(&bta, &outs);
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
-        let view = KvView {
-            k: kv.0.view(),
-            v: kv.1.view(),
-            geom: g,
-        };
+        let view = KvView { k: kv.0.view(), v: kv.1.view(), geom: g };
         d.pool.install(|| {
             ops::attention::prefill_attention(
                 o,
@@ -788,14 +704,8 @@ pub unsafe extern "C" fn tk_paged_decode_attention(
         let cnt = dims("q", &[num_seqs, num_heads, c.head_dim])?;
         let o = arg(d, "out", out, cnt, 4, true)?;
         let qa = arg(d, "q", q, cnt, 4, false)?;
-        let bta = arg(
-            d,
-            "block_tables",
-            block_tables,
-            dims("block_tables", &[num_seqs, max_blocks_per_seq])?,
-            4,
-            false,
-        )?;
+        let bta =
+            arg(d, "block_tables", block_tables, dims("block_tables", &[num_seqs, max_blocks_per_seq])?, 4, false)?;
         let cla = arg(d, "context_lens", context_lens, num_seqs as usize, 4, false)?;
         let outs = [&o];
         let qs = input::<f32>(&qa, &outs);
@@ -804,11 +714,7 @@ pub unsafe extern "C" fn tk_paged_decode_attention(
         let cl = input::<i32>(&cla, &outs);
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
-        let view = KvView {
-            k: kv.0.view(),
-            v: kv.1.view(),
-            geom: g,
-        };
+        let view = KvView { k: kv.0.view(), v: kv.1.view(), geom: g };
         d.pool.install(|| {
             ops::attention::paged_decode_attention(
                 o,
@@ -829,13 +735,7 @@ pub unsafe extern "C" fn tk_paged_decode_attention(
 /// Every handle and tensor argument is validated; host pointers (none here
 /// beyond the handles) follow the C ABI contract in `tessera_kernels.h`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_argmax(
-    dev: *mut TkDevice,
-    out: TkPtr,
-    logits: TkPtr,
-    n: u32,
-    vocab: u32,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_argmax(dev: *mut TkDevice, out: TkPtr, logits: TkPtr, n: u32, vocab: u32) -> TkStatus {
     guard("tk_argmax", || {
         let d = device(dev)?;
         let o = arg(d, "out", out, n as usize, 4, true)?;
@@ -843,8 +743,7 @@ pub unsafe extern "C" fn tk_argmax(
         let ls = input::<f32>(&l, &[&o]);
         // SAFETY: logits was copied if it overlapped `o`.
         let o = unsafe { output::<i32>(&o) };
-        d.pool
-            .install(|| ops::misc::argmax(o, &ls, n as usize, vocab as usize));
+        d.pool.install(|| ops::misc::argmax(o, &ls, n as usize, vocab as usize));
         Ok(())
     })
 }
@@ -853,13 +752,7 @@ pub unsafe extern "C" fn tk_argmax(
 /// Every handle and tensor argument is validated; host pointers (none here
 /// beyond the handles) follow the C ABI contract in `tessera_kernels.h`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn tk_log_softmax(
-    dev: *mut TkDevice,
-    out: TkPtr,
-    logits: TkPtr,
-    n: u32,
-    vocab: u32,
-) -> TkStatus {
+pub unsafe extern "C" fn tk_log_softmax(dev: *mut TkDevice, out: TkPtr, logits: TkPtr, n: u32, vocab: u32) -> TkStatus {
     guard("tk_log_softmax", || {
         let d = device(dev)?;
         let cnt = dims("out", &[n, vocab])?;
@@ -868,14 +761,12 @@ pub unsafe extern "C" fn tk_log_softmax(
         if o.addr == l.addr {
             // SAFETY: out == logits: one exclusive slice, no aliasing.
             let x = unsafe { output::<f32>(&o) };
-            d.pool
-                .install(|| ops::misc::log_softmax_inplace(x, n as usize, vocab as usize));
+            d.pool.install(|| ops::misc::log_softmax_inplace(x, n as usize, vocab as usize));
         } else {
             let ls = input::<f32>(&l, &[&o]);
             // SAFETY: logits was copied if it overlapped `o`.
             let o = unsafe { output::<f32>(&o) };
-            d.pool
-                .install(|| ops::misc::log_softmax(o, &ls, n as usize, vocab as usize));
+            d.pool.install(|| ops::misc::log_softmax(o, &ls, n as usize, vocab as usize));
         }
         Ok(())
     })
@@ -888,17 +779,11 @@ mod tests {
 
     fn last() -> String {
         // SAFETY: tk_last_error returns a valid NUL-terminated thread-local string.
-        unsafe { CStr::from_ptr(tk_last_error()) }
-            .to_string_lossy()
-            .into_owned()
+        unsafe { CStr::from_ptr(tk_last_error()) }.to_string_lossy().into_owned()
     }
 
     fn dev(threads: u32, limit: u64) -> *mut TkDevice {
-        let cfg = TkDeviceConfig {
-            threads,
-            device_index: 0,
-            memory_limit_bytes: limit,
-        };
+        let cfg = TkDeviceConfig { threads, device_index: 0, memory_limit_bytes: limit };
         let mut d = std::ptr::null_mut();
         // SAFETY: valid pointers.
         assert_eq!(unsafe { tk_device_create(&cfg, &mut d) }, TK_OK);
@@ -932,42 +817,24 @@ mod tests {
         // handles that the library must refuse without dereferencing.
         unsafe {
             assert_eq!(tk_abi_version(), (1 << 16));
-            let cfg = TkDeviceConfig {
-                threads: 5000,
-                device_index: 0,
-                memory_limit_bytes: 0,
-            };
+            let cfg = TkDeviceConfig { threads: 5000, device_index: 0, memory_limit_bytes: 0 };
             let mut d = std::ptr::null_mut();
             assert_eq!(tk_device_create(&cfg, &mut d), TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("threads = 5000"), "{}", last());
-            assert_eq!(
-                tk_device_create(std::ptr::null(), &mut d),
-                TK_ERR_INVALID_ARGUMENT
-            );
+            assert_eq!(tk_device_create(std::ptr::null(), &mut d), TK_ERR_INVALID_ARGUMENT);
             let d = dev(2, 1 << 20);
             let mut info = TkDeviceInfo::default();
             assert_eq!(tk_device_info_get(d, &mut info), TK_OK);
             let name = CStr::from_ptr(info.name.as_ptr()).to_str().unwrap();
             assert_eq!(name, "cpu (2 threads)");
-            assert_eq!(
-                (
-                    info.memory_bytes,
-                    info.compute_units,
-                    info.host_memory_shared
-                ),
-                (1 << 20, 2, 1)
-            );
+            assert_eq!((info.memory_bytes, info.compute_units, info.host_memory_shared), (1 << 20, 2, 1));
             assert_eq!(tk_synchronize(d), TK_OK);
             // Memory limit.
             let mut b = std::ptr::null_mut();
             assert_eq!(tk_alloc(d, 1 << 19, &mut b), TK_OK);
             let mut b2 = std::ptr::null_mut();
             assert_eq!(tk_alloc(d, (1 << 19) + 1, &mut b2), TK_ERR_OUT_OF_MEMORY);
-            assert!(
-                last().contains("requested 524289 bytes") && last().contains("1048576"),
-                "{}",
-                last()
-            );
+            assert!(last().contains("requested 524289 bytes") && last().contains("1048576"), "{}", last());
             assert_eq!(tk_free(d, b), TK_OK);
             assert_eq!(tk_free(d, b), TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("not a live buffer"), "{}", last());
@@ -996,22 +863,12 @@ mod tests {
             let x = [0u8; 8];
             let st = tk_copy_h2d(d, TkPtr { offset: 96, ..p }, x.as_ptr().cast(), 8);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
-            assert!(
-                last().contains("dst needs 8 bytes at offset 96 but buffer holds 100"),
-                "{}",
-                last()
-            );
+            assert!(last().contains("dst needs 8 bytes at offset 96 but buffer holds 100"), "{}", last());
             let q = alloc(d, 8);
             assert_eq!(tk_copy_d2d(d, q, TkPtr { offset: 96, ..p }, 4), TK_OK);
             assert_eq!(tk_copy_d2d(d, q, TkPtr { offset: 95, ..p }, 4), TK_OK);
-            assert_eq!(
-                tk_copy_d2d(d, q, TkPtr { offset: 95, ..p }, 8),
-                TK_ERR_INVALID_ARGUMENT
-            );
-            let bogus = TkPtr {
-                buf: 0x1234 as *mut TkBuffer,
-                offset: 0,
-            };
+            assert_eq!(tk_copy_d2d(d, q, TkPtr { offset: 95, ..p }, 8), TK_ERR_INVALID_ARGUMENT);
+            let bogus = TkPtr { buf: 0x1234 as *mut TkBuffer, offset: 0 };
             assert_eq!(tk_copy_d2d(d, q, bogus, 4), TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("src buffer"), "{}", last());
             tk_device_destroy(d);
@@ -1032,22 +889,9 @@ mod tests {
         // SAFETY (whole block): w outlives its buffer handle; other pointers are
         // valid or deliberately bad handles.
         unsafe {
-            assert_eq!(
-                tk_buffer_wrap_host(d, w.as_ptr().cast(), (n * k * 4) as u64, &mut wb),
-                TK_OK
-            );
+            assert_eq!(tk_buffer_wrap_host(d, w.as_ptr().cast(), (n * k * 4) as u64, &mut wb), TK_OK);
             let wp = TkPtr { buf: wb, offset: 0 };
-            let st = tk_linear(
-                d,
-                op,
-                xp,
-                wp,
-                TK_DTYPE_F32,
-                TkPtr::NULL,
-                m as u32,
-                n as u32,
-                k as u32,
-            );
+            let st = tk_linear(d, op, xp, wp, TK_DTYPE_F32, TkPtr::NULL, m as u32, n as u32, k as u32);
             assert_eq!(st, TK_OK, "{}", last());
             let out: Vec<f32> = d2h(d, op, m * n);
             for i in 0..m {
@@ -1059,19 +903,11 @@ mod tests {
             // Read-only output.
             let st = tk_linear(d, wp, xp, wp, TK_DTYPE_F32, TkPtr::NULL, 1, 1, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
-            assert!(
-                last().starts_with("tk_linear: out is a read-only"),
-                "{}",
-                last()
-            );
+            assert!(last().starts_with("tk_linear: out is a read-only"), "{}", last());
             // Too small weight buffer.
             let st = tk_linear(d, op, xp, wp, TK_DTYPE_F32, TkPtr::NULL, 1, 4, k as u32);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
-            assert!(
-                last().contains("tk_linear: w needs 64 bytes at offset 0 but buffer holds 48"),
-                "{}",
-                last()
-            );
+            assert!(last().contains("tk_linear: w needs 64 bytes at offset 0 but buffer holds 48"), "{}", last());
             // Bad dtype.
             let st = tk_linear(d, op, xp, wp, 77, TkPtr::NULL, 1, 1, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
@@ -1079,40 +915,17 @@ mod tests {
             let st = tk_linear(d, op, xp, wp, TK_DTYPE_I32, TkPtr::NULL, 1, 1, 1);
             assert_eq!(st, TK_ERR_UNSUPPORTED);
             // Misaligned offset.
-            let st = tk_linear(
-                d,
-                op,
-                TkPtr { offset: 2, ..xp },
-                wp,
-                TK_DTYPE_F32,
-                TkPtr::NULL,
-                1,
-                1,
-                1,
-            );
+            let st = tk_linear(d, op, TkPtr { offset: 2, ..xp }, wp, TK_DTYPE_F32, TkPtr::NULL, 1, 1, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("not aligned"), "{}", last());
             // Null and bogus handles.
             let st = tk_linear(d, TkPtr::NULL, xp, wp, TK_DTYPE_F32, TkPtr::NULL, 1, 1, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("out is a null buffer"), "{}", last());
-            let bogus = TkPtr {
-                buf: 0xdead0 as *mut TkBuffer,
-                offset: 0,
-            };
+            let bogus = TkPtr { buf: 0xdead0 as *mut TkBuffer, offset: 0 };
             let st = tk_linear(d, op, bogus, wp, TK_DTYPE_F32, TkPtr::NULL, 1, 1, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
-            let st = tk_linear(
-                std::ptr::null_mut(),
-                op,
-                xp,
-                wp,
-                TK_DTYPE_F32,
-                TkPtr::NULL,
-                1,
-                1,
-                1,
-            );
+            let st = tk_linear(std::ptr::null_mut(), op, xp, wp, TK_DTYPE_F32, TkPtr::NULL, 1, 1, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
 
             // log_softmax in place and argmax.
@@ -1128,10 +941,7 @@ mod tests {
             // Partially overlapping out / logits.
             let big = alloc(d, 32);
             h2d(d, big, &[0.0f32, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]);
-            assert_eq!(
-                tk_log_softmax(d, TkPtr { offset: 8, ..big }, big, 1, 4),
-                TK_OK
-            );
+            assert_eq!(tk_log_softmax(d, TkPtr { offset: 8, ..big }, big, 1, 4), TK_OK);
 
             // Embedding with an out-of-range id.
             let ids = alloc(d, 4);
@@ -1156,36 +966,15 @@ mod tests {
             let st = tk_fill_kv_cache(d, &cache, xp, xp, sl, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("slot_mapping[0] = 4"), "{}", last());
-            let bad = TkKvCache {
-                v: TkPtr { offset: 32, ..kc },
-                ..cache
-            };
-            assert_eq!(
-                tk_fill_kv_cache(d, &bad, xp, xp, sl, 1),
-                TK_ERR_INVALID_ARGUMENT
-            );
+            let bad = TkKvCache { v: TkPtr { offset: 32, ..kc }, ..cache };
+            assert_eq!(tk_fill_kv_cache(d, &bad, xp, xp, sl, 1), TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("overlap"), "{}", last());
             h2d(d, sl, &[3i32]);
-            assert_eq!(
-                tk_fill_kv_cache(d, &cache, xp, xp, sl, 1),
-                TK_OK,
-                "{}",
-                last()
-            );
-            let ro = TkKvCache {
-                k: TkPtr { buf: wb, offset: 0 },
-                num_blocks: 1,
-                ..cache
-            };
-            assert_eq!(
-                tk_fill_kv_cache(d, &ro, xp, xp, sl, 1),
-                TK_ERR_INVALID_ARGUMENT
-            );
+            assert_eq!(tk_fill_kv_cache(d, &cache, xp, xp, sl, 1), TK_OK, "{}", last());
+            let ro = TkKvCache { k: TkPtr { buf: wb, offset: 0 }, num_blocks: 1, ..cache };
+            assert_eq!(tk_fill_kv_cache(d, &ro, xp, xp, sl, 1), TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("cache.k is a read-only"), "{}", last());
-            assert_eq!(
-                tk_fill_kv_cache(d, std::ptr::null(), xp, xp, sl, 1),
-                TK_ERR_INVALID_ARGUMENT
-            );
+            assert_eq!(tk_fill_kv_cache(d, std::ptr::null(), xp, xp, sl, 1), TK_ERR_INVALID_ARGUMENT);
 
             // Decode attention over that slot with a bad block table entry.
             let bt = alloc(d, 8);
@@ -1201,36 +990,22 @@ mod tests {
             // Prefill with inconsistent query_start.
             let qs = alloc(d, 8);
             h2d(d, qs, &[0i32, 1]);
-            let batch = TkAttnBatch {
-                num_seqs: 1,
-                max_blocks_per_seq: 2,
-                query_start: qs,
-                context_lens: cl,
-                block_tables: bt,
-            };
+            let batch =
+                TkAttnBatch { num_seqs: 1, max_blocks_per_seq: 2, query_start: qs, context_lens: cl, block_tables: bt };
             let st = tk_prefill_attention(d, op, xp, &cache, &batch, 0, 1, 0.5);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("exceeds total_q"), "{}", last());
-            assert_eq!(
-                tk_prefill_attention(d, op, xp, &cache, &batch, 1, 1, 0.5),
-                TK_OK,
-                "{}",
-                last()
-            );
+            assert_eq!(tk_prefill_attention(d, op, xp, &cache, &batch, 1, 1, 0.5), TK_OK, "{}", last());
 
             // Rope with a null descriptor and with q/k overlapping.
             let pos = alloc(d, 8);
             let st = tk_apply_rotary_pos_emb(d, xp, xp, pos, 1, 1, 1, 4, std::ptr::null());
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
-            let rope = TkRope {
-                theta: 10000.0,
-                ..Default::default()
-            };
+            let rope = TkRope { theta: 10000.0, ..Default::default() };
             let st = tk_apply_rotary_pos_emb(d, xp, xp, pos, 1, 1, 1, 4, &rope);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("q and k overlap"), "{}", last());
-            let st =
-                tk_apply_rotary_pos_emb(d, xp, TkPtr { offset: 16, ..xp }, pos, 1, 1, 1, 4, &rope);
+            let st = tk_apply_rotary_pos_emb(d, xp, TkPtr { offset: 16, ..xp }, pos, 1, 1, 1, 4, &rope);
             assert_eq!(st, TK_OK, "{}", last());
 
             // add_rms_norm aliasing out/residual refused; silu with out == gate fine.
@@ -1238,10 +1013,7 @@ mod tests {
             let st = tk_add_rms_norm(d, xp, op, wn, TK_DTYPE_F32, xp, 1, 4, 1e-5);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("out and residual overlap"), "{}", last());
-            assert_eq!(
-                tk_add_rms_norm(d, xp, xp, wn, TK_DTYPE_F32, op, 1, 4, 1e-5),
-                TK_OK
-            );
+            assert_eq!(tk_add_rms_norm(d, xp, xp, wn, TK_DTYPE_F32, op, 1, 4, 1e-5), TK_OK);
             assert_eq!(tk_rms_norm(d, op, xp, wn, TK_DTYPE_BF16, 1, 4, 1e-5), TK_OK);
             assert_eq!(tk_silu_and_mul(d, xp, xp, op, 1, 4), TK_OK);
 

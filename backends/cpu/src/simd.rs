@@ -94,15 +94,7 @@ pub fn gemv(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, 
 }
 
 /// The portable GEMV (also the reference for the SIMD one).
-pub fn gemv_scalar(
-    w: WSlice,
-    row0: usize,
-    rows: usize,
-    x: &[f32],
-    m: usize,
-    k: usize,
-    out: &mut [f32],
-) {
+pub fn gemv_scalar(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
     let mut row = vec![0.0f32; k];
     for r in 0..rows {
         w.to_f32((row0 + r) * k, &mut row);
@@ -149,14 +141,7 @@ mod x86 {
     macro_rules! gemv_kernel {
         ($name:ident, $inner:ident, $t:ty, $load:expr, $scalar:expr) => {
             #[target_feature(enable = "avx2,fma,f16c")]
-            unsafe fn $inner<const M: usize>(
-                w: &[$t],
-                row0: usize,
-                rows: usize,
-                x: &[f32],
-                k: usize,
-                out: &mut [f32],
-            ) {
+            unsafe fn $inner<const M: usize>(w: &[$t], row0: usize, rows: usize, x: &[f32], k: usize, out: &mut [f32]) {
                 let load = $load;
                 let scalar = $scalar;
                 let xp = x.as_ptr();
@@ -175,8 +160,7 @@ mod x86 {
                             for mi in 0..M {
                                 let xr = xp.add(mi * k + i);
                                 acc0[mi] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[mi]);
-                                acc1[mi] =
-                                    _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr.add(8)), acc1[mi]);
+                                acc1[mi] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr.add(8)), acc1[mi]);
                             }
                             i += 16;
                         }
@@ -200,15 +184,7 @@ mod x86 {
             }
 
             #[target_feature(enable = "avx2,fma,f16c")]
-            pub unsafe fn $name(
-                w: &[$t],
-                row0: usize,
-                rows: usize,
-                x: &[f32],
-                m: usize,
-                k: usize,
-                out: &mut [f32],
-            ) {
+            pub unsafe fn $name(w: &[$t], row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
                 // SAFETY: forwarded caller contract.
                 unsafe {
                     match m {
@@ -244,10 +220,7 @@ mod x86 {
         bf16,
         // SAFETY: callers pass pointers with 8 readable elements.
         |p: *const bf16| unsafe {
-            _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
-                16,
-            ))
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
         },
         |v: bf16| v.to_f32()
     );

@@ -29,10 +29,7 @@ pub fn validate_tables(
 ) -> Result<()> {
     let g = &kv.geom;
     if g.num_kv_heads == 0 || !num_heads.is_multiple_of(g.num_kv_heads) {
-        return Err(invalid!(
-            "num_heads = {num_heads} is not a multiple of cache.num_kv_heads = {}",
-            g.num_kv_heads
-        ));
+        return Err(invalid!("num_heads = {num_heads} is not a multiple of cache.num_kv_heads = {}", g.num_kv_heads));
     }
     if g.block_size == 0 || g.head_dim == 0 {
         return Err(invalid!(
@@ -44,18 +41,13 @@ pub fn validate_tables(
     let cap = max_blocks_per_seq * g.block_size;
     for (s, &c) in context_lens.iter().enumerate() {
         if c < 0 || c as usize > cap {
-            return Err(invalid!(
-                "context_lens[{s}] = {c} is outside [0, max_blocks_per_seq * block_size = {cap}]"
-            ));
+            return Err(invalid!("context_lens[{s}] = {c} is outside [0, max_blocks_per_seq * block_size = {cap}]"));
         }
         let used = (c as usize).div_ceil(g.block_size);
         for b in 0..used {
             let id = block_tables[s * max_blocks_per_seq + b];
             if id < 0 || id as usize >= g.num_blocks {
-                return Err(invalid!(
-                    "block_tables[{s}][{b}] = {id} is out of range (num_blocks = {})",
-                    g.num_blocks
-                ));
+                return Err(invalid!("block_tables[{s}][{b}] = {id} is out of range (num_blocks = {})", g.num_blocks));
             }
         }
     }
@@ -63,27 +55,17 @@ pub fn validate_tables(
 }
 
 /// Validates `query_start` against `context_lens` and `total_q`.
-pub fn validate_query_start(
-    query_start: &[i32],
-    context_lens: &[i32],
-    total_q: usize,
-) -> Result<()> {
+pub fn validate_query_start(query_start: &[i32], context_lens: &[i32], total_q: usize) -> Result<()> {
     if query_start.first().is_some_and(|&q| q < 0) {
         return Err(invalid!("query_start[0] = {} is negative", query_start[0]));
     }
     for s in 0..context_lens.len() {
         let (a, b) = (query_start[s], query_start[s + 1]);
         if b < a {
-            return Err(invalid!(
-                "query_start[{}] = {b} < query_start[{s}] = {a}",
-                s + 1
-            ));
+            return Err(invalid!("query_start[{}] = {b} < query_start[{s}] = {a}", s + 1));
         }
         if b as usize > total_q {
-            return Err(invalid!(
-                "query_start[{}] = {b} exceeds total_q = {total_q}",
-                s + 1
-            ));
+            return Err(invalid!("query_start[{}] = {b} exceeds total_q = {total_q}", s + 1));
         }
         if (b - a) > context_lens[s] {
             return Err(invalid!(
@@ -143,13 +125,7 @@ pub fn prefill_attention(
     num_heads: usize,
     scale: f32,
 ) -> Result<()> {
-    validate_tables(
-        kv,
-        context_lens,
-        block_tables,
-        max_blocks_per_seq,
-        num_heads,
-    )?;
+    validate_tables(kv, context_lens, block_tables, max_blocks_per_seq, num_heads)?;
     validate_query_start(query_start, context_lens, total_q)?;
     let g = kv.geom;
     let hd = g.head_dim;
@@ -172,72 +148,70 @@ pub fn prefill_attention(
         gather(kv.v, &g, table, kvh, ctx, &mut vbuf);
         let (kbuf, vbuf) = (&kbuf, &vbuf);
         let tiles = ql.div_ceil(TQ);
-        (0..group * tiles)
-            .into_par_iter()
-            .for_each_init(Vec::new, |scores, item| {
-                let h = kvh * group + item / tiles;
-                let t0 = (item % tiles) * TQ;
-                let tq = TQ.min(ql - t0);
-                // Keys visible to the last query of the tile.
-                let kv_len = ctx - ql + t0 + tq;
-                scores.resize(tq * kv_len, 0.0);
-                let qp = q[(q0 + t0) * row_stride + h * hd..].as_ptr();
-                // SAFETY: lhs is tq query rows of head h (row stride num_heads*hd, each hd
-                // long, inside q by the assert above); rhs(kk, j) = kbuf[j*hd + kk] for
-                // j < kv_len <= ctx; dst is the tq x kv_len scores buffer.
-                unsafe {
-                    gemm::gemm(
-                        tq,
-                        kv_len,
-                        hd,
-                        scores.as_mut_ptr(),
-                        1,
-                        kv_len as isize,
-                        false,
-                        qp,
-                        1,
-                        row_stride as isize,
-                        kbuf.as_ptr(),
-                        hd as isize,
-                        1,
-                        0.0,
-                        scale,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    )
-                };
-                for r in 0..tq {
-                    let valid = ctx - ql + t0 + r + 1;
-                    softmax_prefix(&mut scores[r * kv_len..(r + 1) * kv_len], valid);
-                }
-                // SAFETY: dst is rows q0+t0 .. q0+t0+tq, head h of out: written only by
-                // this task (each (seq, head, tile) is one task); rhs(j, d) = vbuf[j*hd + d].
-                unsafe {
-                    gemm::gemm(
-                        tq,
-                        hd,
-                        kv_len,
-                        optr.get().add((q0 + t0) * row_stride + h * hd),
-                        1,
-                        row_stride as isize,
-                        false,
-                        scores.as_ptr(),
-                        1,
-                        kv_len as isize,
-                        vbuf.as_ptr(),
-                        1,
-                        hd as isize,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    )
-                };
-            });
+        (0..group * tiles).into_par_iter().for_each_init(Vec::new, |scores, item| {
+            let h = kvh * group + item / tiles;
+            let t0 = (item % tiles) * TQ;
+            let tq = TQ.min(ql - t0);
+            // Keys visible to the last query of the tile.
+            let kv_len = ctx - ql + t0 + tq;
+            scores.resize(tq * kv_len, 0.0);
+            let qp = q[(q0 + t0) * row_stride + h * hd..].as_ptr();
+            // SAFETY: lhs is tq query rows of head h (row stride num_heads*hd, each hd
+            // long, inside q by the assert above); rhs(kk, j) = kbuf[j*hd + kk] for
+            // j < kv_len <= ctx; dst is the tq x kv_len scores buffer.
+            unsafe {
+                gemm::gemm(
+                    tq,
+                    kv_len,
+                    hd,
+                    scores.as_mut_ptr(),
+                    1,
+                    kv_len as isize,
+                    false,
+                    qp,
+                    1,
+                    row_stride as isize,
+                    kbuf.as_ptr(),
+                    hd as isize,
+                    1,
+                    0.0,
+                    scale,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                )
+            };
+            for r in 0..tq {
+                let valid = ctx - ql + t0 + r + 1;
+                softmax_prefix(&mut scores[r * kv_len..(r + 1) * kv_len], valid);
+            }
+            // SAFETY: dst is rows q0+t0 .. q0+t0+tq, head h of out: written only by
+            // this task (each (seq, head, tile) is one task); rhs(j, d) = vbuf[j*hd + d].
+            unsafe {
+                gemm::gemm(
+                    tq,
+                    hd,
+                    kv_len,
+                    optr.get().add((q0 + t0) * row_stride + h * hd),
+                    1,
+                    row_stride as isize,
+                    false,
+                    scores.as_ptr(),
+                    1,
+                    kv_len as isize,
+                    vbuf.as_ptr(),
+                    1,
+                    hd as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                )
+            };
+        });
     });
     Ok(())
 }
@@ -255,13 +229,7 @@ pub fn paged_decode_attention(
     num_heads: usize,
     scale: f32,
 ) -> Result<()> {
-    validate_tables(
-        kv,
-        context_lens,
-        block_tables,
-        max_blocks_per_seq,
-        num_heads,
-    )?;
+    validate_tables(kv, context_lens, block_tables, max_blocks_per_seq, num_heads)?;
     let g = kv.geom;
     let hd = g.head_dim;
     let group = num_heads / g.num_kv_heads;
@@ -269,49 +237,46 @@ pub fn paged_decode_attention(
         return Ok(());
     }
     // out[s][kvh*group .. (kvh+1)*group][hd] is contiguous: one chunk per (s, kvh).
-    out[..num_seqs * num_heads * hd]
-        .par_chunks_mut(group * hd)
-        .enumerate()
-        .for_each(|(idx, o)| {
-            let (s, kvh) = (idx / g.num_kv_heads, idx % g.num_kv_heads);
-            let ctx = context_lens[s] as usize;
-            let table = &block_tables[s * max_blocks_per_seq..(s + 1) * max_blocks_per_seq];
-            let qh = &q[(s * num_heads + kvh * group) * hd..][..group * hd];
-            let mut scores = vec![0.0f32; group * ctx];
-            let mut buf = vec![0.0f32; g.block_size * hd];
-            let mut pos = 0;
-            while pos < ctx {
-                let blk = table[pos / g.block_size] as usize;
-                let rows = g.block_size.min(ctx - pos);
-                let b = &mut buf[..rows * hd];
-                kv.k.to_f32(g.index(blk, kvh, 0), b);
-                for (gi, qv) in qh.chunks_exact(hd).enumerate() {
-                    for (r, krow) in b.chunks_exact(hd).enumerate() {
-                        scores[gi * ctx + pos + r] = crate::simd::dot(qv, krow) * scale;
-                    }
-                }
-                pos += rows;
-            }
-            if ctx > 0 {
-                for row in scores.chunks_exact_mut(ctx) {
-                    softmax_prefix(row, ctx);
+    out[..num_seqs * num_heads * hd].par_chunks_mut(group * hd).enumerate().for_each(|(idx, o)| {
+        let (s, kvh) = (idx / g.num_kv_heads, idx % g.num_kv_heads);
+        let ctx = context_lens[s] as usize;
+        let table = &block_tables[s * max_blocks_per_seq..(s + 1) * max_blocks_per_seq];
+        let qh = &q[(s * num_heads + kvh * group) * hd..][..group * hd];
+        let mut scores = vec![0.0f32; group * ctx];
+        let mut buf = vec![0.0f32; g.block_size * hd];
+        let mut pos = 0;
+        while pos < ctx {
+            let blk = table[pos / g.block_size] as usize;
+            let rows = g.block_size.min(ctx - pos);
+            let b = &mut buf[..rows * hd];
+            kv.k.to_f32(g.index(blk, kvh, 0), b);
+            for (gi, qv) in qh.chunks_exact(hd).enumerate() {
+                for (r, krow) in b.chunks_exact(hd).enumerate() {
+                    scores[gi * ctx + pos + r] = crate::simd::dot(qv, krow) * scale;
                 }
             }
-            o.fill(0.0);
-            let mut pos = 0;
-            while pos < ctx {
-                let blk = table[pos / g.block_size] as usize;
-                let rows = g.block_size.min(ctx - pos);
-                let b = &mut buf[..rows * hd];
-                kv.v.to_f32(g.index(blk, kvh, 0), b);
-                for (gi, acc) in o.chunks_exact_mut(hd).enumerate() {
-                    for (r, vrow) in b.chunks_exact(hd).enumerate() {
-                        crate::simd::axpy(scores[gi * ctx + pos + r], vrow, acc);
-                    }
-                }
-                pos += rows;
+            pos += rows;
+        }
+        if ctx > 0 {
+            for row in scores.chunks_exact_mut(ctx) {
+                softmax_prefix(row, ctx);
             }
-        });
+        }
+        o.fill(0.0);
+        let mut pos = 0;
+        while pos < ctx {
+            let blk = table[pos / g.block_size] as usize;
+            let rows = g.block_size.min(ctx - pos);
+            let b = &mut buf[..rows * hd];
+            kv.v.to_f32(g.index(blk, kvh, 0), b);
+            for (gi, acc) in o.chunks_exact_mut(hd).enumerate() {
+                for (r, vrow) in b.chunks_exact(hd).enumerate() {
+                    crate::simd::axpy(scores[gi * ctx + pos + r], vrow, acc);
+                }
+            }
+            pos += rows;
+        }
+    });
     Ok(())
 }
 
@@ -351,11 +316,7 @@ mod tests {
                     let sc: Vec<f64> = (0..=pos)
                         .map(|j| {
                             let kv = &ks[s][(j * kvh + kh) * hd..][..hd];
-                            qv.iter()
-                                .zip(kv)
-                                .map(|(a, b)| *a as f64 * *b as f64)
-                                .sum::<f64>()
-                                * scale as f64
+                            qv.iter().zip(kv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
                         })
                         .collect();
                     let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -388,21 +349,9 @@ mod tests {
     fn run(c: &Case) {
         let mut rng = Rng(c.seed | 1);
         let ns = c.ctx.len();
-        let mbps = c
-            .ctx
-            .iter()
-            .map(|&x| (x as usize).div_ceil(c.bs))
-            .max()
-            .unwrap_or(0)
-            .max(1)
-            + 1;
+        let mbps = c.ctx.iter().map(|&x| (x as usize).div_ceil(c.bs)).max().unwrap_or(0).max(1) + 1;
         let num_blocks = ns * mbps + 3;
-        let geom = KvGeom {
-            num_blocks,
-            block_size: c.bs,
-            num_kv_heads: c.kvh,
-            head_dim: c.hd,
-        };
+        let geom = KvGeom { num_blocks, block_size: c.bs, num_kv_heads: c.kvh, head_dim: c.hd };
         // Random permutation of blocks for the block tables.
         let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
         for i in (1..perm.len()).rev() {
@@ -428,9 +377,8 @@ mod tests {
             let n = c.ctx[s] as usize;
             let k = rng.vec(n * c.kvh * c.hd);
             let v = rng.vec(n * c.kvh * c.hd);
-            let slots: Vec<i32> = (0..n)
-                .map(|p| tables[s * mbps + p / c.bs] * c.bs as i32 + (p % c.bs) as i32)
-                .collect();
+            let slots: Vec<i32> =
+                (0..n).map(|p| tables[s * mbps + p / c.bs] * c.bs as i32 + (p % c.bs) as i32).collect();
             fill_kv_cache(&mut kc, &mut vc, &geom, &k, &v, &slots, n).unwrap();
             ks.push(k.iter().map(|&x| round(x)).collect::<Vec<_>>());
             vs.push(v.iter().map(|&x| round(x)).collect::<Vec<_>>());
@@ -441,11 +389,7 @@ mod tests {
             (WSliceMut::Bf16(a), WSliceMut::Bf16(b)) => (WSlice::Bf16(a), WSlice::Bf16(b)),
             _ => unreachable!(),
         };
-        let view = KvView {
-            k: kv.0,
-            v: kv.1,
-            geom,
-        };
+        let view = KvView { k: kv.0, v: kv.1, geom };
         let mut qstart = vec![0i32];
         for &l in &c.qlen {
             qstart.push(qstart.last().unwrap() + l);
@@ -454,18 +398,14 @@ mod tests {
         let q = rng.vec(total_q * c.h * c.hd);
         let scale = 1.0 / (c.hd as f32).sqrt();
         let mut out = vec![0.0; total_q * c.h * c.hd];
-        prefill_attention(
-            &mut out, &q, &view, &qstart, &c.ctx, &tables, mbps, total_q, c.h, scale,
-        )
-        .unwrap();
+        prefill_attention(&mut out, &q, &view, &qstart, &c.ctx, &tables, mbps, total_q, c.h, scale).unwrap();
         let want = naive(&q, &ks, &vs, &qstart, &c.ctx, c.h, c.kvh, c.hd, scale);
         assert_close(&out, &want, 1e-4, "prefill vs naive");
 
         // Decode: one query per sequence over its whole context.
         let dq = rng.vec(ns * c.h * c.hd);
         let mut dout = vec![0.0; ns * c.h * c.hd];
-        paged_decode_attention(&mut dout, &dq, &view, &tables, &c.ctx, ns, mbps, c.h, scale)
-            .unwrap();
+        paged_decode_attention(&mut dout, &dq, &view, &tables, &c.ctx, ns, mbps, c.h, scale).unwrap();
         let ones: Vec<i32> = (0..=ns as i32).collect();
         let dwant = naive(&dq, &ks, &vs, &ones, &c.ctx, c.h, c.kvh, c.hd, scale);
         assert_close(&dout, &dwant, 1e-4, "decode vs naive");
@@ -492,62 +432,29 @@ mod tests {
             }
         }
         // A long sequence crossing several query tiles.
-        run(&Case {
-            h: 4,
-            kvh: 1,
-            hd: 64,
-            bs: 16,
-            ctx: vec![150],
-            qlen: vec![130],
-            dtype: 0,
-            seed: 5,
-        });
+        run(&Case { h: 4, kvh: 1, hd: 64, bs: 16, ctx: vec![150], qlen: vec![130], dtype: 0, seed: 5 });
     }
 
     #[test]
     fn bad_batches_are_refused() {
-        let geom = KvGeom {
-            num_blocks: 2,
-            block_size: 4,
-            num_kv_heads: 1,
-            head_dim: 4,
-        };
+        let geom = KvGeom { num_blocks: 2, block_size: 4, num_kv_heads: 1, head_dim: 4 };
         let k = vec![0.0f32; 32];
-        let view = KvView {
-            k: WSlice::F32(&k),
-            v: WSlice::F32(&k),
-            geom,
-        };
+        let view = KvView { k: WSlice::F32(&k), v: WSlice::F32(&k), geom };
         let q = vec![0.0f32; 16];
         let mut out = vec![0.0f32; 16];
-        let e = prefill_attention(&mut out, &q, &view, &[0, 4], &[4], &[2, 0], 2, 4, 1, 1.0)
-            .unwrap_err();
+        let e = prefill_attention(&mut out, &q, &view, &[0, 4], &[4], &[2, 0], 2, 4, 1, 1.0).unwrap_err();
         assert!(e.to_string().contains("block_tables[0][0] = 2"), "{e}");
-        let e = prefill_attention(&mut out, &q, &view, &[0, 4], &[9], &[0, 1], 2, 4, 1, 1.0)
-            .unwrap_err();
+        let e = prefill_attention(&mut out, &q, &view, &[0, 4], &[9], &[0, 1], 2, 4, 1, 1.0).unwrap_err();
         assert!(e.to_string().contains("context_lens[0] = 9"), "{e}");
-        let e = prefill_attention(&mut out, &q, &view, &[0, 4], &[3], &[0, 1], 2, 4, 1, 1.0)
-            .unwrap_err();
+        let e = prefill_attention(&mut out, &q, &view, &[0, 4], &[3], &[0, 1], 2, 4, 1, 1.0).unwrap_err();
         assert!(e.to_string().contains("4 queries"), "{e}");
-        let e = prefill_attention(&mut out, &q, &view, &[0, 5], &[5], &[0, 1], 2, 4, 1, 1.0)
-            .unwrap_err();
+        let e = prefill_attention(&mut out, &q, &view, &[0, 5], &[5], &[0, 1], 2, 4, 1, 1.0).unwrap_err();
         assert!(e.to_string().contains("exceeds total_q"), "{e}");
-        let e =
-            paged_decode_attention(&mut out, &q, &view, &[0, -1], &[5], 1, 2, 1, 1.0).unwrap_err();
+        let e = paged_decode_attention(&mut out, &q, &view, &[0, -1], &[5], 1, 2, 1, 1.0).unwrap_err();
         assert!(e.to_string().contains("block_tables[0][1] = -1"), "{e}");
-        let g2 = KvGeom {
-            num_blocks: 2,
-            block_size: 4,
-            num_kv_heads: 2,
-            head_dim: 2,
-        };
-        let view2 = KvView {
-            k: WSlice::F32(&k),
-            v: WSlice::F32(&k),
-            geom: g2,
-        };
-        let e =
-            paged_decode_attention(&mut out, &q, &view2, &[0, 1], &[4], 1, 2, 3, 1.0).unwrap_err();
+        let g2 = KvGeom { num_blocks: 2, block_size: 4, num_kv_heads: 2, head_dim: 2 };
+        let view2 = KvView { k: WSlice::F32(&k), v: WSlice::F32(&k), geom: g2 };
+        let e = paged_decode_attention(&mut out, &q, &view2, &[0, 1], &[4], 1, 2, 3, 1.0).unwrap_err();
         assert!(e.to_string().contains("not a multiple"), "{e}");
     }
 

@@ -14,15 +14,7 @@ pub const GEMV_MAX_M: usize = 4;
 
 /// Computes the linear layer. Slices must hold exactly `m*n`, `m*k`, `n*k` and `n`
 /// (bias) elements; the FFI layer checks that.
-pub fn linear(
-    out: &mut [f32],
-    x: &[f32],
-    w: WSlice,
-    bias: Option<WSlice>,
-    m: usize,
-    n: usize,
-    k: usize,
-) {
+pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, bias: Option<WSlice>, m: usize, n: usize, k: usize) {
     assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
     if m == 0 || n == 0 {
         return;
@@ -61,12 +53,10 @@ fn gemv(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
     }
     // Results land as [n][m] (contiguous per chunk), then are transposed.
     let mut tmp = vec![0.0f32; n * m];
-    tmp.par_chunks_mut(chunk * m)
-        .enumerate()
-        .for_each(|(ci, o)| {
-            let rows = o.len() / m;
-            simd::gemv(w, ci * chunk, rows, x, m, k, o);
-        });
+    tmp.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, o)| {
+        let rows = o.len() / m;
+        simd::gemv(w, ci * chunk, rows, x, m, k, o);
+    });
     for (j, r) in tmp.chunks_exact(m).enumerate() {
         for (i, v) in r.iter().enumerate() {
             out[i * n + j] = *v;
@@ -193,25 +183,14 @@ mod tests {
         let want = naive(&x, &wf, with_bias.then_some(&bf[..]), m, n, k);
         // Errors scale with sqrt(k) for sums of k products of magnitude <= 1.
         let tol = 2e-6 * (k as f32).sqrt() + 1e-5;
-        assert_close(
-            &out,
-            &want,
-            tol,
-            &format!("linear m={m} n={n} k={k} dtype={dtype}"),
-        );
+        assert_close(&out, &want, tol, &format!("linear m={m} n={n} k={k} dtype={dtype}"));
     }
 
     #[test]
     fn linear_fixed_shapes() {
-        for &(m, n, k) in &[
-            (1, 1, 1),
-            (1, 37, 19),
-            (2, 64, 64),
-            (3, 130, 33),
-            (4, 17, 200),
-            (5, 33, 70),
-            (32, 100, 300),
-        ] {
+        for &(m, n, k) in
+            &[(1, 1, 1), (1, 37, 19), (2, 64, 64), (3, 130, 33), (4, 17, 200), (5, 33, 70), (32, 100, 300)]
+        {
             for dt in 0..3 {
                 check(m, n, k, dt, true, (m * 1000 + n * 10 + k) as u64);
                 check(m, n, k, dt, false, 99 + dt as u64);

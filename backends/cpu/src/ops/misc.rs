@@ -7,19 +7,10 @@ use crate::error::Result;
 use crate::invalid;
 
 /// `out[i, :] = table[ids[i], :]` as f32.
-pub fn embedding(
-    out: &mut [f32],
-    table: WSlice,
-    ids: &[i32],
-    n: usize,
-    hidden: usize,
-    vocab: usize,
-) -> Result<()> {
+pub fn embedding(out: &mut [f32], table: WSlice, ids: &[i32], n: usize, hidden: usize, vocab: usize) -> Result<()> {
     for (i, &id) in ids[..n].iter().enumerate() {
         if id < 0 || id as usize >= vocab {
-            return Err(invalid!(
-                "ids[{i}] = {id} is out of range for vocab = {vocab}"
-            ));
+            return Err(invalid!("ids[{i}] = {id} is out of range for vocab = {vocab}"));
         }
     }
     if hidden == 0 {
@@ -35,14 +26,11 @@ pub fn embedding(
 /// `out = silu(gate) * up`, elementwise.
 pub fn silu_and_mul(out: &mut [f32], gate: &[f32], up: &[f32]) {
     const CHUNK: usize = 16384;
-    out.par_chunks_mut(CHUNK)
-        .zip(gate.par_chunks(CHUNK))
-        .zip(up.par_chunks(CHUNK))
-        .for_each(|((o, g), u)| {
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
-        });
+    out.par_chunks_mut(CHUNK).zip(gate.par_chunks(CHUNK)).zip(up.par_chunks(CHUNK)).for_each(|((o, g), u)| {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    });
 }
 
 /// Geometry of one layer's paged KV cache.
@@ -57,10 +45,7 @@ pub struct KvGeom {
 impl KvGeom {
     /// Elements in each of k and v.
     pub fn elems(&self) -> Option<usize> {
-        self.num_blocks
-            .checked_mul(self.block_size)?
-            .checked_mul(self.num_kv_heads)?
-            .checked_mul(self.head_dim)
+        self.num_blocks.checked_mul(self.block_size)?.checked_mul(self.num_kv_heads)?.checked_mul(self.head_dim)
     }
 
     /// Element index of (block, kv head, offset in block, 0).
@@ -130,10 +115,7 @@ pub fn argmax(out: &mut [i32], logits: &[f32], n: usize, vocab: usize) {
         out[..n].fill(0);
         return;
     }
-    out[..n]
-        .par_iter_mut()
-        .zip(logits[..n * vocab].par_chunks(vocab))
-        .for_each(|(o, r)| *o = argmax_row(r));
+    out[..n].par_iter_mut().zip(logits[..n * vocab].par_chunks(vocab)).for_each(|(o, r)| *o = argmax_row(r));
 }
 
 fn log_softmax_row(src: &[f32], dst: &mut [f32]) {
@@ -170,9 +152,7 @@ pub fn log_softmax_inplace(x: &mut [f32], n: usize, vocab: usize) {
     if vocab == 0 {
         return;
     }
-    x[..n * vocab]
-        .par_chunks_mut(vocab)
-        .for_each(log_softmax_row_inplace);
+    x[..n * vocab].par_chunks_mut(vocab).for_each(log_softmax_row_inplace);
 }
 
 #[cfg(test)]
@@ -211,11 +191,8 @@ mod tests {
         let (g, u) = (rng.vec(n), rng.vec(n));
         let mut out = vec![0.0; n];
         silu_and_mul(&mut out, &g, &u);
-        let want: Vec<f32> = g
-            .iter()
-            .zip(&u)
-            .map(|(&g, &u)| ((g as f64) / (1.0 + (-g as f64).exp()) * u as f64) as f32)
-            .collect();
+        let want: Vec<f32> =
+            g.iter().zip(&u).map(|(&g, &u)| ((g as f64) / (1.0 + (-g as f64).exp()) * u as f64) as f32).collect();
         assert_close(&out, &want, 1e-5, "silu");
     }
 
@@ -252,12 +229,7 @@ mod tests {
     #[test]
     fn fill_kv_cache_all_dtypes_and_errors() {
         let mut rng = Rng(13);
-        let g = KvGeom {
-            num_blocks: 3,
-            block_size: 4,
-            num_kv_heads: 2,
-            head_dim: 8,
-        };
+        let g = KvGeom { num_blocks: 3, block_size: 4, num_kv_heads: 2, head_dim: 8 };
         let n = 5;
         let k = rng.vec(n * 2 * 8);
         let v = rng.vec(n * 2 * 8);
@@ -280,9 +252,7 @@ mod tests {
             assert!(err.to_string().contains("slot_mapping[0] = 12"), "{err}");
             let (kf, vf) = match (&kc, &vc) {
                 (WSliceMut::F32(a), WSliceMut::F32(b)) => (a.to_vec(), b.to_vec()),
-                (WSliceMut::F16(a), WSliceMut::F16(b)) => {
-                    (WSlice::F16(a).to_vec_f32(), WSlice::F16(b).to_vec_f32())
-                }
+                (WSliceMut::F16(a), WSliceMut::F16(b)) => (WSlice::F16(a).to_vec_f32(), WSlice::F16(b).to_vec_f32()),
                 (WSliceMut::Bf16(a), WSliceMut::Bf16(b)) => {
                     (WSlice::Bf16(a).to_vec_f32(), WSlice::Bf16(b).to_vec_f32())
                 }

@@ -50,10 +50,7 @@ pub(crate) mod testutil {
         assert_eq!(got.len(), want.len(), "{what}: length");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let err = (g - w).abs();
-            assert!(
-                err <= tol * (1.0 + w.abs()),
-                "{what}: index {i}: got {g}, want {w} (err {err}, tol {tol})"
-            );
+            assert!(err <= tol * (1.0 + w.abs()), "{what}: index {i}: got {g}, want {w} (err {err}, tol {tol})");
         }
     }
 }

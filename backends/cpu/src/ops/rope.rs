@@ -15,9 +15,8 @@ pub fn inv_freq(rope: &TkRope, head_dim: usize) -> Result<Vec<f32>> {
     if !(rope.theta.is_finite() && rope.theta > 0.0) {
         return Err(invalid!("rope.theta = {} must be positive", rope.theta));
     }
-    let base: Vec<f32> = (0..head_dim / 2)
-        .map(|i| 1.0 / (rope.theta as f64).powf((2 * i) as f64 / head_dim as f64) as f32)
-        .collect();
+    let base: Vec<f32> =
+        (0..head_dim / 2).map(|i| 1.0 / (rope.theta as f64).powf((2 * i) as f64 / head_dim as f64) as f32).collect();
     match rope.scaling {
         TK_ROPE_NONE => Ok(base),
         TK_ROPE_LINEAR => {
@@ -56,9 +55,7 @@ pub fn inv_freq(rope: &TkRope, head_dim: usize) -> Result<Vec<f32>> {
                 })
                 .collect())
         }
-        s => Err(KernelError::Unsupported(format!(
-            "rope.scaling = {s} is unknown (0 none, 1 llama3, 2 linear)"
-        ))),
+        s => Err(KernelError::Unsupported(format!("rope.scaling = {s} is unknown (0 none, 1 llama3, 2 linear)"))),
     }
 }
 
@@ -104,16 +101,10 @@ pub fn apply_rotary_pos_emb(
         }
     };
     if qs > 0 {
-        q[..n * qs]
-            .par_chunks_mut(qs)
-            .zip(positions[..n].par_iter())
-            .for_each(|(r, &p)| apply(p, r));
+        q[..n * qs].par_chunks_mut(qs).zip(positions[..n].par_iter()).for_each(|(r, &p)| apply(p, r));
     }
     if ks > 0 {
-        k[..n * ks]
-            .par_chunks_mut(ks)
-            .zip(positions[..n].par_iter())
-            .for_each(|(r, &p)| apply(p, r));
+        k[..n * ks].par_chunks_mut(ks).zip(positions[..n].par_iter()).for_each(|(r, &p)| apply(p, r));
     }
     Ok(())
 }
@@ -125,18 +116,12 @@ mod tests {
 
     /// HF `_compute_llama3_parameters`, written out in f64.
     fn naive_inv_freq(rope: &TkRope, d: usize) -> Vec<f64> {
-        let base: Vec<f64> = (0..d / 2)
-            .map(|i| 1.0 / (rope.theta as f64).powf(2.0 * i as f64 / d as f64))
-            .collect();
+        let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / (rope.theta as f64).powf(2.0 * i as f64 / d as f64)).collect();
         match rope.scaling {
             TK_ROPE_LINEAR => base.iter().map(|f| f / rope.factor as f64).collect(),
             TK_ROPE_LLAMA3 => {
                 let old = rope.original_max_position as f64;
-                let (fac, lo, hi) = (
-                    rope.factor as f64,
-                    rope.low_freq_factor as f64,
-                    rope.high_freq_factor as f64,
-                );
+                let (fac, lo, hi) = (rope.factor as f64, rope.low_freq_factor as f64, rope.high_freq_factor as f64);
                 base.iter()
                     .map(|&f| {
                         let wl = 2.0 * std::f64::consts::PI / f;
@@ -175,16 +160,8 @@ mod tests {
     fn rope_matches_naive_all_scalings() {
         let mut rng = Rng(3);
         let ropes = [
-            TkRope {
-                theta: 10000.0,
-                ..Default::default()
-            },
-            TkRope {
-                theta: 500000.0,
-                scaling: TK_ROPE_LINEAR,
-                factor: 4.0,
-                ..Default::default()
-            },
+            TkRope { theta: 10000.0, ..Default::default() },
+            TkRope { theta: 500000.0, scaling: TK_ROPE_LINEAR, factor: 4.0, ..Default::default() },
             TkRope {
                 theta: 500000.0,
                 scaling: TK_ROPE_LLAMA3,
@@ -202,11 +179,7 @@ mod tests {
                 let (mut q2, mut k2) = (q.clone(), k.clone());
                 apply_rotary_pos_emb(&mut q2, &mut k2, &pos, n, h, kvh, d, rope).unwrap();
                 let inv = naive_inv_freq(rope, d);
-                let got: Vec<f64> = inv_freq(rope, d)
-                    .unwrap()
-                    .iter()
-                    .map(|&v| v as f64)
-                    .collect();
+                let got: Vec<f64> = inv_freq(rope, d).unwrap().iter().map(|&v| v as f64).collect();
                 for (g, w) in got.iter().zip(&inv) {
                     assert!((g - w).abs() <= 1e-6 * w.abs(), "inv_freq {g} vs {w}");
                 }
@@ -219,16 +192,9 @@ mod tests {
 
     #[test]
     fn rope_rejects_bad_config() {
-        let r = TkRope {
-            theta: 10000.0,
-            scaling: 9,
-            ..Default::default()
-        };
+        let r = TkRope { theta: 10000.0, scaling: 9, ..Default::default() };
         assert!(matches!(inv_freq(&r, 8), Err(KernelError::Unsupported(_))));
-        let r = TkRope {
-            theta: 10000.0,
-            ..Default::default()
-        };
+        let r = TkRope { theta: 10000.0, ..Default::default() };
         assert!(inv_freq(&r, 7).is_err());
     }
 }
