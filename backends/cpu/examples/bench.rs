@@ -67,12 +67,34 @@ fn main() {
     for &(dt, name, es) in &[(TK_DTYPE_F16, "f16", 2usize), (TK_DTYPE_BF16, "bf16", 2), (TK_DTYPE_F32, "f32", 4)] {
         for &m in &[1usize, 4] {
             let (n, k) = (8192usize, 4096usize);
-            let (o, x, w) = (alloc(dev, m * n * 4), alloc(dev, m * k * 4), alloc(dev, n * k * es));
+            // Cycle through more weight bytes than the last-level cache holds, so the
+            // figure is DRAM bandwidth, as in a real decode step.
+            let copies = (1usize << 30).div_ceil(n * k * es);
+            let (o, x) = (alloc(dev, m * n * 4), alloc(dev, m * k * 4));
+            let fill = vec![0x3c00u16 as u8; n * k * es];
+            let ws: Vec<TkPtr> = (0..copies)
+                .map(|_| {
+                    let w = alloc(dev, n * k * es);
+                    // SAFETY: `fill` holds exactly the buffer's bytes. Writing every page
+                    // also keeps first-touch page faults out of the timing.
+                    assert_eq!(unsafe { tk_copy_h2d(dev, w, fill.as_ptr().cast(), fill.len() as u64) }, TK_OK);
+                    w
+                })
+                .collect();
+            let mut next = 0;
             let t = time(
-                // SAFETY: as above.
-                || assert_eq!(unsafe { tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32) }, TK_OK),
-                20,
+                || {
+                    let w = ws[next % copies];
+                    next += 1;
+                    // SAFETY: as above.
+                    assert_eq!(unsafe { tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32) }, TK_OK)
+                },
+                2 * copies,
             );
+            for w in ws {
+                // SAFETY: allocated above, freed once.
+                unsafe { tk_free(dev, w.buf) };
+            }
             let bw = (n * k * es) as f64 / t / 1e9;
             println!(
                 "GEMV {name} m={m} n={n} k={k}: {bw:.1} GB/s weights ({:.0}% of STREAM copy)",

@@ -1,11 +1,12 @@
-//! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV for m <= 4, otherwise the
+//! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV for m <= 4, an AVX-512
+//! register-blocked kernel for decode batches up to 64 rows, otherwise the
 //! `gemm` crate (directly for f32 weights; on f32 tiles of converted weight rows for
 //! f16/bf16 weights).
 
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::SendPtr;
+use super::{SendPtr, small_batch};
 use crate::dtype::WSlice;
 use crate::simd;
 
@@ -24,6 +25,8 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, bias: Option<WSlice>, m: us
         out.fill(0.0);
     } else if m <= GEMV_MAX_M {
         gemv(out, x, w, m, n, k);
+    } else if m <= small_batch::MAX_M && small_batch::available() {
+        small_batch::linear(out, x, w, m, n, k);
     } else {
         match w {
             WSlice::F32(w) => gemm_f32(out, x, w, m, n, k),
@@ -210,6 +213,19 @@ mod tests {
             simd::gemv(WSlice::F32(&w), 1, n - 1, &x, m, k, &mut a);
             simd::gemv_scalar(WSlice::F32(&w), 1, n - 1, &x, m, k, &mut b);
             assert_close(&a, &b, 1e-5, "gemv");
+        }
+    }
+
+    #[test]
+    fn every_kernel_regime_matches_naive() {
+        // m: GEMV (1..=4), each vector count of the AVX-512 decode-batch kernel (5..=16,
+        // 17..=32, 33..=48, 49..=64), and gemm (65+). n: full and short last row groups.
+        for &m in &[1, 4, 5, 16, 17, 31, 33, 48, 49, 64, 65, 80] {
+            for &n in &[1, 11, 12, 25, 97] {
+                for dt in 0..3 {
+                    check(m, n, 67, dt, m % 2 == 0, (m * 131 + n) as u64);
+                }
+            }
         }
     }
 

@@ -6,6 +6,7 @@ pub mod linear;
 pub mod misc;
 pub mod norm;
 pub mod rope;
+pub mod small_batch;
 
 /// A raw pointer that may cross into rayon tasks; used only where tasks write
 /// provably disjoint parts of one output (and `gemm` needs raw pointers anyway).
