@@ -313,4 +313,13 @@ fn bench_engine_json() {
     let batches: Vec<u64> = decode.iter().map(|d| d["batch"].as_u64().unwrap()).collect();
     assert_eq!(batches, vec![1, 2]);
     assert!(decode.iter().all(|d| d["tokens_per_s"].as_f64().unwrap() > 0.0));
+    for key in ["copy_gb_s", "copy_nt_gb_s"] {
+        assert!(report["memory"][key].as_f64().unwrap() > 0.0, "{key}: {report}");
+    }
+    assert!(report["gemm_f32_gflop_s"].as_f64().unwrap() > 0.0);
+    for d in decode {
+        let util = d["bandwidth_utilisation"].as_f64().unwrap();
+        assert!(util > 0.0 && util.is_finite(), "{d}");
+        assert!(d["bytes_per_step"].as_f64().unwrap() > 0.0);
+    }
 }

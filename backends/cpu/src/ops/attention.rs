@@ -4,8 +4,8 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::SendPtr;
 use super::misc::KvGeom;
+use super::{SendPtr, Strided, matmul};
 use crate::dtype::WSlice;
 use crate::error::Result;
 use crate::invalid;
@@ -160,25 +160,14 @@ pub fn prefill_attention(
             // long, inside q by the assert above); rhs(kk, j) = kbuf[j*hd + kk] for
             // j < kv_len <= ctx; dst is the tq x kv_len scores buffer.
             unsafe {
-                gemm::gemm(
+                matmul(
                     tq,
                     kv_len,
                     hd,
-                    scores.as_mut_ptr(),
-                    1,
-                    kv_len as isize,
-                    false,
-                    qp,
-                    1,
-                    row_stride as isize,
-                    kbuf.as_ptr(),
-                    hd as isize,
-                    1,
-                    0.0,
+                    Strided { ptr: scores.as_mut_ptr(), rs: kv_len as isize, cs: 1 },
+                    Strided { ptr: qp, rs: row_stride as isize, cs: 1 },
+                    Strided { ptr: kbuf.as_ptr(), rs: 1, cs: hd as isize },
                     scale,
-                    false,
-                    false,
-                    false,
                     Parallelism::None,
                 )
             };
@@ -189,25 +178,14 @@ pub fn prefill_attention(
             // SAFETY: dst is rows q0+t0 .. q0+t0+tq, head h of out: written only by
             // this task (each (seq, head, tile) is one task); rhs(j, d) = vbuf[j*hd + d].
             unsafe {
-                gemm::gemm(
+                matmul(
                     tq,
                     hd,
                     kv_len,
-                    optr.get().add((q0 + t0) * row_stride + h * hd),
-                    1,
-                    row_stride as isize,
-                    false,
-                    scores.as_ptr(),
-                    1,
-                    kv_len as isize,
-                    vbuf.as_ptr(),
-                    1,
-                    hd as isize,
-                    0.0,
+                    Strided { ptr: optr.get().add((q0 + t0) * row_stride + h * hd), rs: row_stride as isize, cs: 1 },
+                    Strided { ptr: scores.as_ptr(), rs: kv_len as isize, cs: 1 },
+                    Strided { ptr: vbuf.as_ptr(), rs: hd as isize, cs: 1 },
                     1.0,
-                    false,
-                    false,
-                    false,
                     Parallelism::None,
                 )
             };

@@ -6,7 +6,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::{SendPtr, small_batch};
+use super::{SendPtr, Strided, matmul, small_batch};
 use crate::dtype::WSlice;
 use crate::simd;
 
@@ -72,25 +72,14 @@ fn gemm_f32(out: &mut [f32], x: &[f32], w: &[f32], m: usize, n: usize, k: usize)
     // SAFETY: out is m x n row-major (rs n, cs 1), x is m x k (rs k, cs 1), and
     // rhs(kk, j) = w[j * k + kk] (rs 1, cs k); the caller checked all lengths.
     unsafe {
-        gemm::gemm(
+        matmul(
             m,
             n,
             k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            0.0,
+            Strided { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 },
+            Strided { ptr: x.as_ptr(), rs: k as isize, cs: 1 },
+            Strided { ptr: w.as_ptr(), rs: 1, cs: k as isize },
             1.0,
-            false,
-            false,
-            false,
             Parallelism::Rayon(threads),
         )
     }
@@ -119,25 +108,14 @@ fn gemm_tiled(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
             // output (dst(j, i) = out[i * n + j0 + j]), disjoint from every other task;
             // buf is rows x k row-major; rhs(kk, i) = x[i * k + kk].
             unsafe {
-                gemm::gemm(
+                matmul(
                     rows,
                     m,
                     k,
-                    optr.get().add(j0),
-                    n as isize,
-                    1,
-                    false,
-                    buf.as_ptr(),
-                    1,
-                    k as isize,
-                    x.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
+                    Strided { ptr: optr.get().add(j0), rs: 1, cs: n as isize },
+                    Strided { ptr: buf.as_ptr(), rs: k as isize, cs: 1 },
+                    Strided { ptr: x.as_ptr(), rs: 1, cs: k as isize },
                     1.0,
-                    false,
-                    false,
-                    false,
                     Parallelism::None,
                 )
             }

@@ -24,6 +24,56 @@ impl SendPtr {
     }
 }
 
+/// A strided f32 matrix operand: element (i, j) lives at `ptr + i * rs + j * cs`.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided<P> {
+    pub ptr: P,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+/// `dst = scale * lhs · rhs` for an m x k `lhs` and a k x n `rhs`, with the `gemm` crate.
+///
+/// # Safety
+/// Each operand must address its whole matrix as its strides describe; `dst` must not
+/// overlap the inputs, and nobody else may touch it during the call.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Strided<*mut f32>,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    scale: f32,
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: forwarded caller contract; alpha = 0 with read_dst = false overwrites dst.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.ptr,
+            dst.cs,
+            dst.rs,
+            false,
+            lhs.ptr,
+            lhs.cs,
+            lhs.rs,
+            rhs.ptr,
+            rhs.cs,
+            rhs.rs,
+            0.0,
+            scale,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod testutil {
     /// A small deterministic PRNG for tests.
