@@ -65,7 +65,7 @@ fn main() {
 
     // GEMV.
     for &(dt, name, es) in &[(TK_DTYPE_F16, "f16", 2usize), (TK_DTYPE_BF16, "bf16", 2), (TK_DTYPE_F32, "f32", 4)] {
-        for &m in &[1usize, 4] {
+        for &m in &[1usize, 2, 4, 8] {
             let (n, k) = (8192usize, 4096usize);
             // Cycle through more weight bytes than the last-level cache holds, so the
             // figure is DRAM bandwidth, as in a real decode step.

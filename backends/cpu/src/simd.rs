@@ -33,6 +33,12 @@ pub fn has_avx512() -> bool {
     }
 }
 
+/// The most activation rows `gemv` serves on this CPU.
+#[inline]
+pub fn gemv_max_m() -> usize {
+    if has_avx512() { 8 } else { 4 }
+}
+
 /// f16 -> f32 conversion of a slice.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
@@ -83,11 +89,11 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// GEMV for `m` (1..=4) activation rows: for each weight row `row0 + r` (r < rows) and
+/// GEMV for `m` (1..=`gemv_max_m()`) activation rows: for each weight row `row0 + r` (r < rows) and
 /// activation row `i`, `out[r * m + i] = dot(w[row0 + r, :], x[i, :])`. Each weight row
 /// is read once for all `m` activation rows.
 pub fn gemv(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
-    assert!((1..=4).contains(&m));
+    assert!((1..=gemv_max_m()).contains(&m));
     assert!(x.len() >= m * k && out.len() >= rows * m);
     assert!(w.len() >= (row0 + rows) * k);
     #[cfg(target_arch = "x86_64")]
@@ -266,68 +272,100 @@ mod x512 {
 
     macro_rules! gemv512 {
         ($name:ident, $inner:ident, $t:ty, $load:expr, $scalar:expr) => {
+            /// R weight rows at a time against M activation rows, U vectors of 16 per
+            /// step: the M activation vectors are loaded once per step and serve all R
+            /// rows, and R*U*M accumulators keep the FMA units busy.
             #[target_feature(enable = "avx512f,avx512bw")]
-            unsafe fn $inner<const M: usize>(w: &[$t], row0: usize, rows: usize, x: &[f32], k: usize, out: &mut [f32]) {
+            unsafe fn $inner<const M: usize, const R: usize, const U: usize>(
+                w: &[$t],
+                row0: usize,
+                rows: usize,
+                x: &[f32],
+                k: usize,
+                out: &mut [f32],
+            ) {
                 let load = $load;
                 let scalar = $scalar;
                 let xp = x.as_ptr();
-                let line = 64 / std::mem::size_of::<$t>();
-                for r in 0..rows {
+                let size = std::mem::size_of::<$t>();
+                let step = 16 * U;
+                let mut r = 0;
+                while r + R <= rows {
                     // SAFETY (whole block): the caller checked that w holds
                     // (row0 + rows) * k elements and x holds M * k; every offset read is
                     // < k within its row. Prefetch addresses are computed with
                     // wrapping arithmetic and never dereferenced.
                     unsafe {
-                        let wr = w.as_ptr().add((row0 + r) * k);
-                        let mut acc = [[_mm512_setzero_ps(); M]; 4];
+                        let wr: [*const $t; R] = std::array::from_fn(|j| w.as_ptr().add((row0 + r + j) * k));
+                        let mut acc = [[[_mm512_setzero_ps(); M]; U]; R];
                         let mut i = 0;
-                        while i + 64 <= k {
-                            let pf = wr.wrapping_add(i + PREFETCH_AHEAD_BYTES / std::mem::size_of::<$t>()) as *const i8;
-                            let mut off = 0;
-                            while off < 64 {
-                                _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(off * std::mem::size_of::<$t>()));
-                                off += line;
-                            }
-                            for u in 0..4 {
-                                let wv = load(wr.add(i + 16 * u));
-                                for mi in 0..M {
-                                    let xv = _mm512_loadu_ps(xp.add(mi * k + i + 16 * u));
-                                    acc[u][mi] = _mm512_fmadd_ps(wv, xv, acc[u][mi]);
+                        while i + step <= k {
+                            for p in wr {
+                                let pf = (p.wrapping_add(i) as *const i8).wrapping_add(PREFETCH_AHEAD_BYTES);
+                                let mut off = 0;
+                                while off < step * size {
+                                    _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(off));
+                                    off += 64;
                                 }
                             }
-                            i += 64;
+                            for u in 0..U {
+                                let xs: [__m512; M] =
+                                    std::array::from_fn(|mi| _mm512_loadu_ps(xp.add(mi * k + i + 16 * u)));
+                                for j in 0..R {
+                                    let wv = load(wr[j].add(i + 16 * u));
+                                    for mi in 0..M {
+                                        acc[j][u][mi] = _mm512_fmadd_ps(wv, xs[mi], acc[j][u][mi]);
+                                    }
+                                }
+                            }
+                            i += step;
                         }
                         while i + 16 <= k {
-                            let wv = load(wr.add(i));
-                            for mi in 0..M {
-                                acc[0][mi] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp.add(mi * k + i)), acc[0][mi]);
+                            for j in 0..R {
+                                let wv = load(wr[j].add(i));
+                                for mi in 0..M {
+                                    let xv = _mm512_loadu_ps(xp.add(mi * k + i));
+                                    acc[j][0][mi] = _mm512_fmadd_ps(wv, xv, acc[j][0][mi]);
+                                }
                             }
                             i += 16;
                         }
-                        for mi in 0..M {
-                            let v = _mm512_add_ps(
-                                _mm512_add_ps(acc[0][mi], acc[1][mi]),
-                                _mm512_add_ps(acc[2][mi], acc[3][mi]),
-                            );
-                            let mut s = _mm512_reduce_add_ps(v);
-                            for j in i..k {
-                                s += scalar(*wr.add(j)) * *xp.add(mi * k + j);
+                        for j in 0..R {
+                            for mi in 0..M {
+                                let mut v = acc[j][0][mi];
+                                for a in &acc[j][1..] {
+                                    v = _mm512_add_ps(v, a[mi]);
+                                }
+                                let mut s = _mm512_reduce_add_ps(v);
+                                for t in i..k {
+                                    s += scalar(*wr[j].add(t)) * *xp.add(mi * k + t);
+                                }
+                                out[(r + j) * M + mi] = s;
                             }
-                            out[r * M + mi] = s;
                         }
                     }
+                    r += R;
+                }
+                if r < rows {
+                    // SAFETY: the remaining rows, same contract.
+                    unsafe { $inner::<M, 1, U>(w, row0 + r, rows - r, x, k, &mut out[r * M..]) };
                 }
             }
 
             #[target_feature(enable = "avx512f,avx512bw")]
             pub unsafe fn $name(w: &[$t], row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
-                // SAFETY: forwarded caller contract.
+                // SAFETY: forwarded caller contract. Row blocking keeps accumulators
+                // plus activation vectors within the 32 vector registers.
                 unsafe {
                     match m {
-                        1 => $inner::<1>(w, row0, rows, x, k, out),
-                        2 => $inner::<2>(w, row0, rows, x, k, out),
-                        3 => $inner::<3>(w, row0, rows, x, k, out),
-                        _ => $inner::<4>(w, row0, rows, x, k, out),
+                        1 => $inner::<1, 1, 4>(w, row0, rows, x, k, out),
+                        2 => $inner::<2, 4, 1>(w, row0, rows, x, k, out),
+                        3 => $inner::<3, 4, 1>(w, row0, rows, x, k, out),
+                        4 => $inner::<4, 4, 1>(w, row0, rows, x, k, out),
+                        5 => $inner::<5, 4, 1>(w, row0, rows, x, k, out),
+                        6 => $inner::<6, 3, 1>(w, row0, rows, x, k, out),
+                        7 => $inner::<7, 3, 1>(w, row0, rows, x, k, out),
+                        _ => $inner::<8, 2, 1>(w, row0, rows, x, k, out),
                     }
                 }
             }
