@@ -14,7 +14,7 @@ use tessera_backends::kv::{DEFAULT_BLOCK_SIZE, KvCacheConfig};
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::Model;
 use tessera_backends::sampling::SamplingParams;
-use tessera_backends::synth::{self, Preset, SynthArch, SynthSpec, WeightDtype};
+use tessera_backends::synth::{self, Preset, SynthArch, SynthSpec};
 use tessera_backends::tokenizer::TextTokenizer;
 
 #[derive(Parser)]
@@ -93,6 +93,9 @@ struct GenerateArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
     block_size: usize,
+    /// Extra token ids that end the generation (besides the model's end-of-sequence ids).
+    #[arg(long, value_delimiter = ',', value_name = "ID,ID,...")]
+    stop_token_ids: Vec<u32>,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -115,7 +118,7 @@ struct MakeTinyArgs {
     seed: u64,
     /// Weight dtype in the file (default: f32 for tiny/small, f16 for bench).
     #[arg(long)]
-    dtype: Option<WeightDtype>,
+    dtype: Option<DType>,
     /// Split the weights over this many safetensors shards (with an index file).
     #[arg(long, default_value_t = 1)]
     shards: usize,
@@ -202,7 +205,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         top_p: args.top_p,
         seed: args.seed,
         max_tokens: args.max_tokens,
-        stop_token_ids: Vec::new(),
+        stop_token_ids: args.stop_token_ids.clone(),
         ignore_eos: args.ignore_eos,
     };
     let vocab = model.config().vocab_size;

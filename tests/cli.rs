@@ -323,3 +323,23 @@ fn bench_engine_json() {
         assert!(d["bytes_per_step"].as_f64().unwrap() > 0.0);
     }
 }
+
+#[test]
+fn stop_token_ids_end_generation_at_the_first_stop() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    make_tiny(&dir, &[]);
+    let model = dir.to_str().unwrap();
+    let base = ["generate", "--model", model, "--prompt-ids", "1,2,3", "--max-tokens", "10", "--ignore-eos"];
+    let (_, stderr) = ok(run(&base));
+    let full = token_ids(&stderr);
+    assert_eq!(full.len(), 10, "{stderr}");
+    let stop = full[4];
+    let first = full.iter().position(|&t| t == stop).unwrap();
+    let stop_arg = stop.to_string();
+    let mut args = base.to_vec();
+    args.extend_from_slice(&["--stop-token-ids", &stop_arg]);
+    let (_, stderr) = ok(run(&args));
+    assert_eq!(token_ids(&stderr), full[..=first].to_vec(), "{stderr}");
+    assert!(stderr.contains("(Stop)"), "{stderr}");
+}

@@ -10,7 +10,7 @@ use tessera_backends::engine::{Completion, Engine, EngineConfig, FinishReason};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
 use tessera_backends::model::{LogitsWanted, Model, SeqChunk};
 use tessera_backends::sampling::SamplingParams;
-use tessera_backends::synth::{SynthArch, WeightDtype};
+use tessera_backends::synth::SynthArch;
 
 /// Max abs logits difference allowed between the f32 executor and the f64 reference
 /// (logits have std ≈ 4, so this is ~1e-5 relative).
@@ -494,8 +494,8 @@ fn weight_and_kv_dtypes_stay_close_to_reference() {
 #[test]
 fn f16_checkpoint_loads_as_stored_and_shards_are_bit_identical() {
     for arch in ARCHS {
-        let one = TempCkpt::tiny("f16-one", arch, 61, Some(WeightDtype::F16), 1);
-        let three = TempCkpt::tiny("f16-three", arch, 61, Some(WeightDtype::F16), 3);
+        let one = TempCkpt::tiny("f16-one", arch, 61, Some(DType::F16), 1);
+        let three = TempCkpt::tiny("f16-three", arch, 61, Some(DType::F16), 3);
         assert!(three.path().join("model.safetensors.index.json").is_file());
         let reference = Reference::load(one.path());
         let vocab = reference.cfg.vocab_size;

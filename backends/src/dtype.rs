@@ -29,6 +29,24 @@ impl DType {
         }
     }
 
+    /// The name in a safetensors header.
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+        }
+    }
+
+    /// The name in `config.json`'s `torch_dtype`.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+        }
+    }
+
     /// The dtype named in a safetensors header.
     pub fn from_safetensors(dtype: safetensors::Dtype) -> Option<Self> {
         match dtype {

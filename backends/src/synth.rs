@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use serde_json::json;
 
 use crate::config::{HfConfig, RopeScaling, TokenIds};
+use crate::dtype::DType;
 use crate::error::{BackendError, Result};
 use crate::tokenizer::byte_to_char_table;
 
@@ -32,14 +33,6 @@ pub enum Preset {
 pub enum SynthArch {
     Llama,
     Qwen2,
-}
-
-/// Element type of the written weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightDtype {
-    F32,
-    F16,
-    Bf16,
 }
 
 macro_rules! named_enum {
@@ -70,32 +63,6 @@ macro_rules! named_enum {
 
 named_enum!(Preset, "preset", Tiny => "tiny", Small => "small", Bench => "bench");
 named_enum!(SynthArch, "architecture", Llama => "llama", Qwen2 => "qwen2");
-named_enum!(WeightDtype, "weight dtype", F32 => "f32", F16 => "f16", Bf16 => "bf16");
-
-impl WeightDtype {
-    pub fn size_bytes(self) -> usize {
-        match self {
-            WeightDtype::F32 => 4,
-            WeightDtype::F16 | WeightDtype::Bf16 => 2,
-        }
-    }
-    /// The safetensors header name.
-    pub fn safetensors_name(self) -> &'static str {
-        match self {
-            WeightDtype::F32 => "F32",
-            WeightDtype::F16 => "F16",
-            WeightDtype::Bf16 => "BF16",
-        }
-    }
-    /// `config.json`'s `torch_dtype`.
-    pub fn torch_name(self) -> &'static str {
-        match self {
-            WeightDtype::F32 => "float32",
-            WeightDtype::F16 => "float16",
-            WeightDtype::Bf16 => "bfloat16",
-        }
-    }
-}
 
 /// What to write.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,7 +71,7 @@ pub struct SynthSpec {
     pub arch: SynthArch,
     pub seed: u64,
     /// `None`: the preset's default (f32 for tiny/small, f16 for bench).
-    pub dtype: Option<WeightDtype>,
+    pub dtype: Option<DType>,
     /// 1: `model.safetensors`; N > 1: `model-0000i-of-0000N.safetensors` + index.
     pub shards: usize,
 }
@@ -114,10 +81,10 @@ impl SynthSpec {
         SynthSpec { preset, arch, seed: 0, dtype: None, shards: 1 }
     }
 
-    pub fn resolved_dtype(&self) -> WeightDtype {
+    pub fn resolved_dtype(&self) -> DType {
         self.dtype.unwrap_or(match self.preset {
-            Preset::Tiny | Preset::Small => WeightDtype::F32,
-            Preset::Bench => WeightDtype::F16,
+            Preset::Tiny | Preset::Small => DType::F32,
+            Preset::Bench => DType::F16,
         })
     }
 }
@@ -332,7 +299,7 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 const CHUNK: usize = 1 << 16;
 
 /// Fills `out` (elements `chunk*CHUNK ..`) of the tensor seeded by `tensor_seed`.
-fn fill_chunk(tensor_seed: u64, chunk: u64, init: Init, dtype: WeightDtype, out: &mut [u8]) {
+fn fill_chunk(tensor_seed: u64, chunk: u64, init: Init, dtype: DType, out: &mut [u8]) {
     let mut state = tensor_seed ^ chunk.wrapping_mul(0xD6E8_FEB8_6659_FD93);
     splitmix64(&mut state);
     let (mean, std) = match init {
@@ -350,9 +317,9 @@ fn fill_chunk(tensor_seed: u64, chunk: u64, init: Init, dtype: WeightDtype, out:
         let z = centred * (SQRT_3 / 131_072.0);
         let v = mean + std * z;
         match dtype {
-            WeightDtype::F32 => dst.copy_from_slice(&v.to_le_bytes()),
-            WeightDtype::F16 => dst.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-            WeightDtype::Bf16 => dst.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            DType::F32 => dst.copy_from_slice(&v.to_le_bytes()),
+            DType::F16 => dst.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            DType::BF16 => dst.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
         }
     }
 }
@@ -360,13 +327,7 @@ fn fill_chunk(tensor_seed: u64, chunk: u64, init: Init, dtype: WeightDtype, out:
 const SQRT_3: f32 = 1.732_050_8;
 
 /// Streams the tensor's bytes to `w` in blocks generated on all cores.
-fn write_tensor(
-    w: &mut impl Write,
-    seed: u64,
-    t: &TensorSpec,
-    dtype: WeightDtype,
-    threads: usize,
-) -> std::io::Result<()> {
+fn write_tensor(w: &mut impl Write, seed: u64, t: &TensorSpec, dtype: DType, threads: usize) -> std::io::Result<()> {
     let mut name_state = seed ^ fnv1a64(t.name.as_bytes());
     let tensor_seed = splitmix64(&mut name_state);
     let size = dtype.size_bytes();
@@ -403,13 +364,7 @@ fn write_tensor(
 }
 
 /// Writes one safetensors file holding `tensors` (streamed, never all in memory).
-fn write_safetensors(
-    path: &Path,
-    seed: u64,
-    tensors: &[&TensorSpec],
-    dtype: WeightDtype,
-    threads: usize,
-) -> Result<u64> {
+fn write_safetensors(path: &Path, seed: u64, tensors: &[&TensorSpec], dtype: DType, threads: usize) -> Result<u64> {
     let io_err = |e| BackendError::io(path, e);
     let mut header = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
     let mut offset = 0usize;
@@ -764,10 +719,10 @@ mod tests {
         assert_eq!("tiny".parse::<Preset>().unwrap(), Preset::Tiny);
         assert_eq!("Bench".parse::<Preset>().unwrap().to_string(), "bench");
         assert_eq!("qwen2".parse::<SynthArch>().unwrap(), SynthArch::Qwen2);
-        assert_eq!("bf16".parse::<WeightDtype>().unwrap(), WeightDtype::Bf16);
+        assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
         let err = "huge".parse::<Preset>().unwrap_err();
         assert_eq!(err, "unknown preset \"huge\" (expected one of: tiny, small, bench)");
-        assert!("f8".parse::<WeightDtype>().unwrap_err().contains("f32, f16, bf16"));
+        assert!("f8".parse::<DType>().unwrap_err().contains("f32, f16 or bf16"));
     }
 
     #[test]
@@ -828,7 +783,7 @@ mod tests {
         let d1 = tmpdir("one");
         let d3 = tmpdir("three");
         let mut s = spec(Preset::Tiny, SynthArch::Qwen2);
-        s.dtype = Some(WeightDtype::F16);
+        s.dtype = Some(DType::F16);
         write_checkpoint(&d1, &s).unwrap();
         s.shards = 3;
         write_checkpoint(&d3, &s).unwrap();
@@ -852,7 +807,7 @@ mod tests {
         assert!(load_tensors(&d3) == a);
         // Other seeds give other weights; bf16 halves f32.
         s.seed = 8;
-        s.dtype = Some(WeightDtype::Bf16);
+        s.dtype = Some(DType::BF16);
         write_checkpoint(&d3, &s).unwrap();
         let c = load_tensors(&d3);
         assert_ne!(c["model.embed_tokens.weight"].2, a["model.embed_tokens.weight"].2);
@@ -866,7 +821,7 @@ mod tests {
     #[test]
     fn generated_values_have_the_requested_moments() {
         let mut buf = vec![0u8; CHUNK * 4];
-        fill_chunk(42, 3, Init::Normal(0.5), WeightDtype::F32, &mut buf);
+        fill_chunk(42, 3, Init::Normal(0.5), DType::F32, &mut buf);
         let v: Vec<f64> = buf.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect();
         let mean = v.iter().sum::<f64>() / v.len() as f64;
         let std = (v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / v.len() as f64).sqrt();
@@ -874,7 +829,7 @@ mod tests {
         // Pinned bits: the generator must never change (checkpoints are reproducible).
         let first = f32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
         assert_eq!(first.to_bits(), 0xbfb9_29e6, "generator changed: {first:e}");
-        fill_chunk(42, 3, Init::Norm, WeightDtype::F32, &mut buf);
+        fill_chunk(42, 3, Init::Norm, DType::F32, &mut buf);
         let v: Vec<f32> = buf.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         assert!(v.iter().all(|x| (0.8..1.2).contains(x)));
     }

@@ -12,7 +12,7 @@ use tessera_backends::dtype::DType;
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::{LogitsWanted, Model, SeqChunk};
-use tessera_backends::synth::{Preset, SynthArch, SynthSpec, WeightDtype, write_checkpoint};
+use tessera_backends::synth::{Preset, SynthArch, SynthSpec, write_checkpoint};
 
 /// A checkpoint directory under the system temp dir, removed on drop.
 pub struct TempCkpt {
@@ -22,7 +22,7 @@ pub struct TempCkpt {
 impl TempCkpt {
     /// Writes the tiny synthetic checkpoint of `arch` (seed `seed`, weights `dtype`,
     /// `shards` files) into a directory unique to this process and call.
-    pub fn tiny(name: &str, arch: SynthArch, seed: u64, dtype: Option<WeightDtype>, shards: usize) -> TempCkpt {
+    pub fn tiny(name: &str, arch: SynthArch, seed: u64, dtype: Option<DType>, shards: usize) -> TempCkpt {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("tessera-model-test-{}-{name}-{n}", std::process::id()));
