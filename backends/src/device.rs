@@ -132,6 +132,8 @@ pub struct AttnBatchView<'a> {
 
 impl Device {
     /// Opens a device of `lib`; a library whose init fails is refused with its message.
+    /// Open it on the thread that will issue its ops: the CPU library makes that thread
+    /// one of the device's workers, so ops run without a cross-thread hand-off.
     pub fn open(lib: &Arc<KernelLibrary>, config: &DeviceConfig) -> Result<Device> {
         let cfg = abi::TkDeviceConfig {
             threads: config.threads,

@@ -67,10 +67,15 @@ impl Device {
         } else {
             threads as usize
         };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("tessera-cpu-{i}"))
+        let builder =
+            || rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("tessera-cpu-{i}"));
+        // The creating thread (a chip's worker) joins the pool, so that its op calls
+        // run inline instead of waking a pool thread for every op. A thread can belong
+        // to one pool only: a second device made on it gets a plain pool.
+        let pool = builder()
+            .use_current_thread()
             .build()
+            .or_else(|_| builder().build())
             .map_err(|e| KernelError::Internal(format!("cannot build thread pool: {e}")))?;
         let memory_limit = if memory_limit == 0 { physical_memory() } else { memory_limit };
         Ok(Device { pool, threads, memory_limit, used: Mutex::new(0), buffers: Mutex::new(HashMap::new()) })
