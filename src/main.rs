@@ -209,7 +209,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         ignore_eos: args.ignore_eos,
     };
     let vocab = model.config().vocab_size;
-    let longest = (prompt.len() + args.max_tokens).min(model.config().max_context);
+    let longest = prompt.len().saturating_add(args.max_tokens).min(model.config().max_context);
     let kv = KvCacheConfig {
         block_size: args.block_size,
         num_blocks: longest.div_ceil(args.block_size.max(1)).max(1),

@@ -50,7 +50,8 @@ fn deps_dir() -> PathBuf {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    let path = deps_dir().join(format!("libtessera_fixture_kernels_{name}.so"));
+    let (prefix, suffix) = (std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
+    let path = deps_dir().join(format!("{prefix}tessera_fixture_kernels_{name}{suffix}"));
     assert!(path.is_file(), "fixture library {} was not built", path.display());
     path
 }
@@ -278,7 +279,7 @@ fn kernel_lib_not_a_library() {
     // A shared library that is not a kernel library (no tk_abi_version).
     let other = std::fs::read_dir(deps_dir()).unwrap().map(|e| e.unwrap().path()).find(|p| {
         let name = p.file_name().unwrap().to_string_lossy();
-        name.ends_with(".so") && !name.contains("tessera")
+        name.ends_with(std::env::consts::DLL_SUFFIX) && !name.contains("tessera")
     });
     if let Some(other) = other {
         let out = generate(&dir, &["--kernel-lib", other.to_str().unwrap()]);

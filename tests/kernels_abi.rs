@@ -158,6 +158,22 @@ fn memory_limit_refuses_large_alloc() {
     drop(a);
 }
 
+#[test]
+fn buffers_of_another_device_are_refused() {
+    let (a, b) = (dev(), dev());
+    let x = a.upload(&[1.0f32; 8]).unwrap();
+    let out = b.alloc(8 * 4).unwrap();
+    let w = b.upload(&[1.0f32; 8]).unwrap();
+    let msg = err_text(b.linear(out.view(), x.view(), w.view(), DType::F32, None, 1, 1, 8));
+    assert!(msg.contains("another device"), "{msg}");
+    let msg = err_text(b.copy(out.view(), x.view(), 32));
+    assert!(msg.contains("another device"), "{msg}");
+    // The same call with b's own buffers works.
+    let x = b.upload(&[1.0f32; 8]).unwrap();
+    b.linear(out.view(), x.view(), w.view(), DType::F32, None, 1, 1, 8).unwrap();
+    assert_eq!(b.read_vec::<f32>(out.view(), 1).unwrap(), vec![8.0]);
+}
+
 // ---------------------------------------------------------------------------------------
 // embedding
 
@@ -1066,6 +1082,9 @@ fn block_id_out_of_range_is_refused() {
     let cb = d.upload(&[1i32]).unwrap();
     let msg = err_text(d.paged_decode_attention(out.view(), q.view(), &cache3, tb.view(), cb.view(), 1, 1, 3, 0.3));
     assert!(msg.contains("tk_paged_decode_attention"), "{msg}");
+    // Zero heads is an invalid argument, not an internal error.
+    let msg = err_text(d.paged_decode_attention(out.view(), q.view(), &cache, tb.view(), cb.view(), 1, 1, 0, 0.3));
+    assert!(msg.contains("invalid argument") && msg.contains("num_heads = 0"), "{msg}");
 }
 
 #[test]

@@ -66,7 +66,7 @@ fn a_batch_of_sequences_matches_each_reference() {
             let mut kv = kv_cache(&model, bs, 2 * 100 / bs + 8, DType::F32);
             // Reserve round-robin, one block's worth per sequence at a time, so the
             // block tables interleave instead of being contiguous ranges.
-            let mut seqs = vec![SequenceKv::default(); lens.len()];
+            let mut seqs = (0..lens.len()).map(|_| SequenceKv::default()).collect::<Vec<_>>();
             let mut slots: Vec<Vec<i32>> = vec![Vec::new(); lens.len()];
             for r in 0..40usize.div_ceil(bs) {
                 for (i, p) in prompts.iter().enumerate() {
@@ -664,12 +664,15 @@ fn forward_refuses_malformed_steps() {
         logits: LogitsWanted::Last,
     };
     let bad_tok = [1, vocab as u32, 2, 3, 4, 5];
+    let mut foreign_slots = slots.clone();
+    foreign_slots[3] = 31;
     let cases: Vec<(Vec<SeqChunk<'_>>, &str)> = vec![
         (vec![], "at least one token"),
         (vec![SeqChunk { tokens: &[], slots: &[], ..good }], "at least one token"),
         (vec![SeqChunk { slots: &slots[..5], ..good }], "6 tokens, 5 slots"),
         (vec![SeqChunk { block_table: &seq.block_table()[..1], ..good }], "1 blocks of 4"),
         (vec![SeqChunk { tokens: &bad_tok, ..good }], "outside the vocabulary"),
+        (vec![SeqChunk { slots: &foreign_slots, ..good }], "slot 31 for position 3 is not in its block table"),
     ];
     for (batch, needle) in cases {
         let err = model.forward(&kv, &batch).unwrap_err().to_string();

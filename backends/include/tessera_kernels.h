@@ -14,9 +14,11 @@
  *    every tensor fits inside its buffer and refuse the call otherwise.
  *  - Activations are float32. Weights may be f32, f16 or bf16 (a tk_dtype argument).
  *    The KV cache may be f32, f16 or bf16. Index tensors are int32.
- *  - A device is used by one host thread at a time. Calls may be asynchronous with
- *    respect to the host; tk_synchronize() waits for all of them. Copies to the host
- *    (tk_copy_d2h) are synchronous.
+ *  - Ops, copies and tk_synchronize on a device are issued by one host thread at a
+ *    time. The memory calls tk_alloc, tk_buffer_wrap_host and tk_free must be
+ *    thread-safe: a buffer may be freed from any thread while ops run. Calls may be
+ *    asynchronous with respect to the host; tk_synchronize() waits for all of them.
+ *    Copies to the host (tk_copy_d2h) are synchronous.
  *  - Exported functions never unwind across the ABI.
  */
 #ifndef TESSERA_KERNELS_H

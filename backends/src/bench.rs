@@ -8,7 +8,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{BackendError, Result};
 use crate::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
 use crate::model::{LogitsWanted, Model, SeqChunk};
 use crate::sampling::Rng;
@@ -97,9 +97,10 @@ impl EngineBenchReport {
     }
 }
 
+/// Median of a non-empty sample (callers time at least one run; NaN for none).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The machine's memory bandwidth, measured two ways over arrays far larger than any
@@ -228,6 +229,19 @@ fn run_step(
 
 pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<EngineBenchReport> {
     let c = model.config().clone();
+    if opts.steps == 0 || opts.prompt_len == 0 || opts.context == 0 || opts.batches.is_empty() {
+        return Err(BackendError::Request("steps, prompt length, context and batch sizes must be at least 1".into()));
+    }
+    if let Some(&b) = opts.batches.iter().find(|&&b| b == 0 || b > 4096) {
+        return Err(BackendError::Request(format!("batch size {b} is out of range (1..=4096)")));
+    }
+    let longest = opts.prompt_len.max(opts.context.saturating_add(opts.steps).saturating_add(1));
+    if longest > c.max_context {
+        return Err(BackendError::Request(format!(
+            "the benchmark needs {longest} tokens of context; the model's context is {}",
+            c.max_context
+        )));
+    }
     let threads = model.device().info().compute_units;
     let memory = memory_bandwidth(threads as usize);
     let gemm = gemm_f32_gflop_s(&model)?;
@@ -268,7 +282,7 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
     let weight_read = c.linear_params() * model.dtype().size_bytes() + norm_bytes;
     let mut decode = Vec::new();
     for &batch in &opts.batches {
-        let mut seqs = vec![SequenceKv::default(); batch];
+        let mut seqs: Vec<SequenceKv> = (0..batch).map(|_| SequenceKv::default()).collect();
         let prompts: Vec<Vec<u32>> = (0..batch).map(|_| random_tokens(&mut rng, opts.context, vocab)).collect();
         run_step(&mut model, &mut kv, &mut seqs, &prompts, LogitsWanted::None)?;
         let mut times = Vec::new();

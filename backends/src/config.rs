@@ -101,6 +101,11 @@ pub struct HfConfig {
     pub attention_bias: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// Qwen2 configs carry a `sliding_window` they do not use unless this is true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_act: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bos_token_id: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -153,11 +158,36 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Reads and validates `dir/config.json`.
+    /// Reads and validates `dir/config.json`, adding the end-of-sequence ids of
+    /// `dir/generation_config.json` when it exists (chat models list their end-of-turn
+    /// token only there, as HF `generate` reads it).
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| BackendError::io(&path, e))?;
-        Self::from_json(&text, &path)
+        let mut config = Self::from_json(&text, &path)?;
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.is_file() {
+            #[derive(Deserialize)]
+            struct GenerationConfig {
+                #[serde(default)]
+                eos_token_id: Option<TokenIds>,
+            }
+            let gen_err = |reason: String| BackendError::Config { path: gen_path.clone(), reason };
+            let text = std::fs::read_to_string(&gen_path).map_err(|e| BackendError::io(&gen_path, e))?;
+            let generation: GenerationConfig = serde_json::from_str(&text).map_err(|e| gen_err(e.to_string()))?;
+            for id in generation.eos_token_id.as_ref().map(TokenIds::to_vec).unwrap_or_default() {
+                if id as usize >= config.vocab_size {
+                    return Err(gen_err(format!(
+                        "eos token id {id} is outside the vocabulary ({})",
+                        config.vocab_size
+                    )));
+                }
+                if !config.eos_token_ids.contains(&id) {
+                    config.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(config)
     }
 
     pub fn from_json(text: &str, path: &Path) -> Result<Self> {
@@ -175,17 +205,25 @@ impl ModelConfig {
             arch: arch_name.clone(),
             supported,
         })?;
-        for (key, value) in [
-            ("hidden_size", hf.hidden_size),
-            ("intermediate_size", hf.intermediate_size),
-            ("num_hidden_layers", hf.num_hidden_layers),
-            ("num_attention_heads", hf.num_attention_heads),
-            ("vocab_size", hf.vocab_size),
-            ("max_position_embeddings", hf.max_position_embeddings),
+        // Generous bounds (today's largest open models are well inside them) that keep
+        // every size derived from the config far from overflow.
+        for (key, value, max) in [
+            ("hidden_size", hf.hidden_size, 1 << 16),
+            ("intermediate_size", hf.intermediate_size, 1 << 18),
+            ("num_hidden_layers", hf.num_hidden_layers, 1 << 10),
+            ("num_attention_heads", hf.num_attention_heads, 1 << 10),
+            ("vocab_size", hf.vocab_size, 1 << 22),
+            ("max_position_embeddings", hf.max_position_embeddings, 1 << 24),
         ] {
-            if value == 0 || value > u32::MAX as usize / 16 {
-                return Err(config_err(format!("`{key}` = {value} is out of range")));
+            if value == 0 || value > max {
+                return Err(config_err(format!("`{key}` = {value} is out of range (1..={max})")));
             }
+        }
+        if let Some(act) = hf.hidden_act.as_deref()
+            && act != "silu"
+            && act != "swish"
+        {
+            return Err(config_err(format!("`hidden_act` = {act:?} is not supported (supported: silu)")));
         }
         let num_heads = hf.num_attention_heads;
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(num_heads);
@@ -204,8 +242,8 @@ impl ModelConfig {
                 )));
             }
         };
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(config_err(format!("`head_dim` = {head_dim} must be even and positive")));
+        if head_dim == 0 || head_dim > 1024 || !head_dim.is_multiple_of(2) {
+            return Err(config_err(format!("`head_dim` = {head_dim} must be even and in 2..=1024")));
         }
         if !(hf.rms_norm_eps > 0.0 && hf.rms_norm_eps.is_finite()) {
             return Err(config_err(format!("`rms_norm_eps` = {} must be positive", hf.rms_norm_eps)));
@@ -236,9 +274,17 @@ impl ModelConfig {
         {
             return Err(config_err(format!("`rope_scaling.factor` = {factor} must be >= 1")));
         }
+        if let RopeKind::Llama3 { low_freq_factor: lo, high_freq_factor: hi, original_max_position, .. } = rope
+            && !(lo > 0.0 && hi > lo && hi.is_finite() && original_max_position > 0)
+        {
+            return Err(config_err(format!(
+                "llama3 `rope_scaling` needs 0 < low_freq_factor ({lo}) < high_freq_factor ({hi}) and \
+                 original_max_position_embeddings ({original_max_position}) > 0"
+            )));
+        }
         // Without a sliding-window kernel the model is exact only inside the window.
-        let max_context = match hf.sliding_window {
-            Some(w) if w > 0 => hf.max_position_embeddings.min(w),
+        let max_context = match (hf.sliding_window, hf.use_sliding_window) {
+            (Some(w), None | Some(true)) if w > 0 => hf.max_position_embeddings.min(w),
             _ => hf.max_position_embeddings,
         };
         let qkv_bias = match arch {
@@ -324,6 +370,19 @@ mod tests {
     }
 
     #[test]
+    fn generation_config_adds_eos_ids() {
+        let dir = std::env::temp_dir().join(format!("tessera-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), base().to_string()).unwrap();
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [2, 7]}"#).unwrap();
+        assert_eq!(ModelConfig::from_dir(&dir).unwrap().eos_token_ids, vec![1, 2, 7]);
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 5000}"#).unwrap();
+        let err = ModelConfig::from_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("generation_config.json") && err.contains("eos token id 5000"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn refusals_name_the_problem() {
         let cases: Vec<(serde_json::Value, &str)> = vec![
             (serde_json::json!({"architectures": ["GPT2LMHeadModel"]}), "missing field"),
@@ -350,6 +409,39 @@ mod tests {
                     v
                 },
                 "special token id 999",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["num_hidden_layers"] = serde_json::json!(200_000_000);
+                    v
+                },
+                "`num_hidden_layers` = 200000000 is out of range",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["head_dim"] = serde_json::json!(4_611_686_018_427_387_904u64);
+                    v
+                },
+                "`head_dim` = 4611686018427387904 must be even and in 2..=1024",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["hidden_act"] = serde_json::json!("gelu");
+                    v
+                },
+                "`hidden_act` = \"gelu\" is not supported",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+                        "low_freq_factor": 4.0, "high_freq_factor": 1.0});
+                    v
+                },
+                "low_freq_factor (4) < high_freq_factor (1)",
             ),
         ];
         for (v, want) in cases {

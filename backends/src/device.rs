@@ -80,10 +80,6 @@ impl<'a> View<'a> {
     }
 }
 
-fn opt(v: Option<View<'_>>) -> abi::TkPtr {
-    v.map_or(abi::TkPtr::NULL, |v| v.abi())
-}
-
 fn status_name(status: abi::TkStatus) -> &'static str {
     match status {
         abi::TK_ERR_INVALID_ARGUMENT => "invalid argument",
@@ -170,6 +166,28 @@ impl Device {
         &self.raw.lib
     }
 
+    /// A tensor argument, refused unless its buffer belongs to this device (a handle of
+    /// another device, even of the same library, must never reach a kernel).
+    fn arg(&self, v: View<'_>) -> Result<abi::TkPtr> {
+        if !Arc::ptr_eq(&v.buf.raw.dev, &self.raw) {
+            return Err(BackendError::Request(format!(
+                "a buffer of another device was passed to device {}",
+                self.info.name
+            )));
+        }
+        Ok(v.abi())
+    }
+
+    fn opt_arg(&self, v: Option<View<'_>>) -> Result<abi::TkPtr> {
+        v.map_or(Ok(abi::TkPtr::NULL), |v| self.arg(v))
+    }
+
+    fn kv_arg(&self, cache: &KvCacheView<'_>) -> Result<abi::TkKvCache> {
+        self.arg(cache.k)?;
+        self.arg(cache.v)?;
+        Ok(cache.abi())
+    }
+
     fn check(&self, op: &'static str, status: abi::TkStatus) -> Result<()> {
         if status == abi::TK_OK {
             return Ok(());
@@ -233,12 +251,12 @@ impl Device {
     }
 
     pub fn write<T: bytemuck::Pod>(&self, dst: View<'_>, data: &[T]) -> Result<()> {
-        let status = raw::copy_h2d(&self.raw.lib, self.raw.ptr, dst.abi(), bytemuck::cast_slice(data));
+        let status = raw::copy_h2d(&self.raw.lib, self.raw.ptr, self.arg(dst)?, bytemuck::cast_slice(data));
         self.check("tk_copy_h2d", status)
     }
 
     pub fn read<T: bytemuck::Pod>(&self, src: View<'_>, out: &mut [T]) -> Result<()> {
-        let status = raw::copy_d2h(&self.raw.lib, self.raw.ptr, bytemuck::cast_slice_mut(out), src.abi());
+        let status = raw::copy_d2h(&self.raw.lib, self.raw.ptr, bytemuck::cast_slice_mut(out), self.arg(src)?);
         self.check("tk_copy_d2h", status)
     }
 
@@ -249,7 +267,7 @@ impl Device {
     }
 
     pub fn copy(&self, dst: View<'_>, src: View<'_>, bytes: usize) -> Result<()> {
-        let status = raw::copy_d2d(&self.raw.lib, self.raw.ptr, dst.abi(), src.abi(), bytes as u64);
+        let status = raw::copy_d2d(&self.raw.lib, self.raw.ptr, self.arg(dst)?, self.arg(src)?, bytes as u64);
         self.check("tk_copy_d2d", status)
     }
 
@@ -271,10 +289,10 @@ impl Device {
         let s = raw::embedding(
             &self.raw.lib,
             self.raw.ptr,
-            out.abi(),
-            table.abi(),
+            self.arg(out)?,
+            self.arg(table)?,
             dtype.to_abi(),
-            ids.abi(),
+            self.arg(ids)?,
             n,
             hidden,
             vocab,
@@ -295,8 +313,18 @@ impl Device {
         n: u32,
         k: u32,
     ) -> Result<()> {
-        let s =
-            raw::linear(&self.raw.lib, self.raw.ptr, out.abi(), x.abi(), w.abi(), dtype.to_abi(), opt(bias), m, n, k);
+        let s = raw::linear(
+            &self.raw.lib,
+            self.raw.ptr,
+            self.arg(out)?,
+            self.arg(x)?,
+            self.arg(w)?,
+            dtype.to_abi(),
+            self.opt_arg(bias)?,
+            m,
+            n,
+            k,
+        );
         self.check("tk_linear", s)
     }
 
@@ -311,7 +339,17 @@ impl Device {
         hidden: u32,
         eps: f32,
     ) -> Result<()> {
-        let s = raw::rms_norm(&self.raw.lib, self.raw.ptr, out.abi(), x.abi(), w.abi(), dtype.to_abi(), n, hidden, eps);
+        let s = raw::rms_norm(
+            &self.raw.lib,
+            self.raw.ptr,
+            self.arg(out)?,
+            self.arg(x)?,
+            self.arg(w)?,
+            dtype.to_abi(),
+            n,
+            hidden,
+            eps,
+        );
         self.check("tk_rms_norm", s)
     }
 
@@ -331,11 +369,11 @@ impl Device {
         let s = raw::add_rms_norm(
             &self.raw.lib,
             self.raw.ptr,
-            residual.abi(),
-            x.abi(),
-            w.abi(),
+            self.arg(residual)?,
+            self.arg(x)?,
+            self.arg(w)?,
             dtype.to_abi(),
-            out.abi(),
+            self.arg(out)?,
             n,
             hidden,
             eps,
@@ -358,9 +396,9 @@ impl Device {
         let s = raw::apply_rotary_pos_emb(
             &self.raw.lib,
             self.raw.ptr,
-            q.abi(),
-            k.abi(),
-            positions.abi(),
+            self.arg(q)?,
+            self.arg(k)?,
+            self.arg(positions)?,
             n,
             num_heads,
             num_kv_heads,
@@ -371,7 +409,8 @@ impl Device {
     }
 
     pub fn silu_and_mul(&self, out: View<'_>, gate: View<'_>, up: View<'_>, n: u32, inter: u32) -> Result<()> {
-        let s = raw::silu_and_mul(&self.raw.lib, self.raw.ptr, out.abi(), gate.abi(), up.abi(), n, inter);
+        let s =
+            raw::silu_and_mul(&self.raw.lib, self.raw.ptr, self.arg(out)?, self.arg(gate)?, self.arg(up)?, n, inter);
         self.check("tk_silu_and_mul", s)
     }
 
@@ -383,7 +422,15 @@ impl Device {
         slots: View<'_>,
         n: u32,
     ) -> Result<()> {
-        let s = raw::fill_kv_cache(&self.raw.lib, self.raw.ptr, &cache.abi(), k.abi(), v.abi(), slots.abi(), n);
+        let s = raw::fill_kv_cache(
+            &self.raw.lib,
+            self.raw.ptr,
+            &self.kv_arg(cache)?,
+            self.arg(k)?,
+            self.arg(v)?,
+            self.arg(slots)?,
+            n,
+        );
         self.check("tk_fill_kv_cache", s)
     }
 
@@ -401,16 +448,16 @@ impl Device {
         let b = abi::TkAttnBatch {
             num_seqs: batch.num_seqs,
             max_blocks_per_seq: batch.max_blocks_per_seq,
-            query_start: batch.query_start.abi(),
-            context_lens: batch.context_lens.abi(),
-            block_tables: batch.block_tables.abi(),
+            query_start: self.arg(batch.query_start)?,
+            context_lens: self.arg(batch.context_lens)?,
+            block_tables: self.arg(batch.block_tables)?,
         };
         let s = raw::prefill_attention(
             &self.raw.lib,
             self.raw.ptr,
-            out.abi(),
-            q.abi(),
-            &cache.abi(),
+            self.arg(out)?,
+            self.arg(q)?,
+            &self.kv_arg(cache)?,
             &b,
             total_q,
             num_heads,
@@ -435,11 +482,11 @@ impl Device {
         let s = raw::paged_decode_attention(
             &self.raw.lib,
             self.raw.ptr,
-            out.abi(),
-            q.abi(),
-            &cache.abi(),
-            block_tables.abi(),
-            context_lens.abi(),
+            self.arg(out)?,
+            self.arg(q)?,
+            &self.kv_arg(cache)?,
+            self.arg(block_tables)?,
+            self.arg(context_lens)?,
             num_seqs,
             max_blocks_per_seq,
             num_heads,
@@ -449,12 +496,12 @@ impl Device {
     }
 
     pub fn argmax(&self, out: View<'_>, logits: View<'_>, n: u32, vocab: u32) -> Result<()> {
-        let s = raw::argmax(&self.raw.lib, self.raw.ptr, out.abi(), logits.abi(), n, vocab);
+        let s = raw::argmax(&self.raw.lib, self.raw.ptr, self.arg(out)?, self.arg(logits)?, n, vocab);
         self.check("tk_argmax", s)
     }
 
     pub fn log_softmax(&self, out: View<'_>, logits: View<'_>, n: u32, vocab: u32) -> Result<()> {
-        let s = raw::log_softmax(&self.raw.lib, self.raw.ptr, out.abi(), logits.abi(), n, vocab);
+        let s = raw::log_softmax(&self.raw.lib, self.raw.ptr, self.arg(out)?, self.arg(logits)?, n, vocab);
         self.check("tk_log_softmax", s)
     }
 }

@@ -127,7 +127,7 @@ impl Engine {
                 c.max_context
             )));
         }
-        let longest = (prompt.len() + params.max_tokens).min(c.max_context);
+        let longest = prompt.len().saturating_add(params.max_tokens).min(c.max_context);
         let blocks = longest.div_ceil(self.kv.config().block_size);
         if blocks > self.kv.allocator().capacity() {
             return Err(BackendError::Request(format!(
@@ -172,16 +172,22 @@ impl Engine {
                 break;
             }
             let n = self.running[i].pending().min(budget);
-            let slots = loop {
-                let seq = &mut self.running[i];
-                let (start, end) = (seq.kv.len(), seq.kv.len() + n);
-                match self.kv.append(&mut seq.kv, &seq.tokens[start..end]) {
-                    Ok(slots) => break Some(slots),
-                    Err(_) if !self.preempt_one(i, &plan) => break None,
-                    Err(_) => {}
+            let need = self.kv.blocks_needed(&self.running[i].kv, n);
+            if need > self.kv.allocator().free_blocks() {
+                // Evict only later arrivals, and only if that can make room; otherwise
+                // their KV would be thrown away for nothing.
+                let evictable: usize = (i + 1..self.running.len())
+                    .filter(|&j| !plan.iter().any(|p| p.0 == j))
+                    .map(|j| self.running[j].kv.block_table().len())
+                    .sum();
+                if need > self.kv.allocator().free_blocks() + evictable {
+                    continue;
                 }
-            };
-            let Some(slots) = slots else { continue };
+                while need > self.kv.allocator().free_blocks() && self.preempt_one(i, &plan) {}
+            }
+            let seq = &mut self.running[i];
+            let (start, end) = (seq.kv.len(), seq.kv.len() + n);
+            let Ok(slots) = self.kv.append(&mut seq.kv, &seq.tokens[start..end]) else { continue };
             budget -= n;
             plan.push((i, n, slots));
         }
@@ -257,12 +263,12 @@ impl Engine {
         Ok(report)
     }
 
-    /// Frees the KV of the latest-admitted sequence that is neither `keep` nor already
+    /// Frees the KV of the latest-admitted sequence that arrived after `keep` and is not
     /// in this step's plan; it will recompute its tokens later. False if none can go.
     fn preempt_one(&mut self, keep: usize, plan: &[(usize, usize, Vec<i32>)]) -> bool {
-        let victim = (0..self.running.len())
+        let victim = (keep + 1..self.running.len())
             .rev()
-            .find(|&j| j != keep && !self.running[j].kv.is_empty() && !plan.iter().any(|p| p.0 == j));
+            .find(|&j| !self.running[j].kv.is_empty() && !plan.iter().any(|p| p.0 == j));
         match victim {
             Some(j) => {
                 let seq = &mut self.running[j];

@@ -14,6 +14,8 @@ use crate::error::{BackendError, Result};
 
 /// Default tokens per KV block.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Largest tokens per KV block.
+pub const MAX_BLOCK_SIZE: usize = 4096;
 
 /// Shape and size of a chip's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,7 +104,8 @@ impl BlockAllocator {
 }
 
 /// One sequence's view of the cache: its block table and the tokens it has cached.
-#[derive(Debug, Default, Clone)]
+/// Not `Clone`: two copies releasing the same blocks would free another sequence's KV.
+#[derive(Debug, Default)]
 pub struct SequenceKv {
     block_table: Vec<u32>,
     tokens: Vec<u32>,
@@ -141,14 +144,24 @@ pub struct PagedKvCache {
 impl PagedKvCache {
     /// Allocates `config.num_blocks` blocks for every layer of `model` on `device`.
     pub fn new(device: &Device, model: &ModelConfig, config: KvCacheConfig) -> Result<Self> {
-        if config.block_size == 0 || config.num_blocks == 0 {
+        if !(1..=MAX_BLOCK_SIZE).contains(&config.block_size) || config.num_blocks == 0 {
             return Err(BackendError::KvCache(format!(
-                "block size ({}) and block count ({}) must be positive",
+                "block size ({}) must be in 1..={MAX_BLOCK_SIZE} and block count ({}) positive",
                 config.block_size, config.num_blocks
             )));
         }
-        let layer_bytes =
-            config.num_blocks * config.block_size * model.num_kv_heads * model.head_dim * config.dtype.size_bytes();
+        // Slots are i32 in the kernel ABI; byte sizes must not overflow.
+        let too_big = || {
+            BackendError::KvCache(format!(
+                "{} blocks of {} tokens exceed what the kernel ABI can address",
+                config.num_blocks, config.block_size
+            ))
+        };
+        let slots = config.num_blocks.checked_mul(config.block_size).filter(|&n| n <= i32::MAX as usize);
+        let layer_bytes = [model.num_kv_heads, model.head_dim, config.dtype.size_bytes()]
+            .iter()
+            .try_fold(slots.ok_or_else(too_big)?, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(too_big)?;
         let layers = (0..model.num_layers)
             .map(|_| Ok((device.alloc(layer_bytes)?, device.alloc(layer_bytes)?)))
             .collect::<Result<Vec<_>>>()?;

@@ -67,6 +67,9 @@ impl KernelLibrary {
     /// Loads the library at `path`, refusing one whose ABI major differs from ours, whose
     /// minor is older than ours, or that lacks any required symbol.
     pub fn load(path: &Path) -> Result<Arc<KernelLibrary>> {
+        // dlopen searches the system paths for a name without a slash; the operator
+        // meant the file they named, so resolve it first.
+        let path = &std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
         let lib_err = |reason: String| BackendError::KernelLibrary { library: path.to_path_buf(), reason };
         if !path.exists() {
             return Err(lib_err("no such file".into()));

@@ -297,6 +297,15 @@ impl Model {
                         c.vocab_size
                     )));
                 }
+                // A slot off the sequence's own blocks would overwrite another's KV.
+                let pos = s.start_pos + j;
+                let expected = s.block_table[pos / bs] as usize * bs + pos % bs;
+                if s.slots[j] < 0 || s.slots[j] as usize != expected {
+                    return Err(BackendError::Request(format!(
+                        "sequence {si} of the step: slot {} for position {pos} is not in its block table (expected {expected})",
+                        s.slots[j]
+                    )));
+                }
                 ids.push(t as i32);
                 positions.push((s.start_pos + j) as i32);
             }

@@ -105,15 +105,16 @@ impl Rng {
     }
 }
 
-/// Index of the largest logit; the lowest index wins ties (as the kernels' argmax).
+/// Index of the largest logit; the lowest index wins ties and NaNs are skipped (as the
+/// kernels' argmax). 0 for a row without a number.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<(usize, f32)> = None;
     for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
+        if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
         }
     }
-    best as u32
+    best.map_or(0, |(i, _)| i as u32)
 }
 
 /// One request's sampler.
@@ -138,18 +139,27 @@ impl Sampler {
         if self.params.is_greedy() {
             return argmax(logits);
         }
-        let inv_t = 1.0 / self.params.temperature;
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)).collect();
+        // In f64 and relative to the maximum, so that even a tiny temperature gives a
+        // finite distribution (its limit: the greedy token) instead of inf - inf.
+        let t = self.params.temperature as f64;
+        let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return argmax(logits);
+        }
+        let mut cand: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, if l.is_nan() { f64::NEG_INFINITY } else { (l as f64 - max as f64) / t }))
+            .collect();
         // Highest first; ties by lower id so the order never depends on the sort.
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let by_logit = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         let k = self.params.top_k;
         if k > 0 && k < cand.len() {
             cand.select_nth_unstable_by(k - 1, by_logit);
             cand.truncate(k);
         }
         cand.sort_unstable_by(by_logit);
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
+        let mut probs: Vec<f64> = cand.iter().map(|c| c.1.exp()).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
         if self.params.top_p < 1.0 {
@@ -171,7 +181,8 @@ impl Sampler {
             }
             r -= p;
         }
-        cand[probs.len() - 1].0
+        // Rounding left r at the end: take the last token that had any mass.
+        cand[probs.iter().rposition(|&p| p > 0.0).unwrap_or(0)].0
     }
 }
 
@@ -188,6 +199,23 @@ mod tests {
             max_tokens: 1,
             stop_token_ids: vec![],
             ignore_eos: false,
+        }
+    }
+
+    #[test]
+    fn tiny_temperatures_and_nans_stay_sane() {
+        let logits = [0.5, 3.0, f32::NAN, 2.9, -1.0];
+        assert_eq!(argmax(&logits), 1);
+        assert_eq!(argmax(&[f32::NAN, 1.0]), 1);
+        for t in [1e-39, 1e-20, 1e-6] {
+            let mut s = Sampler::new(params(t, 0, 1.0, 3));
+            for _ in 0..50 {
+                assert_eq!(s.sample(&logits), 1, "temperature {t}");
+            }
+        }
+        let mut s = Sampler::new(params(1.0, 0, 0.9, 3));
+        for _ in 0..200 {
+            assert_ne!(s.sample(&logits), 2, "a NaN logit is never sampled");
         }
     }
 

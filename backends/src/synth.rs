@@ -190,6 +190,8 @@ pub fn hf_config(spec: &SynthSpec) -> HfConfig {
             SynthArch::Qwen2 => None,
         },
         sliding_window: None,
+        use_sliding_window: None,
+        hidden_act: Some("silu".into()),
         bos_token_id: Some(special(BOS)),
         eos_token_id: Some(TokenIds::Many(vec![special(EOT), special(IM_END)])),
         torch_dtype: Some(spec.resolved_dtype().torch_name().to_owned()),

@@ -399,3 +399,59 @@ mod x512 {
         |v: bf16| v.to_f32()
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::{Rng, assert_close};
+
+    /// Every SIMD GEMV this CPU can run, called directly (the dispatcher alone would
+    /// only ever exercise the widest one), against the portable kernel.
+    #[test]
+    fn each_simd_gemv_matches_scalar() {
+        let mut rng = Rng(5);
+        // k: below one vector, vector tails, and a multiple of the 64-wide unroll.
+        for &k in &[7usize, 16, 45, 64, 130] {
+            let rows = 13;
+            let w32 = rng.vec(rows * k);
+            let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
+            let wb: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
+            let x = rng.vec(8 * k);
+            for w in [WSlice::F32(&w32), WSlice::F16(&w16), WSlice::Bf16(&wb)] {
+                for m in 1..=8 {
+                    let n = rows - 1;
+                    let mut want = vec![0.0; n * m];
+                    gemv_scalar(w, 1, n, &x, m, k, &mut want);
+                    let tol = 1e-5 * (k as f32).sqrt();
+                    #[cfg(target_arch = "x86_64")]
+                    {
+                        if m <= 4 && has_avx2() {
+                            let mut got = vec![f32::NAN; n * m];
+                            // SAFETY: features detected; lengths as gemv asserts.
+                            unsafe {
+                                match w {
+                                    WSlice::F32(s) => x86::gemv_f32(s, 1, n, &x, m, k, &mut got),
+                                    WSlice::F16(s) => x86::gemv_f16(s, 1, n, &x, m, k, &mut got),
+                                    WSlice::Bf16(s) => x86::gemv_bf16(s, 1, n, &x, m, k, &mut got),
+                                }
+                            }
+                            assert_close(&got, &want, tol, &format!("avx2 m={m} k={k}"));
+                        }
+                        if has_avx512() {
+                            let mut got = vec![f32::NAN; n * m];
+                            // SAFETY: as above.
+                            unsafe {
+                                match w {
+                                    WSlice::F32(s) => x512::gemv_f32(s, 1, n, &x, m, k, &mut got),
+                                    WSlice::F16(s) => x512::gemv_f16(s, 1, n, &x, m, k, &mut got),
+                                    WSlice::Bf16(s) => x512::gemv_bf16(s, 1, n, &x, m, k, &mut got),
+                                }
+                            }
+                            assert_close(&got, &want, tol, &format!("avx512 m={m} k={k}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -28,8 +28,11 @@ pub fn validate_tables(
     num_heads: usize,
 ) -> Result<()> {
     let g = &kv.geom;
-    if g.num_kv_heads == 0 || !num_heads.is_multiple_of(g.num_kv_heads) {
-        return Err(invalid!("num_heads = {num_heads} is not a multiple of cache.num_kv_heads = {}", g.num_kv_heads));
+    if g.num_kv_heads == 0 || num_heads == 0 || !num_heads.is_multiple_of(g.num_kv_heads) {
+        return Err(invalid!(
+            "num_heads = {num_heads} must be a positive multiple of cache.num_kv_heads = {}",
+            g.num_kv_heads
+        ));
     }
     if g.block_size == 0 || g.head_dim == 0 {
         return Err(invalid!(
@@ -433,7 +436,7 @@ mod tests {
         let g2 = KvGeom { num_blocks: 2, block_size: 4, num_kv_heads: 2, head_dim: 2 };
         let view2 = KvView { k: WSlice::F32(&k), v: WSlice::F32(&k), geom: g2 };
         let e = paged_decode_attention(&mut out, &q, &view2, &[0, 1], &[4], 1, 2, 3, 1.0).unwrap_err();
-        assert!(e.to_string().contains("not a multiple"), "{e}");
+        assert!(e.to_string().contains("must be a positive multiple"), "{e}");
     }
 
     proptest! {
