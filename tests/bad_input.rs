@@ -190,6 +190,18 @@ fn malformed_config() {
     cfg["num_key_value_heads"] = serde_json::json!(3);
     std::fs::write(&path, serde_json::to_string(&cfg).unwrap()).unwrap();
     assert_refused(&generate(&dir, &[]), &["config.json"]);
+    // Sizes that would overflow or exhaust memory before any tensor is read.
+    for (key, value, phrase) in [
+        ("num_hidden_layers", serde_json::json!(200_000_000), "`num_hidden_layers` = 200000000 is out of range"),
+        ("head_dim", serde_json::json!(4_611_686_018_427_387_904u64), "`head_dim`"),
+        ("head_dim", serde_json::json!(9_223_372_036_854_775_840u64), "`head_dim`"),
+        ("vocab_size", serde_json::json!(1u64 << 40), "`vocab_size`"),
+    ] {
+        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+        cfg[key] = value;
+        std::fs::write(&path, serde_json::to_string(&cfg).unwrap()).unwrap();
+        assert_refused(&generate(&dir, &[]), &["config.json", phrase]);
+    }
 }
 
 #[test]
@@ -338,8 +350,21 @@ fn bad_sampling_and_cache_options() {
     assert_refused(&generate(&dir, &["--temperature=-1"]), &["temperature"]);
     assert_refused(&generate(&dir, &["--top-p", "1.5"]), &["top_p"]);
     assert_refused(&generate(&dir, &["--kv-dtype", "int8"]), &["int8"]);
+    assert_refused(&generate(&dir, &["--block-size", "2305843009213693952"]), &["block size"]);
+    let d = dir.to_str().unwrap();
+    for (args, phrase) in [
+        (vec!["--steps", "0"], "at least 1"),
+        (vec!["--batch", "0"], "batch size 0"),
+        (vec!["--prompt-len", "100000"], "model's context is"),
+    ] {
+        let mut all = vec!["bench", "engine", "--model", d];
+        all.extend(args);
+        assert_refused(&run(&all), &[phrase]);
+    }
     // More tokens than the model's context is clamped to the context, not refused.
     let out = generate(&dir, &["--max-tokens", "100000000", "--block-size", "4096"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+    let out = generate(&dir, &["--max-tokens", "18446744073709551615", "--stop-token-ids", "1"]);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
 }
 
