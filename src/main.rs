@@ -72,16 +72,19 @@ struct GenerateArgs {
     /// Prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',', value_name = "ID,ID,...")]
     prompt_ids: Option<Vec<u32>>,
+    /// Most tokens to generate.
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
-    /// 0 = greedy.
+    /// Sampling temperature; 0 = greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// 0 = off.
+    /// Sample among the k most likely tokens; 0 = off.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Sample among the most likely tokens holding this probability mass; 1 = off.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Seed of the sampler (same seed, same tokens); default: fresh entropy.
     #[arg(long)]
     seed: Option<u64>,
     /// Weight dtype on the device (default: as stored).
