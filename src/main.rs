@@ -111,12 +111,16 @@ struct GenerateArgs {
 
 #[derive(Args)]
 struct MakeTinyArgs {
+    /// Directory to write (created if missing; its checkpoint files are replaced).
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// tiny (~1M parameters), small (~6M) or bench (~0.9B, shaped like Llama-3.2-1B).
     #[arg(long, default_value = "tiny")]
     preset: Preset,
+    /// llama or qwen2 (q/k/v biases, tied embeddings).
     #[arg(long, default_value = "llama")]
     arch: SynthArch,
+    /// Seed of the random weights: same seed, same bytes.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Weight dtype in the file (default: f32 for tiny/small, f16 for bench).
@@ -129,8 +133,10 @@ struct MakeTinyArgs {
 
 #[derive(Args)]
 struct BenchEngineArgs {
+    /// Checkpoint directory or `builtin:<preset>`.
     #[arg(long, value_name = "DIR")]
     model: String,
+    /// Weight dtype on the device (default: as stored).
     #[arg(long)]
     dtype: Option<DType>,
     /// Decode batch sizes.
