@@ -1,5 +1,6 @@
 //! Throughput of the hot ops through the exported ABI, against STREAM copy and a
-//! large f32 GEMM. Run: `cargo run --release -p tessera-kernels-cpu --example bench`.
+//! large f32 GEMM. Run: `cargo run --release -p tessera-kernels-cpu --example bench
+//! [gemv|linear|attention]` (no argument: all sections).
 
 use std::time::Instant;
 
@@ -63,8 +64,14 @@ fn main() {
     let big = 2.0 * (s * s * s) as f64 / t / 1e9;
     println!("tk_linear f32 2048^3: {big:.1} GFLOP/s");
 
+    let section = std::env::args().nth(1);
+    let run = |name: &str| section.as_deref().is_none_or(|s| s == name);
+
     // GEMV.
     for &(dt, name, es) in &[(TK_DTYPE_F16, "f16", 2usize), (TK_DTYPE_BF16, "bf16", 2), (TK_DTYPE_F32, "f32", 4)] {
+        if !run("gemv") {
+            break;
+        }
         for &m in &[1usize, 2, 4, 8] {
             let (n, k) = (8192usize, 4096usize);
             // Cycle through more weight bytes than the last-level cache holds, so the
@@ -105,6 +112,9 @@ fn main() {
 
     // Mid / large m with half weights.
     for &(dt, name) in &[(TK_DTYPE_F16, "f16"), (TK_DTYPE_BF16, "bf16"), (TK_DTYPE_F32, "f32")] {
+        if !run("linear") {
+            break;
+        }
         for &(m, n) in &[(32usize, 2048usize), (32, 8192), (512, 2048), (512, 8192)] {
             let k = 2048usize;
             let es = if dt == TK_DTYPE_F32 { 4 } else { 2 };
@@ -121,6 +131,9 @@ fn main() {
 
     // Prefill attention: 512 tokens, 32 heads, 8 kv heads, hd 64, block 16, f16/f32 cache.
     for &(dt, name, es) in &[(TK_DTYPE_F32, "f32", 4usize), (TK_DTYPE_F16, "f16", 2)] {
+        if !run("attention") {
+            break;
+        }
         let (tq, h, kvh, hd, bs) = (512usize, 32usize, 8usize, 64usize, 16usize);
         let nb = tq / bs;
         let kc = alloc(dev, nb * kvh * bs * hd * es);
