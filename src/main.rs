@@ -1,5 +1,6 @@
 //! The `tessera` command line: parses arguments and wires the crates together. It holds
 //! no logic of its own beyond presenting results.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::time::Instant;
