@@ -215,7 +215,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
         top_p: args.top_p,
         seed: args.seed,
         max_tokens: args.max_tokens,
-        stop_token_ids: args.stop_token_ids.clone(),
+        // The model's EOS ids (config.json, generation_config.json) stop the engine
+        // unless --ignore-eos; the tokenizer's own eos_token joins them.
+        stop_token_ids: if args.ignore_eos {
+            args.stop_token_ids.clone()
+        } else {
+            args.stop_token_ids.iter().copied().chain(tokenizer.eos_ids()).collect()
+        },
         ignore_eos: args.ignore_eos,
     };
     let vocab = model.config().vocab_size;
