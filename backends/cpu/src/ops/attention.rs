@@ -197,6 +197,27 @@ pub fn prefill_attention(
     Ok(())
 }
 
+/// Walks the first `ctx` cached tokens of kv head `kvh` block by block, handing `f`
+/// each block's rows as f32 (in `buf`) with the position of its first token.
+fn for_each_block(
+    src: WSlice,
+    g: &KvGeom,
+    table: &[i32],
+    kvh: usize,
+    ctx: usize,
+    buf: &mut [f32],
+    mut f: impl FnMut(usize, &[f32]),
+) {
+    let mut pos = 0;
+    while pos < ctx {
+        let rows = g.block_size.min(ctx - pos);
+        let b = &mut buf[..rows * g.head_dim];
+        src.to_f32(g.index(table[pos / g.block_size] as usize, kvh, 0), b);
+        f(pos, b);
+        pos += rows;
+    }
+}
+
 /// Decode attention: one query per sequence attending to all its cached tokens.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
@@ -225,38 +246,26 @@ pub fn paged_decode_attention(
         let qh = &q[(s * num_heads + kvh * group) * hd..][..group * hd];
         let mut scores = vec![0.0f32; group * ctx];
         let mut buf = vec![0.0f32; g.block_size * hd];
-        let mut pos = 0;
-        while pos < ctx {
-            let blk = table[pos / g.block_size] as usize;
-            let rows = g.block_size.min(ctx - pos);
-            let b = &mut buf[..rows * hd];
-            kv.k.to_f32(g.index(blk, kvh, 0), b);
+        for_each_block(kv.k, &g, table, kvh, ctx, &mut buf, |pos, b| {
             for (gi, qv) in qh.chunks_exact(hd).enumerate() {
                 for (r, krow) in b.chunks_exact(hd).enumerate() {
                     scores[gi * ctx + pos + r] = crate::simd::dot(qv, krow) * scale;
                 }
             }
-            pos += rows;
-        }
+        });
         if ctx > 0 {
             for row in scores.chunks_exact_mut(ctx) {
                 softmax_prefix(row, ctx);
             }
         }
         o.fill(0.0);
-        let mut pos = 0;
-        while pos < ctx {
-            let blk = table[pos / g.block_size] as usize;
-            let rows = g.block_size.min(ctx - pos);
-            let b = &mut buf[..rows * hd];
-            kv.v.to_f32(g.index(blk, kvh, 0), b);
+        for_each_block(kv.v, &g, table, kvh, ctx, &mut buf, |pos, b| {
             for (gi, acc) in o.chunks_exact_mut(hd).enumerate() {
                 for (r, vrow) in b.chunks_exact(hd).enumerate() {
                     crate::simd::axpy(scores[gi * ctx + pos + r], vrow, acc);
                 }
             }
-            pos += rows;
-        }
+        });
     });
     Ok(())
 }
