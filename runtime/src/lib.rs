@@ -1,0 +1,10 @@
+//! The actor runtime: the sans-IO `Behavior`/`Effects` model every actor is written
+//! against, the actix host that runs behaviors in real time, the ZeroMQ bus between
+//! hosts and its MessagePack codec. Only this crate knows actix and ZeroMQ; it knows
+//! nothing of models, chips or HTTP.
+
+pub mod addr;
+pub mod bus;
+pub mod codec;
+
+pub use addr::{Addr, HostId};
