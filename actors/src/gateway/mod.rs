@@ -1,0 +1,2 @@
+//! OpenAI-compatible HTTP gateway.
+pub mod openai;
