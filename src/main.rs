@@ -35,6 +35,17 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Cluster topology files.
+    Topology {
+        #[command(subcommand)]
+        command: TopologyCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum TopologyCommand {
+    /// Validate a topology file and print a summary of the cluster it describes.
+    Check { file: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -168,11 +179,19 @@ fn main() {
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::MakeTiny(args)) => make_tiny(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+        Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn topology_check(file: &std::path::Path) -> Result<()> {
+    // The error already names the file, line, column and key.
+    let spec = tessera_topology::load(file)?;
+    print!("{}", spec.render());
+    Ok(())
 }
 
 fn open_device(args: &DeviceArgs) -> Result<Device> {
