@@ -1,1 +1,20 @@
-//! placeholder (openai helper)
+//! The OpenAI protocol layer of the gateway: request bodies in, response, streaming-chunk
+//! and error JSON out, chat-template rendering and stop-string matching for streams.
+//!
+//! Pure functions only: no sockets, no runtime, no clock (callers pass ids and `created`),
+//! so every shape a client sees is tested here without a server. Whatever a client sent
+//! is refused with an [`ApiError`] (never a panic), which names the offending field.
+
+mod error;
+mod request;
+mod response;
+mod stop;
+mod template;
+
+pub use error::ApiError;
+pub use request::{ChatMessage, GenerationRequest, Prompt, parse_chat, parse_completion};
+pub use response::{
+    FinishReason, Usage, chat_chunk, chat_response, completion_chunk, completion_response, models_response, usage_chunk,
+};
+pub use stop::StopMatcher;
+pub use template::ChatTemplate;

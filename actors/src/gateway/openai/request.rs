@@ -1,0 +1,538 @@
+//! Request bodies of `POST /v1/completions` and `POST /v1/chat/completions`, parsed and
+//! validated into one [`GenerationRequest`].
+//!
+//! Bodies are read as a `serde_json::Value` and walked by hand rather than derived, so that
+//! every refusal names the field at fault (`param`) and says what was expected. Unknown
+//! fields are ignored, as clients send many; known fields we cannot honour (tools, penalties,
+//! logprobs…) are refused unless they hold their neutral value, rather than silently ignored.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
+
+use super::ApiError;
+
+/// The most tokens a request may ask for: anything larger is a client bug, not a wish.
+const MAX_TOKENS_LIMIT: usize = 1 << 20;
+/// Legacy completions generate 16 tokens when `max_tokens` is not given (OpenAI and vLLM).
+const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
+/// OpenAI allows 4 stop strings; we allow more since matching a few more costs nothing.
+const MAX_STOP_STRINGS: usize = 16;
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// A completions prompt, to be tokenized.
+    Text(String),
+    /// A completions prompt already tokenized by the client.
+    TokenIds(Vec<u32>),
+    /// A conversation, to be rendered with the model's chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+/// One message of a conversation, its role normalized (`developer` becomes `system`) and its
+/// content flattened to text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    /// Accepts a string or an array of `{"type": "text", "text": …}` parts (concatenated).
+    #[serde(deserialize_with = "deserialize_content")]
+    pub content: String,
+}
+
+/// A validated generation request, the same for both endpoints.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    pub stream: bool,
+    /// `stream_options.include_usage`: send a final chunk with the token counts.
+    pub include_usage: bool,
+    /// `None`: up to the end of the context.
+    pub max_tokens: Option<usize>,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// vLLM extension; `None` when off (absent, 0 or -1).
+    pub top_k: Option<usize>,
+    /// A negative seed (OpenAI's seed is an int64) is taken bit for bit.
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    /// vLLM extension.
+    pub stop_token_ids: Vec<u32>,
+    /// vLLM extension: keep generating past the end-of-sequence token.
+    pub ignore_eos: bool,
+}
+
+/// Parses `POST /v1/completions`. One prompt per request: a string, token ids, or an array
+/// holding exactly one of those.
+pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    let object = parse_object(body)?;
+    let body = Body(&object);
+    let model = parse_model(&body)?;
+    let prompt = parse_prompt(body.get("prompt"))?;
+    body.refuse_unsupported(COMMON_UNSUPPORTED)?;
+    body.refuse_unsupported(COMPLETION_UNSUPPORTED)?;
+    let max_tokens = body.max_tokens("max_tokens")?.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS);
+    parse_sampling(&body, model, prompt, Some(max_tokens))
+}
+
+/// Parses `POST /v1/chat/completions`.
+pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    let object = parse_object(body)?;
+    let body = Body(&object);
+    let model = parse_model(&body)?;
+    let messages = parse_messages(body.get("messages"))?;
+    body.refuse_unsupported(COMMON_UNSUPPORTED)?;
+    body.refuse_unsupported(CHAT_UNSUPPORTED)?;
+    // `max_tokens` is deprecated in chat in favour of `max_completion_tokens`; both are sent.
+    let max_tokens = match body.max_tokens("max_completion_tokens")? {
+        Some(n) => Some(n),
+        None => body.max_tokens("max_tokens")?,
+    };
+    parse_sampling(&body, model, Prompt::Chat(messages), max_tokens)
+}
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}"), None))?;
+    match value {
+        Value::Object(object) => Ok(object),
+        other => Err(ApiError::bad_request(
+            format!("The request body must be a JSON object, got {}", type_name(&other)),
+            None,
+        )),
+    }
+}
+
+fn parse_model(body: &Body) -> Result<String, ApiError> {
+    match body.string("model")? {
+        Some(model) if !model.is_empty() => Ok(model.to_owned()),
+        _ => Err(ApiError::bad_request("You must provide a `model` parameter", Some("model"))),
+    }
+}
+
+/// The fields both endpoints share.
+fn parse_sampling(
+    body: &Body,
+    model: String,
+    prompt: Prompt,
+    max_tokens: Option<usize>,
+) -> Result<GenerationRequest, ApiError> {
+    let stream = body.bool("stream")?.unwrap_or(false);
+    let include_usage = match body.get("stream_options") {
+        None => false,
+        Some(_) if !stream => {
+            return Err(ApiError::bad_request(
+                "`stream_options` is only allowed when `stream` is true",
+                Some("stream_options"),
+            ));
+        }
+        Some(Value::Object(options)) => Body(options)
+            .bool("include_usage")
+            .map_err(|e| rename_param(e, "stream_options.include_usage"))?
+            .unwrap_or(false),
+        Some(other) => return Err(wrong_type("stream_options", "an object", other)),
+    };
+
+    let temperature = body.number("temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad_request(
+            format!("`temperature` must be between 0 and 2, got {temperature}"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = body.number("top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad_request(
+            format!("`top_p` must be greater than 0 and at most 1, got {top_p}"),
+            Some("top_p"),
+        ));
+    }
+    let top_k = match body.integer("top_k")? {
+        None | Some(0) | Some(-1) => None,
+        Some(k) if k > 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+        Some(k) => {
+            return Err(ApiError::bad_request(
+                format!("`top_k` must be a positive integer, or 0 or -1 to turn it off, got {k}"),
+                Some("top_k"),
+            ));
+        }
+    };
+    // Bit for bit: a client's seed -1 and 2^64-1 give the same stream, and any seed is honoured.
+    let seed = body.integer("seed")?.map(|s| s as u64);
+    let stop = parse_stop(body.get("stop"))?;
+    let stop_token_ids = match body.get("stop_token_ids") {
+        None => Vec::new(),
+        Some(Value::Array(ids)) => token_ids(ids, "stop_token_ids")?,
+        Some(other) => return Err(wrong_type("stop_token_ids", "an array of token ids", other)),
+    };
+    let ignore_eos = body.bool("ignore_eos")?.unwrap_or(false);
+
+    Ok(GenerationRequest {
+        model,
+        prompt,
+        stream,
+        include_usage,
+        max_tokens,
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k,
+        seed,
+        stop,
+        stop_token_ids,
+        ignore_eos,
+    })
+}
+
+fn parse_prompt(prompt: Option<&Value>) -> Result<Prompt, ApiError> {
+    const EXPECTED: &str = "a string, an array of token ids, or an array holding one of those";
+    let items = match prompt {
+        None => return Err(ApiError::bad_request("You must provide a `prompt`", Some("prompt"))),
+        Some(Value::String(text)) => return Ok(Prompt::Text(text.clone())),
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(wrong_type("prompt", EXPECTED, other)),
+    };
+    let Some(first) = items.first() else {
+        return Err(ApiError::bad_request("`prompt` must not be empty", Some("prompt")));
+    };
+    match first {
+        Value::Number(_) => Ok(Prompt::TokenIds(non_empty_token_ids(items)?)),
+        Value::String(_) | Value::Array(_) if items.len() > 1 => Err(ApiError::bad_request(
+            format!(
+                "Only one prompt per request is supported, got a batch of {}: send one request per prompt",
+                items.len()
+            ),
+            Some("prompt"),
+        )),
+        Value::String(text) => Ok(Prompt::Text(text.clone())),
+        Value::Array(ids) => Ok(Prompt::TokenIds(non_empty_token_ids(ids)?)),
+        other => Err(wrong_type("prompt", EXPECTED, other)),
+    }
+}
+
+fn non_empty_token_ids(ids: &[Value]) -> Result<Vec<u32>, ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::bad_request("`prompt` must not be empty", Some("prompt")));
+    }
+    token_ids(ids, "prompt")
+}
+
+fn token_ids(ids: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
+    ids.iter()
+        .map(|id| {
+            id.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                ApiError::bad_request(
+                    format!("`{param}` token ids must be integers between 0 and {}, got {id}", u32::MAX),
+                    Some(param),
+                )
+            })
+        })
+        .collect()
+}
+
+fn parse_stop(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let stops = match stop {
+        None => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| match item {
+                Value::String(s) => Ok(s.clone()),
+                other => Err(wrong_type("stop", "a string or an array of strings", other)),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => return Err(wrong_type("stop", "a string or an array of strings", other)),
+    };
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::bad_request(
+            format!("`stop` may hold at most {MAX_STOP_STRINGS} strings, got {}", stops.len()),
+            Some("stop"),
+        ));
+    }
+    if stops.iter().any(String::is_empty) {
+        return Err(ApiError::bad_request("`stop` strings must not be empty", Some("stop")));
+    }
+    Ok(stops)
+}
+
+fn parse_messages(messages: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let messages = match messages {
+        None => return Err(ApiError::bad_request("You must provide `messages`", Some("messages"))),
+        Some(Value::Array(messages)) => messages,
+        Some(other) => return Err(wrong_type("messages", "an array of messages", other)),
+    };
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("`messages` must not be empty", Some("messages")));
+    }
+    messages.iter().enumerate().map(|(i, m)| parse_message(i, m)).collect()
+}
+
+fn parse_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError> {
+    let param = format!("messages[{index}]");
+    let Value::Object(object) = message else {
+        return Err(wrong_type(&param, "an object", message));
+    };
+    let body = Body(object);
+    let role_param = format!("{param}.role");
+    let role = match body.get("role") {
+        None => return Err(ApiError::bad_request(format!("`{role_param}` is required"), Some(&role_param))),
+        Some(Value::String(role)) => role.as_str(),
+        Some(other) => return Err(wrong_type(&role_param, "a string", other)),
+    };
+    let role = match role {
+        "system" | "user" | "assistant" => role,
+        // Chat templates predate `developer`, OpenAI's new name for the system prompt.
+        "developer" => "system",
+        "tool" | "function" => {
+            return Err(ApiError::bad_request(
+                format!("`{role_param}` `{role}` is not supported: this server does not support tools"),
+                Some(&role_param),
+            ));
+        }
+        other => {
+            return Err(ApiError::bad_request(
+                format!("`{role_param}` `{other}` is unknown; expected system, developer, user or assistant"),
+                Some(&role_param),
+            ));
+        }
+    };
+    for key in ["tool_calls", "function_call"] {
+        if body.get(key).is_some_and(|v| v.as_array().is_none_or(|calls| !calls.is_empty())) {
+            let param = format!("{param}.{key}");
+            return Err(ApiError::bad_request(
+                format!("`{param}` is not supported: this server does not support tools"),
+                Some(&param),
+            ));
+        }
+    }
+    let content_param = format!("{param}.content");
+    let content = match body.get("content") {
+        // An assistant turn without content is legal in OpenAI's schema (it then carries tool calls).
+        None if role == "assistant" => String::new(),
+        None => return Err(ApiError::bad_request(format!("`{content_param}` is required"), Some(&content_param))),
+        Some(content) => content_text(content, &content_param)?,
+    };
+    Ok(ChatMessage { role: role.to_owned(), content })
+}
+
+/// A message's content as text: a string, or text parts concatenated; anything else refused.
+fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
+    const EXPECTED: &str = "a string or an array of text parts";
+    let parts = match content {
+        Value::String(text) => return Ok(text.clone()),
+        Value::Array(parts) => parts,
+        other => return Err(wrong_type(param, EXPECTED, other)),
+    };
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        let part_param = format!("{param}[{j}]");
+        let Value::Object(part) = part else {
+            return Err(wrong_type(&part_param, "an object", part));
+        };
+        match part.get("type").and_then(Value::as_str) {
+            Some("text") => match part.get("text") {
+                Some(Value::String(t)) => text.push_str(t),
+                Some(other) => return Err(wrong_type(&format!("{part_param}.text"), "a string", other)),
+                None => {
+                    let param = format!("{part_param}.text");
+                    return Err(ApiError::bad_request(format!("`{param}` is required"), Some(&param)));
+                }
+            },
+            Some("image_url" | "input_image" | "image") => {
+                return Err(ApiError::bad_request(
+                    format!("`{part_param}`: images are not supported, this server serves a text-only model"),
+                    Some(&part_param),
+                ));
+            }
+            Some(other) => {
+                return Err(ApiError::bad_request(
+                    format!("`{part_param}`: content parts of type `{other}` are not supported, only `text`"),
+                    Some(&part_param),
+                ));
+            }
+            None => {
+                return Err(ApiError::bad_request(
+                    format!("`{part_param}.type` is required and must be a string"),
+                    Some(&part_param),
+                ));
+            }
+        }
+    }
+    Ok(text)
+}
+
+fn deserialize_content<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    let value = Value::deserialize(deserializer)?;
+    content_text(&value, "content").map_err(|e| serde::de::Error::custom(e.message))
+}
+
+/// A field the server knows but cannot honour: allowed only at its neutral value.
+struct Unsupported {
+    key: &'static str,
+    neutral: fn(&Value) -> bool,
+    message: &'static str,
+}
+
+fn is_one(v: &Value) -> bool {
+    v.as_f64() == Some(1.0)
+}
+fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+fn is_false(v: &Value) -> bool {
+    v == &Value::Bool(false)
+}
+fn is_empty_array(v: &Value) -> bool {
+    v.as_array().is_some_and(Vec::is_empty)
+}
+fn is_empty_object(v: &Value) -> bool {
+    v.as_object().is_some_and(Map::is_empty)
+}
+fn is_none_choice(v: &Value) -> bool {
+    v.as_str() == Some("none")
+}
+fn never(_: &Value) -> bool {
+    false
+}
+
+// Neutral values are accepted because several client libraries send them on every request.
+const COMMON_UNSUPPORTED: &[Unsupported] = &[
+    Unsupported { key: "n", neutral: is_one, message: "must be 1: one choice per request is supported" },
+    Unsupported { key: "best_of", neutral: is_one, message: "is not supported" },
+    Unsupported { key: "echo", neutral: is_false, message: "is not supported: the prompt is not echoed" },
+    Unsupported { key: "presence_penalty", neutral: is_zero, message: "is not supported: it must be 0" },
+    Unsupported { key: "frequency_penalty", neutral: is_zero, message: "is not supported: it must be 0" },
+    Unsupported { key: "repetition_penalty", neutral: is_one, message: "is not supported: it must be 1" },
+    Unsupported { key: "min_p", neutral: is_zero, message: "is not supported: it must be 0" },
+    Unsupported { key: "logit_bias", neutral: is_empty_object, message: "is not supported" },
+];
+
+const COMPLETION_UNSUPPORTED: &[Unsupported] = &[
+    Unsupported { key: "logprobs", neutral: never, message: "is not supported" },
+    Unsupported { key: "suffix", neutral: |v| v.as_str() == Some(""), message: "is not supported" },
+];
+
+const CHAT_UNSUPPORTED: &[Unsupported] = &[
+    Unsupported { key: "logprobs", neutral: is_false, message: "is not supported" },
+    Unsupported { key: "top_logprobs", neutral: is_zero, message: "is not supported" },
+    Unsupported {
+        key: "tools",
+        neutral: is_empty_array,
+        message: "are not supported: this server does not support tools",
+    },
+    Unsupported {
+        key: "functions",
+        neutral: is_empty_array,
+        message: "are not supported: this server does not support tools",
+    },
+    Unsupported {
+        key: "tool_choice",
+        neutral: is_none_choice,
+        message: "is not supported: this server does not support tools",
+    },
+    Unsupported {
+        key: "function_call",
+        neutral: is_none_choice,
+        message: "is not supported: this server does not support tools",
+    },
+    Unsupported {
+        key: "response_format",
+        neutral: |v| v.get("type").and_then(Value::as_str) == Some("text"),
+        message: "is not supported: structured output is not implemented, only `{\"type\": \"text\"}`",
+    },
+];
+
+/// A request object; `null` reads as absent throughout, as clients send `null` for "unset".
+struct Body<'a>(&'a Map<String, Value>);
+
+impl Body<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn refuse_unsupported(&self, table: &[Unsupported]) -> Result<(), ApiError> {
+        for field in table {
+            if let Some(value) = self.get(field.key)
+                && !(field.neutral)(value)
+            {
+                return Err(ApiError::bad_request(format!("`{}` {}", field.key, field.message), Some(field.key)));
+            }
+        }
+        Ok(())
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(wrong_type(key, "a string", other)),
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => Err(wrong_type(key, "a boolean", other)),
+        }
+    }
+
+    fn number(&self, key: &str) -> Result<Option<f64>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(other) => Err(wrong_type(key, "a number", other)),
+        }
+    }
+
+    /// Any JSON integer that fits i64 or u64.
+    fn integer(&self, key: &str) -> Result<Option<i128>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Number(n)) if n.is_u64() || n.is_i64() => {
+                Ok(n.as_u64().map(i128::from).or(n.as_i64().map(i128::from)))
+            }
+            Some(other) => Err(wrong_type(key, "an integer", other)),
+        }
+    }
+
+    fn max_tokens(&self, key: &str) -> Result<Option<usize>, ApiError> {
+        let Some(n) = self.integer(key)? else {
+            return Ok(None);
+        };
+        if n < 1 {
+            return Err(ApiError::bad_request(format!("`{key}` must be at least 1, got {n}"), Some(key)));
+        }
+        if n > MAX_TOKENS_LIMIT as i128 {
+            return Err(ApiError::bad_request(
+                format!("`{key}` must be at most {MAX_TOKENS_LIMIT}, got {n}"),
+                Some(key),
+            ));
+        }
+        Ok(Some(n as usize))
+    }
+}
+
+fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
+    ApiError::bad_request(format!("`{param}` must be {expected}, got {}", type_name(got)), Some(param))
+}
+
+fn rename_param(mut error: ApiError, param: &str) -> ApiError {
+    if let Some(old) = error.param.replace(param.to_owned()) {
+        error.message = error.message.replace(&format!("`{old}`"), &format!("`{param}`"));
+    }
+    error
+}
+
+fn type_name(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests;
