@@ -134,6 +134,16 @@ impl Sampler {
         &self.params
     }
 
+    /// Advances the generator past `samples` earlier draws, so a request replayed on
+    /// another chip continues the random sequence it had (one draw per sampled token).
+    pub fn skip(&mut self, samples: u64) {
+        if !self.params.is_greedy() {
+            for _ in 0..samples {
+                self.rng.next_f64();
+            }
+        }
+    }
+
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {

@@ -226,6 +226,11 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The string of a token id as the vocabulary spells it (e.g. `<|begin_of_text|>`).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// An incremental decoder for streaming output.
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
         StreamDecoder { tok: self, ids: Vec::new(), prefix_offset: 0, read_offset: 0, pending: Vec::new() }

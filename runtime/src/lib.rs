@@ -3,8 +3,10 @@
 //! hosts and its MessagePack codec. Only this crate knows actix and ZeroMQ; it knows
 //! nothing of models, chips or HTTP.
 
+pub mod actor;
 pub mod addr;
 pub mod bus;
 pub mod codec;
+pub mod host;
 
 pub use addr::{Addr, HostId};

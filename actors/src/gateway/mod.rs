@@ -1,2 +1,3 @@
-//! OpenAI-compatible HTTP gateway.
+//! OpenAI-compatible HTTP gateway: the protocol (pure) and the axum server.
 pub mod openai;
+pub mod server;

@@ -1,1 +1,480 @@
-//! placeholder (loadgen helper)
+//! `tessera bench serve`: a load generator for any OpenAI-compatible server, in the spirit
+//! of vLLM's `benchmark_serving.py`. It sends streamed completions (or chat completions)
+//! with synthetic prompts, either as an open-loop Poisson process or with a fixed number in
+//! flight, and reports throughput and TTFT / TPOT / ITL / end-to-end latency percentiles.
+//!
+//! Every request is decided from the seed before the run starts, so two runs with the same
+//! options send the same prompts and lengths whatever the server's speed.
+
+mod dist;
+mod request;
+mod sse;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+use std::fmt::{self, Write as _};
+use std::io::IsTerminal;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::{Semaphore, mpsc};
+
+pub use dist::{DistParseError, LengthDist, SeededRng};
+pub use sse::SseParser;
+pub use stats::{LatencySummary, percentile};
+
+use request::{PlannedRequest, Sample};
+
+/// Requests in flight when neither a rate nor a concurrency is given.
+pub const DEFAULT_CONCURRENCY: usize = 8;
+
+/// Distinct error messages shown by [`ServeBenchReport::table`]; the JSON has them all.
+const ERRORS_SHOWN: usize = 5;
+
+/// Which OpenAI route to load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Endpoint {
+    /// `POST /v1/completions`, prompt as text.
+    Completions,
+    /// `POST /v1/chat/completions`, prompt as one user message.
+    Chat,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+impl FromStr for Endpoint {
+    type Err = LoadgenError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "completions" => Ok(Endpoint::Completions),
+            "chat" => Ok(Endpoint::Chat),
+            _ => Err(LoadgenError::InvalidOptions(format!("unknown endpoint {s:?} (completions or chat)"))),
+        }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Endpoint::Completions => "completions",
+            Endpoint::Chat => "chat",
+        })
+    }
+}
+
+/// How requests are released.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Load {
+    /// Open loop: Poisson arrivals at this many requests per second, whatever the server does.
+    Poisson { rate_rps: f64 },
+    /// Closed loop: a new request as soon as one of this many in flight finishes.
+    Closed { concurrency: usize },
+}
+
+impl Load {
+    /// From the `--rate` / `--concurrency` flags: at most one of them, default closed loop
+    /// with [`DEFAULT_CONCURRENCY`].
+    pub fn from_flags(rate_rps: Option<f64>, concurrency: Option<usize>) -> Result<Load, LoadgenError> {
+        match (rate_rps, concurrency) {
+            (Some(_), Some(_)) => Err(LoadgenError::InvalidOptions("give --rate or --concurrency, not both".into())),
+            (Some(r), None) if r.is_finite() && r > 0.0 => Ok(Load::Poisson { rate_rps: r }),
+            (Some(r), None) => Err(LoadgenError::InvalidOptions(format!("--rate must be positive, got {r}"))),
+            (None, Some(0)) => Err(LoadgenError::InvalidOptions("--concurrency must be at least 1".into())),
+            (None, Some(c)) => Ok(Load::Closed { concurrency: c }),
+            (None, None) => Ok(Load::Closed { concurrency: DEFAULT_CONCURRENCY }),
+        }
+    }
+}
+
+/// Everything `tessera bench serve` takes.
+#[derive(Clone, Debug)]
+pub struct ServeBenchOptions {
+    /// Server base, e.g. `http://127.0.0.1:8000` (no `/v1`).
+    pub url: String,
+    /// Model name to send; `None`: the first id listed by `GET /v1/models`.
+    pub model: Option<String>,
+    pub endpoint: Endpoint,
+    pub load: Load,
+    /// Measured requests.
+    pub requests: usize,
+    /// Input length in tokens (approximate: see [`request`]'s word list).
+    pub isl: LengthDist,
+    /// Output length in tokens, sent as `max_tokens` with `ignore_eos`.
+    pub osl: LengthDist,
+    pub seed: u64,
+    /// Requests sent and awaited before measuring (connections, caches, lazy init).
+    pub warmup: usize,
+    /// Limit on each request, from connecting to the stream's end.
+    pub timeout_s: f64,
+    /// Draw a progress bar on stderr (only when stderr is a terminal).
+    pub progress: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadgenError {
+    #[error("invalid options: {0}")]
+    InvalidOptions(String),
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error("cannot pick a model from {url}: {reason} (pass --model)")]
+    ModelDiscovery { url: String, reason: String },
+    #[error("all {count} warm-up requests failed; the first with: {first}")]
+    WarmupFailed { count: usize, first: String },
+}
+
+/// One distinct failure and how often it happened.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ErrorCount {
+    pub message: String,
+    pub count: usize,
+}
+
+/// What a run measured. Latencies are over successful requests only.
+#[derive(Clone, Debug, Serialize)]
+pub struct ServeBenchReport {
+    pub url: String,
+    pub model: String,
+    pub endpoint: Endpoint,
+    /// Set for an open-loop run.
+    pub rate_rps: Option<f64>,
+    /// Set for a closed-loop run.
+    pub concurrency: Option<usize>,
+    pub isl: String,
+    pub osl: String,
+    pub seed: u64,
+    pub warmup: usize,
+    pub requests_ok: usize,
+    pub requests_failed: usize,
+    /// From the first measured request's release to the last one's end.
+    pub duration_s: f64,
+    pub request_throughput_rps: f64,
+    /// Prompt tokens of successful requests as the server counted them (`usage`).
+    pub input_tokens: u64,
+    /// Generated tokens of successful requests.
+    pub output_tokens: u64,
+    pub input_throughput_tok_s: f64,
+    pub output_throughput_tok_s: f64,
+    /// Successful requests without a usage chunk: their input is the nominal ISL and their
+    /// output the count of chunks carrying text.
+    pub requests_without_usage: usize,
+    pub ttft: Option<LatencySummary>,
+    /// Time per output token after the first: `(e2e - ttft) / (output_tokens - 1)`.
+    pub tpot: Option<LatencySummary>,
+    /// Gaps between chunks carrying text.
+    pub itl: Option<LatencySummary>,
+    pub e2e: Option<LatencySummary>,
+    /// Distinct failure messages in order of first appearance.
+    pub errors: Vec<ErrorCount>,
+}
+
+/// Runs the benchmark to its end; failed requests are counted in the report, not returned.
+pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenError> {
+    if opts.requests == 0 {
+        return Err(LoadgenError::InvalidOptions("--requests must be at least 1".into()));
+    }
+    if !(opts.timeout_s.is_finite() && opts.timeout_s > 0.0) {
+        return Err(LoadgenError::InvalidOptions(format!("--timeout-s must be positive, got {}", opts.timeout_s)));
+    }
+    let timeout = Duration::from_secs_f64(opts.timeout_s);
+    let base = opts.url.trim_end_matches('/').to_string();
+    let client = reqwest::Client::builder()
+        .connect_timeout(timeout.min(Duration::from_secs(10)))
+        .build()
+        .map_err(LoadgenError::Client)?;
+    let model = match opts.model.clone() {
+        Some(m) => m,
+        None => discover_model(&client, &base, timeout).await?,
+    };
+    let target = Arc::new(Target {
+        client,
+        url: format!("{base}{}", opts.endpoint.path()),
+        model: model.clone(),
+        endpoint: opts.endpoint,
+        timeout,
+    });
+
+    // Separate streams, so that changing --warmup or --rate leaves the measured prompts alone.
+    let mut rng = SeededRng::new(opts.seed);
+    let mut warmup_rng = SeededRng::new(opts.seed ^ 0x5741_524D_5550);
+    let mut arrival_rng = SeededRng::new(opts.seed ^ 0x4152_5249_5641_4C53);
+    let plan = |n: usize, rng: &mut SeededRng| -> Vec<PlannedRequest> {
+        (0..n).map(|_| PlannedRequest::new(opts.isl.sample(rng), opts.osl.sample(rng), rng)).collect()
+    };
+
+    if opts.warmup > 0 {
+        let concurrency = match opts.load {
+            Load::Closed { concurrency } => concurrency,
+            Load::Poisson { .. } => DEFAULT_CONCURRENCY,
+        };
+        let plan = plan(opts.warmup, &mut warmup_rng);
+        let (outcomes, _) = drive(&target, plan, &[], concurrency, &ProgressBar::hidden()).await;
+        if outcomes.iter().all(|o| o.result.is_err()) {
+            let first = outcomes.into_iter().find_map(|o| o.result.err()).unwrap_or_default();
+            return Err(LoadgenError::WarmupFailed { count: opts.warmup, first });
+        }
+    }
+
+    let measured = plan(opts.requests, &mut rng);
+    let (arrivals_s, concurrency) = match opts.load {
+        Load::Poisson { rate_rps } => {
+            let mut t = 0.0;
+            let arrivals = (0..opts.requests)
+                .map(|_| {
+                    let at = t;
+                    t += arrival_rng.exponential(rate_rps);
+                    at
+                })
+                .collect();
+            (arrivals, opts.requests)
+        }
+        Load::Closed { concurrency } => (Vec::new(), concurrency),
+    };
+    let bar = progress_bar(opts.progress, opts.requests);
+    let (outcomes, duration) = drive(&target, measured, &arrivals_s, concurrency, &bar).await;
+    bar.finish_and_clear();
+
+    let mut report = ServeBenchReport {
+        url: base,
+        model,
+        endpoint: opts.endpoint,
+        rate_rps: match opts.load {
+            Load::Poisson { rate_rps } => Some(rate_rps),
+            Load::Closed { .. } => None,
+        },
+        concurrency: match opts.load {
+            Load::Poisson { .. } => None,
+            Load::Closed { concurrency } => Some(concurrency),
+        },
+        isl: opts.isl.to_string(),
+        osl: opts.osl.to_string(),
+        seed: opts.seed,
+        warmup: opts.warmup,
+        requests_ok: 0,
+        requests_failed: 0,
+        duration_s: duration.as_secs_f64(),
+        request_throughput_rps: 0.0,
+        input_tokens: 0,
+        output_tokens: 0,
+        input_throughput_tok_s: 0.0,
+        output_throughput_tok_s: 0.0,
+        requests_without_usage: 0,
+        ttft: None,
+        tpot: None,
+        itl: None,
+        e2e: None,
+        errors: Vec::new(),
+    };
+    report.add_outcomes(opts.requests, outcomes);
+    Ok(report)
+}
+
+/// Where and how every request is sent.
+struct Target {
+    client: reqwest::Client,
+    url: String,
+    model: String,
+    endpoint: Endpoint,
+    timeout: Duration,
+}
+
+struct Outcome {
+    nominal_isl: u32,
+    result: Result<Sample, String>,
+}
+
+/// Sends `plan`, the i-th request at `arrivals_s[i]` seconds after the start when arrivals
+/// are given, with at most `concurrency` in flight; returns the outcomes (in completion
+/// order) and the time from the start to the last completion.
+async fn drive(
+    target: &Arc<Target>,
+    plan: Vec<PlannedRequest>,
+    arrivals_s: &[f64],
+    concurrency: usize,
+    bar: &ProgressBar,
+) -> (Vec<Outcome>, Duration) {
+    let total = plan.len();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let started = Instant::now();
+    let start = tokio::time::Instant::from_std(started);
+    let slots = Arc::new(Semaphore::new(concurrency.max(1)));
+    let dispatch = async move {
+        for (i, req) in plan.into_iter().enumerate() {
+            if let Some(&at_s) = arrivals_s.get(i) {
+                tokio::time::sleep_until(start + Duration::from_secs_f64(at_s)).await;
+            }
+            let Ok(slot) = slots.clone().acquire_owned().await else { break };
+            let (target, tx) = (Arc::clone(target), tx.clone());
+            // Spawned, so that the runtime's workers read each stream as its bytes arrive.
+            tokio::spawn(async move {
+                let body = req.body(target.endpoint, &target.model);
+                let result = request::send(&target.client, &target.url, &body, target.timeout).await;
+                drop(slot);
+                let _ = tx.send(Outcome { nominal_isl: req.isl, result });
+            });
+        }
+        // The collector stops once this and every task's sender are gone.
+        drop(tx);
+    };
+    let collect = async {
+        let mut outcomes = Vec::with_capacity(total);
+        let mut failed = 0usize;
+        while let Some(outcome) = rx.recv().await {
+            if outcome.result.is_err() {
+                failed += 1;
+                bar.set_message(format!("{failed} failed"));
+            }
+            bar.inc(1);
+            outcomes.push(outcome);
+        }
+        outcomes
+    };
+    let ((), outcomes) = tokio::join!(dispatch, collect);
+    (outcomes, started.elapsed())
+}
+
+impl ServeBenchReport {
+    /// Folds the outcomes of `expected` requests in; any that never reported (a panicked
+    /// task) count as failed.
+    fn add_outcomes(&mut self, expected: usize, outcomes: Vec<Outcome>) {
+        let (mut ttft, mut tpot, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let lost = expected.saturating_sub(outcomes.len());
+        for outcome in outcomes {
+            match outcome.result {
+                Ok(s) => {
+                    self.requests_ok += 1;
+                    if s.prompt_tokens.is_none() {
+                        self.requests_without_usage += 1;
+                    }
+                    self.input_tokens += s.prompt_tokens.unwrap_or(u64::from(outcome.nominal_isl));
+                    self.output_tokens += s.output_tokens;
+                    ttft.push(s.ttft_s);
+                    e2e.push(s.e2e_s);
+                    if s.output_tokens > 1 {
+                        tpot.push((s.e2e_s - s.ttft_s) / (s.output_tokens - 1) as f64);
+                    }
+                    itl.extend(s.itl_s);
+                }
+                Err(message) => self.add_error(message, 1),
+            }
+        }
+        if lost > 0 {
+            self.add_error("request task ended without reporting".into(), lost);
+        }
+        if self.duration_s > 0.0 {
+            self.request_throughput_rps = self.requests_ok as f64 / self.duration_s;
+            self.input_throughput_tok_s = self.input_tokens as f64 / self.duration_s;
+            self.output_throughput_tok_s = self.output_tokens as f64 / self.duration_s;
+        }
+        self.ttft = LatencySummary::from_seconds(&ttft);
+        self.tpot = LatencySummary::from_seconds(&tpot);
+        self.itl = LatencySummary::from_seconds(&itl);
+        self.e2e = LatencySummary::from_seconds(&e2e);
+    }
+
+    fn add_error(&mut self, message: String, count: usize) {
+        self.requests_failed += count;
+        match self.errors.iter_mut().find(|e| e.message == message) {
+            Some(e) => e.count += count,
+            None => self.errors.push(ErrorCount { message, count }),
+        }
+    }
+
+    /// The human-readable report.
+    pub fn table(&self) -> String {
+        let load = match (self.rate_rps, self.concurrency) {
+            (Some(r), _) => format!("Poisson arrivals at {r} req/s"),
+            (None, Some(c)) => format!("concurrency {c}"),
+            (None, None) => "unknown load".to_string(),
+        };
+        let mut s = format!(
+            "{} {} at {}: {load}, ISL {}, OSL {}, seed {}, warm-up {}\n\n",
+            self.model, self.endpoint, self.url, self.isl, self.osl, self.seed, self.warmup
+        );
+        let _ = writeln!(
+            s,
+            "requests      {} ok, {} failed in {:.3} s\n\
+             throughput    {:.2} req/s, input {:.1} tok/s, output {:.1} tok/s\n\
+             tokens        {} in, {} out",
+            self.requests_ok,
+            self.requests_failed,
+            self.duration_s,
+            self.request_throughput_rps,
+            self.input_throughput_tok_s,
+            self.output_throughput_tok_s,
+            self.input_tokens,
+            self.output_tokens
+        );
+        if self.requests_without_usage > 0 {
+            let _ = writeln!(
+                s,
+                "              ({} requests had no usage chunk: nominal ISL and text chunks counted)",
+                self.requests_without_usage
+            );
+        }
+        s += "\nlatency (ms)       mean        p50        p90        p99\n";
+        for (name, summary) in [("TTFT", &self.ttft), ("TPOT", &self.tpot), ("ITL", &self.itl), ("E2E", &self.e2e)] {
+            match summary {
+                Some(l) => {
+                    let _ = writeln!(
+                        s,
+                        "{name:<12} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                        l.mean_ms, l.p50_ms, l.p90_ms, l.p99_ms
+                    );
+                }
+                None => {
+                    let _ = writeln!(s, "{name:<12} {:>10} {:>10} {:>10} {:>10}", "-", "-", "-", "-");
+                }
+            }
+        }
+        if !self.errors.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nerrors ({} distinct{}):",
+                self.errors.len(),
+                if self.errors.len() > ERRORS_SHOWN { format!(", first {ERRORS_SHOWN} shown") } else { String::new() }
+            );
+            for e in self.errors.iter().take(ERRORS_SHOWN) {
+                let _ = writeln!(s, "{:>7} x {}", e.count, e.message);
+            }
+        }
+        s
+    }
+}
+
+/// The first model id listed by `GET {base}/v1/models`.
+async fn discover_model(client: &reqwest::Client, base: &str, timeout: Duration) -> Result<String, LoadgenError> {
+    let url = format!("{base}/v1/models");
+    let fail = |reason: String| LoadgenError::ModelDiscovery { url: url.clone(), reason };
+    let response = client.get(&url).timeout(timeout).send().await.map_err(|e| fail(request::describe(&e, timeout)))?;
+    let status = response.status();
+    if !status.is_success() {
+        return Err(fail(format!("HTTP {}", status.as_u16())));
+    }
+    let listing: Value = response.json().await.map_err(|e| fail(request::describe(&e, timeout)))?;
+    listing["data"][0]["id"].as_str().map(str::to_string).ok_or_else(|| fail("no model listed".into()))
+}
+
+fn progress_bar(wanted: bool, requests: usize) -> ProgressBar {
+    if !wanted || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(requests as u64);
+    let style = ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {per_sec} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style.progress_chars("=> "));
+    bar
+}

@@ -1,0 +1,353 @@
+//! Continuous batching for one chip, as a pure policy the chip actor drives: every step
+//! carries the decode tokens of running sequences first, then prefill chunks (of
+//! sequences part-way through their prompt, then of new arrivals, in arrival order)
+//! under a token budget, so new requests join running batches. When KV blocks run out
+//! a decoding sequence preempts the latest arrival by recompute — the same choices as
+//! the single-chip `Engine` of `tessera-backends`.
+
+use crate::kv::{BlockRef, KvPool};
+use crate::msg::{Finish, SamplingSpec, SeqRequest};
+use std::collections::{HashSet, VecDeque};
+use tessera_backends::kv::chained_block_hash;
+use tessera_runtime::Addr;
+
+/// Limits of one chip's steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatcherLimits {
+    pub max_batch_tokens: usize,
+    pub max_batch_seqs: usize,
+    pub block_size: usize,
+    pub max_context: usize,
+}
+
+#[derive(Debug)]
+struct Seq {
+    request_id: u64,
+    req: Addr,
+    /// Prompt, then every token generated (including ones replayed from another chip).
+    tokens: Vec<u32>,
+    /// Tokens this request generated before it came here (a replay).
+    generated_before: usize,
+    /// Tokens it may still generate here, and how many it has.
+    max_new: usize,
+    new_tokens: usize,
+    /// Tokens whose K/V are written or scheduled to be.
+    cached: usize,
+    blocks: Vec<BlockRef>,
+    hashes: Vec<u64>,
+    arrival: u64,
+    sampling: SamplingSpec,
+    /// The worker holds a sampler for it (kept across preemption, so a recomputed
+    /// sequence samples exactly as if it had never been preempted).
+    sampler_live: bool,
+}
+
+impl Seq {
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.cached
+    }
+}
+
+/// One sequence's share of a step, in the form the worker runs it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedSeq {
+    pub request_id: u64,
+    pub tokens: Vec<u32>,
+    pub start_pos: usize,
+    /// Device block ids of the sequence's blocks, in order.
+    pub block_table: Vec<u32>,
+    pub slots: Vec<i32>,
+    /// Sample a token from the last row (the chunk ends what is pending).
+    pub sample: bool,
+    /// Create the sampler first: its spec and how many draws to skip (a replay).
+    pub new_sampler: Option<(SamplingSpec, u64)>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    pub seqs: Vec<PlannedSeq>,
+    /// Samplers of requests that ended: the worker forgets them.
+    pub drop_samplers: Vec<u64>,
+}
+
+impl StepPlan {
+    pub fn tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// A token a step produced, for its request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Emitted {
+    pub request_id: u64,
+    pub req: Addr,
+    pub token: u32,
+    pub finish: Option<Finish>,
+}
+
+#[derive(Debug)]
+pub struct Batcher {
+    limits: BatcherLimits,
+    eos_token_ids: Vec<u32>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    arrivals: u64,
+    drop_samplers: Vec<u64>,
+}
+
+impl Batcher {
+    pub fn new(limits: BatcherLimits, eos_token_ids: Vec<u32>) -> Batcher {
+        Batcher {
+            limits,
+            eos_token_ids,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            arrivals: 0,
+            drop_samplers: Vec::new(),
+        }
+    }
+
+    pub fn limits(&self) -> BatcherLimits {
+        self.limits
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    pub fn contains(&self, request_id: u64) -> bool {
+        self.running.iter().chain(&self.waiting).any(|s| s.request_id == request_id)
+    }
+
+    /// Blocks a sequence of `tokens` tokens occupies.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.limits.block_size)
+    }
+
+    pub fn enqueue(&mut self, seq: SeqRequest) {
+        self.arrivals += 1;
+        self.waiting.push_back(Seq {
+            request_id: seq.request_id,
+            req: seq.req,
+            tokens: seq.tokens,
+            generated_before: seq.generated,
+            max_new: seq.max_new_tokens,
+            new_tokens: 0,
+            cached: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            arrival: self.arrivals,
+            sampling: seq.sampling,
+            sampler_live: false,
+        });
+    }
+
+    /// Forgets a request and frees its blocks; returns its requester if it was here.
+    pub fn abort(&mut self, request_id: u64, pool: &mut KvPool) -> Option<Addr> {
+        let seq = if let Some(i) = self.running.iter().position(|s| s.request_id == request_id) {
+            self.running.remove(i)
+        } else {
+            let i = self.waiting.iter().position(|s| s.request_id == request_id)?;
+            self.waiting.remove(i)?
+        };
+        Some(self.retire(seq, pool))
+    }
+
+    /// Removes every sequence (the chip is going down); their blocks are freed if the
+    /// pool still exists. Returns (request id, requester) of each.
+    pub fn evict_all(&mut self, pool: Option<&mut KvPool>) -> Vec<(u64, Addr)> {
+        let mut seqs: Vec<Seq> = self.running.drain(..).chain(self.waiting.drain(..)).collect();
+        seqs.sort_by_key(|s| s.arrival);
+        if let Some(pool) = pool {
+            for s in &mut seqs {
+                release_blocks(s, pool);
+            }
+        }
+        self.drop_samplers.clear();
+        seqs.into_iter().map(|s| (s.request_id, s.req)).collect()
+    }
+
+    fn retire(&mut self, mut seq: Seq, pool: &mut KvPool) -> Addr {
+        release_blocks(&mut seq, pool);
+        if seq.sampler_live {
+            self.drop_samplers.push(seq.request_id);
+        }
+        seq.req
+    }
+
+    /// The next step, or None when there is nothing to run.
+    pub fn plan(&mut self, pool: &mut KvPool) -> Option<StepPlan> {
+        let bs = self.limits.block_size;
+        let mut budget = self.limits.max_batch_tokens;
+        let mut seqs_left = self.limits.max_batch_seqs;
+        let mut planned: Vec<PlannedSeq> = Vec::new();
+        let mut scheduled: HashSet<u64> = HashSet::new();
+        self.running.sort_by_key(|s| s.arrival);
+
+        // 1. Decode tokens (one pending token), earliest arrival first.
+        let mut i = 0;
+        while i < self.running.len() && seqs_left > 0 && budget > 0 {
+            if self.running[i].pending() != 1 {
+                i += 1;
+                continue;
+            }
+            let need = blocks_needed(&self.running[i], 1, bs);
+            while need > pool.free() {
+                // Recompute the latest arrival that is not already in this step.
+                let victim = (0..self.running.len())
+                    .rev()
+                    .find(|&j| j > i && !scheduled.contains(&self.running[j].request_id));
+                let Some(j) = victim else { break };
+                let mut seq = self.running.remove(j);
+                release_blocks(&mut seq, pool);
+                seq.cached = 0;
+                let at = self.waiting.iter().position(|w| w.arrival > seq.arrival).unwrap_or(self.waiting.len());
+                self.waiting.insert(at, seq);
+            }
+            if need <= pool.free() {
+                let id = self.running[i].request_id;
+                planned.push(schedule(&mut self.running[i], 1, bs, pool));
+                scheduled.insert(id);
+                budget -= 1;
+                seqs_left -= 1;
+            }
+            i += 1;
+        }
+
+        // 2. Prompts part-way through their prefill.
+        for seq in self.running.iter_mut() {
+            if seqs_left == 0 || budget == 0 {
+                break;
+            }
+            if scheduled.contains(&seq.request_id) || seq.pending() <= 1 {
+                continue;
+            }
+            let chunk = fit_chunk(seq, seq.pending().min(budget), bs, pool.free());
+            if chunk > 0 {
+                scheduled.insert(seq.request_id);
+                planned.push(schedule(seq, chunk, bs, pool));
+                budget -= chunk;
+                seqs_left -= 1;
+            }
+        }
+
+        // 3. New arrivals join, first come first served.
+        while seqs_left > 0 && budget > 0 {
+            let Some(front) = self.waiting.front() else { break };
+            let chunk = fit_chunk(front, front.pending().min(budget), bs, pool.free());
+            if chunk == 0 {
+                break;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            planned.push(schedule(&mut seq, chunk, bs, pool));
+            self.running.push(seq);
+            budget -= chunk;
+            seqs_left -= 1;
+        }
+
+        if planned.is_empty() {
+            return None;
+        }
+        Some(StepPlan { seqs: planned, drop_samplers: std::mem::take(&mut self.drop_samplers) })
+    }
+
+    /// Applies a step's sampled tokens: appends them, decides which requests finished
+    /// and frees their blocks.
+    pub fn complete(&mut self, sampled: &[(u64, u32)], pool: &mut KvPool) -> Vec<Emitted> {
+        let mut out = Vec::with_capacity(sampled.len());
+        for &(request_id, token) in sampled {
+            let Some(i) = self.running.iter().position(|s| s.request_id == request_id) else {
+                continue; // aborted while the step ran
+            };
+            let seq = &mut self.running[i];
+            seq.tokens.push(token);
+            seq.new_tokens += 1;
+            let stop = seq.sampling.stop_token_ids.contains(&token)
+                || (!seq.sampling.ignore_eos && self.eos_token_ids.contains(&token));
+            let finish = if stop {
+                Some(Finish::Stop)
+            } else if seq.new_tokens >= seq.max_new || seq.tokens.len() >= self.limits.max_context {
+                Some(Finish::Length)
+            } else {
+                None
+            };
+            let req = seq.req;
+            if finish.is_some() {
+                let seq = self.running.remove(i);
+                self.retire(seq, pool);
+            }
+            out.push(Emitted { request_id, req, token, finish });
+        }
+        out
+    }
+
+    /// Tokens still to be computed across all sequences (the chip's queue depth).
+    pub fn queued_tokens(&self) -> usize {
+        self.running.iter().chain(&self.waiting).map(|s| s.pending() + s.max_new.saturating_sub(s.new_tokens)).sum()
+    }
+}
+
+fn blocks_needed(seq: &Seq, extra: usize, bs: usize) -> usize {
+    (seq.cached + extra).div_ceil(bs).saturating_sub(seq.blocks.len())
+}
+
+/// The longest chunk of at most `want` tokens whose blocks fit in `free` blocks.
+fn fit_chunk(seq: &Seq, want: usize, bs: usize, free: usize) -> usize {
+    let room = (seq.blocks.len() + free) * bs;
+    want.min(room.saturating_sub(seq.cached))
+}
+
+fn release_blocks(seq: &mut Seq, pool: &mut KvPool) {
+    for b in seq.blocks.drain(..) {
+        if let Err(e) = pool.release(b) {
+            // A bookkeeping bug, not an input error: say so loudly, keep serving.
+            tracing::error!(error = %e, request_id = seq.request_id, "KV block release failed");
+        }
+    }
+    seq.hashes.clear();
+}
+
+/// Reserves blocks for the next `n` pending tokens of `seq` and describes the chunk.
+/// The caller has checked that the blocks are free.
+fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq {
+    let start = seq.cached;
+    let end = start + n;
+    while seq.blocks.len() < end.div_ceil(bs) {
+        match pool.alloc(seq.request_id) {
+            Some(b) => seq.blocks.push(b),
+            None => break,
+        }
+    }
+    let slots = (start..end).map(|pos| (seq.blocks[pos / bs].slot as usize * bs + pos % bs) as i32).collect();
+    while seq.hashes.len() < end / bs {
+        let i = seq.hashes.len();
+        let hash = chained_block_hash(seq.hashes.last().copied(), &seq.tokens[i * bs..(i + 1) * bs]);
+        if let Err(e) = pool.seal(seq.blocks[i], hash) {
+            tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");
+        }
+        seq.hashes.push(hash);
+    }
+    seq.cached = end;
+    let new_sampler = (!seq.sampler_live).then(|| (seq.sampling.clone(), (seq.generated_before + seq.new_tokens) as u64));
+    seq.sampler_live = true;
+    PlannedSeq {
+        request_id: seq.request_id,
+        tokens: seq.tokens[start..end].to_vec(),
+        start_pos: start,
+        block_table: seq.blocks.iter().map(|b| b.slot).collect(),
+        slots,
+        sample: end == seq.tokens.len(),
+        new_sampler,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,135 @@
+use super::*;
+use tessera_runtime::HostId;
+
+fn limits(max_batch_tokens: usize, max_batch_seqs: usize, block_size: usize) -> BatcherLimits {
+    BatcherLimits { max_batch_tokens, max_batch_seqs, block_size, max_context: 1024 }
+}
+
+fn seq(id: u64, prompt: usize, max_new: usize) -> SeqRequest {
+    SeqRequest {
+        request_id: id,
+        req: Addr::new(HostId(0), 1000 + id),
+        tokens: (0..prompt as u32).map(|t| t % 50 + 3).collect(),
+        generated: 0,
+        max_new_tokens: max_new,
+        sampling: SamplingSpec {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            stop_token_ids: vec![2],
+            ignore_eos: false,
+        },
+    }
+}
+
+fn shape(plan: &StepPlan) -> Vec<(u64, usize, usize, bool)> {
+    plan.seqs.iter().map(|s| (s.request_id, s.start_pos, s.tokens.len(), s.sample)).collect()
+}
+
+fn pool(blocks: usize) -> KvPool {
+    KvPool::new(Addr::new(HostId(0), 16), blocks)
+}
+
+/// Samples token 7 for every sequence that asked.
+fn run_step(b: &mut Batcher, p: &mut KvPool) -> (Vec<(u64, usize, usize, bool)>, Vec<Emitted>) {
+    let plan = b.plan(p).expect("a step");
+    let sampled: Vec<(u64, u32)> = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
+    (shape(&plan), b.complete(&sampled, p))
+}
+
+#[test]
+fn plans_chunked_prefill_then_decode_first() {
+    let mut b = Batcher::new(limits(8, 4, 4), vec![]);
+    let mut p = pool(32);
+    b.enqueue(seq(1, 10, 3));
+    b.enqueue(seq(2, 3, 3));
+    // (expected step shapes: (id, start, len, sample))
+    let expected: Vec<Vec<(u64, usize, usize, bool)>> = vec![
+        vec![(1, 0, 8, false)],                  // budget 8: a chunk of request 1's prompt
+        vec![(1, 8, 2, true), (2, 0, 3, true)],  // rest of 1, then 2 joins the batch
+        vec![(1, 10, 1, true), (2, 3, 1, true)], // both decode
+        vec![(1, 11, 1, true), (2, 4, 1, true)],
+    ];
+    for (i, want) in expected.iter().enumerate() {
+        let (got, _) = run_step(&mut b, &mut p);
+        assert_eq!(&got, want, "step {i}");
+    }
+    assert!(!b.has_work(), "both reached max_new_tokens = 3");
+    assert_eq!(p.used(), 0, "finished requests free every block");
+}
+
+#[test]
+fn new_requests_join_a_running_batch_after_decode_tokens() {
+    let mut b = Batcher::new(limits(6, 8, 4), vec![]);
+    let mut p = pool(32);
+    b.enqueue(seq(1, 4, 10));
+    run_step(&mut b, &mut p);
+    b.enqueue(seq(2, 9, 10));
+    let (got, _) = run_step(&mut b, &mut p);
+    assert_eq!(got, vec![(1, 4, 1, true), (2, 0, 5, false)], "decode first, then a 5-token chunk of the new prompt");
+}
+
+#[test]
+fn stop_tokens_eos_and_length_finish() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![7]);
+    let mut p = pool(32);
+    b.enqueue(seq(1, 5, 10));
+    let mut ignore = seq(2, 5, 2);
+    ignore.sampling.ignore_eos = true;
+    b.enqueue(ignore);
+    let (_, out) = run_step(&mut b, &mut p);
+    let finishes: Vec<(u64, Option<Finish>)> = out.iter().map(|e| (e.request_id, e.finish)).collect();
+    assert_eq!(finishes, vec![(1, Some(Finish::Stop)), (2, None)], "7 is EOS unless ignore_eos");
+    let (_, out) = run_step(&mut b, &mut p);
+    assert_eq!(out[0].finish, Some(Finish::Length));
+    assert_eq!(p.used(), 0);
+}
+
+#[test]
+fn out_of_blocks_preempts_the_latest_arrival_and_recomputes_it() {
+    let mut b = Batcher::new(limits(64, 8, 2), vec![]);
+    let mut p = pool(4);
+    b.enqueue(seq(1, 4, 8)); // 2 blocks
+    b.enqueue(seq(2, 4, 8)); // 2 blocks: the pool is full
+    run_step(&mut b, &mut p);
+    assert_eq!(p.free(), 0);
+    // Request 1 needs a third block for its 5th token: request 2 is preempted.
+    let (got, _) = run_step(&mut b, &mut p);
+    assert_eq!(got, vec![(1, 5, 1, true)]);
+    assert_eq!((b.running(), b.waiting()), (1, 1));
+    let mut steps = 0;
+    while b.has_work() {
+        run_step(&mut b, &mut p);
+        steps += 1;
+        assert!(steps < 100);
+    }
+    assert_eq!(p.used(), 0);
+}
+
+#[test]
+fn abort_frees_blocks_and_drops_the_sampler() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(8);
+    b.enqueue(seq(1, 6, 10));
+    b.enqueue(seq(2, 6, 10));
+    run_step(&mut b, &mut p);
+    assert!(b.abort(1, &mut p).is_some());
+    assert!(b.abort(1, &mut p).is_none());
+    assert_eq!(p.used(), 2);
+    let plan = b.plan(&mut p).unwrap();
+    assert_eq!(plan.drop_samplers, vec![1]);
+    assert_eq!(b.evict_all(Some(&mut p)).len(), 1);
+    assert_eq!(p.used(), 0);
+}
+
+#[test]
+fn replayed_sequences_skip_earlier_sampler_draws() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(8);
+    let mut s = seq(1, 6, 4);
+    s.generated = 3;
+    b.enqueue(s);
+    let plan = b.plan(&mut p).unwrap();
+    assert_eq!(plan.seqs[0].new_sampler.as_ref().map(|(_, skip)| *skip), Some(3));
+}

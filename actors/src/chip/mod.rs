@@ -1,0 +1,307 @@
+//! The chip actor: owns one device through a worker thread (model, KV storage,
+//! samplers), its KV pool and its batcher. It admits sequences, keeps exactly one
+//! forward step in flight, streams each sampled token to its request, and when its
+//! worker dies hands every sequence back to its request (which replays elsewhere) and
+//! reports to its host's supervisor, which decides about restarts.
+
+pub mod executor;
+
+use crate::batcher::{Batcher, BatcherLimits};
+use crate::kv::KvPool;
+use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, SeqRequest, ServeError};
+use executor::{ExecutorFactory, StepExecutor};
+use tessera_runtime::Addr;
+use tessera_runtime::actor::{Behavior, Effects, Job, WorkerId, WorkerSpec};
+
+/// A chip's fixed description.
+#[derive(Debug, Clone)]
+pub struct ChipConfig {
+    pub id: String,
+    pub host_name: String,
+    pub role: String,
+    pub max_batch_tokens: usize,
+    pub max_batch_seqs: usize,
+    pub supervisor: Addr,
+}
+
+pub struct Chip {
+    config: ChipConfig,
+    factory: ExecutorFactory,
+    me: Option<Addr>,
+    state: ChipState,
+    worker: Option<WorkerId>,
+    info: Option<ChipInfo>,
+    pool: Option<KvPool>,
+    batcher: Option<Batcher>,
+    step_in_flight: bool,
+    steps: u64,
+    max_step_seqs: usize,
+    restarts: u32,
+    error: Option<String>,
+    inject_panic: bool,
+}
+
+impl Chip {
+    pub fn new(config: ChipConfig, factory: ExecutorFactory) -> Chip {
+        Chip {
+            config,
+            factory,
+            me: None,
+            state: ChipState::Starting,
+            worker: None,
+            info: None,
+            pool: None,
+            batcher: None,
+            step_in_flight: false,
+            steps: 0,
+            max_step_seqs: 0,
+            restarts: 0,
+            error: None,
+            inject_panic: false,
+        }
+    }
+
+    fn start_worker(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.state = ChipState::Starting;
+        self.step_in_flight = false;
+        let factory = self.factory.clone();
+        let spec = WorkerSpec {
+            name: format!("chip-{}", self.config.id),
+            init: Box::new(move || match factory() {
+                Ok((exec, info)) => Ok((Box::new(exec) as Box<dyn std::any::Any>, Msg::WorkerReady { info })),
+                Err(error) => Err(Msg::WorkerFailed { error }),
+            }),
+            on_panic: Box::new(|error| Msg::WorkerPanicked { error }),
+        };
+        self.worker = Some(fx.start_worker(spec));
+        self.report(fx);
+    }
+
+    fn report(&self, fx: &mut dyn Effects<Msg>) {
+        let (used, total) = self.pool.as_ref().map_or((0, 0), |p| (p.used(), p.capacity()));
+        let report = ChipReport {
+            chip: fx.me(),
+            id: self.config.id.clone(),
+            host_name: self.config.host_name.clone(),
+            role: self.config.role.clone(),
+            state: self.state,
+            kv_blocks_used: used,
+            kv_blocks_total: total,
+            running: self.batcher.as_ref().map_or(0, Batcher::running),
+            waiting: self.batcher.as_ref().map_or(0, Batcher::waiting),
+            steps: self.steps,
+            max_step_seqs: self.max_step_seqs,
+            restarts: self.restarts,
+            error: self.error.clone(),
+        };
+        metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
+        metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
+        // The supervisor is on this host; it is only gone while the host shuts down.
+        let _ = fx.send(self.config.supervisor, Msg::Report { report });
+    }
+
+    /// Why `seq` can never run here, if so.
+    fn check(&self, seq: &SeqRequest, info: &ChipInfo, batcher: &Batcher) -> Option<ServeError> {
+        if seq.tokens.is_empty() {
+            return Some(ServeError::new(ErrorKind::BadRequest, "the prompt is empty"));
+        }
+        if let Some(&bad) = seq.tokens.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Some(ServeError::new(
+                ErrorKind::BadRequest,
+                format!("token id {bad} is outside the vocabulary ({} tokens)", info.vocab_size),
+            ));
+        }
+        if seq.tokens.len() >= info.max_context {
+            return Some(ServeError::new(
+                ErrorKind::PromptTooLong,
+                format!("{} tokens leave no room in the model's context of {}", seq.tokens.len(), info.max_context),
+            ));
+        }
+        let need = batcher.blocks_for(seq.tokens.len() + 1);
+        if need > info.num_blocks {
+            return Some(ServeError::new(
+                ErrorKind::PromptTooLong,
+                format!(
+                    "{} tokens need {need} KV blocks; chip {} has {}",
+                    seq.tokens.len(),
+                    self.config.id,
+                    info.num_blocks
+                ),
+            ));
+        }
+        None
+    }
+
+    fn enqueue(&mut self, seq: SeqRequest, fx: &mut dyn Effects<Msg>) {
+        let me = fx.me();
+        let refuse = |fx: &mut dyn Effects<Msg>, error: ServeError, retry: bool| {
+            let _ = fx.send(seq.req, Msg::Refused { request_id: seq.request_id, chip: me, error, retry });
+        };
+        let (Some(info), Some(batcher), ChipState::Up) = (&self.info, &mut self.batcher, self.state) else {
+            let why = format!("chip {} is not up", self.config.id);
+            refuse(fx, ServeError::new(ErrorKind::Unavailable, why), true);
+            return;
+        };
+        if batcher.contains(seq.request_id) {
+            return; // a duplicate of a request already here
+        }
+        if let Some(error) = self.check(&seq, info, self.batcher.as_ref().expect("checked above")) {
+            refuse(fx, error, false);
+            return;
+        }
+        if let Some(b) = self.batcher.as_mut() {
+            b.enqueue(seq);
+        }
+        self.try_step(fx);
+    }
+
+    fn try_step(&mut self, fx: &mut dyn Effects<Msg>) {
+        if self.step_in_flight || self.state != ChipState::Up {
+            return;
+        }
+        let (Some(worker), Some(pool), Some(batcher)) = (self.worker, self.pool.as_mut(), self.batcher.as_mut()) else {
+            return;
+        };
+        let panic_now = std::mem::take(&mut self.inject_panic);
+        let Some(plan) = batcher.plan(pool) else {
+            if panic_now {
+                self.inject_panic = true; // wait for work, so the drill hits a live step
+            }
+            return;
+        };
+        self.steps += 1;
+        self.max_step_seqs = self.max_step_seqs.max(plan.seqs.len());
+        metrics::histogram!("tessera_chip_step_seqs", "chip" => self.config.id.clone()).record(plan.seqs.len() as f64);
+        metrics::histogram!("tessera_chip_step_tokens", "chip" => self.config.id.clone()).record(plan.tokens() as f64);
+        let step = self.steps;
+        let job = Job {
+            label: "forward",
+            run: Box::new(move |state: &mut dyn std::any::Any| {
+                if panic_now {
+                    panic!("fault drill: worker panic injected");
+                }
+                match state.downcast_mut::<Box<dyn StepExecutor>>() {
+                    Some(exec) => Msg::StepDone { outcome: exec.step(step, &plan) },
+                    None => Msg::WorkerPanicked { error: "the worker holds no step executor".into() },
+                }
+            }),
+        };
+        match fx.submit(worker, job) {
+            Ok(()) => self.step_in_flight = true,
+            Err(e) => self.crash(format!("the worker is gone: {e}"), fx),
+        }
+    }
+
+    fn step_done(&mut self, outcome: crate::msg::StepOutcome, fx: &mut dyn Effects<Msg>) {
+        self.step_in_flight = false;
+        if let Some(error) = outcome.error {
+            self.crash(format!("a forward step failed: {error}"), fx);
+            return;
+        }
+        metrics::histogram!("tessera_chip_step_seconds", "chip" => self.config.id.clone()).record(outcome.elapsed_s);
+        let me = fx.me();
+        let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
+        for e in batcher.complete(&outcome.sampled, pool) {
+            let msg = Msg::Generated { request_id: e.request_id, chip: me, tokens: vec![e.token], finish: e.finish };
+            if fx.send(e.req, msg).is_err() && e.finish.is_none() {
+                // Its request is unreachable: stop spending compute on it.
+                batcher.abort(e.request_id, pool);
+            }
+        }
+        self.report(fx);
+        self.try_step(fx);
+    }
+
+    /// The worker is gone: hand every sequence back, free the pool, tell the supervisor.
+    fn crash(&mut self, error: String, fx: &mut dyn Effects<Msg>) {
+        tracing::error!(chip = %self.config.id, %error, "chip down");
+        if let Some(w) = self.worker.take() {
+            fx.stop_worker(w);
+        }
+        self.evict_all(&error, fx);
+        self.state = ChipState::Down;
+        self.error = Some(error.clone());
+        self.step_in_flight = false;
+        let _ = fx.send(self.config.supervisor, Msg::ChipCrashed { chip: fx.me(), error });
+        self.report(fx);
+    }
+
+    fn evict_all(&mut self, why: &str, fx: &mut dyn Effects<Msg>) {
+        let me = fx.me();
+        if let Some(batcher) = self.batcher.as_mut() {
+            for (request_id, req) in batcher.evict_all(self.pool.as_mut()) {
+                let error = ServeError::new(ErrorKind::Unavailable, format!("chip {}: {why}", self.config.id));
+                let _ = fx.send(req, Msg::Refused { request_id, chip: me, error, retry: true });
+            }
+        }
+    }
+}
+
+impl Behavior<Msg> for Chip {
+    fn name(&self) -> &'static str {
+        "chip"
+    }
+
+    fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.me = Some(fx.me());
+        self.start_worker(fx);
+    }
+
+    fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
+        match msg {
+            Msg::WorkerReady { info } => {
+                let limits = BatcherLimits {
+                    max_batch_tokens: self.config.max_batch_tokens,
+                    max_batch_seqs: self.config.max_batch_seqs,
+                    block_size: info.block_size,
+                    max_context: info.max_context,
+                };
+                self.pool = Some(KvPool::new(fx.me(), info.num_blocks));
+                self.batcher = Some(Batcher::new(limits, info.eos_token_ids.clone()));
+                tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
+                self.info = Some(info);
+                self.state = ChipState::Up;
+                self.error = None;
+                self.report(fx);
+            }
+            Msg::WorkerFailed { error } => {
+                self.worker = None;
+                self.crash(format!("cannot start: {error}"), fx);
+            }
+            Msg::WorkerPanicked { error } => {
+                self.worker = None;
+                self.crash(format!("worker panicked: {error}"), fx);
+            }
+            Msg::StepDone { outcome } => self.step_done(outcome, fx),
+            Msg::Enqueue { seq } => self.enqueue(seq, fx),
+            Msg::Abort { request_id } => {
+                if let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut())
+                    && batcher.abort(request_id, pool).is_some()
+                {
+                    self.report(fx);
+                }
+            }
+            Msg::Restart if self.state == ChipState::Down => {
+                self.restarts += 1;
+                self.start_worker(fx);
+            }
+            Msg::GiveUp { reason } => {
+                self.state = ChipState::Failed;
+                self.error = Some(reason);
+                self.report(fx);
+            }
+            Msg::InjectFault { fault: Fault::WorkerPanic } => {
+                self.inject_panic = true;
+                self.try_step(fx);
+            }
+            Msg::Tick => self.report(fx),
+            other => tracing::debug!(chip = %self.config.id, kind = ?other, "unexpected message"),
+        }
+    }
+}
+
+impl std::fmt::Debug for Chip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chip").field("id", &self.config.id).field("state", &self.state).finish()
+    }
+}

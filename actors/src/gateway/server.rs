@@ -1,0 +1,560 @@
+//! The HTTP side of the gateway (axum): turns OpenAI requests into Request actors on
+//! this host, and their events back into JSON or SSE. Each HTTP request owns a mailbox;
+//! when the client goes away the mailbox's guard cancels the Request actor, which
+//! aborts its sequence and frees its KV on the chip.
+
+use super::openai::{self, ApiError, ChatTemplate, FinishReason, GenerationRequest, Prompt, StopMatcher, Usage};
+use crate::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, SamplingSpec, ServeError};
+use crate::request::{Request, RequestSpec, RetryPolicy};
+use axum::Router as HttpRouter;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tessera_backends::tokenizer::TextTokenizer;
+use tessera_runtime::Addr;
+use tessera_runtime::host::{Host, Mailbox};
+
+/// What the gateway needs to know.
+pub struct GatewayConfig {
+    pub served_model: String,
+    pub max_context: usize,
+    pub max_inflight_requests: usize,
+    pub router: Addr,
+    pub retry: RetryPolicy,
+    /// Chip ids and addresses, for fault drills.
+    pub chips: HashMap<String, Addr>,
+    pub metrics: Option<PrometheusHandle>,
+}
+
+pub struct GatewayState {
+    host: Arc<Host<Msg>>,
+    tokenizer: Arc<TextTokenizer>,
+    template: Option<ChatTemplate>,
+    config: GatewayConfig,
+    inflight: AtomicUsize,
+    next_id: AtomicU64,
+}
+
+impl GatewayState {
+    pub fn new(host: Arc<Host<Msg>>, tokenizer: TextTokenizer, config: GatewayConfig) -> Result<Self, String> {
+        let template = match tokenizer.chat_template() {
+            Some(src) => {
+                let bos = tokenizer.bos_id().and_then(|id| tokenizer.id_to_token(id));
+                let eos = tokenizer.eos_ids().first().and_then(|&id| tokenizer.id_to_token(id));
+                Some(ChatTemplate::new(src, bos, eos).map_err(|e| format!("the model's chat template: {e}"))?)
+            }
+            None => None,
+        };
+        let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        Ok(GatewayState {
+            host,
+            tokenizer: Arc::new(tokenizer),
+            template,
+            config,
+            inflight: AtomicUsize::new(0),
+            // Request ids only need to be unique within this gateway's life.
+            next_id: AtomicU64::new(seed & 0xffff_ffff_0000),
+        })
+    }
+}
+
+/// The gateway's routes.
+pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
+    HttpRouter::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(prometheus))
+        .route("/admin/faults", post(inject_fault))
+        .with_state(state)
+}
+
+/// Serves until `shutdown` resolves, then waits for in-flight requests to finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<GatewayState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, routes(state).into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn error_response(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    metrics::counter!("tessera_gateway_errors_total", "status" => e.status.to_string()).increment(1);
+    (status, axum::Json(e.to_json())).into_response()
+}
+
+fn api_error(e: &ServeError) -> ApiError {
+    match e.kind {
+        ErrorKind::BadRequest => ApiError::bad_request(&e.message, None),
+        ErrorKind::PromptTooLong => ApiError { status: 413, ..ApiError::bad_request(&e.message, Some("prompt")) },
+        ErrorKind::Overloaded => ApiError::overloaded(&e.message),
+        ErrorKind::Unavailable => ApiError::unavailable(&e.message),
+        ErrorKind::Internal => ApiError::internal(&e.message),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+async fn completions(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
+    match openai::parse_completion(&body) {
+        Ok(req) => generate(st, req, Endpoint::Completions).await,
+        Err(e) => error_response(e),
+    }
+}
+
+async fn chat_completions(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
+    match openai::parse_chat(&body) {
+        Ok(req) => generate(st, req, Endpoint::Chat).await,
+        Err(e) => error_response(e),
+    }
+}
+
+/// Cancels the Request actor unless it ended by itself; releases the in-flight slot.
+struct RequestGuard {
+    st: Arc<GatewayState>,
+    actor: Addr,
+    done: bool,
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            // The actor may have ended meanwhile; then there is nothing to cancel.
+            let _ = self.st.host.send(self.actor, Msg::Cancel);
+        }
+        self.st.inflight.fetch_sub(1, Ordering::AcqRel);
+        metrics::gauge!("tessera_gateway_inflight_requests").decrement(1.0);
+    }
+}
+
+fn prompt_ids(st: &GatewayState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    let encode = |text: &str, add_bos: bool| {
+        st.tokenizer.encode(text, add_bos).map_err(|e| ApiError::bad_request(&format!("cannot tokenize: {e}"), None))
+    };
+    match prompt {
+        Prompt::Text(text) => encode(text, true),
+        Prompt::TokenIds(ids) => Ok(ids.clone()),
+        Prompt::Chat(messages) => {
+            let template = st.template.as_ref().ok_or_else(|| {
+                ApiError::bad_request("the model has no chat template; use /v1/completions", Some("messages"))
+            })?;
+            let text = template.render(messages, true)?;
+            // Templates that write the BOS token themselves must not get a second one.
+            let bos = st.tokenizer.bos_id().and_then(|id| st.tokenizer.id_to_token(id));
+            let add_bos = !bos.is_some_and(|b| text.starts_with(&b));
+            encode(&text, add_bos)
+        }
+    }
+}
+
+async fn generate(st: Arc<GatewayState>, req: GenerationRequest, endpoint: Endpoint) -> Response {
+    let started = Instant::now();
+    if req.model != st.config.served_model {
+        return error_response(ApiError::not_found_model(&req.model, std::slice::from_ref(&st.config.served_model)));
+    }
+    let prompt = match prompt_ids(&st, &req.prompt) {
+        Ok(p) => p,
+        Err(e) => return error_response(e),
+    };
+    let max_context = st.config.max_context;
+    if prompt.is_empty() {
+        return error_response(ApiError::bad_request("the prompt is empty", Some("prompt")));
+    }
+    if prompt.len() >= max_context {
+        return error_response(ApiError::prompt_too_long(prompt.len(), max_context));
+    }
+    let max_tokens = req.max_tokens.unwrap_or(max_context - prompt.len());
+    if prompt.len() + max_tokens > max_context {
+        return error_response(ApiError::bad_request(
+            &format!(
+                "This model's maximum context length is {max_context} tokens. However, you requested {} tokens \
+                 ({} in the prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                prompt.len() + max_tokens,
+                prompt.len()
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    if st.inflight.fetch_add(1, Ordering::AcqRel) >= st.config.max_inflight_requests {
+        st.inflight.fetch_sub(1, Ordering::AcqRel);
+        return error_response(ApiError::overloaded(&format!(
+            "the gateway already serves {} requests; retry later",
+            st.config.max_inflight_requests
+        )));
+    }
+    metrics::gauge!("tessera_gateway_inflight_requests").increment(1.0);
+    let mut stop_token_ids = req.stop_token_ids.clone();
+    if !req.ignore_eos {
+        stop_token_ids.extend(st.tokenizer.eos_ids());
+    }
+    let request_id = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let spec = RequestSpec {
+        request_id,
+        prompt: prompt.clone(),
+        max_tokens,
+        sampling: SamplingSpec {
+            temperature: req.temperature,
+            top_k: req.top_k.unwrap_or(0),
+            top_p: req.top_p,
+            seed: req.seed,
+            stop_token_ids,
+            ignore_eos: req.ignore_eos,
+        },
+    };
+    let mut mailbox = st.host.mailbox();
+    let actor = st.host.spawn(Box::new(Request::new(spec, mailbox.addr(), st.config.router, st.config.retry)));
+    let mut guard = RequestGuard { st: st.clone(), actor, done: false };
+
+    // Wait for the first event, so a request that cannot be served gets its status.
+    let first = match mailbox.recv().await {
+        Some(Msg::Client { event: ClientEvent::Failed { error } }) => {
+            guard.done = true;
+            return error_response(api_error(&error));
+        }
+        Some(Msg::Client { event }) => event,
+        _ => {
+            guard.done = true;
+            return error_response(ApiError::internal("the request ended without a result"));
+        }
+    };
+    metrics::histogram!("tessera_request_ttft_seconds").record(started.elapsed().as_secs_f64());
+    let ctx = Completion {
+        id: match endpoint {
+            Endpoint::Completions => format!("cmpl-{request_id:x}"),
+            Endpoint::Chat => format!("chatcmpl-{request_id:x}"),
+        },
+        created: unix_now(),
+        model: st.config.served_model.clone(),
+        endpoint,
+        prompt_tokens: prompt.len(),
+        stops: req.stop.clone(),
+        started,
+    };
+    if req.stream {
+        stream_response(st, ctx, mailbox, guard, first, req.include_usage)
+    } else {
+        whole_response(st, ctx, mailbox, guard, first).await
+    }
+}
+
+struct Completion {
+    id: String,
+    created: u64,
+    model: String,
+    endpoint: Endpoint,
+    prompt_tokens: usize,
+    stops: Vec<String>,
+    started: Instant,
+}
+
+/// Turns token events into text: detokenizes incrementally and applies stop strings.
+struct TextAssembler<'a> {
+    decoder: tessera_backends::tokenizer::StreamDecoder<'a>,
+    stops: StopMatcher,
+    completion_tokens: usize,
+    stopped: bool,
+}
+
+impl<'a> TextAssembler<'a> {
+    fn new(tok: &'a TextTokenizer, stops: Vec<String>) -> Self {
+        TextAssembler { decoder: tok.stream_decoder(), stops: StopMatcher::new(stops), completion_tokens: 0, stopped: false }
+    }
+
+    /// Text that is final after these tokens.
+    fn push(&mut self, tokens: &[u32]) -> Result<String, ApiError> {
+        let mut out = String::new();
+        for &t in tokens {
+            if self.stopped {
+                break;
+            }
+            self.completion_tokens += 1;
+            let piece = self.decoder.push(t).map_err(|e| ApiError::internal(&format!("detokenizing: {e}")))?;
+            if let Some(piece) = piece {
+                let (safe, hit) = self.stops.push(&piece);
+                out.push_str(&safe);
+                self.stopped = hit;
+            }
+        }
+        Ok(out)
+    }
+
+    fn finish(&mut self) -> Result<String, ApiError> {
+        if self.stopped {
+            return Ok(String::new());
+        }
+        let mut out = String::new();
+        if let Some(piece) = self.decoder.finish().map_err(|e| ApiError::internal(&format!("detokenizing: {e}")))? {
+            let (safe, hit) = self.stops.push(&piece);
+            out.push_str(&safe);
+            self.stopped = hit;
+        }
+        if !self.stopped {
+            out.push_str(&self.stops.finish());
+        }
+        Ok(out)
+    }
+}
+
+fn finish_reason(f: Finish) -> FinishReason {
+    match f {
+        Finish::Stop => FinishReason::Stop,
+        Finish::Length => FinishReason::Length,
+    }
+}
+
+async fn whole_response(
+    st: Arc<GatewayState>,
+    ctx: Completion,
+    mut mailbox: Mailbox<Msg>,
+    mut guard: RequestGuard,
+    first: ClientEvent,
+) -> Response {
+    let tokenizer = st.tokenizer.clone();
+    let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone());
+    let mut out = String::new();
+    let mut event = Some(first);
+    let finish = loop {
+        let ev = match event.take() {
+            Some(e) => e,
+            None => match mailbox.recv().await {
+                Some(Msg::Client { event }) => event,
+                _ => return error_response(ApiError::internal("the request ended without a result")),
+            },
+        };
+        match ev {
+            ClientEvent::Tokens { tokens } => match text.push(&tokens) {
+                Ok(s) => out.push_str(&s),
+                Err(e) => return error_response(e),
+            },
+            ClientEvent::Finished { finish, .. } => {
+                guard.done = true;
+                break finish_reason(finish);
+            }
+            ClientEvent::Failed { error } => {
+                guard.done = true;
+                return error_response(api_error(&error));
+            }
+        }
+        if text.stopped {
+            // The guard cancels the request: the rest is not needed.
+            break FinishReason::Stop;
+        }
+    };
+    match text.finish() {
+        Ok(s) => out.push_str(&s),
+        Err(e) => return error_response(e),
+    }
+    let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens: text.completion_tokens };
+    metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
+    let body = match ctx.endpoint {
+        Endpoint::Completions => openai::completion_response(&ctx.id, ctx.created, &ctx.model, &out, finish, usage),
+        Endpoint::Chat => openai::chat_response(&ctx.id, ctx.created, &ctx.model, &out, finish, usage),
+    };
+    (StatusCode::OK, axum::Json(body)).into_response()
+}
+
+fn chunk(ctx: &Completion, text: Option<&str>, first: bool, finish: Option<FinishReason>) -> Value {
+    match ctx.endpoint {
+        Endpoint::Completions => openai::completion_chunk(&ctx.id, ctx.created, &ctx.model, text.unwrap_or(""), finish),
+        Endpoint::Chat => openai::chat_chunk(&ctx.id, ctx.created, &ctx.model, text, first, finish),
+    }
+}
+
+fn stream_response(
+    st: Arc<GatewayState>,
+    ctx: Completion,
+    mut mailbox: Mailbox<Msg>,
+    mut guard: RequestGuard,
+    first: ClientEvent,
+    include_usage: bool,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
+    tokio::spawn(async move {
+        let tokenizer = st.tokenizer.clone();
+        let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone());
+        let data = |v: Value| Ok(Event::default().data(v.to_string()));
+        let mut sent_role = false;
+        if ctx.endpoint == Endpoint::Chat {
+            sent_role = true;
+            if tx.send(data(chunk(&ctx, Some(""), true, None))).await.is_err() {
+                return;
+            }
+        }
+        let _ = sent_role;
+        let mut event = Some(first);
+        let finish = loop {
+            let ev = match event.take() {
+                Some(e) => e,
+                None => tokio::select! {
+                    m = mailbox.recv() => match m {
+                        Some(Msg::Client { event }) => event,
+                        _ => ClientEvent::Failed { error: ServeError::new(ErrorKind::Internal, "the request ended without a result") },
+                    },
+                    // The client went away: the guard cancels the request.
+                    _ = tx.closed() => return,
+                },
+            };
+            match ev {
+                ClientEvent::Tokens { tokens } => match text.push(&tokens) {
+                    Ok(s) if !s.is_empty() => {
+                        if tx.send(data(chunk(&ctx, Some(&s), false, None))).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        let _ = tx.send(data(e.to_json())).await;
+                        break None;
+                    }
+                },
+                ClientEvent::Finished { finish, .. } => {
+                    guard.done = true;
+                    break Some(finish_reason(finish));
+                }
+                ClientEvent::Failed { error } => {
+                    guard.done = true;
+                    let _ = tx.send(data(api_error(&error).to_json())).await;
+                    break None;
+                }
+            }
+            if text.stopped {
+                break Some(FinishReason::Stop);
+            }
+        };
+        if let Some(finish) = finish {
+            if let Ok(rest) = text.finish()
+                && !rest.is_empty()
+                && tx.send(data(chunk(&ctx, Some(&rest), false, None))).await.is_err()
+            {
+                return;
+            }
+            if tx.send(data(chunk(&ctx, None, false, Some(finish)))).await.is_err() {
+                return;
+            }
+            if include_usage {
+                let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens: text.completion_tokens };
+                let object = match ctx.endpoint {
+                    Endpoint::Completions => "text_completion",
+                    Endpoint::Chat => "chat.completion.chunk",
+                };
+                let _ = tx.send(data(openai::usage_chunk(&ctx.id, ctx.created, &ctx.model, object, usage))).await;
+            }
+            metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+        drop(guard);
+    });
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx)).into_response()
+}
+
+async fn models(State(st): State<Arc<GatewayState>>) -> Response {
+    axum::Json(openai::models_response(std::slice::from_ref(&st.config.served_model), unix_now())).into_response()
+}
+
+/// Asks the router for its view of the cluster.
+async fn cluster_view(st: &GatewayState) -> Option<(Vec<crate::msg::ChipReport>, Vec<String>)> {
+    let mut mailbox = st.host.mailbox();
+    st.host.send_from(&mailbox, st.config.router, Msg::QueryCluster { reply_to: mailbox.addr() }).ok()?;
+    match tokio::time::timeout(Duration::from_secs(2), mailbox.recv()).await {
+        Ok(Some(Msg::ClusterView { chips, hosts_down })) => Some((chips, hosts_down)),
+        _ => None,
+    }
+}
+
+async fn health(State(st): State<Arc<GatewayState>>) -> Response {
+    let Some((chips, hosts_down)) = cluster_view(&st).await else {
+        return error_response(ApiError::unavailable("the router did not answer"));
+    };
+    let up = chips.iter().filter(|c| c.state == ChipState::Up).count();
+    let status = if up > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = json!({
+        "status": if up > 0 { "ok" } else { "unavailable" },
+        "model": st.config.served_model,
+        "chips_up": up,
+        "hosts_down": hosts_down,
+        "inflight_requests": st.inflight.load(Ordering::Acquire),
+        "chips": chips.iter().map(|c| json!({
+            "id": c.id,
+            "host": c.host_name,
+            "role": c.role,
+            "state": format!("{:?}", c.state).to_lowercase(),
+            "kv_blocks_used": c.kv_blocks_used,
+            "kv_blocks_total": c.kv_blocks_total,
+            "running": c.running,
+            "waiting": c.waiting,
+            "steps": c.steps,
+            "max_step_seqs": c.max_step_seqs,
+            "restarts": c.restarts,
+            "error": c.error,
+        })).collect::<Vec<_>>(),
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+async fn prometheus(State(st): State<Arc<GatewayState>>) -> Response {
+    match &st.config.metrics {
+        Some(handle) => {
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
+        }
+        None => error_response(ApiError::unavailable("metrics are not enabled in this process")),
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FaultRequest {
+    chip: String,
+    fault: String,
+}
+
+/// A fault drill: `{"chip": "h1-cpu0", "fault": "worker_panic"}`.
+async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
+    let req: FaultRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(ApiError::bad_request(&format!("malformed fault request: {e}"), None)),
+    };
+    let fault = match req.fault.as_str() {
+        "worker_panic" => Fault::WorkerPanic,
+        other => {
+            return error_response(ApiError::bad_request(
+                &format!("unknown fault `{other}`; known: worker_panic"),
+                Some("fault"),
+            ));
+        }
+    };
+    let Some(&chip) = st.config.chips.get(&req.chip) else {
+        let mut known: Vec<&String> = st.config.chips.keys().collect();
+        known.sort();
+        return error_response(ApiError::bad_request(
+            &format!("unknown chip `{}`; chips: {known:?}", req.chip),
+            Some("chip"),
+        ));
+    };
+    match st.host.send(chip, Msg::InjectFault { fault }) {
+        Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"injected": req.fault, "chip": req.chip}))).into_response(),
+        Err(e) => error_response(ApiError::unavailable(&format!("chip {} is unreachable: {e}", req.chip))),
+    }
+}

@@ -1,0 +1,241 @@
+//! The cluster's one message type and the well-known addresses. Every variant has
+//! named fields (MessagePack maps on the wire), so nodes of different versions can
+//! still read what they share.
+
+use serde::{Deserialize, Serialize};
+use tessera_runtime::actor::Message;
+use tessera_runtime::{Addr, HostId};
+
+/// Well-known actor ids, the same on every host.
+pub mod well_known {
+    /// Each host's supervisor.
+    pub const SUPERVISOR: u64 = 1;
+    /// The router, on the gateway's host.
+    pub const ROUTER: u64 = 2;
+    /// Chip `i` of a host (in topology order) is `CHIP_BASE + i`.
+    pub const CHIP_BASE: u64 = 16;
+}
+
+/// Topics.
+pub mod topic {
+    /// Each host's heartbeat, with the state of its chips.
+    pub const HEARTBEAT: &str = "heartbeat";
+    /// A supervisor's verdicts about other hosts (local subscribers only care).
+    pub const MEMBERSHIP: &str = "membership";
+}
+
+/// What a client may be told when its request cannot be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    BadRequest,
+    PromptTooLong,
+    Overloaded,
+    Unavailable,
+    Internal,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServeError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl ServeError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        ServeError { kind, message: message.into() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Finish {
+    /// A stop or end-of-sequence token.
+    Stop,
+    /// max_tokens or the model's context.
+    Length,
+}
+
+/// How a sequence samples and when it stops.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingSpec {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// A sequence handed to a chip: the prompt plus whatever was already generated (a
+/// replay after failover), and how many more tokens it may produce.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeqRequest {
+    pub request_id: u64,
+    pub req: Addr,
+    pub tokens: Vec<u32>,
+    pub generated: usize,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingSpec,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChipState {
+    /// Loading its model.
+    Starting,
+    Up,
+    /// Its worker died; a restart is pending.
+    Down,
+    /// Out of restarts, or its host is gone: left down.
+    Failed,
+}
+
+/// A chip as its host sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChipReport {
+    pub chip: Addr,
+    pub id: String,
+    pub host_name: String,
+    pub role: String,
+    pub state: ChipState,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+    pub running: usize,
+    pub waiting: usize,
+    pub steps: u64,
+    /// The most sequences one forward step has carried.
+    pub max_step_seqs: usize,
+    pub restarts: u32,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub host: HostId,
+    pub host_name: String,
+    pub seq: u64,
+    pub chips: Vec<ChipReport>,
+}
+
+/// A request's state towards its client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ClientEvent {
+    Tokens { tokens: Vec<u32> },
+    Finished { finish: Finish, prompt_tokens: usize, completion_tokens: usize },
+    Failed { error: ServeError },
+}
+
+/// What a chip's worker did in one forward step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepOutcome {
+    pub step: u64,
+    /// (request id, sampled token) per sequence that sampled.
+    pub sampled: Vec<(u64, u32)>,
+    pub error: Option<String>,
+    pub elapsed_s: f64,
+}
+
+/// What a chip's worker knows once its model is loaded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChipInfo {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_context: usize,
+    pub vocab_size: usize,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Faults a drill can inject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fault {
+    /// The chip's worker thread panics in its next job.
+    WorkerPanic,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Msg {
+    // Request life.
+    /// Request -> router: pick a chip, avoiding `exclude`.
+    Route { request_id: u64, req: Addr, tokens: usize, exclude: Vec<Addr> },
+    /// Router -> request.
+    Routed { request_id: u64, chip: Addr },
+    /// Router -> request: nowhere to go.
+    RouteFailed { request_id: u64, error: ServeError },
+    /// Request -> router: this request no longer loads `chip`.
+    Release { request_id: u64, chip: Addr },
+    /// Request -> chip.
+    Enqueue { seq: SeqRequest },
+    /// Request -> chip: forget this request and free its KV.
+    Abort { request_id: u64 },
+    /// Chip -> request: new tokens, maybe the end.
+    Generated { request_id: u64, chip: Addr, tokens: Vec<u32>, finish: Option<Finish> },
+    /// Chip -> request: not taken; `retry` says another chip might.
+    Refused { request_id: u64, chip: Addr, error: ServeError, retry: bool },
+    /// Router -> request: its chip went down; re-route and replay.
+    ChipLost { chip: Addr },
+    /// Client -> request: the client went away.
+    Cancel,
+    /// Request -> client.
+    Client { event: ClientEvent },
+
+    // Chip internals.
+    WorkerReady { info: ChipInfo },
+    WorkerFailed { error: String },
+    WorkerPanicked { error: String },
+    StepDone { outcome: StepOutcome },
+    /// Supervisor -> chip: start the worker again.
+    Restart,
+    /// Drill -> chip.
+    InjectFault { fault: Fault },
+
+    // Health.
+    /// Chip -> its host's supervisor.
+    Report { report: ChipReport },
+    /// Chip -> its supervisor: the worker died.
+    ChipCrashed { chip: Addr, error: String },
+    /// Supervisor -> itself: a restart's backoff is over.
+    RestartDue { chip: Addr },
+    /// Supervisor -> chip: no more restarts.
+    GiveUp { reason: String },
+    Heartbeat { beat: Heartbeat },
+    HostDown { host: HostId, host_name: String },
+    HostUp { host: HostId, host_name: String },
+    Tick,
+
+    // Queries.
+    /// Anyone -> router: reply with `ClusterView`.
+    QueryCluster { reply_to: Addr },
+    ClusterView { chips: Vec<ChipReport>, hosts_down: Vec<String> },
+}
+
+impl Message for Msg {
+    fn kind(&self) -> &'static str {
+        match self {
+            Msg::Route { .. } => "route",
+            Msg::Routed { .. } => "routed",
+            Msg::RouteFailed { .. } => "route_failed",
+            Msg::Release { .. } => "release",
+            Msg::Enqueue { .. } => "enqueue",
+            Msg::Abort { .. } => "abort",
+            Msg::Generated { .. } => "generated",
+            Msg::Refused { .. } => "refused",
+            Msg::ChipLost { .. } => "chip_lost",
+            Msg::Cancel => "cancel",
+            Msg::Client { .. } => "client",
+            Msg::WorkerReady { .. } => "worker_ready",
+            Msg::WorkerFailed { .. } => "worker_failed",
+            Msg::WorkerPanicked { .. } => "worker_panicked",
+            Msg::StepDone { .. } => "step_done",
+            Msg::Restart => "restart",
+            Msg::InjectFault { .. } => "inject_fault",
+            Msg::Report { .. } => "report",
+            Msg::ChipCrashed { .. } => "chip_crashed",
+            Msg::RestartDue { .. } => "restart_due",
+            Msg::GiveUp { .. } => "give_up",
+            Msg::Heartbeat { .. } => "heartbeat",
+            Msg::HostDown { .. } => "host_down",
+            Msg::HostUp { .. } => "host_up",
+            Msg::Tick => "tick",
+            Msg::QueryCluster { .. } => "query_cluster",
+            Msg::ClusterView { .. } => "cluster_view",
+        }
+    }
+}

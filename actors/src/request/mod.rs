@@ -1,0 +1,205 @@
+//! One actor per request: asks the router for a chip, hands the chip its sequence,
+//! forwards each generated token to the client and, when its chip is lost, re-routes
+//! and replays the prompt plus every token already streamed, so the client sees one
+//! continuous stream with no duplicate and no gap. It always ends with the full output
+//! or a clear error, and always releases what it held.
+
+use crate::msg::{ClientEvent, ErrorKind, Finish, Msg, SamplingSpec, SeqRequest, ServeError};
+use std::time::Duration;
+use tessera_runtime::Addr;
+use tessera_runtime::actor::{Behavior, Effects, Moment};
+
+/// What a request asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestSpec {
+    pub request_id: u64,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingSpec,
+}
+
+/// How persistent a request is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Chips a request may try before it fails.
+    pub max_attempts: u32,
+    /// A chip that produced nothing for this long is given up on.
+    pub stall_timeout: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy { max_attempts: 8, stall_timeout: Duration::from_secs(60) }
+    }
+}
+
+pub struct Request {
+    spec: RequestSpec,
+    client: Addr,
+    router: Addr,
+    policy: RetryPolicy,
+    generated: Vec<u32>,
+    chip: Option<Addr>,
+    attempts: u32,
+    last_progress: Moment,
+    done: bool,
+}
+
+impl Request {
+    pub fn new(spec: RequestSpec, client: Addr, router: Addr, policy: RetryPolicy) -> Request {
+        Request {
+            spec,
+            client,
+            router,
+            policy,
+            generated: Vec::new(),
+            chip: None,
+            attempts: 0,
+            last_progress: Moment::default(),
+            done: false,
+        }
+    }
+
+    fn route(&mut self, exclude: Vec<Addr>, fx: &mut dyn Effects<Msg>) {
+        self.attempts += 1;
+        if self.attempts > self.policy.max_attempts {
+            let why = format!("no chip could serve the request after {} attempts", self.policy.max_attempts);
+            self.fail(ServeError::new(ErrorKind::Unavailable, why), fx);
+            return;
+        }
+        let msg = Msg::Route {
+            request_id: self.spec.request_id,
+            req: fx.me(),
+            tokens: self.spec.prompt.len() + self.spec.max_tokens,
+            exclude,
+        };
+        if let Err(e) = fx.send(self.router, msg) {
+            self.fail(ServeError::new(ErrorKind::Unavailable, format!("the router is unreachable: {e}")), fx);
+        }
+    }
+
+    fn enqueue(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
+        self.chip = Some(chip);
+        self.last_progress = fx.now();
+        let mut tokens = self.spec.prompt.clone();
+        tokens.extend_from_slice(&self.generated);
+        let seq = SeqRequest {
+            request_id: self.spec.request_id,
+            req: fx.me(),
+            tokens,
+            generated: self.generated.len(),
+            max_new_tokens: self.spec.max_tokens - self.generated.len(),
+            sampling: self.spec.sampling.clone(),
+        };
+        if fx.send(chip, Msg::Enqueue { seq }).is_err() {
+            self.chip_failed(chip, fx);
+        }
+    }
+
+    /// The current chip is gone or refused: release it and try elsewhere.
+    fn chip_failed(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
+        if self.chip != Some(chip) {
+            return;
+        }
+        self.chip = None;
+        let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip });
+        metrics::counter!("tessera_request_reroutes_total").increment(1);
+        self.route(vec![chip], fx);
+    }
+
+    fn generated(&mut self, tokens: Vec<u32>, finish: Option<Finish>, fx: &mut dyn Effects<Msg>) {
+        self.last_progress = fx.now();
+        self.generated.extend_from_slice(&tokens);
+        if fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens } }).is_err() {
+            self.cancel(fx);
+            return;
+        }
+        if let Some(finish) = finish {
+            let event = ClientEvent::Finished {
+                finish,
+                prompt_tokens: self.spec.prompt.len(),
+                completion_tokens: self.generated.len(),
+            };
+            let _ = fx.send(self.client, Msg::Client { event });
+            self.release(fx);
+            self.finish(fx);
+        }
+    }
+
+    fn release(&mut self, fx: &mut dyn Effects<Msg>) {
+        if let Some(chip) = self.chip.take() {
+            let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip });
+        }
+    }
+
+    fn cancel(&mut self, fx: &mut dyn Effects<Msg>) {
+        if let Some(chip) = self.chip {
+            let _ = fx.send(chip, Msg::Abort { request_id: self.spec.request_id });
+        }
+        self.release(fx);
+        metrics::counter!("tessera_request_cancelled_total").increment(1);
+        self.finish(fx);
+    }
+
+    fn fail(&mut self, error: ServeError, fx: &mut dyn Effects<Msg>) {
+        tracing::warn!(request_id = self.spec.request_id, error = %error.message, "request failed");
+        if let Some(chip) = self.chip {
+            let _ = fx.send(chip, Msg::Abort { request_id: self.spec.request_id });
+        }
+        self.release(fx);
+        let _ = fx.send(self.client, Msg::Client { event: ClientEvent::Failed { error } });
+        metrics::counter!("tessera_request_failed_total").increment(1);
+        self.finish(fx);
+    }
+
+    fn finish(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.done = true;
+        fx.stop();
+    }
+}
+
+impl Behavior<Msg> for Request {
+    fn name(&self) -> &'static str {
+        "request"
+    }
+
+    fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.last_progress = fx.now();
+        fx.timer(self.policy.stall_timeout / 2, Msg::Tick);
+        self.route(Vec::new(), fx);
+    }
+
+    fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
+        if self.done {
+            return;
+        }
+        match msg {
+            Msg::Routed { chip, .. } => self.enqueue(chip, fx),
+            Msg::RouteFailed { error, .. } => self.fail(error, fx),
+            Msg::Generated { chip, tokens, finish, .. } if self.chip == Some(chip) => self.generated(tokens, finish, fx),
+            Msg::Refused { chip, error, retry, .. } if self.chip == Some(chip) => {
+                if retry {
+                    self.chip_failed(chip, fx);
+                } else {
+                    self.chip = None;
+                    let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip });
+                    self.fail(error, fx);
+                }
+            }
+            Msg::ChipLost { chip } => self.chip_failed(chip, fx),
+            Msg::Cancel => self.cancel(fx),
+            Msg::Tick => {
+                if let Some(chip) = self.chip
+                    && fx.now().since(self.last_progress) >= self.policy.stall_timeout
+                {
+                    tracing::warn!(request_id = self.spec.request_id, %chip, "no progress; re-routing");
+                    let _ = fx.send(chip, Msg::Abort { request_id: self.spec.request_id });
+                    self.chip_failed(chip, fx);
+                }
+                fx.timer(self.policy.stall_timeout / 2, Msg::Tick);
+            }
+            // Late messages from a chip this request already left.
+            _ => {}
+        }
+    }
+}

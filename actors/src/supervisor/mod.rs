@@ -1,0 +1,150 @@
+//! A host's supervisor: heartbeats this host's chip states on the bus every interval,
+//! declares another host down when its heartbeats stop for the configured timeout (and
+//! tells the local router, which re-routes that host's requests), and restarts a local
+//! chip whose worker died, with exponential backoff and at most `max_restarts` per
+//! window — after that the chip is left down and reported.
+
+use crate::msg::{ChipReport, Heartbeat, Msg, topic};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+use tessera_runtime::actor::{Behavior, Effects, Moment};
+use tessera_runtime::{Addr, HostId};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SupervisorConfig {
+    pub host: HostId,
+    pub host_name: String,
+    /// The other hosts.
+    pub peers: Vec<(HostId, String)>,
+    /// The router, if it runs on this host.
+    pub router: Option<Addr>,
+    pub heartbeat_interval: Duration,
+    pub heartbeat_timeout: Duration,
+    pub max_restarts: u32,
+    pub restart_window: Duration,
+    pub restart_backoff: Duration,
+}
+
+pub struct Supervisor {
+    config: SupervisorConfig,
+    chips: BTreeMap<Addr, ChipReport>,
+    last_seen: HashMap<HostId, Moment>,
+    down: BTreeSet<HostId>,
+    restarts: HashMap<Addr, Vec<Moment>>,
+    seq: u64,
+}
+
+/// The backoff before restart number `n` (0-based): doubling, capped at 32x.
+pub fn backoff(base: Duration, n: usize) -> Duration {
+    base * (1u32 << n.min(5))
+}
+
+impl Supervisor {
+    pub fn new(config: SupervisorConfig) -> Supervisor {
+        Supervisor {
+            config,
+            chips: BTreeMap::new(),
+            last_seen: HashMap::new(),
+            down: BTreeSet::new(),
+            restarts: HashMap::new(),
+            seq: 0,
+        }
+    }
+
+    fn tick(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.seq += 1;
+        let beat = Heartbeat {
+            host: self.config.host,
+            host_name: self.config.host_name.clone(),
+            seq: self.seq,
+            chips: self.chips.values().cloned().collect(),
+        };
+        fx.publish(topic::HEARTBEAT, Msg::Heartbeat { beat });
+        let now = fx.now();
+        for (host, name) in &self.config.peers {
+            let seen = self.last_seen.get(host).copied().unwrap_or_default();
+            if !self.down.contains(host) && now.since(seen) >= self.config.heartbeat_timeout {
+                self.down.insert(*host);
+                tracing::warn!(host = %name, silent_ms = now.since(seen).as_millis() as u64, "host missed its heartbeats: down");
+                metrics::counter!("tessera_supervisor_hosts_down_total").increment(1);
+                if let Some(router) = self.config.router {
+                    let _ = fx.send(router, Msg::HostDown { host: *host, host_name: name.clone() });
+                }
+            }
+        }
+        fx.timer(self.config.heartbeat_interval, Msg::Tick);
+    }
+
+    fn chip_crashed(&mut self, chip: Addr, error: String, fx: &mut dyn Effects<Msg>) {
+        let now = fx.now();
+        let window = self.config.restart_window;
+        let history = self.restarts.entry(chip).or_default();
+        history.retain(|&t| now.since(t) < window);
+        if history.len() as u32 >= self.config.max_restarts {
+            let reason = format!(
+                "left down after {} restarts within {} s; last error: {error}",
+                history.len(),
+                window.as_secs()
+            );
+            tracing::error!(%chip, %reason, "chip given up");
+            metrics::counter!("tessera_supervisor_chips_given_up_total").increment(1);
+            let _ = fx.send(chip, Msg::GiveUp { reason });
+            return;
+        }
+        let delay = backoff(self.config.restart_backoff, history.len());
+        history.push(now.after(delay));
+        tracing::warn!(%chip, delay_ms = delay.as_millis() as u64, "restarting chip worker after backoff");
+        metrics::counter!("tessera_supervisor_restarts_total").increment(1);
+        fx.timer(delay, Msg::RestartDue { chip });
+    }
+}
+
+impl Behavior<Msg> for Supervisor {
+    fn name(&self) -> &'static str {
+        "supervisor"
+    }
+
+    fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
+        fx.subscribe(topic::HEARTBEAT);
+        let now = fx.now();
+        for (host, _) in &self.config.peers {
+            // Every peer gets one full timeout from our start to show up.
+            self.last_seen.insert(*host, now);
+        }
+        self.tick(fx);
+    }
+
+    fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
+        match msg {
+            Msg::Tick => self.tick(fx),
+            Msg::Report { report } => {
+                self.chips.insert(report.chip, report);
+            }
+            Msg::Heartbeat { beat } if beat.host != self.config.host => {
+                self.last_seen.insert(beat.host, fx.now());
+                if self.down.remove(&beat.host) {
+                    tracing::info!(host = %beat.host_name, "host is heartbeating again");
+                }
+            }
+            Msg::RestartDue { chip } => {
+                let _ = fx.send(chip, Msg::Restart);
+            }
+            Msg::ChipCrashed { chip, error } => self.chip_crashed(chip, error, fx),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let base = Duration::from_millis(100);
+        let table = [(0, 100), (1, 200), (2, 400), (5, 3200), (9, 3200)];
+        for (n, ms) in table {
+            assert_eq!(backoff(base, n), Duration::from_millis(ms), "restart {n}");
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Wiring of one host process: its actor host and bus, its supervisor, its chips, and —
+//! on the gateway's host — the router and the HTTP gateway. `tessera up` runs one of
+//! these per host (as child processes, or threads with `--in-process`).
+
+use anyhow::{Context, Result, bail};
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_actors::chip::executor::{ExecutorFactory, ModelExecutor, ModelExecutorConfig, StepExecutor};
+use tessera_actors::chip::{Chip, ChipConfig};
+use tessera_actors::gateway::server::{self, GatewayConfig, GatewayState};
+use tessera_actors::msg::{ChipReport, ChipState, Msg, well_known};
+use tessera_actors::request::RetryPolicy;
+use tessera_actors::router::Router;
+use tessera_actors::supervisor::{Supervisor, SupervisorConfig};
+use tessera_backends::config::ModelConfig;
+use tessera_backends::dtype::DType;
+use tessera_backends::tokenizer::TextTokenizer;
+use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
+use tessera_runtime::host::Host;
+use tessera_runtime::{Addr, HostId};
+use tessera_topology::{Backend, ClusterSpec};
+
+/// How a node is run.
+pub struct NodeOptions {
+    /// The kernel library for `backend = "cpu"` chips (default: the one built with us).
+    pub kernel_lib: Option<PathBuf>,
+    /// Prometheus recorder of this process (installed once per process).
+    pub metrics: Option<PrometheusHandle>,
+    /// How long a draining gateway waits for in-flight requests.
+    pub drain_timeout: Duration,
+}
+
+/// The address of chip `i` of host `host`.
+pub fn chip_addr(host: usize, i: usize) -> Addr {
+    Addr::new(HostId(host as u16), well_known::CHIP_BASE + i as u64)
+}
+
+fn parse_dtype(s: &str) -> Result<DType> {
+    s.parse::<DType>().map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Runs host `host_name` of `spec` until `shutdown` resolves, then drains.
+pub fn run_node(
+    spec: &ClusterSpec,
+    host_name: &str,
+    opts: &NodeOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let Some(index) = spec.host_index(host_name) else {
+        let names: Vec<&str> = spec.hosts.iter().map(|h| h.name.as_str()).collect();
+        bail!("{}: no host named `{host_name}`; hosts: {}", spec.source, names.join(", "));
+    };
+    let me = &spec.hosts[index];
+    let model_dir = crate::resolve_model(&spec.model)?;
+    let model_config = ModelConfig::from_dir(&model_dir)?;
+    let dtype = spec.dtype.as_deref().map(parse_dtype).transpose()?;
+    let kv_dtype = parse_dtype(&spec.kv_dtype)?;
+    let is_gateway = spec.gateway.host == me.name;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(format!("tessera-io-{host_name}"))
+        .enable_all()
+        .build()?;
+    let host = Arc::new(Host::<Msg>::start(HostId(index as u16))?);
+    let peers = spec
+        .hosts
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != index)
+        .map(|(i, h)| PeerSpec { host: HostId(i as u16), name: h.name.clone(), direct: h.bus, events: h.events })
+        .collect();
+    let bus_config =
+        BusConfig { peers, ..BusConfig::new(HostId(index as u16), me.name.clone(), me.bus, me.events) };
+    let bus: Bus = rt
+        .block_on(Bus::start(bus_config, host.inbound()))
+        .with_context(|| format!("host {host_name}: starting the bus on {} / {}", me.bus, me.events))?;
+    host.attach_bus(bus.clone());
+
+    let gateway_index = spec.host_index(&spec.gateway.host).unwrap_or(0);
+    let router = Addr::new(HostId(gateway_index as u16), well_known::ROUTER);
+    let sup = &spec.supervisor;
+    let supervisor = host.spawn_at(
+        well_known::SUPERVISOR,
+        Box::new(Supervisor::new(SupervisorConfig {
+            host: HostId(index as u16),
+            host_name: me.name.clone(),
+            peers: spec
+                .hosts
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != index)
+                .map(|(i, h)| (HostId(i as u16), h.name.clone()))
+                .collect(),
+            router: is_gateway.then_some(router),
+            heartbeat_interval: Duration::from_millis(sup.heartbeat_interval_ms),
+            heartbeat_timeout: Duration::from_millis(sup.heartbeat_timeout_ms),
+            max_restarts: sup.max_restarts,
+            restart_window: Duration::from_secs(sup.restart_window_s),
+            restart_backoff: Duration::from_millis(sup.restart_backoff_ms),
+        })),
+    );
+
+    let mut chip_addrs = HashMap::new();
+    let mut all_chips = Vec::new();
+    for (h, host_spec) in spec.hosts.iter().enumerate() {
+        for (i, chip) in host_spec.chips.iter().enumerate() {
+            let addr = chip_addr(h, i);
+            chip_addrs.insert(chip.id.clone(), addr);
+            all_chips.push(ChipReport {
+                chip: addr,
+                id: chip.id.clone(),
+                host_name: host_spec.name.clone(),
+                role: chip.role.to_string(),
+                state: ChipState::Starting,
+                kv_blocks_used: 0,
+                kv_blocks_total: 0,
+                running: 0,
+                waiting: 0,
+                steps: 0,
+                max_step_seqs: 0,
+                restarts: 0,
+                error: None,
+            });
+        }
+    }
+    if is_gateway {
+        host.spawn_at(well_known::ROUTER, Box::new(Router::new(all_chips, spec.router.max_queued_requests)));
+    }
+    for (i, chip) in me.chips.iter().enumerate() {
+        let config = ModelExecutorConfig {
+            model_dir: model_dir.clone(),
+            kernel_lib: match &chip.backend {
+                Backend::Plugin(path) => Some(path.clone()),
+                Backend::Cpu => opts.kernel_lib.clone(),
+            },
+            threads: chip.threads as u32,
+            memory_limit_bytes: chip.memory_limit_bytes,
+            dtype,
+            kv_dtype,
+            block_size: spec.block_size,
+            max_batch_seqs: chip.max_batch_seqs,
+        };
+        let factory: ExecutorFactory = Arc::new(move || {
+            ModelExecutor::load(&config).map(|(exec, info)| (Box::new(exec) as Box<dyn StepExecutor>, info))
+        });
+        let chip_config = ChipConfig {
+            id: chip.id.clone(),
+            host_name: me.name.clone(),
+            role: chip.role.to_string(),
+            max_batch_tokens: chip.max_batch_tokens,
+            max_batch_seqs: chip.max_batch_seqs,
+            supervisor,
+        };
+        let addr = host.spawn_at(well_known::CHIP_BASE + i as u64, Box::new(Chip::new(chip_config, factory)));
+        debug_assert_eq!(addr, chip_addr(index, i));
+    }
+
+    let result = if is_gateway {
+        let tokenizer = TextTokenizer::from_dir(&model_dir)?;
+        let served_model = spec.gateway.served_model_name.clone().unwrap_or_else(|| spec.model.clone());
+        let config = GatewayConfig {
+            served_model: served_model.clone(),
+            max_context: model_config.max_context,
+            max_inflight_requests: spec.gateway.max_inflight_requests,
+            router,
+            retry: RetryPolicy::default(),
+            chips: chip_addrs,
+            metrics: opts.metrics.clone(),
+        };
+        let state = Arc::new(GatewayState::new(host.clone(), tokenizer, config).map_err(anyhow::Error::msg)?);
+        let listen = spec.gateway.listen;
+        let drain = opts.drain_timeout;
+        let host_name = host_name.to_string();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("gateway: cannot listen on {listen}"))?;
+            eprintln!(
+                "tessera: host {host_name} serving model `{served_model}` on http://{listen} ({} chips in the cluster)",
+                spec.hosts.iter().map(|h| h.chips.len()).sum::<usize>()
+            );
+            let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let name = host_name.clone();
+            let drained = tokio::spawn(async move {
+                shutdown.await;
+                eprintln!("tessera: host {name} draining (up to {} s)", drain.as_secs());
+                let _ = stop_tx.send(());
+            });
+            let serving = server::serve(listener, state, async move {
+                let _ = stop_rx.await;
+            });
+            // Graceful shutdown waits for open requests; the drain timeout bounds it.
+            let outcome = tokio::select! {
+                r = serving => r.map_err(anyhow::Error::from),
+                _ = async { let _ = drained.await; tokio::time::sleep(drain).await } => {
+                    eprintln!("tessera: drain timeout reached; closing the remaining requests");
+                    Ok(())
+                }
+            };
+            outcome
+        })
+    } else {
+        eprintln!("tessera: host {host_name} up (bus {})", me.bus);
+        rt.block_on(shutdown);
+        Ok(())
+    };
+    eprintln!("tessera: host {host_name} stopped");
+    match Arc::try_unwrap(host) {
+        Ok(host) => host.shutdown(),
+        Err(host) => drop(host),
+    }
+    rt.block_on(bus.shutdown());
+    rt.shutdown_timeout(Duration::from_secs(1));
+    result
+}
