@@ -124,7 +124,8 @@ impl<M: Message> HostCore<M> {
         match (env.to, env.topic) {
             (Some(to), _) if to.host == self.host => {
                 if self.deliver_local(to, msg).is_err() {
-                    metrics::counter!("tessera_runtime_messages_dropped_total", "reason" => "no_such_actor").increment(1);
+                    metrics::counter!("tessera_runtime_messages_dropped_total", "reason" => "no_such_actor")
+                        .increment(1);
                     tracing::debug!(%to, kind = %env.kind, "dropped a message for an actor that is gone");
                 }
             }
@@ -211,11 +212,14 @@ impl<M: Message> HostCore<M> {
         let actor = id.unwrap_or_else(|| self.next_actor.fetch_add(1, Ordering::Relaxed));
         let me = Addr::new(self.host, actor);
         let core = self.clone();
-        ActorCell::start_in_arbiter(&self.arbiter, move |ctx: &mut Context<ActorCell<M>>| {
-            // Registered before `started`, so on_start may already message itself.
+        let addr = ActorCell::start_in_arbiter(&self.arbiter, move |ctx: &mut Context<ActorCell<M>>| {
+            // Registered before `started` too, so on_start may already message itself.
             core.local.write().insert(actor, Local::Actor(ctx.address()));
             ActorCell { me, core, behavior: Some(behavior), timers: HashMap::new(), stopping: false }
         });
+        // And right away, so the caller can message it at once (messages queue until it
+        // starts). If it already stopped, the entry is disconnected and sends fail.
+        self.local.write().insert(actor, Local::Actor(addr));
         me
     }
 }
