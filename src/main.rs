@@ -59,6 +59,9 @@ enum BenchCommand {
     /// Prefill and decode throughput of one chip, against the machine's measured
     /// memory bandwidth and matmul peak.
     Engine(BenchEngineArgs),
+    /// Load an OpenAI-compatible server with streamed requests; report throughput and
+    /// TTFT / TPOT / ITL / end-to-end latency percentiles.
+    Serve(ServeArgs),
 }
 
 /// Where the kernels run.
@@ -173,12 +176,53 @@ struct BenchEngineArgs {
     device: DeviceArgs,
 }
 
+#[derive(Args)]
+struct ServeArgs {
+    /// Server base URL, e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    url: String,
+    /// Model name to send (default: the first id from GET {url}/v1/models).
+    #[arg(long)]
+    model: Option<String>,
+    /// Route to load: `completions` or `chat`.
+    #[arg(long, default_value = "completions")]
+    endpoint: tessera_actors::loadgen::Endpoint,
+    /// Open loop: Poisson arrivals at this many requests per second.
+    #[arg(long, conflicts_with = "concurrency")]
+    rate: Option<f64>,
+    /// Closed loop: requests kept in flight (the default, with 8).
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Measured requests.
+    #[arg(long, default_value_t = 100)]
+    requests: usize,
+    /// Input tokens per request (approximate): `128`, `uniform:64-256` or `normal:128,32`.
+    #[arg(long, default_value = "128")]
+    isl: tessera_actors::loadgen::LengthDist,
+    /// Output tokens per request (`max_tokens` with `ignore_eos`), same syntax as --isl.
+    #[arg(long, default_value = "128")]
+    osl: tessera_actors::loadgen::LengthDist,
+    /// Seed of the prompts, lengths and arrival times.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Requests sent and awaited before measuring.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Limit on each request, from connecting to the end of its stream.
+    #[arg(long, default_value_t = 300.0)]
+    timeout_s: f64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::MakeTiny(args)) => make_tiny(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
     };
     if let Err(e) = result {
@@ -320,6 +364,31 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
         kv_dtype: args.kv_dtype,
     };
     let report = tessera_backends::bench::run_engine_bench(model, &opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
+fn bench_serve(args: ServeArgs) -> Result<()> {
+    use tessera_actors::loadgen;
+    let opts = loadgen::ServeBenchOptions {
+        url: args.url,
+        model: args.model,
+        endpoint: args.endpoint,
+        load: loadgen::Load::from_flags(args.rate, args.concurrency)?,
+        requests: args.requests,
+        isl: args.isl,
+        osl: args.osl,
+        seed: args.seed,
+        warmup: args.warmup,
+        timeout_s: args.timeout_s,
+        progress: !args.json,
+    };
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
+    let report = runtime.block_on(loadgen::run(opts))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

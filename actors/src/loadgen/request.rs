@@ -1,0 +1,319 @@
+//! One benchmark request: its synthetic prompt, its JSON body, and the streamed exchange
+//! that times it. Every failure comes back as a message for the report, never a panic:
+//! everything here is read from the network.
+
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use super::Endpoint;
+use super::dist::SeededRng;
+use super::sse::SseParser;
+
+/// Common English words, nearly all one token (with their leading space) in GPT-2-, Llama- and
+/// Qwen-style BPE vocabularies, so a prompt of N of them is about N tokens. An approximation:
+/// BOS and a chat template add a few, a rare split adds one; the report takes the server's
+/// `usage.prompt_tokens`.
+const WORDS: &str = "\
+    the time people year way day man thing woman life child world school state family student group country \
+    problem hand part place case week company system program question work government number night point home \
+    water room mother area money story fact month lot right study book eye job word business issue side kind \
+    head house service friend father power hour game line end member law car city community name president team \
+    minute idea kid body information back parent face others level office door health person art war history \
+    party result change morning reason research girl guy moment air teacher force education good new first last \
+    long great little own other old big high different small large next early young important few public bad \
+    same able make know take see come think look want give use find tell ask feel try leave call keep let begin \
+    seem help show hear play run move live believe bring write sit stand lose pay meet include";
+
+/// A request decided before the run starts, so that the load shape cannot change it.
+#[derive(Clone, Debug)]
+pub(super) struct PlannedRequest {
+    pub prompt: String,
+    pub isl: u32,
+    pub osl: u32,
+}
+
+impl PlannedRequest {
+    pub fn new(isl: u32, osl: u32, rng: &mut SeededRng) -> Self {
+        static VOCABULARY: LazyLock<Vec<&str>> = LazyLock::new(|| WORDS.split_whitespace().collect());
+        let words: Vec<&str> = (0..isl).map(|_| VOCABULARY[rng.below(VOCABULARY.len() as u64) as usize]).collect();
+        PlannedRequest { prompt: words.join(" "), isl, osl }
+    }
+
+    /// The OpenAI request, streaming with usage, and `ignore_eos` (a vLLM extension) so that
+    /// every output is exactly `max_tokens` long.
+    pub fn body(&self, endpoint: Endpoint, model: &str) -> Value {
+        let mut body = json!({
+            "model": model,
+            "max_tokens": self.osl,
+            "ignore_eos": true,
+            "temperature": 0.0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        let (key, value) = match endpoint {
+            Endpoint::Completions => ("prompt", json!(self.prompt)),
+            Endpoint::Chat => ("messages", json!([{"role": "user", "content": self.prompt}])),
+        };
+        if let Some(obj) = body.as_object_mut() {
+            obj.insert(key.to_string(), value);
+        }
+        body
+    }
+}
+
+/// The timings of one successful request.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Sample {
+    pub ttft_s: f64,
+    pub e2e_s: f64,
+    /// Gaps between consecutive chunks carrying text (a chunk may hold several tokens).
+    pub itl_s: Vec<f64>,
+    /// From the usage chunk, else the number of chunks carrying text.
+    pub output_tokens: u64,
+    /// From the usage chunk; `None` when the server sent none.
+    pub prompt_tokens: Option<u64>,
+}
+
+/// What one streamed response has said so far.
+#[derive(Debug)]
+pub(super) struct StreamState {
+    started: Instant,
+    first_text: Option<Instant>,
+    last_text: Option<Instant>,
+    itl_s: Vec<f64>,
+    text_chunks: u64,
+    completion_tokens: Option<u64>,
+    prompt_tokens: Option<u64>,
+    done: bool,
+}
+
+impl StreamState {
+    pub fn new(started: Instant) -> Self {
+        StreamState {
+            started,
+            first_text: None,
+            last_text: None,
+            itl_s: Vec::new(),
+            text_chunks: 0,
+            completion_tokens: None,
+            prompt_tokens: None,
+            done: false,
+        }
+    }
+
+    pub fn done(&self) -> bool {
+        self.done
+    }
+
+    /// One SSE event's data, received at `now`.
+    pub fn on_data(&mut self, data: &str, now: Instant) -> Result<(), String> {
+        let data = data.trim();
+        if data == "[DONE]" {
+            self.done = true;
+            return Ok(());
+        }
+        let chunk: Value = serde_json::from_str(data).map_err(|e| format!("bad stream chunk ({e}): {}", clip(data)))?;
+        if let Some(message) = error_message(&chunk) {
+            return Err(message);
+        }
+        let choice = &chunk["choices"][0];
+        let text = choice["text"].as_str().or_else(|| choice["delta"]["content"].as_str()).unwrap_or("");
+        if !text.is_empty() {
+            match self.last_text {
+                None => self.first_text = Some(now),
+                Some(last) => self.itl_s.push(now.duration_since(last).as_secs_f64()),
+            }
+            self.last_text = Some(now);
+            self.text_chunks += 1;
+        }
+        let usage = &chunk["usage"];
+        if let Some(n) = usage["completion_tokens"].as_u64() {
+            self.completion_tokens = Some(n);
+        }
+        if let Some(n) = usage["prompt_tokens"].as_u64() {
+            self.prompt_tokens = Some(n);
+        }
+        Ok(())
+    }
+
+    /// The stream has ended at `now`.
+    pub fn finish(self, now: Instant) -> Result<Sample, String> {
+        if !self.done {
+            return Err("stream ended without `data: [DONE]`".to_string());
+        }
+        let Some(first) = self.first_text else {
+            return Err("stream carried no text".to_string());
+        };
+        Ok(Sample {
+            ttft_s: first.duration_since(self.started).as_secs_f64(),
+            e2e_s: now.duration_since(self.started).as_secs_f64(),
+            itl_s: self.itl_s,
+            output_tokens: self.completion_tokens.unwrap_or(self.text_chunks),
+            prompt_tokens: self.prompt_tokens,
+        })
+    }
+}
+
+/// Sends `body` to `url` and reads the stream to its end, or fails with a message for the report.
+pub(super) async fn send(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    timeout: Duration,
+) -> Result<Sample, String> {
+    let started = Instant::now();
+    let response = client.post(url).json(body).timeout(timeout).send().await.map_err(|e| describe(&e, timeout))?;
+    let status = response.status();
+    if !status.is_success() {
+        let text = response.text().await.unwrap_or_default();
+        let detail = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| error_message(&v))
+            .unwrap_or_else(|| clip(text.trim()).to_string());
+        return Err(format!("HTTP {}: {detail}", status.as_u16()));
+    }
+    let mut state = StreamState::new(started);
+    let mut parser = SseParser::new();
+    // Kept while no event has arrived, to explain a body that is not an event stream.
+    let mut head: Vec<u8> = Vec::new();
+    let mut events = 0usize;
+    let mut stream = response.bytes_stream();
+    while let Some(bytes) = stream.next().await {
+        let bytes = bytes.map_err(|e| describe(&e, timeout))?;
+        let now = Instant::now();
+        if events == 0 && head.len() < 4096 {
+            head.extend_from_slice(&bytes);
+        }
+        for data in parser.push(&bytes) {
+            events += 1;
+            state.on_data(&data, now)?;
+        }
+        if state.done() {
+            break;
+        }
+    }
+    if !state.done()
+        && let Some(data) = parser.finish()
+    {
+        events += 1;
+        state.on_data(&data, Instant::now())?;
+    }
+    if events == 0
+        && let Some(message) = serde_json::from_slice::<Value>(&head).ok().and_then(|v| error_message(&v))
+    {
+        return Err(message);
+    }
+    state.finish(Instant::now())
+}
+
+/// `{"error": {"message": ..}}` or `{"error": ".."}`: the message the server gave.
+pub(super) fn error_message(v: &Value) -> Option<String> {
+    let error = v.get("error").filter(|e| !e.is_null())?;
+    Some(match error {
+        Value::String(s) => s.clone(),
+        _ => error.get("message").and_then(Value::as_str).map_or_else(|| error.to_string(), str::to_string),
+    })
+}
+
+pub(super) fn describe(e: &reqwest::Error, timeout: Duration) -> String {
+    if e.is_timeout() {
+        return format!("timed out after {:.1} s", timeout.as_secs_f64());
+    }
+    // reqwest's own message is generic; the cause (refused, reset, ...) is in the chain.
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
+
+/// At most 200 characters of `s`, cut on a character boundary.
+fn clip(s: &str) -> &str {
+    s.char_indices().nth(200).map_or(s, |(i, _)| &s[..i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn feed(events: &[&str]) -> Result<Sample, String> {
+        let t0 = Instant::now();
+        let mut state = StreamState::new(t0);
+        for (i, e) in events.iter().enumerate() {
+            state.on_data(e, t0 + Duration::from_millis(10 * (i as u64 + 1)))?;
+        }
+        state.finish(t0 + Duration::from_millis(10 * (events.len() as u64 + 1)))
+    }
+
+    #[test]
+    fn completion_stream_timings_and_usage() {
+        let s = feed(&[
+            r#"{"object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":null}]}"#,
+            r#"{"object":"text_completion","choices":[{"index":0,"text":"b","finish_reason":null}]}"#,
+            r#"{"object":"text_completion","choices":[{"index":0,"text":"c","finish_reason":"length"}]}"#,
+            r#"{"object":"text_completion","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":4,"total_tokens":11}}"#,
+            "[DONE]",
+        ]);
+        let Ok(s) = s else { panic!("a complete stream succeeds: {s:?}") };
+        assert!((s.ttft_s - 0.010).abs() < 1e-9);
+        assert!((s.e2e_s - 0.060).abs() < 1e-9);
+        assert_eq!(s.itl_s.len(), 2);
+        assert!(s.itl_s.iter().all(|g| (g - 0.010).abs() < 1e-9));
+        assert_eq!((s.output_tokens, s.prompt_tokens), (4, Some(7)), "usage wins over the chunk count");
+    }
+
+    #[test]
+    fn chat_stream_without_usage_counts_text_chunks() {
+        let s = feed(&[
+            r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
+            r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}"#,
+            r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" there"}}]}"#,
+            r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+            "[DONE]",
+        ]);
+        let Ok(s) = s else { panic!("a complete stream succeeds: {s:?}") };
+        assert!((s.ttft_s - 0.020).abs() < 1e-9, "the empty role chunk is not the first token");
+        assert_eq!((s.output_tokens, s.prompt_tokens), (2, None));
+    }
+
+    #[test]
+    fn failures_keep_their_message() {
+        let text = r#"{"choices":[{"text":"a"}]}"#;
+        let cases: &[(&[&str], &str)] = &[
+            (&[text, r#"{"error":{"message":"engine died","code":500}}"#], "engine died"),
+            (&[r#"{"error":"plain"}"#], "plain"),
+            (&[text], "stream ended without `data: [DONE]`"),
+            (&["[DONE]"], "stream carried no text"),
+        ];
+        for (events, want) in cases {
+            assert_eq!(feed(events).err().as_deref(), Some(*want), "{events:?}");
+        }
+        assert!(feed(&["not json"]).is_err_and(|m| m.starts_with("bad stream chunk")));
+    }
+
+    #[test]
+    fn prompts_have_the_asked_word_count_and_differ() {
+        let mut rng = SeededRng::new(3);
+        let a = PlannedRequest::new(100, 5, &mut rng);
+        let b = PlannedRequest::new(100, 5, &mut rng);
+        assert_eq!(a.prompt.split(' ').count(), 100);
+        assert_ne!(a.prompt, b.prompt);
+        let body = a.body(Endpoint::Chat, "m");
+        assert_eq!(body["messages"][0]["content"], json!(a.prompt));
+        assert_eq!((body["max_tokens"].clone(), body["ignore_eos"].clone()), (json!(5), json!(true)));
+        assert_eq!(a.body(Endpoint::Completions, "m")["prompt"], json!(a.prompt));
+    }
+
+    #[test]
+    fn clip_cuts_on_a_character_boundary() {
+        let long = "é".repeat(300);
+        assert_eq!(clip(&long).chars().count(), 200);
+        assert_eq!(clip("short"), "short");
+    }
+}

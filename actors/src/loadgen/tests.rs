@@ -1,0 +1,248 @@
+//! The load generator against a small stand-in for an OpenAI-compatible server: real HTTP
+//! on 127.0.0.1, OpenAI-format SSE chunks cut into odd-sized pieces, a 429 for every
+//! `reject_every`-th request.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{Value, json};
+
+use super::*;
+
+#[derive(Clone, Default)]
+struct FakeServer {
+    hits: Arc<AtomicUsize>,
+    prompt_words: Arc<AtomicU64>,
+    /// Every n-th request (counting from 1) gets a 429; 0 for never.
+    reject_every: usize,
+    usage: bool,
+    /// Never answer: for the timeout.
+    hang: bool,
+}
+
+const RATE_LIMITED: &str = "Rate limit exceeded";
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}})))
+        .into_response()
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": "test-model", "object": "model"}, {"id": "other"}]}))
+}
+
+async fn complete(State(fake): State<FakeServer>, Json(req): Json<Value>) -> Response {
+    if fake.hang {
+        std::future::pending::<()>().await;
+    }
+    let hit = fake.hits.fetch_add(1, Ordering::SeqCst) + 1;
+    if fake.reject_every > 0 && hit % fake.reject_every == 0 {
+        return error(StatusCode::TOO_MANY_REQUESTS, RATE_LIMITED);
+    }
+    if req["stream"] != json!(true) || req["stream_options"]["include_usage"] != json!(true) {
+        return error(StatusCode::BAD_REQUEST, "this server only streams, with usage");
+    }
+    if req["ignore_eos"] != json!(true) {
+        return error(StatusCode::BAD_REQUEST, "ignore_eos missing");
+    }
+    let model = req["model"].as_str().unwrap_or_default().to_string();
+    if !["test-model", "given"].contains(&model.as_str()) {
+        return error(StatusCode::NOT_FOUND, "no such model");
+    }
+    let chat = req.get("messages").is_some();
+    let prompt = if chat { req["messages"][0]["content"].as_str() } else { req["prompt"].as_str() };
+    let prompt_tokens = prompt.unwrap_or_default().split_whitespace().count() as u64;
+    fake.prompt_words.fetch_add(prompt_tokens, Ordering::SeqCst);
+    let max_tokens = req["max_tokens"].as_u64().unwrap_or(16);
+
+    let mut events: Vec<Value> = (0..max_tokens)
+        .map(|i| {
+            let finish = if i + 1 == max_tokens { json!("length") } else { Value::Null };
+            let choice = if chat {
+                json!({"index": 0, "delta": {"content": format!(" t{i}")}, "finish_reason": finish})
+            } else {
+                json!({"index": 0, "text": format!(" t{i}"), "logprobs": null, "finish_reason": finish})
+            };
+            let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+            json!({"id": "cmpl-1", "object": object, "created": 0, "model": model, "choices": [choice]})
+        })
+        .collect();
+    if fake.usage {
+        events.push(json!({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": model,
+            "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+            "total_tokens": prompt_tokens + max_tokens}}));
+    }
+    let mut text: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+    text.push_str("data: [DONE]\n\n");
+    // Pieces of 7 bytes: events reach the client split mid-line.
+    let pieces: Vec<Result<Vec<u8>, Infallible>> = text.into_bytes().chunks(7).map(|c| Ok(c.to_vec())).collect();
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .body(Body::from_stream(futures::stream::iter(pieces)))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response"))
+}
+
+/// Starts `fake` on an ephemeral port; returns its base URL.
+async fn serve(fake: FakeServer) -> String {
+    let app = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(complete))
+        .route("/v1/chat/completions", post(complete))
+        .with_state(fake);
+    let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+        Ok(l) => l,
+        Err(e) => panic!("cannot bind the test server: {e}"),
+    };
+    let addr = match listener.local_addr() {
+        Ok(a) => a,
+        Err(e) => panic!("test server has no address: {e}"),
+    };
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/")
+}
+
+fn options(url: String) -> ServeBenchOptions {
+    ServeBenchOptions {
+        url,
+        model: None,
+        endpoint: Endpoint::Completions,
+        load: Load::Closed { concurrency: 3 },
+        requests: 12,
+        isl: LengthDist::Fixed(16),
+        osl: LengthDist::Fixed(5),
+        seed: 1,
+        warmup: 0,
+        timeout_s: 10.0,
+        progress: false,
+    }
+}
+
+async fn run_ok(opts: ServeBenchOptions) -> ServeBenchReport {
+    match run(opts).await {
+        Ok(r) => r,
+        Err(e) => panic!("the run should complete: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn closed_loop_counts_tokens_latencies_and_rate_limit_errors() {
+    let fake = FakeServer { reject_every: 4, usage: true, ..FakeServer::default() };
+    let hits = Arc::clone(&fake.hits);
+    let url = serve(fake).await;
+    // Warm-up takes hits 1 and 2, so the measured 3..=14 meet the 429s at 4, 8 and 12.
+    let report = run_ok(ServeBenchOptions { warmup: 2, ..options(url) }).await;
+
+    assert_eq!(hits.load(Ordering::SeqCst), 14);
+    assert_eq!(report.model, "test-model", "first id of /v1/models");
+    assert_eq!((report.requests_ok, report.requests_failed), (9, 3));
+    assert_eq!(report.errors, vec![ErrorCount { message: format!("HTTP 429: {RATE_LIMITED}"), count: 3 }]);
+    assert_eq!((report.input_tokens, report.output_tokens), (9 * 16, 9 * 5));
+    assert_eq!(report.requests_without_usage, 0);
+    let samples = |l: &Option<LatencySummary>| l.map_or(0, |l| l.samples);
+    assert_eq!(samples(&report.ttft), 9);
+    assert_eq!(samples(&report.tpot), 9);
+    assert_eq!(samples(&report.itl), 9 * 4, "five text chunks, four gaps");
+    assert_eq!(samples(&report.e2e), 9);
+    assert!(report.duration_s > 0.0 && report.request_throughput_rps > 0.0);
+    assert!((report.output_throughput_tok_s / report.request_throughput_rps - 5.0).abs() < 1e-9);
+    assert_eq!((report.concurrency, report.rate_rps), (Some(3), None));
+
+    let table = report.table();
+    assert!(table.contains("9 ok, 3 failed"), "{table}");
+    assert!(table.contains("3 x HTTP 429: Rate limit exceeded"), "{table}");
+    let json = serde_json::to_value(&report).unwrap_or_default();
+    assert_eq!(json["requests_ok"], json!(9));
+    assert_eq!(json["errors"][0]["count"], json!(3));
+    assert_eq!(json["endpoint"], json!("completions"));
+}
+
+#[tokio::test]
+async fn poisson_chat_without_usage_falls_back_to_nominal_lengths() {
+    let fake = FakeServer { usage: false, ..FakeServer::default() };
+    let words = Arc::clone(&fake.prompt_words);
+    let url = serve(fake).await;
+    let report = run_ok(ServeBenchOptions {
+        model: Some("given".into()),
+        endpoint: Endpoint::Chat,
+        load: Load::Poisson { rate_rps: 1000.0 },
+        requests: 6,
+        isl: LengthDist::Uniform { lo: 4, hi: 8 },
+        osl: LengthDist::Fixed(3),
+        ..options(url)
+    })
+    .await;
+
+    assert_eq!((report.requests_ok, report.requests_failed), (6, 0), "{:?}", report.errors);
+    assert_eq!(report.output_tokens, 18, "one token per text chunk");
+    assert_eq!(report.input_tokens, words.load(Ordering::SeqCst), "nominal ISL = words sent");
+    assert!((6 * 4..=6 * 8).contains(&report.input_tokens));
+    assert_eq!(report.requests_without_usage, 6);
+    assert_eq!((report.model.as_str(), report.rate_rps, report.concurrency), ("given", Some(1000.0), None));
+}
+
+#[tokio::test]
+async fn a_request_past_its_timeout_is_a_failure() {
+    let url = serve(FakeServer { hang: true, ..FakeServer::default() }).await;
+    let report = run_ok(ServeBenchOptions { requests: 2, timeout_s: 0.1, ..options(url) }).await;
+    assert_eq!((report.requests_ok, report.requests_failed), (0, 2));
+    assert_eq!(report.errors, vec![ErrorCount { message: "timed out after 0.1 s".into(), count: 2 }]);
+    assert_eq!(report.ttft, None);
+}
+
+#[tokio::test]
+async fn a_warm_up_that_only_fails_stops_the_run() {
+    let url = serve(FakeServer { reject_every: 1, ..FakeServer::default() }).await;
+    let result = run(ServeBenchOptions { warmup: 2, ..options(url) }).await;
+    assert!(
+        matches!(&result, Err(LoadgenError::WarmupFailed { count: 2, first }) if first.contains("429")),
+        "{result:?}"
+    );
+}
+
+#[tokio::test]
+async fn no_server_no_model() {
+    // A port that was just free: nothing listens there.
+    let addr = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(a) => a,
+        Err(e) => panic!("cannot reserve a port: {e}"),
+    };
+    let result = run(options(format!("http://{addr}"))).await;
+    assert!(matches!(result, Err(LoadgenError::ModelDiscovery { .. })), "{result:?}");
+}
+
+#[test]
+fn load_flags() {
+    let cases: &[(Option<f64>, Option<usize>, Option<Load>)] = &[
+        (None, None, Some(Load::Closed { concurrency: DEFAULT_CONCURRENCY })),
+        (None, Some(2), Some(Load::Closed { concurrency: 2 })),
+        (Some(4.5), None, Some(Load::Poisson { rate_rps: 4.5 })),
+        (Some(4.5), Some(2), None),
+        (Some(0.0), None, None),
+        (Some(f64::INFINITY), None, None),
+        (None, Some(0), None),
+    ];
+    for &(rate, concurrency, want) in cases {
+        assert_eq!(Load::from_flags(rate, concurrency).ok(), want, "{rate:?} {concurrency:?}");
+    }
+    assert_eq!("chat".parse::<Endpoint>().ok(), Some(Endpoint::Chat));
+    assert_eq!("completions".parse::<Endpoint>().ok(), Some(Endpoint::Completions));
+    assert!("embeddings".parse::<Endpoint>().is_err());
+}
+
+#[tokio::test]
+async fn invalid_options_are_refused_before_any_request() {
+    let url = "http://127.0.0.1:9".to_string();
+    for opts in [
+        ServeBenchOptions { requests: 0, ..options(url.clone()) },
+        ServeBenchOptions { timeout_s: 0.0, ..options(url) },
+    ] {
+        assert!(matches!(run(opts).await, Err(LoadgenError::InvalidOptions(_))));
+    }
+}
