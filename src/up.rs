@@ -111,11 +111,20 @@ pub fn up(topology: Option<&Path>, in_process: bool, kernel_lib: Option<PathBuf>
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let failed = rt.block_on(async {
+        // A host that dies is the supervisors' business: the cluster serves on without
+        // it. Only the gateway's host is vital.
+        let gateway = spec.gateway.host.clone();
         let watch = async {
+            let mut reported = std::collections::HashSet::new();
             loop {
                 for (name, child) in children.iter_mut() {
                     if let Ok(Some(status)) = child.try_wait() {
-                        return Some(format!("host {name} exited ({status})"));
+                        if *name == gateway {
+                            return Some(format!("the gateway's host {name} exited ({status})"));
+                        }
+                        if reported.insert(name.clone()) {
+                            eprintln!("tessera up: host {name} exited ({status}); serving on without it");
+                        }
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -166,7 +175,11 @@ fn up_in_process(spec: ClusterSpec, kernel_lib: Option<PathBuf>) -> Result<()> {
     let mut threads = Vec::new();
     for name in order {
         let spec = spec.clone();
-        let opts = NodeOptions { kernel_lib: kernel_lib.clone(), metrics: metrics.clone(), drain_timeout: Duration::from_secs(30) };
+        let opts = NodeOptions {
+            kernel_lib: kernel_lib.clone(),
+            metrics: metrics.clone(),
+            drain_timeout: Duration::from_secs(30),
+        };
         let mut stop = stop_tx.subscribe();
         let thread = std::thread::Builder::new().name(format!("host-{name}")).spawn(move || {
             run_node(&spec, &name, &opts, async move {
@@ -177,7 +190,18 @@ fn up_in_process(spec: ClusterSpec, kernel_lib: Option<PathBuf>) -> Result<()> {
         threads.push(thread);
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    rt.block_on(shutdown_signal(false));
+    rt.block_on(async {
+        // A host that stops by itself (it failed to start, say) stops the cluster.
+        let watch = async {
+            while !threads.iter().any(|t| t.is_finished()) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        tokio::select! {
+            _ = shutdown_signal(false) => {}
+            _ = watch => {}
+        }
+    });
     eprintln!("tessera up: draining");
     let _ = stop_tx.send(());
     let mut first_error = None;

@@ -60,6 +60,11 @@ impl Router {
         let chip = report.chip;
         let was_up = self.chips.get(&chip).is_some_and(|c| c.report.state == ChipState::Up);
         let is_up = report.state == ChipState::Up;
+        // The gateway's /metrics shows every chip of the cluster, not only local ones.
+        let id = report.id.clone();
+        metrics::gauge!("tessera_router_chip_up", "chip" => id.clone()).set(if is_up { 1.0 } else { 0.0 });
+        metrics::gauge!("tessera_kv_blocks_used", "chip" => id.clone()).set(report.kv_blocks_used as f64);
+        metrics::gauge!("tessera_kv_blocks_total", "chip" => id).set(report.kv_blocks_total as f64);
         let view = self.chips.entry(chip).or_insert_with(|| ChipView { report: report.clone(), load_tokens: 0 });
         view.report = report;
         if was_up && !is_up {
@@ -89,6 +94,7 @@ impl Router {
         let chips: Vec<Addr> = self.chips.keys().filter(|a| a.host == host).copied().collect();
         for chip in chips {
             if let Some(view) = self.chips.get_mut(&chip) {
+                metrics::gauge!("tessera_router_chip_up", "chip" => view.report.id.clone()).set(0.0);
                 view.report.state = ChipState::Failed;
                 view.report.error = Some("its host stopped heartbeating".into());
             }
