@@ -12,3 +12,6 @@ pub mod msg;
 pub mod request;
 pub mod router;
 pub mod supervisor;
+
+#[cfg(test)]
+mod test_fx;

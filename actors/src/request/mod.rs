@@ -176,7 +176,9 @@ impl Behavior<Msg> for Request {
         match msg {
             Msg::Routed { chip, .. } => self.enqueue(chip, fx),
             Msg::RouteFailed { error, .. } => self.fail(error, fx),
-            Msg::Generated { chip, tokens, finish, .. } if self.chip == Some(chip) => self.generated(tokens, finish, fx),
+            Msg::Generated { chip, tokens, finish, .. } if self.chip == Some(chip) => {
+                self.generated(tokens, finish, fx)
+            }
             Msg::Refused { chip, error, retry, .. } if self.chip == Some(chip) => {
                 if retry {
                     self.chip_failed(chip, fx);
@@ -203,3 +205,6 @@ impl Behavior<Msg> for Request {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

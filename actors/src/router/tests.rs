@@ -34,7 +34,7 @@ fn pick_is_least_loaded_healthy_chip() {
         (vec![chip(0, 16, Down, 0), chip(1, 16, Failed, 0)], vec![], vec![], None),
         (vec![chip(0, 16, Up, 0), chip(1, 16, Up, 500)], vec![0], vec![], Some(a(1, 16))), // host down
         (vec![chip(0, 16, Up, 0), chip(1, 16, Up, 500)], vec![], vec![a(0, 16)], Some(a(1, 16))), // excluded
-        (vec![chip(0, 16, Up, 0)], vec![], vec![a(0, 16)], Some(a(0, 16))), // excluded, but the only one
+        (vec![chip(0, 16, Up, 0)], vec![], vec![a(0, 16)], Some(a(0, 16))),                // excluded, but the only one
         (vec![], vec![], vec![], None),
     ];
     for (i, (chips, down, exclude, want)) in table.into_iter().enumerate() {
@@ -42,4 +42,48 @@ fn pick_is_least_loaded_healthy_chip() {
         let down: BTreeSet<HostId> = down.into_iter().map(HostId).collect();
         assert_eq!(pick(&chips, &down, &exclude), want, "case {i}");
     }
+}
+
+#[test]
+fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
+    use crate::msg::{ErrorKind, Heartbeat};
+    use crate::test_fx::TestFx;
+    let (c0, c1) = (chip(0, 16, ChipState::Starting, 0), chip(1, 16, ChipState::Starting, 0));
+    let mut router = Router::new(vec![c0.1.report.clone(), c1.1.report.clone()], 2);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    router.on_start(&mut fx);
+    let req = |n| Addr::new(HostId(0), 5000 + n);
+    let route = |id: u64| Msg::Route { request_id: id, req: req(id), tokens: 100, exclude: vec![] };
+
+    router.handle(route(1), &mut fx);
+    assert!(
+        matches!(&fx.take_sent()[..], [(_, Msg::RouteFailed { error, .. })] if error.kind == ErrorKind::Unavailable)
+    );
+
+    let up = |(addr, view): &(Addr, ChipView)| ChipReport { chip: *addr, state: ChipState::Up, ..view.report.clone() };
+    for (host, c) in [(0u16, &c0), (1, &c1)] {
+        let beat = Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![up(c)] };
+        router.handle(Msg::Heartbeat { beat }, &mut fx);
+    }
+    router.handle(route(1), &mut fx);
+    router.handle(route(2), &mut fx);
+    let placed: Vec<Addr> = fx
+        .take_sent()
+        .into_iter()
+        .filter_map(|(_, m)| match m {
+            Msg::Routed { chip, .. } => Some(chip),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(placed, vec![c0.0, c1.0], "least loaded: one each");
+
+    router.handle(route(3), &mut fx);
+    assert!(
+        matches!(&fx.take_sent()[..], [(_, Msg::RouteFailed { error, .. })] if error.kind == ErrorKind::Overloaded)
+    );
+
+    router.handle(Msg::HostDown { host: HostId(1), host_name: "h1".into() }, &mut fx);
+    assert_eq!(fx.take_sent(), vec![(req(2), Msg::ChipLost { chip: c1.0 })]);
+    router.handle(route(2), &mut fx);
+    assert_eq!(fx.take_sent(), vec![(req(2), Msg::Routed { request_id: 2, chip: c0.0 })]);
 }

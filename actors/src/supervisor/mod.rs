@@ -139,6 +139,71 @@ impl Behavior<Msg> for Supervisor {
 mod tests {
     use super::*;
 
+    use crate::test_fx::TestFx;
+
+    const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };
+
+    fn supervisor() -> Supervisor {
+        Supervisor::new(SupervisorConfig {
+            host: HostId(0),
+            host_name: "h0".into(),
+            peers: vec![(HostId(1), "h1".into())],
+            router: Some(ROUTER),
+            heartbeat_interval: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_millis(1000),
+            max_restarts: 2,
+            restart_window: Duration::from_secs(60),
+            restart_backoff: Duration::from_millis(200),
+        })
+    }
+
+    fn beat(host: u16) -> Msg {
+        Msg::Heartbeat { beat: Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![] } }
+    }
+
+    #[test]
+    fn a_silent_host_is_declared_down_within_the_timeout_once() {
+        let mut fx = TestFx::new(Addr::new(HostId(0), 1));
+        let mut s = supervisor();
+        s.on_start(&mut fx);
+        assert_eq!(fx.published.len(), 1, "heartbeats at once");
+        for _ in 0..5 {
+            fx.advance(Duration::from_millis(300), &mut s);
+            s.handle(beat(1), &mut fx);
+        }
+        assert!(fx.take_sent().is_empty(), "a heartbeating peer stays up");
+        // h1 falls silent at t = 1.5 s.
+        fx.advance(Duration::from_millis(900), &mut s);
+        assert!(fx.take_sent().is_empty());
+        fx.advance(Duration::from_millis(200), &mut s);
+        let down: Vec<_> =
+            fx.take_sent().into_iter().filter(|(to, m)| *to == ROUTER && matches!(m, Msg::HostDown { .. })).collect();
+        assert_eq!(down.len(), 1, "down within timeout + one interval");
+        fx.advance(Duration::from_secs(5), &mut s);
+        assert!(fx.take_sent().is_empty(), "reported once");
+        assert!(fx.published.len() > 60, "it kept heartbeating every 100 ms");
+    }
+
+    #[test]
+    fn crashed_chips_restart_with_backoff_then_are_given_up() {
+        let chip = Addr::new(HostId(0), 16);
+        let mut fx = TestFx::new(Addr::new(HostId(0), 1));
+        let mut s = supervisor();
+        s.on_start(&mut fx);
+        // (crash, wait, expected message to the chip)
+        for (wait_ms, expect_restart) in [(200, true), (400, true), (0, false)] {
+            s.handle(Msg::ChipCrashed { chip, error: "boom".into() }, &mut fx);
+            if expect_restart {
+                fx.advance(Duration::from_millis(wait_ms - 1), &mut s);
+                assert!(!fx.sent.iter().any(|(to, _)| *to == chip), "not before the backoff");
+                fx.advance(Duration::from_millis(1), &mut s);
+                assert!(fx.take_sent().iter().any(|(to, m)| *to == chip && *m == Msg::Restart));
+            } else {
+                assert!(fx.take_sent().iter().any(|(to, m)| *to == chip && matches!(m, Msg::GiveUp { .. })));
+            }
+        }
+    }
+
     #[test]
     fn backoff_doubles_and_caps() {
         let base = Duration::from_millis(100);

@@ -1,0 +1,154 @@
+use super::*;
+use crate::msg::SamplingSpec;
+use crate::test_fx::TestFx;
+use tessera_runtime::HostId;
+
+fn a(host: u16, n: u64) -> Addr {
+    Addr::new(HostId(host), n)
+}
+
+const ME: Addr = Addr { host: HostId(0), actor: 5000 };
+const CLIENT: Addr = Addr { host: HostId(0), actor: 4000 };
+const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };
+
+fn request(max_tokens: usize) -> Request {
+    let spec = RequestSpec {
+        request_id: 9,
+        prompt: vec![1, 2, 3],
+        max_tokens,
+        sampling: SamplingSpec {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            stop_token_ids: vec![],
+            ignore_eos: false,
+        },
+    };
+    Request::new(spec, CLIENT, ROUTER, RetryPolicy::default())
+}
+
+fn generated(chip: Addr, tokens: Vec<u32>, finish: Option<Finish>) -> Msg {
+    Msg::Generated { request_id: 9, chip, tokens, finish }
+}
+
+#[test]
+fn a_lost_chip_is_replaced_and_the_stream_continues_without_gaps_or_duplicates() {
+    let (p, q) = (a(1, 16), a(0, 16));
+    let mut fx = TestFx::new(ME);
+    let mut r = request(5);
+    r.on_start(&mut fx);
+    assert!(matches!(&fx.take_sent()[..], [(ROUTER, Msg::Route { exclude, .. })] if exclude.is_empty()));
+
+    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+    r.handle(generated(p, vec![10], None), &mut fx);
+    r.handle(generated(p, vec![11], None), &mut fx);
+    fx.take_sent();
+
+    // The router says p is gone: release it, route again avoiding it.
+    r.handle(Msg::ChipLost { chip: p }, &mut fx);
+    let sent = fx.take_sent();
+    assert!(matches!(&sent[0], (ROUTER, Msg::Release { chip, .. }) if *chip == p));
+    assert!(matches!(&sent[1], (ROUTER, Msg::Route { exclude, .. }) if exclude == &vec![p]));
+
+    // The new chip gets prompt + the two streamed tokens and only what is left to do.
+    r.handle(Msg::Routed { request_id: 9, chip: q }, &mut fx);
+    match &fx.take_sent()[..] {
+        [(to, Msg::Enqueue { seq })] => {
+            assert_eq!(*to, q);
+            assert_eq!(seq.tokens, vec![1, 2, 3, 10, 11]);
+            assert_eq!((seq.generated, seq.max_new_tokens), (2, 3));
+        }
+        other => panic!("expected one Enqueue, got {other:?}"),
+    }
+    // A late token from the old chip is not forwarded.
+    r.handle(generated(p, vec![99], None), &mut fx);
+    assert!(fx.take_sent().is_empty());
+
+    r.handle(generated(q, vec![12], None), &mut fx);
+    r.handle(generated(q, vec![13], None), &mut fx);
+    r.handle(generated(q, vec![14], Some(Finish::Length)), &mut fx);
+    let to_client: Vec<ClientEvent> = fx
+        .take_sent()
+        .into_iter()
+        .filter_map(|(to, m)| match m {
+            Msg::Client { event } if to == CLIENT => Some(event),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        to_client,
+        vec![
+            ClientEvent::Tokens { tokens: vec![12] },
+            ClientEvent::Tokens { tokens: vec![13] },
+            ClientEvent::Tokens { tokens: vec![14] },
+            ClientEvent::Finished { finish: Finish::Length, prompt_tokens: 3, completion_tokens: 5 },
+        ]
+    );
+    assert!(fx.stopped);
+}
+
+#[test]
+fn refusals_retry_or_fail_and_a_gone_client_cancels() {
+    let p = a(1, 16);
+    // Not retryable: the client gets the error, the chip is released.
+    let mut fx = TestFx::new(ME);
+    let mut r = request(4);
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+    fx.take_sent();
+    let error = ServeError::new(ErrorKind::PromptTooLong, "too long");
+    r.handle(Msg::Refused { request_id: 9, chip: p, error: error.clone(), retry: false }, &mut fx);
+    let sent = fx.take_sent();
+    assert!(sent.iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Release { .. })));
+    assert!(
+        sent.iter()
+            .any(|(to, m)| *to == CLIENT && *m == Msg::Client { event: ClientEvent::Failed { error: error.clone() } })
+    );
+    assert!(fx.stopped);
+
+    // The client's mailbox is gone: the chip is told to abort.
+    let mut fx = TestFx::new(ME);
+    let mut r = request(4);
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+    fx.unreachable.push(CLIENT);
+    r.handle(generated(p, vec![10], None), &mut fx);
+    assert!(fx.take_sent().iter().any(|(to, m)| *to == p && matches!(m, Msg::Abort { request_id: 9 })));
+    assert!(fx.stopped);
+}
+
+#[test]
+fn a_request_gives_up_after_max_attempts() {
+    let p = a(1, 16);
+    let mut fx = TestFx::new(ME);
+    let mut r = request(4);
+    r.on_start(&mut fx);
+    for _ in 0..RetryPolicy::default().max_attempts {
+        r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+        let error = ServeError::new(ErrorKind::Unavailable, "chip down");
+        r.handle(Msg::Refused { request_id: 9, chip: p, error, retry: true }, &mut fx);
+    }
+    let failed = fx.take_sent().into_iter().any(|(to, m)| {
+        to == CLIENT
+            && matches!(m, Msg::Client { event: ClientEvent::Failed { error } } if error.kind == ErrorKind::Unavailable)
+    });
+    assert!(failed && fx.stopped);
+}
+
+#[test]
+fn a_stalled_chip_is_abandoned_after_the_stall_timeout() {
+    let p = a(1, 16);
+    let mut fx = TestFx::new(ME);
+    let mut r = request(4);
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+    fx.take_sent();
+    let stall = RetryPolicy::default().stall_timeout;
+    fx.advance(stall - Duration::from_secs(1), &mut r);
+    assert!(fx.take_sent().is_empty(), "not yet");
+    fx.advance(stall, &mut r);
+    let sent = fx.take_sent();
+    assert!(sent.iter().any(|(to, m)| *to == p && matches!(m, Msg::Abort { .. })));
+    assert!(sent.iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Route { .. })));
+}
