@@ -1,0 +1,389 @@
+//! Serving end to end: `tessera up` / `tessera node` processes on loopback, driven over
+//! HTTP. Greedy answers must equal `tessera generate`'s (DESIGN.md §9 invariant 5)
+//! whether requests are batched, streamed, or replayed after a host or worker dies
+//! (invariant 1), and every KV block is free once requests drain (invariant 2).
+//! Every wait has a deadline; every process is stopped by its pid when a test ends.
+
+#[path = "common/serve.rs"]
+mod serve;
+
+use serde_json::{Value, json};
+use serve::*;
+use std::sync::OnceLock;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "builtin:tiny";
+const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
+
+fn completion_body(prompt: &str, max_tokens: usize, stream: bool, ignore_eos: bool) -> Value {
+    let mut body = json!({
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+    });
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    if ignore_eos {
+        body["ignore_eos"] = json!(true);
+    }
+    body
+}
+
+fn chat_body(user: &str, max_tokens: usize, stream: bool) -> Value {
+    let mut body = json!({
+        "model": MODEL, "messages": [{"role": "user", "content": user}], "max_tokens": max_tokens,
+        "temperature": 0, "stream": stream,
+    });
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body
+}
+
+#[track_caller]
+fn assert_usage(usage: &Value, prompt_tokens: usize, completion_tokens: usize, what: &str) {
+    assert_eq!(usage["prompt_tokens"], prompt_tokens, "{what}: {usage}");
+    assert_eq!(usage["completion_tokens"], completion_tokens, "{what}: {usage}");
+    assert_eq!(usage["total_tokens"], prompt_tokens + completion_tokens, "{what}: {usage}");
+}
+
+/// An OpenAI error body with `status`; returns its `error` object.
+#[track_caller]
+fn assert_api_error(r: &HttpResponse, status: u16, kind: &str) -> Value {
+    assert_eq!(r.status, status, "{}", r.body);
+    let v = r.json();
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert_eq!(e["type"], kind, "{v}");
+    let obj = e.as_object().unwrap();
+    for key in ["param", "code"] {
+        assert!(obj.contains_key(key), "`{key}` missing: {v}");
+    }
+    e.clone()
+}
+
+#[test]
+fn two_hosts_serve_the_same_greedy_text_as_generate() {
+    const MAX_TOKENS: usize = 24;
+    let prompts = ["Hello world", "The quick brown fox", "Once upon a time there was"];
+    // References first: single-sequence runs without any cluster.
+    let want: Vec<(Generated, Generated)> =
+        prompts.iter().map(|p| (generate(p, MAX_TOKENS, false), generate(&chatml(p), MAX_TOKENS, false))).collect();
+
+    let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::up(&topo);
+    let gw = cluster.gateway;
+    cluster.wait_ready(2);
+
+    let models = get(gw, "/v1/models");
+    assert_eq!(models.status, 200, "{}", models.body);
+    let models = models.json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL, "{models}");
+    assert_eq!(models["data"].as_array().unwrap().len(), 1, "{models}");
+
+    // Every prompt through every endpoint and mode at once, so both hosts' chips serve.
+    std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        for (prompt, (plain, chat)) in prompts.iter().zip(&want) {
+            handles.push(s.spawn(move || {
+                let r = post_json(gw, "/v1/completions", &completion_body(prompt, MAX_TOKENS, false, false));
+                assert_eq!(r.status, 200, "{}", r.body);
+                let v = r.json();
+                assert_eq!(v["object"], "text_completion", "{v}");
+                assert_eq!(v["model"], MODEL, "{v}");
+                assert_eq!(v["choices"][0]["text"], plain.text, "completion of {prompt:?}");
+                assert_eq!(v["choices"][0]["finish_reason"], plain.finish_reason, "{v}");
+                assert_usage(&v["usage"], plain.prompt_tokens, plain.completion_tokens, prompt);
+            }));
+            handles.push(s.spawn(move || {
+                let sse = post_stream(gw, "/v1/completions", &completion_body(prompt, MAX_TOKENS, true, false))
+                    .unwrap_or_else(|r| panic!("{} {}", r.status, r.body));
+                let (got, raw) = read_stream(sse, false);
+                assert_eq!(got.text, plain.text, "streamed completion of {prompt:?}");
+                assert_eq!(got.finish_reason.as_deref(), Some(plain.finish_reason.as_str()));
+                assert!(got.text_chunks > 1 || plain.completion_tokens <= 1, "streamed in pieces: {raw}");
+                let usage = got.usage.expect("include_usage sends usage");
+                assert_usage(&usage, plain.prompt_tokens, plain.completion_tokens, prompt);
+            }));
+            handles.push(s.spawn(move || {
+                let r = post_json(gw, "/v1/chat/completions", &chat_body(prompt, MAX_TOKENS, false));
+                assert_eq!(r.status, 200, "{}", r.body);
+                let v = r.json();
+                assert_eq!(v["object"], "chat.completion", "{v}");
+                assert_eq!(v["choices"][0]["message"]["role"], "assistant", "{v}");
+                assert_eq!(v["choices"][0]["message"]["content"], chat.text, "chat of {prompt:?}");
+                assert_eq!(v["choices"][0]["finish_reason"], chat.finish_reason, "{v}");
+                // The prompt is the template's rendering, tokenized as generate does it.
+                assert_usage(&v["usage"], chat.prompt_tokens, chat.completion_tokens, prompt);
+            }));
+            handles.push(s.spawn(move || {
+                let sse = post_stream(gw, "/v1/chat/completions", &chat_body(prompt, MAX_TOKENS, true))
+                    .unwrap_or_else(|r| panic!("{} {}", r.status, r.body));
+                let (got, _) = read_stream(sse, true);
+                assert_eq!(got.text, chat.text, "streamed chat of {prompt:?}");
+                assert_eq!(got.finish_reason.as_deref(), Some(chat.finish_reason.as_str()));
+                let usage = got.usage.expect("include_usage sends usage");
+                assert_usage(&usage, chat.prompt_tokens, chat.completion_tokens, prompt);
+            }));
+        }
+        for h in handles {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+    });
+
+    let health = wait_health(gw, "KV freed after the requests", Duration::from_secs(5), |h| drained(h, &[]));
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["chips_up"], 2);
+    assert_eq!(health["hosts_down"], json!([]));
+    for id in ["h0-cpu0", "h1-cpu0"] {
+        assert!(chip(&health, id)["steps"].as_u64() > Some(0), "{id} served nothing: {health:#}");
+    }
+    let metrics = get(gw, "/metrics");
+    assert_eq!(metrics.status, 200);
+    assert!(metrics.body.contains("tessera_request_ttft_seconds"), "{}", metrics.body);
+
+    // Ctrl-C drains: a request in flight when `up` is interrupted still completes.
+    let sse = post_stream(gw, "/v1/completions", &completion_body(prompts[0], 200, true, true))
+        .unwrap_or_else(|r| panic!("{} {}", r.status, r.body));
+    let mut reader = StreamReader::new(sse, false);
+    while reader.out.text.is_empty() {
+        assert!(reader.step(), "the stream ended before any text");
+    }
+    let up = cluster.proc("up");
+    up.interrupt();
+    let (got, raw) = reader.finish();
+    assert_eq!(got.finish_reason.as_deref(), Some("length"), "{raw}");
+    assert_eq!(got.usage.expect("usage")["completion_tokens"], 200, "{raw}");
+    let status = up.wait_exit(Duration::from_secs(20)).unwrap_or_else(|| panic!("up did not stop:\n{}", up.log()));
+    assert!(status.success(), "up exited with {status}:\n{}", up.log());
+    let log = up.log();
+    for host in ["h0", "h1"] {
+        assert!(log.contains(&format!("host {host} stopped")), "{host} did not drain and stop:\n{log}");
+    }
+}
+
+#[test]
+fn concurrent_requests_are_batched_and_match_generate() {
+    const MAX_TOKENS: usize = 120;
+    let prompts: Vec<String> = (0..10).map(|i| format!("Request number {i} asks for a story")).collect();
+    let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::up(&topo);
+    let gw = cluster.gateway;
+    let want: Vec<Generated> = prompts.iter().map(|p| generate(p, MAX_TOKENS, true)).collect();
+    cluster.wait_ready(2);
+
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .zip(&want)
+            .map(|(prompt, want)| {
+                s.spawn(move || {
+                    let r = post_json(gw, "/v1/completions", &completion_body(prompt, MAX_TOKENS, false, true));
+                    assert_eq!(r.status, 200, "{}", r.body);
+                    let v = r.json();
+                    assert_eq!(v["choices"][0]["text"], want.text, "batched completion of {prompt:?}");
+                    assert_eq!(v["choices"][0]["finish_reason"], "length");
+                    assert_usage(&v["usage"], want.prompt_tokens, MAX_TOKENS, prompt);
+                })
+            })
+            .collect();
+        for h in handles {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+    });
+    let health = wait_health(gw, "KV freed after the batch", Duration::from_secs(5), |h| drained(h, &[]));
+    let most = health["chips"].as_array().unwrap().iter().filter_map(|c| c["max_step_seqs"].as_u64()).max();
+    assert!(most > Some(1), "no step ran more than one sequence: {health:#}");
+}
+
+/// Requests long enough to be mid-stream when a fault hits, and their no-fault answers.
+const FAULT_PROMPTS: usize = 8;
+const FAULT_MAX_TOKENS: usize = 400;
+
+fn fault_prompts() -> Vec<String> {
+    (0..FAULT_PROMPTS).map(|i| format!("Tell me about the {i}th chip")).collect()
+}
+
+fn fault_references() -> &'static [Generated] {
+    static REFS: OnceLock<Vec<Generated>> = OnceLock::new();
+    REFS.get_or_init(|| fault_prompts().iter().map(|p| generate(p, FAULT_MAX_TOKENS, true)).collect())
+}
+
+/// Starts one streaming request per fault prompt; once every stream has produced text and
+/// `victim` runs sequences, calls `fault`; then reads every stream to its end and checks
+/// it against the no-fault answer: same text, every token, finish "length".
+fn stream_through_fault(gw: std::net::SocketAddr, victim: &str, fault: impl FnOnce()) {
+    let prompts = fault_prompts();
+    let want = fault_references();
+    let (started_tx, started_rx) = mpsc::channel::<usize>();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                let started_tx = started_tx.clone();
+                s.spawn(move || {
+                    let body = completion_body(prompt, FAULT_MAX_TOKENS, true, true);
+                    let sse = post_stream(gw, "/v1/completions", &body)
+                        .unwrap_or_else(|r| panic!("{prompt:?}: {} {}", r.status, r.body));
+                    let mut reader = StreamReader::new(sse, false);
+                    while reader.out.text.is_empty() {
+                        assert!(reader.step(), "{prompt:?} ended before any text");
+                    }
+                    let _ = started_tx.send(i);
+                    reader.finish()
+                })
+            })
+            .collect();
+        drop(started_tx);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for _ in 0..prompts.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            started_rx.recv_timeout(left).expect("every stream produces text within 20 s");
+        }
+        wait_health(gw, &format!("{victim} runs sequences"), Duration::from_secs(3), |h| {
+            chip(h, victim)["running"].as_u64() > Some(0)
+        });
+        fault();
+        for ((handle, prompt), want) in handles.into_iter().zip(&prompts).zip(want) {
+            let (got, raw) = match handle.join() {
+                Ok(r) => r,
+                Err(e) => std::panic::resume_unwind(e),
+            };
+            assert_eq!(got.text, want.text, "{prompt:?} differs from its no-fault run; stream:\n{raw}");
+            assert_eq!(got.finish_reason.as_deref(), Some("length"), "{prompt:?}");
+            let usage = got.usage.expect("include_usage sends usage");
+            assert_usage(&usage, want.prompt_tokens, FAULT_MAX_TOKENS, prompt);
+        }
+    });
+    // The fault hit requests mid-stream: some were re-routed and replayed.
+    let metrics = get(gw, "/metrics").body;
+    let reroutes: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tessera_request_reroutes_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no tessera_request_reroutes_total in /metrics:\n{metrics}"));
+    assert!(reroutes >= 1.0, "no request was re-routed: {reroutes}");
+}
+
+#[test]
+fn requests_survive_a_killed_host() {
+    let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
+    let gw = cluster.gateway;
+    fault_references();
+    cluster.wait_ready(2);
+    let h1_pid = cluster.proc("h1").pid();
+    let mut detected_after = None;
+    stream_through_fault(gw, "h1-cpu0", || {
+        signal(h1_pid, "KILL");
+        let killed = Instant::now();
+        let limit = Duration::from_millis(HEARTBEAT_TIMEOUT_MS + 1500);
+        let health = wait_health(gw, "h1 reported down", limit, |h| {
+            chip(h, "h1-cpu0")["state"] != "up" && h["hosts_down"].as_array().is_some_and(|d| d.contains(&json!("h1")))
+        });
+        detected_after = Some(killed.elapsed());
+        assert_eq!(chip(&health, "h0-cpu0")["state"], "up", "{health:#}");
+        assert_eq!(health["chips_up"], 1, "{health:#}");
+    });
+    eprintln!("h1's death was reported after {:?}", detected_after.unwrap());
+    assert!(cluster.proc("h1").wait_exit(Duration::from_secs(5)).is_some(), "h1 was killed");
+    wait_health(gw, "h0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
+}
+
+#[test]
+fn requests_survive_a_worker_panic_and_the_chip_restarts() {
+    let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::up(&topo);
+    let gw = cluster.gateway;
+    fault_references();
+    cluster.wait_ready(2);
+    stream_through_fault(gw, "h1-cpu0", || {
+        let r = post_json(gw, "/admin/faults", &json!({"chip": "h1-cpu0", "fault": "worker_panic"}));
+        assert_eq!(r.status, 202, "{}", r.body);
+    });
+    let health = wait_health(gw, "h1-cpu0 restarted, all KV free", Duration::from_secs(10), |h| {
+        chip(h, "h1-cpu0")["state"] == "up" && chip(h, "h1-cpu0")["restarts"] == 1 && drained(h, &[])
+    });
+    assert_eq!(health["chips_up"], 2, "{health:#}");
+    assert_eq!(health["hosts_down"], json!([]), "{health:#}");
+    // The restarted chip serves again.
+    let r = post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false));
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn gateway_errors_have_status_and_openai_shape() {
+    let topo = topology(&["h0"], "max_inflight_requests = 1", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0"]);
+    let gw = cluster.gateway;
+    cluster.wait_ready(1);
+
+    let r = post(gw, "/v1/completions", "{\"model\": \"builtin:tiny\", \"prompt\": ");
+    assert_api_error(&r, 400, "invalid_request_error");
+    let r = post(gw, "/v1/chat/completions", "not json at all");
+    assert_api_error(&r, 400, "invalid_request_error");
+    let mut bad = completion_body("Hi", 4, false, false);
+    bad["temperature"] = json!(5.0);
+    let e = assert_api_error(&post_json(gw, "/v1/completions", &bad), 400, "invalid_request_error");
+    assert_eq!(e["param"], "temperature", "{e}");
+    let mut unknown = completion_body("Hi", 4, false, false);
+    unknown["model"] = json!("gpt-nonexistent");
+    let e = assert_api_error(&post_json(gw, "/v1/completions", &unknown), 404, "invalid_request_error");
+    assert_eq!(e["code"], "model_not_found", "{e}");
+    let long = json!({"model": MODEL, "prompt": vec![5u32; 2048], "max_tokens": 1, "temperature": 0});
+    let e = assert_api_error(&post_json(gw, "/v1/completions", &long), 413, "invalid_request_error");
+    assert_eq!(e["code"], "context_length_exceeded", "{e}");
+
+    // One long stream holds the only in-flight slot: a second request is refused.
+    let mut sse = post_stream(gw, "/v1/completions", &completion_body("A long story", 2000, true, true))
+        .unwrap_or_else(|r| panic!("{} {}", r.status, r.body));
+    for _ in 0..3 {
+        sse.next_data().expect("chunks while streaming");
+    }
+    let e = assert_api_error(
+        &post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false)),
+        429,
+        "rate_limit_error",
+    );
+    assert_eq!(e["code"], "overloaded", "{e}");
+    let busy = get(gw, "/health").json();
+    assert_eq!(busy["inflight_requests"], 1, "{busy:#}");
+    // The client goes away mid-stream: the request is cancelled and its KV freed.
+    drop(sse);
+    let health = wait_health(gw, "KV freed after the client left", Duration::from_secs(5), |h| drained(h, &[]));
+    // Generating all 2000 tokens takes 2000 steps: the request was cancelled long before.
+    assert!(chip(&health, "h0-cpu0")["steps"].as_u64() < Some(500), "the request was not cancelled: {health:#}");
+    // And the slot is free again.
+    let r = post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false));
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn no_healthy_chip_is_503() {
+    let topo = topology(&["h0"], "", "memory_limit = \"1KiB\"", HEARTBEAT_TIMEOUT_MS);
+    let cluster = Cluster::nodes(&topo, &["h0"]);
+    let gw = cluster.gateway;
+    let health = wait_health(gw, "the chip that cannot load is given up on", Duration::from_secs(20), |h| {
+        h["chips"][0]["state"] == "failed"
+    });
+    assert_eq!(health["status"], "unavailable", "{health:#}");
+    assert_eq!(health["chips_up"], 0, "{health:#}");
+    assert!(health["chips"][0]["error"].as_str().is_some_and(|e| !e.is_empty()), "{health:#}");
+    let r = get(gw, "/health");
+    assert_eq!(r.status, 503, "{}", r.body);
+    let e = assert_api_error(
+        &post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false)),
+        503,
+        "service_unavailable",
+    );
+    assert_eq!(e["code"], "no_healthy_chip", "{e}");
+    let e =
+        assert_api_error(&post_json(gw, "/v1/chat/completions", &chat_body("Hi", 4, true)), 503, "service_unavailable");
+    assert_eq!(e["code"], "no_healthy_chip", "{e}");
+}
