@@ -73,11 +73,14 @@ pub struct WorkerId(pub u64);
 /// State owned by a worker thread; jobs downcast it to what they expect.
 pub type WorkerState = Box<dyn Any>;
 
-/// How to start a worker. `init` runs on the new thread; it returns the worker's state
-/// and the message that tells the owner it is ready, or the message reporting failure.
+/// Runs on a new worker thread: the worker's state and the message that tells the owner
+/// it is ready, or the message reporting failure.
+pub type WorkerInit<M> = Box<dyn FnOnce() -> Result<(WorkerState, M), M> + Send>;
+
+/// How to start a worker.
 pub struct WorkerSpec<M> {
     pub name: String,
-    pub init: Box<dyn FnOnce() -> Result<(WorkerState, M), M> + Send>,
+    pub init: WorkerInit<M>,
     /// The message the owner gets if a job panics. The worker then stops: its state may
     /// be half-updated, so only a fresh start is safe.
     pub on_panic: Box<dyn Fn(String) -> M + Send>,
