@@ -2,6 +2,9 @@
 //! no logic of its own beyond presenting results.
 #![forbid(unsafe_code)]
 
+mod node;
+mod up;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -27,6 +30,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve a cluster: every host of the topology on this machine (default: the
+    /// embedded two-host topology with the builtin tiny model).
+    Up(UpArgs),
+    /// Run one host of a topology (for clusters spanning several machines).
+    Node(NodeArgs),
     /// Generate a completion on one chip.
     Generate(GenerateArgs),
     /// Model utilities.
@@ -48,6 +56,34 @@ enum TopologyCommand {
     Check { file: PathBuf },
 }
 
+#[derive(Args)]
+struct UpArgs {
+    /// Topology TOML (default: the embedded two-host topology).
+    topology: Option<PathBuf>,
+    /// Run every host as a thread of this process instead of one process per host.
+    #[arg(long)]
+    in_process: bool,
+    /// Kernel library for `backend = "cpu"` chips (default: the one built with tessera).
+    #[arg(long, value_name = "PATH")]
+    kernel_lib: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct NodeArgs {
+    /// Topology TOML (default: the embedded two-host topology).
+    #[arg(long)]
+    topology: Option<PathBuf>,
+    /// Which of its hosts to run.
+    #[arg(long)]
+    host: String,
+    /// Drain and exit when stdin closes (how `tessera up` stops its hosts).
+    #[arg(long)]
+    exit_on_stdin_eof: bool,
+    /// Kernel library for `backend = "cpu"` chips (default: the one built with tessera).
+    #[arg(long, value_name = "PATH")]
+    kernel_lib: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum ModelCommand {
     /// Write a deterministic random-weight checkpoint in the Hugging Face layout.
@@ -62,6 +98,43 @@ enum BenchCommand {
     /// Load an OpenAI-compatible server with streamed requests; report throughput and
     /// TTFT / TPOT / ITL / end-to-end latency percentiles.
     Serve(ServeArgs),
+    /// Round-trip latency and throughput of the ZeroMQ bus between two host processes
+    /// over loopback, against plain TCP ping-pong of the same frame size.
+    Bus(BenchBusArgs),
+    /// The echo peer of `bench bus` (started by it).
+    #[command(hide = true)]
+    BusPeer(BusPeerArgs),
+}
+
+#[derive(Args)]
+struct BenchBusArgs {
+    /// Round trips per measurement (latency, then throughput).
+    #[arg(long, default_value_t = 10_000)]
+    messages: usize,
+    /// Payload bytes per envelope.
+    #[arg(long, default_value_t = 64)]
+    payload_bytes: usize,
+    /// Messages in flight during the throughput measurement.
+    #[arg(long, default_value_t = 64)]
+    window: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Flags written by `tessera_runtime::bus::bench::BusPeerArgs::to_args`.
+#[derive(Args)]
+struct BusPeerArgs {
+    #[arg(long)]
+    direct: std::net::SocketAddr,
+    #[arg(long)]
+    events: std::net::SocketAddr,
+    #[arg(long)]
+    peer_direct: std::net::SocketAddr,
+    #[arg(long)]
+    peer_events: std::net::SocketAddr,
+    #[arg(long)]
+    tcp_port: u16,
 }
 
 /// Where the kernels run.
@@ -219,10 +292,20 @@ struct ServeArgs {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Up(args) => {
+            init_logging();
+            up::up(args.topology.as_deref(), args.in_process, args.kernel_lib)
+        }
+        Command::Node(args) => {
+            init_logging();
+            up::node(args.topology.as_deref(), &args.host, args.exit_on_stdin_eof, args.kernel_lib)
+        }
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::MakeTiny(args)) => make_tiny(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve(args),
+        Command::Bench(BenchCommand::Bus(args)) => bench_bus(args),
+        Command::Bench(BenchCommand::BusPeer(args)) => bench_bus_peer(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
     };
     if let Err(e) = result {
@@ -236,6 +319,13 @@ fn topology_check(file: &std::path::Path) -> Result<()> {
     let spec = tessera_topology::load(file)?;
     print!("{}", spec.render());
     Ok(())
+}
+
+/// Logs to stderr; `TESSERA_LOG` takes a tracing filter (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
 fn open_device(args: &DeviceArgs) -> Result<Device> {
@@ -352,6 +442,35 @@ fn make_tiny(args: MakeTinyArgs) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+fn bench_bus(args: BenchBusArgs) -> Result<()> {
+    use tessera_runtime::bus::bench;
+    let program = std::env::current_exe().context("locating the tessera binary to start the bus peer")?;
+    let opts = bench::BusBenchOptions {
+        messages: args.messages,
+        payload_bytes: args.payload_bytes,
+        window: args.window,
+        peer: bench::PeerLaunch::Process { program, args: vec!["bench".into(), "bus-peer".into()] },
+    };
+    let report = bench::run(&opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
+fn bench_bus_peer(args: BusPeerArgs) -> Result<()> {
+    let args = tessera_runtime::bus::bench::BusPeerArgs {
+        direct: args.direct,
+        events: args.events,
+        peer_direct: args.peer_direct,
+        peer_events: args.peer_events,
+        tcp_port: args.tcp_port,
+    };
+    Ok(tessera_runtime::bus::bench::serve_peer(&args)?)
 }
 
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {

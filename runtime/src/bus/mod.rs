@@ -1,1 +1,560 @@
-//! placeholder (bus helper)
+//! The ZeroMQ bus between host processes.
+//!
+//! Each host binds a ROUTER (direct messages in) and a PUB (broadcasts out). For every
+//! peer it keeps a DEALER connected to the peer's ROUTER and a SUB connected to the
+//! peer's PUB, subscribed to everything (topic filtering is the host's job). Direct
+//! messages only ever flow DEALER -> ROUTER, so the ROUTER side is receive-only and a
+//! reply goes back through the replier's own DEALER.
+//!
+//! Invariants:
+//! - [`Bus::send`] and [`Bus::publish`] never block: each peer has a bounded queue and
+//!   one writer task; a full queue is [`SendError::Full`], never unbounded memory, and a
+//!   dead or stalled peer never delays sends to the others.
+//! - A frame that fails to decode is counted (`tessera_bus_frames_dropped_total{reason}`)
+//!   and dropped with a rate-limited warning; it never panics the node.
+//! - Links reconnect in the background with backoff, so peers may start in any order
+//!   and a peer that restarts is reached again without restarting us.
+//! - Frames queued for a peer *before its first connection* are delivered once it is
+//!   up. Frames still queued when a link comes back *after a disconnect* were addressed
+//!   to the peer's previous life and are discarded (counted as `discarded`,
+//!   `reason="peer_down"`); so are frames the bus had already handed to ZeroMQ when the
+//!   peer died. The bus is at-most-once: requests survive restarts by replay above it.
+//!
+//! What `zeromq` 0.7 does and does not do (the reasons for `link.rs`):
+//! - DEALER never reconnects; once the peer's end-of-stream is seen, every send fails
+//!   at once ("not connected"). SUB reconnects, with a backoff growing to 30 s. So the
+//!   bus rebuilds both sockets itself, with a backoff capped at `reconnect_max`.
+//! - A DEALER send waits only when the crate's own per-connection queue (100,000
+//!   frames) is full, i.e. a live peer that stopped reading; `send_timeout` bounds that
+//!   wait. Until a peer stalls, up to that many frames sit in ZeroMQ beyond our queue.
+//! - No ZMTP heartbeats, no TCP keepalive: a peer that vanishes without closing its
+//!   connections is noticed only by a send timing out; see [`Bus::reset_peer`].
+//! - No maximum message size: a peer can announce a huge frame and the crate reserves
+//!   buffer for it. [`codec::MAX_FRAME_BYTES`] is checked only after a frame arrives.
+//!   The bus trusts the cluster network.
+//! - No handshake timeout on accepted connections, and a handshake that ends after
+//!   its socket closed leaks the connection and a task; shutdown reaps those.
+
+pub mod bench;
+mod link;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::addr::HostId;
+use crate::codec::{self, CodecError, Envelope};
+
+/// Per-peer outbound frames queued before [`SendError::Full`].
+pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
+
+/// Another host of the cluster, as this host reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSpec {
+    pub host: HostId,
+    /// The host's name (metrics label and logs).
+    pub name: String,
+    /// Its ROUTER address.
+    pub direct: SocketAddr,
+    /// Its PUB address.
+    pub events: SocketAddr,
+}
+
+#[derive(Debug, Clone)]
+pub struct BusConfig {
+    pub host: HostId,
+    pub name: String,
+    /// Where our ROUTER binds (direct messages in).
+    pub direct: SocketAddr,
+    /// Where our PUB binds (broadcasts out).
+    pub events: SocketAddr,
+    /// The other hosts.
+    pub peers: Vec<PeerSpec>,
+    /// Outbound frames queued per peer (and for broadcasts) before sends are refused.
+    pub queue_capacity: usize,
+    /// A peer that accepts no frame for this long is treated as dead: its link is
+    /// dropped and reconnected.
+    pub send_timeout: Duration,
+    /// Longest wait between two connection attempts to a peer.
+    pub reconnect_max: Duration,
+}
+
+impl BusConfig {
+    pub fn new(host: HostId, name: impl Into<String>, direct: SocketAddr, events: SocketAddr) -> BusConfig {
+        BusConfig {
+            host,
+            name: name.into(),
+            direct,
+            events,
+            peers: Vec::new(),
+            queue_capacity: DEFAULT_QUEUE_CAPACITY,
+            send_timeout: Duration::from_secs(5),
+            reconnect_max: Duration::from_secs(1),
+        }
+    }
+
+    fn validate(&self) -> Result<(), BusError> {
+        if self.queue_capacity == 0 {
+            return Err(BusError::Config("queue_capacity must be at least 1".into()));
+        }
+        let mut seen = HashSet::new();
+        for peer in &self.peers {
+            if peer.host == self.host {
+                return Err(BusError::Config(format!("peer {} has this host's own id {}", peer.name, peer.host)));
+            }
+            if !seen.insert(peer.host) {
+                return Err(BusError::Config(format!("peer {} is listed twice", peer.host)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Called from the bus's receive tasks with each decoded envelope (direct or
+/// broadcast). It must not block: hand the envelope to a queue or a mailbox.
+pub type InboundFn = Arc<dyn Fn(Envelope) + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("cannot bind the bus {role} socket on {addr}: {source}")]
+    Bind {
+        role: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: zeromq::ZmqError,
+    },
+    #[error("invalid bus config: {0}")]
+    Config(String),
+    #[error("the bus must be started inside a tokio runtime")]
+    NoRuntime,
+    #[error("bus benchmark: {0}")]
+    Bench(String),
+    #[error("bus benchmark I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("outbound queue to {peer} is full")]
+    Full { peer: String },
+    #[error("{0} is not a peer on this bus")]
+    UnknownHost(HostId),
+    #[error("envelope has no `{0}`")]
+    Missing(&'static str),
+    #[error("cannot encode envelope: {0}")]
+    Encode(#[from] CodecError),
+    #[error("the bus is shut down")]
+    Closed,
+}
+
+/// Counters since the bus started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct BusStats {
+    /// Frames handed to ZeroMQ (direct and broadcast).
+    pub sent: u64,
+    /// Envelopes decoded and given to the inbound function.
+    pub received: u64,
+    /// Inbound frames dropped because they did not decode (or were misaddressed).
+    pub dropped: u64,
+    /// Sends and publishes refused because a queue was full.
+    pub queue_full: u64,
+    /// Links re-established after a disconnect.
+    pub reconnects: u64,
+    /// Outbound frames discarded because their peer went down.
+    pub discarded: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    sent: AtomicU64,
+    received: AtomicU64,
+    dropped: AtomicU64,
+    queue_full: AtomicU64,
+    reconnects: AtomicU64,
+    discarded: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> BusStats {
+        BusStats {
+            sent: self.sent.load(Ordering::Relaxed),
+            received: self.received.load(Ordering::Relaxed),
+            dropped: self.dropped.load(Ordering::Relaxed),
+            queue_full: self.queue_full.load(Ordering::Relaxed),
+            reconnects: self.reconnects.load(Ordering::Relaxed),
+            discarded: self.discarded.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// At most one warning a second, saying how many were held back.
+struct WarnLimiter {
+    last: Mutex<Option<Instant>>,
+    suppressed: AtomicU64,
+}
+
+impl WarnLimiter {
+    fn new() -> WarnLimiter {
+        WarnLimiter { last: Mutex::new(None), suppressed: AtomicU64::new(0) }
+    }
+
+    /// `Some(n)` when a warning may be logged now, `n` being how many were suppressed.
+    fn allow(&self) -> Option<u64> {
+        let mut last = self.last.lock();
+        let now = Instant::now();
+        match *last {
+            Some(t) if now.duration_since(t) < Duration::from_secs(1) => {
+                self.suppressed.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            _ => {
+                *last = Some(now);
+                Some(self.suppressed.swap(0, Ordering::Relaxed))
+            }
+        }
+    }
+}
+
+/// What the receive tasks share.
+struct Receiver {
+    host: HostId,
+    inbound: InboundFn,
+    counters: Arc<Counters>,
+    warn: WarnLimiter,
+    received_direct: metrics::Counter,
+    received_events: metrics::Counter,
+}
+
+impl Receiver {
+    fn drop_frame(&self, reason: &'static str, source: &str, detail: &dyn std::fmt::Display) {
+        Counters::add(&self.counters.dropped, 1);
+        metrics::counter!("tessera_bus_frames_dropped_total", "reason" => reason).increment(1);
+        if let Some(suppressed) = self.warn.allow() {
+            tracing::warn!(reason, source, suppressed, "dropped bus frame: {detail}");
+        }
+    }
+
+    /// One frame from the ROUTER: `[identity, envelope]`.
+    fn on_direct(&self, msg: ZmqMessage) {
+        let frames = msg.into_vec();
+        let source = frames.first().map(|id| String::from_utf8_lossy(id).into_owned()).unwrap_or_default();
+        let [_, frame] = frames.as_slice() else {
+            self.drop_frame("framing", &source, &format_args!("{} ZeroMQ frames, expected 2", frames.len()));
+            return;
+        };
+        match codec::decode(frame) {
+            Ok(env) if env.to.is_some_and(|to| to.host == self.host) => {
+                Counters::add(&self.counters.received, 1);
+                self.received_direct.increment(1);
+                (self.inbound)(env);
+            }
+            Ok(env) => self.drop_frame("misrouted", &source, &format_args!("addressed to {:?}", env.to)),
+            Err(e) => self.drop_frame(e.reason(), &source, &e),
+        }
+    }
+
+    /// One message from a SUB: `[topic, envelope]`.
+    fn on_event(&self, msg: ZmqMessage, peer: &str) {
+        let frames = msg.into_vec();
+        let [_, frame] = frames.as_slice() else {
+            self.drop_frame("framing", peer, &format_args!("{} ZeroMQ frames, expected 2", frames.len()));
+            return;
+        };
+        match codec::decode(frame) {
+            Ok(env) => {
+                Counters::add(&self.counters.received, 1);
+                self.received_events.increment(1);
+                (self.inbound)(env);
+            }
+            Err(e) => self.drop_frame(e.reason(), peer, &e),
+        }
+    }
+}
+
+struct PeerQueue {
+    name: String,
+    tx: mpsc::Sender<Vec<u8>>,
+    /// Bumped to make both links to the peer reconnect.
+    reset: watch::Sender<u64>,
+}
+
+struct Inner {
+    host: HostId,
+    direct: SocketAddr,
+    events: SocketAddr,
+    peers: HashMap<HostId, PeerQueue>,
+    events_tx: mpsc::Sender<(String, Vec<u8>)>,
+    counters: Arc<Counters>,
+    stop: watch::Sender<bool>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The tasks see this and close their sockets; `Bus::shutdown` also waits for it.
+        let _ = self.stop.send(true);
+    }
+}
+
+/// A handle on this host's bus. Cheap to clone; the bus stops when [`Bus::shutdown`]
+/// is called or the last clone is dropped.
+#[derive(Clone)]
+pub struct Bus {
+    inner: Arc<Inner>,
+}
+
+/// Resolves once the bus is told to stop (or its handle is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+fn tcp_endpoint(addr: SocketAddr) -> String {
+    format!("tcp://{addr}")
+}
+
+async fn bind<S: Socket>(socket: &mut S, role: &'static str, addr: SocketAddr) -> Result<SocketAddr, BusError> {
+    let endpoint = socket.bind(&tcp_endpoint(addr)).await.map_err(|source| BusError::Bind { role, addr, source })?;
+    let port = match endpoint {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        _ => addr.port(),
+    };
+    Ok(SocketAddr::new(addr.ip(), port))
+}
+
+impl Bus {
+    /// Binds this host's sockets, then connects to every peer in the background.
+    /// Tasks run on the current tokio runtime.
+    pub async fn start(config: BusConfig, inbound: InboundFn) -> Result<Bus, BusError> {
+        config.validate()?;
+        tokio::runtime::Handle::try_current().map_err(|_| BusError::NoRuntime)?;
+
+        let mut router = RouterSocket::new();
+        let direct = bind(&mut router, "direct", config.direct).await?;
+        let mut publisher = PubSocket::new();
+        let events = match bind(&mut publisher, "events", config.events).await {
+            Ok(addr) => addr,
+            Err(e) => {
+                // Release the ROUTER's port before reporting.
+                let _ = router.close().await;
+                return Err(e);
+            }
+        };
+
+        let counters = Arc::new(Counters::default());
+        let (stop, stop_rx) = watch::channel(false);
+        let receiver = Arc::new(Receiver {
+            host: config.host,
+            inbound,
+            counters: counters.clone(),
+            warn: WarnLimiter::new(),
+            received_direct: metrics::counter!("tessera_bus_frames_received_total", "channel" => "direct"),
+            received_events: metrics::counter!("tessera_bus_frames_received_total", "channel" => "events"),
+        });
+
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(run_router(router, receiver.clone(), stop_rx.clone())));
+        let (events_tx, events_rx) = mpsc::channel(config.queue_capacity);
+        tasks.push(tokio::spawn(run_publisher(publisher, events_rx, counters.clone(), stop_rx.clone())));
+
+        let mut peers = HashMap::new();
+        for peer in &config.peers {
+            let (tx, rx) = mpsc::channel(config.queue_capacity);
+            let (reset, reset_rx) = watch::channel(0);
+            let ctx = link::LinkCtx {
+                own_name: config.name.clone(),
+                own_host: config.host,
+                peer: peer.clone(),
+                counters: counters.clone(),
+                send_timeout: config.send_timeout,
+                reconnect_max: config.reconnect_max,
+                reset: reset_rx,
+            };
+            tasks.push(tokio::spawn(link::run_dealer(ctx.clone(), rx, stop_rx.clone())));
+            tasks.push(tokio::spawn(link::run_subscriber(ctx, receiver.clone(), stop_rx.clone())));
+            peers.insert(peer.host, PeerQueue { name: peer.name.clone(), tx, reset });
+        }
+        tracing::info!(host = %config.host, name = %config.name, %direct, %events, peers = peers.len(), "bus started");
+
+        Ok(Bus {
+            inner: Arc::new(Inner {
+                host: config.host,
+                direct,
+                events,
+                peers,
+                events_tx,
+                counters,
+                stop,
+                tasks: Mutex::new(tasks),
+            }),
+        })
+    }
+
+    /// This host's id.
+    pub fn host(&self) -> HostId {
+        self.inner.host
+    }
+
+    /// The ROUTER's bound address (the real port when the config asked for port 0).
+    pub fn direct_addr(&self) -> SocketAddr {
+        self.inner.direct
+    }
+
+    /// The PUB's bound address.
+    pub fn events_addr(&self) -> SocketAddr {
+        self.inner.events
+    }
+
+    /// Queues `env` for `env.to.host`. Never blocks. Same-host delivery is not the
+    /// bus's business: this host's own id is an [`SendError::UnknownHost`].
+    pub fn send(&self, env: Envelope) -> Result<(), SendError> {
+        let to = env.to.ok_or(SendError::Missing("to"))?;
+        let peer = self.inner.peers.get(&to.host).ok_or(SendError::UnknownHost(to.host))?;
+        let frame = codec::encode(&env)?;
+        match peer.tx.try_send(frame) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                Counters::add(&self.inner.counters.queue_full, 1);
+                metrics::counter!("tessera_bus_queue_full_total", "peer" => peer.name.clone()).increment(1);
+                Err(SendError::Full { peer: peer.name.clone() })
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(SendError::Closed),
+        }
+    }
+
+    /// Queues `env` for broadcast on `env.topic` to every peer. Never blocks. PUB/SUB
+    /// is lossy: a peer that is down or has not subscribed yet misses it.
+    pub fn publish(&self, env: Envelope) -> Result<(), SendError> {
+        let topic = env.topic.clone().ok_or(SendError::Missing("topic"))?;
+        let frame = codec::encode(&env)?;
+        match self.inner.events_tx.try_send((topic, frame)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                Counters::add(&self.inner.counters.queue_full, 1);
+                metrics::counter!("tessera_bus_queue_full_total", "peer" => "all").increment(1);
+                Err(SendError::Full { peer: "all (broadcast)".into() })
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(SendError::Closed),
+        }
+    }
+
+    /// Drops both links to `host` and reconnects them. For the host above when it stops
+    /// hearing a peer whose connections look alive: `zeromq` 0.7 has neither ZMTP
+    /// heartbeats nor TCP keepalive, so a peer that vanished without closing its
+    /// connections (power loss, partition) is otherwise noticed only when a send to it
+    /// times out, and never on the broadcast side.
+    pub fn reset_peer(&self, host: HostId) -> Result<(), SendError> {
+        let peer = self.inner.peers.get(&host).ok_or(SendError::UnknownHost(host))?;
+        peer.reset.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
+    pub fn stats(&self) -> BusStats {
+        self.inner.counters.snapshot()
+    }
+
+    /// Stops every task and waits until the sockets are closed and the ports released.
+    /// Other clones of this handle see [`SendError::Closed`] afterwards.
+    pub async fn shutdown(self) {
+        let _ = self.inner.stop.send(true);
+        let tasks = std::mem::take(&mut *self.inner.tasks.lock());
+        for task in tasks {
+            if let Err(e) = task.await
+                && e.is_panic()
+            {
+                tracing::error!("bus task panicked: {e}");
+            }
+        }
+        tracing::info!(host = %self.inner.host, "bus stopped");
+    }
+}
+
+async fn run_router(mut router: RouterSocket, receiver: Arc<Receiver>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            biased;
+            () = stopped(&mut stop) => break,
+            msg = router.recv() => match msg {
+                Ok(msg) => receiver.on_direct(msg),
+                Err(e) => {
+                    // Not expected from a ROUTER that waits for clients; do not spin on it.
+                    tracing::warn!("bus ROUTER receive failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+        }
+    }
+    close_and_reap(router, "ROUTER").await;
+}
+
+async fn run_publisher(
+    mut publisher: PubSocket,
+    mut rx: mpsc::Receiver<(String, Vec<u8>)>,
+    counters: Arc<Counters>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let sent = metrics::counter!("tessera_bus_frames_sent_total", "peer" => "all");
+    loop {
+        tokio::select! {
+            biased;
+            () = stopped(&mut stop) => break,
+            item = rx.recv() => {
+                let Some((topic, frame)) = item else { break };
+                let msg = match ZmqMessage::try_from(vec![Bytes::from(topic), Bytes::from(frame)]) {
+                    Ok(msg) => msg,
+                    Err(_) => continue,
+                };
+                // PUB never waits: ZeroMQ drops for a subscriber whose queue is full.
+                match publisher.send(msg).await {
+                    Ok(()) => {
+                        Counters::add(&counters.sent, 1);
+                        sent.increment(1);
+                    }
+                    Err(e) => tracing::warn!("bus PUB send failed: {e}"),
+                }
+            }
+        }
+    }
+    close_and_reap(publisher, "PUB").await;
+}
+
+/// How long a shutdown waits for connections that were mid-handshake when the socket
+/// closed.
+const REAP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Closes a bound socket and reaps the connections `zeromq` 0.7 leaks on close.
+///
+/// The crate finishes the handshake of a connection accepted just before close in a
+/// detached task, then registers it in the closed socket's backend: its writer task
+/// then holds the backend, the backend holds the writer's queue, and both live as
+/// long as the runtime. Shutting the backend down again once those handshakes end
+/// breaks the cycle; every such task holds a reference to the backend, so the count
+/// says when none is left. A client that connects and never handshakes keeps its
+/// task past the deadline: the crate has no handshake timeout.
+async fn close_and_reap<S: Socket>(socket: S, what: &'static str) {
+    let backend = socket.backend();
+    for e in socket.close().await {
+        tracing::debug!("closing the bus {what}: {e}");
+    }
+    let deadline = Instant::now() + REAP_TIMEOUT;
+    while Arc::strong_count(&backend) > 1 {
+        if Instant::now() >= deadline {
+            tracing::debug!(what, "bus socket closed with connections still handshaking; left to zeromq");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        backend.shutdown();
+    }
+}

@@ -1,0 +1,340 @@
+//! The ZeroMQ bus between two hosts in one process, over loopback TCP: direct messages
+//! both ways, broadcasts, a garbage frame, a peer restart, and start/stop cycles.
+//! Every wait is bounded; "eventually" means polling until a deadline.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tessera_runtime::bus::bench::{self, BusBenchOptions, PeerLaunch};
+use tessera_runtime::bus::{Bus, BusConfig, BusError, InboundFn, PeerSpec, SendError};
+use tessera_runtime::codec::Envelope;
+use tessera_runtime::{Addr, HostId};
+use tokio::sync::mpsc;
+use zeromq::{DealerSocket, Socket, SocketSend, ZmqMessage};
+
+const WAIT: Duration = Duration::from_secs(10);
+const A: HostId = HostId(0);
+const B: HostId = HostId(1);
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
+}
+
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
+}
+
+#[derive(Clone, Copy)]
+struct Ports {
+    direct: SocketAddr,
+    events: SocketAddr,
+}
+
+fn ports() -> Ports {
+    Ports { direct: loopback(free_port()), events: loopback(free_port()) }
+}
+
+fn config(host: HostId, own: Ports, peer_host: HostId, peer: Ports, capacity: usize) -> BusConfig {
+    let mut c = BusConfig::new(host, format!("test-{}", host.0), own.direct, own.events);
+    c.peers.push(PeerSpec {
+        host: peer_host,
+        name: format!("test-{}", peer_host.0),
+        direct: peer.direct,
+        events: peer.events,
+    });
+    c.queue_capacity = capacity;
+    c.reconnect_max = Duration::from_millis(200);
+    c
+}
+
+fn collector() -> (InboundFn, mpsc::UnboundedReceiver<Envelope>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (Arc::new(move |env| drop(tx.send(env))), rx)
+}
+
+/// Starts a bus, retrying while its ports are still held (bounded).
+async fn start(config: BusConfig, inbound: InboundFn) -> Bus {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match Bus::start(config.clone(), inbound.clone()).await {
+            Ok(bus) => return bus,
+            Err(BusError::Bind { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("bus did not start: {e}"),
+        }
+    }
+}
+
+fn direct(from: HostId, to: HostId, corr: u64) -> Envelope {
+    Envelope::direct(Addr::new(from, 7), Addr::new(to, 9), "Ping", corr, corr.to_le_bytes().to_vec())
+}
+
+/// Sends `corr` values from `first` up every 20 ms until one of them arrives; returns it.
+async fn send_until_received(
+    bus: &Bus,
+    from: HostId,
+    to: HostId,
+    first: u64,
+    rx: &mut mpsc::UnboundedReceiver<Envelope>,
+) -> Envelope {
+    let deadline = Instant::now() + WAIT;
+    let mut corr = first;
+    loop {
+        assert!(Instant::now() < deadline, "no message from {from} reached {to}");
+        match bus.send(direct(from, to, corr)) {
+            Ok(()) | Err(SendError::Full { .. }) => {}
+            Err(e) => panic!("send failed: {e}"),
+        }
+        corr += 1;
+        if let Ok(Some(env)) = tokio::time::timeout(Duration::from_millis(20), rx.recv()).await
+            && env.corr >= first
+        {
+            return env;
+        }
+    }
+}
+
+async fn recv(rx: &mut mpsc::UnboundedReceiver<Envelope>) -> Envelope {
+    tokio::time::timeout(WAIT, rx.recv()).await.expect("timed out waiting for an envelope").expect("bus closed")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_both_ways_and_broadcasts() {
+    let (pa, pb) = (ports(), ports());
+    let (ia, mut ra) = collector();
+    let (ib, mut rb) = collector();
+    let a = start(config(A, pa, B, pb, 64), ia).await;
+    let b = start(config(B, pb, A, pa, 64), ib).await;
+
+    let first = send_until_received(&a, A, B, 0, &mut rb).await;
+    assert_eq!(first.from, Addr::new(A, 7));
+    assert_eq!(first.to, Some(Addr::new(B, 9)));
+    assert_eq!(first.payload, first.corr.to_le_bytes());
+    // Once connected, order is kept: the next ones arrive in order.
+    for corr in 1000..1010 {
+        a.send(direct(A, B, corr)).expect("send a->b");
+    }
+    let mut got = Vec::new();
+    while got.len() < 10 {
+        let env = recv(&mut rb).await;
+        if env.corr >= 1000 {
+            got.push(env.corr);
+        }
+    }
+    assert_eq!(got, (1000..1010).collect::<Vec<_>>());
+
+    let back = send_until_received(&b, B, A, 0, &mut ra).await;
+    assert_eq!(back.from.host, B);
+
+    // Broadcasts: the subscription may land after the first publishes, so publish until
+    // one arrives, then check what arrived.
+    let deadline = Instant::now() + WAIT;
+    let event = loop {
+        assert!(Instant::now() < deadline, "no broadcast from a reached b");
+        a.publish(Envelope::broadcast(Addr::new(A, 1), "kv.events", "KvEvent", vec![1, 2, 3])).expect("publish");
+        match tokio::time::timeout(Duration::from_millis(20), rb.recv()).await {
+            Ok(Some(env)) if env.topic.is_some() => break env,
+            _ => {}
+        }
+    };
+    assert_eq!(event.topic.as_deref(), Some("kv.events"));
+    assert_eq!(event.kind, "KvEvent");
+    assert_eq!(event.to, None);
+    assert_eq!(event.payload, vec![1, 2, 3]);
+
+    let deadline = Instant::now() + WAIT;
+    loop {
+        assert!(Instant::now() < deadline, "no broadcast from b reached a");
+        b.publish(Envelope::broadcast(Addr::new(B, 1), "heartbeat", "Heartbeat", vec![])).expect("publish");
+        match tokio::time::timeout(Duration::from_millis(20), ra.recv()).await {
+            Ok(Some(env)) if env.topic.as_deref() == Some("heartbeat") => break,
+            _ => {}
+        }
+    }
+
+    // A forced relink (what the host does when a peer's heartbeats stop) reconnects.
+    a.reset_peer(B).expect("b is a peer");
+    send_until_received(&a, A, B, 2000, &mut rb).await;
+    let deadline = Instant::now() + WAIT;
+    while a.stats().reconnects < 2 {
+        assert!(Instant::now() < deadline, "reset did not relink both links: {:?}", a.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(matches!(a.reset_peer(HostId(9)), Err(SendError::UnknownHost(HostId(9)))));
+
+    assert!(matches!(a.send(direct(A, HostId(9), 0)), Err(SendError::UnknownHost(HostId(9)))));
+    assert!(matches!(a.send(direct(A, A, 0)), Err(SendError::UnknownHost(A))), "same-host delivery skips the bus");
+    let mut no_topic = direct(A, B, 0);
+    no_topic.topic = None;
+    assert!(matches!(a.publish(no_topic), Err(SendError::Missing("topic"))));
+    let sa = a.stats();
+    assert!(sa.sent >= 11 && sa.received >= 1 && sa.dropped == 0, "{sa:?}");
+
+    a.shutdown().await;
+    let b2 = b.clone();
+    b.shutdown().await;
+    assert!(matches!(b2.send(direct(B, A, 0)), Err(SendError::Closed)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_frames_are_counted_and_dropped() {
+    let (pa, pb) = (ports(), ports());
+    let (ia, _ra) = collector();
+    let (ib, mut rb) = collector();
+    let a = start(config(A, pa, B, pb, 64), ia).await;
+    let b = start(config(B, pb, A, pa, 64), ib).await;
+    send_until_received(&a, A, B, 0, &mut rb).await;
+
+    let mut raw = DealerSocket::new();
+    tokio::time::timeout(WAIT, raw.connect(&format!("tcp://{}", pb.direct)))
+        .await
+        .expect("raw connect timed out")
+        .expect("raw connect");
+    let garbage: [&[u8]; 3] = [b"\xc1\xc1 not msgpack", b"", &[0x92, 0x01]];
+    for frame in garbage {
+        raw.send(ZmqMessage::from(frame.to_vec())).await.expect("raw send");
+    }
+    // Two ZeroMQ frames where one envelope is expected.
+    let two = ZmqMessage::try_from(vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")]).expect("two frames");
+    raw.send(two).await.expect("raw send");
+    // A well-formed envelope of a future protocol version.
+    let mut v2 = direct(A, B, 5);
+    v2.v = 2;
+    raw.send(ZmqMessage::from(tessera_runtime::codec::encode(&v2).expect("encode"))).await.expect("raw send");
+
+    let deadline = Instant::now() + WAIT;
+    while b.stats().dropped < 5 {
+        assert!(Instant::now() < deadline, "garbage not counted: {:?}", b.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(b.stats().dropped, 5);
+
+    // Still working, and nothing garbage reached the inbound function.
+    let env = send_until_received(&a, A, B, 100, &mut rb).await;
+    assert_eq!(env.v, 1);
+    while let Ok(env) = rb.try_recv() {
+        assert_eq!(env.from, Addr::new(A, 7));
+    }
+    drop(raw);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_restart_gives_full_then_reconnects() {
+    let (pa, pb) = (ports(), ports());
+    let capacity = 8;
+    let (ia, mut ra) = collector();
+    let (ib, mut rb) = collector();
+    let a = start(config(A, pa, B, pb, capacity), ia).await;
+    let b = start(config(B, pb, A, pa, capacity), ib.clone()).await;
+    send_until_received(&a, A, B, 0, &mut rb).await;
+    send_until_received(&b, B, A, 0, &mut ra).await;
+
+    b.shutdown().await;
+    // With b gone, a's queue to b fills and then refuses, without blocking. A few frames
+    // may vanish into the dead connection before a notices.
+    let deadline = Instant::now() + WAIT;
+    let mut accepted = 0;
+    loop {
+        assert!(Instant::now() < deadline, "sends to a dead peer never reported Full ({accepted} accepted)");
+        let t = Instant::now();
+        let r = a.send(direct(A, B, 10_000 + accepted));
+        assert!(t.elapsed() < Duration::from_millis(50), "send blocked for {:?}", t.elapsed());
+        match r {
+            Ok(()) => accepted += 1,
+            Err(SendError::Full { peer }) => {
+                assert_eq!(peer, "test-1");
+                break;
+            }
+            Err(e) => panic!("unexpected send error: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(accepted >= capacity as u64, "Full after only {accepted} sends");
+    assert!(a.stats().queue_full >= 1);
+
+    // b comes back on the same ports; a reconnects by itself and new messages flow.
+    let (ib2, mut rb2) = collector();
+    let b = start(config(B, pb, A, pa, capacity), ib2).await;
+    let env = send_until_received(&a, A, B, 20_000, &mut rb2).await;
+    assert!(env.corr >= 20_000, "a frame queued while b was down reached its new life: {}", env.corr);
+    send_until_received(&b, B, A, 30_000, &mut ra).await;
+    let sa = a.stats();
+    assert!(sa.reconnects >= 1, "{sa:?}");
+    assert!(sa.discarded >= capacity as u64, "{sa:?}");
+    drop(rb);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_stop_cycles_release_ports_and_tasks() {
+    let (pa, pb) = (ports(), ports());
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let baseline = metrics.num_alive_tasks();
+    for round in 0..20u64 {
+        let (ia, _ra) = collector();
+        let (ib, mut rb) = collector();
+        let a = start(config(A, pa, B, pb, 16), ia).await;
+        let b = start(config(B, pb, A, pa, 16), ib).await;
+        if round % 5 == 0 {
+            send_until_received(&a, A, B, 0, &mut rb).await;
+        }
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+    // ZeroMQ's own per-connection tasks end shortly after their sockets close.
+    let deadline = Instant::now() + WAIT;
+    while metrics.num_alive_tasks() > baseline {
+        assert!(
+            Instant::now() < deadline,
+            "{} tasks still alive after 20 start/stop cycles (baseline {baseline})",
+            metrics.num_alive_tasks()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The same ports bind straight away after a shutdown (no retry needed).
+    let (ia, _ra) = collector();
+    let a = Bus::start(config(A, pa, B, pb, 16), ia).await.expect("ports released by shutdown");
+    a.shutdown().await;
+}
+
+#[test]
+fn bus_handles_are_shareable() {
+    fn shareable<T: Send + Sync + Clone + 'static>() {}
+    shareable::<Bus>();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_failure_names_the_address() {
+    let taken = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
+    let addr = taken.local_addr().expect("addr");
+    let (ia, _ra) = collector();
+    let cfg = config(A, Ports { direct: addr, events: loopback(free_port()) }, B, ports(), 16);
+    let err = Bus::start(cfg, ia).await.err().expect("binding a taken port must fail");
+    assert!(err.to_string().contains(&addr.to_string()), "{err}");
+
+    let (ia, _ra) = collector();
+    let mut cfg = config(A, ports(), B, ports(), 16);
+    cfg.peers.push(cfg.peers[0].clone());
+    assert!(matches!(Bus::start(cfg, ia).await, Err(BusError::Config(_))));
+}
+
+#[test]
+fn bench_runs_against_a_thread_peer() {
+    let opts = BusBenchOptions { messages: 300, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread };
+    let report = bench::run(&opts).expect("bench");
+    assert_eq!(report.peer, "thread");
+    assert!(report.frame_bytes > 64);
+    assert!(report.bus.rtt_p50_us > 0.0 && report.bus.rtt_p99_us >= report.bus.rtt_p50_us);
+    assert!(report.tcp.rtt_p50_us > 0.0 && report.tcp.round_trips_per_s > 0.0);
+    assert!(report.rtt_p50_ratio.is_finite() && report.throughput_ratio.is_finite());
+    assert!(report.bus_stats.received >= 600, "{:?}", report.bus_stats);
+    assert_eq!(report.bus_stats.dropped, 0);
+    assert!(report.table().contains("bus/tcp"));
+}
