@@ -74,8 +74,7 @@ pub fn run_node(
         .filter(|(i, _)| *i != index)
         .map(|(i, h)| PeerSpec { host: HostId(i as u16), name: h.name.clone(), direct: h.bus, events: h.events })
         .collect();
-    let bus_config =
-        BusConfig { peers, ..BusConfig::new(HostId(index as u16), me.name.clone(), me.bus, me.events) };
+    let bus_config = BusConfig { peers, ..BusConfig::new(HostId(index as u16), me.name.clone(), me.bus, me.events) };
     let bus: Bus = rt
         .block_on(Bus::start(bus_config, host.inbound()))
         .with_context(|| format!("host {host_name}: starting the bus on {} / {}", me.bus, me.events))?;
