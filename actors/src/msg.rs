@@ -154,56 +154,120 @@ pub enum Fault {
 pub enum Msg {
     // Request life.
     /// Request -> router: pick a chip, avoiding `exclude`.
-    Route { request_id: u64, req: Addr, tokens: usize, exclude: Vec<Addr> },
+    Route {
+        request_id: u64,
+        req: Addr,
+        tokens: usize,
+        exclude: Vec<Addr>,
+    },
     /// Router -> request.
-    Routed { request_id: u64, chip: Addr },
+    Routed {
+        request_id: u64,
+        chip: Addr,
+    },
     /// Router -> request: nowhere to go.
-    RouteFailed { request_id: u64, error: ServeError },
+    RouteFailed {
+        request_id: u64,
+        error: ServeError,
+    },
     /// Request -> router: this request no longer loads `chip`.
-    Release { request_id: u64, chip: Addr },
+    Release {
+        request_id: u64,
+        chip: Addr,
+    },
     /// Request -> chip.
-    Enqueue { seq: SeqRequest },
+    Enqueue {
+        seq: SeqRequest,
+    },
     /// Request -> chip: forget this request and free its KV.
-    Abort { request_id: u64 },
+    Abort {
+        request_id: u64,
+    },
     /// Chip -> request: new tokens, maybe the end.
-    Generated { request_id: u64, chip: Addr, tokens: Vec<u32>, finish: Option<Finish> },
+    Generated {
+        request_id: u64,
+        chip: Addr,
+        tokens: Vec<u32>,
+        finish: Option<Finish>,
+    },
     /// Chip -> request: not taken; `retry` says another chip might.
-    Refused { request_id: u64, chip: Addr, error: ServeError, retry: bool },
+    Refused {
+        request_id: u64,
+        chip: Addr,
+        error: ServeError,
+        retry: bool,
+    },
     /// Router -> request: its chip went down; re-route and replay.
-    ChipLost { chip: Addr },
+    ChipLost {
+        chip: Addr,
+    },
     /// Client -> request: the client went away.
     Cancel,
     /// Request -> client.
-    Client { event: ClientEvent },
+    Client {
+        event: ClientEvent,
+    },
 
     // Chip internals.
-    WorkerReady { info: ChipInfo },
-    WorkerFailed { error: String },
-    WorkerPanicked { error: String },
-    StepDone { outcome: StepOutcome },
+    WorkerReady {
+        info: ChipInfo,
+    },
+    WorkerFailed {
+        error: String,
+    },
+    WorkerPanicked {
+        error: String,
+    },
+    StepDone {
+        outcome: StepOutcome,
+    },
     /// Supervisor -> chip: start the worker again.
     Restart,
     /// Drill -> chip.
-    InjectFault { fault: Fault },
+    InjectFault {
+        fault: Fault,
+    },
 
     // Health.
     /// Chip -> its host's supervisor.
-    Report { report: ChipReport },
+    Report {
+        report: ChipReport,
+    },
     /// Chip -> its supervisor: the worker died.
-    ChipCrashed { chip: Addr, error: String },
+    ChipCrashed {
+        chip: Addr,
+        error: String,
+    },
     /// Supervisor -> itself: a restart's backoff is over.
-    RestartDue { chip: Addr },
+    RestartDue {
+        chip: Addr,
+    },
     /// Supervisor -> chip: no more restarts.
-    GiveUp { reason: String },
-    Heartbeat { beat: Heartbeat },
-    HostDown { host: HostId, host_name: String },
-    HostUp { host: HostId, host_name: String },
+    GiveUp {
+        reason: String,
+    },
+    Heartbeat {
+        beat: Heartbeat,
+    },
+    HostDown {
+        host: HostId,
+        host_name: String,
+    },
+    HostUp {
+        host: HostId,
+        host_name: String,
+    },
     Tick,
 
     // Queries.
     /// Anyone -> router: reply with `ClusterView`.
-    QueryCluster { reply_to: Addr },
-    ClusterView { chips: Vec<ChipReport>, hosts_down: Vec<String> },
+    QueryCluster {
+        reply_to: Addr,
+    },
+    ClusterView {
+        chips: Vec<ChipReport>,
+        hosts_down: Vec<String>,
+    },
 }
 
 impl Message for Msg {

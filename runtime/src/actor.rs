@@ -86,11 +86,14 @@ pub struct WorkerSpec<M> {
     pub on_panic: Box<dyn Fn(String) -> M + Send>,
 }
 
+/// A job's body: gets the worker's state, returns the result message.
+pub type JobFn<M> = Box<dyn FnOnce(&mut dyn Any) -> M + Send>;
+
 /// A unit of compute: runs on the worker's thread, its result comes back as a message
 /// to the actor that submitted it.
 pub struct Job<M> {
     pub label: &'static str,
-    pub run: Box<dyn FnOnce(&mut dyn Any) -> M + Send>,
+    pub run: JobFn<M>,
 }
 
 /// An identifier for a pending timer.

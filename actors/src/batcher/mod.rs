@@ -202,9 +202,8 @@ impl Batcher {
             let need = blocks_needed(&self.running[i], 1, bs);
             while need > pool.free() {
                 // Recompute the latest arrival that is not already in this step.
-                let victim = (0..self.running.len())
-                    .rev()
-                    .find(|&j| j > i && !scheduled.contains(&self.running[j].request_id));
+                let victim =
+                    (0..self.running.len()).rev().find(|&j| j > i && !scheduled.contains(&self.running[j].request_id));
                 let Some(j) = victim else { break };
                 let mut seq = self.running.remove(j);
                 release_blocks(&mut seq, pool);
@@ -336,7 +335,8 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         seq.hashes.push(hash);
     }
     seq.cached = end;
-    let new_sampler = (!seq.sampler_live).then(|| (seq.sampling.clone(), (seq.generated_before + seq.new_tokens) as u64));
+    let new_sampler =
+        (!seq.sampler_live).then(|| (seq.sampling.clone(), (seq.generated_before + seq.new_tokens) as u64));
     seq.sampler_live = true;
     PlannedSeq {
         request_id: seq.request_id,

@@ -23,7 +23,10 @@ fn seq(id: u64, prompt: usize, max_new: usize) -> SeqRequest {
     }
 }
 
-fn shape(plan: &StepPlan) -> Vec<(u64, usize, usize, bool)> {
+/// (request id, start position, chunk length, samples) of each planned sequence.
+type Shape = Vec<(u64, usize, usize, bool)>;
+
+fn shape(plan: &StepPlan) -> Shape {
     plan.seqs.iter().map(|s| (s.request_id, s.start_pos, s.tokens.len(), s.sample)).collect()
 }
 
@@ -32,7 +35,7 @@ fn pool(blocks: usize) -> KvPool {
 }
 
 /// Samples token 7 for every sequence that asked.
-fn run_step(b: &mut Batcher, p: &mut KvPool) -> (Vec<(u64, usize, usize, bool)>, Vec<Emitted>) {
+fn run_step(b: &mut Batcher, p: &mut KvPool) -> (Shape, Vec<Emitted>) {
     let plan = b.plan(p).expect("a step");
     let sampled: Vec<(u64, u32)> = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
     (shape(&plan), b.complete(&sampled, p))
@@ -45,7 +48,7 @@ fn plans_chunked_prefill_then_decode_first() {
     b.enqueue(seq(1, 10, 3));
     b.enqueue(seq(2, 3, 3));
     // (expected step shapes: (id, start, len, sample))
-    let expected: Vec<Vec<(u64, usize, usize, bool)>> = vec![
+    let expected: Vec<Shape> = vec![
         vec![(1, 0, 8, false)],                  // budget 8: a chunk of request 1's prompt
         vec![(1, 8, 2, true), (2, 0, 3, true)],  // rest of 1, then 2 joins the batch
         vec![(1, 10, 1, true), (2, 3, 1, true)], // both decode

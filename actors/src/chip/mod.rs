@@ -61,6 +61,8 @@ impl Chip {
         }
     }
 
+    // The init's error is the failure message itself, built once per start.
+    #[allow(clippy::result_large_err)]
     fn start_worker(&mut self, fx: &mut dyn Effects<Msg>) {
         self.state = ChipState::Starting;
         self.step_in_flight = false;

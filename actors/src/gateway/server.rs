@@ -152,7 +152,7 @@ impl Drop for RequestGuard {
 
 fn prompt_ids(st: &GatewayState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     let encode = |text: &str, add_bos: bool| {
-        st.tokenizer.encode(text, add_bos).map_err(|e| ApiError::bad_request(&format!("cannot tokenize: {e}"), None))
+        st.tokenizer.encode(text, add_bos).map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}"), None))
     };
     match prompt {
         Prompt::Text(text) => encode(text, true),
@@ -189,7 +189,7 @@ async fn generate(st: Arc<GatewayState>, req: GenerationRequest, endpoint: Endpo
     let max_tokens = req.max_tokens.unwrap_or(max_context - prompt.len());
     if prompt.len() + max_tokens > max_context {
         return error_response(ApiError::bad_request(
-            &format!(
+            format!(
                 "This model's maximum context length is {max_context} tokens. However, you requested {} tokens \
                  ({} in the prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                 prompt.len() + max_tokens,
@@ -200,7 +200,7 @@ async fn generate(st: Arc<GatewayState>, req: GenerationRequest, endpoint: Endpo
     }
     if st.inflight.fetch_add(1, Ordering::AcqRel) >= st.config.max_inflight_requests {
         st.inflight.fetch_sub(1, Ordering::AcqRel);
-        return error_response(ApiError::overloaded(&format!(
+        return error_response(ApiError::overloaded(format!(
             "the gateway already serves {} requests; retry later",
             st.config.max_inflight_requests
         )));
@@ -280,7 +280,12 @@ struct TextAssembler<'a> {
 
 impl<'a> TextAssembler<'a> {
     fn new(tok: &'a TextTokenizer, stops: Vec<String>) -> Self {
-        TextAssembler { decoder: tok.stream_decoder(), stops: StopMatcher::new(stops), completion_tokens: 0, stopped: false }
+        TextAssembler {
+            decoder: tok.stream_decoder(),
+            stops: StopMatcher::new(stops),
+            completion_tokens: 0,
+            stopped: false,
+        }
     }
 
     /// Text that is final after these tokens.
@@ -291,7 +296,7 @@ impl<'a> TextAssembler<'a> {
                 break;
             }
             self.completion_tokens += 1;
-            let piece = self.decoder.push(t).map_err(|e| ApiError::internal(&format!("detokenizing: {e}")))?;
+            let piece = self.decoder.push(t).map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
             if let Some(piece) = piece {
                 let (safe, hit) = self.stops.push(&piece);
                 out.push_str(&safe);
@@ -306,7 +311,7 @@ impl<'a> TextAssembler<'a> {
             return Ok(String::new());
         }
         let mut out = String::new();
-        if let Some(piece) = self.decoder.finish().map_err(|e| ApiError::internal(&format!("detokenizing: {e}")))? {
+        if let Some(piece) = self.decoder.finish().map_err(|e| ApiError::internal(format!("detokenizing: {e}")))? {
             let (safe, hit) = self.stops.push(&piece);
             out.push_str(&safe);
             self.stopped = hit;
@@ -516,9 +521,7 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
 
 async fn prometheus(State(st): State<Arc<GatewayState>>) -> Response {
     match &st.config.metrics {
-        Some(handle) => {
-            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
-        }
+        Some(handle) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response(),
         None => error_response(ApiError::unavailable("metrics are not enabled in this process")),
     }
 }
@@ -534,13 +537,13 @@ struct FaultRequest {
 async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
     let req: FaultRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return error_response(ApiError::bad_request(&format!("malformed fault request: {e}"), None)),
+        Err(e) => return error_response(ApiError::bad_request(format!("malformed fault request: {e}"), None)),
     };
     let fault = match req.fault.as_str() {
         "worker_panic" => Fault::WorkerPanic,
         other => {
             return error_response(ApiError::bad_request(
-                &format!("unknown fault `{other}`; known: worker_panic"),
+                format!("unknown fault `{other}`; known: worker_panic"),
                 Some("fault"),
             ));
         }
@@ -549,12 +552,12 @@ async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Respo
         let mut known: Vec<&String> = st.config.chips.keys().collect();
         known.sort();
         return error_response(ApiError::bad_request(
-            &format!("unknown chip `{}`; chips: {known:?}", req.chip),
+            format!("unknown chip `{}`; chips: {known:?}", req.chip),
             Some("chip"),
         ));
     };
     match st.host.send(chip, Msg::InjectFault { fault }) {
         Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"injected": req.fault, "chip": req.chip}))).into_response(),
-        Err(e) => error_response(ApiError::unavailable(&format!("chip {} is unreachable: {e}", req.chip))),
+        Err(e) => error_response(ApiError::unavailable(format!("chip {} is unreachable: {e}", req.chip))),
     }
 }

@@ -145,7 +145,10 @@ mod tests {
         let b = pool.alloc(2).unwrap();
         assert_eq!(b.slot, a.slot);
         assert_ne!(b.generation, a.generation);
-        assert!(matches!(pool.seal(a, 5), Err(KvError::Stale { .. })), "the old ref cannot touch the new owner's block");
+        assert!(
+            matches!(pool.seal(a, 5), Err(KvError::Stale { .. })),
+            "the old ref cannot touch the new owner's block"
+        );
         let foreign = BlockRef { chip: chip(17), ..b };
         assert!(matches!(pool.release(foreign), Err(KvError::WrongChip { .. })));
         let out_of_range = BlockRef { slot: 40, ..b };
