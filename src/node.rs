@@ -12,7 +12,7 @@ use std::time::Duration;
 use tessera_actors::chip::executor::{ExecutorFactory, ModelExecutor, ModelExecutorConfig, StepExecutor};
 use tessera_actors::chip::{Chip, ChipConfig};
 use tessera_actors::gateway::server::{self, GatewayConfig, GatewayState};
-use tessera_actors::msg::{ChipReport, ChipState, Msg, well_known};
+use tessera_actors::msg::{ChipReport, Msg, well_known};
 use tessera_actors::request::RetryPolicy;
 use tessera_actors::router::Router;
 use tessera_actors::supervisor::{Supervisor, SupervisorConfig};
@@ -110,21 +110,7 @@ pub fn run_node(
         for (i, chip) in host_spec.chips.iter().enumerate() {
             let addr = chip_addr(h, i);
             chip_addrs.insert(chip.id.clone(), addr);
-            all_chips.push(ChipReport {
-                chip: addr,
-                id: chip.id.clone(),
-                host_name: host_spec.name.clone(),
-                role: chip.role.to_string(),
-                state: ChipState::Starting,
-                kv_blocks_used: 0,
-                kv_blocks_total: 0,
-                running: 0,
-                waiting: 0,
-                steps: 0,
-                max_step_seqs: 0,
-                restarts: 0,
-                error: None,
-            });
+            all_chips.push(ChipReport::starting(addr, chip.id.clone(), host_spec.name.clone(), chip.role.to_string()));
         }
     }
     if is_gateway {

@@ -107,6 +107,27 @@ pub struct ChipReport {
     pub error: Option<String>,
 }
 
+impl ChipReport {
+    /// A chip nobody has heard from yet.
+    pub fn starting(chip: Addr, id: String, host_name: String, role: String) -> ChipReport {
+        ChipReport {
+            chip,
+            id,
+            host_name,
+            role,
+            state: ChipState::Starting,
+            kv_blocks_used: 0,
+            kv_blocks_total: 0,
+            running: 0,
+            waiting: 0,
+            steps: 0,
+            max_step_seqs: 0,
+            restarts: 0,
+            error: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub host: HostId,

@@ -4,19 +4,9 @@ use crate::msg::ChipReport;
 fn chip(host: u16, n: u64, state: ChipState, load: usize) -> (Addr, ChipView) {
     let addr = Addr::new(HostId(host), n);
     let report = ChipReport {
-        chip: addr,
-        id: format!("h{host}-{n}"),
-        host_name: format!("h{host}"),
-        role: "both".into(),
         state,
-        kv_blocks_used: 0,
         kv_blocks_total: 8,
-        running: 0,
-        waiting: 0,
-        steps: 0,
-        max_step_seqs: 0,
-        restarts: 0,
-        error: None,
+        ..ChipReport::starting(addr, format!("h{host}-{n}"), format!("h{host}"), "both".into())
     };
     (addr, ChipView { report, load_tokens: load })
 }
