@@ -134,7 +134,10 @@ fn two_hosts_serve_the_same_greedy_text_as_generate() {
         }
     });
 
-    let health = wait_health(gw, "KV freed after the requests", Duration::from_secs(5), |h| drained(h, &[]));
+    // The view comes from heartbeats (every 100 ms): wait until it shows the work done.
+    let served = |h: &Value| ["h0-cpu0", "h1-cpu0"].iter().all(|id| chip(h, id)["steps"].as_u64() > Some(0));
+    let health =
+        wait_health(gw, "KV freed after the requests", Duration::from_secs(5), |h| drained(h, &[]) && served(h));
     assert_eq!(health["status"], "ok");
     assert_eq!(health["chips_up"], 2);
     assert_eq!(health["hosts_down"], json!([]));
@@ -196,9 +199,12 @@ fn concurrent_requests_are_batched_and_match_generate() {
             }
         }
     });
-    let health = wait_health(gw, "KV freed after the batch", Duration::from_secs(5), |h| drained(h, &[]));
-    let most = health["chips"].as_array().unwrap().iter().filter_map(|c| c["max_step_seqs"].as_u64()).max();
-    assert!(most > Some(1), "no step ran more than one sequence: {health:#}");
+    let most = |h: &Value| h["chips"].as_array().unwrap().iter().filter_map(|c| c["max_step_seqs"].as_u64()).max();
+    let done = |h: &Value| {
+        h["chips"].as_array().unwrap().iter().filter_map(|c| c["steps"].as_u64()).sum::<u64>() >= MAX_TOKENS as u64
+    };
+    let health = wait_health(gw, "KV freed after the batch", Duration::from_secs(5), |h| drained(h, &[]) && done(h));
+    assert!(most(&health) > Some(1), "no step ran more than one sequence: {health:#}");
 }
 
 /// Requests long enough to be mid-stream when a fault hits, and their no-fault answers.
@@ -354,7 +360,9 @@ fn gateway_errors_have_status_and_openai_shape() {
     assert_eq!(e["code"], "overloaded", "{e}");
     let busy = get(gw, "/health").json();
     assert_eq!(busy["inflight_requests"], 1, "{busy:#}");
-    // The client goes away mid-stream: the request is cancelled and its KV freed.
+    // The client goes away mid-stream: the request is cancelled and its KV freed. First
+    // make sure the (heartbeat-fed) view shows it running, so "freed" is not a stale view.
+    wait_health(gw, "the stream shows as running", Duration::from_secs(5), |h| chip(h, "h0-cpu0")["running"] == 1);
     drop(sse);
     let health = wait_health(gw, "KV freed after the client left", Duration::from_secs(5), |h| drained(h, &[]));
     // Generating all 2000 tokens takes 2000 steps: the request was cancelled long before.
