@@ -190,6 +190,7 @@ impl Batcher {
         let mut seqs_left = self.limits.max_batch_seqs;
         let mut planned: Vec<PlannedSeq> = Vec::new();
         let mut scheduled: HashSet<u64> = HashSet::new();
+        let mut preempted = false;
         self.running.sort_by_key(|s| s.arrival);
 
         // 1. Decode tokens (one pending token), earliest arrival first.
@@ -205,6 +206,7 @@ impl Batcher {
                 let victim =
                     (0..self.running.len()).rev().find(|&j| j > i && !scheduled.contains(&self.running[j].request_id));
                 let Some(j) = victim else { break };
+                preempted = true;
                 let mut seq = self.running.remove(j);
                 release_blocks(&mut seq, pool);
                 seq.cached = 0;
@@ -238,8 +240,9 @@ impl Batcher {
             }
         }
 
-        // 3. New arrivals join, first come first served.
-        while seqs_left > 0 && budget > 0 {
+        // 3. New arrivals join, first come first served — unless this step had to
+        // preempt: the freed blocks go to the running sequences, not back and forth.
+        while !preempted && seqs_left > 0 && budget > 0 {
             let Some(front) = self.waiting.front() else { break };
             let chunk = fit_chunk(front, front.pending().min(budget), bs, pool.free());
             if chunk == 0 {

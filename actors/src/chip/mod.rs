@@ -119,13 +119,17 @@ impl Chip {
                 format!("{} tokens leave no room in the model's context of {}", seq.tokens.len(), info.max_context),
             ));
         }
-        let need = batcher.blocks_for(seq.tokens.len() + 1);
+        // Admit only what can run to its end alone: then the earliest arrival can always
+        // finish by preempting later ones, and the chip never deadlocks on KV.
+        let longest = (seq.tokens.len() + seq.max_new_tokens).min(info.max_context);
+        let need = batcher.blocks_for(longest);
         if need > info.num_blocks {
             return Some(ServeError::new(
-                ErrorKind::PromptTooLong,
+                ErrorKind::BadRequest,
                 format!(
-                    "{} tokens need {need} KV blocks; chip {} has {}",
+                    "{} prompt tokens + {} new tokens need {need} KV blocks; chip {} has {}: lower max_tokens",
                     seq.tokens.len(),
+                    seq.max_new_tokens,
                     self.config.id,
                     info.num_blocks
                 ),
