@@ -169,6 +169,27 @@ fn two_hosts_serve_the_same_greedy_text_as_generate() {
 }
 
 #[test]
+fn in_process_hosts_serve_and_stop_on_interrupt() {
+    const MAX_TOKENS: usize = 16;
+    let prompt = "Hello world";
+    let want = generate(prompt, MAX_TOKENS, false);
+    let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::up_in_process(&topo);
+    let gw = cluster.gateway;
+    cluster.wait_ready(2);
+    for _ in 0..4 {
+        let r = post_json(gw, "/v1/completions", &completion_body(prompt, MAX_TOKENS, false, false));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["choices"][0]["text"], want.text);
+    }
+    let up = cluster.proc("up");
+    up.interrupt();
+    let status = up.wait_exit(Duration::from_secs(20)).unwrap_or_else(|| panic!("up did not stop:\n{}", up.log()));
+    assert!(status.success(), "up exited with {status}:\n{}", up.log());
+    assert!(up_host_pids(&up.log()).is_empty(), "no child processes in-process");
+}
+
+#[test]
 fn concurrent_requests_are_batched_and_match_generate() {
     const MAX_TOKENS: usize = 120;
     let prompts: Vec<String> = (0..10).map(|i| format!("Request number {i} asks for a story")).collect();

@@ -172,6 +172,15 @@ impl Cluster {
         Cluster { procs: vec![up], gateway: topo.gateway, topology: path, dir }
     }
 
+    /// `tessera up --in-process FILE`: every host a thread of one process.
+    pub fn up_in_process(topo: &Topology) -> Cluster {
+        let (dir, path) = Self::files(topo);
+        let mut cmd = tessera();
+        cmd.arg("up").arg("--in-process").arg(&path);
+        let up = Proc::spawn("up", cmd, dir.path());
+        Cluster { procs: vec![up], gateway: topo.gateway, topology: path, dir }
+    }
+
     /// `tessera node --host H` for each of `hosts`, as separate processes of this test.
     pub fn nodes(topo: &Topology, hosts: &[&str]) -> Cluster {
         let (dir, path) = Self::files(topo);
