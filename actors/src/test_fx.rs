@@ -17,6 +17,8 @@ pub struct TestFx {
     pub stopped: bool,
     /// Addresses whose sends fail with `NoSuchActor`.
     pub unreachable: Vec<Addr>,
+    /// Behaviors spawned (not started).
+    pub spawned: Vec<Box<dyn Behavior<Msg>>>,
 }
 
 impl TestFx {
@@ -30,6 +32,7 @@ impl TestFx {
             timers: Vec::new(),
             stopped: false,
             unreachable: Vec::new(),
+            spawned: Vec::new(),
         }
     }
 
@@ -78,8 +81,9 @@ impl Effects<Msg> for TestFx {
         TimerId(self.timers.len() as u64)
     }
     fn cancel_timer(&mut self, _id: TimerId) {}
-    fn spawn(&mut self, _behavior: Box<dyn Behavior<Msg>>) -> Addr {
-        unimplemented!("not used by the behaviors under test")
+    fn spawn(&mut self, behavior: Box<dyn Behavior<Msg>>) -> Addr {
+        self.spawned.push(behavior);
+        Addr::new(self.me.host, tessera_runtime::addr::FIRST_DYNAMIC_ACTOR + self.spawned.len() as u64)
     }
     fn start_worker(&mut self, _spec: WorkerSpec<Msg>) -> WorkerId {
         WorkerId(1)

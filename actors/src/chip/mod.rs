@@ -143,7 +143,7 @@ impl Chip {
         let refuse = |fx: &mut dyn Effects<Msg>, error: ServeError, retry: bool| {
             let _ = fx.send(seq.req, Msg::Refused { request_id: seq.request_id, chip: me, error, retry });
         };
-        let (Some(info), Some(batcher), ChipState::Up) = (&self.info, &mut self.batcher, self.state) else {
+        let (Some(info), Some(batcher), ChipState::Up) = (&self.info, &self.batcher, self.state) else {
             let why = format!("chip {} is not up", self.config.id);
             refuse(fx, ServeError::new(ErrorKind::Unavailable, why), true);
             return;
@@ -151,7 +151,7 @@ impl Chip {
         if batcher.contains(seq.request_id) {
             return; // a duplicate of a request already here
         }
-        if let Some(error) = self.check(&seq, info, self.batcher.as_ref().expect("checked above")) {
+        if let Some(error) = self.check(&seq, info, batcher) {
             refuse(fx, error, false);
             return;
         }
