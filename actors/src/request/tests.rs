@@ -28,6 +28,16 @@ fn request(max_tokens: usize) -> Request {
     Request::new(spec, CLIENT, ROUTER, RetryPolicy::default())
 }
 
+/// A request of `max_tokens` already placed on `chip`, with the sends so far cleared.
+fn routed_to(chip: Addr, max_tokens: usize) -> (TestFx, Request) {
+    let mut fx = TestFx::new(ME);
+    let mut r = request(max_tokens);
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip }, &mut fx);
+    fx.take_sent();
+    (fx, r)
+}
+
 fn generated(chip: Addr, tokens: Vec<u32>, finish: Option<Finish>) -> Msg {
     Msg::Generated { request_id: 9, chip, tokens, finish }
 }
@@ -92,11 +102,7 @@ fn a_lost_chip_is_replaced_and_the_stream_continues_without_gaps_or_duplicates()
 fn refusals_retry_or_fail_and_a_gone_client_cancels() {
     let p = a(1, 16);
     // Not retryable: the client gets the error, the chip is released.
-    let mut fx = TestFx::new(ME);
-    let mut r = request(4);
-    r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
-    fx.take_sent();
+    let (mut fx, mut r) = routed_to(p, 4);
     let error = ServeError::new(ErrorKind::PromptTooLong, "too long");
     r.handle(Msg::Refused { request_id: 9, chip: p, error: error.clone(), retry: false }, &mut fx);
     let sent = fx.take_sent();
@@ -108,10 +114,7 @@ fn refusals_retry_or_fail_and_a_gone_client_cancels() {
     assert!(fx.stopped);
 
     // The client's mailbox is gone: the chip is told to abort.
-    let mut fx = TestFx::new(ME);
-    let mut r = request(4);
-    r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+    let (mut fx, mut r) = routed_to(p, 4);
     fx.unreachable.push(CLIENT);
     r.handle(generated(p, vec![10], None), &mut fx);
     assert!(fx.take_sent().iter().any(|(to, m)| *to == p && matches!(m, Msg::Abort { request_id: 9 })));
@@ -139,11 +142,7 @@ fn a_request_gives_up_after_max_attempts() {
 #[test]
 fn a_stalled_chip_is_abandoned_after_the_stall_timeout() {
     let p = a(1, 16);
-    let mut fx = TestFx::new(ME);
-    let mut r = request(4);
-    r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
-    fx.take_sent();
+    let (mut fx, mut r) = routed_to(p, 4);
     let stall = RetryPolicy::default().stall_timeout;
     fx.advance(stall - Duration::from_secs(1), &mut r);
     assert!(fx.take_sent().is_empty(), "not yet");
