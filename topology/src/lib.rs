@@ -1,23 +1,28 @@
 //! Tessera's cluster description: the topology TOML schema, its validation into a
-//! [`ClusterSpec`], the embedded default topology, and the catalog of chip kinds a
-//! topology may name. Every error points at the file, line, column and dotted key that
-//! is wrong. This crate only describes a cluster; it starts nothing and depends on no
-//! other tessera crate (nor on actors, the bus or the kernels), so every other crate
+//! [`ClusterSpec`], the embedded default topology, the catalog of chip kinds a
+//! topology may name, and the roofline perf model ([`perf`]) that paces emulated chips
+//! and feeds the planner. Every error points at the file, line, column and dotted key
+//! that is wrong. This crate only describes a cluster; it starts nothing and depends on
+//! no other tessera crate (nor on actors, the bus or the kernels), so every other crate
 //! can read a topology.
 #![forbid(unsafe_code)]
 
 pub mod catalog;
 mod error;
+pub mod perf;
 mod render;
 mod validate;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-pub use error::TopologyError;
+pub use catalog::{ChipKind, Confidence};
+pub use error::{TopologyError, UnknownName};
 
-/// The embedded default topology: two hosts of one CPU chip each on localhost. It
-/// doubles as the documented example of the schema.
+/// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
+/// that prefills and host `h1` with an emulated MetaX C500 that decodes, their KV
+/// caches in different block sizes and layouts. It doubles as the documented example
+/// of the schema.
 pub const DEFAULT_TOML: &str = include_str!("../default.toml");
 
 /// The name [`default_topology`] gives as the source of the embedded file.
@@ -26,8 +31,11 @@ pub const DEFAULT_SOURCE: &str = "<embedded default topology>";
 /// The builtin test models `cluster.model` may name instead of a checkpoint directory.
 pub const BUILTIN_MODELS: &[&str] = &["builtin:tiny", "builtin:small", "builtin:bench"];
 
+/// The KV cache dtypes a topology may name (`cluster.kv_dtype`, `hosts.chips.kv_dtype`).
+pub const KV_DTYPES: &[&str] = &["f32", "f16", "bf16"];
+
 /// A validated cluster description.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ClusterSpec {
     /// Where the spec was read from (a path, or [`DEFAULT_SOURCE`]).
     pub source: String,
@@ -37,14 +45,21 @@ pub struct ClusterSpec {
     pub model: String,
     /// Weights dtype override: `"f32"`, `"f16"` or `"bf16"`; `None` keeps the checkpoint's.
     pub dtype: Option<String>,
-    /// KV cache dtype: `"f32"` (default), `"f16"` or `"bf16"`.
+    /// KV cache dtype, the default of every chip's [`ChipSpec::kv_dtype`]: `"f32"`
+    /// (default), `"f16"` or `"bf16"`.
     pub kv_dtype: String,
-    /// KV block size in tokens (default 16, 1..=4096).
+    /// KV block size in tokens, the default of every chip's [`ChipSpec::block_size`]
+    /// (default 16, 1..=4096).
     pub block_size: usize,
+    /// Chip kinds the file adds to the built-in [`catalog`] (`[[chip_kinds]]`), in file
+    /// order. Their names never shadow a built-in kind.
+    pub chip_kinds: Vec<ChipKind>,
     pub hosts: Vec<HostSpec>,
     pub router: RouterSpec,
     pub supervisor: SupervisorSpec,
     pub gateway: GatewaySpec,
+    pub emulation: EmulationSpec,
+    pub disagg: DisaggSpec,
 }
 
 /// One host (one process of the runtime) and the chips it drives.
@@ -55,6 +70,8 @@ pub struct HostSpec {
     pub bus: SocketAddr,
     /// The host's ZeroMQ PUB socket (default: the bus port + 1).
     pub events: SocketAddr,
+    /// The host's KV transfer listener (default: the bus port + 2).
+    pub transfer: SocketAddr,
     pub chips: Vec<ChipSpec>,
 }
 
@@ -63,7 +80,9 @@ pub struct HostSpec {
 pub struct ChipSpec {
     /// Unique across the cluster.
     pub id: String,
-    /// A [`catalog`] kind.
+    /// A built-in [`catalog`] kind or one of [`ClusterSpec::chip_kinds`]; find its
+    /// figures with [`ClusterSpec::chip_kind`]. For an [`Backend::Emu`] chip it is the
+    /// emulated kind.
     pub kind: String,
     pub backend: Backend,
     pub role: Role,
@@ -74,6 +93,12 @@ pub struct ChipSpec {
     pub max_batch_tokens: usize,
     /// Most sequences in one batch (default 64).
     pub max_batch_seqs: usize,
+    /// KV block size in tokens (default: [`ClusterSpec::block_size`]).
+    pub block_size: usize,
+    /// KV cache dtype, one of [`KV_DTYPES`] (default: [`ClusterSpec::kv_dtype`]).
+    pub kv_dtype: String,
+    /// How the chip lays out a KV block (default head-major).
+    pub kv_layout: KvLayout,
 }
 
 /// Which kernels run a chip.
@@ -81,10 +106,149 @@ pub struct ChipSpec {
 pub enum Backend {
     /// The reference CPU kernel library.
     Cpu,
+    /// The reference CPU kernel library computing for real, with each step's completion
+    /// paced to what the [`perf`] model predicts for this chip kind (`emu:KIND`), scaled
+    /// by [`EmulationSpec::time_scale`]. The kind resolves with [`ClusterSpec::chip_kind`].
+    Emu(String),
     /// A kernel library loaded from this path (resolved by [`load`] against the
     /// topology file's directory when written relative).
     Plugin(PathBuf),
 }
+
+impl Backend {
+    /// The emulated chip kind of an [`Backend::Emu`] backend.
+    pub fn emulated_kind(&self) -> Option<&str> {
+        match self {
+            Backend::Emu(kind) => Some(kind),
+            Backend::Cpu | Backend::Plugin(_) => None,
+        }
+    }
+}
+
+/// As the topology file writes it: `cpu`, `emu:KIND`, `plugin:PATH`.
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::Cpu => f.write_str("cpu"),
+            Backend::Emu(kind) => write!(f, "emu:{kind}"),
+            Backend::Plugin(path) => write!(f, "plugin:{}", path.display()),
+        }
+    }
+}
+
+/// `as_str`, `ALL`, `Display` and `FromStr` (with [`UnknownName`]) for an enum named by
+/// fixed strings in topology files.
+macro_rules! named_enum {
+    ($ty:ident, $what:literal, $expected:literal, $($variant:ident => $name:literal),+ $(,)?) => {
+        impl $ty {
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name),+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = UnknownName;
+
+            fn from_str(text: &str) -> Result<Self, Self::Err> {
+                match text {
+                    $($name => Ok($ty::$variant),)+
+                    _ => Err(UnknownName::new($what, text, $expected)),
+                }
+            }
+        }
+    };
+}
+
+/// How a chip orders the K and V entries inside one KV block. Chips that disagree
+/// convert on receive (DESIGN.md §6). TOML: `"head-major"` (default), `"token-major"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvLayout {
+    /// `[kv_head][token][head_dim]`: each head's tokens contiguous.
+    #[default]
+    HeadMajor,
+    /// `[token][kv_head][head_dim]`: each token's heads contiguous.
+    TokenMajor,
+}
+
+named_enum!(KvLayout, "kv layout", "\"head-major\" or \"token-major\"", HeadMajor => "head-major", TokenMajor => "token-major");
+
+/// How emulated chips ([`Backend::Emu`]) are paced; `[emulation]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EmulationSpec {
+    /// Modeled step time is multiplied by this (> 0, default 1.0), so that a tiny model
+    /// computed on a CPU takes as long as a big model would on the real chip.
+    pub time_scale: f64,
+    /// Fraction of peak FLOPS a step achieves (MFU), 0 < x <= 1 (default 0.5).
+    pub compute_efficiency: f64,
+    /// Fraction of peak memory bandwidth a step achieves (MBU), 0 < x <= 1 (default 0.8).
+    pub memory_efficiency: f64,
+}
+
+impl Default for EmulationSpec {
+    fn default() -> Self {
+        EmulationSpec { time_scale: 1.0, compute_efficiency: 0.5, memory_efficiency: 0.8 }
+    }
+}
+
+/// Prefill/decode disaggregation; `[disagg]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DisaggSpec {
+    /// Prompts shorter than this run entirely on a decode chip (conditional
+    /// disaggregation: moving their KV would cost more than computing it); >= 2,
+    /// default 32.
+    pub min_prompt_tokens: usize,
+    /// KV a prefill chip holds for a decode chip is freed if the decode chip has not
+    /// claimed it within this long (> 0, default 5000), so a dead decode chip leaks no
+    /// blocks.
+    pub lease_ms: u64,
+    pub transport: Transport,
+    /// Parallel TCP streams per transfer, 1..=64 (default 4).
+    pub tcp_streams: usize,
+    /// Bytes sent per chunk of a transfer, in KiB, 1..=65536 (default 1024).
+    pub chunk_kib: usize,
+}
+
+impl DisaggSpec {
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_kib * 1024
+    }
+}
+
+impl Default for DisaggSpec {
+    fn default() -> Self {
+        DisaggSpec {
+            min_prompt_tokens: 32,
+            lease_ms: 5000,
+            transport: Transport::Auto,
+            tcp_streams: 4,
+            chunk_kib: 1024,
+        }
+    }
+}
+
+/// How KV blocks travel between chips. TOML: `"auto"` (default), `"shm"`, `"tcp"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Transport {
+    /// Shared memory between chips of one machine, TCP otherwise.
+    #[default]
+    Auto,
+    /// Shared memory only: the transfer engine refuses a pair it cannot reach so.
+    Shm,
+    /// TCP always, even on one machine.
+    Tcp,
+}
+
+named_enum!(Transport, "transport", "\"auto\", \"shm\" or \"tcp\"", Auto => "auto", Shm => "shm", Tcp => "tcp");
 
 /// Which phases of a request a chip runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -175,6 +339,12 @@ impl ClusterSpec {
     /// Index in [`ClusterSpec::hosts`] of the host named `name`.
     pub fn host_index(&self, name: &str) -> Option<usize> {
         self.hosts.iter().position(|host| host.name == name)
+    }
+
+    /// The figures of chip kind `name`: one of [`ClusterSpec::chip_kinds`], else a
+    /// built-in [`catalog`] kind.
+    pub fn chip_kind(&self, name: &str) -> Option<&ChipKind> {
+        self.chip_kinds.iter().find(|kind| kind.name == name).or_else(|| catalog::lookup(name))
     }
 
     /// Every chip with its host's index and host, in file order.

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use crate::{Backend, ClusterSpec, catalog};
+use crate::{ChipKind, ClusterSpec};
 
 pub(crate) fn render(spec: &ClusterSpec) -> String {
     let mut out = String::new();
@@ -40,42 +40,67 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
         write!(out, ", serving \"{name}\"")?;
     }
     writeln!(out, ", at most {} requests in flight", gateway.max_inflight_requests)?;
+    let emu = &spec.emulation;
+    writeln!(
+        out,
+        "  emulation: time x {}, {} of peak FLOPS, {} of peak bandwidth",
+        emu.time_scale, emu.compute_efficiency, emu.memory_efficiency
+    )?;
+    let disagg = &spec.disagg;
+    writeln!(
+        out,
+        "  disaggregation: prompts under {} tokens stay on the decode chip; KV lease {} ms; transport {}, \
+         {} TCP stream(s) of {} KiB chunks",
+        disagg.min_prompt_tokens, disagg.lease_ms, disagg.transport, disagg.tcp_streams, disagg.chunk_kib
+    )?;
+    for kind in &spec.chip_kinds {
+        write!(out, "  chip kind {} (from this file): ", kind.name)?;
+        write_figures(out, kind)?;
+    }
     for host in &spec.hosts {
-        writeln!(out, "  host {}: bus {}, events {}", host.name, host.bus, host.events)?;
+        writeln!(out, "  host {}: bus {}, events {}, transfer {}", host.name, host.bus, host.events, host.transfer)?;
         for chip in &host.chips {
-            let backend = match &chip.backend {
-                Backend::Cpu => "cpu".to_owned(),
-                Backend::Plugin(path) => format!("plugin {}", path.display()),
-            };
             let memory = chip.memory_limit_bytes.map_or_else(|| "no memory limit".to_owned(), human_bytes);
             writeln!(
                 out,
                 "    chip {}: {} on {}, role {}, {} thread(s), {}, batches of at most {} tokens / {} sequences",
                 chip.id,
                 chip.kind,
-                backend,
+                chip.backend,
                 chip.role,
                 chip.threads,
                 memory,
                 chip.max_batch_tokens,
                 chip.max_batch_seqs
             )?;
-            if let Some(kind) = catalog::lookup(&chip.kind).filter(|kind| kind.confidence != "measured") {
-                writeln!(
-                    out,
-                    "      {} {}: {} TFLOPS fp16, {} GB, {} GB/s ({}; {})",
-                    kind.vendor,
-                    kind.product,
-                    kind.fp16_tflops,
-                    kind.memory_gib,
-                    kind.memory_bw_gbs,
-                    kind.confidence,
-                    kind.source
-                )?;
+            writeln!(
+                out,
+                "      kv cache: blocks of {} tokens, {}, {}",
+                chip.block_size, chip.kv_dtype, chip.kv_layout
+            )?;
+            if let Some(kind) = spec.chip_kind(&chip.kind) {
+                write!(out, "      ")?;
+                write_figures(out, kind)?;
             }
         }
     }
     Ok(())
+}
+
+fn write_figures(out: &mut String, kind: &ChipKind) -> std::fmt::Result {
+    writeln!(
+        out,
+        "{} {}: {} TFLOPS fp16, {:.0} GiB, {} GB/s, link {} GB/s, {} W ({}; {})",
+        kind.vendor,
+        kind.product,
+        kind.fp16_tflops,
+        kind.memory_gib(),
+        kind.memory_bw_gbs,
+        kind.link_bw_gbs,
+        kind.tdp_w,
+        kind.confidence,
+        kind.source
+    )
 }
 
 fn human_bytes(bytes: u64) -> String {

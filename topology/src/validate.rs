@@ -12,13 +12,15 @@ use toml::Spanned;
 
 use crate::error::{self, TopologyError};
 use crate::{
-    BUILTIN_MODELS, Backend, ChipSpec, ClusterSpec, GatewaySpec, HostSpec, Role, RouterPolicy, RouterSpec,
-    SupervisorSpec, catalog,
+    BUILTIN_MODELS, Backend, ChipKind, ChipSpec, ClusterSpec, Confidence, DisaggSpec, EmulationSpec, GatewaySpec,
+    HostSpec, KV_DTYPES, KvLayout, Role, RouterPolicy, RouterSpec, SupervisorSpec, catalog,
 };
 
-const DTYPES: &[&str] = &["f32", "f16", "bf16"];
 const MAX_BLOCK_SIZE: usize = 4096;
 const MAX_THREADS: usize = 1024;
+const MAX_TCP_STREAMS: usize = 64;
+/// 64 MiB: a bigger chunk only delays the first bytes of a transfer.
+const MAX_CHUNK_KIB: usize = 65536;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -31,7 +33,57 @@ struct RawDoc {
     #[serde(default)]
     gateway: Option<Spanned<RawGateway>>,
     #[serde(default)]
+    emulation: Option<Spanned<RawEmulation>>,
+    #[serde(default)]
+    disagg: Option<Spanned<RawDisagg>>,
+    #[serde(default)]
+    chip_kinds: Vec<Spanned<RawChipKind>>,
+    #[serde(default)]
     hosts: Vec<Spanned<RawHost>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEmulation {
+    #[serde(default)]
+    time_scale: Option<Spanned<f64>>,
+    #[serde(default)]
+    compute_efficiency: Option<Spanned<f64>>,
+    #[serde(default)]
+    memory_efficiency: Option<Spanned<f64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDisagg {
+    #[serde(default)]
+    min_prompt_tokens: Option<Spanned<usize>>,
+    #[serde(default)]
+    lease_ms: Option<Spanned<u64>>,
+    #[serde(default)]
+    transport: Option<Spanned<String>>,
+    #[serde(default)]
+    tcp_streams: Option<Spanned<usize>>,
+    #[serde(default)]
+    chunk_kib: Option<Spanned<usize>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawChipKind {
+    name: Spanned<String>,
+    #[serde(default)]
+    vendor: Option<Spanned<String>>,
+    #[serde(default)]
+    product: Option<Spanned<String>>,
+    fp16_tflops: Spanned<f64>,
+    memory: Spanned<toml::Value>,
+    memory_bw_gbs: Spanned<f64>,
+    link_bw_gbs: Spanned<f64>,
+    tdp_w: Spanned<f64>,
+    #[serde(default)]
+    confidence: Option<Spanned<String>>,
+    source: Spanned<String>,
 }
 
 #[derive(Deserialize)]
@@ -93,6 +145,8 @@ struct RawHost {
     #[serde(default)]
     events: Option<Spanned<String>>,
     #[serde(default)]
+    transfer: Option<Spanned<String>>,
+    #[serde(default)]
     chips: Vec<Spanned<RawChip>>,
 }
 
@@ -100,7 +154,9 @@ struct RawHost {
 #[serde(deny_unknown_fields)]
 struct RawChip {
     id: Spanned<String>,
-    kind: Spanned<String>,
+    /// Required unless the backend is `emu:KIND`.
+    #[serde(default)]
+    kind: Option<Spanned<String>>,
     backend: Spanned<String>,
     #[serde(default)]
     role: Option<Spanned<String>>,
@@ -112,6 +168,31 @@ struct RawChip {
     max_batch_tokens: Option<Spanned<usize>>,
     #[serde(default)]
     max_batch_seqs: Option<Spanned<usize>>,
+    #[serde(default)]
+    block_size: Option<Spanned<usize>>,
+    #[serde(default)]
+    kv_dtype: Option<Spanned<String>>,
+    #[serde(default)]
+    kv_layout: Option<Spanned<String>>,
+}
+
+/// What every chip of the file may refer to or inherits.
+struct ChipContext<'a> {
+    /// The file's `[[chip_kinds]]`.
+    kinds: &'a [ChipKind],
+    block_size: usize,
+    kv_dtype: &'a str,
+}
+
+impl ChipContext<'_> {
+    fn resolves(&self, kind: &str) -> bool {
+        self.kinds.iter().any(|known| known.name == kind) || catalog::lookup(kind).is_some()
+    }
+
+    fn known_kinds(&self) -> String {
+        let names: Vec<&str> = catalog::kinds().iter().chain(self.kinds).map(|kind| kind.name.as_str()).collect();
+        names.join(", ")
+    }
 }
 
 /// The file being checked: builds errors that point into it.
@@ -158,15 +239,46 @@ impl Checker<'_> {
 
     fn dtype(&self, value: &Spanned<String>, key: &str) -> Result<String, TopologyError> {
         let dtype = value.get_ref();
-        if DTYPES.contains(&dtype.as_str()) {
+        if KV_DTYPES.contains(&dtype.as_str()) {
             Ok(dtype.clone())
         } else {
-            Err(self.err(value.span(), key, format!("unknown dtype `{dtype}`; expected one of {}", DTYPES.join(", "))))
+            Err(self.err(
+                value.span(),
+                key,
+                format!("unknown dtype `{dtype}`; expected one of {}", KV_DTYPES.join(", ")),
+            ))
         }
     }
 
     fn address(&self, value: &Spanned<String>, key: &str) -> Result<SocketAddr, TopologyError> {
         parse_address(value.get_ref()).map_err(|message| self.err(value.span(), key, message))
+    }
+
+    /// `value` read with `FromStr` (the enums of this crate name their choices).
+    fn named<T: std::str::FromStr<Err = crate::UnknownName>>(
+        &self,
+        value: &Option<Spanned<String>>,
+        key: &str,
+        default: T,
+    ) -> Result<T, TopologyError> {
+        match value {
+            None => Ok(default),
+            Some(value) => {
+                value.get_ref().parse().map_err(|e: crate::UnknownName| self.err(value.span(), key, e.to_string()))
+            }
+        }
+    }
+}
+
+fn positive(value: f64) -> Result<(), String> {
+    if value.is_finite() && value > 0.0 { Ok(()) } else { Err(format!("{value} must be a number greater than 0")) }
+}
+
+fn fraction(value: f64) -> Result<(), String> {
+    if value.is_finite() && value > 0.0 && value <= 1.0 {
+        Ok(())
+    } else {
+        Err(format!("{value} must be a fraction of peak: more than 0 and at most 1"))
     }
 }
 
@@ -205,6 +317,9 @@ impl Checker<'_> {
 
         let router = self.router(raw.router.as_ref().map(Spanned::get_ref))?;
         let supervisor = self.supervisor(raw.supervisor.as_ref().map(Spanned::get_ref))?;
+        let emulation = self.emulation(raw.emulation.as_ref().map(Spanned::get_ref))?;
+        let disagg = self.disagg(raw.disagg.as_ref().map(Spanned::get_ref))?;
+        let chip_kinds = self.chip_kinds(&raw.chip_kinds)?;
 
         if raw.hosts.is_empty() {
             return Err(self.err(
@@ -213,10 +328,11 @@ impl Checker<'_> {
                 "the cluster has no hosts: add a [[hosts]] table with at least one [[hosts.chips]]",
             ));
         }
-        let hosts = self.hosts(&raw.hosts)?;
+        let context = ChipContext { kinds: &chip_kinds, block_size, kv_dtype: &kv_dtype };
+        let hosts = self.hosts(&raw.hosts, &context)?;
         let gateway = self.gateway(raw.gateway.as_ref().map(Spanned::get_ref), &hosts)?;
         self.sockets_are_distinct(&raw.hosts, &hosts, raw.gateway.as_ref().map(Spanned::get_ref), &gateway)?;
-        self.roles_cover_both_phases(&raw.hosts, &hosts)?;
+        self.some_chip_decodes(&raw.hosts, &hosts)?;
 
         Ok(ClusterSpec {
             source: self.source.to_owned(),
@@ -225,11 +341,126 @@ impl Checker<'_> {
             dtype,
             kv_dtype,
             block_size,
+            chip_kinds,
             hosts,
             router,
             supervisor,
             gateway,
+            emulation,
+            disagg,
         })
+    }
+
+    fn emulation(&self, raw: Option<&RawEmulation>) -> Result<EmulationSpec, TopologyError> {
+        let defaults = EmulationSpec::default();
+        let Some(raw) = raw else { return Ok(defaults) };
+        Ok(EmulationSpec {
+            time_scale: self.field(&raw.time_scale, "emulation.time_scale", defaults.time_scale, positive)?,
+            compute_efficiency: self.field(
+                &raw.compute_efficiency,
+                "emulation.compute_efficiency",
+                defaults.compute_efficiency,
+                fraction,
+            )?,
+            memory_efficiency: self.field(
+                &raw.memory_efficiency,
+                "emulation.memory_efficiency",
+                defaults.memory_efficiency,
+                fraction,
+            )?,
+        })
+    }
+
+    fn disagg(&self, raw: Option<&RawDisagg>) -> Result<DisaggSpec, TopologyError> {
+        let defaults = DisaggSpec::default();
+        let Some(raw) = raw else { return Ok(defaults) };
+        Ok(DisaggSpec {
+            min_prompt_tokens: self.field(
+                &raw.min_prompt_tokens,
+                "disagg.min_prompt_tokens",
+                defaults.min_prompt_tokens,
+                |tokens| {
+                    if tokens >= 2 {
+                        Ok(())
+                    } else {
+                        Err(format!("{tokens} is below 2: a one-token prompt has no KV worth moving to a decode chip"))
+                    }
+                },
+            )?,
+            lease_ms: self.field(&raw.lease_ms, "disagg.lease_ms", defaults.lease_ms, at_least_one)?,
+            transport: self.named(&raw.transport, "disagg.transport", defaults.transport)?,
+            tcp_streams: self.field(
+                &raw.tcp_streams,
+                "disagg.tcp_streams",
+                defaults.tcp_streams,
+                in_range(1, MAX_TCP_STREAMS),
+            )?,
+            chunk_kib: self.field(
+                &raw.chunk_kib,
+                "disagg.chunk_kib",
+                defaults.chunk_kib,
+                in_range(1, MAX_CHUNK_KIB),
+            )?,
+        })
+    }
+
+    /// Operator kinds may not reuse a built-in name: a kind name means the same figures
+    /// in every topology file, so plans and logs from two clusters compare.
+    fn chip_kinds(&self, raw: &[Spanned<RawChipKind>]) -> Result<Vec<ChipKind>, TopologyError> {
+        let mut kinds: Vec<ChipKind> = Vec::with_capacity(raw.len());
+        let mut first_lines: Vec<usize> = Vec::with_capacity(raw.len());
+        for (k, raw_kind) in raw.iter().enumerate() {
+            let raw_kind = raw_kind.get_ref();
+            let key = format!("chip_kinds[{k}]");
+            let name = self.name(&raw_kind.name, &format!("{key}.name"))?;
+            if catalog::lookup(&name).is_some() {
+                return Err(self.err(
+                    raw_kind.name.span(),
+                    format!("{key}.name"),
+                    format!(
+                        "`{name}` is a built-in chip kind and keeps its catalog figures; give yours another name, \
+                         e.g. `{name}-custom`"
+                    ),
+                ));
+            }
+            if let Some(first) = kinds.iter().position(|kind| kind.name == name) {
+                return Err(self.err(
+                    raw_kind.name.span(),
+                    format!("{key}.name"),
+                    format!(
+                        "chip kind `{name}` is already defined by chip_kinds[{first}] (line {})",
+                        first_lines[first]
+                    ),
+                ));
+            }
+            let text = |value: &Option<Spanned<String>>, field: &str, default: &str| match value {
+                Some(value) if value.get_ref().trim().is_empty() => {
+                    Err(self.err(value.span(), format!("{key}.{field}"), "must not be empty"))
+                }
+                Some(value) => Ok(value.get_ref().clone()),
+                None => Ok(default.to_owned()),
+            };
+            let figure = |value: &Spanned<f64>, field: &str| {
+                let figure = *value.get_ref();
+                positive(figure)
+                    .map(|()| figure)
+                    .map_err(|message| self.err(value.span(), format!("{key}.{field}"), message))
+            };
+            kinds.push(ChipKind {
+                vendor: text(&raw_kind.vendor, "vendor", "operator-defined")?,
+                product: text(&raw_kind.product, "product", &name)?,
+                fp16_tflops: figure(&raw_kind.fp16_tflops, "fp16_tflops")?,
+                memory_bytes: self.memory(&raw_kind.memory, &format!("{key}.memory"), "a chip has some memory")?,
+                memory_bw_gbs: figure(&raw_kind.memory_bw_gbs, "memory_bw_gbs")?,
+                link_bw_gbs: figure(&raw_kind.link_bw_gbs, "link_bw_gbs")?,
+                tdp_w: figure(&raw_kind.tdp_w, "tdp_w")?,
+                confidence: self.named(&raw_kind.confidence, &format!("{key}.confidence"), Confidence::Unconfirmed)?,
+                source: text(&Some(raw_kind.source.clone()), "source", "")?,
+                name,
+            });
+            first_lines.push(self.line_of(&raw_kind.name.span()));
+        }
+        Ok(kinds)
     }
 
     /// Host names and chip ids end up in bus identities and metric labels.
@@ -353,7 +584,7 @@ impl Checker<'_> {
         Ok(spec)
     }
 
-    fn hosts(&self, raw: &[Spanned<RawHost>]) -> Result<Vec<HostSpec>, TopologyError> {
+    fn hosts(&self, raw: &[Spanned<RawHost>], context: &ChipContext) -> Result<Vec<HostSpec>, TopologyError> {
         let mut host_names: HashMap<&str, (usize, Range<usize>)> = HashMap::new();
         let mut chip_ids: HashMap<&str, (String, Range<usize>)> = HashMap::new();
         let mut hosts = Vec::with_capacity(raw.len());
@@ -371,23 +602,8 @@ impl Checker<'_> {
             host_names.insert(host.name.get_ref(), (h, host.name.span()));
 
             let bus = self.address(&host.bus, &format!("{key}.bus"))?;
-            let events = match &host.events {
-                Some(events) => self.address(events, &format!("{key}.events"))?,
-                None => match bus.port().checked_add(1) {
-                    Some(port) => SocketAddr::new(bus.ip(), port),
-                    None => {
-                        return Err(self.err(
-                            host.bus.span(),
-                            format!("{key}.bus"),
-                            format!(
-                                "`events` defaults to the bus port + 1, which does not exist for port {}; \
-                                 set `{key}.events`",
-                                bus.port()
-                            ),
-                        ));
-                    }
-                },
-            };
+            let events = self.next_to_bus(&host.events, &host.bus, bus, &key, "events", 1)?;
+            let transfer = self.next_to_bus(&host.transfer, &host.bus, bus, &key, "transfer", 2)?;
 
             if host.chips.is_empty() {
                 return Err(self.err(
@@ -399,7 +615,7 @@ impl Checker<'_> {
             let mut chips = Vec::with_capacity(host.chips.len());
             for (c, raw_chip) in host.chips.iter().enumerate() {
                 let chip_key = format!("{key}.chips[{c}]");
-                let chip = self.chip(raw_chip.get_ref(), &chip_key)?;
+                let chip = self.chip(raw_chip, &chip_key, context)?;
                 let id = raw_chip.get_ref().id.get_ref().as_str();
                 if let Some((first, first_span)) = chip_ids.get(id) {
                     return Err(self.err(
@@ -411,23 +627,73 @@ impl Checker<'_> {
                 chip_ids.insert(id, (chip_key, raw_chip.get_ref().id.span()));
                 chips.push(chip);
             }
-            hosts.push(HostSpec { name, bus, events, chips });
+            hosts.push(HostSpec { name, bus, events, transfer, chips });
         }
         Ok(hosts)
     }
 
-    fn chip(&self, raw: &RawChip, key: &str) -> Result<ChipSpec, TopologyError> {
+    /// The host's `field` socket, by default on the bus port + `offset`.
+    fn next_to_bus(
+        &self,
+        value: &Option<Spanned<String>>,
+        raw_bus: &Spanned<String>,
+        bus: SocketAddr,
+        host_key: &str,
+        field: &str,
+        offset: u16,
+    ) -> Result<SocketAddr, TopologyError> {
+        if let Some(value) = value {
+            return self.address(value, &format!("{host_key}.{field}"));
+        }
+        match bus.port().checked_add(offset) {
+            Some(port) => Ok(SocketAddr::new(bus.ip(), port)),
+            None => Err(self.err(
+                raw_bus.span(),
+                format!("{host_key}.bus"),
+                format!(
+                    "`{field}` defaults to the bus port + {offset}, which does not exist for port {}; \
+                     set `{host_key}.{field}`",
+                    bus.port()
+                ),
+            )),
+        }
+    }
+
+    fn chip(&self, spanned: &Spanned<RawChip>, key: &str, context: &ChipContext) -> Result<ChipSpec, TopologyError> {
+        let raw = spanned.get_ref();
         let id = self.name(&raw.id, &format!("{key}.id"))?;
-        let kind = raw.kind.get_ref();
-        if catalog::lookup(kind).is_none() {
-            let known: Vec<&str> = catalog::kinds().iter().map(|kind| kind.name).collect();
+        if let Some(kind) = &raw.kind
+            && !context.resolves(kind.get_ref())
+        {
             return Err(self.err(
-                raw.kind.span(),
+                kind.span(),
                 format!("{key}.kind"),
-                format!("unknown chip kind `{kind}`; known kinds: {}", known.join(", ")),
+                format!("unknown chip kind `{}`; known kinds: {}", kind.get_ref(), context.known_kinds()),
             ));
         }
-        let backend = self.backend(&raw.backend, &format!("{key}.backend"))?;
+        let backend = self.backend(&raw.backend, &format!("{key}.backend"), context)?;
+        let kind = match (&raw.kind, backend.emulated_kind()) {
+            (Some(kind), Some(emulated)) if kind.get_ref() != emulated => {
+                return Err(self.err(
+                    kind.span(),
+                    format!("{key}.kind"),
+                    format!(
+                        "kind `{}` differs from the kind the backend emulates (`emu:{emulated}`); \
+                         make them equal or leave `kind` out",
+                        kind.get_ref()
+                    ),
+                ));
+            }
+            (Some(kind), _) => kind.get_ref().clone(),
+            (None, Some(emulated)) => emulated.to_owned(),
+            (None, None) => {
+                return Err(self.err(
+                    spanned.span(),
+                    format!("{key}.kind"),
+                    "missing field `kind` (it may be left out only when the backend is \"emu:KIND\")",
+                ));
+            }
+        };
         let role = match &raw.role {
             None => Role::Both,
             Some(role) => match role.get_ref().as_str() {
@@ -443,10 +709,18 @@ impl Checker<'_> {
                 }
             },
         };
-        let memory_limit_bytes = raw.memory_limit.as_ref().map(|limit| self.memory(limit, key)).transpose()?;
+        let memory_limit_bytes = raw
+            .memory_limit
+            .as_ref()
+            .map(|limit| self.memory(limit, &format!("{key}.memory_limit"), "leave it out for no limit"))
+            .transpose()?;
+        let kv_dtype = match &raw.kv_dtype {
+            Some(kv_dtype) => self.dtype(kv_dtype, &format!("{key}.kv_dtype"))?,
+            None => context.kv_dtype.to_owned(),
+        };
         Ok(ChipSpec {
             id,
-            kind: kind.clone(),
+            kind,
             backend,
             role,
             memory_limit_bytes,
@@ -458,10 +732,18 @@ impl Checker<'_> {
                 at_least_one,
             )?,
             max_batch_seqs: self.field(&raw.max_batch_seqs, &format!("{key}.max_batch_seqs"), 64, at_least_one)?,
+            block_size: self.field(
+                &raw.block_size,
+                &format!("{key}.block_size"),
+                context.block_size,
+                in_range(1, MAX_BLOCK_SIZE),
+            )?,
+            kv_dtype,
+            kv_layout: self.named(&raw.kv_layout, &format!("{key}.kv_layout"), KvLayout::HeadMajor)?,
         })
     }
 
-    fn backend(&self, value: &Spanned<String>, key: &str) -> Result<Backend, TopologyError> {
+    fn backend(&self, value: &Spanned<String>, key: &str, context: &ChipContext) -> Result<Backend, TopologyError> {
         let backend = value.get_ref().as_str();
         let refuse = |message: String| Err(self.err(value.span(), key, message));
         if backend == "cpu" {
@@ -474,21 +756,25 @@ impl Checker<'_> {
             return Ok(Backend::Plugin(self.resolve(path)));
         }
         if let Some(kind) = backend.strip_prefix("emu:") {
+            if context.resolves(kind) {
+                return Ok(Backend::Emu(kind.to_owned()));
+            }
             return refuse(format!(
-                "backend `{backend}` (a CPU emulating a `{kind}` chip) is not available yet: the emu backend \
-                 arrives with disaggregation; use \"cpu\" or \"plugin:PATH\""
+                "backend `{backend}` emulates an unknown chip kind `{kind}`; known kinds: {}",
+                context.known_kinds()
             ));
         }
         if backend == "sim" {
             return refuse(
-                "backend `sim` is not available yet in a topology; use \"cpu\" or \"plugin:PATH\"".to_owned(),
+                "backend `sim` is not available yet in a topology; use \"cpu\", \"emu:KIND\" or \"plugin:PATH\""
+                    .to_owned(),
             );
         }
-        refuse(format!("unknown backend `{backend}`; expected \"cpu\" or \"plugin:PATH\""))
+        refuse(format!("unknown backend `{backend}`; expected \"cpu\", \"emu:KIND\" or \"plugin:PATH\""))
     }
 
-    fn memory(&self, value: &Spanned<toml::Value>, chip_key: &str) -> Result<u64, TopologyError> {
-        let key = format!("{chip_key}.memory_limit");
+    /// A memory size at `key`; `zero_hint` says what to do instead of writing 0.
+    fn memory(&self, value: &Spanned<toml::Value>, key: &str, zero_hint: &str) -> Result<u64, TopologyError> {
         let bytes = match value.get_ref() {
             toml::Value::Integer(bytes) => u64::try_from(*bytes).map_err(|_| format!("{bytes} is negative")),
             toml::Value::String(text) => parse_memory_size(text),
@@ -497,7 +783,7 @@ impl Checker<'_> {
             }
         };
         match bytes {
-            Ok(0) => Err(self.err(value.span(), key, "must be more than 0 bytes; leave it out for no limit")),
+            Ok(0) => Err(self.err(value.span(), key, format!("must be more than 0 bytes; {zero_hint}"))),
             Ok(bytes) => Ok(bytes),
             Err(message) => Err(self.err(value.span(), key, message)),
         }
@@ -556,14 +842,16 @@ impl Checker<'_> {
         for (h, (raw, host)) in raw_hosts.iter().zip(hosts).enumerate() {
             let raw = raw.get_ref();
             sockets.push((host.bus, format!("hosts[{h}].bus"), raw.bus.span(), ""));
-            match &raw.events {
-                Some(events) => sockets.push((host.events, format!("hosts[{h}].events"), events.span(), "")),
-                None => sockets.push((
-                    host.events,
-                    format!("hosts[{h}].events"),
-                    raw.bus.span(),
-                    " (by default: the bus port + 1)",
-                )),
+            let defaults = [
+                (host.events, "events", &raw.events, " (by default: the bus port + 1)"),
+                (host.transfer, "transfer", &raw.transfer, " (by default: the bus port + 2)"),
+            ];
+            for (address, field, value, note) in defaults {
+                let key = format!("hosts[{h}].{field}");
+                match value {
+                    Some(value) => sockets.push((address, key, value.span(), "")),
+                    None => sockets.push((address, key, raw.bus.span(), note)),
+                }
             }
         }
         let gateway_span = raw_gateway.and_then(|raw| raw.listen.as_ref()).map_or(0..0, Spanned::span);
@@ -589,17 +877,16 @@ impl Checker<'_> {
         Ok(())
     }
 
-    /// A cluster that cannot prefill or cannot decode cannot finish any request.
-    fn roles_cover_both_phases(&self, raw_hosts: &[Spanned<RawHost>], hosts: &[HostSpec]) -> Result<(), TopologyError> {
-        let roles = || hosts.iter().flat_map(|host| host.chips.iter().map(|chip| chip.role));
-        let missing = if !roles().any(Role::prefills) {
-            "prefill"
-        } else if !roles().any(Role::decodes) {
-            "decode"
-        } else {
+    /// Every request ends on a chip that decodes, so a cluster needs one. It needs no
+    /// chip with role "prefill" or "both", though: a decode chip prefills prompts shorter
+    /// than `disagg.min_prompt_tokens` itself (conditional disaggregation), and every
+    /// prompt while no chip that prefills is up, so a cluster of decode chips serves
+    /// like a colocated one.
+    fn some_chip_decodes(&self, raw_hosts: &[Spanned<RawHost>], hosts: &[HostSpec]) -> Result<(), TopologyError> {
+        if hosts.iter().flat_map(|host| &host.chips).any(|chip| chip.role.decodes()) {
             return Ok(());
-        };
-        // Point at the first chip's role (or the chip, when the role is defaulted).
+        }
+        // Every chip is a prefill chip, so its role is written: point at the first.
         let (span, key) = match raw_hosts.first().and_then(|host| host.get_ref().chips.first()) {
             Some(chip) => match &chip.get_ref().role {
                 Some(role) => (role.span(), "hosts[0].chips[0].role"),
@@ -610,7 +897,8 @@ impl Checker<'_> {
         Err(self.err(
             span,
             key,
-            format!("no chip of the cluster can {missing}: give at least one chip role = \"{missing}\" or \"both\""),
+            "no chip can decode: every chip has role = \"prefill\", so no request could finish; \
+             give at least one chip role = \"decode\" or \"both\"",
         ))
     }
 }

@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
-use tessera_topology::{Backend, Role, TopologyError, catalog, default_topology, load, parse};
+use tessera_topology::{
+    Backend, ClusterSpec, Confidence, DEFAULT_TOML, DisaggSpec, EmulationSpec, KvLayout, Role, TopologyError,
+    Transport, catalog, default_topology, load, parse,
+};
 
 /// One host `h0` with one chip `c0`: lines 1-9.
 const ONE_CHIP: &str = r#"[cluster]
@@ -26,6 +29,25 @@ id = "c1"
 kind = "cpu"
 backend = "cpu"
 "#;
+
+/// An operator chip kind `acme-x1`: lines 10-17 after [`ONE_CHIP`].
+const ACME: &str = r#"[[chip_kinds]]
+name = "acme-x1"
+fp16_tflops = 100.0
+memory = "32GiB"
+memory_bw_gbs = 1000.0
+link_bw_gbs = 100.0
+tdp_w = 300.0
+source = "acme datasheet"
+"#;
+
+#[track_caller]
+fn spec_of(text: &str) -> ClusterSpec {
+    match parse(text, "t.toml") {
+        Ok(spec) => spec,
+        Err(e) => panic!("{e}"),
+    }
+}
 
 fn error_of(text: &str) -> TopologyError {
     match parse(text, "t.toml") {
@@ -123,7 +145,7 @@ fn unknown_chip_kind_lists_the_catalog() {
     assert_eq!((e.line, e.column, e.key.as_str()), (8, 8, "hosts[0].chips[0].kind"));
     assert!(e.message.contains("unknown chip kind `nvidia-b300`"), "{e}");
     for kind in catalog::kinds() {
-        assert!(e.message.contains(kind.name), "{} not listed: {e}", kind.name);
+        assert!(e.message.contains(&kind.name), "{} not listed: {e}", kind.name);
     }
 }
 
@@ -213,14 +235,6 @@ fn bad_dtypes() {
 #[test]
 fn bad_model_backend_and_role() {
     assert_error(&with_line(2, "model = \"builtin:huge\""), 2, 9, "cluster.model", "builtin:tiny, builtin:small");
-    assert_error(&with_line(9, "backend = \"emu:nvidia-h100\""), 9, 11, "hosts[0].chips[0].backend", "`nvidia-h100`");
-    assert_error(
-        &with_line(9, "backend = \"emu:nvidia-h100\""),
-        9,
-        11,
-        "hosts[0].chips[0].backend",
-        "not available yet",
-    );
     assert_error(&with_line(9, "backend = \"sim\""), 9, 11, "hosts[0].chips[0].backend", "not available yet");
     assert_error(&with_line(9, "backend = \"cuda\""), 9, 11, "hosts[0].chips[0].backend", "unknown backend");
     assert_error(&with_line(9, "backend = \"plugin:\""), 9, 11, "hosts[0].chips[0].backend", "needs the path");
@@ -230,7 +244,287 @@ fn bad_model_backend_and_role() {
         10,
         8,
         "hosts[0].chips[0].role",
-        "no chip of the cluster can decode",
+        "no chip can decode: every chip has role = \"prefill\"",
+    );
+}
+
+#[test]
+fn a_cluster_of_decode_chips_is_valid() {
+    // Decode chips prefill short prompts themselves, and every prompt when no chip
+    // prefills: such a cluster serves like a colocated one.
+    let spec = spec_of(&format!("{ONE_CHIP}role = \"decode\"\n"));
+    assert_eq!(spec.hosts[0].chips[0].role, Role::Decode);
+}
+
+#[test]
+fn emulated_chips() {
+    // The kind may be left out, or written equal to the emulated kind.
+    for kind_line in ["", "kind = \"nvidia-h100\""] {
+        let spec = spec_of(&with_line(8, kind_line).replace("backend = \"cpu\"", "backend = \"emu:nvidia-h100\""));
+        let chip = &spec.hosts[0].chips[0];
+        assert_eq!((chip.kind.as_str(), &chip.backend), ("nvidia-h100", &Backend::Emu("nvidia-h100".into())));
+        assert_eq!(chip.backend.to_string(), "emu:nvidia-h100");
+        assert_eq!(chip.backend.emulated_kind(), Some("nvidia-h100"));
+        assert_eq!(spec.chip_kind(&chip.kind).map(|kind| kind.fp16_tflops), Some(989.0));
+    }
+    // (text, line, column, key, fragment)
+    let table: &[(String, usize, usize, &str, &str)] = &[
+        (
+            with_line(9, "backend = \"emu:nvidia-h100\""),
+            8,
+            8,
+            "hosts[0].chips[0].kind",
+            "kind `cpu` differs from the kind the backend emulates (`emu:nvidia-h100`)",
+        ),
+        (
+            with_line(9, "backend = \"emu:nvidia-b300\""),
+            9,
+            11,
+            "hosts[0].chips[0].backend",
+            "emulates an unknown chip kind `nvidia-b300`; known kinds: cpu, nvidia-a100",
+        ),
+        (with_line(9, "backend = \"emu:\""), 9, 11, "hosts[0].chips[0].backend", "unknown chip kind ``"),
+        // Without an emu backend the kind is required (reported at the chip's header).
+        (with_line(8, ""), 6, 1, "hosts[0].chips[0].kind", "missing field `kind` (it may be left out only"),
+    ];
+    for (text, line, column, key, fragment) in table {
+        assert_error(text, *line, *column, key, fragment);
+    }
+}
+
+#[test]
+fn operator_chip_kinds() {
+    let text =
+        format!("{}{ACME}", with_line(9, "backend = \"emu:acme-x1\"").replace("kind = \"cpu\"", "kind = \"acme-x1\""));
+    let spec = spec_of(&text);
+    let chip = &spec.hosts[0].chips[0];
+    assert_eq!((chip.kind.as_str(), &chip.backend), ("acme-x1", &Backend::Emu("acme-x1".into())));
+    let kind = spec.chip_kind("acme-x1").map(|kind| {
+        (
+            kind.vendor.as_str(),
+            kind.product.as_str(),
+            kind.fp16_tflops,
+            kind.memory_bytes,
+            kind.memory_bw_gbs,
+            kind.link_bw_gbs,
+            kind.tdp_w,
+            kind.confidence,
+            kind.source.as_str(),
+        )
+    });
+    assert_eq!(
+        kind,
+        Some((
+            "operator-defined",
+            "acme-x1",
+            100.0,
+            32 << 30,
+            1000.0,
+            100.0,
+            300.0,
+            Confidence::Unconfirmed,
+            "acme datasheet"
+        ))
+    );
+    assert_eq!(spec.chip_kinds.len(), 1);
+    // Built-ins still resolve; the operator kind is not in the catalog.
+    assert_eq!(spec.chip_kind("nvidia-a100").map(|kind| kind.memory_bw_gbs), Some(2039.0));
+    assert!(catalog::lookup("acme-x1").is_none());
+    assert!(spec.render().contains("chip kind acme-x1 (from this file)"));
+    // Without the table, the kind is unknown (and the error does not list it).
+    let e = error_of(&with_line(8, "kind = \"acme-x1\""));
+    assert!(e.message.contains("unknown chip kind `acme-x1`; known kinds: cpu"), "{e}");
+
+    let acme = |from: &str, to: &str| format!("{ONE_CHIP}{}", ACME.replace(from, to));
+    // (text, line, column, key, fragment)
+    let table: &[(String, usize, usize, &str, &str)] = &[
+        (acme("fp16_tflops = 100.0", "fp16_tflops = 0.0"), 12, 15, "chip_kinds[0].fp16_tflops", "greater than 0"),
+        (acme("fp16_tflops = 100.0", "fp16_tflops = nan"), 12, 15, "chip_kinds[0].fp16_tflops", "greater than 0"),
+        (acme("memory_bw_gbs = 1000.0", "memory_bw_gbs = -5"), 14, 17, "chip_kinds[0].memory_bw_gbs", "greater than 0"),
+        (acme("link_bw_gbs = 100.0", "link_bw_gbs = inf"), 15, 15, "chip_kinds[0].link_bw_gbs", "greater than 0"),
+        (acme("tdp_w = 300.0", "tdp_w = 0"), 16, 9, "chip_kinds[0].tdp_w", "greater than 0"),
+        (acme("\"32GiB\"", "0"), 13, 10, "chip_kinds[0].memory", "more than 0 bytes; a chip has some memory"),
+        (acme("\"32GiB\"", "\"lots\""), 13, 10, "chip_kinds[0].memory", "not a memory size"),
+        (acme("acme datasheet", ""), 17, 10, "chip_kinds[0].source", "must not be empty"),
+        (
+            acme("tdp_w = 300.0", "tdp_w = 300.0\nconfidence = \"measured\""),
+            17,
+            14,
+            "chip_kinds[0].confidence",
+            "unknown confidence `measured`; expected confirmed, unconfirmed or estimate",
+        ),
+        (acme("tdp_w = 300.0\n", ""), 10, 1, "chip_kinds[0].tdp_w", "missing field `tdp_w`"),
+        (acme("tdp_w", "tdp_watts"), 16, 1, "chip_kinds[0].tdp_watts", "unknown field `tdp_watts`"),
+        (acme("fp16_tflops = 100.0", "fp16_tflops = \"fast\""), 12, 15, "chip_kinds[0].fp16_tflops", "expected f64"),
+        (
+            acme("\"acme-x1\"", "\"nvidia-a100\""),
+            11,
+            8,
+            "chip_kinds[0].name",
+            "`nvidia-a100` is a built-in chip kind and keeps its catalog figures",
+        ),
+        (acme("\"acme-x1\"", "\"acme x1\""), 11, 8, "chip_kinds[0].name", "contains ' '"),
+        (
+            format!("{ONE_CHIP}{ACME}{ACME}"),
+            19,
+            8,
+            "chip_kinds[1].name",
+            "chip kind `acme-x1` is already defined by chip_kinds[0] (line 11)",
+        ),
+    ];
+    for (text, line, column, key, fragment) in table {
+        assert_error(text, *line, *column, key, fragment);
+    }
+    // Integers are fine where a figure is a float.
+    let spec = spec_of(&format!("{ONE_CHIP}{}", ACME.replace("100.0", "100")));
+    assert_eq!(spec.chip_kinds[0].fp16_tflops, 100.0);
+}
+
+#[test]
+fn the_documented_chip_kind_example_is_valid() {
+    // Uncomment the [[chip_kinds]] example of default.toml and use it.
+    let mut lines = Vec::new();
+    let mut in_example = false;
+    for line in DEFAULT_TOML.lines() {
+        in_example = line == "# [[chip_kinds]]" || (in_example && line.starts_with("# "));
+        lines.push(if in_example { &line[2..] } else { line });
+    }
+    let text = lines.join("\n").replace("backend = \"emu:metax-c500\"", "backend = \"emu:nvidia-l40s\"");
+    let spec = spec_of(&text);
+    assert_eq!(spec.hosts[1].chips[0].kind, "nvidia-l40s");
+    let kind = spec.chip_kind("nvidia-l40s").map(|kind| (kind.fp16_tflops, kind.memory_bytes, kind.confidence));
+    assert_eq!(kind, Some((362.0, 48 << 30, Confidence::Confirmed)));
+}
+
+#[test]
+fn per_chip_kv_format() {
+    let text = format!("{ONE_CHIP}block_size = 32\nkv_dtype = \"bf16\"\nkv_layout = \"token-major\"\n{SECOND_HOST}")
+        .replace("model = \"builtin:tiny\"", "model = \"builtin:tiny\"\nblock_size = 8\nkv_dtype = \"f16\"");
+    let spec = spec_of(&text);
+    let formats: Vec<(usize, &str, KvLayout)> =
+        spec.chips().map(|(_, _, chip)| (chip.block_size, chip.kv_dtype.as_str(), chip.kv_layout)).collect();
+    // The second chip inherits the cluster's block size and dtype, and head-major.
+    assert_eq!(formats, [(32, "bf16", KvLayout::TokenMajor), (8, "f16", KvLayout::HeadMajor)]);
+    assert!(spec.render().contains("kv cache: blocks of 32 tokens, bf16, token-major"));
+
+    for layout in KvLayout::ALL {
+        assert_eq!(layout.to_string().parse::<KvLayout>().ok(), Some(*layout));
+    }
+    let table: &[(&str, usize, &str, &str)] = &[
+        ("block_size = 0", 14, "block_size", "0 is out of range 1..=4096"),
+        ("block_size = 4097", 14, "block_size", "out of range"),
+        ("kv_dtype = \"fp8\"", 12, "kv_dtype", "unknown dtype `fp8`; expected one of f32, f16, bf16"),
+        ("kv_layout = \"row-major\"", 13, "kv_layout", "unknown kv layout `row-major`; expected \"head-major\" or"),
+        ("kv_layout = 3", 13, "kv_layout", "expected a string"),
+    ];
+    for (line, column, key, fragment) in table {
+        assert_error(&format!("{ONE_CHIP}{line}\n"), 10, *column, &format!("hosts[0].chips[0].{key}"), fragment);
+    }
+}
+
+#[test]
+fn emulation_and_disagg_defaults() {
+    let spec = spec_of(ONE_CHIP);
+    assert_eq!(spec.emulation, EmulationSpec { time_scale: 1.0, compute_efficiency: 0.5, memory_efficiency: 0.8 });
+    assert_eq!(
+        spec.disagg,
+        DisaggSpec {
+            min_prompt_tokens: 32,
+            lease_ms: 5000,
+            transport: Transport::Auto,
+            tcp_streams: 4,
+            chunk_kib: 1024
+        }
+    );
+    assert_eq!(spec.disagg.chunk_bytes(), 1 << 20);
+    let spec = spec_of(&format!(
+        "{ONE_CHIP}[emulation]\ntime_scale = 250\nmemory_efficiency = 1.0\n\
+         [disagg]\nmin_prompt_tokens = 2\nlease_ms = 1\ntransport = \"tcp\"\ntcp_streams = 64\nchunk_kib = 65536\n"
+    ));
+    assert_eq!(spec.emulation, EmulationSpec { time_scale: 250.0, compute_efficiency: 0.5, memory_efficiency: 1.0 });
+    assert_eq!(
+        spec.disagg,
+        DisaggSpec { min_prompt_tokens: 2, lease_ms: 1, transport: Transport::Tcp, tcp_streams: 64, chunk_kib: 65536 }
+    );
+    for transport in Transport::ALL {
+        assert_eq!(transport.to_string().parse::<Transport>().ok(), Some(*transport));
+    }
+}
+
+#[test]
+fn bad_emulation_and_disagg_values() {
+    // (table, line, column, key, fragment), the line being line 11.
+    let table: &[(&str, &str, usize, &str, &str)] = &[
+        ("emulation", "time_scale = 0.0", 14, "time_scale", "greater than 0"),
+        ("emulation", "time_scale = -1", 14, "time_scale", "greater than 0"),
+        ("emulation", "time_scale = nan", 14, "time_scale", "greater than 0"),
+        ("emulation", "compute_efficiency = 1.5", 22, "compute_efficiency", "more than 0 and at most 1"),
+        ("emulation", "compute_efficiency = 0", 22, "compute_efficiency", "more than 0 and at most 1"),
+        ("emulation", "memory_efficiency = 1.01", 21, "memory_efficiency", "at most 1"),
+        ("emulation", "speed = 2", 1, "speed", "unknown field `speed`"),
+        ("disagg", "min_prompt_tokens = 1", 21, "min_prompt_tokens", "1 is below 2"),
+        ("disagg", "lease_ms = 0", 12, "lease_ms", "at least 1"),
+        (
+            "disagg",
+            "transport = \"rdma\"",
+            13,
+            "transport",
+            "unknown transport `rdma`; expected \"auto\", \"shm\" or \"tcp\"",
+        ),
+        ("disagg", "tcp_streams = 0", 15, "tcp_streams", "out of range 1..=64"),
+        ("disagg", "tcp_streams = 65", 15, "tcp_streams", "out of range 1..=64"),
+        ("disagg", "chunk_kib = 0", 13, "chunk_kib", "out of range 1..=65536"),
+        ("disagg", "chunk_kib = 65537", 13, "chunk_kib", "out of range"),
+        ("disagg", "lease_ms = -3", 12, "lease_ms", "expected u64"),
+    ];
+    for (table, line, column, key, fragment) in table {
+        assert_error(&format!("{ONE_CHIP}[{table}]\n{line}\n"), 11, *column, &format!("{table}.{key}"), fragment);
+    }
+}
+
+#[test]
+fn transfer_addresses() {
+    let spec = spec_of(&format!("{ONE_CHIP}{SECOND_HOST}"));
+    let transfers: Vec<String> = spec.hosts.iter().map(|host| host.transfer.to_string()).collect();
+    assert_eq!(transfers, ["127.0.0.1:7402", "127.0.0.1:7412"]);
+    let set = with_line(5, "bus = \"127.0.0.1:7400\"\ntransfer = \"127.0.0.1:9000\"");
+    assert_eq!(spec_of(&set).hosts[0].transfer.to_string(), "127.0.0.1:9000");
+
+    // h1's bus on h0's defaulted transfer port.
+    assert_error(
+        &format!("{ONE_CHIP}{}", SECOND_HOST.replace("7410", "7402")),
+        12,
+        7,
+        "hosts[1].bus",
+        "already taken by `hosts[0].transfer` (by default: the bus port + 2) (line 5)",
+    );
+    assert_error(
+        &with_line(5, "bus = \"127.0.0.1:7400\"\ntransfer = \"127.0.0.1:7400\""),
+        6,
+        12,
+        "hosts[0].transfer",
+        "address 127.0.0.1:7400 is already taken by `hosts[0].bus` (line 5)",
+    );
+    assert_error(
+        &with_line(5, "bus = \"127.0.0.1:7400\"\ntransfer = \"127.0.0.1:7401\""),
+        6,
+        12,
+        "hosts[0].transfer",
+        "already taken by `hosts[0].events` (by default: the bus port + 1) (line 5)",
+    );
+    assert_error(
+        &with_line(5, "bus = \"127.0.0.1:7400\"\ntransfer = \"localhost:7402\""),
+        6,
+        12,
+        "hosts[0].transfer",
+        "not an IP:PORT",
+    );
+    assert_error(
+        &with_line(5, "bus = \"127.0.0.1:65534\""),
+        5,
+        7,
+        "hosts[0].bus",
+        "`transfer` defaults to the bus port + 2",
     );
 }
 
@@ -258,38 +552,88 @@ fn defaults_and_values() {
     let c0 = &spec.hosts[0].chips[0];
     assert_eq!((c0.role, c0.memory_limit_bytes, c0.threads), (Role::Prefill, Some(512 << 20), 4));
     assert_eq!((c0.max_batch_tokens, c0.max_batch_seqs), (512, 64));
+    assert_eq!((c0.block_size, c0.kv_dtype.as_str(), c0.kv_layout), (16, "f32", KvLayout::HeadMajor));
     let c1 = &spec.hosts[1].chips[0];
     assert_eq!((c1.role, &c1.backend), (Role::Decode, &Backend::Plugin(PathBuf::from("kernels/libx.so"))));
+    assert_eq!(spec.hosts[0].transfer.to_string(), "127.0.0.1:7402");
+    assert!(spec.chip_kinds.is_empty());
     assert_eq!(spec.host_index("h1"), Some(1));
     assert_eq!(spec.host_index("h9"), None);
 }
 
 #[test]
-fn default_topology_parses_and_renders_every_host_and_chip() {
+fn default_topology_is_heterogeneous_and_disaggregated() {
     let spec = default_topology();
     assert_eq!((spec.name.as_str(), spec.model.as_str()), ("default", "builtin:tiny"));
-    let hosts: Vec<(&str, String, String)> =
-        spec.hosts.iter().map(|host| (host.name.as_str(), host.bus.to_string(), host.events.to_string())).collect();
+    let hosts: Vec<(&str, String, String, String)> = spec
+        .hosts
+        .iter()
+        .map(|host| (host.name.as_str(), host.bus.to_string(), host.events.to_string(), host.transfer.to_string()))
+        .collect();
     assert_eq!(
         hosts,
         [
-            ("h0", "127.0.0.1:7400".into(), "127.0.0.1:7401".into()),
-            ("h1", "127.0.0.1:7410".into(), "127.0.0.1:7411".into())
+            ("h0", "127.0.0.1:7400".into(), "127.0.0.1:7401".into(), "127.0.0.1:7402".into()),
+            ("h1", "127.0.0.1:7410".into(), "127.0.0.1:7411".into(), "127.0.0.1:7412".into())
         ]
     );
-    let chips: Vec<(&str, &str, &Backend, Role, usize)> = spec
+    let chips: Vec<(&str, &str, String, Role, usize)> = spec
         .chips()
-        .map(|(_, _, chip)| (chip.id.as_str(), chip.kind.as_str(), &chip.backend, chip.role, chip.threads))
+        .map(|(_, _, chip)| (chip.id.as_str(), chip.kind.as_str(), chip.backend.to_string(), chip.role, chip.threads))
         .collect();
     assert_eq!(
         chips,
-        [("h0-cpu0", "cpu", &Backend::Cpu, Role::Both, 1), ("h1-cpu0", "cpu", &Backend::Cpu, Role::Both, 1)]
+        [
+            ("h0-ascend0", "ascend-910b", "emu:ascend-910b".into(), Role::Prefill, 1),
+            ("h1-metax0", "metax-c500", "emu:metax-c500".into(), Role::Decode, 1)
+        ]
     );
+    // The chips disagree on KV block size and layout, not on dtype (exact greedy outputs).
+    let formats: Vec<(usize, &str, KvLayout)> =
+        spec.chips().map(|(_, _, chip)| (chip.block_size, chip.kv_dtype.as_str(), chip.kv_layout)).collect();
+    assert_eq!(formats, [(16, "f32", KvLayout::HeadMajor), (32, "f32", KvLayout::TokenMajor)]);
+    // The pairing the file justifies: more FLOPS prefill, more bandwidth decode.
+    let figures = |kind: &str| spec.chip_kind(kind).map_or((0.0, 0.0), |kind| (kind.fp16_tflops, kind.memory_bw_gbs));
+    let (ascend, metax) = (figures("ascend-910b"), figures("metax-c500"));
+    assert!(ascend.0 > metax.0 && metax.1 > ascend.1, "{ascend:?} {metax:?}");
+    assert_eq!(spec.emulation.time_scale, 1000.0);
+    assert_eq!(spec.disagg, DisaggSpec::default());
     assert_eq!((spec.gateway.host.as_str(), spec.gateway.listen.to_string()), ("h0", "127.0.0.1:8000".to_owned()));
 
     let rendered = spec.render();
-    for needle in ["default", "builtin:tiny", "host h0", "host h1", "chip h0-cpu0", "chip h1-cpu0", "127.0.0.1:8000"] {
+    for needle in [
+        "default",
+        "builtin:tiny",
+        "host h0",
+        "host h1",
+        "chip h0-ascend0: ascend-910b on emu:ascend-910b, role prefill",
+        "chip h1-metax0: metax-c500 on emu:metax-c500, role decode",
+        "transfer 127.0.0.1:7412",
+        "Huawei Ascend 910B (910B2): 354 TFLOPS fp16, 64 GiB, 1600 GB/s",
+        "emulation: time x 1000",
+        "127.0.0.1:8000",
+    ] {
         assert!(rendered.contains(needle), "{needle} not in:\n{rendered}");
+    }
+}
+
+#[test]
+fn every_key_of_the_default_topology_is_commented() {
+    // Each `key = value` line has a comment line somewhere in the run of comments and
+    // keys it belongs to, or the same key was explained earlier in the file.
+    let mut explained: Vec<&str> = Vec::new();
+    let mut comment_seen = false;
+    for line in DEFAULT_TOML.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('[') {
+            comment_seen = false;
+        } else if line.starts_with('#') {
+            comment_seen = true;
+        } else if let Some((key, _)) = line.split_once('=') {
+            let key = key.trim();
+            assert!(comment_seen || explained.contains(&key), "`{key}` has no comment");
+            explained.push(key);
+        }
     }
 }
 

@@ -1,0 +1,349 @@
+//! The roofline perf model: how long one batched step of a dense decoder-only model
+//! (Llama family) takes on a chip kind, from the chip's peak FLOPS and memory bandwidth
+//! derated by [`EmulationSpec`]'s efficiencies. It paces emulated chips
+//! ([`crate::Backend::Emu`]) and lets planners and sims compare chips. Pure arithmetic:
+//! no I/O, no clock, no other tessera crate.
+//!
+//! What a step costs, per sequence of the batch (`new` tokens computed, `ctx` tokens of
+//! context after the step):
+//! - FLOPs: `2 x linear_params x new` (every projection and MLP matrix of every layer),
+//!   plus `2 x vocab x hidden` for the LM head of the one row that is sampled, plus
+//!   causal attention `4 x heads x head_dim x layers` per (query, key) pair, with
+//!   `new x (ctx - new) + new x (new + 1) / 2` pairs. Norms, RoPE and activations are
+//!   left out (well under 1% of a step).
+//! - Bytes: the weights once per step (`weight_bytes`, shared by the whole batch), plus
+//!   the KV of all `ctx` tokens read by attention, plus the KV of the `new` tokens
+//!   written. Activations are left out.
+//!
+//! Time is `max(FLOPs / (peak x MFU), bytes / (bandwidth x MBU))`: whichever roof the
+//! step hits.
+
+use crate::{ChipKind, EmulationSpec};
+
+/// The shape of a dense decoder-only model, as far as cost is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelShape {
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (fewer than `num_heads` under grouped-query attention).
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// MLP width (gate, up and down projections).
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    /// Bytes of weights a step reads: every weight of the model in its dtype.
+    pub weight_bytes: u64,
+    /// Bytes of one KV cache element (4 for f32, 2 for f16/bf16).
+    pub kv_bytes_per_elem: usize,
+}
+
+impl ModelShape {
+    /// Parameters of one layer's matrices: q, k, v, o projections and the gated MLP.
+    pub fn layer_linear_params(&self) -> u64 {
+        let (h, q, kv) = (
+            self.hidden_size as u64,
+            (self.num_heads * self.head_dim) as u64,
+            (self.num_kv_heads * self.head_dim) as u64,
+        );
+        h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size as u64
+    }
+
+    /// Parameters every token multiplies through: all layers' matrices (not the
+    /// embedding table, which is only indexed, nor the LM head, which only sampled rows
+    /// pass through).
+    pub fn linear_params(&self) -> u64 {
+        self.num_layers as u64 * self.layer_linear_params()
+    }
+
+    pub fn lm_head_params(&self) -> u64 {
+        (self.vocab_size * self.hidden_size) as u64
+    }
+
+    /// KV cache bytes of one token: K and V, every layer, every KV head.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        (2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem) as u64
+    }
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqStep {
+    /// Tokens computed in this step: 1 for decode, the chunk length for prefill.
+    pub new_tokens: usize,
+    /// Tokens of context after the step, the new ones included (at least
+    /// `new_tokens`; a smaller value is read as `new_tokens`).
+    pub context: usize,
+}
+
+/// One batched step: the sequences it advances.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepShape {
+    pub seqs: Vec<SeqStep>,
+}
+
+impl StepShape {
+    /// `batch` sequences decoding one token each, each with `context` tokens after the step.
+    pub fn decode(batch: usize, context: usize) -> Self {
+        StepShape { seqs: vec![SeqStep { new_tokens: 1, context }; batch] }
+    }
+
+    /// One sequence prefilling `tokens` prompt tokens from scratch.
+    pub fn prefill(tokens: usize) -> Self {
+        StepShape { seqs: vec![SeqStep { new_tokens: tokens, context: tokens }] }
+    }
+
+    /// Tokens computed in the step, over all sequences.
+    pub fn tokens(&self) -> usize {
+        self.seqs.iter().map(|seq| seq.new_tokens).sum()
+    }
+}
+
+impl SeqStep {
+    fn context(&self) -> usize {
+        self.context.max(self.new_tokens)
+    }
+
+    /// Causal (query, key) pairs: each new token attends to everything before it and itself.
+    fn attention_pairs(&self) -> u64 {
+        let (new, ctx) = (self.new_tokens as u64, self.context() as u64);
+        new * (ctx - new) + new * (new + 1) / 2
+    }
+}
+
+/// FLOPs of `step` (see the module doc). A step with no sequences costs nothing.
+pub fn step_flops(model: &ModelShape, step: &StepShape) -> f64 {
+    let per_pair = 4 * (model.num_heads * model.head_dim * model.num_layers) as u64;
+    step.seqs
+        .iter()
+        .map(|seq| {
+            let linear = 2 * model.linear_params() * seq.new_tokens as u64;
+            let lm_head = if seq.new_tokens > 0 { 2 * model.lm_head_params() } else { 0 };
+            (linear + lm_head + per_pair * seq.attention_pairs()) as f64
+        })
+        .sum()
+}
+
+/// Bytes of memory traffic of `step` (see the module doc). A step with no sequences
+/// costs nothing.
+pub fn step_bytes(model: &ModelShape, step: &StepShape) -> f64 {
+    if step.seqs.is_empty() {
+        return 0.0;
+    }
+    let kv = model.kv_bytes_per_token();
+    let kv_traffic: u64 = step.seqs.iter().map(|seq| kv * (seq.context() + seq.new_tokens) as u64).sum();
+    (model.weight_bytes + kv_traffic) as f64
+}
+
+/// Which roof a step hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Bound {
+    Compute,
+    Memory,
+}
+
+/// A step's predicted time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Roofline {
+    /// FLOPs / (peak x compute_efficiency), x time_scale.
+    pub compute_s: f64,
+    /// Bytes / (bandwidth x memory_efficiency), x time_scale.
+    pub memory_s: f64,
+    /// The larger of the two: how long the emulated step takes.
+    pub time_s: f64,
+    /// `time_s` without the time scale: the step on the real chip.
+    pub unscaled_s: f64,
+    /// Compute when `compute_s > memory_s`, memory otherwise.
+    pub bound: Bound,
+}
+
+/// The predicted time of `step` of `model` on a chip of `kind`, derated by `emu`'s
+/// efficiencies and multiplied by its time scale.
+pub fn roofline(kind: &ChipKind, model: &ModelShape, step: &StepShape, emu: &EmulationSpec) -> Roofline {
+    let compute = step_flops(model, step) / (kind.fp16_tflops * 1e12 * emu.compute_efficiency);
+    let memory = step_bytes(model, step) / (kind.memory_bw_gbs * 1e9 * emu.memory_efficiency);
+    let (unscaled_s, bound) = if compute > memory { (compute, Bound::Compute) } else { (memory, Bound::Memory) };
+    Roofline {
+        compute_s: compute * emu.time_scale,
+        memory_s: memory * emu.time_scale,
+        time_s: unscaled_s * emu.time_scale,
+        unscaled_s,
+        bound,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog;
+
+    /// Llama-2-7B: 6,738,415,616 parameters in f16, f16 KV.
+    const LLAMA_7B: ModelShape = ModelShape {
+        num_layers: 32,
+        hidden_size: 4096,
+        num_heads: 32,
+        num_kv_heads: 32,
+        head_dim: 128,
+        intermediate_size: 11008,
+        vocab_size: 32000,
+        weight_bytes: 13_476_831_232,
+        kv_bytes_per_elem: 2,
+    };
+
+    /// Tessera's `builtin:tiny`: 1,000,576 parameters in f32, f32 KV.
+    const TINY: ModelShape = ModelShape {
+        num_layers: 4,
+        hidden_size: 128,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 32,
+        intermediate_size: 352,
+        vocab_size: 1024,
+        weight_bytes: 4_002_304,
+        kv_bytes_per_elem: 4,
+    };
+
+    #[test]
+    fn shape_arithmetic() {
+        // Llama-2-7B layer: q, k, v, o 4 x 4096^2 + MLP 3 x 4096 x 11008.
+        assert_eq!(LLAMA_7B.layer_linear_params(), 4 * 4096 * 4096 + 3 * 4096 * 11008);
+        assert_eq!(LLAMA_7B.linear_params(), 6_476_005_376);
+        // 2 x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB (chips.md: 70B is 320 KiB).
+        assert_eq!(LLAMA_7B.kv_bytes_per_token(), 512 << 10);
+        // Tiny: q 128x128, k and v 128x64, o 128x128, MLP 3 x 128 x 352.
+        assert_eq!(TINY.layer_linear_params(), 184_320);
+        assert_eq!(TINY.kv_bytes_per_token(), 2048);
+        // Weights: embedding and LM head 2 x 1024 x 128, 4 layers of matrices and two
+        // norms, the final norm; 4 bytes each.
+        assert_eq!(4 * (2 * 1024 * 128 + 4 * (184_320 + 2 * 128) + 128), TINY.weight_bytes);
+    }
+
+    #[test]
+    fn flops_and_bytes() {
+        let table: &[(&str, ModelShape, StepShape, f64, f64)] = &[
+            // 7B decode, one sequence at 1024 tokens of context:
+            // 2 x 6,476,005,376 + LM head 2 x 32000 x 4096 + 1024 pairs x 4 x 32 x 128 x 32;
+            // weights + 1024 tokens of KV read + 1 written, 512 KiB each.
+            (
+                "7B decode",
+                LLAMA_7B,
+                StepShape::decode(1, 1024),
+                12_952_010_752.0 + 262_144_000.0 + 1024.0 * 524_288.0,
+                13_476_831_232.0 + 1025.0 * 524_288.0,
+            ),
+            // 7B prefill of 2048 tokens: 2048 x 2049 / 2 = 2,098,176 pairs.
+            (
+                "7B prefill",
+                LLAMA_7B,
+                StepShape::prefill(2048),
+                2.0 * 6_476_005_376.0 * 2048.0 + 262_144_000.0 + 2_098_176.0 * 524_288.0,
+                13_476_831_232.0 + 4096.0 * 524_288.0,
+            ),
+            // A chunk of 512 after 512 tokens: 512 x 512 + 512 x 513 / 2 = 393,472 pairs;
+            // KV of 1024 read and 512 written.
+            (
+                "7B second chunk",
+                LLAMA_7B,
+                StepShape { seqs: vec![SeqStep { new_tokens: 512, context: 1024 }] },
+                2.0 * 6_476_005_376.0 * 512.0 + 262_144_000.0 + 393_472.0 * 524_288.0,
+                13_476_831_232.0 + 1536.0 * 524_288.0,
+            ),
+            // Weights are read once for the whole batch; every sequence has its head and KV.
+            (
+                "tiny decode x 4",
+                TINY,
+                StepShape::decode(4, 100),
+                4.0 * (2.0 * 737_280.0 + 2.0 * 131_072.0 + 100.0 * 2048.0),
+                4_002_304.0 + 4.0 * 101.0 * 2048.0,
+            ),
+            ("empty step", TINY, StepShape::default(), 0.0, 0.0),
+        ];
+        for (name, model, step, flops, bytes) in table {
+            assert_eq!(step_flops(model, step), *flops, "{name} flops");
+            assert_eq!(step_bytes(model, step), *bytes, "{name} bytes");
+        }
+    }
+
+    #[track_caller]
+    fn close(got: f64, want: f64) {
+        assert!((got - want).abs() <= want * 1e-9, "got {got}, want {want}");
+    }
+
+    #[test]
+    fn rooflines() {
+        let emu = EmulationSpec::default();
+        let scaled = EmulationSpec { time_scale: 1000.0, ..emu };
+        // (kind, model, step, emulation, bound, unscaled seconds)
+        let table: &[(&str, ModelShape, StepShape, EmulationSpec, Bound, f64)] = &[
+            // chips.md: a decode step is memory bound at about weights / (2039e9 x 0.8).
+            (
+                "nvidia-a100",
+                LLAMA_7B,
+                StepShape::decode(1, 1024),
+                emu,
+                Bound::Memory,
+                (13_476_831_232.0 + 1025.0 * 524_288.0) / (2039e9 * 0.8),
+            ),
+            // 2048-token prefill on H100: compute bound at FLOPs / (989e12 x 0.5).
+            (
+                "nvidia-h100",
+                LLAMA_7B,
+                StepShape::prefill(2048),
+                emu,
+                Bound::Compute,
+                (2.0 * 6_476_005_376.0 * 2048.0 + 262_144_000.0 + 2_098_176.0 * 524_288.0) / (989e12 * 0.5),
+            ),
+            // The default topology's figures (default.toml): tiny decode on the C500 at
+            // 128 tokens of context, 2.96 us -> 2.96 ms ...
+            (
+                "metax-c500",
+                TINY,
+                StepShape::decode(1, 128),
+                scaled,
+                Bound::Memory,
+                (4_002_304.0 + 129.0 * 2048.0) / (1800e9 * 0.8),
+            ),
+            // ... and a 512-token prefill chunk on the 910B, 5.79 us -> 5.79 ms.
+            (
+                "ascend-910b",
+                TINY,
+                StepShape::prefill(512),
+                scaled,
+                Bound::Compute,
+                (2.0 * 737_280.0 * 512.0 + 2.0 * 131_072.0 + 131_328.0 * 2048.0) / (354e12 * 0.5),
+            ),
+        ];
+        for (name, model, step, emu, bound, seconds) in table {
+            let Some(kind) = catalog::lookup(name) else { panic!("{name} is not in the catalog") };
+            let r = roofline(kind, model, step, emu);
+            assert_eq!(r.bound, *bound, "{name}");
+            close(r.unscaled_s, *seconds);
+            close(r.time_s, *seconds * emu.time_scale);
+            close(r.time_s, r.compute_s.max(r.memory_s));
+        }
+    }
+
+    #[test]
+    fn the_default_topology_paces_the_tiny_model_in_milliseconds() {
+        let spec = crate::default_topology();
+        let time = |kind: &str, step: &StepShape| {
+            spec.chip_kind(kind).map(|kind| roofline(kind, &TINY, step, &spec.emulation).time_s)
+        };
+        let decode = time("metax-c500", &StepShape::decode(1, 128)).unwrap_or(0.0);
+        let prefill = time("ascend-910b", &StepShape::prefill(512)).unwrap_or(0.0);
+        assert!((0.002..0.005).contains(&decode), "decode {decode} s");
+        assert!((0.005..0.050).contains(&prefill), "prefill {prefill} s");
+    }
+
+    #[test]
+    fn a_decode_batch_turns_compute_bound_past_the_ridge() {
+        let emu = EmulationSpec::default();
+        let Some(a100) = catalog::lookup("nvidia-a100") else { panic!("no a100") };
+        let bound = |batch| roofline(a100, &LLAMA_7B, &StepShape::decode(batch, 1), &emu).bound;
+        // Derated ridge: 156e12 / 1.6312e12 = 95.6 FLOP/byte; a 7B decode row is about
+        // 2 x 6.7e9 FLOP against 13.5e9 weight bytes shared by the batch.
+        assert_eq!(bound(64), Bound::Memory);
+        assert_eq!(bound(128), Bound::Compute);
+    }
+}
