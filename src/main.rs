@@ -104,6 +104,41 @@ enum BenchCommand {
     /// The echo peer of `bench bus` (started by it).
     #[command(hide = true)]
     BusPeer(BusPeerArgs),
+    /// KV transfer engine between two processes: tcp against a plain TCP socket blast
+    /// and shm against memcpy, of the same bytes, in one run.
+    Transfer(BenchTransferArgs),
+    /// The region-owning peer of `bench transfer` (started by it).
+    #[command(hide = true)]
+    TransferPeer(TransferPeerArgs),
+}
+
+#[derive(Args)]
+struct BenchTransferArgs {
+    /// Bytes moved per measurement (e.g. 64MiB, 1GiB).
+    #[arg(long, default_value = "64MiB", value_parser = tessera_runtime::transfer::bench::parse_bytes)]
+    bytes: usize,
+    /// Bytes per assignment (one KV block).
+    #[arg(long, default_value = "256KiB", value_parser = tessera_runtime::transfer::bench::parse_bytes)]
+    block: usize,
+    /// Measured runs after one warm-up; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Parallel TCP streams (default: the engine's).
+    #[arg(long)]
+    streams: Option<usize>,
+    /// Bytes per TCP request (default: the engine's).
+    #[arg(long, value_parser = tessera_runtime::transfer::bench::parse_bytes)]
+    chunk: Option<usize>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Flags written by `tessera_runtime::transfer::bench::TransferPeerArgs::to_args`.
+#[derive(Args)]
+struct TransferPeerArgs {
+    #[arg(long)]
+    bytes: usize,
 }
 
 #[derive(Args)]
@@ -306,6 +341,8 @@ fn main() {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve(args),
         Command::Bench(BenchCommand::Bus(args)) => bench_bus(args),
         Command::Bench(BenchCommand::BusPeer(args)) => bench_bus_peer(args),
+        Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
+        Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
     };
     if let Err(e) = result {
@@ -471,6 +508,29 @@ fn bench_bus_peer(args: BusPeerArgs) -> Result<()> {
         tcp_port: args.tcp_port,
     };
     Ok(tessera_runtime::bus::bench::serve_peer(&args)?)
+}
+
+fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
+    use tessera_runtime::transfer::bench;
+    let program = std::env::current_exe().context("locating the tessera binary to start the transfer peer")?;
+    let peer = bench::PeerLaunch::Process { program, args: vec!["bench".into(), "transfer-peer".into()] };
+    let mut opts = bench::TransferBenchOptions::new(args.bytes, peer);
+    opts.block_bytes = args.block;
+    opts.runs = args.runs;
+    opts.tcp_streams = args.streams.unwrap_or(opts.tcp_streams);
+    opts.chunk_bytes = args.chunk.unwrap_or(opts.chunk_bytes);
+    let report = bench::run(&opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
+fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {
+    let args = tessera_runtime::transfer::bench::TransferPeerArgs { bytes: args.bytes };
+    Ok(tessera_runtime::transfer::bench::serve_peer(&args)?)
 }
 
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {

@@ -8,5 +8,6 @@ pub mod addr;
 pub mod bus;
 pub mod codec;
 pub mod host;
+pub mod transfer;
 
 pub use addr::{Addr, HostId};

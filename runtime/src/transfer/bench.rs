@@ -1,0 +1,567 @@
+//! `tessera bench transfer`: the transfer engine against the plain baselines of the same
+//! bytes, measured in one run, between two processes.
+//!
+//! - tcp: the engine pulls the peer's region as KV-block-sized assignments (contiguous
+//!   on the peer, scattered over the local region, as a decode chip's free blocks are)
+//!   vs one plain TCP stream blasting the same bytes (`write_all` / `read_exact`)
+//!   between the same two processes.
+//! - shm: the engine pulls the same batch from the peer's pages vs a single `memcpy` of
+//!   the same size inside this process.
+//!
+//! The peer is this binary re-executed with a hidden subcommand that calls
+//! [`serve_peer`] (or, in tests, a thread running the same code): it registers a region
+//! filled with a known pattern, runs the raw TCP blaster, prints one JSON line
+//! ([`PeerHello`]) and serves until its stdin closes. Every transfer is checked byte
+//! for byte against the pattern, outside the timed section.
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{Assignment, Region, RegionDesc, TransferConfig, TransferEngine, TransferError, Transport};
+
+/// Longest wait for the peer to come up or to go away.
+const PEER_TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    #[error("transfer bench I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("transfer bench peer: {0}")]
+    Peer(String),
+    #[error("transfer bench: {0}")]
+    Invalid(String),
+    #[error("transfer bench: {path} delivered wrong bytes: {detail}")]
+    Corrupt { path: &'static str, detail: String },
+}
+
+/// How the peer runs.
+#[derive(Debug, Clone)]
+pub enum PeerLaunch {
+    /// A child process: `program args... --bytes N` (see [`TransferPeerArgs::to_args`]).
+    Process { program: PathBuf, args: Vec<String> },
+    /// A thread of this process (tests).
+    Thread,
+}
+
+#[derive(Debug, Clone)]
+pub struct TransferBenchOptions {
+    /// Bytes moved per measurement.
+    pub bytes: usize,
+    /// Size of one assignment (a KV block's bytes).
+    pub block_bytes: usize,
+    /// Measured runs (after one warm-up); medians are reported.
+    pub runs: usize,
+    pub tcp_streams: usize,
+    pub chunk_bytes: usize,
+    pub pipeline_depth: usize,
+    pub peer: PeerLaunch,
+}
+
+impl TransferBenchOptions {
+    pub fn new(bytes: usize, peer: PeerLaunch) -> Self {
+        let defaults = TransferConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
+        TransferBenchOptions {
+            bytes,
+            block_bytes: 256 << 10,
+            runs: 5,
+            tcp_streams: defaults.tcp_streams,
+            chunk_bytes: defaults.chunk_bytes,
+            pipeline_depth: defaults.pipeline_depth,
+            peer,
+        }
+    }
+}
+
+/// What the peer's hidden subcommand parses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferPeerArgs {
+    pub bytes: usize,
+}
+
+impl TransferPeerArgs {
+    pub fn to_args(&self) -> Vec<String> {
+        vec!["--bytes".into(), self.bytes.to_string()]
+    }
+}
+
+/// The peer's one line on stdout.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PeerHello {
+    pub region: RegionDesc,
+    /// The raw-TCP baseline: send a u64 (LE) byte count, receive that many bytes.
+    pub raw_tcp: SocketAddr,
+}
+
+/// One path's figures over the measured runs.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PathStats {
+    pub median_gb_per_s: f64,
+    pub min_gb_per_s: f64,
+    pub max_gb_per_s: f64,
+    pub median_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TransferBenchReport {
+    pub bytes: usize,
+    pub block_bytes: usize,
+    pub blocks: usize,
+    /// Requests after coalescing (tcp).
+    pub tcp_requests: usize,
+    pub runs: usize,
+    pub tcp_streams: usize,
+    pub chunk_bytes: usize,
+    pub pipeline_depth: usize,
+    /// "process" or "thread".
+    pub peer: &'static str,
+    pub tcp: PathStats,
+    pub raw_tcp: PathStats,
+    pub shm: PathStats,
+    pub memcpy: PathStats,
+    /// Median engine tcp GB/s / median raw socket GB/s.
+    pub tcp_vs_raw: f64,
+    /// Median engine shm GB/s / median memcpy GB/s.
+    pub shm_vs_memcpy: f64,
+    /// Every measured transfer matched the pattern byte for byte.
+    pub verified: bool,
+}
+
+impl TransferBenchReport {
+    pub fn table(&self) -> String {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        let mut s = format!(
+            "transfer, peer in a {}: {:.0} MiB as {} blocks of {:.0} KiB (scattered destination), {} runs + 1 warm-up\n",
+            self.peer,
+            mib(self.bytes),
+            self.blocks,
+            self.block_bytes as f64 / 1024.0,
+            self.runs
+        );
+        s += &format!(
+            "tcp: {} streams, chunks of {:.0} KiB ({} requests), pipeline depth {}\n",
+            self.tcp_streams,
+            self.chunk_bytes as f64 / 1024.0,
+            self.tcp_requests,
+            self.pipeline_depth
+        );
+        s += &format!("{:<16} {:>12} {:>10} {:>10} {:>11}\n", "path", "GB/s median", "min", "max", "ms median");
+        for (name, p) in [
+            ("engine tcp", &self.tcp),
+            ("raw tcp socket", &self.raw_tcp),
+            ("engine shm", &self.shm),
+            ("memcpy", &self.memcpy),
+        ] {
+            s += &format!(
+                "{:<16} {:>12.2} {:>10.2} {:>10.2} {:>11.2}\n",
+                name, p.median_gb_per_s, p.min_gb_per_s, p.max_gb_per_s, p.median_ms
+            );
+        }
+        s += &format!(
+            "engine tcp / raw socket: x{:.2}   engine shm / memcpy: x{:.2}   verified: {}\n",
+            self.tcp_vs_raw, self.shm_vs_memcpy, self.verified
+        );
+        s
+    }
+}
+
+/// Parses a byte count: `67108864`, `64MiB`, `512KiB`, `1GiB`, `64MB`, `64M`.
+pub fn parse_bytes(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: usize = digits.parse().map_err(|_| format!("`{text}` is not a byte count (e.g. 64MiB)"))?;
+    let scale: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        other => return Err(format!("unknown unit `{other}` in `{text}` (use B, KiB, MiB, GiB, KB, MB, GB)")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("`{text}` is too large"))
+}
+
+/// The bytes every region and baseline carry: cheap to generate, no period to hide a
+/// misplaced block behind.
+fn pattern(len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    while out.len() < len {
+        // xorshift64*
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        out.extend_from_slice(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn loopback_any() -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, 0))
+}
+
+/// The peer side: region + raw blaster; `ready` gets the hello; returns when `stop`
+/// returns.
+fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl FnOnce()) -> Result<(), BenchError> {
+    let engine = TransferEngine::start(TransferConfig::new(loopback_any()))?;
+    let region = engine.register(args.bytes)?;
+    let data = Arc::new(pattern(args.bytes));
+    region.write(0, &data)?;
+    let raw = TcpListener::bind(loopback_any())?;
+    let hello = PeerHello { region: engine.describe(&region), raw_tcp: raw.local_addr()? };
+    let stopping = Arc::new(AtomicBool::new(false));
+    let stopped = stopping.clone();
+    let blaster = std::thread::Builder::new().name("bench-raw-tcp".into()).spawn(move || {
+        for stream in raw.incoming() {
+            if stopped.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(stream) = stream else { continue };
+            let data = data.clone();
+            std::thread::spawn(move || {
+                if let Err(e) = blast(stream, &data) {
+                    tracing::debug!("raw TCP bench connection ended: {e}");
+                }
+            });
+        }
+    })?;
+    ready(&hello);
+    stop();
+    engine.shutdown();
+    // Wake the blaster's accept so it sees the flag (a connection of our own).
+    stopping.store(true, Ordering::Release);
+    if TcpStream::connect_timeout(&hello.raw_tcp, Duration::from_secs(1)).is_ok() && blaster.join().is_err() {
+        tracing::error!("raw TCP bench thread panicked");
+    }
+    Ok(())
+}
+
+/// Raw baseline server: for each u64 count received, writes that many pattern bytes.
+fn blast(mut stream: TcpStream, data: &[u8]) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let mut count = [0u8; 8];
+    loop {
+        match stream.read_exact(&mut count) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let n = usize::try_from(u64::from_le_bytes(count)).unwrap_or(usize::MAX);
+        let Some(bytes) = data.get(..n) else {
+            return Err(std::io::Error::other(format!("asked for {n} bytes of {}", data.len())));
+        };
+        stream.write_all(bytes)?;
+    }
+}
+
+/// Runs the peer until its standard input closes (the parent exited or let go).
+pub fn serve_peer(args: &TransferPeerArgs) -> Result<(), BenchError> {
+    run_peer(
+        args,
+        |hello| match serde_json::to_string(hello) {
+            Ok(line) => {
+                println!("{line}");
+                let _ = std::io::stdout().flush();
+            }
+            Err(e) => eprintln!("cannot encode the peer hello: {e}"),
+        },
+        || {
+            let mut sink = String::new();
+            let mut stdin = std::io::stdin().lock();
+            while matches!(stdin.read_line(&mut sink), Ok(n) if n > 0) {
+                sink.clear();
+            }
+        },
+    )
+}
+
+/// The running peer; stopping it is `Drop`, so every exit path reaps it.
+enum PeerGuard {
+    Process(Child),
+    Thread { stop: Option<std::sync::mpsc::Sender<()>>, join: Option<std::thread::JoinHandle<()>> },
+}
+
+impl Drop for PeerGuard {
+    fn drop(&mut self) {
+        match self {
+            PeerGuard::Process(child) => {
+                // Closing its stdin asks it to stop; kill it if it does not.
+                drop(child.stdin.take());
+                let deadline = Instant::now() + Duration::from_secs(3);
+                loop {
+                    match child.try_wait() {
+                        Ok(Some(_)) => return,
+                        Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                        _ => break,
+                    }
+                }
+                if let Err(e) = child.kill() {
+                    tracing::warn!("cannot kill the transfer bench peer (pid {}): {e}", child.id());
+                }
+                let _ = child.wait();
+            }
+            PeerGuard::Thread { stop, join } => {
+                drop(stop.take());
+                if let Some(join) = join.take()
+                    && join.join().is_err()
+                {
+                    tracing::error!("transfer bench peer thread panicked");
+                }
+            }
+        }
+    }
+}
+
+fn launch_peer(launch: &PeerLaunch, args: &TransferPeerArgs) -> Result<(PeerGuard, PeerHello), BenchError> {
+    let (tx, rx) = std::sync::mpsc::channel::<Result<PeerHello, String>>();
+    let guard = match launch {
+        PeerLaunch::Process { program, args: prefix } => {
+            let mut child = Command::new(program)
+                .args(prefix)
+                .args(args.to_args())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|e| BenchError::Peer(format!("cannot start {}: {e}", program.display())))?;
+            let stdout = child.stdout.take().ok_or_else(|| BenchError::Peer("peer has no stdout".into()))?;
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stdout);
+                let mut line = String::new();
+                let hello = match reader.read_line(&mut line) {
+                    Ok(n) if n > 0 => serde_json::from_str::<PeerHello>(line.trim())
+                        .map_err(|e| format!("bad hello line `{}`: {e}", line.trim())),
+                    _ => Err("peer exited before it was ready".to_string()),
+                };
+                let _ = tx.send(hello);
+                // Keep draining so the peer never blocks on a full pipe.
+                while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
+                    line.clear();
+                }
+            });
+            PeerGuard::Process(child)
+        }
+        PeerLaunch::Thread => {
+            let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+            let args = args.clone();
+            let join = std::thread::spawn(move || {
+                let ready = tx.clone();
+                let result = run_peer(
+                    &args,
+                    |hello| drop(ready.send(Ok(hello.clone()))),
+                    || {
+                        let _ = stop_rx.recv();
+                    },
+                );
+                if let Err(e) = result {
+                    let _ = tx.send(Err(e.to_string()));
+                }
+            });
+            PeerGuard::Thread { stop: Some(stop_tx), join: Some(join) }
+        }
+    };
+    match rx.recv_timeout(PEER_TIMEOUT) {
+        Ok(Ok(hello)) => Ok((guard, hello)),
+        Ok(Err(e)) => Err(BenchError::Peer(e)),
+        Err(_) => Err(BenchError::Peer(format!("not ready within {PEER_TIMEOUT:?}"))),
+    }
+}
+
+/// Source blocks in order, destination blocks in a fixed shuffled order.
+fn scattered_batch(bytes: usize, block: usize) -> Vec<Assignment> {
+    let blocks = bytes.div_ceil(block);
+    let mut order: Vec<usize> = (0..blocks).collect();
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for i in (1..blocks).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    // The last block may be short: keep it last on both sides so slots stay disjoint.
+    if let Some(pos) = order.iter().position(|&b| b == blocks - 1) {
+        order.swap(pos, blocks - 1);
+    }
+    (0..blocks)
+        .map(|i| {
+            let len = block.min(bytes - i * block) as u64;
+            Assignment { src_offset: (i * block) as u64, dst_offset: (order[i] * block) as u64, len }
+        })
+        .collect()
+}
+
+fn check_region(path: &'static str, dst: &Region, batch: &[Assignment], want: &[u8]) -> Result<(), BenchError> {
+    for a in batch {
+        let (s, d, n) = (a.src_offset as usize, a.dst_offset as usize, a.len as usize);
+        let same = dst.with_ref(d, n, |got| got == &want[s..s + n])?;
+        if !same {
+            return Err(BenchError::Corrupt {
+                path,
+                detail: format!("block at source offset {s} (local offset {d}, {n} bytes) differs"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn stats(bytes: usize, times: &[Duration]) -> PathStats {
+    let mut rates: Vec<f64> = times.iter().map(|t| bytes as f64 / t.as_secs_f64().max(1e-9) / 1e9).collect();
+    rates.sort_by(f64::total_cmp);
+    let mut ms: Vec<f64> = times.iter().map(|t| t.as_secs_f64() * 1e3).collect();
+    ms.sort_by(f64::total_cmp);
+    let median = |v: &[f64]| {
+        let n = v.len();
+        if n == 0 {
+            0.0
+        } else if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        }
+    };
+    PathStats {
+        median_gb_per_s: median(&rates),
+        min_gb_per_s: rates.first().copied().unwrap_or(0.0),
+        max_gb_per_s: rates.last().copied().unwrap_or(0.0),
+        median_ms: median(&ms),
+    }
+}
+
+/// Runs the benchmark (blocking).
+pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchError> {
+    if opts.bytes == 0 || opts.block_bytes == 0 || opts.runs == 0 {
+        return Err(BenchError::Invalid("bytes, block size and runs must be positive".into()));
+    }
+    let (_peer, hello) = launch_peer(&opts.peer, &TransferPeerArgs { bytes: opts.bytes })?;
+    let remote = &hello.region;
+    if remote.len != opts.bytes as u64 {
+        return Err(BenchError::Peer(format!("peer registered {} bytes, asked for {}", remote.len, opts.bytes)));
+    }
+
+    let mut config = TransferConfig::new(loopback_any());
+    config.tcp_streams = opts.tcp_streams;
+    config.chunk_bytes = opts.chunk_bytes;
+    config.pipeline_depth = opts.pipeline_depth;
+    let engine = TransferEngine::start(config)?;
+    let dst = engine.register(opts.bytes)?;
+    let batch = scattered_batch(opts.bytes, opts.block_bytes);
+    let tcp_requests =
+        super::batch::plan(&batch, (remote.region, remote.len), (dst.id(), dst.len() as u64), opts.chunk_bytes as u64)?
+            .chunks
+            .len();
+
+    let want = pattern(opts.bytes);
+    let mut raw_dst = vec![0u8; opts.bytes];
+    let mut copy_dst = vec![0u8; opts.bytes];
+    let mut raw = TcpStream::connect_timeout(&hello.raw_tcp, PEER_TIMEOUT)?;
+    raw.set_nodelay(true)?;
+    raw.set_read_timeout(Some(PEER_TIMEOUT))?;
+
+    let clear = |r: &Region| r.with_mut(0, r.len(), |b| b.fill(0));
+    let mut times: [Vec<Duration>; 4] = Default::default();
+    for run in 0..=opts.runs {
+        // engine tcp
+        clear(&dst)?;
+        let t = Instant::now();
+        engine.read_via(Transport::Tcp, remote, &dst, &batch)?;
+        let tcp = t.elapsed();
+        check_region("engine tcp", &dst, &batch, &want)?;
+
+        // raw tcp socket
+        raw_dst.fill(0);
+        let t = Instant::now();
+        raw.write_all(&(opts.bytes as u64).to_le_bytes())?;
+        raw.read_exact(&mut raw_dst)?;
+        let raw_time = t.elapsed();
+        if raw_dst != want {
+            return Err(BenchError::Corrupt { path: "raw tcp", detail: "the blast differs from the pattern".into() });
+        }
+
+        // engine shm
+        clear(&dst)?;
+        let t = Instant::now();
+        engine.read_via(Transport::Shm, remote, &dst, &batch)?;
+        let shm = t.elapsed();
+        check_region("engine shm", &dst, &batch, &want)?;
+
+        // memcpy
+        copy_dst.fill(0);
+        let t = Instant::now();
+        copy_dst.copy_from_slice(std::hint::black_box(&want));
+        let copy = t.elapsed();
+        if std::hint::black_box(&copy_dst) != &want {
+            return Err(BenchError::Corrupt { path: "memcpy", detail: "the copy differs".into() });
+        }
+
+        if run > 0 {
+            for (list, t) in times.iter_mut().zip([tcp, raw_time, shm, copy]) {
+                list.push(t);
+            }
+        }
+    }
+    engine.shutdown();
+
+    let [tcp, raw_tcp, shm, memcpy] = times.map(|t| stats(opts.bytes, &t));
+    Ok(TransferBenchReport {
+        bytes: opts.bytes,
+        block_bytes: opts.block_bytes,
+        blocks: batch.len(),
+        tcp_requests,
+        runs: opts.runs,
+        tcp_streams: opts.tcp_streams,
+        chunk_bytes: opts.chunk_bytes,
+        pipeline_depth: opts.pipeline_depth,
+        peer: match opts.peer {
+            PeerLaunch::Process { .. } => "process",
+            PeerLaunch::Thread => "thread",
+        },
+        tcp_vs_raw: tcp.median_gb_per_s / raw_tcp.median_gb_per_s.max(1e-12),
+        shm_vs_memcpy: shm.median_gb_per_s / memcpy.median_gb_per_s.max(1e-12),
+        tcp,
+        raw_tcp,
+        shm,
+        memcpy,
+        verified: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_byte_counts() {
+        assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_bytes("512KiB"), Ok(512 << 10));
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("64MB"), Ok(64_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").unwrap_err().contains("not a byte count"));
+        assert!(parse_bytes("3 parsecs").unwrap_err().contains("unknown unit"));
+    }
+
+    #[test]
+    fn scattered_batch_covers_both_sides_once() {
+        let batch = scattered_batch(10 * 4096 + 100, 4096);
+        assert_eq!(batch.len(), 11);
+        let mut src: Vec<_> = batch.iter().map(|a| (a.src_offset, a.len)).collect();
+        let mut dst: Vec<_> = batch.iter().map(|a| (a.dst_offset, a.len)).collect();
+        src.sort_unstable();
+        dst.sort_unstable();
+        assert_eq!(src, dst, "destination slots are a permutation of the source blocks");
+        assert!(batch.iter().any(|a| a.src_offset != a.dst_offset), "destinations are scattered");
+    }
+}

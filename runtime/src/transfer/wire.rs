@@ -1,0 +1,204 @@
+//! The TCP data-plane frames. Little-endian, fixed size, no allocation to parse.
+//!
+//! ```text
+//! request  (32 B): magic u32 | version u16 | op u16 | region u64 | offset u64 | len u64
+//! response (16 B): magic u32 | status u16  | 0 u16  | len u64
+//!                  then `len` bytes: the region's bytes (status OK) or UTF-8 error text
+//! ```
+//! A client may pipeline requests; responses come back in request order. After a
+//! request whose header cannot be trusted (bad magic, version or op) the server replies
+//! with an error and closes the connection; after a well-formed request it refuses
+//! (unknown region, out of bounds, too long) it replies with an error and keeps serving.
+#![forbid(unsafe_code)]
+
+pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TSXF");
+pub(crate) const RESPONSE_MAGIC: u32 = u32::from_le_bytes(*b"TSXR");
+pub(crate) const VERSION: u16 = 1;
+pub(crate) const OP_READ: u16 = 1;
+pub(crate) const REQUEST_BYTES: usize = 32;
+pub(crate) const RESPONSE_BYTES: usize = 16;
+/// Longest single request a server accepts; clients split into `chunk_bytes` anyway.
+pub(crate) const MAX_REQUEST_LEN: u64 = 1 << 30;
+/// Longest error text a client accepts in a response.
+pub(crate) const MAX_ERROR_TEXT: u64 = 64 * 1024;
+
+/// A read of `len` bytes at `offset` of region `region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub region: u64,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Why a request header was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum HeaderError {
+    #[error("bad magic {0:#010x} (expected {MAGIC:#010x}, \"TSXF\")")]
+    Magic(u32),
+    #[error("unsupported protocol version {0} (this server speaks {VERSION})")]
+    Version(u16),
+    #[error("unknown op {0} (only {OP_READ} = read)")]
+    Op(u16),
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(a)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+impl Request {
+    pub(crate) fn encode(&self) -> [u8; REQUEST_BYTES] {
+        let mut b = [0u8; REQUEST_BYTES];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&OP_READ.to_le_bytes());
+        b[8..16].copy_from_slice(&self.region.to_le_bytes());
+        b[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; REQUEST_BYTES]) -> Result<Request, HeaderError> {
+        let magic = u32_at(b, 0);
+        if magic != MAGIC {
+            return Err(HeaderError::Magic(magic));
+        }
+        let version = u16_at(b, 4);
+        if version != VERSION {
+            return Err(HeaderError::Version(version));
+        }
+        let op = u16_at(b, 6);
+        if op != OP_READ {
+            return Err(HeaderError::Op(op));
+        }
+        Ok(Request { region: u64_at(b, 8), offset: u64_at(b, 16), len: u64_at(b, 24) })
+    }
+}
+
+/// Response status; anything but `Ok` carries error text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Status {
+    Ok,
+    UnknownRegion,
+    OutOfBounds,
+    TooLarge,
+    BadRequest,
+    /// The range is being written by the owner right now.
+    Busy,
+    TooManyConnections,
+}
+
+impl Status {
+    fn code(self) -> u16 {
+        match self {
+            Status::Ok => 0,
+            Status::UnknownRegion => 1,
+            Status::OutOfBounds => 2,
+            Status::TooLarge => 3,
+            Status::BadRequest => 4,
+            Status::Busy => 5,
+            Status::TooManyConnections => 6,
+        }
+    }
+
+    fn from_code(code: u16) -> Option<Status> {
+        Some(match code {
+            0 => Status::Ok,
+            1 => Status::UnknownRegion,
+            2 => Status::OutOfBounds,
+            3 => Status::TooLarge,
+            4 => Status::BadRequest,
+            5 => Status::Busy,
+            6 => Status::TooManyConnections,
+            _ => return None,
+        })
+    }
+
+    /// Metric label.
+    pub(crate) fn reason(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::UnknownRegion => "unknown_region",
+            Status::OutOfBounds => "out_of_bounds",
+            Status::TooLarge => "too_large",
+            Status::BadRequest => "bad_request",
+            Status::Busy => "range_busy",
+            Status::TooManyConnections => "too_many_connections",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Response {
+    pub status: Status,
+    pub len: u64,
+}
+
+impl Response {
+    pub(crate) fn encode(&self) -> [u8; RESPONSE_BYTES] {
+        let mut b = [0u8; RESPONSE_BYTES];
+        b[0..4].copy_from_slice(&RESPONSE_MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&self.status.code().to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// The error says what was wrong, for a protocol error naming the peer.
+    pub(crate) fn decode(b: &[u8; RESPONSE_BYTES]) -> Result<Response, String> {
+        let magic = u32_at(b, 0);
+        if magic != RESPONSE_MAGIC {
+            return Err(format!("bad response magic {magic:#010x} (expected {RESPONSE_MAGIC:#010x})"));
+        }
+        let code = u16_at(b, 4);
+        let status = Status::from_code(code).ok_or_else(|| format!("unknown response status {code}"))?;
+        Ok(Response { status, len: u64_at(b, 8) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trips() {
+        let r = Request { region: 0xdead_beef_0000_0001, offset: 1 << 40, len: 12345 };
+        assert_eq!(Request::decode(&r.encode()), Ok(r));
+    }
+
+    #[test]
+    fn request_header_errors_name_the_field() {
+        let good = Request { region: 1, offset: 2, len: 3 }.encode();
+        let mut b = good;
+        b[0] = b'X';
+        assert!(Request::decode(&b).unwrap_err().to_string().contains("bad magic"));
+        let mut b = good;
+        b[4] = 9;
+        assert_eq!(Request::decode(&b), Err(HeaderError::Version(9)));
+        let mut b = good;
+        b[6] = 7;
+        assert_eq!(Request::decode(&b), Err(HeaderError::Op(7)));
+    }
+
+    #[test]
+    fn response_round_trips_and_rejects_garbage() {
+        for status in [Status::Ok, Status::UnknownRegion, Status::OutOfBounds, Status::Busy] {
+            let r = Response { status, len: 77 };
+            assert_eq!(Response::decode(&r.encode()), Ok(r));
+        }
+        assert!(Response::decode(&[0u8; RESPONSE_BYTES]).unwrap_err().contains("bad response magic"));
+        let mut b = Response { status: Status::Ok, len: 0 }.encode();
+        b[4] = 200;
+        assert!(Response::decode(&b).unwrap_err().contains("unknown response status 200"));
+    }
+}

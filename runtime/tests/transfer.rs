@@ -1,0 +1,424 @@
+//! The KV transfer engine over loopback, two engines in one process: exact bytes over
+//! shm and tcp for random batches, edge batches, clear errors for bad requests, a
+//! hostile raw client, and a vanished peer. Nothing here waits on a clock except the
+//! bounds asserted on error paths.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use tessera_runtime::transfer::bench::{self, PeerLaunch, TransferBenchOptions};
+use tessera_runtime::transfer::{
+    Assignment, Region, RegionDesc, RemoteStatus, TransferConfig, TransferEngine, TransferError, Transport,
+    TransportChoice,
+};
+
+const REGION_BYTES: usize = 1 << 20;
+/// Generous bound on anything that must fail fast (connect refused, a closed socket).
+const FAIL_FAST: Duration = Duration::from_secs(5);
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, 0))
+}
+
+fn engine() -> Arc<TransferEngine> {
+    let mut config = TransferConfig::new(loopback());
+    config.connect_timeout = Duration::from_secs(2);
+    TransferEngine::start(config).expect("start a loopback engine")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_left(seed as u32 % 32).to_le_bytes()[1]).collect()
+}
+
+/// Engine A owns a source region filled with a pattern; engine B reads it.
+struct Pair {
+    a: Arc<TransferEngine>,
+    b: Arc<TransferEngine>,
+    src: Region,
+    src_bytes: Vec<u8>,
+    remote: RegionDesc,
+}
+
+fn pair() -> Pair {
+    let (a, b) = (engine(), engine());
+    let src = a.register(REGION_BYTES).expect("register the source");
+    let src_bytes = pattern(REGION_BYTES, 7);
+    src.write(0, &src_bytes).expect("fill the source");
+    let remote = a.describe(&src);
+    Pair { a, b, src, src_bytes, remote }
+}
+
+fn a(src_offset: u64, dst_offset: u64, len: u64) -> Assignment {
+    Assignment { src_offset, dst_offset, len }
+}
+
+/// What `dst` must hold after `batch` (zeros elsewhere).
+fn expected(src: &[u8], dst_len: usize, batch: &[Assignment]) -> Vec<u8> {
+    let mut out = vec![0u8; dst_len];
+    for x in batch {
+        let (s, d, n) = (x.src_offset as usize, x.dst_offset as usize, x.len as usize);
+        out[d..d + n].copy_from_slice(&src[s..s + n]);
+    }
+    out
+}
+
+fn contents(region: &Region) -> Vec<u8> {
+    let mut out = vec![0u8; region.len()];
+    region.read(0, &mut out).expect("read back the region");
+    out
+}
+
+fn both() -> [Transport; 2] {
+    [Transport::Shm, Transport::Tcp]
+}
+
+#[test]
+fn random_batches_copy_exact_bytes_over_shm_and_tcp() {
+    let p = pair();
+    let dst = p.b.register(REGION_BYTES).expect("register the destination");
+    // Up to 128 blocks of up to 8 KiB, each in its own 8 KiB destination slot.
+    let blocks = proptest::collection::vec((0u64..(REGION_BYTES as u64 - 8192), 1u64..=8192, 0u64..8192), 0..128);
+    let mut runner = TestRunner::new(Config { cases: 12, ..Config::default() });
+    runner
+        .run(&blocks, |blocks| {
+            let batch: Vec<Assignment> = blocks
+                .iter()
+                .enumerate()
+                .map(|(i, &(src, len, shift))| a(src, i as u64 * 8192 + shift.min(8192 - len), len))
+                .collect();
+            let want = expected(&p.src_bytes, REGION_BYTES, &batch);
+            for transport in both() {
+                dst.write(0, &vec![0u8; REGION_BYTES]).expect("clear the destination");
+                let stats = p.b.read_via(transport, &p.remote, &dst, &batch).expect("read");
+                prop_assert_eq!(stats.transport, transport);
+                prop_assert_eq!(stats.bytes, batch.iter().map(|x| x.len).sum::<u64>());
+                prop_assert!(contents(&dst) == want, "{:?} delivered wrong bytes", transport);
+            }
+            Ok(())
+        })
+        .expect("every batch lands exactly");
+}
+
+#[test]
+fn whole_region_in_scattered_blocks_crosses_chunks_and_streams() {
+    let p = pair();
+    let dst = p.b.register(REGION_BYTES).expect("register");
+    // 16 KiB blocks, destination reversed: coalesced into 1 MiB requests on the wire.
+    let block = 16 * 1024u64;
+    let n = REGION_BYTES as u64 / block;
+    let batch: Vec<_> = (0..n).map(|i| a(i * block, (n - 1 - i) * block, block)).collect();
+    let want = expected(&p.src_bytes, REGION_BYTES, &batch);
+    for transport in both() {
+        dst.write(0, &vec![0u8; REGION_BYTES]).expect("clear");
+        p.b.read_via(transport, &p.remote, &dst, &batch).expect("read");
+        assert!(contents(&dst) == want, "{transport} delivered wrong bytes");
+    }
+}
+
+#[test]
+fn many_small_assignments() {
+    let p = pair();
+    let dst = p.b.register(REGION_BYTES).expect("register");
+    // 10,000 assignments of 1..=100 bytes, sources scattered, destinations packed.
+    let mut batch = Vec::new();
+    let (mut dst_at, mut x) = (0u64, 12345u64);
+    for i in 0..10_000u64 {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        let len = 1 + i % 100;
+        let src = (x >> 33) % (REGION_BYTES as u64 - len);
+        batch.push(a(src, dst_at, len));
+        dst_at += len;
+    }
+    let want = expected(&p.src_bytes, REGION_BYTES, &batch);
+    for transport in both() {
+        dst.write(0, &vec![0u8; REGION_BYTES]).expect("clear");
+        let stats = p.b.read_via(transport, &p.remote, &dst, &batch).expect("read");
+        assert_eq!(stats.bytes, dst_at);
+        assert!(contents(&dst) == want, "{transport} delivered wrong bytes");
+    }
+}
+
+#[test]
+fn zero_length_batches_succeed_and_move_nothing() {
+    let p = pair();
+    let dst = p.b.register(4096).expect("register");
+    dst.write(0, &[9u8; 4096]).expect("fill");
+    for transport in both() {
+        for batch in [vec![], vec![a(0, 0, 0), a(REGION_BYTES as u64, 4096, 0)]] {
+            let stats = p.b.read_via(transport, &p.remote, &dst, &batch).expect("an empty batch succeeds");
+            assert_eq!((stats.bytes, stats.transport), (0, transport));
+        }
+    }
+    assert_eq!(contents(&dst), vec![9u8; 4096]);
+}
+
+#[test]
+fn out_of_bounds_batches_name_the_region_and_offsets() {
+    let p = pair();
+    let dst = p.b.register(4096).expect("register");
+    let len = REGION_BYTES as u64;
+    for transport in both() {
+        let e = p.b.read_via(transport, &p.remote, &dst, &[a(len - 10, 0, 20)]).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, TransferError::OutOfBounds { side: "remote", .. }), "{msg}");
+        assert!(msg.contains(&format!("remote region {}", p.remote.region)), "{msg}");
+        assert!(msg.contains(&format!("offset {}", len - 10)) && msg.contains("out of bounds"), "{msg}");
+
+        let e = p.b.read_via(transport, &p.remote, &dst, &[a(0, 4000, 200)]).unwrap_err().to_string();
+        assert!(e.contains(&format!("local region {}", dst.id())) && e.contains("offset 4000"), "{e}");
+
+        let e = p.b.read_via(transport, &p.remote, &dst, &[a(0, u64::MAX, 2)]).unwrap_err().to_string();
+        assert!(e.contains("out of bounds"), "{e}");
+
+        let e = p.b.read_via(transport, &p.remote, &dst, &[a(0, 0, 100), a(500, 50, 100)]).unwrap_err().to_string();
+        assert!(e.contains("overlapping") && e.contains("[0, 100)") && e.contains("[50, 150)"), "{e}");
+    }
+}
+
+#[test]
+fn a_lying_descriptor_is_refused_by_the_owner() {
+    let p = pair();
+    let dst = p.b.register(REGION_BYTES).expect("register");
+    // The descriptor claims twice the real size: the client cannot know, the owner can.
+    let mut big = p.remote.clone();
+    big.len = 2 * REGION_BYTES as u64;
+    let e = p.b.read_via(Transport::Tcp, &big, &dst, &[a(REGION_BYTES as u64, 0, 16)]).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, TransferError::Refused { status: RemoteStatus::OutOfBounds, .. }), "{msg}");
+    assert!(msg.contains("out of bounds") && msg.contains(&format!("region {}", p.remote.region)), "{msg}");
+    let e = p.b.read_via(Transport::Shm, &big, &dst, &[a(0, 0, 16)]).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, TransferError::ShmMap { .. }), "{msg}");
+    assert!(msg.contains("descriptor says"), "{msg}");
+}
+
+#[test]
+fn unknown_regions_give_clear_errors() {
+    let p = pair();
+    let dst = p.b.register(4096).expect("register");
+    let mut ghost = p.remote.clone();
+    ghost.region ^= 0x5555;
+    let e = p.b.read_via(Transport::Tcp, &ghost, &dst, &[a(0, 0, 16)]).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, TransferError::UnknownRegion { .. }), "{msg}");
+    assert!(msg.contains("unknown region") && msg.contains(&ghost.region.to_string()), "{msg}");
+    // Over shm the descriptor's fd is the real region's: opening it must not be trusted.
+    let e = p.b.read_via(Transport::Shm, &ghost, &dst, &[a(0, 0, 16)]).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, TransferError::ShmMap { .. }), "{msg}");
+    assert!(msg.contains(&format!("rather than region {}", ghost.region)), "{msg}");
+    // A descriptor number that is not open in the owner at all.
+    let mut bad_fd = p.remote.clone();
+    bad_fd.fd = 999_999;
+    let msg = p.b.read_via(Transport::Shm, &bad_fd, &dst, &[a(0, 0, 16)]).unwrap_err().to_string();
+    assert!(msg.contains("cannot open /proc/") && msg.contains("/fd/999999"), "{msg}");
+}
+
+#[test]
+fn unregistered_region_is_no_longer_served_but_existing_mappings_stay_valid() {
+    let p = pair();
+    let dst = p.b.register(4096).expect("register");
+    // B maps the region over shm (cached), then the owner unregisters it.
+    p.b.read_via(Transport::Shm, &p.remote, &dst, &[a(0, 0, 16)]).expect("first shm read");
+    p.a.unregister(&p.src);
+    let msg = p.b.read_via(Transport::Tcp, &p.remote, &dst, &[a(0, 0, 16)]).unwrap_err().to_string();
+    assert!(msg.contains("unknown region"), "{msg}");
+    p.src.write(100, b"still mapped").expect("the owner still holds its region");
+    p.b.read_via(Transport::Shm, &p.remote, &dst, &[a(100, 0, 12)]).expect("the cached mapping stays valid");
+    let mut got = [0u8; 12];
+    dst.read(0, &mut got).expect("read back");
+    assert_eq!(&got, b"still mapped");
+}
+
+#[test]
+fn auto_picks_shm_on_this_host_and_tcp_elsewhere() {
+    let p = pair();
+    let dst = p.b.register(4096).expect("register");
+    let stats = p.b.read(&p.remote, &dst, &[a(0, 0, 4096)]).expect("auto read");
+    assert_eq!(stats.transport, Transport::Shm);
+    let mut elsewhere = p.remote.clone();
+    elsewhere.endpoint.host_key = "another-boot/another-host".into();
+    let stats = p.b.read(&elsewhere, &dst, &[a(0, 0, 4096)]).expect("auto read from another host");
+    assert_eq!(stats.transport, Transport::Tcp);
+    assert_eq!(contents(&dst), p.src_bytes[..4096]);
+    let e = p.b.read_via(Transport::Shm, &elsewhere, &dst, &[a(0, 0, 16)]).unwrap_err().to_string();
+    assert!(e.contains("another host"), "{e}");
+
+    let mut config = TransferConfig::new(loopback());
+    config.transport = TransportChoice::Tcp;
+    let forced = TransferEngine::start(config).expect("start");
+    let dst = forced.register(4096).expect("register");
+    assert_eq!(forced.read(&p.remote, &dst, &[a(0, 0, 16)]).expect("read").transport, Transport::Tcp);
+}
+
+#[test]
+fn async_reads_complete_through_the_handle() {
+    let p = pair();
+    let dst = p.b.register(REGION_BYTES).expect("register");
+    let batch = [a(0, 0, REGION_BYTES as u64)];
+    let mut pending = p.b.read_via_async(Transport::Tcp, &p.remote, &dst, &batch).expect("start");
+    // The completion arrives exactly once, by wait() here.
+    let outcome = match pending.try_wait() {
+        Some(outcome) => outcome,
+        None => pending.wait(),
+    };
+    assert_eq!(outcome.expect("read").bytes, REGION_BYTES as u64);
+    assert!(contents(&dst) == p.src_bytes);
+    let mut done = p.b.read_via_async(Transport::Shm, &p.remote, &dst, &batch).expect("start");
+    assert!(done.try_wait().is_some_and(|r| r.is_ok()), "an shm batch is done on return");
+    assert!(done.try_wait().is_none(), "the outcome is handed out once");
+}
+
+/// Reads one response frame from a raw socket: (status code, payload).
+fn raw_response(stream: &mut TcpStream) -> std::io::Result<(u16, Vec<u8>)> {
+    let mut header = [0u8; 16];
+    stream.read_exact(&mut header)?;
+    assert_eq!(&header[0..4], b"TSXR", "response magic");
+    let status = u16::from_le_bytes([header[4], header[5]]);
+    let len = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+    let mut payload = vec![0u8; len as usize];
+    stream.read_exact(&mut payload)?;
+    Ok((status, payload))
+}
+
+fn raw_request(magic: &[u8; 4], version: u16, op: u16, region: u64, offset: u64, len: u64) -> Vec<u8> {
+    let mut b = magic.to_vec();
+    b.extend_from_slice(&version.to_le_bytes());
+    b.extend_from_slice(&op.to_le_bytes());
+    b.extend_from_slice(&region.to_le_bytes());
+    b.extend_from_slice(&offset.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b
+}
+
+fn raw_connect(p: &Pair) -> TcpStream {
+    let s = TcpStream::connect(p.remote.endpoint.tcp).expect("connect to the engine");
+    s.set_read_timeout(Some(FAIL_FAST)).expect("timeout");
+    s
+}
+
+/// The peer closed: EOF (or a reset) within the bound, not a hang.
+fn assert_closed(stream: &mut TcpStream) {
+    let mut rest = Vec::new();
+    match stream.read_to_end(&mut rest) {
+        Ok(_) => {}
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "expected a close, got {e}"),
+    }
+}
+
+fn assert_still_serving(p: &Pair) {
+    let dst = p.b.register(4096).expect("register");
+    p.b.read_via(Transport::Tcp, &p.remote, &dst, &[a(4096, 0, 4096)]).expect("the engine still serves");
+    assert_eq!(contents(&dst), p.src_bytes[4096..8192]);
+}
+
+#[test]
+fn hostile_raw_clients_get_errors_or_closes_and_others_keep_being_served() {
+    let p = pair();
+    let region = p.remote.region;
+
+    // Garbage: an error naming the bad magic, then a close.
+    let mut s = raw_connect(&p);
+    s.write_all(&[0xab; 32]).expect("send garbage");
+    let (status, text) = raw_response(&mut s).expect("an error reply");
+    let text = String::from_utf8_lossy(&text);
+    assert!(status != 0 && text.contains("bad magic"), "{status}: {text}");
+    assert_closed(&mut s);
+
+    // Wrong version: an error, then a close.
+    let mut s = raw_connect(&p);
+    s.write_all(&raw_request(b"TSXF", 99, 1, region, 0, 16)).expect("send");
+    let (_, text) = raw_response(&mut s).expect("an error reply");
+    assert!(String::from_utf8_lossy(&text).contains("unsupported protocol version 99"));
+    assert_closed(&mut s);
+
+    // Oversized, unknown-region and out-of-bounds requests are refused, and the same
+    // connection then serves a good request.
+    let mut s = raw_connect(&p);
+    s.write_all(&raw_request(b"TSXF", 1, 1, region, 0, 1 << 40)).expect("send");
+    let (status, text) = raw_response(&mut s).expect("a reply");
+    assert!(status != 0 && String::from_utf8_lossy(&text).contains("exceeds"), "{}", String::from_utf8_lossy(&text));
+    s.write_all(&raw_request(b"TSXF", 1, 1, region ^ 1, 0, 16)).expect("send");
+    let (_, text) = raw_response(&mut s).expect("a reply");
+    assert!(String::from_utf8_lossy(&text).contains("unknown region"));
+    s.write_all(&raw_request(b"TSXF", 1, 1, region, u64::MAX - 4, 16)).expect("send");
+    let (_, text) = raw_response(&mut s).expect("a reply");
+    assert!(String::from_utf8_lossy(&text).contains("out of bounds"));
+    s.write_all(&raw_request(b"TSXF", 1, 1, region, 10, 16)).expect("send");
+    let (status, bytes) = raw_response(&mut s).expect("data");
+    assert_eq!((status, bytes.as_slice()), (0, &p.src_bytes[10..26]));
+
+    // A truncated header left open: the engine serves others meanwhile.
+    let mut stalled = raw_connect(&p);
+    stalled.write_all(&raw_request(b"TSXF", 1, 1, region, 0, 16)[..10]).expect("send part of a header");
+    assert_still_serving(&p);
+    // ... and a truncated header then end of stream: closed without a reply.
+    stalled.shutdown(Shutdown::Write).expect("half-close");
+    assert_closed(&mut stalled);
+
+    // A client that asks and never reads does not block the others either.
+    let mut greedy = raw_connect(&p);
+    for _ in 0..8 {
+        greedy.write_all(&raw_request(b"TSXF", 1, 1, region, 0, REGION_BYTES as u64)).expect("send");
+    }
+    assert_still_serving(&p);
+}
+
+#[test]
+fn a_vanished_peer_is_unreachable_within_a_bound() {
+    let (gone, b) = (engine(), engine());
+    let region = gone.register(4096).expect("register");
+    let remote = gone.describe(&region);
+    let dst = b.register(4096).expect("register");
+    // B first holds pooled connections to the peer, then the peer goes away.
+    b.read_via(Transport::Tcp, &remote, &dst, &[a(0, 0, 4096)]).expect("read while the peer is up");
+    gone.shutdown();
+    for _ in 0..2 {
+        let started = Instant::now();
+        let e = b.read_via(Transport::Tcp, &remote, &dst, &[a(0, 0, 4096)]).unwrap_err();
+        assert!(started.elapsed() < FAIL_FAST, "took {:?}", started.elapsed());
+        let msg = e.to_string();
+        assert!(matches!(e, TransferError::PeerUnreachable { .. }), "{msg}");
+        assert!(msg.contains(&remote.endpoint.tcp.to_string()) && msg.contains("unreachable"), "{msg}");
+    }
+    // A shut-down engine refuses work clearly.
+    assert!(matches!(gone.register(16), Err(TransferError::ShutDown)));
+}
+
+#[test]
+fn region_access_is_bounds_checked_and_exclusive() {
+    let e = engine();
+    assert!(e.register(0).unwrap_err().to_string().contains("must not be empty"));
+    let r = e.register(100).expect("register");
+    assert_eq!((r.len(), contents(&r)), (100, vec![0u8; 100]), "regions start zeroed");
+    let msg = r.write(95, &[1u8; 10]).unwrap_err().to_string();
+    assert!(msg.contains(&format!("local region {}", r.id())) && msg.contains("offset 95 + len 10"), "{msg}");
+    assert!(r.read(usize::MAX, &mut [0u8; 2]).is_err());
+    r.with_mut(10, 5, |b| b.copy_from_slice(b"hello")).expect("in bounds");
+    assert_eq!(r.with_ref(10, 5, |b| b.to_vec()).expect("in bounds"), b"hello");
+    // A range lent mutably cannot be lent again, read or written, until it is returned.
+    let nested = r
+        .with_mut(0, 50, |_| (r.with_ref(40, 20, |_| ()).unwrap_err(), r.write(60, b"ok").is_ok()))
+        .expect("outer borrow");
+    assert!(matches!(nested.0, TransferError::RangeBusy { .. }), "{}", nested.0);
+    assert!(nested.0.to_string().contains("in use"));
+    assert!(nested.1, "a disjoint range is free");
+    // Shared borrows overlap freely.
+    r.with_ref(0, 50, |_| r.with_ref(10, 50, |_| ()).expect("shared")).expect("outer");
+}
+
+#[test]
+fn bench_runs_end_to_end_with_a_thread_peer() {
+    let mut opts = TransferBenchOptions::new(2 << 20, PeerLaunch::Thread);
+    opts.block_bytes = 64 * 1024;
+    opts.runs = 1;
+    let report = bench::run(&opts).expect("bench");
+    assert!(report.verified);
+    assert_eq!((report.blocks, report.tcp_requests), (32, 2));
+    assert!(report.tcp.median_gb_per_s > 0.0 && report.shm.median_gb_per_s > 0.0);
+    assert!(report.table().contains("engine tcp / raw socket"));
+}
