@@ -7,6 +7,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use tessera_backends::device::{AttnBatchView, Buffer, Device, DeviceConfig, KvCacheView};
 use tessera_backends::dtype::DType;
+use tessera_backends::kv_format::KvLayout;
 use tessera_backends::loader::KernelLibrary;
 use tessera_kernel_abi as abi;
 
@@ -626,6 +627,7 @@ struct AttnCase {
     head_dim: usize,
     block_size: usize,
     dtype: DType,
+    layout: KvLayout,
     /// Unused blocks in the pool beyond what the sequences need.
     spare_blocks: usize,
     seed: u64,
@@ -701,6 +703,7 @@ fn run_attention_case(c: &AttnCase) {
         block_size: bs as u32,
         num_kv_heads: kvh as u32,
         head_dim: hd as u32,
+        layout: c.layout,
     };
 
     // Fill every token of every sequence in one call, shuffled, with decoy tokens at
@@ -739,7 +742,8 @@ fn run_attention_case(c: &AttnCase) {
     d.fill_kv_cache(&cache, kb.view(), vb.view(), sb.view(), tokens.len() as u32).unwrap();
 
     // The cache holds exactly what was written, in the documented layout
-    // [block][kv_head][block_size][head_dim]; untouched slots stay zero.
+    // ([block][kv_head][block_size][head_dim] head-major, [block][block_size][kv_head]
+    // [head_dim] token-major); untouched slots stay zero.
     let kcache = decode(&d.read_vec::<u8>(kc.view(), cache_bytes).unwrap(), dt);
     let vcache = decode(&d.read_vec::<u8>(vc.view(), cache_bytes).unwrap(), dt);
     let mut expect_k = vec![0f32; num_blocks * block_elems];
@@ -749,7 +753,10 @@ fn run_attention_case(c: &AttnCase) {
             let (blk, off) = (seq.blocks[t / bs], t % bs);
             for g in 0..kvh {
                 for e in 0..hd {
-                    let at = ((blk * kvh + g) * bs + off) * hd + e;
+                    let at = match c.layout {
+                        KvLayout::HeadMajor => ((blk * kvh + g) * bs + off) * hd + e,
+                        KvLayout::TokenMajor => ((blk * bs + off) * kvh + g) * hd + e,
+                    };
                     expect_k[at] = seq.k[(t * kvh + g) * hd + e];
                     expect_v[at] = seq.v[(t * kvh + g) * hd + e];
                 }
@@ -839,21 +846,24 @@ fn run_attention_case(c: &AttnCase) {
 #[test]
 fn attention_fixed_cases() {
     let mut seed = 100;
-    for dtype in DTYPES {
-        for (heads, kv_heads) in [(4, 4), (4, 2), (8, 2)] {
-            for block_size in [1, 3, 16] {
-                seed += 1;
-                run_attention_case(&AttnCase {
-                    // Pure prefill, chunked prefill over earlier context, single tokens.
-                    seqs: vec![(7, 7), (20, 5), (1, 1), (33, 1), (17, 16)],
-                    heads,
-                    kv_heads,
-                    head_dim: 16,
-                    block_size,
-                    dtype,
-                    spare_blocks: 3,
-                    seed,
-                });
+    for layout in KvLayout::ALL {
+        for dtype in DTYPES {
+            for (heads, kv_heads) in [(4, 4), (4, 2), (8, 2)] {
+                for block_size in [1, 3, 16] {
+                    seed += 1;
+                    run_attention_case(&AttnCase {
+                        // Pure prefill, chunked prefill over earlier context, single tokens.
+                        seqs: vec![(7, 7), (20, 5), (1, 1), (33, 1), (17, 16)],
+                        heads,
+                        kv_heads,
+                        head_dim: 16,
+                        block_size,
+                        dtype,
+                        layout,
+                        spare_blocks: 3,
+                        seed,
+                    });
+                }
             }
         }
     }
@@ -861,20 +871,27 @@ fn attention_fixed_cases() {
 
 #[test]
 fn attention_long_context_head_dim_128() {
-    run_attention_case(&AttnCase {
-        seqs: vec![(300, 40), (129, 129)],
-        heads: 4,
-        kv_heads: 1,
-        head_dim: 128,
-        block_size: 16,
-        dtype: DType::F16,
-        spare_blocks: 0,
-        seed: 7,
-    });
+    for layout in KvLayout::ALL {
+        run_attention_case(&AttnCase {
+            seqs: vec![(300, 40), (129, 129)],
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 128,
+            block_size: 16,
+            dtype: DType::F16,
+            layout,
+            spare_blocks: 0,
+            seed: 7,
+        });
+    }
 }
 
 fn dtype_strategy() -> impl Strategy<Value = DType> {
     prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)]
+}
+
+fn layout_strategy() -> impl Strategy<Value = KvLayout> {
+    prop_oneof![Just(KvLayout::HeadMajor), Just(KvLayout::TokenMajor)]
 }
 
 fn fast_config(cases: u32) -> ProptestConfig {
@@ -892,11 +909,12 @@ proptest! {
         head_dim in prop::sample::select(vec![4usize, 8, 16, 32, 64]),
         block_size in prop::sample::select(vec![1usize, 2, 3, 5, 8, 16, 32]),
         dtype in dtype_strategy(),
+        layout in layout_strategy(),
         spare_blocks in 0usize..4,
         seed in any::<u64>(),
     ) {
         let seqs = seqs.into_iter().map(|(ctx, frac)| (ctx, ((ctx as f64 * frac).ceil() as usize).clamp(1, ctx))).collect();
-        run_attention_case(&AttnCase { seqs, heads: kv_heads * ratio, kv_heads, head_dim, block_size, dtype, spare_blocks, seed });
+        run_attention_case(&AttnCase { seqs, heads: kv_heads * ratio, kv_heads, head_dim, block_size, dtype, layout, spare_blocks, seed });
     }
 
     #[test]
@@ -1035,6 +1053,7 @@ fn block_id_out_of_range_is_refused() {
         block_size: bs as u32,
         num_kv_heads: kvh as u32,
         head_dim: hd as u32,
+        layout: KvLayout::HeadMajor,
     };
     let q = d.upload(&vec![0.1f32; 8 * heads * hd]).unwrap();
     let out = d.alloc(8 * heads * hd * 4).unwrap();
@@ -1123,6 +1142,7 @@ fn wrapped_host_buffer_is_read_only() {
         block_size: 1,
         num_kv_heads: 1,
         head_dim: 8,
+        layout: KvLayout::TokenMajor,
     };
     let sb = d.upload(&[0i32]).unwrap();
     let msg = err_text(d.fill_kv_cache(&cache, ones.view(), ones.view(), sb.view(), 1));
@@ -1181,9 +1201,26 @@ fn bad_dtype_codes_are_refused_by_the_library() {
                 block_size: 1,
                 num_kv_heads: 1,
                 head_dim: 4,
+                layout: abi::TK_KV_LAYOUT_HEAD_MAJOR,
             };
             let s = fill(dev, &cache, p(2), p(2), p(3), 1);
             assert_ne!(s, abi::TK_OK, "tk_fill_kv_cache accepted dtype {bad}");
+        }
+        // An unknown KV layout (ABI 1.1 knows 0 and 1) is refused, naming the field.
+        for bad in [2u32, 0xffff_ffff] {
+            let cache = abi::TkKvCache {
+                k: p(0),
+                v: p(1),
+                dtype: abi::TK_DTYPE_F32,
+                num_blocks: 1,
+                block_size: 1,
+                num_kv_heads: 1,
+                head_dim: 4,
+                layout: bad,
+            };
+            let s = fill(dev, &cache, p(2), p(2), p(3), 1);
+            assert_eq!(s, abi::TK_ERR_INVALID_ARGUMENT, "tk_fill_kv_cache accepted layout {bad}");
+            assert!(message().contains(&format!("cache.layout = {bad} is unknown")), "{}", message());
         }
         // Null buffers where a tensor is required.
         let s = linear(dev, abi::TkPtr::NULL, p(1), p(2), abi::TK_DTYPE_F32, abi::TkPtr::NULL, 2, 2, 2);
@@ -1259,6 +1296,7 @@ fn attention_does_not_write_outside_out() {
         block_size: bs as u32,
         num_kv_heads: kvh as u32,
         head_dim: hd as u32,
+        layout: KvLayout::TokenMajor,
     };
     let row = heads * hd;
     let q = d.upload(&rng.vec(3 * row)).unwrap();
@@ -1283,4 +1321,239 @@ fn attention_does_not_write_outside_out() {
         .unwrap();
     let got = read_f32(&d, &out2, 3 * row);
     assert!(got[..row].iter().all(|&v| v == -9.0) && got[2 * row..].iter().all(|&v| v == -9.0));
+}
+
+// ---------------------------------------------------------------------------------------
+// KV staging (prefill side) and install (decode side) across KV formats
+
+use tessera_backends::config::ModelConfig;
+use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
+use tessera_backends::kv_format::{KvFormat, decode_tokens};
+
+/// A model config with only the KV shape mattering.
+fn kv_model(num_layers: usize, kv_heads: usize, head_dim: usize) -> ModelConfig {
+    let heads = kv_heads * 2;
+    let json = format!(
+        r#"{{"architectures": ["LlamaForCausalLM"], "hidden_size": {}, "intermediate_size": 8,
+            "num_hidden_layers": {num_layers}, "num_attention_heads": {heads},
+            "num_key_value_heads": {kv_heads}, "head_dim": {head_dim}, "vocab_size": 16}}"#,
+        heads * head_dim
+    );
+    ModelConfig::from_json(&json, std::path::Path::new("config.json")).unwrap()
+}
+
+/// A KV format on the wire: what one chip's cache is.
+#[derive(Debug, Clone, Copy)]
+struct WireFmt {
+    block_size: usize,
+    layout: KvLayout,
+    dtype: DType,
+}
+
+fn wire_fmt_strategy() -> impl Strategy<Value = WireFmt> {
+    (1usize..=32, layout_strategy(), dtype_strategy()).prop_map(|(block_size, layout, dtype)| WireFmt {
+        block_size,
+        layout,
+        dtype,
+    })
+}
+
+/// A cache of `f` for `len` tokens plus spare blocks, a shuffled block table for the
+/// sequence, and the slot of every position.
+fn cache_for(d: &Device, m: &ModelConfig, f: WireFmt, len: usize, rng: &mut Rng) -> (PagedKvCache, Vec<u32>, Vec<i32>) {
+    let bs = f.block_size;
+    let num_blocks = len.div_ceil(bs) + 3;
+    let config = KvCacheConfig { block_size: bs, num_blocks, dtype: f.dtype };
+    let cache = PagedKvCache::with_layout(d, m, config, f.layout).unwrap();
+    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+    rng.shuffle(&mut pool);
+    let table = pool[..len.div_ceil(bs)].to_vec();
+    let slots = (0..len).map(|p| (table[p / bs] as usize * bs + p % bs) as i32).collect();
+    (cache, table, slots)
+}
+
+/// Stages `blocks` of `layer` and decodes `positions` (the first block starts at
+/// `first_pos`) to f32 K and V rows.
+fn stage_and_decode(
+    d: &Device,
+    cache: &PagedKvCache,
+    layer: usize,
+    blocks: &[u32],
+    first_pos: usize,
+    positions: std::ops::Range<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let f: KvFormat = cache.format();
+    let mut k = vec![0u8; blocks.len() * f.block_bytes()];
+    let mut v = vec![0u8; blocks.len() * f.block_bytes()];
+    cache.read_blocks(d, layer, blocks, &mut k, &mut v).unwrap();
+    let (mut kr, mut vr) = (Vec::new(), Vec::new());
+    decode_tokens(&f, &k, first_pos, positions.clone(), &mut kr).unwrap();
+    decode_tokens(&f, &v, first_pos, positions, &mut vr).unwrap();
+    (kr, vr)
+}
+
+/// Prefill chip A (format `a`) holds `len` tokens in every layer; decode chip B (format
+/// `b`) already holds positions `< first` and receives `first..len`: A stages the blocks
+/// covering them in its native bytes, B decodes and installs them with `write_tokens`.
+///
+/// Tolerance: B must hold exactly A's value rounded once to B's dtype (round to nearest
+/// even). So the transfer is exact when B's dtype is at least as wide as A's (B is f32,
+/// or both share a dtype); otherwise each value is within half a unit in the last place
+/// of B's dtype: |b - a| <= 2^-11 |a| + 2^-25 for f16 (11-bit significand, subnormal
+/// spacing 2^-24), |b - a| <= 2^-8 |a| for bf16 (8-bit significand, f32's range).
+fn check_kv_transfer(a: WireFmt, b: WireFmt, kv_heads: usize, head_dim: usize, len: usize, first: usize, seed: u64) {
+    let d = dev();
+    let mut rng = Rng(seed);
+    let m = kv_model(2, kv_heads, head_dim);
+    let row = kv_heads * head_dim;
+    let (ca, ta, sa) = cache_for(&d, &m, a, len, &mut rng);
+    let (cb, tb, sb) = cache_for(&d, &m, b, len, &mut rng);
+    assert_eq!(ca.format().block_bytes(), a.block_size * row * a.dtype.size_bytes());
+    let what = format!("A {a:?} -> B {b:?}, {kv_heads} kv heads x {head_dim}, {len} tokens from {first}");
+    for layer in 0..2 {
+        let k = rng.vec(len * row);
+        let v = rng.vec(len * row);
+        ca.write_tokens(&d, layer, &k, &v, &sa).unwrap();
+        // B's prefix comes from elsewhere (its own earlier prefill); mark it.
+        let prefix = vec![0.5f32; first * row];
+        cb.write_tokens(&d, layer, &prefix, &prefix, &sb[..first]).unwrap();
+
+        // A holds exactly what it was given, rounded to its dtype, in any order of
+        // blocks read.
+        let (ka, va) = stage_and_decode(&d, &ca, layer, &ta, 0, 0..len);
+        let want_k: Vec<f32> = k.iter().map(|&x| round(x, a.dtype)).collect();
+        let want_v: Vec<f32> = v.iter().map(|&x| round(x, a.dtype)).collect();
+        assert!(ka == want_k && va == want_v, "{what}: layer {layer}: A does not hold what was written");
+
+        // P stages only the blocks covering first..len; D installs them.
+        let j0 = first / a.block_size;
+        let (k_rows, v_rows) = stage_and_decode(&d, &ca, layer, &ta[j0..], j0 * a.block_size, first..len);
+        cb.write_tokens(&d, layer, &k_rows, &v_rows, &sb[first..]).unwrap();
+
+        let (kb, vb) = stage_and_decode(&d, &cb, layer, &tb, 0, 0..len);
+        let lossless = b.dtype == DType::F32 || a.dtype == b.dtype;
+        let (rel, abs) = match b.dtype {
+            DType::F32 => (0.0, 0.0),
+            DType::F16 => (2f32.powi(-11), 2f32.powi(-25)),
+            DType::BF16 => (2f32.powi(-8), 0.0),
+        };
+        for (name, got, src) in [("K", &kb, &ka), ("V", &vb, &va)] {
+            assert!(got[..first * row].iter().all(|&x| x == 0.5), "{what}: layer {layer} {name}: prefix overwritten");
+            for (i, (&g, &w)) in got[first * row..].iter().zip(&src[first * row..]).enumerate() {
+                assert_eq!(g, round(w, b.dtype), "{what}: layer {layer} {name}[{i}]: not one rounding of {w}");
+                if lossless {
+                    assert_eq!(g, w, "{what}: layer {layer} {name}[{i}]");
+                } else {
+                    assert!((g - w).abs() <= rel * w.abs() + abs, "{what}: layer {layer} {name}[{i}]: {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kv_transfer_every_layout_and_dtype_pair() {
+    let mut seed = 500;
+    for la in KvLayout::ALL {
+        for lb in KvLayout::ALL {
+            for da in DTYPES {
+                for db in DTYPES {
+                    seed += 1;
+                    let a = WireFmt { block_size: 4, layout: la, dtype: da };
+                    let b = WireFmt { block_size: 3, layout: lb, dtype: db };
+                    check_kv_transfer(a, b, 2, 8, 23, 9, seed);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kv_same_format_blocks_copy_as_bytes() {
+    let d = dev();
+    let mut rng = Rng(77);
+    let m = kv_model(3, 2, 4);
+    let f = WireFmt { block_size: 5, layout: KvLayout::TokenMajor, dtype: DType::BF16 };
+    let (a, ta, sa) = cache_for(&d, &m, f, 17, &mut rng);
+    let (b, tb, _) = cache_for(&d, &m, f, 17, &mut rng);
+    assert_eq!(a.format(), b.format());
+    let bb = a.format().block_bytes();
+    for layer in 0..3 {
+        let k = rng.vec(17 * 8);
+        let v = rng.vec(17 * 8);
+        a.write_tokens(&d, layer, &k, &v, &sa).unwrap();
+        let (mut ks, mut vs) = (vec![0u8; ta.len() * bb], vec![0u8; ta.len() * bb]);
+        a.read_blocks(&d, layer, &ta, &mut ks, &mut vs).unwrap();
+        b.write_blocks(&d, layer, &tb, &ks, &vs).unwrap();
+        let (mut kb, mut vb) = (vec![0u8; tb.len() * bb], vec![0u8; tb.len() * bb]);
+        b.read_blocks(&d, layer, &tb, &mut kb, &mut vb).unwrap();
+        assert!(kb == ks && vb == vs, "layer {layer}: blocks differ after a byte copy");
+    }
+    // Blocks read in a caller-chosen order, runs and all: [4, 5, 6] is one run.
+    let num_blocks = a.config().num_blocks;
+    assert_eq!(num_blocks, 7);
+    let mut all_k = vec![0u8; num_blocks * bb];
+    let mut all_v = vec![0u8; num_blocks * bb];
+    a.read_blocks(&d, 1, &(0..num_blocks as u32).collect::<Vec<u32>>(), &mut all_k, &mut all_v).unwrap();
+    let order = [4u32, 5, 6, 0, 3, 1];
+    let (mut ko, mut vo) = (vec![0u8; order.len() * bb], vec![0u8; order.len() * bb]);
+    a.read_blocks(&d, 1, &order, &mut ko, &mut vo).unwrap();
+    for (i, &blk) in order.iter().enumerate() {
+        let at = blk as usize * bb;
+        assert_eq!(&ko[i * bb..(i + 1) * bb], &all_k[at..at + bb], "block {blk}");
+        assert_eq!(&vo[i * bb..(i + 1) * bb], &all_v[at..at + bb], "block {blk}");
+    }
+}
+
+#[test]
+fn kv_staging_and_install_refuse_bad_arguments() {
+    let d = dev();
+    let m = kv_model(2, 1, 4);
+    let cache = PagedKvCache::new(&d, &m, KvCacheConfig { block_size: 2, num_blocks: 3, dtype: DType::F16 }).unwrap();
+    assert_eq!(cache.layout(), KvLayout::HeadMajor, "`new` keeps the head-major layout");
+    let bb = cache.format().block_bytes();
+    assert_eq!(bb, 2 * 4 * 2);
+    let (mut k, mut v) = (vec![0u8; bb], vec![0u8; bb]);
+    let msg = err_text(cache.read_blocks(&d, 0, &[3], &mut k, &mut v));
+    assert!(msg.contains("block 3 does not exist (the cache has 3)"), "{msg}");
+    let msg = err_text(cache.read_blocks(&d, 2, &[0], &mut k, &mut v));
+    assert!(msg.contains("layer 2 does not exist (the cache has 2)"), "{msg}");
+    let msg = err_text(cache.read_blocks(&d, 0, &[0, 1], &mut k, &mut v));
+    assert!(msg.contains("2 blocks of 16 bytes need 32-byte K and V buffers, got 16 and 16"), "{msg}");
+    let msg = err_text(cache.write_blocks(&d, 0, &[0], &k, &v[..8]));
+    assert!(msg.contains("got 16 and 8"), "{msg}");
+    let rows = vec![1.0f32; 8];
+    let msg = err_text(cache.write_tokens(&d, 0, &rows, &rows[..4], &[0, 1]));
+    assert!(msg.contains("2 slots need 8 K and V values (1 kv heads x 4 dims each), got 8 and 4"), "{msg}");
+    let msg = err_text(cache.write_tokens(&d, 0, &rows, &rows, &[0, 6]));
+    assert!(msg.contains("slot 6 is outside the cache's 6 slots"), "{msg}");
+    let msg = err_text(cache.write_tokens(&d, 5, &rows, &rows, &[0, 1]));
+    assert!(msg.contains("layer 5 does not exist"), "{msg}");
+    // A negative slot skips its row; nothing was written by the refused calls.
+    cache.write_tokens(&d, 0, &rows, &rows, &[-1, 1]).unwrap();
+    cache.read_blocks(&d, 0, &[0], &mut k, &mut v).unwrap();
+    let got = decode(&k, DType::F16);
+    assert_eq!(got, [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]);
+    // A cache of another device is refused, not touched.
+    let other = dev();
+    let msg = err_text(cache.read_blocks(&other, 0, &[0], &mut k, &mut v));
+    assert!(msg.contains("another device"), "{msg}");
+}
+
+proptest! {
+    #![proptest_config(fast_config(64))]
+
+    #[test]
+    fn prop_kv_transfer_between_formats(
+        a in wire_fmt_strategy(),
+        b in wire_fmt_strategy(),
+        kv_heads in 1usize..4,
+        head_dim in prop::sample::select(vec![2usize, 4, 8, 16]),
+        len in 1usize..80,
+        first_frac in 0.0f64..1.0,
+        seed in any::<u64>(),
+    ) {
+        let first = ((len as f64 * first_frac) as usize).min(len - 1);
+        check_kv_transfer(a, b, kv_heads, head_dim, len, first, seed);
+    }
 }

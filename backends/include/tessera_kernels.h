@@ -32,9 +32,14 @@ extern "C" {
 #endif
 
 /* ABI version. tk_abi_version() returns (MAJOR << 16) | MINOR. A loader accepts a
- * library whose major equals its own and whose minor is at least the one it needs. */
+ * library whose major equals its own and whose minor is at least the one it needs.
+ *
+ * History
+ *  1.0  initial op set.
+ *  1.1  tk_kv_cache.layout: token-major KV blocks beside head-major ones (so chips
+ *       that disagree on layout can exchange KV, the receiver's kernels converting). */
 #define TK_ABI_MAJOR 1
-#define TK_ABI_MINOR 0
+#define TK_ABI_MINOR 1
 
 typedef int32_t tk_status;
 #define TK_OK 0
@@ -91,9 +96,20 @@ typedef struct {
     uint32_t original_max_position;
 } tk_rope;
 
-/* One layer's paged KV cache. k and v are each [num_blocks][num_kv_heads][block_size]
- * [head_dim] of `dtype` (head-major within a block). Slot s is block s / block_size,
- * offset s % block_size. */
+/* KV block layouts (tk_kv_cache.layout, since ABI 1.1). */
+#define TK_KV_LAYOUT_HEAD_MAJOR 0  /* block = [num_kv_heads][block_size][head_dim] */
+#define TK_KV_LAYOUT_TOKEN_MAJOR 1 /* block = [block_size][num_kv_heads][head_dim] */
+
+/* One layer's paged KV cache. k and v are each num_blocks blocks of `dtype`, each block
+ * holding block_size tokens in `layout`:
+ *  - TK_KV_LAYOUT_HEAD_MAJOR: [num_blocks][num_kv_heads][block_size][head_dim]
+ *  - TK_KV_LAYOUT_TOKEN_MAJOR: [num_blocks][block_size][num_kv_heads][head_dim]
+ * Slot s is block s / block_size, offset s % block_size. A library refuses a layout
+ * value it does not know (TK_ERR_INVALID_ARGUMENT) rather than guess.
+ *
+ * `layout` was added in 1.1 at the end of the struct; on LP64 it occupies what was
+ * tail padding in 1.0, so the struct's size is unchanged. A 1.0 host never set it, so
+ * hosts must be built against >= 1.1 to use a 1.1 library (the loader rule above). */
 typedef struct {
     tk_ptr k;
     tk_ptr v;
@@ -102,6 +118,7 @@ typedef struct {
     uint32_t block_size;
     uint32_t num_kv_heads;
     uint32_t head_dim;
+    uint32_t layout; /* TK_KV_LAYOUT_*; since 1.1 */
 } tk_kv_cache;
 
 /* A batch of sequences for attention over the paged cache. Sequence i owns queries
@@ -167,7 +184,9 @@ tk_status tk_silu_and_mul(tk_device *dev, tk_ptr out, tk_ptr gate, tk_ptr up, ui
                           uint32_t inter);
 
 /* Write k, v ([n][num_kv_heads][head_dim] f32) into the cache at slot_mapping (i32 [n]);
- * a negative slot skips that token. */
+ * a negative slot skips that token. Values are rounded to the cache's dtype and placed
+ * in its layout, which makes this op also the converter when KV arrives from a chip
+ * with another block size, layout or dtype. */
 tk_status tk_fill_kv_cache(tk_device *dev, const tk_kv_cache *cache, tk_ptr k, tk_ptr v,
                            tk_ptr slot_mapping, uint32_t n);
 

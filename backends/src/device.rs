@@ -10,6 +10,7 @@ use tessera_kernel_abi as abi;
 
 use crate::dtype::DType;
 use crate::error::{BackendError, Result};
+use crate::kv_format::KvLayout;
 use crate::loader::{KernelLibrary, RawBuffer, RawDevice, raw};
 
 /// How to open a device.
@@ -100,6 +101,7 @@ pub struct KvCacheView<'a> {
     pub block_size: u32,
     pub num_kv_heads: u32,
     pub head_dim: u32,
+    pub layout: KvLayout,
 }
 
 impl KvCacheView<'_> {
@@ -112,6 +114,7 @@ impl KvCacheView<'_> {
             block_size: self.block_size,
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
+            layout: self.layout.to_abi(),
         }
     }
 }

@@ -3,10 +3,13 @@
 use std::fmt;
 use std::str::FromStr;
 
+use serde::{Deserialize, Serialize};
 use tessera_kernel_abi as abi;
 
 /// A floating-point element type a weight or KV tensor may have (activations are f32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Serialized by its short name ("f32", "f16", "bf16"), as `Display` writes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
     F16,

@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod kv;
+pub mod kv_format;
 #[allow(unsafe_code)]
 pub mod loader;
 #[allow(unsafe_code)]

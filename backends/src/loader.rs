@@ -180,6 +180,10 @@ impl KernelLibrary {
 /// Where the default CPU kernel library is: `$TESSERA_KERNEL_LIB` if set, else beside
 /// the running executable — cargo puts it in `target/<profile>/deps/`, next to test
 /// binaries and one level below `target/<profile>/tessera`.
+///
+/// When both `dir/` and `dir/deps/` hold one, the newer wins: `cargo build` copies the
+/// library up to `target/<profile>/` but `cargo test` only rebuilds the one in `deps/`,
+/// so the copy beside the binary can be stale (an older ABI) while `deps/` is current.
 pub fn default_library_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os(KERNEL_LIB_ENV) {
         return Some(PathBuf::from(p));
@@ -187,7 +191,10 @@ pub fn default_library_path() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
     let candidates = [dir.join(CPU_LIBRARY_FILE), dir.join("deps").join(CPU_LIBRARY_FILE)];
-    candidates.into_iter().find(|p| p.is_file())
+    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut found = candidates.into_iter().filter(|p| p.is_file());
+    let first = found.next()?;
+    Some(found.fold(first, |best, p| if modified(&p) > modified(&best) { p } else { best }))
 }
 
 /// Raw calls used by `device.rs`. Each takes the library and validated arguments; the

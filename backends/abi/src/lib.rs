@@ -9,7 +9,8 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const TK_ABI_MAJOR: u32 = 1;
-pub const TK_ABI_MINOR: u32 = 0;
+/// 1.1 added `TkKvCache::layout` (token-major KV blocks).
+pub const TK_ABI_MINOR: u32 = 1;
 
 /// `(MAJOR << 16) | MINOR`, what `tk_abi_version` returns.
 pub const fn abi_version(major: u32, minor: u32) -> u32 {
@@ -32,6 +33,11 @@ pub const TK_DTYPE_I32: TkDtype = 3;
 pub const TK_ROPE_NONE: u32 = 0;
 pub const TK_ROPE_LLAMA3: u32 = 1;
 pub const TK_ROPE_LINEAR: u32 = 2;
+
+/// Block = `[num_kv_heads][block_size][head_dim]`.
+pub const TK_KV_LAYOUT_HEAD_MAJOR: u32 = 0;
+/// Block = `[block_size][num_kv_heads][head_dim]` (since ABI 1.1).
+pub const TK_KV_LAYOUT_TOKEN_MAJOR: u32 = 1;
 
 /// Opaque device handle (`tk_device`).
 #[repr(C)]
@@ -101,6 +107,8 @@ pub struct TkKvCache {
     pub block_size: u32,
     pub num_kv_heads: u32,
     pub head_dim: u32,
+    /// `TK_KV_LAYOUT_*` (since ABI 1.1).
+    pub layout: u32,
 }
 
 #[repr(C)]

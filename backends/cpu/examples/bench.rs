@@ -146,6 +146,7 @@ fn main() {
             block_size: bs as u32,
             num_kv_heads: kvh as u32,
             head_dim: hd as u32,
+            layout: TK_KV_LAYOUT_HEAD_MAJOR,
         };
         let qs = alloc(dev, 8);
         let cl = alloc(dev, 4);

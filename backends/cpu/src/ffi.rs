@@ -16,7 +16,11 @@ use crate::device::Device;
 use crate::dtype::{DType, WSlice, WSliceMut};
 use crate::error::Result;
 use crate::invalid;
-use crate::ops::{self, attention::KvView, misc::KvGeom};
+use crate::ops::{
+    self,
+    attention::KvView,
+    misc::{KvGeom, KvLayout},
+};
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -580,6 +584,7 @@ fn cache_args(d: &Device, c: &TkKvCache, write: bool) -> Result<(DType, KvGeom, 
         block_size: c.block_size as usize,
         num_kv_heads: c.num_kv_heads as usize,
         head_dim: c.head_dim as usize,
+        layout: KvLayout::from_abi(c.layout)?,
     };
     if g.block_size == 0 || g.num_kv_heads == 0 || g.head_dim == 0 {
         return Err(invalid!(
@@ -816,7 +821,7 @@ mod tests {
         // SAFETY (whole test): all pointers passed are valid or deliberately bad
         // handles that the library must refuse without dereferencing.
         unsafe {
-            assert_eq!(tk_abi_version(), (1 << 16));
+            assert_eq!(tk_abi_version(), (1 << 16) | 1);
             let cfg = TkDeviceConfig { threads: 5000, device_index: 0, memory_limit_bytes: 0 };
             let mut d = std::ptr::null_mut();
             assert_eq!(tk_device_create(&cfg, &mut d), TK_ERR_INVALID_ARGUMENT);
@@ -960,9 +965,14 @@ mod tests {
                 block_size: 2,
                 num_kv_heads: 1,
                 head_dim: 4,
+                layout: TK_KV_LAYOUT_HEAD_MAJOR,
             };
             let sl = alloc(d, 4);
             h2d(d, sl, &[4i32]);
+            // An unknown layout is refused before anything is written.
+            let odd = TkKvCache { layout: 2, ..cache };
+            assert_eq!(tk_fill_kv_cache(d, &odd, xp, xp, sl, 1), TK_ERR_INVALID_ARGUMENT);
+            assert!(last().contains("tk_fill_kv_cache: cache.layout = 2 is unknown"), "{}", last());
             let st = tk_fill_kv_cache(d, &cache, xp, xp, sl, 1);
             assert_eq!(st, TK_ERR_INVALID_ARGUMENT);
             assert!(last().contains("slot_mapping[0] = 4"), "{}", last());

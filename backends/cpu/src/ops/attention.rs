@@ -83,14 +83,14 @@ pub fn validate_query_start(query_start: &[i32], context_lens: &[i32], total_q: 
 }
 
 /// Copies the first `ctx` tokens of (seq, kv head) of `cache` to contiguous f32
-/// `[ctx][head_dim]`.
+/// `[ctx][head_dim]`, whatever the cache's layout.
 fn gather(cache: WSlice, g: &KvGeom, table: &[i32], kvh: usize, ctx: usize, dst: &mut [f32]) {
     let hd = g.head_dim;
     let mut pos = 0;
     while pos < ctx {
         let blk = table[pos / g.block_size] as usize;
         let rows = g.block_size.min(ctx - pos);
-        cache.to_f32(g.index(blk, kvh, 0), &mut dst[pos * hd..(pos + rows) * hd]);
+        g.read_head_rows(cache, blk, kvh, rows, &mut dst[pos * hd..(pos + rows) * hd]);
         pos += rows;
     }
 }
@@ -212,7 +212,7 @@ fn for_each_block(
     while pos < ctx {
         let rows = g.block_size.min(ctx - pos);
         let b = &mut buf[..rows * g.head_dim];
-        src.to_f32(g.index(table[pos / g.block_size] as usize, kvh, 0), b);
+        g.read_head_rows(src, table[pos / g.block_size] as usize, kvh, rows, b);
         f(pos, b);
         pos += rows;
     }
@@ -274,7 +274,7 @@ pub fn paged_decode_attention(
 mod tests {
     use super::*;
     use crate::dtype::WSliceMut;
-    use crate::ops::misc::fill_kv_cache;
+    use crate::ops::misc::{KvLayout, fill_kv_cache};
     use crate::ops::testutil::*;
     use half::{bf16, f16};
     use proptest::prelude::*;
@@ -333,6 +333,7 @@ mod tests {
         ctx: Vec<i32>,
         qlen: Vec<i32>,
         dtype: u8,
+        layout: KvLayout,
         seed: u64,
     }
 
@@ -341,7 +342,7 @@ mod tests {
         let ns = c.ctx.len();
         let mbps = c.ctx.iter().map(|&x| (x as usize).div_ceil(c.bs)).max().unwrap_or(0).max(1) + 1;
         let num_blocks = ns * mbps + 3;
-        let geom = KvGeom { num_blocks, block_size: c.bs, num_kv_heads: c.kvh, head_dim: c.hd };
+        let geom = KvGeom { num_blocks, block_size: c.bs, num_kv_heads: c.kvh, head_dim: c.hd, layout: c.layout };
         // Random permutation of blocks for the block tables.
         let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
         for i in (1..perm.len()).rev() {
@@ -403,31 +404,34 @@ mod tests {
 
     #[test]
     fn prefill_and_decode_match_naive() {
-        for dtype in 0..3 {
-            for &(h, kvh) in &[(2, 2), (4, 2), (8, 2)] {
-                for &bs in &[1, 4, 16] {
-                    run(&Case {
-                        h,
-                        kvh,
-                        hd: 16,
-                        bs,
-                        // A full prefill, a chunked prefill over earlier context, a
-                        // single-token step.
-                        ctx: vec![19, 40, 7],
-                        qlen: vec![19, 13, 1],
-                        dtype,
-                        seed: (dtype as u64) * 100 + h as u64 * 10 + bs as u64,
-                    });
+        for layout in [KvLayout::HeadMajor, KvLayout::TokenMajor] {
+            for dtype in 0..3 {
+                for &(h, kvh) in &[(2, 2), (4, 2), (8, 2)] {
+                    for &bs in &[1, 4, 16] {
+                        run(&Case {
+                            h,
+                            kvh,
+                            hd: 16,
+                            bs,
+                            // A full prefill, a chunked prefill over earlier context, a
+                            // single-token step.
+                            ctx: vec![19, 40, 7],
+                            qlen: vec![19, 13, 1],
+                            dtype,
+                            layout,
+                            seed: (dtype as u64) * 100 + h as u64 * 10 + bs as u64,
+                        });
+                    }
                 }
             }
+            // A long sequence crossing several query tiles.
+            run(&Case { h: 4, kvh: 1, hd: 64, bs: 16, ctx: vec![150], qlen: vec![130], dtype: 0, layout, seed: 5 });
         }
-        // A long sequence crossing several query tiles.
-        run(&Case { h: 4, kvh: 1, hd: 64, bs: 16, ctx: vec![150], qlen: vec![130], dtype: 0, seed: 5 });
     }
 
     #[test]
     fn bad_batches_are_refused() {
-        let geom = KvGeom { num_blocks: 2, block_size: 4, num_kv_heads: 1, head_dim: 4 };
+        let geom = KvGeom { num_blocks: 2, block_size: 4, num_kv_heads: 1, head_dim: 4, layout: KvLayout::HeadMajor };
         let k = vec![0.0f32; 32];
         let view = KvView { k: WSlice::F32(&k), v: WSlice::F32(&k), geom };
         let q = vec![0.0f32; 16];
@@ -442,7 +446,7 @@ mod tests {
         assert!(e.to_string().contains("exceeds total_q"), "{e}");
         let e = paged_decode_attention(&mut out, &q, &view, &[0, -1], &[5], 1, 2, 1, 1.0).unwrap_err();
         assert!(e.to_string().contains("block_tables[0][1] = -1"), "{e}");
-        let g2 = KvGeom { num_blocks: 2, block_size: 4, num_kv_heads: 2, head_dim: 2 };
+        let g2 = KvGeom { num_blocks: 2, block_size: 4, num_kv_heads: 2, head_dim: 2, layout: KvLayout::TokenMajor };
         let view2 = KvView { k: WSlice::F32(&k), v: WSlice::F32(&k), geom: g2 };
         let e = paged_decode_attention(&mut out, &q, &view2, &[0, 1], &[4], 1, 2, 3, 1.0).unwrap_err();
         assert!(e.to_string().contains("must be a positive multiple"), "{e}");
@@ -458,11 +462,13 @@ mod tests {
             bs in prop::sample::select(vec![1usize, 4, 16]),
             seqs in prop::collection::vec((1i32..40, 0i32..40), 1..4),
             dtype in 0u8..3,
+            token_major in any::<bool>(),
             seed in any::<u64>(),
         ) {
             let ctx: Vec<i32> = seqs.iter().map(|&(c, _)| c).collect();
             let qlen: Vec<i32> = seqs.iter().map(|&(c, q)| q.min(c)).collect();
-            run(&Case { h: kvh * ratio, kvh, hd, bs, ctx, qlen, dtype, seed });
+            let layout = if token_major { KvLayout::TokenMajor } else { KvLayout::HeadMajor };
+            run(&Case { h: kvh * ratio, kvh, hd, bs, ctx, qlen, dtype, layout, seed });
         }
     }
 }

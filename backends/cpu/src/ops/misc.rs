@@ -33,6 +33,26 @@ pub fn silu_and_mul(out: &mut [f32], gate: &[f32], up: &[f32]) {
     });
 }
 
+/// How a KV block orders its tokens and heads (`TK_KV_LAYOUT_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLayout {
+    /// `[num_kv_heads][block_size][head_dim]`: one head's tokens are contiguous.
+    HeadMajor,
+    /// `[block_size][num_kv_heads][head_dim]`: one token's heads are contiguous.
+    TokenMajor,
+}
+
+impl KvLayout {
+    /// Parses `tk_kv_cache.layout`; an unknown value is refused, never guessed.
+    pub fn from_abi(code: u32) -> Result<KvLayout> {
+        match code {
+            tessera_kernel_abi::TK_KV_LAYOUT_HEAD_MAJOR => Ok(KvLayout::HeadMajor),
+            tessera_kernel_abi::TK_KV_LAYOUT_TOKEN_MAJOR => Ok(KvLayout::TokenMajor),
+            _ => Err(invalid!("cache.layout = {code} is unknown (expected 0 = head-major, 1 = token-major)")),
+        }
+    }
+}
+
 /// Geometry of one layer's paged KV cache.
 #[derive(Debug, Clone, Copy)]
 pub struct KvGeom {
@@ -40,6 +60,7 @@ pub struct KvGeom {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    pub layout: KvLayout,
 }
 
 impl KvGeom {
@@ -51,7 +72,26 @@ impl KvGeom {
     /// Element index of (block, kv head, offset in block, 0).
     #[inline]
     pub fn index(&self, block: usize, head: usize, off: usize) -> usize {
-        ((block * self.num_kv_heads + head) * self.block_size + off) * self.head_dim
+        match self.layout {
+            KvLayout::HeadMajor => ((block * self.num_kv_heads + head) * self.block_size + off) * self.head_dim,
+            KvLayout::TokenMajor => ((block * self.block_size + off) * self.num_kv_heads + head) * self.head_dim,
+        }
+    }
+
+    /// Converts `rows` consecutive tokens of kv head `head`, from offset 0 of `block`,
+    /// to f32 `[rows][head_dim]` in `dst`: one run when head-major, row by row when
+    /// token-major (a head's rows are `num_kv_heads * head_dim` apart there).
+    #[inline]
+    pub fn read_head_rows(&self, src: WSlice, block: usize, head: usize, rows: usize, dst: &mut [f32]) {
+        let hd = self.head_dim;
+        match self.layout {
+            KvLayout::HeadMajor => src.to_f32(self.index(block, head, 0), &mut dst[..rows * hd]),
+            KvLayout::TokenMajor => {
+                for (r, d) in dst[..rows * hd].chunks_exact_mut(hd).enumerate() {
+                    src.to_f32(self.index(block, head, r), d);
+                }
+            }
+        }
     }
 }
 
@@ -227,9 +267,32 @@ mod tests {
     }
 
     #[test]
+    fn layout_codes_parse_and_unknown_is_refused() {
+        assert_eq!(KvLayout::from_abi(0).unwrap(), KvLayout::HeadMajor);
+        assert_eq!(KvLayout::from_abi(1).unwrap(), KvLayout::TokenMajor);
+        let err = KvLayout::from_abi(7).unwrap_err().to_string();
+        assert!(err.contains("cache.layout = 7 is unknown"), "{err}");
+    }
+
+    #[test]
     fn fill_kv_cache_all_dtypes_and_errors() {
+        for layout in [KvLayout::HeadMajor, KvLayout::TokenMajor] {
+            fill_kv_cache_case(layout);
+        }
+    }
+
+    /// Where (block, head, offset) lives, written out independently of `KvGeom::index`.
+    fn naive_index(layout: KvLayout, blk: usize, h: usize, off: usize) -> usize {
+        // 2 kv heads, block size 4, head dim 8.
+        match layout {
+            KvLayout::HeadMajor => blk * 64 + h * 32 + off * 8,
+            KvLayout::TokenMajor => blk * 64 + off * 16 + h * 8,
+        }
+    }
+
+    fn fill_kv_cache_case(layout: KvLayout) {
         let mut rng = Rng(13);
-        let g = KvGeom { num_blocks: 3, block_size: 4, num_kv_heads: 2, head_dim: 8 };
+        let g = KvGeom { num_blocks: 3, block_size: 4, num_kv_heads: 2, head_dim: 8, layout };
         let n = 5;
         let k = rng.vec(n * 2 * 8);
         let v = rng.vec(n * 2 * 8);
@@ -263,14 +326,15 @@ mod tests {
                     continue;
                 }
                 for h in 0..2 {
-                    let d = g.index(s as usize / 4, h, s as usize % 4);
+                    let d = naive_index(layout, s as usize / 4, h, s as usize % 4);
+                    assert_eq!(d, g.index(s as usize / 4, h, s as usize % 4));
                     let src = (t * 2 + h) * 8;
                     assert_close(&kf[d..d + 8], &k[src..src + 8], tol, "k");
                     assert_close(&vf[d..d + 8], &v[src..src + 8], tol, "v");
                 }
             }
             // Slot 1 (token skipped / never written) stays zero.
-            assert!(kf[g.index(0, 0, 1)..][..8].iter().all(|&x| x == 0.0));
+            assert!(kf[naive_index(layout, 0, 0, 1)..][..8].iter().all(|&x| x == 0.0));
         }
     }
 }
