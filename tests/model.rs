@@ -708,3 +708,195 @@ fn forward_refuses_malformed_steps() {
     // The good step still runs afterwards.
     assert_eq!(model.forward(&kv, &[good]).unwrap().len(), vocab);
 }
+
+// ---------------------------------------------------------------------------------------
+// 7. KV layouts, layer-observed steps and the prefill -> decode handoff of KV.
+
+use tessera_backends::compat::{CompatInfo, compat_hash, compat_mismatch};
+use tessera_backends::kv_format::{KvLayout, decode_tokens};
+
+fn kv_cache_in(model: &Model, block_size: usize, num_blocks: usize, dtype: DType, layout: KvLayout) -> PagedKvCache {
+    let config = KvCacheConfig { block_size, num_blocks, dtype };
+    PagedKvCache::with_layout(model.device(), model.config(), config, layout).expect("kv cache")
+}
+
+#[test]
+fn token_major_caches_match_reference_and_head_major_bit_for_bit() {
+    let ck = TempCkpt::tiny("layout", SynthArch::Qwen2, 61, None, 1);
+    let reference = Reference::load(ck.path());
+    let mut model = load(ck.path(), None);
+    let vocab = model.config().vocab_size;
+    let prompt = tokens(30, 4, vocab);
+    let want = reference.logits(&prompt);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for bs in [1, 5, 16] {
+            let mut outs = Vec::new();
+            for layout in KvLayout::ALL {
+                let mut kv = kv_cache_in(&model, bs, 64 / bs + 4, dtype, layout);
+                assert_eq!(kv.format().layout, layout);
+                let mut seq = SequenceKv::default();
+                // A chunked prefill then two decode steps: both attention kernels read the layout.
+                let mut got = run_chunk(&mut model, &mut kv, &mut seq, &prompt[..20], LogitsWanted::All);
+                got.extend(run_chunk(&mut model, &mut kv, &mut seq, &prompt[20..28], LogitsWanted::All));
+                for t in 28..30 {
+                    got.extend(run_chunk(&mut model, &mut kv, &mut seq, &prompt[t..t + 1], LogitsWanted::Last));
+                }
+                if dtype == DType::F32 {
+                    assert_close(&format!("{layout} block {bs}"), &got, &want, vocab, TOL);
+                }
+                outs.push(got);
+            }
+            // Layout moves values, never changes them.
+            assert!(outs[0] == outs[1], "{dtype} block {bs}: token-major logits differ from head-major");
+        }
+    }
+}
+
+#[test]
+fn forward_observed_sees_each_layer_right_after_its_kv_is_written() {
+    let ck = TempCkpt::tiny("observe", SynthArch::Llama, 62, None, 1);
+    let mut model = load(ck.path(), None);
+    let (vocab, layers) = (model.config().vocab_size, model.config().num_layers);
+    assert!(layers >= 2, "the tiny model needs several layers for this test");
+    let mut kv = kv_cache_in(&model, 4, 8, DType::F32, KvLayout::TokenMajor);
+    let bb = kv.format().block_bytes();
+    let prompt = tokens(7, 3, vocab);
+    let mut seq = SequenceKv::default();
+    let slots = kv.append(&mut seq, &prompt).unwrap();
+    let table = seq.block_table().to_vec();
+    let chunk =
+        SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, slots: &slots, logits: LogitsWanted::Last };
+    let mut seen = Vec::new();
+    let kv_ref = &kv;
+    let got = model
+        .forward_observed(kv_ref, &[chunk], &mut |li, dev| {
+            // This layer's KV is in the cache; the next layer's is still all zeros.
+            let (mut k, mut v) = (vec![0u8; table.len() * bb], vec![0u8; table.len() * bb]);
+            kv_ref.read_blocks(dev, li, &table, &mut k, &mut v)?;
+            let written = k.iter().any(|&b| b != 0) && v.iter().any(|&b| b != 0);
+            let next_empty = li + 1 == layers || {
+                kv_ref.read_blocks(dev, li + 1, &table, &mut k, &mut v)?;
+                k.iter().chain(&v).all(|&b| b == 0)
+            };
+            seen.push((li, written, next_empty));
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(seen, (0..layers).map(|li| (li, true, true)).collect::<Vec<_>>());
+    // Same logits as the unobserved step over the same KV.
+    let mut kv2 = kv_cache_in(&model, 4, 8, DType::F32, KvLayout::TokenMajor);
+    let mut seq2 = SequenceKv::default();
+    assert!(got == run_chunk(&mut model, &mut kv2, &mut seq2, &prompt, LogitsWanted::Last));
+
+    // An observer error ends the step with that error, after the layer it saw.
+    kv.release(&mut seq);
+    let slots = kv.append(&mut seq, &prompt).unwrap();
+    let table = seq.block_table().to_vec();
+    let chunk =
+        SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, slots: &slots, logits: LogitsWanted::Last };
+    let mut calls = 0;
+    let err = model
+        .forward_observed(&kv, &[chunk], &mut |li, _| {
+            calls += 1;
+            if li == 0 {
+                return Err(tessera_backends::error::BackendError::KvCache("staging region is full".into()));
+            }
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert_eq!((calls, err.as_str()), (1, "KV cache: staging region is full"));
+    // The model is still usable.
+    assert_eq!(model.forward(&kv, &[chunk]).unwrap().len(), vocab);
+}
+
+/// The disaggregated path end to end: prefill chip P stages each layer's blocks from
+/// the layer observer; decode chip D (another device, its own copy of the weights,
+/// another block size and layout) decodes and installs them, then decodes. Its tokens
+/// and logits equal P's own colocated decode (f32 KV on both sides: the transfer is
+/// exact).
+#[test]
+fn prefill_kv_handed_to_a_decode_chip_of_another_format_decodes_identically() {
+    let ck = TempCkpt::tiny("handoff", SynthArch::Llama, 63, None, 1);
+    let mut p = load(ck.path(), None);
+    let mut d = load(ck.path(), None);
+    assert_eq!(compat_mismatch(&CompatInfo::of(&p), &CompatInfo::of(&d)), None);
+    assert_eq!(CompatInfo::of(&p).hash(), CompatInfo::of(&d).hash());
+    assert_eq!(compat_hash(p.config()), compat_hash(d.config()));
+    let vocab = p.config().vocab_size;
+    let layers = p.config().num_layers;
+    let prompt = tokens(21, 8, vocab);
+
+    let mut kv_p = kv_cache_in(&p, 4, 16, DType::F32, KvLayout::HeadMajor);
+    let mut kv_d = kv_cache_in(&d, 3, 24, DType::F32, KvLayout::TokenMajor);
+    let (fp, bb) = (kv_p.format(), kv_p.format().block_bytes());
+    assert_ne!(fp, kv_d.format());
+
+    // P: prefill, staging every layer as soon as it is written.
+    let mut seq_p = SequenceKv::default();
+    let slots = kv_p.append(&mut seq_p, &prompt).unwrap();
+    let table = seq_p.block_table().to_vec();
+    let chunk =
+        SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, slots: &slots, logits: LogitsWanted::Last };
+    let mut staged: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let kv_p_ref = &kv_p;
+    let last_p = p
+        .forward_observed(kv_p_ref, &[chunk], &mut |li, dev| {
+            let (mut k, mut v) = (vec![0u8; table.len() * bb], vec![0u8; table.len() * bb]);
+            kv_p_ref.read_blocks(dev, li, &table, &mut k, &mut v)?;
+            staged.push((k, v));
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(staged.len(), layers);
+
+    // D: reserve the prompt's slots in its own pool, install every layer.
+    let mut seq_d = SequenceKv::default();
+    let dst_slots = kv_d.append(&mut seq_d, &prompt).unwrap();
+    for (li, (k, v)) in staged.iter().enumerate() {
+        let (mut k_rows, mut v_rows) = (Vec::new(), Vec::new());
+        decode_tokens(&fp, k, 0, 0..prompt.len(), &mut k_rows).unwrap();
+        decode_tokens(&fp, v, 0, 0..prompt.len(), &mut v_rows).unwrap();
+        kv_d.write_tokens(d.device(), li, &k_rows, &v_rows, &dst_slots).unwrap();
+    }
+
+    // Both decode greedily from the prompt's last logits; D never ran the prompt.
+    let first = argmax(&last_p);
+    let (mut tok_p, mut tok_d) = (first, first);
+    for step in 0..6 {
+        let lp = run_chunk(&mut p, &mut kv_p, &mut seq_p, &[tok_p], LogitsWanted::Last);
+        let ld = run_chunk(&mut d, &mut kv_d, &mut seq_d, &[tok_d], LogitsWanted::Last);
+        assert!(lp == ld, "decode step {step}: D's logits differ from P's colocated decode");
+        (tok_p, tok_d) = (argmax(&lp), argmax(&ld));
+    }
+    kv_p.release(&mut seq_p);
+    kv_d.release(&mut seq_d);
+    assert_eq!(kv_p.allocator().used_blocks() + kv_d.allocator().used_blocks(), 0);
+}
+
+#[test]
+fn model_reports_params_fingerprint_and_compat() {
+    let ck = TempCkpt::tiny("params", SynthArch::Qwen2, 64, None, 1);
+    let f32_model = load(ck.path(), None);
+    let c = f32_model.config().clone();
+    // Every tensor the executor loads: embeddings, per-layer norms and projections (with
+    // q/k/v biases for Qwen2), the final norm, and an LM head unless tied.
+    let (h, q, kvd, i) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+    let per_layer = 2 * h + h * q + q + 2 * (h * kvd + kvd) + q * h + 3 * h * i;
+    let head = if c.tie_word_embeddings { 0 } else { c.vocab_size * h };
+    let want = c.vocab_size * h + c.num_layers * per_layer + h + head;
+    assert_eq!(f32_model.param_count(), want as u64);
+    assert_eq!(f32_model.weight_bytes(), 4 * want as u64);
+    // The same checkpoint held as bf16 on another chip: same params, fingerprint and
+    // compatibility; a differently seeded checkpoint of the same shapes is refused by
+    // its weights.
+    let bf16_model = load(ck.path(), Some(DType::BF16));
+    assert_eq!(bf16_model.param_count(), f32_model.param_count());
+    assert_eq!(bf16_model.weights_fingerprint(), f32_model.weights_fingerprint());
+    assert_eq!(compat_mismatch(&CompatInfo::of(&f32_model), &CompatInfo::of(&bf16_model)), None);
+    let other = TempCkpt::tiny("params-other", SynthArch::Qwen2, 65, None, 1);
+    let other = load(other.path(), None);
+    assert_eq!(compat_hash(other.config()), compat_hash(&c));
+    let why = compat_mismatch(&CompatInfo::of(&f32_model), &CompatInfo::of(&other)).expect("weights differ");
+    assert!(why.starts_with("weights fingerprint "), "{why}");
+}

@@ -127,7 +127,8 @@ fn default_max_pos() -> usize {
 }
 
 /// How rotary frequencies are scaled (mirrors the kernel ABI's `tk_rope`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum RopeKind {
     None,
     Linear { factor: f32 },

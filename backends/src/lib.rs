@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod builtin;
+pub mod compat;
 pub mod config;
 pub mod device;
 pub mod dtype;

@@ -2,11 +2,16 @@
 //! forward step over the paged KV cache. A step packs many sequences, each contributing
 //! a chunk of new tokens (a prefill chunk or a single decode token), which is the shape
 //! continuous batching needs.
+//!
+//! A step can be observed layer by layer (`forward_observed`): a prefill chip streams
+//! each layer's KV to its decode chip as soon as that layer is in the cache, so decode
+//! can begin before the whole prefill is done (DESIGN.md §6).
 
 use std::path::Path;
 
 use tessera_kernel_abi as abi;
 
+use crate::compat::{CompatInfo, WeightsFingerprint};
 use crate::config::{ModelConfig, RopeKind};
 use crate::device::{AttnBatchView, Buffer, Device};
 use crate::dtype::DType;
@@ -93,21 +98,29 @@ pub struct Model {
     lm_head: Option<LinearWeights>,
     rope: abi::TkRope,
     weight_bytes: u64,
+    param_count: u64,
+    weights_fingerprint: u64,
     scratch: Scratch,
 }
 
-/// Uploads checkpoint tensors as one dtype, counting the bytes.
+/// Uploads checkpoint tensors as one dtype, counting bytes and parameters and
+/// fingerprinting what it loads.
 struct WeightLoader<'a> {
     ckpt: &'a Checkpoint,
     device: &'a Device,
     dtype: DType,
     bytes: u64,
+    params: u64,
+    fingerprint: WeightsFingerprint,
 }
 
 impl WeightLoader<'_> {
     fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Buffer> {
         let buf = self.ckpt.upload(self.device, name, shape, self.dtype)?;
         self.bytes += buf.len_bytes() as u64;
+        self.params += shape.iter().product::<usize>() as u64;
+        let entry = self.ckpt.get(name, shape)?;
+        self.fingerprint.add(name, shape, self.ckpt.bytes(entry), entry.dtype);
         Ok(buf)
     }
 
@@ -150,7 +163,14 @@ impl Model {
             Some(d) => d,
             None => ckpt.get("model.embed_tokens.weight", &[v, h])?.dtype,
         };
-        let mut ld = WeightLoader { ckpt: &ckpt, device: &device, dtype, bytes: 0 };
+        let mut ld = WeightLoader {
+            ckpt: &ckpt,
+            device: &device,
+            dtype,
+            bytes: 0,
+            params: 0,
+            fingerprint: WeightsFingerprint::new(),
+        };
         let qd = config.num_heads * config.head_dim;
         let kvd = config.num_kv_heads * config.head_dim;
         let inter = config.intermediate_size;
@@ -178,7 +198,7 @@ impl Model {
         } else {
             Some(ld.linear("lm_head", v, h, false)?)
         };
-        let weight_bytes = ld.bytes;
+        let (weight_bytes, param_count, weights_fingerprint) = (ld.bytes, ld.params, ld.fingerprint.finish());
         let rope = rope_params(&config);
         Ok(Model {
             config,
@@ -190,6 +210,8 @@ impl Model {
             lm_head,
             rope,
             weight_bytes,
+            param_count,
+            weights_fingerprint,
             scratch: Scratch::default(),
         })
     }
@@ -210,6 +232,23 @@ impl Model {
     /// Bytes of weights resident on the device (what one decode step reads).
     pub fn weight_bytes(&self) -> u64 {
         self.weight_bytes
+    }
+
+    /// Parameters loaded (every tensor, embeddings and norms included; a tied LM head
+    /// counted once). A forward step costs about `2 * config().linear_params()` FLOPs
+    /// per token; this is what sizes memory traffic in a roofline model.
+    pub fn param_count(&self) -> u64 {
+        self.param_count
+    }
+
+    /// A fingerprint of the loaded tensors (see [`WeightsFingerprint`]).
+    pub fn weights_fingerprint(&self) -> u64 {
+        self.weights_fingerprint
+    }
+
+    /// What a peer chip must match to exchange KV with this one.
+    pub fn compat_info(&self) -> CompatInfo {
+        CompatInfo::from_config(&self.config).with_weights(self.weights_fingerprint)
     }
 
     /// Grows the step buffers to hold `tokens` tokens, `seqs` sequences with tables of
@@ -258,7 +297,29 @@ impl Model {
     /// Runs one forward step over `batch` and returns the requested logits rows, in
     /// batch order, `vocab_size` floats each.
     pub fn forward(&mut self, kv: &PagedKvCache, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>> {
+        self.forward_observed(kv, batch, &mut |_, _| Ok(()))
+    }
+
+    /// [`forward`](Self::forward), calling `on_layer(li, device)` right after layer
+    /// `li`'s K and V of this step are in `kv` (before its attention runs), so the
+    /// observer can stage them (e.g. `PagedKvCache::read_blocks`) while later layers
+    /// compute. Device copies are ordered after the ops already issued, so a read from
+    /// the observer sees the layer's new KV. An error from the observer ends the step
+    /// with that error; layers before it keep the KV they wrote.
+    pub fn forward_observed(
+        &mut self,
+        kv: &PagedKvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut dyn FnMut(usize, &Device) -> Result<()>,
+    ) -> Result<Vec<f32>> {
         let c = self.config.clone();
+        let f = kv.format();
+        if (f.num_layers, f.num_kv_heads, f.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim) {
+            return Err(BackendError::Request(format!(
+                "the KV cache ({f}) was not made for this model ({} layers x {} kv heads x {} dims)",
+                c.num_layers, c.num_kv_heads, c.head_dim
+            )));
+        }
         let num_seqs = batch.len();
         let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
         if num_seqs == 0 || total == 0 {
@@ -381,6 +442,7 @@ impl Model {
             dev.apply_rotary_pos_emb(q, k, pos_b, t, nh, nkv, hd, &self.rope)?;
             let cache = kv.layer_view(li);
             dev.fill_kv_cache(&cache, k, v, slots_b, t)?;
+            on_layer(li, dev)?;
             if all_decode {
                 dev.paged_decode_attention(
                     attn,
