@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_actors::chip::executor::{ExecutorFactory, ModelExecutor, ModelExecutorConfig, StepExecutor};
+use tessera_actors::chip::executor::{Emulation, ExecutorFactory, ModelExecutor, ModelExecutorConfig, StepExecutor};
 use tessera_actors::chip::{Chip, ChipConfig};
 use tessera_actors::gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_actors::msg::{ChipReport, Msg, well_known};
@@ -18,9 +18,11 @@ use tessera_actors::router::Router;
 use tessera_actors::supervisor::{Supervisor, SupervisorConfig};
 use tessera_backends::config::ModelConfig;
 use tessera_backends::dtype::DType;
+use tessera_backends::kv_format::KvLayout;
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
+use tessera_runtime::transfer::{TransferConfig, TransferEngine, TransportChoice};
 use tessera_runtime::{Addr, HostId};
 use tessera_topology::{Backend, ClusterSpec};
 
@@ -58,7 +60,6 @@ pub fn run_node(
     let model_dir = crate::resolve_model(&spec.model)?;
     let model_config = ModelConfig::from_dir(&model_dir)?;
     let dtype = spec.dtype.as_deref().map(parse_dtype).transpose()?;
-    let kv_dtype = parse_dtype(&spec.kv_dtype)?;
     let is_gateway = spec.gateway.host == me.name;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -79,6 +80,20 @@ pub fn run_node(
         .block_on(Bus::start(bus_config, host.inbound()))
         .with_context(|| format!("host {host_name}: starting the bus on {} / {}", me.bus, me.events))?;
     host.attach_bus(bus.clone());
+
+    // The data plane: KV blocks move between chips through it, never over the bus.
+    let d = &spec.disagg;
+    let transfer = TransferEngine::start(TransferConfig {
+        tcp_streams: d.tcp_streams,
+        chunk_bytes: d.chunk_bytes(),
+        transport: match d.transport {
+            tessera_topology::Transport::Auto => TransportChoice::Auto,
+            tessera_topology::Transport::Shm => TransportChoice::Shm,
+            tessera_topology::Transport::Tcp => TransportChoice::Tcp,
+        },
+        ..TransferConfig::new(me.transfer)
+    })
+    .with_context(|| format!("host {host_name}: starting the KV transfer engine on {}", me.transfer))?;
 
     let gateway_index = spec.host_index(&spec.gateway.host).unwrap_or(0);
     let router = Addr::new(HostId(gateway_index as u16), well_known::ROUTER);
@@ -114,21 +129,37 @@ pub fn run_node(
         }
     }
     if is_gateway {
-        host.spawn_at(well_known::ROUTER, Box::new(Router::new(all_chips, spec.router.max_queued_requests)));
+        let router =
+            Router::new(all_chips, spec.router.max_queued_requests).with_disaggregation(spec.disagg.min_prompt_tokens);
+        host.spawn_at(well_known::ROUTER, Box::new(router));
     }
     for (i, chip) in me.chips.iter().enumerate() {
+        let emulation = match &chip.backend {
+            Backend::Emu(kind) => {
+                let kind = spec
+                    .chip_kind(kind)
+                    .with_context(|| format!("chip {}: unknown chip kind `{kind}`", chip.id))?
+                    .clone();
+                Some(Emulation { kind, spec: spec.emulation })
+            }
+            Backend::Cpu | Backend::Plugin(_) => None,
+        };
         let config = ModelExecutorConfig {
             model_dir: model_dir.clone(),
             kernel_lib: match &chip.backend {
                 Backend::Plugin(path) => Some(path.clone()),
-                Backend::Cpu => opts.kernel_lib.clone(),
+                Backend::Cpu | Backend::Emu(_) => opts.kernel_lib.clone(),
             },
             threads: chip.threads as u32,
             memory_limit_bytes: chip.memory_limit_bytes,
             dtype,
-            kv_dtype,
-            block_size: spec.block_size,
+            kv_dtype: parse_dtype(&chip.kv_dtype)?,
+            kv_layout: chip.kv_layout.to_string().parse::<KvLayout>().map_err(anyhow::Error::msg)?,
+            block_size: chip.block_size,
             max_batch_seqs: chip.max_batch_seqs,
+            chip_id: chip.id.clone(),
+            transfer: Some(transfer.clone()),
+            emulation,
         };
         let factory: ExecutorFactory = Arc::new(move || {
             ModelExecutor::load(&config).map(|(exec, info)| (Box::new(exec) as Box<dyn StepExecutor>, info))
@@ -140,6 +171,7 @@ pub fn run_node(
             max_batch_tokens: chip.max_batch_tokens,
             max_batch_seqs: chip.max_batch_seqs,
             supervisor,
+            kv_lease: Duration::from_millis(spec.disagg.lease_ms),
         };
         let addr = host.spawn_at(well_known::CHIP_BASE + i as u64, Box::new(Chip::new(chip_config, factory)));
         debug_assert_eq!(addr, chip_addr(index, i));
@@ -200,6 +232,7 @@ pub fn run_node(
         Err(host) => drop(host),
     }
     rt.block_on(bus.shutdown());
+    transfer.shutdown();
     rt.shutdown_timeout(Duration::from_secs(1));
     result
 }

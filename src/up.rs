@@ -11,8 +11,21 @@ use std::time::{Duration, Instant};
 use crate::node::{NodeOptions, run_node};
 use tessera_topology::ClusterSpec;
 
-/// The validated topology: the file's, or the embedded default.
-pub fn load_spec(path: Option<&Path>) -> Result<ClusterSpec> {
+/// The validated topology: the file's, or the embedded default; with `colocated`,
+/// every chip runs both phases.
+pub fn load_spec(path: Option<&Path>, colocated: bool) -> Result<ClusterSpec> {
+    let mut spec = load_topology(path)?;
+    if colocated {
+        for host in &mut spec.hosts {
+            for chip in &mut host.chips {
+                chip.role = tessera_topology::Role::Both;
+            }
+        }
+    }
+    Ok(spec)
+}
+
+fn load_topology(path: Option<&Path>) -> Result<ClusterSpec> {
     Ok(match path {
         Some(p) => tessera_topology::load(p)?,
         None => tessera_topology::default_topology(),
@@ -62,14 +75,20 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     }
 }
 
-pub fn node(topology: Option<&Path>, host: &str, exit_on_stdin_eof: bool, kernel_lib: Option<PathBuf>) -> Result<()> {
-    let spec = load_spec(topology)?;
+pub fn node(
+    topology: Option<&Path>,
+    host: &str,
+    exit_on_stdin_eof: bool,
+    colocated: bool,
+    kernel_lib: Option<PathBuf>,
+) -> Result<()> {
+    let spec = load_spec(topology, colocated)?;
     let opts = NodeOptions { kernel_lib, metrics: install_metrics(), drain_timeout: Duration::from_secs(30) };
     run_node(&spec, host, &opts, shutdown_signal(exit_on_stdin_eof))
 }
 
-pub fn up(topology: Option<&Path>, in_process: bool, kernel_lib: Option<PathBuf>) -> Result<()> {
-    let spec = load_spec(topology)?;
+pub fn up(topology: Option<&Path>, in_process: bool, colocated: bool, kernel_lib: Option<PathBuf>) -> Result<()> {
+    let spec = load_spec(topology, colocated)?;
     eprintln!(
         "tessera up: cluster `{}` from {}: {} hosts, gateway on http://{}",
         spec.name,
@@ -91,6 +110,9 @@ pub fn up(topology: Option<&Path>, in_process: bool, kernel_lib: Option<PathBuf>
     for name in &order {
         let mut cmd = Command::new(&exe);
         cmd.arg("node").arg("--host").arg(name).arg("--exit-on-stdin-eof");
+        if colocated {
+            cmd.arg("--colocated");
+        }
         if let Some(t) = topology {
             cmd.arg("--topology").arg(t);
         }

@@ -10,24 +10,9 @@ mod serve;
 use serde_json::{Value, json};
 use serve::*;
 use std::sync::OnceLock;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const MODEL: &str = "builtin:tiny";
 const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
-
-fn completion_body(prompt: &str, max_tokens: usize, stream: bool, ignore_eos: bool) -> Value {
-    let mut body = json!({
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-    });
-    if stream {
-        body["stream_options"] = json!({"include_usage": true});
-    }
-    if ignore_eos {
-        body["ignore_eos"] = json!(true);
-    }
-    body
-}
 
 fn chat_body(user: &str, max_tokens: usize, stream: bool) -> Value {
     let mut body = json!({
@@ -38,13 +23,6 @@ fn chat_body(user: &str, max_tokens: usize, stream: bool) -> Value {
         body["stream_options"] = json!({"include_usage": true});
     }
     body
-}
-
-#[track_caller]
-fn assert_usage(usage: &Value, prompt_tokens: usize, completion_tokens: usize, what: &str) {
-    assert_eq!(usage["prompt_tokens"], prompt_tokens, "{what}: {usage}");
-    assert_eq!(usage["completion_tokens"], completion_tokens, "{what}: {usage}");
-    assert_eq!(usage["total_tokens"], prompt_tokens + completion_tokens, "{what}: {usage}");
 }
 
 /// An OpenAI error body with `status`; returns its `error` object.
@@ -241,63 +219,6 @@ fn fault_references() -> &'static [Generated] {
     REFS.get_or_init(|| fault_prompts().iter().map(|p| generate(p, FAULT_MAX_TOKENS, true)).collect())
 }
 
-/// Starts one streaming request per fault prompt; once every stream has produced text and
-/// `victim` runs sequences, calls `fault`; then reads every stream to its end and checks
-/// it against the no-fault answer: same text, every token, finish "length".
-fn stream_through_fault(gw: std::net::SocketAddr, victim: &str, fault: impl FnOnce()) {
-    let prompts = fault_prompts();
-    let want = fault_references();
-    let (started_tx, started_rx) = mpsc::channel::<usize>();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, prompt)| {
-                let started_tx = started_tx.clone();
-                s.spawn(move || {
-                    let body = completion_body(prompt, FAULT_MAX_TOKENS, true, true);
-                    let sse = post_stream(gw, "/v1/completions", &body)
-                        .unwrap_or_else(|r| panic!("{prompt:?}: {} {}", r.status, r.body));
-                    let mut reader = StreamReader::new(sse, false);
-                    while reader.out.text.is_empty() {
-                        assert!(reader.step(), "{prompt:?} ended before any text");
-                    }
-                    let _ = started_tx.send(i);
-                    reader.finish()
-                })
-            })
-            .collect();
-        drop(started_tx);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for _ in 0..prompts.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            started_rx.recv_timeout(left).expect("every stream produces text within 20 s");
-        }
-        wait_health(gw, &format!("{victim} runs sequences"), Duration::from_secs(3), |h| {
-            chip(h, victim)["running"].as_u64() > Some(0)
-        });
-        fault();
-        for ((handle, prompt), want) in handles.into_iter().zip(&prompts).zip(want) {
-            let (got, raw) = match handle.join() {
-                Ok(r) => r,
-                Err(e) => std::panic::resume_unwind(e),
-            };
-            assert_eq!(got.text, want.text, "{prompt:?} differs from its no-fault run; stream:\n{raw}");
-            assert_eq!(got.finish_reason.as_deref(), Some("length"), "{prompt:?}");
-            let usage = got.usage.expect("include_usage sends usage");
-            assert_usage(&usage, want.prompt_tokens, FAULT_MAX_TOKENS, prompt);
-        }
-    });
-    // The fault hit requests mid-stream: some were re-routed and replayed.
-    let metrics = get(gw, "/metrics").body;
-    let reroutes: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("tessera_request_reroutes_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no tessera_request_reroutes_total in /metrics:\n{metrics}"));
-    assert!(reroutes >= 1.0, "no request was re-routed: {reroutes}");
-}
-
 #[test]
 fn requests_survive_a_killed_host() {
     let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
@@ -307,7 +228,7 @@ fn requests_survive_a_killed_host() {
     cluster.wait_ready(2);
     let h1_pid = cluster.proc("h1").pid();
     let mut detected_after = None;
-    stream_through_fault(gw, "h1-cpu0", || {
+    stream_through_fault(gw, "h1-cpu0", &fault_prompts(), fault_references(), FAULT_MAX_TOKENS, || {
         signal(h1_pid, "KILL");
         let killed = Instant::now();
         let limit = Duration::from_millis(HEARTBEAT_TIMEOUT_MS + 1500);
@@ -330,7 +251,7 @@ fn requests_survive_a_worker_panic_and_the_chip_restarts() {
     let gw = cluster.gateway;
     fault_references();
     cluster.wait_ready(2);
-    stream_through_fault(gw, "h1-cpu0", || {
+    stream_through_fault(gw, "h1-cpu0", &fault_prompts(), fault_references(), FAULT_MAX_TOKENS, || {
         let r = post_json(gw, "/admin/faults", &json!({"chip": "h1-cpu0", "fault": "worker_panic"}));
         assert_eq!(r.status, 202, "{}", r.body);
     });

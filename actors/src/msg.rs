@@ -105,6 +105,16 @@ pub struct ChipReport {
     pub max_step_seqs: usize,
     pub restarts: u32,
     pub error: Option<String>,
+    /// Draining before a role change: takes no new work.
+    pub draining: bool,
+    /// Requests whose KV this chip holds for a decode chip (or is receiving).
+    pub handoffs: usize,
+    /// Set when the chip is an emulation of another kind (never passes as real).
+    pub emulated: Option<String>,
+    pub compat: Option<KvCompat>,
+    /// As a decode chip: seconds from the prefill chip staging its last layer to this
+    /// chip's first step for that request, for the latest hand-off.
+    pub last_handoff_gap_s: Option<f64>,
 }
 
 impl ChipReport {
@@ -124,6 +134,11 @@ impl ChipReport {
             max_step_seqs: 0,
             restarts: 0,
             error: None,
+            draining: false,
+            handoffs: 0,
+            emulated: None,
+            compat: None,
+            last_handoff_gap_s: None,
         }
     }
 }
@@ -152,11 +167,79 @@ pub struct StepOutcome {
     pub sampled: Vec<(u64, u32)>,
     pub error: Option<String>,
     pub elapsed_s: f64,
+    /// Wall clock (ns since the Unix epoch) when the step started on the worker.
+    pub started_unix_ns: u64,
+}
+
+/// How a chip stores its KV cache, as its peers need to know it to read its blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvFormatDesc {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    /// Blocks in the chip's pool (its staging region holds all of them).
+    pub num_blocks: usize,
+    /// "head-major" or "token-major".
+    pub layout: String,
+    /// "f32", "f16" or "bf16".
+    pub dtype: String,
+}
+
+/// What must match for two chips to exchange KV: the model and its attention shapes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCompat {
+    /// Hash over the model's architecture, shapes and weights fingerprint.
+    pub hash: u64,
+    /// The fields behind the hash, to name the mismatch in an error.
+    pub fields: Vec<(String, String)>,
+}
+
+impl KvCompat {
+    /// Why `self` (chip `mine`) and `other` (chip `theirs`) cannot exchange KV, if so.
+    pub fn mismatch(&self, mine: &str, other: &KvCompat, theirs: &str) -> Option<String> {
+        if self.hash == other.hash {
+            return None;
+        }
+        let detail = self
+            .fields
+            .iter()
+            .zip(&other.fields)
+            .find(|(a, b)| a != b)
+            .map(|((name, a), (_, b))| format!("{name} {a} on {mine} vs {b} on {theirs}"))
+            .unwrap_or_else(|| "the model weights differ".to_string());
+        Some(format!(
+            "chips {mine} and {theirs} cannot exchange KV: {detail} (compatibility hash {:016x} vs {:016x})",
+            self.hash, other.hash
+        ))
+    }
+}
+
+/// A prefill chip's KV for one request, offered to a decode chip.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvOffer {
+    /// The sequence the decode chip will continue (prompt + any replayed tokens).
+    pub seq: SeqRequest,
+    pub prefill: Addr,
+    pub prefill_id: String,
+    /// Positions 0..kv_tokens are prefilled on the prefill chip; the decode chip runs
+    /// the last token itself and samples the first new token.
+    pub kv_tokens: usize,
+    pub format: KvFormatDesc,
+    pub compat: KvCompat,
+    /// The prefill chip's staging region: every block of every layer, K then V.
+    pub region: tessera_runtime::transfer::RegionDesc,
 }
 
 /// What a chip's worker knows once its model is loaded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChipInfo {
+    pub format: KvFormatDesc,
+    pub compat: KvCompat,
+    /// Where the chip stages KV for decode chips to read.
+    pub staging: Option<tessera_runtime::transfer::RegionDesc>,
+    /// Roofline emulation of another chip kind, if any (e.g. "ascend-910b x2000").
+    pub emulated: Option<String>,
     pub num_blocks: usize,
     pub block_size: usize,
     pub max_context: usize,
@@ -169,6 +252,9 @@ pub struct ChipInfo {
 pub enum Fault {
     /// The chip's worker thread panics in its next job.
     WorkerPanic,
+    /// As a decode chip, ignore the next KV offer: no claim, no decline, so the prefill
+    /// chip's lease on that KV runs out.
+    DropKvClaim,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -179,12 +265,15 @@ pub enum Msg {
         request_id: u64,
         req: Addr,
         tokens: usize,
+        prompt_tokens: usize,
         exclude: Vec<Addr>,
     },
-    /// Router -> request.
+    /// Router -> request: decode (or colocated) on `chip`; prefill on `prefill` first
+    /// when the request is disaggregated.
     Routed {
         request_id: u64,
         chip: Addr,
+        prefill: Option<Addr>,
     },
     /// Router -> request: nowhere to go.
     RouteFailed {
@@ -199,6 +288,11 @@ pub enum Msg {
     /// Request -> chip.
     Enqueue {
         seq: SeqRequest,
+    },
+    /// Request -> prefill chip: prefill `seq` and hand its KV to `decode`.
+    Prefill {
+        seq: SeqRequest,
+        decode: Addr,
     },
     /// Request -> chip: forget this request and free its KV.
     Abort {
@@ -227,6 +321,65 @@ pub enum Msg {
     /// Request -> client.
     Client {
         event: ClientEvent,
+    },
+
+    // KV handoff between a prefill chip P and a decode chip D.
+    /// P -> D.
+    KvOffer {
+        offer: KvOffer,
+    },
+    /// D -> P: blocks are reserved; stream the layers.
+    KvClaim {
+        request_id: u64,
+        decode: Addr,
+    },
+    /// D -> P: not taken. `retry`: another decode chip might.
+    KvDecline {
+        request_id: u64,
+        decode: Addr,
+        error: ServeError,
+        retry: bool,
+    },
+    /// P -> D: layer `layer` of positions 0..upto is staged, in P's blocks `blocks`.
+    KvReady {
+        request_id: u64,
+        layer: usize,
+        upto: usize,
+        blocks: Vec<u32>,
+        /// Wall clock (ns since the Unix epoch) when P staged it, for the hand-off gap.
+        staged_unix_ns: u64,
+    },
+    /// D -> P: every layer is installed; P frees its blocks.
+    KvDone {
+        request_id: u64,
+    },
+    /// Either side: the hand-off is off; free what it holds.
+    KvCancel {
+        request_id: u64,
+        reason: String,
+    },
+    /// P -> itself: the lease on a hand-off's blocks is up.
+    KvLeaseExpired {
+        request_id: u64,
+        lease: u64,
+    },
+    /// P's worker -> P, mid-step: these sequences' layer `layer` is staged up to `upto`.
+    KvStaged {
+        step: u64,
+        layer: usize,
+        staged: Vec<(u64, usize)>,
+        staged_unix_ns: u64,
+    },
+    /// D's worker -> D: installed positions ..upto of `layer` (or failed).
+    KvInstalled {
+        request_id: u64,
+        layer: usize,
+        upto: usize,
+        error: Option<String>,
+    },
+    /// Operator -> chip: take this role once drained ("prefill", "decode" or "both").
+    SetRole {
+        role: String,
     },
 
     // Chip internals.
@@ -299,12 +452,23 @@ impl Message for Msg {
             Msg::RouteFailed { .. } => "route_failed",
             Msg::Release { .. } => "release",
             Msg::Enqueue { .. } => "enqueue",
+            Msg::Prefill { .. } => "prefill",
             Msg::Abort { .. } => "abort",
             Msg::Generated { .. } => "generated",
             Msg::Refused { .. } => "refused",
             Msg::ChipLost { .. } => "chip_lost",
             Msg::Cancel => "cancel",
             Msg::Client { .. } => "client",
+            Msg::KvOffer { .. } => "kv_offer",
+            Msg::KvClaim { .. } => "kv_claim",
+            Msg::KvDecline { .. } => "kv_decline",
+            Msg::KvReady { .. } => "kv_ready",
+            Msg::KvDone { .. } => "kv_done",
+            Msg::KvCancel { .. } => "kv_cancel",
+            Msg::KvLeaseExpired { .. } => "kv_lease_expired",
+            Msg::KvStaged { .. } => "kv_staged",
+            Msg::KvInstalled { .. } => "kv_installed",
+            Msg::SetRole { .. } => "set_role",
             Msg::WorkerReady { .. } => "worker_ready",
             Msg::WorkerFailed { .. } => "worker_failed",
             Msg::WorkerPanicked { .. } => "worker_panicked",

@@ -2,9 +2,10 @@
 //! and every send, publication and timer kept for inspection — virtual time, no threads.
 
 use crate::msg::Msg;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tessera_runtime::Addr;
-use tessera_runtime::actor::{Behavior, Effects, Job, Moment, SendError, TimerId, WorkerId, WorkerSpec};
+use tessera_runtime::actor::{Behavior, Effects, Job, Moment, Notifier, SendError, TimerId, WorkerId, WorkerSpec};
 
 pub struct TestFx {
     pub me: Addr,
@@ -19,6 +20,10 @@ pub struct TestFx {
     pub unreachable: Vec<Addr>,
     /// Behaviors spawned (not started).
     pub spawned: Vec<Box<dyn Behavior<Msg>>>,
+    /// Jobs submitted to workers, not run: a test runs them (or not) by hand.
+    pub jobs: Vec<Job<Msg>>,
+    /// Messages posted through notifiers.
+    pub notified: Arc<Mutex<Vec<Msg>>>,
 }
 
 impl TestFx {
@@ -33,6 +38,8 @@ impl TestFx {
             stopped: false,
             unreachable: Vec::new(),
             spawned: Vec::new(),
+            jobs: Vec::new(),
+            notified: Arc::default(),
         }
     }
 
@@ -88,10 +95,19 @@ impl Effects<Msg> for TestFx {
     fn start_worker(&mut self, _spec: WorkerSpec<Msg>) -> WorkerId {
         WorkerId(1)
     }
-    fn submit(&mut self, _worker: WorkerId, _job: Job<Msg>) -> Result<(), SendError> {
+    fn submit(&mut self, _worker: WorkerId, job: Job<Msg>) -> Result<(), SendError> {
+        self.jobs.push(job);
         Ok(())
     }
     fn stop_worker(&mut self, _worker: WorkerId) {}
+    fn notifier(&self) -> Notifier<Msg> {
+        let notified = self.notified.clone();
+        Notifier::new(move |msg| {
+            if let Ok(mut v) = notified.lock() {
+                v.push(msg);
+            }
+        })
+    }
     fn stop(&mut self) {
         self.stopped = true;
     }

@@ -50,6 +50,40 @@ fn report(p: &Parts) -> ChipReport {
         max_step_seqs: 5,
         restarts: 1,
         error: p.flag.then(|| p.text.clone()),
+        draining: p.flag,
+        handoffs: p.n,
+        emulated: p.flag.then(|| "ascend-910b x1000".into()),
+        compat: Some(compat(p)),
+        last_handoff_gap_s: p.flag.then_some(p.f as f64),
+    }
+}
+
+fn compat(p: &Parts) -> KvCompat {
+    KvCompat { hash: p.a, fields: vec![("head_dim".into(), p.n.to_string()), ("arch".into(), p.text.clone())] }
+}
+
+fn format(p: &Parts) -> KvFormatDesc {
+    KvFormatDesc {
+        num_layers: p.n % 97,
+        num_kv_heads: 2,
+        head_dim: 64,
+        block_size: 16,
+        num_blocks: p.n,
+        layout: if p.flag { "token-major" } else { "head-major" }.into(),
+        dtype: "f16".into(),
+    }
+}
+
+fn region(p: &Parts) -> tessera_runtime::transfer::RegionDesc {
+    tessera_runtime::transfer::RegionDesc {
+        endpoint: tessera_runtime::transfer::EndpointDesc {
+            host_key: p.text.clone(),
+            pid: p.n as u32,
+            tcp: "127.0.0.1:7402".parse().expect("addr"),
+        },
+        region: p.b,
+        fd: 7,
+        len: p.a,
     }
 }
 
@@ -75,21 +109,26 @@ fn build(kind: usize, p: &Parts) -> Msg {
         ignore_eos: p.flag,
     };
     let finish = if p.flag { Some(Finish::Stop) } else { Some(Finish::Length) };
+    let seq = SeqRequest {
+        request_id: p.a,
+        req: addr(p.b),
+        tokens: p.tokens.clone(),
+        generated: p.n,
+        max_new_tokens: p.n + 1,
+        sampling: sampling.clone(),
+    };
     match kind {
-        0 => Msg::Route { request_id: p.a, req: addr(p.b), tokens: p.n, exclude: vec![addr(p.a), addr(p.b)] },
-        1 => Msg::Routed { request_id: p.a, chip: addr(p.b) },
+        0 => Msg::Route {
+            request_id: p.a,
+            req: addr(p.b),
+            tokens: p.n,
+            prompt_tokens: p.n / 2,
+            exclude: vec![addr(p.a), addr(p.b)],
+        },
+        1 => Msg::Routed { request_id: p.a, chip: addr(p.b), prefill: p.flag.then(|| addr(p.a)) },
         2 => Msg::RouteFailed { request_id: p.a, error: error(p) },
         3 => Msg::Release { request_id: p.a, chip: addr(p.b) },
-        4 => Msg::Enqueue {
-            seq: SeqRequest {
-                request_id: p.a,
-                req: addr(p.b),
-                tokens: p.tokens.clone(),
-                generated: p.n,
-                max_new_tokens: p.n + 1,
-                sampling,
-            },
-        },
+        4 => Msg::Enqueue { seq },
         5 => Msg::Abort { request_id: p.a },
         6 => Msg::Generated { request_id: p.a, chip: addr(p.b), tokens: p.tokens.clone(), finish },
         7 => Msg::Refused { request_id: p.a, chip: addr(p.b), error: error(p), retry: p.flag },
@@ -102,6 +141,10 @@ fn build(kind: usize, p: &Parts) -> Msg {
         12 => Msg::Client { event: ClientEvent::Failed { error: error(p) } },
         13 => Msg::WorkerReady {
             info: ChipInfo {
+                format: format(p),
+                compat: compat(p),
+                staging: p.flag.then(|| region(p)),
+                emulated: p.flag.then(|| p.text.clone()),
                 num_blocks: p.n,
                 block_size: 16,
                 max_context: 2048,
@@ -117,10 +160,11 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 sampled: p.tokens.iter().map(|&t| (t as u64, t)).collect(),
                 error: p.flag.then(|| p.text.clone()),
                 elapsed_s: p.f as f64,
+                started_unix_ns: p.b,
             },
         },
         17 => Msg::Restart,
-        18 => Msg::InjectFault { fault: Fault::WorkerPanic },
+        18 => Msg::InjectFault { fault: if p.flag { Fault::WorkerPanic } else { Fault::DropKvClaim } },
         19 => Msg::Report { report: report(p) },
         20 => Msg::ChipCrashed { chip: addr(p.a), error: p.text.clone() },
         21 => Msg::RestartDue { chip: addr(p.a) },
@@ -132,11 +176,34 @@ fn build(kind: usize, p: &Parts) -> Msg {
         25 => Msg::HostUp { host: HostId(2), host_name: p.text.clone() },
         26 => Msg::Tick,
         27 => Msg::QueryCluster { reply_to: addr(p.a) },
-        _ => Msg::ClusterView { chips: vec![report(p)], hosts_down: vec![p.text.clone()] },
+        28 => Msg::ClusterView { chips: vec![report(p)], hosts_down: vec![p.text.clone()] },
+        29 => Msg::Prefill { seq, decode: addr(p.b) },
+        30 => Msg::KvOffer {
+            offer: KvOffer {
+                seq,
+                prefill: addr(p.a),
+                prefill_id: p.text.clone(),
+                kv_tokens: p.n,
+                format: format(p),
+                compat: compat(p),
+                region: region(p),
+            },
+        },
+        31 => Msg::KvClaim { request_id: p.a, decode: addr(p.b) },
+        32 => Msg::KvDecline { request_id: p.a, decode: addr(p.b), error: error(p), retry: p.flag },
+        33 => {
+            Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone(), staged_unix_ns: p.b }
+        }
+        34 => Msg::KvDone { request_id: p.a },
+        35 => Msg::KvCancel { request_id: p.a, reason: p.text.clone() },
+        36 => Msg::KvLeaseExpired { request_id: p.a, lease: p.b },
+        37 => Msg::KvStaged { step: p.a, layer: p.n, staged: vec![(p.a, p.n), (p.b, 1)], staged_unix_ns: p.b },
+        38 => Msg::KvInstalled { request_id: p.a, layer: p.n, upto: p.n, error: p.flag.then(|| p.text.clone()) },
+        _ => Msg::SetRole { role: p.text.clone() },
     }
 }
 
-const KINDS: usize = 29;
+const KINDS: usize = 40;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -170,6 +237,17 @@ fn kind_index(m: &Msg) -> usize {
         Msg::Tick => 26,
         Msg::QueryCluster { .. } => 27,
         Msg::ClusterView { .. } => 28,
+        Msg::Prefill { .. } => 29,
+        Msg::KvOffer { .. } => 30,
+        Msg::KvClaim { .. } => 31,
+        Msg::KvDecline { .. } => 32,
+        Msg::KvReady { .. } => 33,
+        Msg::KvDone { .. } => 34,
+        Msg::KvCancel { .. } => 35,
+        Msg::KvLeaseExpired { .. } => 36,
+        Msg::KvStaged { .. } => 37,
+        Msg::KvInstalled { .. } => 38,
+        Msg::SetRole { .. } => 39,
     }
 }
 

@@ -96,6 +96,30 @@ pub struct Job<M> {
     pub run: JobFn<M>,
 }
 
+/// Lets code off the actor thread (a worker's job, part-way through) post a message to
+/// the actor that created it, e.g. "layer 3 of this prefill is written". Cloneable and
+/// `Send`; posting to an actor that has stopped is a no-op.
+#[derive(Clone)]
+pub struct Notifier<M> {
+    post: std::sync::Arc<dyn Fn(M) + Send + Sync>,
+}
+
+impl<M> Notifier<M> {
+    pub fn new(post: impl Fn(M) + Send + Sync + 'static) -> Notifier<M> {
+        Notifier { post: std::sync::Arc::new(post) }
+    }
+
+    pub fn notify(&self, msg: M) {
+        (self.post)(msg)
+    }
+}
+
+impl<M> fmt::Debug for Notifier<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Notifier")
+    }
+}
+
 /// An identifier for a pending timer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TimerId(pub u64);
@@ -133,6 +157,9 @@ pub trait Effects<M: Message> {
 
     /// Stops a worker after its current job; queued jobs are dropped.
     fn stop_worker(&mut self, worker: WorkerId);
+
+    /// A handle that posts messages to this actor from any thread.
+    fn notifier(&self) -> Notifier<M>;
 
     /// Stops this actor after the current message.
     fn stop(&mut self);

@@ -2,7 +2,7 @@
 //! on worker threads, and reaches other hosts through the bus. Messages to actors on
 //! this host never touch the bus.
 
-use crate::actor::{Behavior, Effects, Job, Message, Moment, SendError, TimerId, WorkerId, WorkerSpec};
+use crate::actor::{Behavior, Effects, Job, Message, Moment, Notifier, SendError, TimerId, WorkerId, WorkerSpec};
 use crate::addr::{Addr, FIRST_DYNAMIC_ACTOR, HostId};
 use crate::bus::{Bus, InboundFn};
 use crate::codec::{self, Envelope, PROTOCOL_VERSION};
@@ -361,6 +361,16 @@ impl<M: Message> Effects<M> for CellEffects<'_, M> {
 
     fn stop_worker(&mut self, worker: WorkerId) {
         self.core.stop_worker(worker);
+    }
+
+    fn notifier(&self) -> Notifier<M> {
+        let core = Arc::downgrade(self.core);
+        let me = self.me;
+        Notifier::new(move |msg| {
+            if let Some(core) = core.upgrade() {
+                let _ = core.deliver_local(me, msg);
+            }
+        })
     }
 
     fn stop(&mut self) {

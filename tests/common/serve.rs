@@ -11,6 +11,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");
@@ -44,10 +45,34 @@ pub struct Topology {
 }
 
 pub fn topology(hosts: &[&str], gateway_extra: &str, chip_extra: &str, heartbeat_timeout_ms: u64) -> Topology {
-    let ports = free_ports(1 + 2 * hosts.len());
+    let chip = format!("kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1\n{chip_extra}");
+    let chips: Vec<ChipDef> =
+        hosts.iter().map(|h| ChipDef { host: h, id: format!("{h}-cpu0"), toml: chip.clone() }).collect();
+    topology_of(&chips, "", gateway_extra, heartbeat_timeout_ms)
+}
+
+/// One chip of a test topology: its host (hosts are created in order of first use),
+/// its id and the TOML lines of its `[[hosts.chips]]` table besides the id.
+pub struct ChipDef<'a> {
+    pub host: &'a str,
+    pub id: String,
+    pub toml: String,
+}
+
+/// A topology of these chips on fresh loopback ports (bus, events and KV transfer for
+/// each host), the gateway on the first host; `cluster_extra` is TOML added after
+/// `[cluster]` (e.g. more tables).
+pub fn topology_of(chips: &[ChipDef], cluster_extra: &str, gateway_extra: &str, heartbeat_timeout_ms: u64) -> Topology {
+    let mut hosts: Vec<&str> = Vec::new();
+    for c in chips {
+        if !hosts.contains(&c.host) {
+            hosts.push(c.host);
+        }
+    }
+    let ports = free_ports(1 + 3 * hosts.len());
     let gateway: SocketAddr = format!("127.0.0.1:{}", ports[0]).parse().unwrap();
     let mut toml = format!(
-        "[cluster]\nname = \"serve-test\"\nmodel = \"builtin:tiny\"\n\n\
+        "[cluster]\nname = \"serve-test\"\nmodel = \"builtin:tiny\"\n\n{cluster_extra}\n\n\
          [supervisor]\nheartbeat_interval_ms = 100\nheartbeat_timeout_ms = {heartbeat_timeout_ms}\n\
          restart_backoff_ms = 200\n\n\
          [gateway]\nhost = \"{}\"\nlisten = \"{gateway}\"\n{gateway_extra}\n",
@@ -55,11 +80,14 @@ pub fn topology(hosts: &[&str], gateway_extra: &str, chip_extra: &str, heartbeat
     );
     for (i, host) in hosts.iter().enumerate() {
         toml.push_str(&format!(
-            "\n[[hosts]]\nname = \"{host}\"\nbus = \"127.0.0.1:{}\"\nevents = \"127.0.0.1:{}\"\n\n\
-             [[hosts.chips]]\nid = \"{host}-cpu0\"\nkind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1\n{chip_extra}\n",
-            ports[1 + 2 * i],
-            ports[2 + 2 * i]
+            "\n[[hosts]]\nname = \"{host}\"\nbus = \"127.0.0.1:{}\"\nevents = \"127.0.0.1:{}\"\ntransfer = \"127.0.0.1:{}\"\n",
+            ports[1 + 3 * i],
+            ports[2 + 3 * i],
+            ports[3 + 3 * i]
         ));
+        for c in chips.iter().filter(|c| c.host == *host) {
+            toml.push_str(&format!("\n[[hosts.chips]]\nid = \"{}\"\n{}\n", c.id, c.toml));
+        }
     }
     Topology { toml, gateway }
 }
@@ -588,8 +616,14 @@ pub struct Generated {
 
 /// The greedy completion of `prompt` by `tessera generate` (a single sequence, no cluster).
 pub fn generate(prompt: &str, max_tokens: usize, ignore_eos: bool) -> Generated {
+    generate_with(prompt, max_tokens, ignore_eos, &[])
+}
+
+/// `generate` with more `tessera generate` flags (e.g. `--kv-dtype f16`).
+pub fn generate_with(prompt: &str, max_tokens: usize, ignore_eos: bool, flags: &[&str]) -> Generated {
     let mut cmd = tessera();
     cmd.args(["generate", "--model", "builtin:tiny", "--prompt", prompt, "--max-tokens", &max_tokens.to_string()]);
+    cmd.args(flags);
     if ignore_eos {
         cmd.arg("--ignore-eos");
     }
@@ -624,4 +658,103 @@ pub fn chatml(user: &str) -> String {
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n\
          <|im_start|>assistant\n"
     )
+}
+
+// ---- requests ----
+
+pub const MODEL: &str = "builtin:tiny";
+
+pub fn completion_body(prompt: &str, max_tokens: usize, stream: bool, ignore_eos: bool) -> Value {
+    let mut body = json!({
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+    });
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    if ignore_eos {
+        body["ignore_eos"] = json!(true);
+    }
+    body
+}
+
+#[track_caller]
+pub fn assert_usage(usage: &Value, prompt_tokens: usize, completion_tokens: usize, what: &str) {
+    assert_eq!(usage["prompt_tokens"], prompt_tokens, "{what}: {usage}");
+    assert_eq!(usage["completion_tokens"], completion_tokens, "{what}: {usage}");
+    assert_eq!(usage["total_tokens"], prompt_tokens + completion_tokens, "{what}: {usage}");
+}
+
+/// Starts one streaming request per fault prompt; once every stream has produced text and
+/// `victim` runs sequences, calls `fault`; then reads every stream to its end and checks
+/// it against the no-fault answer: same text, every token, finish "length".
+pub fn stream_through_fault(
+    gw: SocketAddr,
+    victim: &str,
+    prompts: &[String],
+    want: &[Generated],
+    max_tokens: usize,
+    fault: impl FnOnce(),
+) {
+    stream_through_fault_after(gw, victim, prompts.len(), prompts, want, max_tokens, fault)
+}
+
+/// `stream_through_fault`, with the fault coming once `started` streams produced text.
+pub fn stream_through_fault_after(
+    gw: SocketAddr,
+    victim: &str,
+    started: usize,
+    prompts: &[String],
+    want: &[Generated],
+    max_tokens: usize,
+    fault: impl FnOnce(),
+) {
+    let (started_tx, started_rx) = mpsc::channel::<usize>();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                let started_tx = started_tx.clone();
+                s.spawn(move || {
+                    let body = completion_body(prompt, max_tokens, true, true);
+                    let sse = post_stream(gw, "/v1/completions", &body)
+                        .unwrap_or_else(|r| panic!("{prompt:?}: {} {}", r.status, r.body));
+                    let mut reader = StreamReader::new(sse, false);
+                    while reader.out.text.is_empty() {
+                        assert!(reader.step(), "{prompt:?} ended before any text");
+                    }
+                    let _ = started_tx.send(i);
+                    reader.finish()
+                })
+            })
+            .collect();
+        drop(started_tx);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for _ in 0..started {
+            let left = deadline.saturating_duration_since(Instant::now());
+            started_rx.recv_timeout(left).expect("streams produce text within 20 s");
+        }
+        wait_health(gw, &format!("{victim} runs sequences"), Duration::from_secs(3), |h| {
+            chip(h, victim)["running"].as_u64() > Some(0)
+        });
+        fault();
+        for ((handle, prompt), want) in handles.into_iter().zip(prompts).zip(want) {
+            let (got, raw) = match handle.join() {
+                Ok(r) => r,
+                Err(e) => std::panic::resume_unwind(e),
+            };
+            assert_eq!(got.text, want.text, "{prompt:?} differs from its no-fault run; stream:\n{raw}");
+            assert_eq!(got.finish_reason.as_deref(), Some("length"), "{prompt:?}");
+            let usage = got.usage.expect("include_usage sends usage");
+            assert_usage(&usage, want.prompt_tokens, max_tokens, prompt);
+        }
+    });
+    // The fault hit requests mid-stream: some were re-routed and replayed.
+    let metrics = get(gw, "/metrics").body;
+    let reroutes: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tessera_request_reroutes_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no tessera_request_reroutes_total in /metrics:\n{metrics}"));
+    assert!(reroutes >= 1.0, "no request was re-routed: {reroutes}");
 }

@@ -20,6 +20,17 @@ pub struct BatcherLimits {
     pub max_context: usize,
 }
 
+/// Where a sequence's work happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Prefill and decode here.
+    Local,
+    /// Prefill positions 0..kv_tokens only, for a decode chip; never samples here.
+    PrefillFor { kv_tokens: usize },
+    /// Positions 0..cached come from a prefill chip; plannable once `ready`.
+    Receiving { ready: bool },
+}
+
 #[derive(Debug)]
 struct Seq {
     request_id: u64,
@@ -40,12 +51,54 @@ struct Seq {
     /// The worker holds a sampler for it (kept across preemption, so a recomputed
     /// sequence samples exactly as if it had never been preempted).
     sampler_live: bool,
+    mode: Mode,
 }
 
 impl Seq {
-    fn pending(&self) -> usize {
-        self.tokens.len() - self.cached
+    fn new(seq: SeqRequest, arrival: u64, mode: Mode) -> Seq {
+        Seq {
+            request_id: seq.request_id,
+            req: seq.req,
+            tokens: seq.tokens,
+            generated_before: seq.generated,
+            max_new: seq.max_new_tokens,
+            new_tokens: 0,
+            cached: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            arrival,
+            sampling: seq.sampling,
+            sampler_live: false,
+            mode,
+        }
     }
+
+    /// Tokens still to run through the model here.
+    fn pending(&self) -> usize {
+        match self.mode {
+            Mode::PrefillFor { kv_tokens } => kv_tokens - self.cached,
+            Mode::Local | Mode::Receiving { .. } => self.tokens.len() - self.cached,
+        }
+    }
+
+    fn plannable(&self) -> bool {
+        self.mode != Mode::Receiving { ready: false }
+    }
+
+    /// Preemption may take its blocks. Not a sequence whose KV is still being
+    /// installed: that ends on its own, so waiting for it cannot deadlock.
+    fn preemptible(&self) -> bool {
+        self.mode != Mode::Receiving { ready: false }
+    }
+}
+
+/// A prefill for a decode chip that has run to its end: its blocks now wait for the
+/// decode chip to read them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prefilled {
+    pub request_id: u64,
+    pub req: Addr,
+    pub blocks: Vec<BlockRef>,
 }
 
 /// One sequence's share of a step, in the form the worker runs it.
@@ -61,6 +114,8 @@ pub struct PlannedSeq {
     pub sample: bool,
     /// Create the sampler first: its spec and how many draws to skip (a replay).
     pub new_sampler: Option<(SamplingSpec, u64)>,
+    /// A prefill for a decode chip: stage each layer's KV of these positions.
+    pub stage: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -93,6 +148,9 @@ pub struct Batcher {
     running: Vec<Seq>,
     arrivals: u64,
     drop_samplers: Vec<u64>,
+    /// Prefills for decode chips that preemption took: a decode chip may be reading
+    /// their blocks, so they are not recomputed here but handed back to the chip.
+    dropped: Vec<(u64, Addr)>,
 }
 
 impl Batcher {
@@ -104,6 +162,7 @@ impl Batcher {
             running: Vec::new(),
             arrivals: 0,
             drop_samplers: Vec::new(),
+            dropped: Vec::new(),
         }
     }
 
@@ -134,20 +193,73 @@ impl Batcher {
 
     pub fn enqueue(&mut self, seq: SeqRequest) {
         self.arrivals += 1;
-        self.waiting.push_back(Seq {
-            request_id: seq.request_id,
-            req: seq.req,
-            tokens: seq.tokens,
-            generated_before: seq.generated,
-            max_new: seq.max_new_tokens,
-            new_tokens: 0,
-            cached: 0,
-            blocks: Vec::new(),
-            hashes: Vec::new(),
-            arrival: self.arrivals,
-            sampling: seq.sampling,
-            sampler_live: false,
-        });
+        self.waiting.push_back(Seq::new(seq, self.arrivals, Mode::Local));
+    }
+
+    /// Queues the prefill of positions 0..kv_tokens of `seq` for a decode chip.
+    pub fn enqueue_prefill(&mut self, seq: SeqRequest, kv_tokens: usize) {
+        self.arrivals += 1;
+        let kv_tokens = kv_tokens.min(seq.tokens.len());
+        self.waiting.push_back(Seq::new(seq, self.arrivals, Mode::PrefillFor { kv_tokens }));
+    }
+
+    /// Admits `seq` whose positions 0..kv_tokens a prefill chip computed: reserves (and
+    /// seals) their blocks now, all or nothing, and returns the slot of each position.
+    /// The sequence runs once `mark_received`.
+    pub fn admit_received(&mut self, seq: SeqRequest, kv_tokens: usize, pool: &mut KvPool) -> Option<Vec<i32>> {
+        let bs = self.limits.block_size;
+        if kv_tokens == 0 || kv_tokens >= seq.tokens.len() || kv_tokens.div_ceil(bs) > pool.free() {
+            return None;
+        }
+        self.arrivals += 1;
+        let mut s = Seq::new(seq, self.arrivals, Mode::Receiving { ready: false });
+        s.cached = kv_tokens;
+        for _ in 0..kv_tokens.div_ceil(bs) {
+            s.blocks.push(pool.alloc(s.request_id)?);
+        }
+        seal_full_blocks(&mut s, bs, pool);
+        let slots = (0..kv_tokens).map(|pos| (s.blocks[pos / bs].slot as usize * bs + pos % bs) as i32).collect();
+        self.running.push(s);
+        Some(slots)
+    }
+
+    /// A received sequence's KV is all in place: it may run.
+    pub fn mark_received(&mut self, request_id: u64) -> bool {
+        match self.running.iter_mut().find(|s| s.request_id == request_id) {
+            Some(s) if s.mode == (Mode::Receiving { ready: false }) => {
+                s.mode = Mode::Receiving { ready: true };
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Prefills for decode chips that preemption dropped since the last call.
+    pub fn take_dropped(&mut self) -> Vec<(u64, Addr)> {
+        std::mem::take(&mut self.dropped)
+    }
+
+    /// Device block ids of a sequence here, in order.
+    pub fn block_table(&self, request_id: u64) -> Option<Vec<u32>> {
+        let s = self.running.iter().chain(&self.waiting).find(|s| s.request_id == request_id)?;
+        Some(s.blocks.iter().map(|b| b.slot).collect())
+    }
+
+    /// Prefills for decode chips that the last step finished: they leave the batcher
+    /// with their blocks.
+    pub fn take_prefilled(&mut self) -> Vec<Prefilled> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &self.running[i];
+            if matches!(s.mode, Mode::PrefillFor { kv_tokens } if s.cached == kv_tokens) {
+                let s = self.running.remove(i);
+                out.push(Prefilled { request_id: s.request_id, req: s.req, blocks: s.blocks });
+            } else {
+                i += 1;
+            }
+        }
+        out
     }
 
     /// Forgets a request and frees its blocks; returns its requester if it was here.
@@ -196,19 +308,24 @@ impl Batcher {
         // 1. Decode tokens (one pending token), earliest arrival first.
         let mut i = 0;
         while i < self.running.len() && seqs_left > 0 && budget > 0 {
-            if self.running[i].pending() != 1 {
+            if self.running[i].pending() != 1 || !self.running[i].plannable() {
                 i += 1;
                 continue;
             }
             let need = blocks_needed(&self.running[i], 1, bs);
             while need > pool.free() {
                 // Recompute the latest arrival that is not already in this step.
-                let victim =
-                    (0..self.running.len()).rev().find(|&j| j > i && !scheduled.contains(&self.running[j].request_id));
+                let victim = (0..self.running.len()).rev().find(|&j| {
+                    j > i && self.running[j].preemptible() && !scheduled.contains(&self.running[j].request_id)
+                });
                 let Some(j) = victim else { break };
                 preempted = true;
                 let mut seq = self.running.remove(j);
                 release_blocks(&mut seq, pool);
+                if matches!(seq.mode, Mode::PrefillFor { .. }) {
+                    self.dropped.push((seq.request_id, seq.req));
+                    continue;
+                }
                 seq.cached = 0;
                 let at = self.waiting.iter().position(|w| w.arrival > seq.arrival).unwrap_or(self.waiting.len());
                 self.waiting.insert(at, seq);
@@ -228,7 +345,7 @@ impl Batcher {
             if seqs_left == 0 || budget == 0 {
                 break;
             }
-            if scheduled.contains(&seq.request_id) || seq.pending() <= 1 {
+            if scheduled.contains(&seq.request_id) || seq.pending() <= 1 || !seq.plannable() {
                 continue;
             }
             let chunk = fit_chunk(seq, seq.pending().min(budget), bs, pool.free());
@@ -329,18 +446,12 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         }
     }
     let slots = (start..end).map(|pos| (seq.blocks[pos / bs].slot as usize * bs + pos % bs) as i32).collect();
-    while seq.hashes.len() < end / bs {
-        let i = seq.hashes.len();
-        let hash = chained_block_hash(seq.hashes.last().copied(), &seq.tokens[i * bs..(i + 1) * bs]);
-        if let Err(e) = pool.seal(seq.blocks[i], hash) {
-            tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");
-        }
-        seq.hashes.push(hash);
-    }
     seq.cached = end;
+    seal_full_blocks(seq, bs, pool);
+    let stage = matches!(seq.mode, Mode::PrefillFor { .. });
     let new_sampler =
-        (!seq.sampler_live).then(|| (seq.sampling.clone(), (seq.generated_before + seq.new_tokens) as u64));
-    seq.sampler_live = true;
+        (!seq.sampler_live && !stage).then(|| (seq.sampling.clone(), (seq.generated_before + seq.new_tokens) as u64));
+    seq.sampler_live |= !stage;
     PlannedSeq {
         request_id: seq.request_id,
         tokens: seq.tokens[start..end].to_vec(),
@@ -349,6 +460,19 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         slots,
         sample: end == seq.tokens.len(),
         new_sampler,
+        stage,
+    }
+}
+
+/// Seals every block the cached tokens fill.
+fn seal_full_blocks(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
+    while seq.hashes.len() < seq.cached / bs {
+        let i = seq.hashes.len();
+        let hash = chained_block_hash(seq.hashes.last().copied(), &seq.tokens[i * bs..(i + 1) * bs]);
+        if let Err(e) = pool.seal(seq.blocks[i], hash) {
+            tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");
+        }
+        seq.hashes.push(hash);
     }
 }
 

@@ -137,3 +137,92 @@ fn replayed_sequences_skip_earlier_sampler_draws() {
     let plan = b.plan(&mut p).unwrap();
     assert_eq!(plan.seqs[0].new_sampler.as_ref().map(|(_, skip)| *skip), Some(3));
 }
+
+#[test]
+fn prefill_for_a_decode_chip_stages_all_but_the_last_token_and_never_samples() {
+    let mut b = Batcher::new(limits(8, 4, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue_prefill(seq(1, 13, 5), 12);
+    // (start, len, sample, stage) of each step: chunks of the budget up to position 12.
+    let mut steps = Vec::new();
+    while let Some(plan) = b.plan(&mut p) {
+        let s = &plan.seqs[0];
+        steps.push((s.start_pos, s.tokens.len(), s.sample, s.stage, s.new_sampler.is_some()));
+        let _ = b.complete(&[], &mut p);
+        if !b.take_prefilled().is_empty() {
+            break;
+        }
+    }
+    assert_eq!(steps, vec![(0, 8, false, true, false), (8, 4, false, true, false)]);
+    assert_eq!(p.used(), 3, "the hand-off's blocks left the batcher, still held for the decode chip");
+    assert!(!b.has_work());
+}
+
+#[test]
+fn prefilled_blocks_are_handed_over_intact() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue_prefill(seq(1, 13, 5), 12);
+    let plan = b.plan(&mut p).expect("a step");
+    assert_eq!(plan.seqs[0].block_table.len(), 3);
+    assert_eq!(b.block_table(1), Some(plan.seqs[0].block_table.clone()));
+    let done = b.take_prefilled();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].blocks.iter().map(|b| b.slot).collect::<Vec<_>>(), plan.seqs[0].block_table);
+    assert_eq!(p.used(), 3, "held until the decode chip acknowledges");
+    for blk in done[0].blocks.iter().copied() {
+        p.release(blk).expect("release");
+    }
+    assert_eq!(p.used(), 0);
+}
+
+#[test]
+fn received_sequence_waits_for_its_kv_then_samples_from_the_last_prompt_token() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(8);
+    let slots = b.admit_received(seq(1, 10, 3), 9, &mut p).expect("blocks fit");
+    assert_eq!(slots.len(), 9);
+    assert_eq!(p.used(), 3, "ceil(9 / 4) blocks reserved at once");
+    assert!(b.plan(&mut p).is_none(), "not runnable before its KV is in");
+    assert!(b.mark_received(1));
+    let (got, out) = run_step(&mut b, &mut p);
+    assert_eq!(got, vec![(1, 9, 1, true)], "only the last prompt token runs here");
+    assert_eq!(out.len(), 1);
+    let (got, _) = run_step(&mut b, &mut p);
+    assert_eq!(got, vec![(1, 10, 1, true)]);
+}
+
+#[test]
+fn received_sequence_refused_when_blocks_do_not_fit_and_freed_on_abort() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(2);
+    assert!(b.admit_received(seq(1, 10, 3), 9, &mut p).is_none(), "needs 3 blocks of 2");
+    assert_eq!(p.used(), 0, "all or nothing");
+    assert!(b.admit_received(seq(2, 5, 3), 0, &mut p).is_none(), "nothing prefilled");
+    assert!(b.admit_received(seq(3, 5, 3), 5, &mut p).is_none(), "the last token must run here");
+    b.admit_received(seq(4, 6, 3), 5, &mut p).expect("fits");
+    assert_eq!(p.used(), 2);
+    b.abort(4, &mut p);
+    assert_eq!(p.used(), 0);
+}
+
+#[test]
+fn preemption_drops_a_prefill_for_a_decode_chip_instead_of_deadlocking() {
+    // Request 1 decodes here; request 2 is a prefill for a decode chip. Blocks run out
+    // with 2 half-way: 1 takes 2's blocks, and 2 is handed back (not recomputed here,
+    // since a decode chip may be reading the blocks it had).
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(3);
+    b.enqueue(seq(1, 4, 8));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 0, 4, true)]);
+    b.enqueue_prefill(seq(2, 9, 1), 8);
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 4, 1, true), (2, 0, 4, false)]);
+    for pos in 5..8 {
+        assert_eq!(run_step(&mut b, &mut p).0, vec![(1, pos, 1, true)], "2 waits for blocks");
+    }
+    assert!(b.take_dropped().is_empty());
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 8, 1, true)], "1 needs a third block: 2's");
+    assert_eq!(b.take_dropped(), vec![(2, Addr::new(HostId(0), 1002))]);
+    assert!(!b.contains(2));
+    assert_eq!(p.used(), 3, "request 1 holds all three blocks");
+}

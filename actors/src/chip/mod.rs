@@ -3,15 +3,26 @@
 //! forward step in flight, streams each sampled token to its request, and when its
 //! worker dies hands every sequence back to its request (which replays elsewhere) and
 //! reports to its host's supervisor, which decides about restarts.
+//!
+//! A chip also takes part in prefill/decode disaggregation (`handoff`): as a prefill
+//! chip it computes a prompt's KV and streams it, layer by layer, to a decode chip; as
+//! a decode chip it installs that KV (converting block size, layout and dtype) and
+//! samples from the last prompt token on.
 
 pub mod executor;
+mod handoff;
 
 use crate::batcher::{Batcher, BatcherLimits};
 use crate::kv::KvPool;
 use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, SeqRequest, ServeError};
 use executor::{ExecutorFactory, StepExecutor};
+use handoff::Handoffs;
+use std::time::Duration;
 use tessera_runtime::Addr;
 use tessera_runtime::actor::{Behavior, Effects, Job, WorkerId, WorkerSpec};
+
+/// The roles a chip can take.
+pub const ROLES: [&str; 3] = ["prefill", "decode", "both"];
 
 /// A chip's fixed description.
 #[derive(Debug, Clone)]
@@ -22,6 +33,8 @@ pub struct ChipConfig {
     pub max_batch_tokens: usize,
     pub max_batch_seqs: usize,
     pub supervisor: Addr,
+    /// How long KV this chip prefilled waits for its decode chip to claim and read it.
+    pub kv_lease: Duration,
 }
 
 pub struct Chip {
@@ -39,11 +52,19 @@ pub struct Chip {
     restarts: u32,
     error: Option<String>,
     inject_panic: bool,
+    role: String,
+    /// A role to take once drained.
+    draining_to: Option<String>,
+    handoffs: Handoffs,
 }
 
 impl Chip {
     pub fn new(config: ChipConfig, factory: ExecutorFactory) -> Chip {
+        let role = config.role.clone();
         Chip {
+            role,
+            draining_to: None,
+            handoffs: Handoffs::default(),
             config,
             factory,
             me: None,
@@ -85,7 +106,7 @@ impl Chip {
             chip: fx.me(),
             id: self.config.id.clone(),
             host_name: self.config.host_name.clone(),
-            role: self.config.role.clone(),
+            role: self.role.clone(),
             state: self.state,
             kv_blocks_used: used,
             kv_blocks_total: total,
@@ -95,6 +116,11 @@ impl Chip {
             max_step_seqs: self.max_step_seqs,
             restarts: self.restarts,
             error: self.error.clone(),
+            draining: self.draining_to.is_some(),
+            handoffs: self.handoffs.len(),
+            emulated: self.info.as_ref().and_then(|i| i.emulated.clone()),
+            compat: self.info.as_ref().map(|i| i.compat.clone()),
+            last_handoff_gap_s: self.handoffs.last_gap_s,
         };
         metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
         metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
@@ -104,6 +130,12 @@ impl Chip {
 
     /// Why `seq` can never run here, if so.
     fn check(&self, seq: &SeqRequest, info: &ChipInfo, batcher: &Batcher) -> Option<ServeError> {
+        let longest = (seq.tokens.len() + seq.max_new_tokens).min(info.max_context);
+        self.check_fits(seq, info, batcher.blocks_for(longest))
+    }
+
+    /// Why `seq` can never run here, if so, when it needs `need` KV blocks at most.
+    fn check_fits(&self, seq: &SeqRequest, info: &ChipInfo, need: usize) -> Option<ServeError> {
         if seq.tokens.is_empty() {
             return Some(ServeError::new(ErrorKind::BadRequest, "the prompt is empty"));
         }
@@ -121,8 +153,6 @@ impl Chip {
         }
         // Admit only what can run to its end alone: then the earliest arrival can always
         // finish by preempting later ones, and the chip never deadlocks on KV.
-        let longest = (seq.tokens.len() + seq.max_new_tokens).min(info.max_context);
-        let need = batcher.blocks_for(longest);
         if need > info.num_blocks {
             return Some(ServeError::new(
                 ErrorKind::BadRequest,
@@ -143,9 +173,10 @@ impl Chip {
         let refuse = |fx: &mut dyn Effects<Msg>, error: ServeError, retry: bool| {
             let _ = fx.send(seq.req, Msg::Refused { request_id: seq.request_id, chip: me, error, retry });
         };
-        let (Some(info), Some(batcher), ChipState::Up) = (&self.info, &self.batcher, self.state) else {
-            let why = format!("chip {} is not up", self.config.id);
-            refuse(fx, ServeError::new(ErrorKind::Unavailable, why), true);
+        let (Some(info), Some(batcher), ChipState::Up, None) =
+            (&self.info, &self.batcher, self.state, &self.draining_to)
+        else {
+            refuse(fx, self.unavailable(), true);
             return;
         };
         if batcher.contains(seq.request_id) {
@@ -161,6 +192,15 @@ impl Chip {
         self.try_step(fx);
     }
 
+    /// Why new work is not taken now (retryable elsewhere).
+    fn unavailable(&self) -> ServeError {
+        let why = match (&self.draining_to, self.state) {
+            (Some(role), _) => format!("chip {} is draining to become a {role} chip", self.config.id),
+            _ => format!("chip {} is not up", self.config.id),
+        };
+        ServeError::new(ErrorKind::Unavailable, why)
+    }
+
     fn try_step(&mut self, fx: &mut dyn Effects<Msg>) {
         if self.step_in_flight || self.state != ChipState::Up {
             return;
@@ -169,7 +209,10 @@ impl Chip {
             return;
         };
         let panic_now = std::mem::take(&mut self.inject_panic);
-        let Some(plan) = batcher.plan(pool) else {
+        let plan = batcher.plan(pool);
+        let dropped = batcher.take_dropped();
+        self.prefills_dropped(dropped, fx);
+        let Some(plan) = plan else {
             if panic_now {
                 self.inject_panic = true; // wait for work, so the drill hits a live step
             }
@@ -180,6 +223,7 @@ impl Chip {
         metrics::histogram!("tessera_chip_step_seqs", "chip" => self.config.id.clone()).record(plan.seqs.len() as f64);
         metrics::histogram!("tessera_chip_step_tokens", "chip" => self.config.id.clone()).record(plan.tokens() as f64);
         let step = self.steps;
+        let staged = fx.notifier();
         let job = Job {
             label: "forward",
             run: Box::new(move |state: &mut dyn std::any::Any| {
@@ -187,7 +231,7 @@ impl Chip {
                     panic!("fault drill: worker panic injected");
                 }
                 match state.downcast_mut::<Box<dyn StepExecutor>>() {
-                    Some(exec) => Msg::StepDone { outcome: exec.step(step, &plan) },
+                    Some(exec) => Msg::StepDone { outcome: exec.step(step, &plan, &|m| staged.notify(m)) },
                     None => Msg::WorkerPanicked { error: "the worker holds no step executor".into() },
                 }
             }),
@@ -205,14 +249,30 @@ impl Chip {
             return;
         }
         metrics::histogram!("tessera_chip_step_seconds", "chip" => self.config.id.clone()).record(outcome.elapsed_s);
+        self.first_steps_after_handoff(&outcome);
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
+        let prefilled = batcher.take_prefilled();
         for e in batcher.complete(&outcome.sampled, pool) {
             let msg = Msg::Generated { request_id: e.request_id, chip: me, tokens: vec![e.token], finish: e.finish };
             if fx.send(e.req, msg).is_err() && e.finish.is_none() {
                 // Its request is unreachable: stop spending compute on it.
                 batcher.abort(e.request_id, pool);
             }
+        }
+        for p in prefilled {
+            self.prefill_finished(p, fx);
+        }
+        self.admit_offers(fx);
+        self.settle(fx);
+    }
+
+    /// After work ended: finish a drain if it is time, report, and go on.
+    fn settle(&mut self, fx: &mut dyn Effects<Msg>) {
+        let idle = self.batcher.as_ref().is_none_or(|b| !b.has_work()) && self.handoffs.is_empty();
+        if idle && let Some(role) = self.draining_to.take() {
+            tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "drained; role changed");
+            self.role = role;
         }
         self.report(fx);
         self.try_step(fx);
@@ -225,11 +285,22 @@ impl Chip {
             fx.stop_worker(w);
         }
         self.evict_all(&error, fx);
+        self.handoffs_lost(&error, fx);
         self.state = ChipState::Down;
         self.error = Some(error.clone());
         self.step_in_flight = false;
         let _ = fx.send(self.config.supervisor, Msg::ChipCrashed { chip: fx.me(), error });
         self.report(fx);
+    }
+
+    fn set_role(&mut self, role: String, fx: &mut dyn Effects<Msg>) {
+        if !ROLES.contains(&role.as_str()) {
+            tracing::error!(chip = %self.config.id, %role, "ignoring a role change to an unknown role");
+            return;
+        }
+        tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "role change: draining first");
+        self.draining_to = Some(role);
+        self.settle(fx);
     }
 
     fn evict_all(&mut self, why: &str, fx: &mut dyn Effects<Msg>) {
@@ -280,13 +351,26 @@ impl Behavior<Msg> for Chip {
             }
             Msg::StepDone { outcome } => self.step_done(outcome, fx),
             Msg::Enqueue { seq } => self.enqueue(seq, fx),
+            Msg::Prefill { seq, decode } => self.prefill(seq, decode, fx),
             Msg::Abort { request_id } => {
-                if let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut())
-                    && batcher.abort(request_id, pool).is_some()
-                {
-                    self.report(fx);
-                }
+                self.forget(request_id, "its request aborted it", fx);
+                self.settle(fx);
             }
+            Msg::KvOffer { offer } => self.offered(offer, fx),
+            Msg::KvClaim { request_id, decode } => self.claimed(request_id, decode, fx),
+            Msg::KvDecline { request_id, decode, error, retry } => self.declined(request_id, decode, error, retry, fx),
+            Msg::KvReady { request_id, layer, upto, blocks, staged_unix_ns } => {
+                self.kv_ready(request_id, layer, upto, blocks, staged_unix_ns, fx)
+            }
+            Msg::KvDone { request_id } => self.kv_done(request_id, fx),
+            Msg::KvCancel { request_id, reason } => {
+                self.forget(request_id, &reason, fx);
+                self.settle(fx);
+            }
+            Msg::KvLeaseExpired { request_id, lease } => self.lease_expired(request_id, lease, fx),
+            Msg::KvStaged { layer, staged, staged_unix_ns, .. } => self.staged(layer, staged, staged_unix_ns, fx),
+            Msg::KvInstalled { request_id, layer, upto, error } => self.installed(request_id, layer, upto, error, fx),
+            Msg::SetRole { role } => self.set_role(role, fx),
             Msg::Restart if self.state == ChipState::Down => {
                 self.restarts += 1;
                 self.start_worker(fx);
@@ -300,6 +384,7 @@ impl Behavior<Msg> for Chip {
                 self.inject_panic = true;
                 self.try_step(fx);
             }
+            Msg::InjectFault { fault: Fault::DropKvClaim } => self.handoffs.drop_next_claim = true,
             Msg::Tick => self.report(fx),
             other => tracing::debug!(chip = %self.config.id, kind = ?other, "unexpected message"),
         }
@@ -311,3 +396,6 @@ impl std::fmt::Debug for Chip {
         f.debug_struct("Chip").field("id", &self.config.id).field("state", &self.state).finish()
     }
 }
+
+#[cfg(test)]
+mod tests;

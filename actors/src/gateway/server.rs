@@ -78,6 +78,7 @@ pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
         .route("/admin/faults", post(inject_fault))
+        .route("/admin/role", post(set_role))
         .with_state(state)
 }
 
@@ -514,6 +515,12 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
             "max_step_seqs": c.max_step_seqs,
             "restarts": c.restarts,
             "error": c.error,
+            "draining": c.draining,
+            "kv_handoffs": c.handoffs,
+            // "ascend-910b x2000": an emulation of that kind, steps paced to its
+            // roofline with that time scale — never real hardware.
+            "emulated": c.emulated,
+            "last_handoff_gap_s": c.last_handoff_gap_s,
         })).collect::<Vec<_>>(),
     });
     (status, axum::Json(body)).into_response()
@@ -541,23 +548,59 @@ async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Respo
     };
     let fault = match req.fault.as_str() {
         "worker_panic" => Fault::WorkerPanic,
+        "drop_kv_claim" => Fault::DropKvClaim,
         other => {
             return error_response(ApiError::bad_request(
-                format!("unknown fault `{other}`; known: worker_panic"),
+                format!("unknown fault `{other}`; known: worker_panic, drop_kv_claim"),
                 Some("fault"),
             ));
         }
     };
-    let Some(&chip) = st.config.chips.get(&req.chip) else {
-        let mut known: Vec<&String> = st.config.chips.keys().collect();
-        known.sort();
-        return error_response(ApiError::bad_request(
-            format!("unknown chip `{}`; chips: {known:?}", req.chip),
-            Some("chip"),
-        ));
+    let chip = match known_chip(&st, &req.chip) {
+        Ok(chip) => chip,
+        Err(response) => return response,
     };
     match st.host.send(chip, Msg::InjectFault { fault }) {
         Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"injected": req.fault, "chip": req.chip}))).into_response(),
+        Err(e) => error_response(ApiError::unavailable(format!("chip {} is unreachable: {e}", req.chip))),
+    }
+}
+
+fn known_chip(st: &GatewayState, id: &str) -> Result<Addr, Response> {
+    st.config.chips.get(id).copied().ok_or_else(|| {
+        let mut known: Vec<&String> = st.config.chips.keys().collect();
+        known.sort();
+        error_response(ApiError::bad_request(format!("unknown chip `{id}`; chips: {known:?}"), Some("chip")))
+    })
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RoleRequest {
+    chip: String,
+    role: String,
+}
+
+/// A live role change: `{"chip": "h1-metax0", "role": "both"}`. The chip drains its
+/// current work first (it takes no new work meanwhile), so no request is lost.
+async fn set_role(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
+    let req: RoleRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(ApiError::bad_request(format!("malformed role request: {e}"), None)),
+    };
+    if !crate::chip::ROLES.contains(&req.role.as_str()) {
+        return error_response(ApiError::bad_request(
+            format!("unknown role `{}`; roles: prefill, decode, both", req.role),
+            Some("role"),
+        ));
+    }
+    let chip = match known_chip(&st, &req.chip) {
+        Ok(chip) => chip,
+        Err(response) => return response,
+    };
+    match st.host.send(chip, Msg::SetRole { role: req.role.clone() }) {
+        Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"chip": req.chip, "role": req.role, "draining": true})))
+            .into_response(),
         Err(e) => error_response(ApiError::unavailable(format!("chip {} is unreachable: {e}", req.chip))),
     }
 }

@@ -1,4 +1,5 @@
-//! One actor per request: asks the router for a chip, hands the chip its sequence,
+//! One actor per request: asks the router for a chip (or a prefill chip and a decode
+//! chip), hands the chip its sequence,
 //! forwards each generated token to the client and, when its chip is lost, re-routes
 //! and replays the prompt plus every token already streamed, so the client sees one
 //! continuous stream with no duplicate and no gap. It always ends with the full output
@@ -39,7 +40,10 @@ pub struct Request {
     router: Addr,
     policy: RetryPolicy,
     generated: Vec<u32>,
+    /// The chip that samples this request's tokens.
     chip: Option<Addr>,
+    /// The chip prefilling it for `chip`, until `chip` sends the first token.
+    prefill: Option<Addr>,
     attempts: u32,
     last_progress: Moment,
     done: bool,
@@ -54,6 +58,7 @@ impl Request {
             policy,
             generated: Vec::new(),
             chip: None,
+            prefill: None,
             attempts: 0,
             last_progress: Moment::default(),
             done: false,
@@ -71,6 +76,7 @@ impl Request {
             request_id: self.spec.request_id,
             req: fx.me(),
             tokens: self.spec.prompt.len() + self.spec.max_tokens,
+            prompt_tokens: self.spec.prompt.len() + self.generated.len(),
             exclude,
         };
         if let Err(e) = fx.send(self.router, msg) {
@@ -78,8 +84,9 @@ impl Request {
         }
     }
 
-    fn enqueue(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
+    fn enqueue(&mut self, chip: Addr, prefill: Option<Addr>, fx: &mut dyn Effects<Msg>) {
         self.chip = Some(chip);
+        self.prefill = prefill;
         self.last_progress = fx.now();
         let mut tokens = self.spec.prompt.clone();
         tokens.extend_from_slice(&self.generated);
@@ -91,24 +98,39 @@ impl Request {
             max_new_tokens: self.spec.max_tokens - self.generated.len(),
             sampling: self.spec.sampling.clone(),
         };
-        if fx.send(chip, Msg::Enqueue { seq }).is_err() {
-            self.chip_failed(chip, fx);
+        let (to, msg) = match prefill {
+            Some(p) => (p, Msg::Prefill { seq, decode: chip }),
+            None => (chip, Msg::Enqueue { seq }),
+        };
+        if fx.send(to, msg).is_err() {
+            self.chip_failed(to, fx);
         }
     }
 
-    /// The current chip is gone or refused: release it and try elsewhere.
+    fn holds(&self, chip: Addr) -> bool {
+        self.chip == Some(chip) || self.prefill == Some(chip)
+    }
+
+    /// A chip this request holds is gone or refused: drop both chips (the other one
+    /// frees what it holds for this request) and try elsewhere.
     fn chip_failed(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
-        if self.chip != Some(chip) {
+        if !self.holds(chip) {
             return;
         }
-        self.chip = None;
-        let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip });
+        for other in [self.chip, self.prefill].into_iter().flatten().filter(|&c| c != chip) {
+            let _ = fx.send(other, Msg::Abort { request_id: self.spec.request_id });
+        }
+        self.release(fx);
         metrics::counter!("tessera_request_reroutes_total").increment(1);
         self.route(vec![chip], fx);
     }
 
     fn generated(&mut self, tokens: Vec<u32>, finish: Option<Finish>, fx: &mut dyn Effects<Msg>) {
         self.last_progress = fx.now();
+        // The decode chip has the KV: the prefill chip's part is over.
+        if let Some(p) = self.prefill.take() {
+            let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip: p });
+        }
         self.generated.extend_from_slice(&tokens);
         if fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens } }).is_err() {
             self.cancel(fx);
@@ -127,15 +149,19 @@ impl Request {
     }
 
     fn release(&mut self, fx: &mut dyn Effects<Msg>) {
-        if let Some(chip) = self.chip.take() {
+        for chip in [self.chip.take(), self.prefill.take()].into_iter().flatten() {
             let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip });
         }
     }
 
-    fn cancel(&mut self, fx: &mut dyn Effects<Msg>) {
-        if let Some(chip) = self.chip {
+    fn abort_all(&mut self, fx: &mut dyn Effects<Msg>) {
+        for chip in [self.chip, self.prefill].into_iter().flatten() {
             let _ = fx.send(chip, Msg::Abort { request_id: self.spec.request_id });
         }
+    }
+
+    fn cancel(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.abort_all(fx);
         self.release(fx);
         metrics::counter!("tessera_request_cancelled_total").increment(1);
         self.finish(fx);
@@ -143,9 +169,7 @@ impl Request {
 
     fn fail(&mut self, error: ServeError, fx: &mut dyn Effects<Msg>) {
         tracing::warn!(request_id = self.spec.request_id, error = %error.message, "request failed");
-        if let Some(chip) = self.chip {
-            let _ = fx.send(chip, Msg::Abort { request_id: self.spec.request_id });
-        }
+        self.abort_all(fx);
         self.release(fx);
         let _ = fx.send(self.client, Msg::Client { event: ClientEvent::Failed { error } });
         metrics::counter!("tessera_request_failed_total").increment(1);
@@ -174,17 +198,15 @@ impl Behavior<Msg> for Request {
             return;
         }
         match msg {
-            Msg::Routed { chip, .. } => self.enqueue(chip, fx),
+            Msg::Routed { chip, prefill, .. } => self.enqueue(chip, prefill, fx),
             Msg::RouteFailed { error, .. } => self.fail(error, fx),
             Msg::Generated { chip, tokens, finish, .. } if self.chip == Some(chip) => {
                 self.generated(tokens, finish, fx)
             }
-            Msg::Refused { chip, error, retry, .. } if self.chip == Some(chip) => {
+            Msg::Refused { chip, error, retry, .. } if self.holds(chip) => {
                 if retry {
                     self.chip_failed(chip, fx);
                 } else {
-                    self.chip = None;
-                    let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip });
                     self.fail(error, fx);
                 }
             }
@@ -195,7 +217,7 @@ impl Behavior<Msg> for Request {
                     && fx.now().since(self.last_progress) >= self.policy.stall_timeout
                 {
                     tracing::warn!(request_id = self.spec.request_id, %chip, "no progress; re-routing");
-                    let _ = fx.send(chip, Msg::Abort { request_id: self.spec.request_id });
+                    self.abort_all(fx);
                     self.chip_failed(chip, fx);
                 }
                 fx.timer(self.policy.stall_timeout / 2, Msg::Tick);

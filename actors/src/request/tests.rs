@@ -33,7 +33,7 @@ fn routed_to(chip: Addr, max_tokens: usize) -> (TestFx, Request) {
     let mut fx = TestFx::new(ME);
     let mut r = request(max_tokens);
     r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip }, &mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
     fx.take_sent();
     (fx, r)
 }
@@ -50,7 +50,7 @@ fn a_lost_chip_is_replaced_and_the_stream_continues_without_gaps_or_duplicates()
     r.on_start(&mut fx);
     assert!(matches!(&fx.take_sent()[..], [(ROUTER, Msg::Route { exclude, .. })] if exclude.is_empty()));
 
-    r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip: p, prefill: None }, &mut fx);
     r.handle(generated(p, vec![10], None), &mut fx);
     r.handle(generated(p, vec![11], None), &mut fx);
     fx.take_sent();
@@ -62,7 +62,7 @@ fn a_lost_chip_is_replaced_and_the_stream_continues_without_gaps_or_duplicates()
     assert!(matches!(&sent[1], (ROUTER, Msg::Route { exclude, .. }) if exclude == &vec![p]));
 
     // The new chip gets prompt + the two streamed tokens and only what is left to do.
-    r.handle(Msg::Routed { request_id: 9, chip: q }, &mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip: q, prefill: None }, &mut fx);
     match &fx.take_sent()[..] {
         [(to, Msg::Enqueue { seq })] => {
             assert_eq!(*to, q);
@@ -128,7 +128,7 @@ fn a_request_gives_up_after_max_attempts() {
     let mut r = request(4);
     r.on_start(&mut fx);
     for _ in 0..RetryPolicy::default().max_attempts {
-        r.handle(Msg::Routed { request_id: 9, chip: p }, &mut fx);
+        r.handle(Msg::Routed { request_id: 9, chip: p, prefill: None }, &mut fx);
         let error = ServeError::new(ErrorKind::Unavailable, "chip down");
         r.handle(Msg::Refused { request_id: 9, chip: p, error, retry: true }, &mut fx);
     }
@@ -150,4 +150,51 @@ fn a_stalled_chip_is_abandoned_after_the_stall_timeout() {
     let sent = fx.take_sent();
     assert!(sent.iter().any(|(to, m)| *to == p && matches!(m, Msg::Abort { .. })));
     assert!(sent.iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Route { .. })));
+}
+
+#[test]
+fn disaggregated_request_prefills_on_one_chip_and_decodes_on_the_other() {
+    let (pc, dc) = (a(0, 16), a(1, 16));
+    let mut fx = TestFx::new(ME);
+    let mut r = request(3);
+    r.on_start(&mut fx);
+    fx.take_sent();
+    r.handle(Msg::Routed { request_id: 9, chip: dc, prefill: Some(pc) }, &mut fx);
+    assert!(matches!(&fx.take_sent()[..], [(to, Msg::Prefill { decode, .. })] if *to == pc && *decode == dc));
+    // The first token from D ends P's part: P is released at the router.
+    r.handle(generated(dc, vec![10], None), &mut fx);
+    let sent = fx.take_sent();
+    assert!(sent.iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Release { chip, .. } if *chip == pc)));
+    // P going down now does not matter.
+    r.handle(Msg::ChipLost { chip: pc }, &mut fx);
+    assert!(fx.take_sent().is_empty());
+    r.handle(generated(dc, vec![11, 12], Some(Finish::Length)), &mut fx);
+    assert!(fx.stopped);
+}
+
+#[test]
+fn losing_either_chip_of_a_disaggregated_request_aborts_the_other_and_replays() {
+    for lost_prefill in [true, false] {
+        let (pc, dc) = (a(0, 16), a(1, 16));
+        let mut fx = TestFx::new(ME);
+        let mut r = request(3);
+        r.on_start(&mut fx);
+        r.handle(Msg::Routed { request_id: 9, chip: dc, prefill: Some(pc) }, &mut fx);
+        fx.take_sent();
+        let (lost, other) = if lost_prefill { (pc, dc) } else { (dc, pc) };
+        r.handle(Msg::ChipLost { chip: lost }, &mut fx);
+        let sent = fx.take_sent();
+        assert!(sent.iter().any(|(to, m)| *to == other && matches!(m, Msg::Abort { .. })), "{sent:?}");
+        assert!(
+            sent.iter()
+                .any(|(to, m)| *to == ROUTER && matches!(m, Msg::Route { exclude, .. } if exclude == &vec![lost]))
+        );
+        // Late messages from the old pair are ignored.
+        r.handle(generated(dc, vec![10], None), &mut fx);
+        r.handle(
+            Msg::Refused { request_id: 9, chip: pc, error: ServeError::new(ErrorKind::Unavailable, "x"), retry: true },
+            &mut fx,
+        );
+        assert!(fx.take_sent().is_empty());
+    }
 }

@@ -1,7 +1,9 @@
 //! The router: keeps a view of every chip (from heartbeats and its host supervisor's
-//! verdicts) and of the work it has placed, and sends each request to the least loaded
-//! healthy chip, by tokens still to be processed. When a chip goes down it tells every
-//! request placed there, so they re-route and replay.
+//! verdicts) and of the work it has placed, and places each request: a long enough
+//! prompt on the least loaded prefill chip plus the least loaded decode chip
+//! (disaggregated), anything else on the least loaded chip that decodes — by tokens
+//! still to be processed. When a chip goes down it tells every request placed there,
+//! so they re-route and replay.
 
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, ServeError, topic};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -16,23 +18,74 @@ pub struct ChipView {
     pub load_tokens: usize,
 }
 
-/// The least loaded of the `Up` chips, preferring those not in `exclude`; ties go to
-/// fewer placed tokens' chip with the lowest address, so the choice is deterministic.
-pub fn pick(chips: &BTreeMap<Addr, ChipView>, down_hosts: &BTreeSet<HostId>, exclude: &[Addr]) -> Option<Addr> {
+/// A chip that can take new work: up, its host alive, not draining for a role change.
+fn available(addr: &Addr, c: &ChipView, down_hosts: &BTreeSet<HostId>) -> bool {
+    c.report.state == ChipState::Up && !c.report.draining && !down_hosts.contains(&addr.host)
+}
+
+/// The least loaded available chip accepted by `fits`, preferring those not in
+/// `exclude`; ties go to the lowest address, so the choice is deterministic.
+fn least_loaded(
+    chips: &BTreeMap<Addr, ChipView>,
+    down_hosts: &BTreeSet<HostId>,
+    exclude: &[Addr],
+    fits: impl Fn(&ChipView) -> bool,
+) -> Option<Addr> {
     let best = |avoid: &[Addr]| {
         chips
             .iter()
-            .filter(|(a, c)| c.report.state == ChipState::Up && !down_hosts.contains(&a.host) && !avoid.contains(a))
+            .filter(|(a, c)| available(a, c, down_hosts) && fits(c) && !avoid.contains(a))
             .min_by_key(|(a, c)| (c.load_tokens, **a))
             .map(|(a, _)| *a)
     };
     best(exclude).or_else(|| best(&[]))
 }
 
+/// The least loaded available chip of any role (see `least_loaded`).
+pub fn pick(chips: &BTreeMap<Addr, ChipView>, down_hosts: &BTreeSet<HostId>, exclude: &[Addr]) -> Option<Addr> {
+    least_loaded(chips, down_hosts, exclude, |_| true)
+}
+
+/// Where a request runs: `decode` samples every token; `prefill`, when set, computes
+/// the prompt's KV first and streams it to `decode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placed {
+    pub decode: Addr,
+    pub prefill: Option<Addr>,
+}
+
+/// Disaggregates when the prompt has at least `min_prompt_tokens` tokens and both a
+/// `prefill` and a compatible `decode` chip are available; otherwise runs the request
+/// on one chip: a `decode` or `both` chip, or — rather than refusing it — a `prefill`
+/// chip when no other is up.
+pub fn place(
+    chips: &BTreeMap<Addr, ChipView>,
+    down_hosts: &BTreeSet<HostId>,
+    exclude: &[Addr],
+    prompt_tokens: usize,
+    min_prompt_tokens: usize,
+) -> Option<Placed> {
+    let role = |r: &'static str| move |c: &ChipView| c.report.role == r;
+    if prompt_tokens >= min_prompt_tokens
+        && let Some(p) = least_loaded(chips, down_hosts, exclude, role("prefill"))
+    {
+        let compat = chips.get(&p).and_then(|c| c.report.compat.clone());
+        let decode = least_loaded(chips, down_hosts, exclude, |c| {
+            c.report.role == "decode" && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
+        });
+        if let Some(d) = decode {
+            return Some(Placed { decode: d, prefill: Some(p) });
+        }
+    }
+    least_loaded(chips, down_hosts, exclude, |c| c.report.role != "prefill")
+        .or_else(|| pick(chips, down_hosts, exclude))
+        .map(|decode| Placed { decode, prefill: None })
+}
+
 struct Placement {
-    chip: Addr,
     req: Addr,
-    tokens: usize,
+    /// (chip, tokens it was charged) for each chip the request holds.
+    chips: Vec<(Addr, usize)>,
 }
 
 pub struct Router {
@@ -41,10 +94,12 @@ pub struct Router {
     down_host_names: BTreeMap<HostId, String>,
     placements: HashMap<u64, Placement>,
     max_queued_requests: usize,
+    min_prompt_tokens: usize,
 }
 
 impl Router {
     /// `chips`: every chip of the topology, reported as Starting until heard from.
+    /// Requests run on one chip until `with_disaggregation` says otherwise.
     pub fn new(chips: Vec<ChipReport>, max_queued_requests: usize) -> Router {
         let chips = chips.into_iter().map(|r| (r.chip, ChipView { report: r, load_tokens: 0 })).collect();
         Router {
@@ -53,7 +108,15 @@ impl Router {
             down_host_names: BTreeMap::new(),
             placements: HashMap::new(),
             max_queued_requests,
+            min_prompt_tokens: usize::MAX,
         }
+    }
+
+    /// Prompts of at least `min_prompt_tokens` tokens are prefilled on a prefill chip
+    /// and decoded on a decode chip.
+    pub fn with_disaggregation(mut self, min_prompt_tokens: usize) -> Router {
+        self.min_prompt_tokens = min_prompt_tokens;
+        self
     }
 
     fn update(&mut self, report: ChipReport, fx: &mut dyn Effects<Msg>) {
@@ -64,7 +127,14 @@ impl Router {
         let id = report.id.clone();
         metrics::gauge!("tessera_router_chip_up", "chip" => id.clone()).set(if is_up { 1.0 } else { 0.0 });
         metrics::gauge!("tessera_kv_blocks_used", "chip" => id.clone()).set(report.kv_blocks_used as f64);
-        metrics::gauge!("tessera_kv_blocks_total", "chip" => id).set(report.kv_blocks_total as f64);
+        metrics::gauge!("tessera_kv_blocks_total", "chip" => id.clone()).set(report.kv_blocks_total as f64);
+        if let Some(emulation) = &report.emulated {
+            // An emulated chip is labelled as such wherever its figures appear.
+            metrics::gauge!("tessera_chip_emulated", "chip" => id.clone(), "emulation" => emulation.clone()).set(1.0);
+        }
+        if let Some(gap) = report.last_handoff_gap_s {
+            metrics::gauge!("tessera_kv_handoff_gap_last_seconds", "chip" => id).set(gap);
+        }
         let view = self.chips.entry(chip).or_insert_with(|| ChipView { report: report.clone(), load_tokens: 0 });
         view.report = report;
         if was_up && !is_up {
@@ -72,13 +142,19 @@ impl Router {
         }
     }
 
-    /// Every request placed on `chip` must go elsewhere.
+    /// Every request placed on `chip` (as prefill or decode chip) must go elsewhere.
     fn lose(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
-        let lost: Vec<u64> = self.placements.iter().filter(|(_, p)| p.chip == chip).map(|(id, _)| *id).collect();
+        let lost: Vec<u64> = self
+            .placements
+            .iter()
+            .filter(|(_, p)| p.chips.iter().any(|(c, _)| *c == chip))
+            .map(|(id, _)| *id)
+            .collect();
         for id in lost {
-            if let Some(p) = self.placements.remove(&id) {
+            if let Some(p) = self.placements.get(&id) {
                 let _ = fx.send(p.req, Msg::ChipLost { chip });
             }
+            self.release(id, chip);
         }
         if let Some(view) = self.chips.get_mut(&chip) {
             view.load_tokens = 0;
@@ -102,8 +178,9 @@ impl Router {
         }
     }
 
-    fn route(&mut self, request_id: u64, req: Addr, tokens: usize, exclude: &[Addr], fx: &mut dyn Effects<Msg>) {
-        if self.placements.len() >= self.max_queued_requests {
+    fn route(&mut self, route: RouteAsk, fx: &mut dyn Effects<Msg>) {
+        let RouteAsk { request_id, req, tokens, prompt_tokens, exclude } = route;
+        if !self.placements.contains_key(&request_id) && self.placements.len() >= self.max_queued_requests {
             let error = ServeError::new(
                 ErrorKind::Overloaded,
                 format!("{} requests are already in flight (the router's limit)", self.placements.len()),
@@ -111,33 +188,58 @@ impl Router {
             let _ = fx.send(req, Msg::RouteFailed { request_id, error });
             return;
         }
-        let Some(chip) = pick(&self.chips, &self.down_hosts, exclude) else {
+        let placed = place(&self.chips, &self.down_hosts, &exclude, prompt_tokens, self.min_prompt_tokens);
+        let Some(Placed { decode, prefill }) = placed else {
             let states: Vec<String> =
                 self.chips.values().map(|c| format!("{} {:?}", c.report.id, c.report.state).to_lowercase()).collect();
             let error = ServeError::new(ErrorKind::Unavailable, format!("no healthy chip ({})", states.join(", ")));
             let _ = fx.send(req, Msg::RouteFailed { request_id, error });
             return;
         };
-        if let Some(old) = self.placements.insert(request_id, Placement { chip, req, tokens })
-            && let Some(v) = self.chips.get_mut(&old.chip)
-        {
-            v.load_tokens = v.load_tokens.saturating_sub(old.tokens);
+        // A re-route replaces whatever the request held.
+        if let Some(old) = self.placements.remove(&request_id) {
+            for (chip, t) in old.chips {
+                if let Some(v) = self.chips.get_mut(&chip) {
+                    v.load_tokens = v.load_tokens.saturating_sub(t);
+                }
+            }
         }
-        if let Some(v) = self.chips.get_mut(&chip) {
-            v.load_tokens += tokens;
+        let mut held = vec![(decode, tokens)];
+        if let Some(p) = prefill {
+            held.push((p, prompt_tokens));
         }
-        metrics::counter!("tessera_router_decisions_total").increment(1);
-        let _ = fx.send(req, Msg::Routed { request_id, chip });
+        for &(chip, t) in &held {
+            if let Some(v) = self.chips.get_mut(&chip) {
+                v.load_tokens += t;
+            }
+        }
+        self.placements.insert(request_id, Placement { req, chips: held });
+        let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
+        metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);
+        let _ = fx.send(req, Msg::Routed { request_id, chip: decode, prefill });
     }
 
     fn release(&mut self, request_id: u64, chip: Addr) {
-        if self.placements.get(&request_id).is_some_and(|p| p.chip == chip)
-            && let Some(p) = self.placements.remove(&request_id)
-            && let Some(v) = self.chips.get_mut(&p.chip)
-        {
-            v.load_tokens = v.load_tokens.saturating_sub(p.tokens);
+        let Some(p) = self.placements.get_mut(&request_id) else { return };
+        if let Some(i) = p.chips.iter().position(|(c, _)| *c == chip) {
+            let (_, t) = p.chips.remove(i);
+            if let Some(v) = self.chips.get_mut(&chip) {
+                v.load_tokens = v.load_tokens.saturating_sub(t);
+            }
+        }
+        if p.chips.is_empty() {
+            self.placements.remove(&request_id);
         }
     }
+}
+
+/// A `Route` message's fields.
+struct RouteAsk {
+    request_id: u64,
+    req: Addr,
+    tokens: usize,
+    prompt_tokens: usize,
+    exclude: Vec<Addr>,
 }
 
 impl Behavior<Msg> for Router {
@@ -151,7 +253,9 @@ impl Behavior<Msg> for Router {
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
-            Msg::Route { request_id, req, tokens, exclude } => self.route(request_id, req, tokens, &exclude, fx),
+            Msg::Route { request_id, req, tokens, prompt_tokens, exclude } => {
+                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude }, fx)
+            }
             Msg::Release { request_id, chip } => self.release(request_id, chip),
             Msg::Heartbeat { beat } => {
                 if self.down_hosts.contains(&beat.host) {

@@ -43,7 +43,7 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     router.on_start(&mut fx);
     let req = |n| Addr::new(HostId(0), 5000 + n);
-    let route = |id: u64| Msg::Route { request_id: id, req: req(id), tokens: 100, exclude: vec![] };
+    let route = |id: u64| Msg::Route { request_id: id, req: req(id), tokens: 100, prompt_tokens: 50, exclude: vec![] };
 
     router.handle(route(1), &mut fx);
     assert!(
@@ -75,5 +75,61 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     router.handle(Msg::HostDown { host: HostId(1), host_name: "h1".into() }, &mut fx);
     assert_eq!(fx.take_sent(), vec![(req(2), Msg::ChipLost { chip: c1.0 })]);
     router.handle(route(2), &mut fx);
-    assert_eq!(fx.take_sent(), vec![(req(2), Msg::Routed { request_id: 2, chip: c0.0 })]);
+    assert_eq!(fx.take_sent(), vec![(req(2), Msg::Routed { request_id: 2, chip: c0.0, prefill: None })]);
+}
+
+fn role_chip(host: u16, role: &str, state: ChipState, load: usize) -> (Addr, ChipView) {
+    let (addr, mut view) = chip(host, 16, state, load);
+    view.report.role = role.into();
+    (addr, view)
+}
+
+#[test]
+fn place_disaggregates_long_prompts_and_colocates_the_rest() {
+    use ChipState::*;
+    let a = |h| Addr::new(HostId(h), 16);
+    let pd = |p, d| Some(Placed { decode: a(d), prefill: Some(a(p)) });
+    let one = |d| Some(Placed { decode: a(d), prefill: None });
+    // (chips, prompt tokens, expected); min_prompt_tokens is 32.
+    type Case = (Vec<(Addr, ChipView)>, usize, Option<Placed>);
+    let table: Vec<Case> = vec![
+        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0)], 100, pd(0, 1)),
+        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0)], 31, one(1)), // short: decode chip alone
+        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Down, 0)], 100, one(0)), // no decode chip: fall back
+        (vec![role_chip(0, "prefill", Down, 0), role_chip(1, "decode", Up, 0)], 100, one(1)),
+        (vec![role_chip(0, "both", Up, 0), role_chip(1, "both", Up, 9)], 100, one(0)), // all both: colocated
+        (
+            vec![
+                role_chip(0, "prefill", Up, 50),
+                role_chip(1, "prefill", Up, 10),
+                role_chip(2, "decode", Up, 5),
+                role_chip(3, "decode", Up, 1),
+            ],
+            100,
+            pd(1, 3),
+        ),
+        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "both", Up, 0)], 100, one(1)), // no decode-role chip
+    ];
+    for (i, (chips, prompt, want)) in table.into_iter().enumerate() {
+        let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
+        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32), want, "case {i}");
+    }
+}
+
+#[test]
+fn place_never_pairs_chips_of_different_models_and_skips_draining_chips() {
+    use crate::msg::KvCompat;
+    let compat = |h| Some(KvCompat { hash: h, fields: vec![] });
+    let (p, mut pv) = role_chip(0, "prefill", ChipState::Up, 0);
+    let (d1, mut d1v) = role_chip(1, "decode", ChipState::Up, 0);
+    let (d2, mut d2v) = role_chip(2, "decode", ChipState::Up, 5);
+    pv.report.compat = compat(1);
+    d1v.report.compat = compat(2);
+    d2v.report.compat = compat(1);
+    let mut chips: BTreeMap<Addr, ChipView> = [(p, pv), (d1, d1v), (d2, d2v)].into_iter().collect();
+    assert_eq!(place(&chips, &BTreeSet::new(), &[], 100, 32), Some(Placed { decode: d2, prefill: Some(p) }));
+    if let Some(v) = chips.get_mut(&d2) {
+        v.report.draining = true;
+    }
+    assert_eq!(place(&chips, &BTreeSet::new(), &[], 100, 32), Some(Placed { decode: d1, prefill: None }));
 }

@@ -1,0 +1,577 @@
+//! The chip's side of prefill/decode disaggregation.
+//!
+//! Prefill chip P: a `Prefill` request computes positions 0..n-1 of the prompt (all
+//! but the last token) and offers them to decode chip D at once (`KvOffer`, under a
+//! lease). After every layer of every step, P's worker stages that layer's blocks into
+//! a registered memory region and tells P (`KvStaged`); once D has claimed the offer,
+//! P tells D what is staged (`KvReady`). When the prefill is done its blocks stay held
+//! until D acknowledges (`KvDone`), the lease runs out, or the request goes away.
+//!
+//! Decode chip D: an offer is checked (same model and shapes, sane format), its blocks
+//! reserved (or it waits for free blocks; P's lease bounds the wait) and claimed. Each
+//! `KvReady` becomes an install job on D's worker: read the bytes from P's region (shm
+//! or tcp), convert them to D's block size, layout and dtype, write them into D's
+//! cache. When every layer is in, the sequence runs its last prompt token here and
+//! samples the first new token.
+//!
+//! Invariant: every block held for a hand-off is freed exactly once — on `KvDone`,
+//! `KvCancel`, `Abort`, lease expiry or a crash — on both chips.
+
+use super::Chip;
+use super::executor::{KvInstall, StepExecutor};
+use crate::batcher::Prefilled;
+use crate::kv::BlockRef;
+use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, SeqRequest, ServeError, StepOutcome};
+use std::collections::{HashMap, VecDeque};
+use tessera_runtime::Addr;
+use tessera_runtime::actor::{Effects, Job};
+use tessera_runtime::transfer::RegionDesc;
+
+/// KV this chip (as P) computes and holds for a decode chip.
+#[derive(Debug)]
+struct Outgoing {
+    req: Addr,
+    decode: Addr,
+    claimed: bool,
+    /// Per layer: positions staged so far, and told to D so far.
+    staged: Vec<usize>,
+    told: Vec<usize>,
+    staged_unix_ns: u64,
+    /// Set once the prefill ran to its end (the blocks left the batcher).
+    blocks: Option<Vec<BlockRef>>,
+    lease: u64,
+}
+
+/// KV this chip (as D) receives.
+#[derive(Debug)]
+struct Incoming {
+    prefill: Addr,
+    region: RegionDesc,
+    format: KvFormatDesc,
+    kv_tokens: usize,
+    /// This chip's cache slot of each position 0..kv_tokens.
+    slots: Vec<i32>,
+    /// Per layer: positions asked of the worker, and installed.
+    requested: Vec<usize>,
+    installed: Vec<usize>,
+    last_staged_unix_ns: u64,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Handoffs {
+    outgoing: HashMap<u64, Outgoing>,
+    incoming: HashMap<u64, Incoming>,
+    /// Offers waiting for free blocks, in arrival order.
+    waiting: VecDeque<KvOffer>,
+    leases: u64,
+    /// Request id -> when P staged its last layer: for the hand-off gap metric.
+    first_step: HashMap<u64, u64>,
+    /// Fault drill: ignore the next offer.
+    pub drop_next_claim: bool,
+    pub last_gap_s: Option<f64>,
+}
+
+impl Handoffs {
+    pub fn len(&self) -> usize {
+        self.outgoing.len() + self.incoming.len() + self.waiting.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Chip {
+    fn refuse(&self, seq: &SeqRequest, error: ServeError, retry: bool, fx: &mut dyn Effects<Msg>) {
+        let msg = Msg::Refused { request_id: seq.request_id, chip: fx.me(), error, retry };
+        let _ = fx.send(seq.req, msg);
+    }
+
+    fn renew_lease(&mut self, request_id: u64, fx: &mut dyn Effects<Msg>) {
+        self.handoffs.leases += 1;
+        let lease = self.handoffs.leases;
+        if let Some(h) = self.handoffs.outgoing.get_mut(&request_id) {
+            h.lease = lease;
+            fx.timer(self.config.kv_lease, Msg::KvLeaseExpired { request_id, lease });
+        }
+    }
+
+    // ---- Prefill chip ----
+
+    pub(super) fn prefill(&mut self, seq: SeqRequest, decode: Addr, fx: &mut dyn Effects<Msg>) {
+        let (Some(info), Some(batcher), ChipState::Up, None) =
+            (&self.info, &self.batcher, self.state, &self.draining_to)
+        else {
+            self.refuse(&seq, self.unavailable(), true, fx);
+            return;
+        };
+        if batcher.contains(seq.request_id) || self.handoffs.outgoing.contains_key(&seq.request_id) {
+            return; // a duplicate
+        }
+        let kv_tokens = seq.tokens.len().saturating_sub(1);
+        if let Some(error) = self.check_fits(&seq, info, batcher.blocks_for(kv_tokens)) {
+            self.refuse(&seq, error, false, fx);
+            return;
+        }
+        let Some(region) = info.staging.clone() else {
+            let why = format!("chip {} has no KV staging region (no transfer engine)", self.config.id);
+            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), true, fx);
+            return;
+        };
+        if kv_tokens == 0 {
+            let why = "a one-token prompt has nothing to prefill".to_string();
+            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), true, fx);
+            return;
+        }
+        let layers = info.format.num_layers;
+        let offer = KvOffer {
+            seq: seq.clone(),
+            prefill: fx.me(),
+            prefill_id: self.config.id.clone(),
+            kv_tokens,
+            format: info.format.clone(),
+            compat: info.compat.clone(),
+            region,
+        };
+        let out = Outgoing {
+            req: seq.req,
+            decode,
+            claimed: false,
+            staged: vec![0; layers],
+            told: vec![0; layers],
+            staged_unix_ns: 0,
+            blocks: None,
+            lease: 0,
+        };
+        let request_id = seq.request_id;
+        self.handoffs.outgoing.insert(request_id, out);
+        if let Some(b) = self.batcher.as_mut() {
+            b.enqueue_prefill(seq.clone(), kv_tokens);
+        }
+        self.renew_lease(request_id, fx);
+        if fx.send(decode, Msg::KvOffer { offer }).is_err() {
+            let why = format!("chip {}: decode chip {decode} is unreachable", self.config.id);
+            self.drop_outgoing(request_id, fx);
+            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), true, fx);
+        }
+        self.settle(fx);
+    }
+
+    pub(super) fn claimed(&mut self, request_id: u64, decode: Addr, fx: &mut dyn Effects<Msg>) {
+        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else {
+            // Freed already (lease, abort): let D free its side too.
+            let reason = format!("chip {} no longer holds this request's KV", self.config.id);
+            let _ = fx.send(decode, Msg::KvCancel { request_id, reason });
+            return;
+        };
+        if h.decode != decode {
+            return;
+        }
+        h.claimed = true;
+        self.renew_lease(request_id, fx);
+        let layers = self.handoffs.outgoing.get(&request_id).map_or(0, |h| h.staged.len());
+        for layer in 0..layers {
+            self.tell(request_id, layer, fx);
+        }
+    }
+
+    pub(super) fn declined(
+        &mut self,
+        request_id: u64,
+        decode: Addr,
+        error: ServeError,
+        retry: bool,
+        fx: &mut dyn Effects<Msg>,
+    ) {
+        let Some(h) = self.handoffs.outgoing.get(&request_id) else { return };
+        if h.decode != decode {
+            return;
+        }
+        let req = h.req;
+        tracing::warn!(chip = %self.config.id, request_id, error = %error.message, "decode chip declined the KV");
+        self.drop_outgoing(request_id, fx);
+        let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry });
+        self.settle(fx);
+    }
+
+    /// The worker staged `layer` of these sequences up to the given positions.
+    pub(super) fn staged(&mut self, layer: usize, staged: Vec<(u64, usize)>, at_ns: u64, fx: &mut dyn Effects<Msg>) {
+        for (request_id, upto) in staged {
+            let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { continue };
+            if let Some(w) = h.staged.get_mut(layer) {
+                *w = (*w).max(upto);
+                h.staged_unix_ns = at_ns;
+            }
+            self.tell(request_id, layer, fx);
+        }
+    }
+
+    /// Tells D what is staged of `layer`, if D has claimed and there is news.
+    fn tell(&mut self, request_id: u64, layer: usize, fx: &mut dyn Effects<Msg>) {
+        let table = self.batcher.as_ref().and_then(|b| b.block_table(request_id));
+        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
+        let (Some(&staged), Some(&told)) = (h.staged.get(layer), h.told.get(layer)) else { return };
+        if !h.claimed || staged <= told {
+            return;
+        }
+        let blocks = match &h.blocks {
+            Some(blocks) => blocks.iter().map(|b| b.slot).collect(),
+            None => table.unwrap_or_default(),
+        };
+        h.told[layer] = staged;
+        let msg = Msg::KvReady { request_id, layer, upto: staged, blocks, staged_unix_ns: h.staged_unix_ns };
+        let decode = h.decode;
+        if fx.send(decode, msg).is_err() {
+            self.lost_decode(request_id, format!("decode chip {decode} is unreachable"), fx);
+            return;
+        }
+        self.renew_lease(request_id, fx);
+    }
+
+    /// The prefill ran to its end; its blocks wait for D.
+    pub(super) fn prefill_finished(&mut self, p: Prefilled, fx: &mut dyn Effects<Msg>) {
+        match self.handoffs.outgoing.get_mut(&p.request_id) {
+            Some(h) => {
+                h.blocks = Some(p.blocks);
+                self.renew_lease(p.request_id, fx);
+            }
+            None => self.release_blocks(p.blocks),
+        }
+    }
+
+    pub(super) fn kv_done(&mut self, request_id: u64, fx: &mut dyn Effects<Msg>) {
+        if self.handoffs.outgoing.contains_key(&request_id) {
+            metrics::counter!("tessera_kv_handoffs_total", "chip" => self.config.id.clone(), "outcome" => "done")
+                .increment(1);
+            self.drop_outgoing(request_id, fx);
+            self.settle(fx);
+        }
+    }
+
+    pub(super) fn lease_expired(&mut self, request_id: u64, lease: u64, fx: &mut dyn Effects<Msg>) {
+        let Some(h) = self.handoffs.outgoing.get(&request_id) else { return };
+        if h.lease != lease {
+            return; // renewed since
+        }
+        let what = if h.claimed { "read" } else { "claim" };
+        let why = format!(
+            "decode chip {} did not {what} the KV within the {} ms lease; chip {} freed it",
+            h.decode,
+            self.config.kv_lease.as_millis(),
+            self.config.id
+        );
+        tracing::warn!(chip = %self.config.id, request_id, "{why}");
+        metrics::counter!("tessera_kv_handoffs_total", "chip" => self.config.id.clone(), "outcome" => "lease_expired")
+            .increment(1);
+        self.lost_decode(request_id, why, fx);
+    }
+
+    /// D failed this hand-off: free the KV, tell D (in case it is alive) and the
+    /// request (which re-routes).
+    fn lost_decode(&mut self, request_id: u64, why: String, fx: &mut dyn Effects<Msg>) {
+        let Some(h) = self.handoffs.outgoing.get(&request_id) else { return };
+        let (req, decode) = (h.req, h.decode);
+        self.drop_outgoing(request_id, fx);
+        let _ = fx.send(decode, Msg::KvCancel { request_id, reason: why.clone() });
+        let error = ServeError::new(ErrorKind::Unavailable, why);
+        let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: true });
+        self.settle(fx);
+    }
+
+    /// Preemption took these prefills' blocks: their hand-offs are off.
+    pub(super) fn prefills_dropped(&mut self, dropped: Vec<(u64, Addr)>, fx: &mut dyn Effects<Msg>) {
+        for (request_id, req) in dropped {
+            let reason = format!("chip {} needed the KV blocks of this prefill for running sequences", self.config.id);
+            if let Some(h) = self.handoffs.outgoing.remove(&request_id) {
+                let _ = fx.send(h.decode, Msg::KvCancel { request_id, reason: reason.clone() });
+            }
+            let error = ServeError::new(ErrorKind::Unavailable, reason);
+            let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: true });
+        }
+    }
+
+    fn drop_outgoing(&mut self, request_id: u64, _fx: &mut dyn Effects<Msg>) {
+        let Some(h) = self.handoffs.outgoing.remove(&request_id) else { return };
+        match h.blocks {
+            Some(blocks) => self.release_blocks(blocks),
+            None => {
+                if let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) {
+                    batcher.abort(request_id, pool);
+                }
+            }
+        }
+    }
+
+    fn release_blocks(&mut self, blocks: Vec<BlockRef>) {
+        let Some(pool) = self.pool.as_mut() else { return };
+        for b in blocks {
+            if let Err(e) = pool.release(b) {
+                tracing::error!(error = %e, "KV block release failed");
+            }
+        }
+    }
+
+    // ---- Decode chip ----
+
+    /// Why this chip cannot take `offer`, and whether another decode chip might.
+    fn offer_problem(&self, offer: &KvOffer) -> Option<(ServeError, bool)> {
+        let (Some(info), Some(batcher), ChipState::Up, None) =
+            (&self.info, &self.batcher, self.state, &self.draining_to)
+        else {
+            return Some((self.unavailable(), true));
+        };
+        if let Some(why) = info.compat.mismatch(&self.config.id, &offer.compat, &offer.prefill_id) {
+            return Some((ServeError::new(ErrorKind::Internal, why), false));
+        }
+        let (f, mine) = (&offer.format, &info.format);
+        let bad = if (f.num_layers, f.num_kv_heads, f.head_dim) != (mine.num_layers, mine.num_kv_heads, mine.head_dim) {
+            Some(format!(
+                "KV shape {}x{}x{} (layers x kv heads x head dim) on {} vs {}x{}x{} on {}",
+                f.num_layers,
+                f.num_kv_heads,
+                f.head_dim,
+                offer.prefill_id,
+                mine.num_layers,
+                mine.num_kv_heads,
+                mine.head_dim,
+                self.config.id
+            ))
+        } else if f.block_size == 0 || f.num_blocks == 0 {
+            Some(format!("block size {} and block count {} must be positive", f.block_size, f.num_blocks))
+        } else if !["head-major", "token-major"].contains(&f.layout.as_str()) {
+            Some(format!("unknown KV layout `{}`", f.layout))
+        } else if !["f32", "f16", "bf16"].contains(&f.dtype.as_str()) {
+            Some(format!("unknown KV dtype `{}`", f.dtype))
+        } else if offer.kv_tokens == 0 || offer.kv_tokens >= offer.seq.tokens.len() {
+            Some(format!("{} prefilled positions for a {}-token sequence", offer.kv_tokens, offer.seq.tokens.len()))
+        } else {
+            None
+        };
+        if let Some(why) = bad {
+            let why = format!("chip {} refuses the KV offer of chip {}: {why}", self.config.id, offer.prefill_id);
+            return Some((ServeError::new(ErrorKind::Internal, why), false));
+        }
+        self.check(&offer.seq, info, batcher).map(|e| (e, false))
+    }
+
+    pub(super) fn offered(&mut self, offer: KvOffer, fx: &mut dyn Effects<Msg>) {
+        let request_id = offer.seq.request_id;
+        if std::mem::take(&mut self.handoffs.drop_next_claim) {
+            tracing::warn!(chip = %self.config.id, request_id, "fault drill: ignoring a KV offer");
+            return;
+        }
+        if self.handoffs.incoming.contains_key(&request_id)
+            || self.handoffs.waiting.iter().any(|o| o.seq.request_id == request_id)
+        {
+            return; // a duplicate
+        }
+        if let Some((error, retry)) = self.offer_problem(&offer) {
+            tracing::warn!(chip = %self.config.id, request_id, error = %error.message, "KV offer declined");
+            let _ = fx.send(offer.prefill, Msg::KvDecline { request_id, decode: fx.me(), error, retry });
+            return;
+        }
+        self.handoffs.waiting.push_back(offer);
+        self.admit_offers(fx);
+        self.report(fx);
+    }
+
+    /// Claims waiting offers, in order, while their blocks fit.
+    pub(super) fn admit_offers(&mut self, fx: &mut dyn Effects<Msg>) {
+        while let Some(offer) = self.handoffs.waiting.front() {
+            let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
+            let Some(slots) = batcher.admit_received(offer.seq.clone(), offer.kv_tokens, pool) else { return };
+            let Some(offer) = self.handoffs.waiting.pop_front() else { return };
+            let request_id = offer.seq.request_id;
+            let layers = offer.format.num_layers;
+            self.handoffs.incoming.insert(
+                request_id,
+                Incoming {
+                    prefill: offer.prefill,
+                    region: offer.region,
+                    format: offer.format,
+                    kv_tokens: offer.kv_tokens,
+                    slots,
+                    requested: vec![0; layers],
+                    installed: vec![0; layers],
+                    last_staged_unix_ns: 0,
+                },
+            );
+            if fx.send(offer.prefill, Msg::KvClaim { request_id, decode: fx.me() }).is_err() {
+                self.lost_prefill(request_id, format!("prefill chip {} is unreachable", offer.prefill), fx);
+            }
+        }
+    }
+
+    pub(super) fn kv_ready(
+        &mut self,
+        request_id: u64,
+        layer: usize,
+        upto: usize,
+        blocks: Vec<u32>,
+        staged_unix_ns: u64,
+        fx: &mut dyn Effects<Msg>,
+    ) {
+        let Some(h) = self.handoffs.incoming.get_mut(&request_id) else { return };
+        let bs = h.format.block_size;
+        let (Some(&from), true) = (h.requested.get(layer), upto <= h.kv_tokens) else {
+            let why = format!(
+                "malformed KvReady from {}: layer {layer} of {}, positions ..{upto} of {}",
+                h.prefill,
+                h.requested.len(),
+                h.kv_tokens
+            );
+            self.lost_prefill(request_id, why, fx);
+            return;
+        };
+        if upto <= from {
+            return; // nothing new
+        }
+        let (first, last) = (from / bs, upto.div_ceil(bs));
+        if blocks.len() < last || blocks.iter().any(|&b| b as usize >= h.format.num_blocks) {
+            let why = format!(
+                "malformed KvReady from {}: {} blocks (of a pool of {}) cannot hold positions ..{upto} in blocks of {bs}",
+                h.prefill,
+                blocks.len(),
+                h.format.num_blocks
+            );
+            self.lost_prefill(request_id, why, fx);
+            return;
+        }
+        h.requested[layer] = upto;
+        if layer + 1 == h.requested.len() && upto == h.kv_tokens {
+            h.last_staged_unix_ns = staged_unix_ns;
+        }
+        let job = KvInstall {
+            layer,
+            positions: from..upto,
+            region: h.region.clone(),
+            format: h.format.clone(),
+            src_blocks: blocks[first..last].to_vec(),
+            first_pos: first * bs,
+            dst_slots: h.slots[from..upto].to_vec(),
+        };
+        let Some(worker) = self.worker else { return };
+        let run = Job {
+            label: "kv_install",
+            run: Box::new(move |state: &mut dyn std::any::Any| {
+                let error = match state.downcast_mut::<Box<dyn StepExecutor>>() {
+                    Some(exec) => exec.install(&job).err(),
+                    None => Some("the worker holds no step executor".into()),
+                };
+                Msg::KvInstalled { request_id, layer, upto, error }
+            }),
+        };
+        if let Err(e) = fx.submit(worker, run) {
+            self.crash(format!("the worker is gone: {e}"), fx);
+        }
+    }
+
+    pub(super) fn installed(
+        &mut self,
+        request_id: u64,
+        layer: usize,
+        upto: usize,
+        error: Option<String>,
+        fx: &mut dyn Effects<Msg>,
+    ) {
+        let Some(h) = self.handoffs.incoming.get_mut(&request_id) else { return };
+        if let Some(error) = error {
+            let why = format!("chip {}: installing KV from {} failed: {error}", self.config.id, h.prefill);
+            self.lost_prefill(request_id, why, fx);
+            return;
+        }
+        if let Some(w) = h.installed.get_mut(layer) {
+            *w = (*w).max(upto);
+        }
+        if h.installed.iter().any(|&w| w < h.kv_tokens) {
+            return;
+        }
+        let (prefill, staged) = (h.prefill, h.last_staged_unix_ns);
+        self.handoffs.incoming.remove(&request_id);
+        self.handoffs.first_step.insert(request_id, staged);
+        if let Some(b) = self.batcher.as_mut() {
+            b.mark_received(request_id);
+        }
+        let _ = fx.send(prefill, Msg::KvDone { request_id });
+        self.settle(fx);
+    }
+
+    /// The hand-off from P failed: free this chip's side, tell P, and send the request
+    /// elsewhere.
+    fn lost_prefill(&mut self, request_id: u64, why: String, fx: &mut dyn Effects<Msg>) {
+        tracing::warn!(chip = %self.config.id, request_id, "{why}");
+        let Some(h) = self.handoffs.incoming.remove(&request_id) else { return };
+        let _ = fx.send(h.prefill, Msg::KvCancel { request_id, reason: why.clone() });
+        let req = match (self.pool.as_mut(), self.batcher.as_mut()) {
+            (Some(pool), Some(batcher)) => batcher.abort(request_id, pool),
+            _ => None,
+        };
+        if let Some(req) = req {
+            let error = ServeError::new(ErrorKind::Unavailable, why);
+            let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: true });
+        }
+        self.settle(fx);
+    }
+
+    /// Records how long after P staged its last layer D's first step for a hand-off
+    /// started (both wall clocks of one machine, or NTP-close ones).
+    pub(super) fn first_steps_after_handoff(&mut self, outcome: &StepOutcome) {
+        if self.handoffs.first_step.is_empty() {
+            return;
+        }
+        let done: Vec<u64> =
+            outcome.sampled.iter().map(|(id, _)| *id).filter(|id| self.handoffs.first_step.contains_key(id)).collect();
+        for id in done {
+            if let Some(staged) = self.handoffs.first_step.remove(&id)
+                && staged > 0
+            {
+                let gap = outcome.started_unix_ns.saturating_sub(staged) as f64 / 1e9;
+                self.handoffs.last_gap_s = Some(gap);
+                metrics::histogram!("tessera_kv_handoff_gap_seconds", "chip" => self.config.id.clone()).record(gap);
+            }
+        }
+    }
+
+    // ---- Both ----
+
+    /// Forgets `request_id` wherever it is here, freeing its blocks and telling the
+    /// other chip of a hand-off.
+    pub(super) fn forget(&mut self, request_id: u64, why: &str, fx: &mut dyn Effects<Msg>) {
+        if let Some(h) = self.handoffs.outgoing.get(&request_id) {
+            let decode = h.decode;
+            self.drop_outgoing(request_id, fx);
+            let _ = fx.send(decode, Msg::KvCancel { request_id, reason: why.to_string() });
+        }
+        if let Some(h) = self.handoffs.incoming.remove(&request_id) {
+            let _ = fx.send(h.prefill, Msg::KvCancel { request_id, reason: why.to_string() });
+        }
+        self.handoffs.waiting.retain(|o| o.seq.request_id != request_id);
+        self.handoffs.first_step.remove(&request_id);
+        if let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) {
+            batcher.abort(request_id, pool);
+        }
+    }
+
+    /// The chip is going down: every hand-off ends; requests and peers are told.
+    pub(super) fn handoffs_lost(&mut self, why: &str, fx: &mut dyn Effects<Msg>) {
+        let me = fx.me();
+        let reason = format!("chip {}: {why}", self.config.id);
+        for (request_id, h) in self.handoffs.outgoing.drain() {
+            let _ = fx.send(h.decode, Msg::KvCancel { request_id, reason: reason.clone() });
+            // Those still prefilling were handed back with the batcher's sequences.
+            if h.blocks.is_some() {
+                let error = ServeError::new(ErrorKind::Unavailable, reason.clone());
+                let _ = fx.send(h.req, Msg::Refused { request_id, chip: me, error, retry: true });
+            }
+        }
+        for (request_id, h) in self.handoffs.incoming.drain() {
+            let _ = fx.send(h.prefill, Msg::KvCancel { request_id, reason: reason.clone() });
+        }
+        for offer in self.handoffs.waiting.drain(..) {
+            let error = ServeError::new(ErrorKind::Unavailable, reason.clone());
+            let request_id = offer.seq.request_id;
+            let _ = fx.send(offer.prefill, Msg::KvDecline { request_id, decode: me, error, retry: true });
+        }
+        self.handoffs.first_step.clear();
+    }
+}

@@ -1,0 +1,322 @@
+//! The P/D hand-off between two chips in virtual time: every message between them is
+//! delivered by hand, worker jobs run on a recording executor, and each test checks
+//! what reached the request and that both pools end all-free.
+
+use super::executor::{ExecutorFactory, KvInstall, StepExecutor};
+use super::*;
+use crate::batcher::StepPlan;
+use crate::msg::{KvCompat, KvFormatDesc, SamplingSpec, StepOutcome};
+use crate::test_fx::TestFx;
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_runtime::HostId;
+use tessera_runtime::transfer::{EndpointDesc, RegionDesc};
+
+const P: Addr = Addr { host: HostId(0), actor: 16 };
+const D: Addr = Addr { host: HostId(1), actor: 16 };
+const REQ: Addr = Addr { host: HostId(0), actor: 5000 };
+const SUP: Addr = Addr { host: HostId(0), actor: 1 };
+const LAYERS: usize = 3;
+
+/// Stages every layer of every staged sequence, installs nothing, samples token 7.
+#[derive(Default)]
+struct Recorder {
+    installs: Vec<KvInstall>,
+}
+
+impl StepExecutor for Recorder {
+    fn step(&mut self, step: u64, plan: &StepPlan, staged: &dyn Fn(Msg)) -> StepOutcome {
+        for layer in 0..LAYERS {
+            let seqs: Vec<(u64, usize)> =
+                plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
+            if !seqs.is_empty() {
+                staged(Msg::KvStaged { step, layer, staged: seqs, staged_unix_ns: 1_000 });
+            }
+        }
+        let sampled = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
+        StepOutcome { step, sampled, error: None, elapsed_s: 0.0, started_unix_ns: 2_000 }
+    }
+
+    fn install(&mut self, job: &KvInstall) -> Result<(), String> {
+        self.installs.push(job.clone());
+        Ok(())
+    }
+}
+
+fn info(block_size: usize, layout: &str, hash: u64) -> ChipInfo {
+    ChipInfo {
+        format: KvFormatDesc {
+            num_layers: LAYERS,
+            num_kv_heads: 2,
+            head_dim: 8,
+            block_size,
+            num_blocks: 32,
+            layout: layout.into(),
+            dtype: "f32".into(),
+        },
+        compat: KvCompat { hash, fields: vec![("head_dim".into(), if hash == 1 { "8" } else { "16" }.into())] },
+        staging: Some(RegionDesc {
+            endpoint: EndpointDesc { host_key: "test".into(), pid: 1, tcp: "127.0.0.1:9".parse().expect("addr") },
+            region: 1,
+            fd: 3,
+            len: 1 << 20,
+        }),
+        emulated: None,
+        num_blocks: 32,
+        block_size,
+        max_context: 256,
+        vocab_size: 100,
+        eos_token_ids: vec![],
+    }
+}
+
+struct Side {
+    chip: Chip,
+    fx: TestFx,
+    exec: Box<dyn StepExecutor>,
+}
+
+impl Side {
+    fn new(me: Addr, role: &str, info: ChipInfo) -> Side {
+        let factory: ExecutorFactory = Arc::new(|| Err("not used".into()));
+        let config = ChipConfig {
+            id: format!("chip-{}", me.host.0),
+            host_name: format!("h{}", me.host.0),
+            role: role.into(),
+            max_batch_tokens: 8,
+            max_batch_seqs: 8,
+            supervisor: SUP,
+            kv_lease: Duration::from_secs(5),
+        };
+        let mut chip = Chip::new(config, factory);
+        let mut fx = TestFx::new(me);
+        chip.on_start(&mut fx);
+        chip.handle(Msg::WorkerReady { info }, &mut fx);
+        let exec: Box<dyn StepExecutor> = Box::new(Recorder::default());
+        Side { chip, fx, exec }
+    }
+
+    /// Runs queued worker jobs and delivers what they report (notifications first, as
+    /// the worker posts them before its result), until none are left.
+    fn run_jobs(&mut self) {
+        while !self.fx.jobs.is_empty() {
+            let job = self.fx.jobs.remove(0);
+            let result = (job.run)(&mut self.exec as &mut dyn std::any::Any);
+            let notified: Vec<Msg> = std::mem::take(&mut *self.fx.notified.lock().expect("lock"));
+            for m in notified {
+                self.chip.handle(m, &mut self.fx);
+            }
+            self.chip.handle(result, &mut self.fx);
+        }
+    }
+
+    fn used(&self) -> usize {
+        self.chip.pool.as_ref().map_or(0, |p| p.used())
+    }
+
+    /// Sends to other actors since the last call, supervisor reports left out.
+    fn sent(&mut self) -> Vec<(Addr, Msg)> {
+        self.fx.take_sent().into_iter().filter(|(to, _)| *to != SUP).collect()
+    }
+}
+
+fn seq(prompt: usize, max_new: usize) -> SeqRequest {
+    SeqRequest {
+        request_id: 9,
+        req: REQ,
+        tokens: (1..=prompt as u32).collect(),
+        generated: 0,
+        max_new_tokens: max_new,
+        sampling: SamplingSpec {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            stop_token_ids: vec![],
+            ignore_eos: true,
+        },
+    }
+}
+
+/// Delivers every message `from` sent to `to`'s chip; returns the rest.
+fn deliver(from: &mut Side, to: &mut Side) -> Vec<(Addr, Msg)> {
+    let mut rest = Vec::new();
+    for (addr, msg) in from.sent() {
+        if addr == to.fx.me {
+            to.chip.handle(msg, &mut to.fx);
+        } else {
+            rest.push((addr, msg));
+        }
+    }
+    rest
+}
+
+#[test]
+fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
+    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
+    let mut d = Side::new(D, "decode", info(8, "token-major", 1));
+    p.chip.handle(Msg::Prefill { seq: seq(14, 3), decode: D }, &mut p.fx);
+    // P offers at once and starts computing; D claims.
+    assert!(deliver(&mut p, &mut d).is_empty());
+    assert_eq!(d.used(), 2, "D reserved ceil(13 / 8) blocks for the 13 prefilled positions");
+    assert!(deliver(&mut d, &mut p).is_empty());
+    // 13 positions with a budget of 8: two steps, each layer told as it is staged.
+    p.run_jobs();
+    let rest = deliver(&mut p, &mut d);
+    assert!(rest.is_empty(), "{rest:?}");
+    let layers_told: Vec<(usize, usize)> = d.exec_installs();
+    assert_eq!(layers_told, vec![(0, 8), (1, 8), (2, 8), (0, 13), (1, 13), (2, 13)]);
+    // D installed everything: acknowledges P, runs the last prompt token, samples.
+    assert!(deliver(&mut d, &mut p).is_empty());
+    assert_eq!(p.used(), 0, "P freed its blocks on D's acknowledgement");
+    d.run_jobs();
+    let tokens: Vec<u32> = d
+        .sent()
+        .into_iter()
+        .filter_map(|(to, m)| match m {
+            Msg::Generated { tokens, .. } if to == REQ => Some(tokens),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(tokens, vec![7, 7, 7], "D sampled every token, the first one included");
+    assert_eq!(d.used(), 0, "D finished the request and freed its blocks");
+    assert!(p.chip.handoffs.is_empty() && d.chip.handoffs.is_empty());
+}
+
+impl Side {
+    /// Runs D's install jobs; returns (layer, upto) of each, in order.
+    fn exec_installs(&mut self) -> Vec<(usize, usize)> {
+        let mut seen = Vec::new();
+        while !self.fx.jobs.is_empty() {
+            let job = self.fx.jobs.remove(0);
+            let result = (job.run)(&mut self.exec as &mut dyn std::any::Any);
+            if let Msg::KvInstalled { layer, upto, .. } = &result {
+                seen.push((*layer, *upto));
+            }
+            self.chip.handle(result, &mut self.fx);
+            if !self.fx.jobs.is_empty() && seen.len() == 2 * LAYERS {
+                break; // the first decode step: leave it queued
+            }
+        }
+        seen
+    }
+}
+
+#[test]
+fn incompatible_decode_chip_refuses_the_offer_naming_both_chips() {
+    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
+    let mut d = Side::new(D, "decode", info(4, "head-major", 2));
+    p.chip.handle(Msg::Prefill { seq: seq(10, 3), decode: D }, &mut p.fx);
+    assert!(deliver(&mut p, &mut d).is_empty());
+    assert_eq!(d.used(), 0);
+    assert!(deliver(&mut d, &mut p).is_empty());
+    let sent = p.sent();
+    let refused = sent.iter().find_map(|(to, m)| match m {
+        Msg::Refused { error, retry, .. } if *to == REQ => Some((error.message.clone(), *retry)),
+        _ => None,
+    });
+    let (message, retry) = refused.expect("the request is told");
+    assert!(!retry);
+    assert!(message.contains("chip-1") && message.contains("chip-0") && message.contains("head_dim"), "{message}");
+    p.run_jobs();
+    assert_eq!(p.used(), 0);
+    assert!(p.chip.handoffs.is_empty());
+}
+
+#[test]
+fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
+    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
+    let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+    d.chip.handle(Msg::InjectFault { fault: Fault::DropKvClaim }, &mut d.fx);
+    p.chip.handle(Msg::Prefill { seq: seq(10, 3), decode: D }, &mut p.fx);
+    assert!(deliver(&mut p, &mut d).is_empty());
+    assert!(d.sent().is_empty(), "D dropped the offer: no claim");
+    p.run_jobs();
+    assert!(p.used() > 0, "P holds the prefilled blocks for D");
+    p.fx.take_sent();
+    p.fx.advance(Duration::from_secs(6), &mut p.chip);
+    assert_eq!(p.used(), 0, "the lease freed them");
+    let sent = p.sent();
+    assert!(
+        sent.iter().any(|(to, m)| *to == REQ
+            && matches!(m, Msg::Refused { retry: true, error, .. } if error.message.contains("lease")))
+    );
+    assert!(sent.iter().any(|(to, m)| *to == D && matches!(m, Msg::KvCancel { .. })));
+}
+
+#[test]
+fn malformed_kv_ready_is_refused_and_frees_both_sides() {
+    for bad in [
+        Msg::KvReady { request_id: 9, layer: LAYERS, upto: 4, blocks: vec![0], staged_unix_ns: 0 },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 99, blocks: vec![0], staged_unix_ns: 0 },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 8, blocks: vec![0], staged_unix_ns: 0 },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: vec![1_000_000], staged_unix_ns: 0 },
+    ] {
+        let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+        d.chip.handle(Msg::KvOffer { offer: make_offer() }, &mut d.fx);
+        assert_eq!(d.used(), 3);
+        d.fx.take_sent();
+        d.chip.handle(bad.clone(), &mut d.fx);
+        assert_eq!(d.used(), 0, "{bad:?}");
+        let sent = d.sent();
+        assert!(sent.iter().any(|(to, m)| *to == P && matches!(m, Msg::KvCancel { .. })), "{bad:?}");
+        assert!(sent.iter().any(|(to, m)| *to == REQ
+            && matches!(m, Msg::Refused { retry: true, error, .. } if error.message.contains("malformed"))));
+    }
+}
+
+#[test]
+fn offers_with_a_bad_format_are_declined_not_installed() {
+    let cases: Vec<(&str, Box<dyn Fn(&mut crate::msg::KvOffer)>)> = vec![
+        ("layout", Box::new(|o| o.format.layout = "diagonal".into())),
+        ("dtype", Box::new(|o| o.format.dtype = "f8".into())),
+        ("KV shape", Box::new(|o| o.format.num_kv_heads = 4)),
+        ("block size", Box::new(|o| o.format.block_size = 0)),
+        ("prefilled positions", Box::new(|o| o.kv_tokens = 10)),
+    ];
+    for (what, break_it) in cases {
+        let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+        let mut offer = make_offer();
+        break_it(&mut offer);
+        d.chip.handle(Msg::KvOffer { offer }, &mut d.fx);
+        assert_eq!(d.used(), 0, "{what}");
+        let sent = d.sent();
+        assert!(
+            sent.iter().any(|(to, m)| *to == P
+                && matches!(m, Msg::KvDecline { retry: false, error, .. } if error.message.contains(what))),
+            "{what}: {sent:?}"
+        );
+    }
+}
+
+fn make_offer() -> crate::msg::KvOffer {
+    let i = info(4, "head-major", 1);
+    crate::msg::KvOffer {
+        seq: seq(10, 3),
+        prefill: P,
+        prefill_id: "chip-0".into(),
+        kv_tokens: 9,
+        format: i.format,
+        compat: i.compat,
+        region: i.staging.expect("staging"),
+    }
+}
+
+#[test]
+fn role_change_drains_first() {
+    let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+    d.chip.handle(Msg::KvOffer { offer: make_offer() }, &mut d.fx);
+    d.fx.take_sent();
+    d.chip.handle(Msg::SetRole { role: "both".into() }, &mut d.fx);
+    assert_eq!(d.chip.role, "decode", "a hand-off is in flight");
+    d.chip.handle(Msg::Enqueue { seq: SeqRequest { request_id: 10, ..seq(4, 2) } }, &mut d.fx);
+    assert!(
+        d.sent()
+            .iter()
+            .any(|(_, m)| matches!(m, Msg::Refused { retry: true, error, .. } if error.message.contains("draining")))
+    );
+    d.chip.handle(Msg::KvCancel { request_id: 9, reason: "test".into() }, &mut d.fx);
+    assert_eq!(d.chip.role, "both", "drained: the new role is taken");
+    assert_eq!(d.used(), 0);
+}
