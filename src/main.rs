@@ -63,6 +63,10 @@ struct UpArgs {
     /// Run every host as a thread of this process instead of one process per host.
     #[arg(long)]
     in_process: bool,
+    /// Run every chip as `role = "both"` (no prefill/decode disaggregation): the
+    /// colocated baseline on the same chips.
+    #[arg(long)]
+    colocated: bool,
     /// Kernel library for `backend = "cpu"` chips (default: the one built with tessera).
     #[arg(long, value_name = "PATH")]
     kernel_lib: Option<PathBuf>,
@@ -79,6 +83,9 @@ struct NodeArgs {
     /// Drain and exit when stdin closes (how `tessera up` stops its hosts).
     #[arg(long)]
     exit_on_stdin_eof: bool,
+    /// Run every chip as `role = "both"` (see `tessera up --colocated`).
+    #[arg(long)]
+    colocated: bool,
     /// Kernel library for `backend = "cpu"` chips (default: the one built with tessera).
     #[arg(long, value_name = "PATH")]
     kernel_lib: Option<PathBuf>,
@@ -329,11 +336,11 @@ fn main() {
     let result = match cli.command {
         Command::Up(args) => {
             init_logging();
-            up::up(args.topology.as_deref(), args.in_process, args.kernel_lib)
+            up::up(args.topology.as_deref(), args.in_process, args.colocated, args.kernel_lib)
         }
         Command::Node(args) => {
             init_logging();
-            up::node(args.topology.as_deref(), &args.host, args.exit_on_stdin_eof, args.kernel_lib)
+            up::node(args.topology.as_deref(), &args.host, args.exit_on_stdin_eof, args.colocated, args.kernel_lib)
         }
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::MakeTiny(args)) => make_tiny(args),
