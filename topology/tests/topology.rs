@@ -666,3 +666,18 @@ fn load_resolves_relative_paths_against_the_file() {
     let expected = format!("{}: cannot read the topology file", missing.display());
     assert!(matches!(&e, Some((0, 0, "", text)) if text.starts_with(&expected)), "{e:?}");
 }
+
+#[test]
+fn every_example_topology_is_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).expect("examples dir") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let spec = tessera_topology::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(!spec.hosts.is_empty(), "{}", path.display());
+            seen += 1;
+        }
+    }
+    assert!(seen > 0, "no example in {}", dir.display());
+}

@@ -7,6 +7,7 @@
 //! options send the same prompts and lengths whatever the server's speed.
 
 mod dist;
+pub mod handoff;
 mod request;
 mod sse;
 mod stats;
@@ -134,6 +135,8 @@ pub enum LoadgenError {
     ModelDiscovery { url: String, reason: String },
     #[error("all {count} warm-up requests failed; the first with: {first}")]
     WarmupFailed { count: usize, first: String },
+    #[error("{0}")]
+    Http(String),
 }
 
 /// One distinct failure and how often it happened.
