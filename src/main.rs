@@ -128,7 +128,7 @@ struct BenchTransferArgs {
     #[arg(long, default_value = "256KiB", value_parser = tessera_runtime::transfer::bench::parse_bytes)]
     block: usize,
     /// Measured runs after one warm-up; medians are reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 9)]
     runs: usize,
     /// Parallel TCP streams (default: the engine's).
     #[arg(long)]

@@ -73,7 +73,7 @@ impl TransferBenchOptions {
         TransferBenchOptions {
             bytes,
             block_bytes: 256 << 10,
-            runs: 5,
+            runs: 9,
             tcp_streams: defaults.tcp_streams,
             chunk_bytes: defaults.chunk_bytes,
             pipeline_depth: defaults.pipeline_depth,
@@ -471,41 +471,59 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
     raw.set_read_timeout(Some(PEER_TIMEOUT))?;
 
     let clear = |r: &Region| r.with_mut(0, r.len(), |b| b.fill(0));
-    let mut times: [Vec<Duration>; 4] = Default::default();
-    for run in 0..=opts.runs {
-        // engine tcp
+    // Each path: reset its destination, time the transfer alone, then check the bytes.
+    let engine_tcp = || -> Result<Duration, BenchError> {
         clear(&dst)?;
         let t = Instant::now();
         engine.read_via(Transport::Tcp, remote, &dst, &batch)?;
-        let tcp = t.elapsed();
+        let elapsed = t.elapsed();
         check_region("engine tcp", &dst, &batch, &want)?;
-
-        // raw tcp socket
+        Ok(elapsed)
+    };
+    let mut raw_tcp = || -> Result<Duration, BenchError> {
         raw_dst.fill(0);
         let t = Instant::now();
         raw.write_all(&(opts.bytes as u64).to_le_bytes())?;
         raw.read_exact(&mut raw_dst)?;
-        let raw_time = t.elapsed();
+        let elapsed = t.elapsed();
         if raw_dst != want {
             return Err(BenchError::Corrupt { path: "raw tcp", detail: "the blast differs from the pattern".into() });
         }
-
-        // engine shm
+        Ok(elapsed)
+    };
+    let engine_shm = || -> Result<Duration, BenchError> {
         clear(&dst)?;
         let t = Instant::now();
         engine.read_via(Transport::Shm, remote, &dst, &batch)?;
-        let shm = t.elapsed();
+        let elapsed = t.elapsed();
         check_region("engine shm", &dst, &batch, &want)?;
-
-        // memcpy
+        Ok(elapsed)
+    };
+    let mut memcpy = || -> Result<Duration, BenchError> {
         copy_dst.fill(0);
         let t = Instant::now();
         copy_dst.copy_from_slice(std::hint::black_box(&want));
-        let copy = t.elapsed();
+        let elapsed = t.elapsed();
         if std::hint::black_box(&copy_dst) != &want {
             return Err(BenchError::Corrupt { path: "memcpy", detail: "the copy differs".into() });
         }
+        Ok(elapsed)
+    };
 
+    let mut times: [Vec<Duration>; 4] = Default::default();
+    for run in 0..=opts.runs {
+        // Alternate which of a pair goes first, so neither always inherits the other's
+        // cache and socket state.
+        let (tcp, raw_time, shm, copy);
+        if run % 2 == 0 {
+            (tcp, raw_time) = (engine_tcp()?, raw_tcp()?);
+            (shm, copy) = (engine_shm()?, memcpy()?);
+        } else {
+            raw_time = raw_tcp()?;
+            tcp = engine_tcp()?;
+            copy = memcpy()?;
+            shm = engine_shm()?;
+        }
         if run > 0 {
             for (list, t) in times.iter_mut().zip([tcp, raw_time, shm, copy]) {
                 list.push(t);
