@@ -390,6 +390,28 @@ fn a_vanished_peer_is_unreachable_within_a_bound() {
 }
 
 #[test]
+fn engine_and_regions_are_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<TransferEngine>();
+    send_sync::<Region>();
+    send_sync::<TransferError>();
+    let p = pair();
+    let dst = p.b.register(REGION_BYTES).expect("register");
+    // Four threads pull disjoint quarters concurrently through the shared engine.
+    let quarter = REGION_BYTES as u64 / 4;
+    std::thread::scope(|s| {
+        for (i, transport) in [Transport::Tcp, Transport::Shm, Transport::Tcp, Transport::Shm].into_iter().enumerate() {
+            let (p, dst) = (&p, &dst);
+            s.spawn(move || {
+                let at = i as u64 * quarter;
+                p.b.read_via(transport, &p.remote, dst, &[a(at, at, quarter)]).expect("concurrent read");
+            });
+        }
+    });
+    assert!(contents(&dst) == p.src_bytes);
+}
+
+#[test]
 fn region_access_is_bounds_checked_and_exclusive() {
     let e = engine();
     assert!(e.register(0).unwrap_err().to_string().contains("must not be empty"));

@@ -97,12 +97,18 @@ impl TcpClient {
             Entry::Occupied(link) => link.into_mut(),
             Entry::Vacant(slot) => slot.insert(self.spawn_link(peer)?),
         };
+        let mut broken = false;
         for worker in link.workers.iter().take(parts) {
             if worker.send(job.clone()).is_err() {
-                // The worker thread is gone (it cannot panic by design, but be sure the
-                // batch still ends).
-                completion.part_done(Err(TransferError::ShutDown));
+                broken = true;
+                completion
+                    .part_done(Err(TransferError::Internal(format!("a transfer stream thread to {peer} is gone"))));
             }
+        }
+        if broken {
+            // Start fresh threads for the next batch; the remaining ones end as their
+            // channels close.
+            peers.remove(&peer);
         }
         Ok(completion)
     }
@@ -141,14 +147,37 @@ struct Conn {
     last_used: Instant,
 }
 
+/// Ends this worker's part of a batch exactly once, even if the worker panics, so a
+/// waiter is never left hanging.
+struct Part<'a> {
+    completion: Option<&'a Completion>,
+}
+
+impl Part<'_> {
+    fn done(mut self, outcome: Result<(), TransferError>) {
+        if let Some(c) = self.completion.take() {
+            c.part_done(outcome);
+        }
+    }
+}
+
+impl Drop for Part<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.completion.take() {
+            c.part_done(Err(TransferError::Internal("a transfer stream thread panicked".into())));
+        }
+    }
+}
+
 fn worker(jobs: mpsc::Receiver<Arc<Job>>, config: ClientConfig) {
     let mut conn: Option<Conn> = None;
     while let Ok(job) = jobs.recv() {
+        let part = Part { completion: Some(&job.completion) };
         let outcome = run_job(&job, &mut conn, &config);
         if outcome.is_err() {
             conn = None;
         }
-        job.completion.part_done(outcome);
+        part.done(outcome);
     }
 }
 

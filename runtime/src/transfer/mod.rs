@@ -213,6 +213,8 @@ pub enum TransferError {
     TransportUnavailable { transport: Transport, region: u64, reason: String },
     #[error("the transfer engine is shut down")]
     ShutDown,
+    #[error("transfer engine internal error: {0}")]
+    Internal(String),
 }
 
 impl TransferError {
@@ -235,6 +237,7 @@ impl TransferError {
             TransferError::ShmMap { .. } => "shm_map",
             TransferError::TransportUnavailable { .. } => "transport_unavailable",
             TransferError::ShutDown => "shut_down",
+            TransferError::Internal(_) => "internal",
         }
     }
 }
