@@ -332,8 +332,10 @@ mod tests {
         };
         let decode = time("metax-c500", &StepShape::decode(1, 128)).unwrap_or(0.0);
         let prefill = time("ascend-910b", &StepShape::prefill(512)).unwrap_or(0.0);
-        assert!((0.002..0.005).contains(&decode), "decode {decode} s");
-        assert!((0.005..0.050).contains(&prefill), "prefill {prefill} s");
+        // 5000 x 2.96 us and 5000 x 5.79 us (see default.toml): slower than one CPU
+        // thread computes them, so the pacing, not the CPU, sets the time.
+        assert!((0.010..0.020).contains(&decode), "decode {decode} s");
+        assert!((0.025..0.035).contains(&prefill), "prefill {prefill} s");
     }
 
     #[test]

@@ -596,7 +596,7 @@ fn default_topology_is_heterogeneous_and_disaggregated() {
     let figures = |kind: &str| spec.chip_kind(kind).map_or((0.0, 0.0), |kind| (kind.fp16_tflops, kind.memory_bw_gbs));
     let (ascend, metax) = (figures("ascend-910b"), figures("metax-c500"));
     assert!(ascend.0 > metax.0 && metax.1 > ascend.1, "{ascend:?} {metax:?}");
-    assert_eq!(spec.emulation.time_scale, 1000.0);
+    assert_eq!(spec.emulation.time_scale, 5000.0);
     assert_eq!(spec.disagg, DisaggSpec::default());
     assert_eq!((spec.gateway.host.as_str(), spec.gateway.listen.to_string()), ("h0", "127.0.0.1:8000".to_owned()));
 
@@ -610,7 +610,7 @@ fn default_topology_is_heterogeneous_and_disaggregated() {
         "chip h1-metax0: metax-c500 on emu:metax-c500, role decode",
         "transfer 127.0.0.1:7412",
         "Huawei Ascend 910B (910B2): 354 TFLOPS fp16, 64 GiB, 1600 GB/s",
-        "emulation: time x 1000",
+        "emulation: time x 5000",
         "127.0.0.1:8000",
     ] {
         assert!(rendered.contains(needle), "{needle} not in:\n{rendered}");
