@@ -375,12 +375,15 @@ impl StepExecutor for ModelExecutor {
         let layers = self.model.config().num_layers;
         let stage = plan.seqs.iter().any(|s| s.stage);
         let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
+        // Time spent waiting for the emulated chip, not computing.
+        let mut slept = Duration::ZERO;
         let mut on_layer = |layer: usize, dev: &Device| -> tessera_backends::error::Result<()> {
             // An emulated chip finishes layer l no earlier than (l+1)/L of its step time.
             if let Some(paced) = paced {
                 let due = paced.mul_f64((layer + 1) as f64 / layers as f64);
                 if let Some(wait) = due.checked_sub(started.elapsed()) {
                     std::thread::sleep(wait);
+                    slept += wait;
                 }
             }
             if stage {
@@ -395,6 +398,7 @@ impl StepExecutor for ModelExecutor {
             Ok(())
         };
         let forward = self.model.forward_observed(kv, &chunks, &mut on_layer);
+        drop(on_layer);
         match forward {
             Ok(logits) => {
                 let vocab = self.model.config().vocab_size;
@@ -409,10 +413,12 @@ impl StepExecutor for ModelExecutor {
             Err(e) => outcome.error = Some(e.to_string()),
         }
         if let Some(paced) = paced {
-            let computed = started.elapsed();
-            if let Some(wait) = paced.checked_sub(computed) {
+            let computed = started.elapsed().saturating_sub(slept);
+            if let Some(wait) = paced.checked_sub(started.elapsed()) {
                 std::thread::sleep(wait);
-            } else {
+            }
+            if computed > paced {
+                // The CPU, not the emulated chip, set this step's time.
                 metrics::counter!("tessera_emu_overrun_total", "chip" => self.chip_id.clone()).increment(1);
             }
             metrics::histogram!("tessera_emu_step_paced_seconds", "chip" => self.chip_id.clone())
