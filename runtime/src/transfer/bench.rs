@@ -465,6 +465,10 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
 
     let want = pattern(opts.bytes);
     let mut raw_dst = vec![0u8; opts.bytes];
+    // The memcpy source is its own buffer, touched only by the copies, as the peer's
+    // region is only by transfers: `want` is hot from every check, which would favour
+    // the baseline (this CPU's last-level cache holds several of these buffers).
+    let copy_src = pattern(opts.bytes);
     let mut copy_dst = vec![0u8; opts.bytes];
     let mut raw = TcpStream::connect_timeout(&hello.raw_tcp, PEER_TIMEOUT)?;
     raw.set_nodelay(true)?;
@@ -502,7 +506,7 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
     let mut memcpy = || -> Result<Duration, BenchError> {
         copy_dst.fill(0);
         let t = Instant::now();
-        copy_dst.copy_from_slice(std::hint::black_box(&want));
+        copy_dst.copy_from_slice(std::hint::black_box(&copy_src));
         let elapsed = t.elapsed();
         if std::hint::black_box(&copy_dst) != &want {
             return Err(BenchError::Corrupt { path: "memcpy", detail: "the copy differs".into() });
