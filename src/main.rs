@@ -136,6 +136,19 @@ struct BenchTransferArgs {
     /// Bytes per TCP request (default: the engine's).
     #[arg(long, value_parser = tessera_runtime::transfer::bench::parse_bytes)]
     chunk: Option<usize>,
+    /// Also measure the prefill -> decode hand-off gap on the disaggregated cluster
+    /// serving at this URL (e.g. `tessera up topology/examples/disagg-small.toml`).
+    #[arg(long, value_name = "URL")]
+    handoff_url: Option<String>,
+    /// Prompt length of the hand-off measurement, in tokens.
+    #[arg(long, default_value_t = 2048)]
+    handoff_prompt_tokens: usize,
+    /// Requests of the hand-off measurement, sent one at a time.
+    #[arg(long, default_value_t = 5)]
+    handoff_requests: usize,
+    /// Model name for the hand-off requests (default: the first of GET /v1/models).
+    #[arg(long)]
+    handoff_model: Option<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -527,12 +540,47 @@ fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
     opts.tcp_streams = args.streams.unwrap_or(opts.tcp_streams);
     opts.chunk_bytes = args.chunk.unwrap_or(opts.chunk_bytes);
     let report = bench::run(&opts)?;
+    let handoff = match &args.handoff_url {
+        Some(url) => {
+            Some(bench_handoff(url, args.handoff_model.clone(), args.handoff_prompt_tokens, args.handoff_requests)?)
+        }
+        None => None,
+    };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        if let Some(h) = &handoff {
+            v["handoff"] = serde_json::to_value(h)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", report.table());
+        if let Some(h) = &handoff {
+            println!(
+                "\nhand-off, {} requests of {} prompt tokens, decode chip {}:\n  \
+                 P's last layer staged -> D's first step: p50 {:.2} ms, p99 {:.2} ms (mean {:.2})\n  \
+                 TTFT seen by the client: p50 {:.1} ms, p99 {:.1} ms",
+                h.requests,
+                h.prompt_tokens,
+                h.decode_chip,
+                h.gap.p50_ms,
+                h.gap.p99_ms,
+                h.gap.mean_ms,
+                h.ttft.p50_ms,
+                h.ttft.p99_ms
+            );
+        }
     }
     Ok(())
+}
+
+fn bench_handoff(
+    url: &str,
+    model: Option<String>,
+    prompt_tokens: usize,
+    requests: usize,
+) -> Result<tessera_actors::loadgen::handoff::HandoffReport> {
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
+    Ok(runtime.block_on(tessera_actors::loadgen::handoff::run(url, model, prompt_tokens, requests))?)
 }
 
 fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {

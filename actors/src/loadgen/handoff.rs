@@ -49,9 +49,26 @@ fn decode_gaps(h: &Value) -> Vec<(String, u64, Option<f64>)> {
 
 /// Sends `requests` prompts of `prompt_tokens` token ids (valid in any vocabulary of at
 /// least 256 tokens) to `url`, one at a time, and reads each hand-off's gap.
-pub async fn run(url: &str, model: &str, prompt_tokens: usize, requests: usize) -> Result<HandoffReport, LoadgenError> {
+pub async fn run(
+    url: &str,
+    model: Option<String>,
+    prompt_tokens: usize,
+    requests: usize,
+) -> Result<HandoffReport, LoadgenError> {
     let url = url.trim_end_matches('/');
     let client = reqwest::Client::new();
+    let model = match model {
+        Some(m) => m,
+        None => {
+            let get = |e: reqwest::Error| LoadgenError::ModelDiscovery { url: url.into(), reason: e.to_string() };
+            let models: Value =
+                client.get(format!("{url}/v1/models")).send().await.map_err(get)?.json().await.map_err(get)?;
+            models["data"][0]["id"]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| LoadgenError::ModelDiscovery { url: url.into(), reason: "it lists no model".into() })?
+        }
+    };
     let mut gaps = Vec::new();
     let mut ttfts = Vec::new();
     let mut decode_chip = String::new();
