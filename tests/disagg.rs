@@ -83,8 +83,25 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
         let disaggregated = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
         let colocated = metric(gw, "tessera_router_decisions_total{placement=\"colocated\"} ");
         assert_eq!((disaggregated, colocated), (3.0, 1.0), "{transport}: 3 long prompts split, \"Hi\" not");
+        // All at once: prefills share steps on P, hand-offs overlap, D batches.
+        std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .zip(&want)
+                .map(|(p, w)| {
+                    s.spawn(move || {
+                        assert_answers(gw, std::slice::from_ref(p), std::slice::from_ref(w), MAX_TOKENS, transport)
+                    })
+                })
+                .collect();
+            for h in handles {
+                if let Err(e) = h.join() {
+                    std::panic::resume_unwind(e);
+                }
+            }
+        });
         let done = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"done\"} ");
-        assert_eq!(done, 3.0, "{transport}: every hand-off acknowledged");
+        assert_eq!(done, 6.0, "{transport}: every hand-off acknowledged");
         wait_health(gw, "both pools free", Duration::from_secs(5), |h| {
             drained(h, &[]) && chip(h, "d-chip")["steps"].as_u64() >= Some(MAX_TOKENS as u64)
         });

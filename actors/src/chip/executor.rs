@@ -288,7 +288,9 @@ impl Drop for ModelExecutor {
     }
 }
 
-/// Copies layer `layer`'s blocks of the staged sequences of `plan` into `staging`.
+/// Copies layer `layer`'s blocks of the staged sequences of `plan` into `staging`. Each
+/// run of consecutive blocks is borrowed from the region on its own, so a decode chip
+/// reading other blocks of the region over tcp meanwhile is never refused as busy.
 fn stage_layer(
     kv: &PagedKvCache,
     dev: &Device,
@@ -299,38 +301,40 @@ fn stage_layer(
 ) -> tessera_backends::error::Result<Vec<(u64, usize)>> {
     let bb = kv.format().block_bytes();
     let bs = format.block_size;
-    let span = format.num_blocks * bb;
+    let region_error = |e: tessera_runtime::transfer::TransferError| {
+        tessera_backends::error::BackendError::KvCache(format!("staging region: {e}"))
+    };
     let mut staged = Vec::new();
-    let outcome = staging.with_mut(staging_offset(format, bb, layer, false, 0), 2 * span, |buf| {
-        let (k, v) = buf.split_at_mut(span);
-        for s in plan.seqs.iter().filter(|s| s.stage) {
-            let end = s.start_pos + s.tokens.len();
-            let blocks = &s.block_table[s.start_pos / bs..end.div_ceil(bs)];
-            // One copy per run of consecutive block ids.
-            let mut i = 0;
-            while i < blocks.len() {
-                let mut j = i + 1;
-                while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
-                    j += 1;
-                }
-                let (b0, n) = (blocks[i] as usize, j - i);
-                kv.read_blocks(
-                    dev,
-                    layer,
-                    &blocks[i..j],
-                    &mut k[b0 * bb..(b0 + n) * bb],
-                    &mut v[b0 * bb..(b0 + n) * bb],
-                )?;
-                i = j;
+    for s in plan.seqs.iter().filter(|s| s.stage) {
+        let end = s.start_pos + s.tokens.len();
+        let blocks = &s.block_table[s.start_pos / bs..end.div_ceil(bs)];
+        let mut i = 0;
+        while i < blocks.len() {
+            let mut j = i + 1;
+            while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
+                j += 1;
             }
-            staged.push((s.request_id, end));
+            let (b0, len) = (blocks[i] as usize, (j - i) * bb);
+            let k_at = staging_offset(format, bb, layer, false, b0);
+            let v_at = staging_offset(format, bb, layer, true, b0);
+            staging
+                .with_mut(k_at, len, |k| {
+                    staging
+                        .with_mut(v_at, len, |v| kv.read_blocks(dev, layer, &blocks[i..j], k, v))
+                        .map_err(region_error)
+                })
+                .map_err(region_error)???;
+            i = j;
         }
-        Ok(())
-    });
-    match outcome {
-        Ok(r) => r.map(|()| staged),
-        Err(e) => Err(tessera_backends::error::BackendError::KvCache(format!("staging region: {e}"))),
+        staged.push((s.request_id, end));
     }
+    Ok(staged)
+}
+
+/// Whether a read failed only because the bytes were being written at that moment.
+fn busy(e: &tessera_runtime::transfer::TransferError) -> bool {
+    use tessera_runtime::transfer::{RemoteStatus, TransferError};
+    matches!(e, TransferError::RangeBusy { .. } | TransferError::Refused { status: RemoteStatus::Busy, .. })
 }
 
 fn sampler(spec: &SamplingSpec, skip: u64) -> Sampler {
@@ -398,7 +402,6 @@ impl StepExecutor for ModelExecutor {
             Ok(())
         };
         let forward = self.model.forward_observed(kv, &chunks, &mut on_layer);
-        drop(on_layer);
         match forward {
             Ok(logits) => {
                 let vocab = self.model.config().vocab_size;
@@ -465,7 +468,15 @@ impl StepExecutor for ModelExecutor {
                 }
             }
         }
-        engine.read(&job.region, inbox, &batch).map_err(|e| e.to_string())?;
+        // A block being re-staged (a later chunk filling it) is busy for microseconds.
+        let mut tries = 0;
+        while let Err(e) = engine.read(&job.region, inbox, &batch) {
+            tries += 1;
+            if !busy(&e) || tries >= 200 {
+                return Err(e.to_string());
+            }
+            std::thread::sleep(Duration::from_micros(250));
+        }
         self.k_rows.clear();
         self.v_rows.clear();
         let (k_rows, v_rows) = (&mut self.k_rows, &mut self.v_rows);

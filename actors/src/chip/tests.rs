@@ -268,7 +268,8 @@ fn malformed_kv_ready_is_refused_and_frees_both_sides() {
 
 #[test]
 fn offers_with_a_bad_format_are_declined_not_installed() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut crate::msg::KvOffer)>)> = vec![
+    type Breaks = Box<dyn Fn(&mut crate::msg::KvOffer)>;
+    let cases: Vec<(&str, Breaks)> = vec![
         ("layout", Box::new(|o| o.format.layout = "diagonal".into())),
         ("dtype", Box::new(|o| o.format.dtype = "f8".into())),
         ("KV shape", Box::new(|o| o.format.num_kv_heads = 4)),

@@ -558,7 +558,7 @@ async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Respo
     };
     let chip = match known_chip(&st, &req.chip) {
         Ok(chip) => chip,
-        Err(response) => return response,
+        Err(e) => return error_response(*e),
     };
     match st.host.send(chip, Msg::InjectFault { fault }) {
         Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"injected": req.fault, "chip": req.chip}))).into_response(),
@@ -566,11 +566,11 @@ async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Respo
     }
 }
 
-fn known_chip(st: &GatewayState, id: &str) -> Result<Addr, Response> {
+fn known_chip(st: &GatewayState, id: &str) -> Result<Addr, Box<ApiError>> {
     st.config.chips.get(id).copied().ok_or_else(|| {
         let mut known: Vec<&String> = st.config.chips.keys().collect();
         known.sort();
-        error_response(ApiError::bad_request(format!("unknown chip `{id}`; chips: {known:?}"), Some("chip")))
+        Box::new(ApiError::bad_request(format!("unknown chip `{id}`; chips: {known:?}"), Some("chip")))
     })
 }
 
@@ -596,7 +596,7 @@ async fn set_role(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response 
     }
     let chip = match known_chip(&st, &req.chip) {
         Ok(chip) => chip,
-        Err(response) => return response,
+        Err(e) => return error_response(*e),
     };
     match st.host.send(chip, Msg::SetRole { role: req.role.clone() }) {
         Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"chip": req.chip, "role": req.role, "draining": true})))
