@@ -371,8 +371,7 @@ impl Chip {
             return;
         }
         self.handoffs.waiting.push_back(offer);
-        self.admit_offers(fx);
-        self.report(fx);
+        self.settle(fx);
     }
 
     /// Claims waiting offers, in order, while their blocks fit.

@@ -263,12 +263,13 @@ impl Chip {
         for p in prefilled {
             self.prefill_finished(p, fx);
         }
-        self.admit_offers(fx);
         self.settle(fx);
     }
 
-    /// After work ended: finish a drain if it is time, report, and go on.
+    /// After work ended: claim KV offers that now fit, finish a drain if it is time,
+    /// report, and go on.
     fn settle(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.admit_offers(fx);
         let idle = self.batcher.as_ref().is_none_or(|b| !b.has_work()) && self.handoffs.is_empty();
         if idle && let Some(role) = self.draining_to.take() {
             tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "drained; role changed");

@@ -321,3 +321,29 @@ fn role_change_drains_first() {
     assert_eq!(d.chip.role, "both", "drained: the new role is taken");
     assert_eq!(d.used(), 0);
 }
+
+#[test]
+fn an_offer_waits_for_free_blocks_then_is_claimed() {
+    let mut small = info(4, "head-major", 1);
+    small.num_blocks = 4;
+    small.format.num_blocks = 4;
+    let mut d = Side::new(D, "decode", small);
+    let first = make_offer();
+    let mut second = make_offer();
+    second.seq.request_id = 10;
+    d.chip.handle(Msg::KvOffer { offer: first }, &mut d.fx);
+    d.chip.handle(Msg::KvOffer { offer: second }, &mut d.fx);
+    let claims = |sent: &[(Addr, Msg)]| -> Vec<u64> {
+        sent.iter()
+            .filter_map(|(_, m)| match m {
+                Msg::KvClaim { request_id, .. } => Some(*request_id),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(claims(&d.sent()), vec![9], "the second offer's 3 blocks do not fit beside the first's");
+    assert_eq!(d.used(), 3);
+    d.chip.handle(Msg::KvCancel { request_id: 9, reason: "test".into() }, &mut d.fx);
+    assert_eq!(claims(&d.sent()), vec![10], "claimed once the first one's blocks were freed");
+    assert_eq!(d.used(), 3);
+}
