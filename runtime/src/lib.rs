@@ -1,6 +1,6 @@
 //! The actor runtime: the sans-IO `Behavior`/`Effects` model every actor is written
 //! against, the actix host that runs behaviors in real time, the ZeroMQ bus between
-//! hosts and its MessagePack codec. Only this crate knows actix and ZeroMQ; it knows
+//! hosts and its MessagePack codec, and the KV transfer engine (the data plane). Only this crate knows actix and ZeroMQ; it knows
 //! nothing of models, chips or HTTP.
 
 pub mod actor;
@@ -8,6 +8,7 @@ pub mod addr;
 pub mod bus;
 pub mod codec;
 pub mod host;
+mod peer;
 pub mod transfer;
 
 pub use addr::{Addr, HostId};

@@ -236,21 +236,9 @@ impl Drop for PeerGuard {
     fn drop(&mut self) {
         match self {
             PeerGuard::Process(child) => {
-                let Some(mut child) = child.take() else { return };
-                // Closing its stdin asks it to stop; kill it if it does not.
-                drop(child.stdin.take());
-                let deadline = Instant::now() + Duration::from_secs(3);
-                loop {
-                    match child.try_wait() {
-                        Ok(Some(_)) => return,
-                        Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-                        _ => break,
-                    }
+                if let Some(mut child) = child.take() {
+                    crate::peer::stop_peer_process(&mut child, "bus bench peer");
                 }
-                if let Err(e) = child.kill() {
-                    tracing::warn!("cannot kill the bench peer (pid {}): {e}", child.id());
-                }
-                let _ = child.wait();
             }
             PeerGuard::Thread { stop, join } => {
                 if let Some(stop) = stop.take() {

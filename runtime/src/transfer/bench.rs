@@ -297,22 +297,7 @@ enum PeerGuard {
 impl Drop for PeerGuard {
     fn drop(&mut self) {
         match self {
-            PeerGuard::Process(child) => {
-                // Closing its stdin asks it to stop; kill it if it does not.
-                drop(child.stdin.take());
-                let deadline = Instant::now() + Duration::from_secs(3);
-                loop {
-                    match child.try_wait() {
-                        Ok(Some(_)) => return,
-                        Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-                        _ => break,
-                    }
-                }
-                if let Err(e) = child.kill() {
-                    tracing::warn!("cannot kill the transfer bench peer (pid {}): {e}", child.id());
-                }
-                let _ = child.wait();
-            }
+            PeerGuard::Process(child) => crate::peer::stop_peer_process(child, "transfer bench peer"),
             PeerGuard::Thread { stop, join } => {
                 drop(stop.take());
                 if let Some(join) = join.take()
