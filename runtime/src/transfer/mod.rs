@@ -544,7 +544,7 @@ impl TransferEngine {
         {
             return Ok(map.clone());
         }
-        // Opened outside the lock: MAP_POPULATE of a large region takes a while.
+        // Opened outside the lock: opening and mapping a peer's region takes syscalls.
         let map = Arc::new(PeerMapping::open(remote).map_err(|reason| TransferError::ShmMap {
             pid: remote.endpoint.pid,
             region: remote.region,

@@ -63,13 +63,15 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps `len > 0` bytes of `fd` shared, prefaulted (`MAP_POPULATE`) so the first
-    /// transfer does not pay a page fault per 4 KiB.
+    /// Maps `len > 0` bytes of `fd` shared. Not prefaulted: a memfd's pages are allocated
+    /// when first written, so a large region (a chip's whole staging mirror) costs only
+    /// the blocks actually staged, on the writer and on every reader. The first copy of
+    /// a page pays its fault; later ones do not.
     fn new(fd: RawFd, len: usize, writable: bool) -> io::Result<Mapping> {
         let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: asks the kernel for a fresh mapping at an address of its choosing; no
         // existing memory of this process is touched. `fd` is open for the call.
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED | libc::MAP_POPULATE, fd, 0) };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
