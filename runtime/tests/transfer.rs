@@ -120,6 +120,25 @@ fn whole_region_in_scattered_blocks_crosses_chunks_and_streams() {
 }
 
 #[test]
+fn large_batches_copy_exact_bytes_with_streaming_stores() {
+    // Past 8 MiB a shm batch is copied with cache-bypassing stores: odd lengths and
+    // unaligned source and destination offsets must still land byte for byte.
+    const BIG: usize = 12 << 20;
+    let (owner, reader) = (engine(), engine());
+    let src = owner.register(BIG).expect("register the source");
+    let src_bytes = pattern(BIG, 3);
+    src.write(0, &src_bytes).expect("fill the source");
+    let remote = owner.describe(&src);
+    let dst = reader.register(BIG).expect("register the destination");
+    let piece = (BIG / 4 - 7) as u64;
+    let batch: Vec<_> = (0..4u64).map(|i| a(i * piece + 3, (3 - i) * piece + 1 + i, piece - i)).collect();
+    let want = expected(&src_bytes, BIG, &batch);
+    let stats = reader.read_via(Transport::Shm, &remote, &dst, &batch).expect("read");
+    assert!(stats.bytes >= 8 << 20, "the batch is big enough to stream");
+    assert!(contents(&dst) == want, "streamed shm copy delivered wrong bytes");
+}
+
+#[test]
 fn many_small_assignments() {
     let p = pair();
     let dst = p.b.register(REGION_BYTES).expect("register");

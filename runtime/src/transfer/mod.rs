@@ -578,11 +578,17 @@ impl Drop for TransferEngine {
     }
 }
 
+/// Batches larger than this are copied with streaming (cache-bypassing) stores: they
+/// would only evict the caches anyway. Smaller ones (one layer of one request's KV,
+/// decoded right after) stay in cache for the reader.
+const SHM_STREAMING_BYTES: u64 = 8 << 20;
+
 fn shm_copy(peer: &PeerMapping, local: &Region, plan: &batch::Plan) -> Result<(), TransferError> {
+    let streaming = plan.bytes >= SHM_STREAMING_BYTES;
     for chunk in &plan.chunks {
         let mut src = chunk.src_offset as usize;
         for piece in &plan.pieces[chunk.pieces.clone()] {
-            local.copy_from_peer(peer, src, piece.dst_offset as usize, piece.len as usize)?;
+            local.copy_from_peer(peer, src, piece.dst_offset as usize, piece.len as usize, streaming)?;
             src += piece.len as usize;
         }
     }
