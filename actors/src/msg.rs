@@ -65,6 +65,20 @@ pub struct SamplingSpec {
     pub ignore_eos: bool,
 }
 
+impl SamplingSpec {
+    /// Greedy decoding, stopping only at the model's end-of-sequence tokens.
+    pub fn greedy() -> SamplingSpec {
+        SamplingSpec {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
 /// A sequence handed to a chip: the prompt plus whatever was already generated (a
 /// replay after failover), and how many more tokens it may produce.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -12,14 +12,7 @@ fn seq(id: u64, prompt: usize, max_new: usize) -> SeqRequest {
         tokens: (0..prompt as u32).map(|t| t % 50 + 3).collect(),
         generated: 0,
         max_new_tokens: max_new,
-        sampling: SamplingSpec {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            stop_token_ids: vec![2],
-            ignore_eos: false,
-        },
+        sampling: SamplingSpec { stop_token_ids: vec![2], ..SamplingSpec::greedy() },
     }
 }
 

@@ -127,14 +127,7 @@ fn seq(prompt: usize, max_new: usize) -> SeqRequest {
         tokens: (1..=prompt as u32).collect(),
         generated: 0,
         max_new_tokens: max_new,
-        sampling: SamplingSpec {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            stop_token_ids: vec![],
-            ignore_eos: true,
-        },
+        sampling: SamplingSpec { ignore_eos: true, ..SamplingSpec::greedy() },
     }
 }
 

@@ -12,19 +12,7 @@ const CLIENT: Addr = Addr { host: HostId(0), actor: 4000 };
 const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };
 
 fn request(max_tokens: usize) -> Request {
-    let spec = RequestSpec {
-        request_id: 9,
-        prompt: vec![1, 2, 3],
-        max_tokens,
-        sampling: SamplingSpec {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            stop_token_ids: vec![],
-            ignore_eos: false,
-        },
-    };
+    let spec = RequestSpec { request_id: 9, prompt: vec![1, 2, 3], max_tokens, sampling: SamplingSpec::greedy() };
     Request::new(spec, CLIENT, ROUTER, RetryPolicy::default())
 }
 

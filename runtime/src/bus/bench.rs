@@ -10,7 +10,7 @@
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -260,13 +260,7 @@ impl Drop for PeerGuard {
 fn launch_peer(launch: &PeerLaunch, args: &BusPeerArgs) -> Result<PeerGuard, BusError> {
     match launch {
         PeerLaunch::Process { program, args: prefix } => {
-            let child = Command::new(program)
-                .args(prefix)
-                .args(args.to_args())
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
+            let child = crate::peer::spawn_peer_process(program, prefix, args.to_args())
                 .map_err(|e| bench_err(format!("cannot start the peer {}: {e}", program.display())))?;
             let mut guard = PeerGuard::Process(Some(child));
             let PeerGuard::Process(Some(child)) = &mut guard else { unreachable!() };

@@ -18,7 +18,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -316,13 +316,7 @@ fn launch_peer(launch: &PeerLaunch, args: &TransferPeerArgs) -> Result<(PeerGuar
     let (tx, rx) = std::sync::mpsc::channel::<Result<PeerHello, String>>();
     let guard = match launch {
         PeerLaunch::Process { program, args: prefix } => {
-            let mut child = Command::new(program)
-                .args(prefix)
-                .args(args.to_args())
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
+            let mut child = crate::peer::spawn_peer_process(program, prefix, args.to_args())
                 .map_err(|e| BenchError::Peer(format!("cannot start {}: {e}", program.display())))?;
             let stdout = child.stdout.take().ok_or_else(|| BenchError::Peer("peer has no stdout".into()))?;
             std::thread::spawn(move || {
