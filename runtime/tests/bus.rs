@@ -338,3 +338,171 @@ fn bench_runs_against_a_thread_peer() {
     assert_eq!(report.bus_stats.dropped, 0);
     assert!(report.table().contains("bus/tcp"));
 }
+
+/// Hostile bytes at a bus port, as a raw TCP client would send them.
+mod hostile {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// A ZMTP 3.0 greeting with the NULL mechanism.
+    pub fn greeting() -> Vec<u8> {
+        let mut g = vec![0u8; 64];
+        g[0] = 0xff;
+        g[9] = 0x7f;
+        g[10] = 3;
+        g[12..16].copy_from_slice(b"NULL");
+        g
+    }
+
+    /// A READY command announcing `socket_type`.
+    pub fn ready(socket_type: &str) -> Vec<u8> {
+        let mut body = vec![5u8];
+        body.extend_from_slice(b"READY");
+        body.push(11);
+        body.extend_from_slice(b"Socket-Type");
+        body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+        body.extend_from_slice(socket_type.as_bytes());
+        let mut frame = vec![0x04, body.len() as u8];
+        frame.extend_from_slice(&body);
+        frame
+    }
+
+    /// A long frame header (flags | LONG) announcing `len` bytes.
+    pub fn long_header(flags: u8, len: u64) -> Vec<u8> {
+        let mut h = vec![flags | 0x02];
+        h.extend_from_slice(&len.to_be_bytes());
+        h
+    }
+
+    /// How far into a connection the hostile bytes come.
+    #[derive(Debug, Clone, Copy)]
+    pub enum Stage {
+        /// Connected, nothing sent: the handshake must time out.
+        Silent,
+        /// Greeting sent, then a command header announcing ~2^60 bytes.
+        HugeCommand,
+        /// Greeting and READY done, then a message frame announcing ~2^60 bytes.
+        HugeMessage,
+        /// Handshake done, then a 300 MB frame announced and trickled.
+        TrickledLarge,
+        /// Handshake done, then a multipart message whose parts together pass the bound.
+        ManyParts,
+    }
+
+    pub const STAGES: [Stage; 5] =
+        [Stage::Silent, Stage::HugeCommand, Stage::HugeMessage, Stage::TrickledLarge, Stage::ManyParts];
+
+    /// Plays `stage` against `addr` (a ROUTER or PUB port; `peer_type` is what we claim
+    /// to be) and returns once the host has closed the connection; panics if it has not
+    /// within `WAIT`.
+    pub async fn play(addr: SocketAddr, peer_type: &str, stage: Stage) {
+        let mut conn = TcpStream::connect(addr).await.expect("connect to the bus port");
+        async fn write(conn: &mut TcpStream, bytes: Vec<u8>) -> bool {
+            conn.write_all(&bytes).await.is_ok()
+        }
+        match stage {
+            Stage::Silent => {}
+            Stage::HugeCommand => {
+                let mut bytes = greeting();
+                bytes.extend(long_header(0x04, 1 << 60));
+                write(&mut conn, bytes).await;
+            }
+            Stage::HugeMessage | Stage::TrickledLarge | Stage::ManyParts => {
+                let mut bytes = greeting();
+                bytes.extend(ready(peer_type));
+                write(&mut conn, bytes).await;
+                let header = match stage {
+                    Stage::HugeMessage => long_header(0x00, 1 << 60),
+                    Stage::TrickledLarge => long_header(0x00, 300 << 20),
+                    _ => Vec::new(),
+                };
+                write(&mut conn, header).await;
+                match stage {
+                    Stage::TrickledLarge => {
+                        // A few KiB at a time, as a slow attacker would.
+                        for _ in 0..64 {
+                            if !write(&mut conn, vec![0u8; 4096]).await {
+                                break;
+                            }
+                        }
+                    }
+                    Stage::ManyParts => {
+                        // 1 MiB parts with MORE set: 17 of them pass a 16 MiB bound.
+                        let part = {
+                            let mut p = long_header(0x01, 1 << 20);
+                            p.extend(vec![0u8; 1 << 20]);
+                            p
+                        };
+                        for _ in 0..24 {
+                            if !write(&mut conn, part.clone()).await {
+                                break;
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let deadline = Instant::now() + WAIT;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "the host kept a hostile connection open ({stage:?} at {addr})");
+            match tokio::time::timeout(left, conn.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return,
+                Ok(Ok(_)) => {} // the host's own greeting and READY
+                Err(_) => panic!("the host kept a hostile connection open ({stage:?} at {addr})"),
+            }
+        }
+    }
+}
+
+/// Hostile frame headers (huge, trickled, split into many parts) and silent clients, at
+/// both bus ports of a host and in each connection state: each such connection is
+/// closed by the host, and the host goes on serving its real peer both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_frames_at_every_port_and_state_leave_the_host_serving() {
+    let (pa, pb) = (ports(), ports());
+    let (ia, mut ra) = collector();
+    let (ib, mut rb) = collector();
+    let hardened = |mut c: BusConfig| {
+        c.handshake_timeout = Duration::from_millis(500);
+        c
+    };
+    let a = start(hardened(config(A, pa, B, pb, 64)), ia).await;
+    let b = start(hardened(config(B, pb, A, pa, 64)), ib).await;
+    send_until_received(&a, A, B, 0, &mut rb).await;
+    send_until_received(&b, B, A, 0, &mut ra).await;
+
+    let mut corr = 1_000_000;
+    for (port, peer_type) in [(a.direct_addr(), "DEALER"), (a.events_addr(), "SUB")] {
+        for stage in hostile::STAGES {
+            hostile::play(port, peer_type, stage).await;
+            // Still serving, both ways: direct messages in and out, broadcasts out.
+            send_until_received(&b, B, A, corr, &mut ra).await;
+            send_until_received(&a, A, B, corr, &mut rb).await;
+            corr += 1_000;
+        }
+    }
+    // Two trickling connections at once are each bounded and cut off too.
+    let both = futures::future::join(
+        hostile::play(a.direct_addr(), "DEALER", hostile::Stage::TrickledLarge),
+        hostile::play(a.events_addr(), "SUB", hostile::Stage::TrickledLarge),
+    );
+    both.await;
+    send_until_received(&a, A, B, corr, &mut rb).await;
+    // A's PUB still reaches B's SUB.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        assert!(Instant::now() < deadline, "no broadcast from A reached B after the hostile connections");
+        a.publish(Envelope::broadcast(Addr::new(A, 7), "heartbeat", "Beat", vec![1])).expect("publish");
+        if let Ok(Some(env)) = tokio::time::timeout(Duration::from_millis(20), rb.recv()).await
+            && env.topic.as_deref() == Some("heartbeat")
+        {
+            break;
+        }
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -36,6 +36,8 @@ pub(super) struct LinkCtx {
     pub counters: Arc<Counters>,
     pub send_timeout: Duration,
     pub reconnect_max: Duration,
+    pub max_frame_bytes: usize,
+    pub handshake_timeout: Duration,
     pub reset: watch::Receiver<u64>,
 }
 
@@ -55,6 +57,8 @@ fn fresh_identity(name: &str, host: HostId) -> Option<PeerIdentity> {
 fn options(ctx: &LinkCtx) -> SocketOptions {
     let mut options = SocketOptions::default();
     options.connect_timeout(CONNECT_ATTEMPT);
+    options.max_message_size(ctx.max_frame_bytes);
+    options.handshake_timeout(ctx.handshake_timeout);
     if let Some(id) = fresh_identity(&ctx.own_name, ctx.own_host) {
         options.peer_identity(id);
     }

@@ -29,11 +29,15 @@
 //!   wait. Until a peer stalls, up to that many frames sit in ZeroMQ beyond our queue.
 //! - No ZMTP heartbeats, no TCP keepalive: a peer that vanishes without closing its
 //!   connections is noticed only by a send timing out; see [`Bus::reset_peer`].
-//! - No maximum message size: a peer can announce a huge frame and the crate reserves
-//!   buffer for it. [`codec::MAX_FRAME_BYTES`] is checked only after a frame arrives.
-//!   The bus trusts the cluster network.
-//! - No handshake timeout on accepted connections, and a handshake that ends after
-//!   its socket closed leaks the connection and a task; shutdown reaps those.
+//! - The published crate has no maximum message size and no handshake timeout (a few
+//!   bytes announcing a 2^60-byte frame aborted the process). The workspace patches it
+//!   (`runtime/vendor/zeromq`, see its PATCH.md): every socket of the bus refuses a
+//!   message over [`BusConfig::max_frame_bytes`] *before* reserving memory for it, in
+//!   every connection state, and drops that connection; a connection that has not
+//!   completed its ZMTP handshake within [`BusConfig::handshake_timeout`] is closed.
+//!   So one connection can make a host hold at most about `max_frame_bytes` + 64 KiB.
+//! - A handshake that ends after its socket closed leaks the connection and a task;
+//!   shutdown reaps those.
 
 pub mod bench;
 mod link;
@@ -49,7 +53,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{PubSocket, RouterSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::addr::HostId;
 use crate::codec::{self, CodecError, Envelope};
@@ -86,6 +90,11 @@ pub struct BusConfig {
     pub send_timeout: Duration,
     /// Longest wait between two connection attempts to a peer.
     pub reconnect_max: Duration,
+    /// The largest message accepted on any bus socket (all its ZeroMQ frames); a peer
+    /// announcing more is disconnected before anything is allocated for it.
+    pub max_frame_bytes: usize,
+    /// A connection that has not completed its ZMTP handshake by then is closed.
+    pub handshake_timeout: Duration,
 }
 
 impl BusConfig {
@@ -99,12 +108,35 @@ impl BusConfig {
             queue_capacity: DEFAULT_QUEUE_CAPACITY,
             send_timeout: Duration::from_secs(5),
             reconnect_max: Duration::from_secs(1),
+            max_frame_bytes: codec::MAX_FRAME_BYTES,
+            handshake_timeout: Duration::from_secs(5),
         }
+    }
+
+    /// Socket options every bus socket uses: the message-size bound and the handshake
+    /// timeout.
+    pub(crate) fn socket_options(&self) -> SocketOptions {
+        let mut options = SocketOptions::default();
+        options.max_message_size(self.max_frame_bytes);
+        options.handshake_timeout(self.handshake_timeout);
+        options
     }
 
     fn validate(&self) -> Result<(), BusError> {
         if self.queue_capacity == 0 {
             return Err(BusError::Config("queue_capacity must be at least 1".into()));
+        }
+        // Our own envelopes (up to codec::MAX_FRAME_BYTES) plus the topic or identity
+        // frame must fit, or the bus would refuse its own traffic.
+        if !(4096..=1 << 30).contains(&self.max_frame_bytes) {
+            return Err(BusError::Config(format!(
+                "max_frame_bytes must be between 4096 and {}, not {}",
+                1u64 << 30,
+                self.max_frame_bytes
+            )));
+        }
+        if self.handshake_timeout.is_zero() {
+            return Err(BusError::Config("handshake_timeout must be positive".into()));
         }
         let mut seen = HashSet::new();
         for peer in &self.peers {
@@ -341,9 +373,9 @@ impl Bus {
         config.validate()?;
         tokio::runtime::Handle::try_current().map_err(|_| BusError::NoRuntime)?;
 
-        let mut router = RouterSocket::new();
+        let mut router = RouterSocket::with_options(config.socket_options());
         let direct = bind(&mut router, "direct", config.direct).await?;
-        let mut publisher = PubSocket::new();
+        let mut publisher = PubSocket::with_options(config.socket_options());
         let events = match bind(&mut publisher, "events", config.events).await {
             Ok(addr) => addr,
             Err(e) => {
@@ -380,6 +412,8 @@ impl Bus {
                 counters: counters.clone(),
                 send_timeout: config.send_timeout,
                 reconnect_max: config.reconnect_max,
+                max_frame_bytes: config.max_frame_bytes,
+                handshake_timeout: config.handshake_timeout,
                 reset: reset_rx,
             };
             tasks.push(tokio::spawn(link::run_dealer(ctx.clone(), rx, stop_rx.clone())));
