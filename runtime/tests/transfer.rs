@@ -1,7 +1,7 @@
 //! The KV transfer engine over loopback, two engines in one process: exact bytes over
 //! shm and tcp for random batches, edge batches, clear errors for bad requests, a
-//! hostile raw client, and a vanished peer. Nothing here waits on a clock except the
-//! bounds asserted on error paths.
+//! hostile raw client, connection limits, and a vanished peer. Nothing here waits on a
+//! clock except the bounds asserted on error paths and the server's own timeouts.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream};
@@ -44,7 +44,12 @@ struct Pair {
 }
 
 fn pair() -> Pair {
-    let (a, b) = (engine(), engine());
+    pair_with(TransferConfig::new(loopback()))
+}
+
+/// [`pair`] with engine A (the one serving) started from `config`.
+fn pair_with(config: TransferConfig) -> Pair {
+    let (a, b) = (TransferEngine::start(config).expect("start the serving engine"), engine());
     let src = a.register(REGION_BYTES).expect("register the source");
     let src_bytes = pattern(REGION_BYTES, 7);
     src.write(0, &src_bytes).expect("fill the source");
@@ -320,6 +325,32 @@ fn raw_connect(p: &Pair) -> TcpStream {
     s
 }
 
+/// A raw connection to `p`'s engine from loopback address `from`: the server sees each
+/// 127.0.0.x as a different peer (std cannot bind before connecting; tokio's socket can).
+fn raw_connect_from(from: Ipv4Addr, p: &Pair) -> TcpStream {
+    let to = p.remote.endpoint.tcp;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_io().build().expect("a runtime to connect with");
+    let s = rt
+        .block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind(SocketAddr::from((from, 0)))?;
+            socket.connect(to).await?.into_std()
+        })
+        .unwrap_or_else(|e| panic!("connect from {from} to {to}: {e}"));
+    s.set_nonblocking(false).expect("blocking");
+    s.set_read_timeout(Some(FAIL_FAST)).expect("timeout");
+    s
+}
+
+/// Asks for `len` bytes at `offset` of `p`'s source region on a raw connection and
+/// checks they arrive.
+fn assert_raw_read(s: &mut TcpStream, p: &Pair, offset: usize, len: usize) {
+    s.write_all(&raw_request(b"TSXF", 1, 1, p.remote.region, offset as u64, len as u64)).expect("send");
+    let (status, bytes) = raw_response(s).expect("a reply");
+    assert_eq!(status, 0, "{}", String::from_utf8_lossy(&bytes));
+    assert!(bytes == p.src_bytes[offset..offset + len], "wrong bytes");
+}
+
 /// The peer closed: EOF (or a reset) within the bound, not a hang.
 fn assert_closed(stream: &mut TcpStream) {
     let mut rest = Vec::new();
@@ -385,6 +416,106 @@ fn hostile_raw_clients_get_errors_or_closes_and_others_keep_being_served() {
         greedy.write_all(&raw_request(b"TSXF", 1, 1, region, 0, REGION_BYTES as u64)).expect("send");
     }
     assert_still_serving(&p);
+}
+
+/// `RemoteStatus::TooManyConnections` on the wire.
+const TOO_MANY_CONNECTIONS: u16 = 6;
+
+#[test]
+fn a_peer_past_its_connection_cap_is_refused_and_other_peers_are_served() {
+    let mut config = TransferConfig::new(loopback());
+    (config.tcp_streams, config.max_connections_per_peer) = (2, 3);
+    let p = pair_with(config);
+    let hostile = Ipv4Addr::new(127, 0, 0, 2);
+    let mut within: Vec<TcpStream> = (0..3).map(|_| raw_connect_from(hostile, &p)).collect();
+    // One more from the same address: refused at once, without a request, then closed.
+    let mut over = raw_connect_from(hostile, &p);
+    let (status, text) = raw_response(&mut over).expect("a refusal");
+    let text = String::from_utf8_lossy(&text);
+    assert_eq!(status, TOO_MANY_CONNECTIONS, "{text}");
+    assert!(text.contains("at most 3 connections per peer address"), "{text}");
+    assert_closed(&mut over);
+    for s in &mut within {
+        assert_raw_read(s, &p, 100, 64);
+    }
+    // Engine B (from 127.0.0.1) is another peer: served as usual.
+    let dst = p.b.register(REGION_BYTES).expect("register");
+    p.b.read_via(Transport::Tcp, &p.remote, &dst, &[a(0, 0, REGION_BYTES as u64)]).expect("another peer is served");
+    assert!(contents(&dst) == p.src_bytes);
+}
+
+#[test]
+fn idle_connections_filling_the_server_are_closed_to_make_room_for_a_new_peer() {
+    let mut config = TransferConfig::new(loopback());
+    (config.tcp_streams, config.max_connections, config.max_connections_per_peer) = (2, 4, 2);
+    // Only shedding, not the first-request timeout, may free a place during the test.
+    config.first_request_timeout = Duration::from_secs(600);
+    let p = pair_with(config);
+    // Two peers fill the server with connections that never ask for anything.
+    let mut idle: Vec<TcpStream> = [2, 2, 3, 3].map(|x| raw_connect_from(Ipv4Addr::new(127, 0, 0, x), &p)).into();
+    // B reads over two streams: two new connections, each closing the one idle longest.
+    let mut config = TransferConfig::new(loopback());
+    (config.tcp_streams, config.chunk_bytes) = (2, 64 * 1024);
+    let b = TransferEngine::start(config).expect("start");
+    let dst = b.register(REGION_BYTES).expect("register");
+    b.read_via(Transport::Tcp, &p.remote, &dst, &[a(0, 0, REGION_BYTES as u64)]).expect("a new peer is served");
+    assert!(contents(&dst) == p.src_bytes);
+    assert_closed(&mut idle[0]);
+    assert_closed(&mut idle[1]);
+    // The younger idle ones were kept.
+    assert_raw_read(&mut idle[2], &p, 0, 32);
+    assert_raw_read(&mut idle[3], &p, 32, 32);
+}
+
+#[test]
+fn a_connection_that_never_asks_is_closed_after_the_first_request_timeout() {
+    let mut config = TransferConfig::new(loopback());
+    config.first_request_timeout = Duration::from_millis(200);
+    let p = pair_with(config);
+    let mut asked = raw_connect(&p);
+    assert_raw_read(&mut asked, &p, 0, 16);
+    let mut silent = raw_connect(&p);
+    let started = Instant::now();
+    assert_closed(&mut silent);
+    let waited = started.elapsed();
+    assert!(waited < FAIL_FAST, "closed after {waited:?}");
+    // The timeout is for a first request only: the connection that asked, idle since
+    // before the silent one came, is still served (idle_timeout is 30 s).
+    assert_raw_read(&mut asked, &p, 16, 16);
+}
+
+#[test]
+fn refusals_say_nothing_about_other_regions() {
+    let p = pair();
+    let others: Vec<Region> = (0..3).map(|_| p.a.register(3 * 4096).expect("register")).collect();
+    let mut s = raw_connect(&p);
+    // Unknown region: the id asked for, and nothing else that counts or sizes regions.
+    let ghost = p.remote.region ^ 0x5555;
+    s.write_all(&raw_request(b"TSXF", 1, 1, ghost, 0, 16)).expect("send");
+    let (status, text) = raw_response(&mut s).expect("a reply");
+    let text = String::from_utf8_lossy(&text).into_owned();
+    assert_eq!(status, 1, "{text}");
+    assert!(text.contains(&format!("unknown region {ghost}")), "{text}");
+    let rest = text.replace(&ghost.to_string(), "");
+    assert!(!rest.contains(|c: char| c.is_ascii_digit()), "a number besides the id: {text}");
+    for other in &others {
+        assert!(!text.contains(&other.id().to_string()), "{text}");
+    }
+    // Out of bounds: the region's real length stays unsaid.
+    let len = REGION_BYTES as u64;
+    s.write_all(&raw_request(b"TSXF", 1, 1, p.remote.region, len - 8, 16)).expect("send");
+    let (status, text) = raw_response(&mut s).expect("a reply");
+    let text = String::from_utf8_lossy(&text).into_owned();
+    assert_eq!(status, 2, "{text}");
+    assert!(text.contains("out of bounds") && text.contains(&format!("offset {}", len - 8)), "{text}");
+    let rest = text.replace(&p.remote.region.to_string(), "").replace(&(len - 8).to_string(), "").replace("16", "");
+    assert!(!rest.contains(|c: char| c.is_ascii_digit()), "a number besides those asked for: {text}");
+    // And the client-side error carries the same text.
+    let dst = p.b.register(4096).expect("register");
+    let mut desc = p.remote.clone();
+    desc.region = ghost;
+    let msg = p.b.read_via(Transport::Tcp, &desc, &dst, &[a(0, 0, 16)]).unwrap_err().to_string();
+    assert!(msg.contains(&format!("unknown region {ghost}")) && !msg.contains("registered"), "{msg}");
 }
 
 #[test]

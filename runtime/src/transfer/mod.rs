@@ -17,6 +17,9 @@
 //! - Nothing a peer sends can panic or wedge the engine: the server validates every
 //!   header (see [`wire`]), every socket read and write has a timeout, and a bad
 //!   connection is closed without touching the others.
+//! - No client can lock the others out or learn about regions it did not name: the
+//!   server caps connections per peer address and in all, closes idle ones to make room
+//!   for new ones, and its refusals name only what the request named (see `server`).
 //! - A region stays valid while anyone maps it. [`TransferEngine::unregister`] only stops
 //!   serving it over TCP and drops the engine's reference; a peer that already mapped
 //!   it over shm keeps reading the same pages (a cached mapping outlives the
@@ -104,6 +107,14 @@ pub struct TransferConfig {
     /// How long a server keeps an idle connection; clients drop pooled connections
     /// idle for half of it.
     pub idle_timeout: Duration,
+    /// How long a server waits for a new connection's first request header.
+    pub first_request_timeout: Duration,
+    /// Connections a server keeps open in all; when full, a new one makes room by
+    /// closing the one idle longest (see `server.rs`).
+    pub max_connections: usize,
+    /// Connections a server keeps open from one peer IP address; more are refused.
+    /// Every engine on a peer host opens `tcp_streams`, so leave room for several.
+    pub max_connections_per_peer: usize,
     /// The address peers dial, when it is not the bound one (e.g. listening on 0.0.0.0).
     pub advertise: Option<SocketAddr>,
 }
@@ -118,7 +129,10 @@ impl TransferConfig {
             pipeline_depth: 4,
             connect_timeout: Duration::from_secs(3),
             io_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(120),
+            idle_timeout: Duration::from_secs(30),
+            first_request_timeout: Duration::from_secs(5),
+            max_connections: 512,
+            max_connections_per_peer: 64,
             advertise: None,
         }
     }
@@ -134,8 +148,15 @@ impl TransferConfig {
         if self.pipeline_depth == 0 {
             return bad("pipeline_depth must be at least 1");
         }
-        if self.connect_timeout.is_zero() || self.io_timeout.is_zero() || self.idle_timeout.is_zero() {
+        if [self.connect_timeout, self.io_timeout, self.idle_timeout, self.first_request_timeout]
+            .iter()
+            .any(Duration::is_zero)
+        {
             return bad("timeouts must be positive");
+        }
+        if self.max_connections == 0 || self.max_connections_per_peer < self.tcp_streams {
+            // A peer configured like this engine opens `tcp_streams` connections.
+            return bad("max_connections must be at least 1 and max_connections_per_peer at least tcp_streams");
         }
         Ok(())
     }

@@ -9,6 +9,9 @@
 //! request whose header cannot be trusted (bad magic, version or op) the server replies
 //! with an error and closes the connection; after a well-formed request it refuses
 //! (unknown region, out of bounds, too long) it replies with an error and keeps serving.
+//! A server refusing a new connection (`TooManyConnections`) replies before any request
+//! and closes: the client reads it as the answer to its first request. Error text names
+//! only what the request named, never other regions.
 #![forbid(unsafe_code)]
 
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TSXF");
