@@ -46,6 +46,18 @@ impl ServeError {
     }
 }
 
+/// Whether a request a chip refused or handed back may go on, and what it costs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Retry {
+    /// It can never run (bad input, incompatible chips): the request fails.
+    No,
+    /// This chip lost it or cannot hold it: try another chip. Counts as an attempt.
+    Elsewhere,
+    /// This chip takes no new work right now (not up yet, restarting, draining for a
+    /// role change): try another chip, or wait for one. Costs no attempt.
+    Unavailable,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Finish {
     /// A stop or end-of-sequence token.
@@ -319,12 +331,14 @@ pub enum Msg {
         tokens: Vec<u32>,
         finish: Option<Finish>,
     },
-    /// Chip -> request: not taken; `retry` says another chip might.
+    /// Chip -> request: not taken, or handed back; `retry` says whether and how the
+    /// request may go on. `chip` is the chip at fault (a prefill chip forwarding its
+    /// decode chip's decline names the decode chip).
     Refused {
         request_id: u64,
         chip: Addr,
         error: ServeError,
-        retry: bool,
+        retry: Retry,
     },
     /// Router -> request: its chip went down; re-route and replay.
     ChipLost {
@@ -347,12 +361,12 @@ pub enum Msg {
         request_id: u64,
         decode: Addr,
     },
-    /// D -> P: not taken. `retry`: another decode chip might.
+    /// D -> P: not taken. `retry`: whether another decode chip might.
     KvDecline {
         request_id: u64,
         decode: Addr,
         error: ServeError,
-        retry: bool,
+        retry: Retry,
     },
     /// P -> D: layer `layer` of positions 0..upto is staged, in P's blocks `blocks`.
     KvReady {
@@ -446,6 +460,8 @@ pub enum Msg {
         host_name: String,
     },
     Tick,
+    /// Request -> itself: route again after a backoff.
+    Reroute,
 
     // Queries.
     /// Anyone -> router: reply with `ClusterView`.
@@ -497,6 +513,7 @@ impl Message for Msg {
             Msg::HostDown { .. } => "host_down",
             Msg::HostUp { .. } => "host_up",
             Msg::Tick => "tick",
+            Msg::Reroute => "reroute",
             Msg::QueryCluster { .. } => "query_cluster",
             Msg::ClusterView { .. } => "cluster_view",
         }

@@ -21,7 +21,7 @@ use super::Chip;
 use super::executor::{KvInstall, StepExecutor};
 use crate::batcher::Prefilled;
 use crate::kv::BlockRef;
-use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, SeqRequest, ServeError, StepOutcome};
+use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, Retry, SeqRequest, ServeError, StepOutcome};
 use std::collections::{HashMap, VecDeque};
 use tessera_runtime::Addr;
 use tessera_runtime::actor::{Effects, Job};
@@ -82,7 +82,7 @@ impl Handoffs {
 }
 
 impl Chip {
-    fn refuse(&self, seq: &SeqRequest, error: ServeError, retry: bool, fx: &mut dyn Effects<Msg>) {
+    fn refuse(&self, seq: &SeqRequest, error: ServeError, retry: Retry, fx: &mut dyn Effects<Msg>) {
         let msg = Msg::Refused { request_id: seq.request_id, chip: fx.me(), error, retry };
         let _ = fx.send(seq.req, msg);
     }
@@ -102,7 +102,7 @@ impl Chip {
         let (Some(info), Some(batcher), ChipState::Up, None) =
             (&self.info, &self.batcher, self.state, &self.draining_to)
         else {
-            self.refuse(&seq, self.unavailable(), true, fx);
+            self.refuse(&seq, self.unavailable(), Retry::Unavailable, fx);
             return;
         };
         if batcher.contains(seq.request_id) || self.handoffs.outgoing.contains_key(&seq.request_id) {
@@ -110,17 +110,17 @@ impl Chip {
         }
         let kv_tokens = seq.tokens.len().saturating_sub(1);
         if let Some(error) = self.check_fits(&seq, info, batcher.blocks_for(kv_tokens)) {
-            self.refuse(&seq, error, false, fx);
+            self.refuse(&seq, error, Retry::No, fx);
             return;
         }
         let Some(region) = info.staging.clone() else {
             let why = format!("chip {} has no KV staging region (no transfer engine)", self.config.id);
-            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), true, fx);
+            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), Retry::Elsewhere, fx);
             return;
         };
         if kv_tokens == 0 {
             let why = "a one-token prompt has nothing to prefill".to_string();
-            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), true, fx);
+            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), Retry::Elsewhere, fx);
             return;
         }
         let layers = info.format.num_layers;
@@ -152,7 +152,9 @@ impl Chip {
         if fx.send(decode, Msg::KvOffer { offer }).is_err() {
             let why = format!("chip {}: decode chip {decode} is unreachable", self.config.id);
             self.drop_outgoing(request_id, fx);
-            self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), true, fx);
+            // The decode chip is at fault: the request should avoid it, not this chip.
+            let error = ServeError::new(ErrorKind::Unavailable, why);
+            let _ = fx.send(seq.req, Msg::Refused { request_id, chip: decode, error, retry: Retry::Elsewhere });
         }
         self.settle(fx);
     }
@@ -180,7 +182,7 @@ impl Chip {
         request_id: u64,
         decode: Addr,
         error: ServeError,
-        retry: bool,
+        retry: Retry,
         fx: &mut dyn Effects<Msg>,
     ) {
         let Some(h) = self.handoffs.outgoing.get(&request_id) else { return };
@@ -190,7 +192,8 @@ impl Chip {
         let req = h.req;
         tracing::warn!(chip = %self.config.id, request_id, error = %error.message, "decode chip declined the KV");
         self.drop_outgoing(request_id, fx);
-        let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry });
+        // D declined: the request should avoid D, not this chip.
+        let _ = fx.send(req, Msg::Refused { request_id, chip: decode, error, retry });
         self.settle(fx);
     }
 
@@ -274,7 +277,8 @@ impl Chip {
         self.drop_outgoing(request_id, fx);
         let _ = fx.send(decode, Msg::KvCancel { request_id, reason: why.clone() });
         let error = ServeError::new(ErrorKind::Unavailable, why);
-        let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: true });
+        // D failed it: the request should avoid D, not this chip.
+        let _ = fx.send(req, Msg::Refused { request_id, chip: decode, error, retry: Retry::Elsewhere });
         self.settle(fx);
     }
 
@@ -286,7 +290,7 @@ impl Chip {
                 let _ = fx.send(h.decode, Msg::KvCancel { request_id, reason: reason.clone() });
             }
             let error = ServeError::new(ErrorKind::Unavailable, reason);
-            let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: true });
+            let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: Retry::Elsewhere });
         }
     }
 
@@ -314,14 +318,14 @@ impl Chip {
     // ---- Decode chip ----
 
     /// Why this chip cannot take `offer`, and whether another decode chip might.
-    fn offer_problem(&self, offer: &KvOffer) -> Option<(ServeError, bool)> {
+    fn offer_problem(&self, offer: &KvOffer) -> Option<(ServeError, Retry)> {
         let (Some(info), Some(batcher), ChipState::Up, None) =
             (&self.info, &self.batcher, self.state, &self.draining_to)
         else {
-            return Some((self.unavailable(), true));
+            return Some((self.unavailable(), Retry::Unavailable));
         };
         if let Some(why) = info.compat.mismatch(&self.config.id, &offer.compat, &offer.prefill_id) {
-            return Some((ServeError::new(ErrorKind::Internal, why), false));
+            return Some((ServeError::new(ErrorKind::Internal, why), Retry::No));
         }
         let (f, mine) = (&offer.format, &info.format);
         let bad = if (f.num_layers, f.num_kv_heads, f.head_dim) != (mine.num_layers, mine.num_kv_heads, mine.head_dim) {
@@ -349,9 +353,9 @@ impl Chip {
         };
         if let Some(why) = bad {
             let why = format!("chip {} refuses the KV offer of chip {}: {why}", self.config.id, offer.prefill_id);
-            return Some((ServeError::new(ErrorKind::Internal, why), false));
+            return Some((ServeError::new(ErrorKind::Internal, why), Retry::No));
         }
-        self.check(&offer.seq, info, batcher).map(|e| (e, false))
+        self.check(&offer.seq, info, batcher).map(|e| (e, Retry::No))
     }
 
     pub(super) fn offered(&mut self, offer: KvOffer, fx: &mut dyn Effects<Msg>) {
@@ -507,7 +511,7 @@ impl Chip {
         };
         if let Some(req) = req {
             let error = ServeError::new(ErrorKind::Unavailable, why);
-            let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: true });
+            let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: Retry::Elsewhere });
         }
         self.settle(fx);
     }
@@ -560,7 +564,7 @@ impl Chip {
             // Those still prefilling were handed back with the batcher's sequences.
             if h.blocks.is_some() {
                 let error = ServeError::new(ErrorKind::Unavailable, reason.clone());
-                let _ = fx.send(h.req, Msg::Refused { request_id, chip: me, error, retry: true });
+                let _ = fx.send(h.req, Msg::Refused { request_id, chip: me, error, retry: Retry::Elsewhere });
             }
         }
         for (request_id, h) in self.handoffs.incoming.drain() {
@@ -569,7 +573,7 @@ impl Chip {
         for offer in self.handoffs.waiting.drain(..) {
             let error = ServeError::new(ErrorKind::Unavailable, reason.clone());
             let request_id = offer.seq.request_id;
-            let _ = fx.send(offer.prefill, Msg::KvDecline { request_id, decode: me, error, retry: true });
+            let _ = fx.send(offer.prefill, Msg::KvDecline { request_id, decode: me, error, retry: Retry::Elsewhere });
         }
         self.handoffs.first_step.clear();
     }

@@ -14,7 +14,7 @@ mod handoff;
 
 use crate::batcher::{Batcher, BatcherLimits};
 use crate::kv::KvPool;
-use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, SeqRequest, ServeError};
+use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, SeqRequest, ServeError};
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::time::Duration;
@@ -170,20 +170,20 @@ impl Chip {
 
     fn enqueue(&mut self, seq: SeqRequest, fx: &mut dyn Effects<Msg>) {
         let me = fx.me();
-        let refuse = |fx: &mut dyn Effects<Msg>, error: ServeError, retry: bool| {
+        let refuse = |fx: &mut dyn Effects<Msg>, error: ServeError, retry: Retry| {
             let _ = fx.send(seq.req, Msg::Refused { request_id: seq.request_id, chip: me, error, retry });
         };
         let (Some(info), Some(batcher), ChipState::Up, None) =
             (&self.info, &self.batcher, self.state, &self.draining_to)
         else {
-            refuse(fx, self.unavailable(), true);
+            refuse(fx, self.unavailable(), Retry::Unavailable);
             return;
         };
         if batcher.contains(seq.request_id) {
             return; // a duplicate of a request already here
         }
         if let Some(error) = self.check(&seq, info, batcher) {
-            refuse(fx, error, false);
+            refuse(fx, error, Retry::No);
             return;
         }
         if let Some(b) = self.batcher.as_mut() {
@@ -309,7 +309,7 @@ impl Chip {
         if let Some(batcher) = self.batcher.as_mut() {
             for (request_id, req) in batcher.evict_all(self.pool.as_mut()) {
                 let error = ServeError::new(ErrorKind::Unavailable, format!("chip {}: {why}", self.config.id));
-                let _ = fx.send(req, Msg::Refused { request_id, chip: me, error, retry: true });
+                let _ = fx.send(req, Msg::Refused { request_id, chip: me, error, retry: Retry::Elsewhere });
             }
         }
     }

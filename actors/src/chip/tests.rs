@@ -210,7 +210,7 @@ fn incompatible_decode_chip_refuses_the_offer_naming_both_chips() {
         _ => None,
     });
     let (message, retry) = refused.expect("the request is told");
-    assert!(!retry);
+    assert_eq!(retry, Retry::No);
     assert!(message.contains("chip-1") && message.contains("chip-0") && message.contains("head_dim"), "{message}");
     p.run_jobs();
     assert_eq!(p.used(), 0);
@@ -233,7 +233,7 @@ fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
     let sent = p.sent();
     assert!(
         sent.iter().any(|(to, m)| *to == REQ
-            && matches!(m, Msg::Refused { retry: true, error, .. } if error.message.contains("lease")))
+            && matches!(m, Msg::Refused { retry: Retry::Elsewhere, error, .. } if error.message.contains("lease")))
     );
     assert!(sent.iter().any(|(to, m)| *to == D && matches!(m, Msg::KvCancel { .. })));
 }
@@ -255,7 +255,7 @@ fn malformed_kv_ready_is_refused_and_frees_both_sides() {
         let sent = d.sent();
         assert!(sent.iter().any(|(to, m)| *to == P && matches!(m, Msg::KvCancel { .. })), "{bad:?}");
         assert!(sent.iter().any(|(to, m)| *to == REQ
-            && matches!(m, Msg::Refused { retry: true, error, .. } if error.message.contains("malformed"))));
+            && matches!(m, Msg::Refused { retry: Retry::Elsewhere, error, .. } if error.message.contains("malformed"))));
     }
 }
 
@@ -278,7 +278,7 @@ fn offers_with_a_bad_format_are_declined_not_installed() {
         let sent = d.sent();
         assert!(
             sent.iter().any(|(to, m)| *to == P
-                && matches!(m, Msg::KvDecline { retry: false, error, .. } if error.message.contains(what))),
+                && matches!(m, Msg::KvDecline { retry: Retry::No, error, .. } if error.message.contains(what))),
             "{what}: {sent:?}"
         );
     }
@@ -308,7 +308,7 @@ fn role_change_drains_first() {
     assert!(
         d.sent()
             .iter()
-            .any(|(_, m)| matches!(m, Msg::Refused { retry: true, error, .. } if error.message.contains("draining")))
+            .any(|(_, m)| matches!(m, Msg::Refused { retry: Retry::Unavailable, error, .. } if error.message.contains("draining")))
     );
     d.chip.handle(Msg::KvCancel { request_id: 9, reason: "test".into() }, &mut d.fx);
     assert_eq!(d.chip.role, "both", "drained: the new role is taken");

@@ -4,8 +4,14 @@
 //! and replays the prompt plus every token already streamed, so the client sees one
 //! continuous stream with no duplicate and no gap. It always ends with the full output
 //! or a clear error, and always releases what it held.
+//!
+//! What a setback costs: a chip that loses the request (crash, lost hand-off, stall)
+//! spends one of `max_attempts`; a chip that only declines because it takes no work
+//! right now (restarting, draining) spends none — the request avoids it and re-routes
+//! at once, then, if the router has nothing better, waits with a doubling backoff, for
+//! at most `unavailable_timeout` in all.
 
-use crate::msg::{ClientEvent, ErrorKind, Finish, Msg, SamplingSpec, SeqRequest, ServeError};
+use crate::msg::{ClientEvent, ErrorKind, Finish, Msg, Retry, SamplingSpec, SeqRequest, ServeError};
 use std::time::Duration;
 use tessera_runtime::Addr;
 use tessera_runtime::actor::{Behavior, Effects, Moment};
@@ -26,13 +32,32 @@ pub struct RetryPolicy {
     pub max_attempts: u32,
     /// A chip that produced nothing for this long is given up on.
     pub stall_timeout: Duration,
+    /// How long, in all, a request waits for some chip to take it while the chips it
+    /// was routed to decline as unavailable (restarting, draining).
+    pub unavailable_timeout: Duration,
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        RetryPolicy { max_attempts: 8, stall_timeout: Duration::from_secs(60) }
+        RetryPolicy {
+            max_attempts: 8,
+            stall_timeout: Duration::from_secs(60),
+            unavailable_timeout: Duration::from_secs(30),
+        }
     }
 }
+
+/// The wait before re-route number `n` (1-based) after declines: none for the first
+/// (the router may know a better chip), then 10 ms doubling up to 1 s.
+pub fn reroute_backoff(n: u32) -> Duration {
+    match n {
+        0 | 1 => Duration::ZERO,
+        n => Duration::from_millis(10 << (n - 2).min(7)).min(Duration::from_secs(1)),
+    }
+}
+
+/// Chips a request remembers avoiding (the router prefers any other placement).
+const MAX_AVOIDED: usize = 64;
 
 pub struct Request {
     spec: RequestSpec,
@@ -45,6 +70,12 @@ pub struct Request {
     /// The chip prefilling it for `chip`, until `chip` sends the first token.
     prefill: Option<Addr>,
     attempts: u32,
+    /// Chips that lost or declined this request, oldest first.
+    avoid: Vec<Addr>,
+    /// Declines (and route failures) since the request last made progress.
+    declines: u32,
+    /// When those declines began.
+    unavailable_since: Option<Moment>,
     last_progress: Moment,
     done: bool,
 }
@@ -60,24 +91,32 @@ impl Request {
             chip: None,
             prefill: None,
             attempts: 0,
+            avoid: Vec::new(),
+            declines: 0,
+            unavailable_since: None,
             last_progress: Moment::default(),
             done: false,
         }
     }
 
-    fn route(&mut self, exclude: Vec<Addr>, fx: &mut dyn Effects<Msg>) {
+    /// A new placement, spending one attempt.
+    fn route(&mut self, fx: &mut dyn Effects<Msg>) {
         self.attempts += 1;
         if self.attempts > self.policy.max_attempts {
             let why = format!("no chip could serve the request after {} attempts", self.policy.max_attempts);
             self.fail(ServeError::new(ErrorKind::Unavailable, why), fx);
             return;
         }
+        self.ask_router(fx);
+    }
+
+    fn ask_router(&mut self, fx: &mut dyn Effects<Msg>) {
         let msg = Msg::Route {
             request_id: self.spec.request_id,
             req: fx.me(),
             tokens: self.spec.prompt.len() + self.spec.max_tokens,
             prompt_tokens: self.spec.prompt.len() + self.generated.len(),
-            exclude,
+            exclude: self.avoid.clone(),
         };
         if let Err(e) = fx.send(self.router, msg) {
             self.fail(ServeError::new(ErrorKind::Unavailable, format!("the router is unreachable: {e}")), fx);
@@ -111,22 +150,81 @@ impl Request {
         self.chip == Some(chip) || self.prefill == Some(chip)
     }
 
-    /// A chip this request holds is gone or refused: drop both chips (the other one
-    /// frees what it holds for this request) and try elsewhere.
-    fn chip_failed(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
-        if !self.holds(chip) {
-            return;
+    fn avoid(&mut self, chip: Addr) {
+        self.avoid.retain(|&c| c != chip);
+        if self.avoid.len() == MAX_AVOIDED {
+            self.avoid.remove(0);
         }
+        self.avoid.push(chip);
+    }
+
+    /// Lets go of both chips (the other one frees what it holds for this request) and
+    /// remembers to avoid `chip`.
+    fn leave(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
         for other in [self.chip, self.prefill].into_iter().flatten().filter(|&c| c != chip) {
             let _ = fx.send(other, Msg::Abort { request_id: self.spec.request_id });
         }
         self.release(fx);
+        self.avoid(chip);
         metrics::counter!("tessera_request_reroutes_total").increment(1);
-        self.route(vec![chip], fx);
+    }
+
+    /// A chip this request holds is gone or lost it: try elsewhere, spending an attempt.
+    fn chip_failed(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
+        if !self.holds(chip) {
+            return;
+        }
+        self.leave(chip, fx);
+        self.route(fx);
+    }
+
+    /// A chip this request holds takes no work right now: try elsewhere at once, then
+    /// with backoff, for at most `unavailable_timeout`; no attempt is spent.
+    fn chip_unavailable(&mut self, chip: Addr, error: ServeError, fx: &mut dyn Effects<Msg>) {
+        if !self.holds(chip) {
+            return;
+        }
+        self.leave(chip, fx);
+        self.wait_for_a_chip(error, fx);
+    }
+
+    fn wait_for_a_chip(&mut self, error: ServeError, fx: &mut dyn Effects<Msg>) {
+        let now = fx.now();
+        let since = *self.unavailable_since.get_or_insert(now);
+        if now.since(since) >= self.policy.unavailable_timeout {
+            let why = format!(
+                "no chip took the request within {} s ({})",
+                self.policy.unavailable_timeout.as_secs(),
+                error.message
+            );
+            self.fail(ServeError::new(ErrorKind::Unavailable, why), fx);
+            return;
+        }
+        self.declines += 1;
+        metrics::counter!("tessera_request_declines_total").increment(1);
+        match reroute_backoff(self.declines) {
+            d if d.is_zero() => self.ask_router(fx),
+            d => {
+                fx.timer(d, Msg::Reroute);
+            }
+        }
+    }
+
+    /// The router found no placement. A request that has not started fails at once
+    /// (the client gets 503/429); one already under way waits for a chip to come back.
+    fn route_failed(&mut self, error: ServeError, fx: &mut dyn Effects<Msg>) {
+        let under_way = self.attempts > 1 || self.declines > 0 || !self.generated.is_empty();
+        if under_way && error.kind == ErrorKind::Unavailable {
+            self.wait_for_a_chip(error, fx);
+        } else {
+            self.fail(error, fx);
+        }
     }
 
     fn generated(&mut self, tokens: Vec<u32>, finish: Option<Finish>, fx: &mut dyn Effects<Msg>) {
         self.last_progress = fx.now();
+        self.declines = 0;
+        self.unavailable_since = None;
         // The decode chip has the KV: the prefill chip's part is over.
         if let Some(p) = self.prefill.take() {
             let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip: p });
@@ -190,7 +288,7 @@ impl Behavior<Msg> for Request {
     fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
         self.last_progress = fx.now();
         fx.timer(self.policy.stall_timeout / 2, Msg::Tick);
-        self.route(Vec::new(), fx);
+        self.route(fx);
     }
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
@@ -199,17 +297,17 @@ impl Behavior<Msg> for Request {
         }
         match msg {
             Msg::Routed { chip, prefill, .. } => self.enqueue(chip, prefill, fx),
-            Msg::RouteFailed { error, .. } => self.fail(error, fx),
+            Msg::RouteFailed { error, .. } => self.route_failed(error, fx),
+            // Only while waiting to be placed again.
+            Msg::Reroute if self.chip.is_none() => self.ask_router(fx),
             Msg::Generated { chip, tokens, finish, .. } if self.chip == Some(chip) => {
                 self.generated(tokens, finish, fx)
             }
-            Msg::Refused { chip, error, retry, .. } if self.holds(chip) => {
-                if retry {
-                    self.chip_failed(chip, fx);
-                } else {
-                    self.fail(error, fx);
-                }
-            }
+            Msg::Refused { chip, error, retry, .. } if self.holds(chip) => match retry {
+                Retry::No => self.fail(error, fx),
+                Retry::Elsewhere => self.chip_failed(chip, fx),
+                Retry::Unavailable => self.chip_unavailable(chip, error, fx),
+            },
             Msg::ChipLost { chip } => self.chip_failed(chip, fx),
             Msg::Cancel => self.cancel(fx),
             Msg::Tick => {

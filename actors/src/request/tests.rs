@@ -92,7 +92,7 @@ fn refusals_retry_or_fail_and_a_gone_client_cancels() {
     // Not retryable: the client gets the error, the chip is released.
     let (mut fx, mut r) = routed_to(p, 4);
     let error = ServeError::new(ErrorKind::PromptTooLong, "too long");
-    r.handle(Msg::Refused { request_id: 9, chip: p, error: error.clone(), retry: false }, &mut fx);
+    r.handle(Msg::Refused { request_id: 9, chip: p, error: error.clone(), retry: Retry::No }, &mut fx);
     let sent = fx.take_sent();
     assert!(sent.iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Release { .. })));
     assert!(
@@ -118,7 +118,7 @@ fn a_request_gives_up_after_max_attempts() {
     for _ in 0..RetryPolicy::default().max_attempts {
         r.handle(Msg::Routed { request_id: 9, chip: p, prefill: None }, &mut fx);
         let error = ServeError::new(ErrorKind::Unavailable, "chip down");
-        r.handle(Msg::Refused { request_id: 9, chip: p, error, retry: true }, &mut fx);
+        r.handle(Msg::Refused { request_id: 9, chip: p, error, retry: Retry::Elsewhere }, &mut fx);
     }
     let failed = fx.take_sent().into_iter().any(|(to, m)| {
         to == CLIENT
@@ -180,9 +180,107 @@ fn losing_either_chip_of_a_disaggregated_request_aborts_the_other_and_replays() 
         // Late messages from the old pair are ignored.
         r.handle(generated(dc, vec![10], None), &mut fx);
         r.handle(
-            Msg::Refused { request_id: 9, chip: pc, error: ServeError::new(ErrorKind::Unavailable, "x"), retry: true },
+            Msg::Refused {
+                request_id: 9,
+                chip: pc,
+                error: ServeError::new(ErrorKind::Unavailable, "x"),
+                retry: Retry::Elsewhere,
+            },
             &mut fx,
         );
         assert!(fx.take_sent().is_empty());
     }
+}
+
+#[test]
+fn declines_from_a_chip_that_is_not_up_cost_no_attempt_and_back_off() {
+    let (p, q) = (a(1, 16), a(2, 16));
+    let mut fx = TestFx::new(ME);
+    let mut r = request(4);
+    r.on_start(&mut fx);
+    fx.take_sent();
+    let not_up = |chip| Msg::Refused {
+        request_id: 9,
+        chip,
+        error: ServeError::new(ErrorKind::Unavailable, "chip is not up"),
+        retry: Retry::Unavailable,
+    };
+    let routes = |fx: &mut TestFx| -> Vec<Vec<Addr>> {
+        fx.take_sent()
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Route { exclude, .. } if to == ROUTER => Some(exclude),
+                _ => None,
+            })
+            .collect()
+    };
+    // Far more declines than max_attempts: none of them is an attempt.
+    let declines = 3 * RetryPolicy::default().max_attempts;
+    for n in 1..=declines {
+        let chip = if n % 2 == 0 { p } else { q };
+        r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
+        fx.take_sent();
+        r.handle(not_up(chip), &mut fx);
+        if n == 1 {
+            // The first decline re-routes at once, avoiding the chip.
+            assert_eq!(routes(&mut fx), vec![vec![q]]);
+            continue;
+        }
+        assert!(routes(&mut fx).is_empty(), "decline {n}: waits before routing again");
+        let wait = reroute_backoff(n);
+        assert!(wait > Duration::ZERO && wait <= Duration::from_secs(1), "decline {n}: {wait:?}");
+        fx.advance(wait, &mut r);
+        let asked = routes(&mut fx);
+        assert_eq!(asked.len(), 1, "decline {n}: one route after the backoff");
+        assert!(asked[0].contains(&p) && asked[0].contains(&q), "both chips avoided: {asked:?}");
+    }
+    assert!(!fx.stopped, "declines alone never exhaust the attempts");
+    // Progress resets the wait; then declines for longer than unavailable_timeout fail it.
+    r.handle(Msg::Routed { request_id: 9, chip: p, prefill: None }, &mut fx);
+    r.handle(generated(p, vec![10], None), &mut fx);
+    fx.take_sent();
+    let limit = RetryPolicy::default().unavailable_timeout;
+    let started = fx.now();
+    r.handle(not_up(p), &mut fx);
+    while !fx.stopped {
+        assert!(fx.now().since(started) <= limit + Duration::from_secs(2), "bounded by unavailable_timeout");
+        fx.advance(Duration::from_millis(500), &mut r);
+        if let Some(Msg::Route { .. }) = fx.sent.last().map(|(_, m)| m) {
+            r.handle(Msg::Routed { request_id: 9, chip: p, prefill: None }, &mut fx);
+            r.handle(not_up(p), &mut fx);
+        }
+    }
+    assert!(fx.now().since(started) >= limit, "gave up only after unavailable_timeout");
+    let failed = fx.take_sent().into_iter().any(|(to, m)| {
+        to == CLIENT
+            && matches!(m, Msg::Client { event: ClientEvent::Failed { error } } if error.message.contains("no chip took"))
+    });
+    assert!(failed);
+}
+
+#[test]
+fn a_route_failure_mid_stream_waits_for_a_chip_but_a_fresh_request_fails_at_once() {
+    let p = a(1, 16);
+    let no_chip = || Msg::RouteFailed { request_id: 9, error: ServeError::new(ErrorKind::Unavailable, "no healthy chip") };
+    let mut fx = TestFx::new(ME);
+    let mut r = request(4);
+    r.on_start(&mut fx);
+    r.handle(no_chip(), &mut fx);
+    assert!(fx.stopped, "nothing started: the client gets 503 at once");
+
+    let (mut fx, mut r) = routed_to(p, 4);
+    r.handle(generated(p, vec![10], None), &mut fx);
+    r.handle(Msg::ChipLost { chip: p }, &mut fx);
+    fx.take_sent();
+    r.handle(no_chip(), &mut fx);
+    assert!(!fx.stopped, "a request under way waits for a chip to come back");
+    r.handle(no_chip(), &mut fx);
+    fx.advance(Duration::from_secs(1), &mut r);
+    assert!(fx.take_sent().iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Route { .. })));
+    r.handle(Msg::Routed { request_id: 9, chip: p, prefill: None }, &mut fx);
+    let sent = fx.take_sent();
+    assert!(
+        sent.iter().any(|(to, m)| *to == p && matches!(m, Msg::Enqueue { seq } if seq.tokens == vec![1, 2, 3, 10])),
+        "replays the prompt and the token already sent: {sent:?}"
+    );
 }

@@ -23,27 +23,24 @@ fn available(addr: &Addr, c: &ChipView, down_hosts: &BTreeSet<HostId>) -> bool {
     c.report.state == ChipState::Up && !c.report.draining && !down_hosts.contains(&addr.host)
 }
 
-/// The least loaded available chip accepted by `fits`, preferring those not in
-/// `exclude`; ties go to the lowest address, so the choice is deterministic.
+/// The least loaded available chip accepted by `fits` and not in `avoid`; ties go to
+/// the lowest address, so the choice is deterministic.
 fn least_loaded(
     chips: &BTreeMap<Addr, ChipView>,
     down_hosts: &BTreeSet<HostId>,
-    exclude: &[Addr],
+    avoid: &[Addr],
     fits: impl Fn(&ChipView) -> bool,
 ) -> Option<Addr> {
-    let best = |avoid: &[Addr]| {
-        chips
-            .iter()
-            .filter(|(a, c)| available(a, c, down_hosts) && fits(c) && !avoid.contains(a))
-            .min_by_key(|(a, c)| (c.load_tokens, **a))
-            .map(|(a, _)| *a)
-    };
-    best(exclude).or_else(|| best(&[]))
+    chips
+        .iter()
+        .filter(|(a, c)| available(a, c, down_hosts) && fits(c) && !avoid.contains(a))
+        .min_by_key(|(a, c)| (c.load_tokens, **a))
+        .map(|(a, _)| *a)
 }
 
-/// The least loaded available chip of any role (see `least_loaded`).
+/// The least loaded available chip of any role, preferring those not in `exclude`.
 pub fn pick(chips: &BTreeMap<Addr, ChipView>, down_hosts: &BTreeSet<HostId>, exclude: &[Addr]) -> Option<Addr> {
-    least_loaded(chips, down_hosts, exclude, |_| true)
+    least_loaded(chips, down_hosts, exclude, |_| true).or_else(|| least_loaded(chips, down_hosts, &[], |_| true))
 }
 
 /// Where a request runs: `decode` samples every token; `prefill`, when set, computes
@@ -57,7 +54,10 @@ pub struct Placed {
 /// Disaggregates when the prompt has at least `min_prompt_tokens` tokens and both a
 /// `prefill` and a compatible `decode` chip are available; otherwise runs the request
 /// on one chip: a `decode` or `both` chip, or — rather than refusing it — a `prefill`
-/// chip when no other is up.
+/// chip when no other is up. Any placement that avoids every chip in `exclude` (chips
+/// that lost or declined this request) wins over one that uses them: a request whose
+/// only decode chip is restarting runs on the prefill chip instead of waiting. Only
+/// when no chip outside `exclude` is available may an excluded one be chosen again.
 pub fn place(
     chips: &BTreeMap<Addr, ChipView>,
     down_hosts: &BTreeSet<HostId>,
@@ -65,21 +65,25 @@ pub fn place(
     prompt_tokens: usize,
     min_prompt_tokens: usize,
 ) -> Option<Placed> {
-    let role = |r: &'static str| move |c: &ChipView| c.report.role == r;
-    if prompt_tokens >= min_prompt_tokens
-        && let Some(p) = least_loaded(chips, down_hosts, exclude, role("prefill"))
-    {
-        let compat = chips.get(&p).and_then(|c| c.report.compat.clone());
-        let decode = least_loaded(chips, down_hosts, exclude, |c| {
-            c.report.role == "decode" && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
-        });
-        if let Some(d) = decode {
-            return Some(Placed { decode: d, prefill: Some(p) });
+    let place_avoiding = |avoid: &[Addr]| {
+        let role = |r: &'static str| move |c: &ChipView| c.report.role == r;
+        if prompt_tokens >= min_prompt_tokens
+            && let Some(p) = least_loaded(chips, down_hosts, avoid, role("prefill"))
+        {
+            let compat = chips.get(&p).and_then(|c| c.report.compat.clone());
+            let decode = least_loaded(chips, down_hosts, avoid, |c| {
+                c.report.role == "decode"
+                    && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
+            });
+            if let Some(d) = decode {
+                return Some(Placed { decode: d, prefill: Some(p) });
+            }
         }
-    }
-    least_loaded(chips, down_hosts, exclude, |c| c.report.role != "prefill")
-        .or_else(|| pick(chips, down_hosts, exclude))
-        .map(|decode| Placed { decode, prefill: None })
+        least_loaded(chips, down_hosts, avoid, |c| c.report.role != "prefill")
+            .or_else(|| least_loaded(chips, down_hosts, avoid, |_| true))
+            .map(|decode| Placed { decode, prefill: None })
+    };
+    place_avoiding(exclude).or_else(|| place_avoiding(&[]))
 }
 
 struct Placement {
@@ -170,9 +174,19 @@ impl Router {
         let chips: Vec<Addr> = self.chips.keys().filter(|a| a.host == host).copied().collect();
         for chip in chips {
             if let Some(view) = self.chips.get_mut(&chip) {
-                metrics::gauge!("tessera_router_chip_up", "chip" => view.report.id.clone()).set(0.0);
-                view.report.state = ChipState::Failed;
-                view.report.error = Some("its host stopped heartbeating".into());
+                let r = &view.report;
+                metrics::gauge!("tessera_router_chip_up", "chip" => r.id.clone()).set(0.0);
+                // Its last figures describe a host that is gone: keep who it is, drop them.
+                let known = ChipReport::starting(chip, r.id.clone(), r.host_name.clone(), r.role.clone());
+                view.report = ChipReport {
+                    state: ChipState::Failed,
+                    error: Some("its host stopped heartbeating".into()),
+                    restarts: r.restarts,
+                    emulated: r.emulated.clone(),
+                    compat: r.compat.clone(),
+                    ..known
+                };
+                metrics::gauge!("tessera_kv_blocks_used", "chip" => view.report.id.clone()).set(0.0);
             }
             self.lose(chip, fx);
         }

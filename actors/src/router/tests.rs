@@ -133,3 +133,36 @@ fn place_never_pairs_chips_of_different_models_and_skips_draining_chips() {
     }
     assert_eq!(place(&chips, &BTreeSet::new(), &[], 100, 32), Some(Placed { decode: d1, prefill: None }));
 }
+
+#[test]
+fn place_avoids_excluded_chips_whole_before_reusing_them() {
+    use ChipState::*;
+    let a = |h| Addr::new(HostId(h), 16);
+    let pd = |p, d| Some(Placed { decode: a(d), prefill: Some(a(p)) });
+    let one = |d| Some(Placed { decode: a(d), prefill: None });
+    let pair = || vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0)];
+    // (chips, excluded hosts, expected); a long prompt, min_prompt_tokens 32.
+    type Case = (Vec<(Addr, ChipView)>, Vec<u16>, Option<Placed>);
+    let table: Vec<Case> = vec![
+        (pair(), vec![], pd(0, 1)),
+        // The only decode chip declined (restarting): the prefill chip serves alone.
+        (pair(), vec![1], one(0)),
+        // The only prefill chip declined: the decode chip serves alone.
+        (pair(), vec![0], one(1)),
+        // Both declined: nothing better, so the pair again (the request backs off).
+        (pair(), vec![0, 1], pd(0, 1)),
+        // Another decode chip is up: a pair that avoids the excluded one.
+        (
+            vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0), role_chip(2, "decode", Up, 99)],
+            vec![1],
+            pd(0, 2),
+        ),
+        // Colocated on a non-excluded chip before an excluded one, whatever the load.
+        (vec![role_chip(0, "both", Up, 0), role_chip(1, "both", Up, 500)], vec![0], one(1)),
+    ];
+    for (i, (chips, exclude, want)) in table.into_iter().enumerate() {
+        let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
+        let exclude: Vec<Addr> = exclude.into_iter().map(a).collect();
+        assert_eq!(place(&chips, &BTreeSet::new(), &exclude, 100, 32), want, "case {i}");
+    }
+}

@@ -2,7 +2,9 @@
 //! declares another host down when its heartbeats stop for the configured timeout (and
 //! tells the local router, which re-routes that host's requests), and restarts a local
 //! chip whose worker died, with exponential backoff and at most `max_restarts` per
-//! window — after that the chip is left down and reported.
+//! window — after that the chip is left down and reported. A local chip whose state
+//! changes (down, up, draining) is heartbeated at once, not at the next interval, so
+//! routers stop placing work on a restarting chip within one bus hop.
 
 use crate::msg::{ChipReport, Heartbeat, Msg, topic};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -51,7 +53,7 @@ impl Supervisor {
         }
     }
 
-    fn tick(&mut self, fx: &mut dyn Effects<Msg>) {
+    fn beat(&mut self, fx: &mut dyn Effects<Msg>) {
         self.seq += 1;
         let beat = Heartbeat {
             host: self.config.host,
@@ -60,6 +62,10 @@ impl Supervisor {
             chips: self.chips.values().cloned().collect(),
         };
         fx.publish(topic::HEARTBEAT, Msg::Heartbeat { beat });
+    }
+
+    fn tick(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.beat(fx);
         let now = fx.now();
         for (host, name) in &self.config.peers {
             let seen = self.last_seen.get(host).copied().unwrap_or_default();
@@ -118,7 +124,14 @@ impl Behavior<Msg> for Supervisor {
         match msg {
             Msg::Tick => self.tick(fx),
             Msg::Report { report } => {
+                let changed = self
+                    .chips
+                    .get(&report.chip)
+                    .is_some_and(|old| (old.state, old.draining, &old.role) != (report.state, report.draining, &report.role));
                 self.chips.insert(report.chip, report);
+                if changed {
+                    self.beat(fx);
+                }
             }
             Msg::Heartbeat { beat } if beat.host != self.config.host => {
                 self.last_seen.insert(beat.host, fx.now());
@@ -200,6 +213,34 @@ mod tests {
                 assert!(fx.take_sent().iter().any(|(to, m)| *to == chip && *m == Msg::Restart));
             } else {
                 assert!(fx.take_sent().iter().any(|(to, m)| *to == chip && matches!(m, Msg::GiveUp { .. })));
+            }
+        }
+    }
+
+    #[test]
+    fn a_chip_state_change_is_heartbeated_at_once() {
+        use crate::msg::ChipState;
+        let chip = Addr::new(HostId(0), 16);
+        let mut fx = TestFx::new(Addr::new(HostId(0), 1));
+        let mut s = supervisor();
+        s.on_start(&mut fx);
+        let report = |state| ChipReport { state, ..ChipReport::starting(chip, "c".into(), "h0".into(), "both".into()) };
+        // (report, heartbeats published at once)
+        let table = [
+            (report(ChipState::Starting), 0), // first report: the next tick carries it
+            (report(ChipState::Up), 1),
+            (ChipReport { kv_blocks_used: 3, ..report(ChipState::Up) }, 0), // figures only
+            (report(ChipState::Down), 1),
+            (report(ChipState::Starting), 1),
+        ];
+        for (i, (r, want)) in table.into_iter().enumerate() {
+            fx.published.clear();
+            let state = r.state;
+            s.handle(Msg::Report { report: r }, &mut fx);
+            assert_eq!(fx.published.len(), want, "report {i}");
+            if want == 1 {
+                let Msg::Heartbeat { beat } = &fx.published[0].1 else { panic!("not a heartbeat") };
+                assert_eq!(beat.chips[0].state, state, "report {i}");
             }
         }
     }
