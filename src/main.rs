@@ -52,7 +52,8 @@ enum Command {
 
 #[derive(Subcommand)]
 enum TopologyCommand {
-    /// Validate a topology file and print a summary of the cluster it describes.
+    /// Validate a topology file, check the paths of its hosts that run on this machine,
+    /// and print a summary of the cluster it describes.
     Check { file: PathBuf },
 }
 
@@ -373,8 +374,8 @@ fn main() {
 
 fn topology_check(file: &std::path::Path) -> Result<()> {
     // The error already names the file, line, column and key.
-    let spec = tessera_topology::load(file)?;
-    print!("{}", spec.render());
+    let (spec, paths) = tessera_topology::load_with_report(file)?;
+    print!("{}{}", spec.render(), paths.render());
     Ok(())
 }
 

@@ -343,3 +343,39 @@ fn stop_token_ids_end_generation_at_the_first_stop() {
     assert_eq!(token_ids(&stderr), full[..=first].to_vec(), "{stderr}");
     assert!(stderr.contains("(Stop)"), "{stderr}");
 }
+
+#[test]
+fn topology_check_refuses_a_missing_local_plugin_and_says_whose_paths_it_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("cluster.toml");
+    let lib = tmp.path().join("lib/libk.so");
+    // h0 runs here (loopback); h1 on TEST-NET-1 (RFC 5737), which no machine has.
+    let h0 = "[cluster]\nmodel = \"builtin:tiny\"\n[[hosts]]\nname = \"h0\"\nbus = \"127.0.0.1:7400\"\n\
+              [[hosts.chips]]\nid = \"c0\"\nkind = \"cpu\"\nbackend = \"plugin:lib/libk.so\"\n";
+    let h1 = "[[hosts]]\nname = \"h1\"\nbus = \"192.0.2.1:7410\"\n\
+              [[hosts.chips]]\nid = \"c1\"\nkind = \"cpu\"\nbackend = \"plugin:/nope/libk.so\"\n";
+    std::fs::write(&file, format!("{h0}{h1}")).unwrap();
+    let check = || run(&["topology", "check", file.to_str().unwrap()]);
+
+    let out = check();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let expected = format!(
+        "{}:9:11: `hosts[0].chips[0].backend`: kernel library `{}` does not exist on this machine",
+        file.display(),
+        lib.display()
+    );
+    assert!(stderr.contains(&expected), "{expected} not in:\n{stderr}");
+
+    // With the library in place h0 passes; h1's library is left to its own machine.
+    std::fs::create_dir_all(lib.parent().unwrap()).unwrap();
+    std::fs::write(&lib, b"").unwrap();
+    let (stdout, _) = ok(check());
+    for needle in [
+        format!("host h0 (bus 127.0.0.1:7400): on this machine; checked: {}", lib.display()),
+        "host h1 (bus 192.0.2.1:7410): not on this machine; NOT checked here: /nope/libk.so".to_owned(),
+    ] {
+        assert!(stdout.contains(&needle), "{needle} not in:\n{stdout}");
+    }
+}

@@ -6,7 +6,24 @@
 //! Operators add kinds of their own in a topology file (`[[chip_kinds]]`); those live
 //! in [`crate::ClusterSpec::chip_kinds`], never here.
 
+use std::ops::RangeInclusive;
 use std::sync::LazyLock;
+
+// The ranges every chip kind's figures fall in, built-in or `[[chip_kinds]]`: wide
+// enough for any real chip (from a microcontroller to many times today's largest), and
+// narrow enough that the roofline of every kind stays finite and that no product of a
+// figure with another validated number overflows.
+
+/// Dense FP16 peak, TFLOPS: 1 GFLOPS to 100 PFLOPS (today's largest chips: ~2.5 PFLOPS).
+pub const FP16_TFLOPS_RANGE: RangeInclusive<f64> = 0.001..=100_000.0;
+/// Device memory, bytes: 1 MiB to 1 PiB.
+pub const MEMORY_BYTES_RANGE: RangeInclusive<u64> = (1 << 20)..=(1 << 50);
+/// Memory bandwidth, GB/s: 100 MB/s to 100 TB/s (HBM3e: ~8 TB/s).
+pub const MEMORY_BW_GBS_RANGE: RangeInclusive<f64> = 0.1..=100_000.0;
+/// Chip-to-chip link bandwidth, GB/s: 10 MB/s (100 Mbit Ethernet) to 100 TB/s.
+pub const LINK_BW_GBS_RANGE: RangeInclusive<f64> = 0.01..=100_000.0;
+/// Board power, watts: 100 mW to 100 kW.
+pub const TDP_W_RANGE: RangeInclusive<f64> = 0.1..=100_000.0;
 
 /// One kind of chip. Figures are per chip (per card for dual-chip cards), as published.
 #[derive(Debug, Clone, PartialEq)]
@@ -243,8 +260,14 @@ mod tests {
         for (i, kind) in kinds().iter().enumerate() {
             assert!(kinds()[..i].iter().all(|other| other.name != kind.name), "duplicate {}", kind.name);
             assert!(!kind.source.is_empty(), "{} has no source", kind.name);
-            let figures = [kind.fp16_tflops, kind.memory_bw_gbs, kind.link_bw_gbs, kind.tdp_w];
-            assert!(figures.iter().all(|x| x.is_finite() && *x > 0.0) && kind.memory_bytes > 0, "{}", kind.name);
+            let figures = [
+                (kind.fp16_tflops, FP16_TFLOPS_RANGE),
+                (kind.memory_bw_gbs, MEMORY_BW_GBS_RANGE),
+                (kind.link_bw_gbs, LINK_BW_GBS_RANGE),
+                (kind.tdp_w, TDP_W_RANGE),
+            ];
+            assert!(figures.iter().all(|(x, range)| range.contains(x)), "{}", kind.name);
+            assert!(MEMORY_BYTES_RANGE.contains(&kind.memory_bytes), "{}", kind.name);
         }
     }
 

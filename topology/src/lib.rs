@@ -4,11 +4,15 @@
 //! and feeds the planner. Every error points at the file, line, column and dotted key
 //! that is wrong. This crate only describes a cluster; it starts nothing and depends on
 //! no other tessera crate (nor on actors, the bus or the kernels), so every other crate
-//! can read a topology.
+//! can read a topology. Beyond reading the file, [`load`] only asks the OS whether the
+//! paths of the hosts that run on this machine exist (and which hosts those are).
 #![forbid(unsafe_code)]
 
 pub mod catalog;
 mod error;
+#[cfg(test)]
+mod fuzz_tests;
+mod local;
 pub mod perf;
 mod render;
 mod validate;
@@ -58,6 +62,7 @@ pub struct ClusterSpec {
     pub router: RouterSpec,
     pub supervisor: SupervisorSpec,
     pub gateway: GatewaySpec,
+    pub bus: BusSpec,
     pub emulation: EmulationSpec,
     pub disagg: DisaggSpec,
 }
@@ -86,12 +91,13 @@ pub struct ChipSpec {
     pub kind: String,
     pub backend: Backend,
     pub role: Role,
+    /// 1 byte..=1 PiB when set.
     pub memory_limit_bytes: Option<u64>,
     /// Worker threads (default 1, 1..=1024).
     pub threads: usize,
-    /// Most tokens in one batch (default 512).
+    /// Most tokens in one batch (default 512, 1..=1_048_576).
     pub max_batch_tokens: usize,
-    /// Most sequences in one batch (default 64).
+    /// Most sequences in one batch (default 64, 1..=65_536).
     pub max_batch_seqs: usize,
     /// KV block size in tokens (default: [`ClusterSpec::block_size`]).
     pub block_size: usize,
@@ -185,12 +191,14 @@ named_enum!(KvLayout, "kv layout", "\"head-major\" or \"token-major\"", HeadMajo
 /// How emulated chips ([`Backend::Emu`]) are paced; `[emulation]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EmulationSpec {
-    /// Modeled step time is multiplied by this (> 0, default 1.0), so that a tiny model
-    /// computed on a CPU takes as long as a big model would on the real chip.
+    /// Modeled step time is multiplied by this (0 < x <= 1e6, default 1.0), so that a
+    /// tiny model computed on a CPU takes as long as a big model would on the real chip.
+    /// Validation also bounds it with each emulated kind's figures: the
+    /// [`perf::reference_step`] must be paced under [`perf::MAX_STEP_S`].
     pub time_scale: f64,
-    /// Fraction of peak FLOPS a step achieves (MFU), 0 < x <= 1 (default 0.5).
+    /// Fraction of peak FLOPS a step achieves (MFU), 0.01 <= x <= 1 (default 0.5).
     pub compute_efficiency: f64,
-    /// Fraction of peak memory bandwidth a step achieves (MBU), 0 < x <= 1 (default 0.8).
+    /// Fraction of peak memory bandwidth a step achieves (MBU), 0.01 <= x <= 1 (default 0.8).
     pub memory_efficiency: f64,
 }
 
@@ -204,12 +212,12 @@ impl Default for EmulationSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DisaggSpec {
     /// Prompts shorter than this run entirely on a decode chip (conditional
-    /// disaggregation: moving their KV would cost more than computing it); >= 2,
-    /// default 32.
+    /// disaggregation: moving their KV would cost more than computing it);
+    /// 2..=16_777_216, default 32.
     pub min_prompt_tokens: usize,
     /// KV a prefill chip holds for a decode chip is freed if the decode chip has not
-    /// claimed it within this long (> 0, default 5000), so a dead decode chip leaks no
-    /// blocks.
+    /// claimed it within this long (1..=86_400_000, default 5000), so a dead decode chip
+    /// leaks no blocks.
     pub lease_ms: u64,
     pub transport: Transport,
     /// Parallel TCP streams per transfer, 1..=64 (default 4).
@@ -285,7 +293,7 @@ impl std::fmt::Display for Role {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouterSpec {
     pub policy: RouterPolicy,
-    /// Requests the router holds before it refuses new ones (default 256).
+    /// Requests the router holds before it refuses new ones (default 256, 1..=1_048_576).
     pub max_queued_requests: usize,
 }
 
@@ -309,17 +317,19 @@ impl std::fmt::Display for RouterPolicy {
     }
 }
 
+/// Every duration here is at most one day, so that it is a `Duration` that an
+/// `Instant` can be advanced by (and the 32-fold restart backoff, too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SupervisorSpec {
-    /// Default 100.
+    /// Default 100, 1..=86_400_000.
     pub heartbeat_interval_ms: u64,
-    /// Default 1000; always greater than the interval.
+    /// Default 1000, 1..=86_400_000; always greater than the interval.
     pub heartbeat_timeout_ms: u64,
-    /// Restarts allowed within `restart_window_s` before giving up (default 3).
+    /// Restarts allowed within `restart_window_s` before giving up (default 3, 0..=10_000).
     pub max_restarts: u32,
-    /// Default 60.
+    /// Default 60, 1..=86_400.
     pub restart_window_s: u64,
-    /// Default 200.
+    /// Default 200, 0..=86_400_000.
     pub restart_backoff_ms: u64,
 }
 
@@ -331,8 +341,59 @@ pub struct GatewaySpec {
     pub listen: SocketAddr,
     /// The model name clients send; `None`: derived from `cluster.model` by the gateway.
     pub served_model_name: Option<String>,
-    /// Default 256.
+    /// Default 256, 1..=1_048_576.
     pub max_inflight_requests: usize,
+    /// Open client connections at most (default 1024, 1..=65_536).
+    pub max_connections: usize,
+    /// How long a client may take to send a request's headers (default 10_000,
+    /// 100..=600_000).
+    pub header_read_timeout_ms: u64,
+    /// Largest prompt accepted, in bytes (1..=1 GiB); `None`: derived from the model by
+    /// the gateway.
+    pub max_prompt_bytes: Option<usize>,
+}
+
+/// The host-to-host message bus; `[bus]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BusSpec {
+    /// Largest frame a host accepts from another (default 16 MiB, 4 KiB..=1 GiB).
+    pub max_frame_bytes: usize,
+    /// How long a connecting host may take to complete its handshake (default 5000,
+    /// 100..=600_000).
+    pub handshake_timeout_ms: u64,
+}
+
+impl Default for BusSpec {
+    fn default() -> Self {
+        BusSpec { max_frame_bytes: 16 << 20, handshake_timeout_ms: 5000 }
+    }
+}
+
+/// Which local paths [`load_with_report`] checked: per host, in file order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathReport {
+    pub hosts: Vec<HostPaths>,
+}
+
+/// The paths one host needs: the model directory (unless the model is builtin) and
+/// its chips' `plugin:` kernel libraries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPaths {
+    pub host: String,
+    /// The host's bus address, which tells whether it runs here.
+    pub bus: SocketAddr,
+    /// The host runs on this machine (its bus address is one this machine can bind:
+    /// loopback, unspecified or an address of one of its interfaces), so its paths were
+    /// checked and exist; otherwise they could not be checked here.
+    pub local: bool,
+    pub paths: Vec<PathBuf>,
+}
+
+impl PathReport {
+    /// A human-readable summary (the end of what `tessera topology check` prints).
+    pub fn render(&self) -> String {
+        render::render_paths(self)
+    }
 }
 
 impl ClusterSpec {
@@ -359,22 +420,29 @@ impl ClusterSpec {
 }
 
 /// Reads and validates the topology file at `path`. Relative model and plugin paths
-/// are resolved against the file's directory. A file that cannot be read gives an
-/// error with line 0 (see [`TopologyError`]).
+/// are resolved against the file's directory. The paths of every host that runs on this
+/// machine (see [`HostPaths::local`]) must exist: the model directory and its chips'
+/// `plugin:` kernel libraries; those of other hosts are left to the machines they run
+/// on. A file that cannot be read gives an error with line 0 (see [`TopologyError`]).
 pub fn load(path: &Path) -> Result<ClusterSpec, TopologyError> {
+    load_with_report(path).map(|(spec, _)| spec)
+}
+
+/// [`load`], and which hosts' paths it checked.
+pub fn load_with_report(path: &Path) -> Result<(ClusterSpec, PathReport), TopologyError> {
     let source = path.display().to_string();
     let text = std::fs::read_to_string(path)
         .map_err(|e| TopologyError::file(&source, format!("cannot read the topology file: {e}")))?;
     let dir = path.parent().unwrap_or(Path::new(""));
     // Absolute, so that the spec means the same thing to a process with another cwd.
     let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    validate::parse(&text, &source, Some(&dir))
+    validate::parse(&text, &source, Some(&dir), Some(&local::is_local))
 }
 
 /// Parses and validates topology `text`; `source` names it in error messages. Relative
-/// model and plugin paths are kept as written.
+/// model and plugin paths are kept as written, and no path is checked.
 pub fn parse(text: &str, source: &str) -> Result<ClusterSpec, TopologyError> {
-    validate::parse(text, source, None)
+    validate::parse(text, source, None, None).map(|(spec, _)| spec)
 }
 
 /// The embedded default topology ([`DEFAULT_TOML`]).

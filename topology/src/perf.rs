@@ -17,8 +17,37 @@
 //!
 //! Time is `max(FLOPs / (peak x MFU), bytes / (bandwidth x MBU))`: whichever roof the
 //! step hits.
+//!
+//! Invariant: whatever the model, step and figures, the paced (scaled) times of a
+//! [`Roofline`] are finite and at most [`MAX_STEP_S`], so that a pacer can always turn
+//! them into a `Duration` and add that to an `Instant`. Costs are summed in `f64`, which
+//! cannot overflow where `u64` would (a large model times a large batch passes 1.8e19
+//! FLOPs).
 
 use crate::{ChipKind, EmulationSpec};
+
+/// The longest a paced step may take, in seconds (one day). [`roofline`] never paces a
+/// step longer; topology validation refuses pacings whose [`reference_step`] takes longer,
+/// so that a real configuration never comes near it.
+pub const MAX_STEP_S: f64 = 86_400.0;
+
+/// The model [`reference_step`] costs: Llama-2-7B in f16 (6,738,415,616 parameters,
+/// f16 KV). A topology names its model by path or builtin name, not by shape, so
+/// validation bounds an emulated chip's pace on this one instead.
+pub const REFERENCE_MODEL: ModelShape = ModelShape {
+    num_layers: 32,
+    hidden_size: 4096,
+    num_heads: 32,
+    num_kv_heads: 32,
+    head_dim: 128,
+    intermediate_size: 11008,
+    vocab_size: 32000,
+    weight_bytes: 13_476_831_232,
+    kv_bytes_per_elem: 2,
+};
+
+/// Tokens of context of [`reference_step`].
+pub const REFERENCE_CONTEXT: usize = 4096;
 
 /// The shape of a dense decoder-only model, as far as cost is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,21 +135,21 @@ impl SeqStep {
     }
 
     /// Causal (query, key) pairs: each new token attends to everything before it and itself.
-    fn attention_pairs(&self) -> u64 {
-        let (new, ctx) = (self.new_tokens as u64, self.context() as u64);
-        new * (ctx - new) + new * (new + 1) / 2
+    fn attention_pairs(&self) -> f64 {
+        let (new, ctx) = (self.new_tokens as f64, self.context() as f64);
+        new * (ctx - new) + new * (new + 1.0) / 2.0
     }
 }
 
 /// FLOPs of `step` (see the module doc). A step with no sequences costs nothing.
 pub fn step_flops(model: &ModelShape, step: &StepShape) -> f64 {
-    let per_pair = 4 * (model.num_heads * model.head_dim * model.num_layers) as u64;
+    let per_pair = 4.0 * model.num_heads as f64 * model.head_dim as f64 * model.num_layers as f64;
+    let (linear, lm_head) = (model.linear_params() as f64, model.lm_head_params() as f64);
     step.seqs
         .iter()
         .map(|seq| {
-            let linear = 2 * model.linear_params() * seq.new_tokens as u64;
-            let lm_head = if seq.new_tokens > 0 { 2 * model.lm_head_params() } else { 0 };
-            (linear + lm_head + per_pair * seq.attention_pairs()) as f64
+            let head = if seq.new_tokens > 0 { 2.0 * lm_head } else { 0.0 };
+            2.0 * linear * seq.new_tokens as f64 + head + per_pair * seq.attention_pairs()
         })
         .sum()
 }
@@ -131,9 +160,9 @@ pub fn step_bytes(model: &ModelShape, step: &StepShape) -> f64 {
     if step.seqs.is_empty() {
         return 0.0;
     }
-    let kv = model.kv_bytes_per_token();
-    let kv_traffic: u64 = step.seqs.iter().map(|seq| kv * (seq.context() + seq.new_tokens) as u64).sum();
-    (model.weight_bytes + kv_traffic) as f64
+    let kv = model.kv_bytes_per_token() as f64;
+    let kv_traffic: f64 = step.seqs.iter().map(|seq| kv * (seq.context() as f64 + seq.new_tokens as f64)).sum();
+    model.weight_bytes as f64 + kv_traffic
 }
 
 /// Which roof a step hits.
@@ -143,7 +172,7 @@ pub enum Bound {
     Memory,
 }
 
-/// A step's predicted time.
+/// A step's predicted time. The scaled times are finite and at most [`MAX_STEP_S`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Roofline {
     /// FLOPs / (peak x compute_efficiency), x time_scale.
@@ -159,18 +188,32 @@ pub struct Roofline {
 }
 
 /// The predicted time of `step` of `model` on a chip of `kind`, derated by `emu`'s
-/// efficiencies and multiplied by its time scale.
+/// efficiencies and multiplied by its time scale; a scaled time past [`MAX_STEP_S`] is
+/// paced as [`MAX_STEP_S`].
 pub fn roofline(kind: &ChipKind, model: &ModelShape, step: &StepShape, emu: &EmulationSpec) -> Roofline {
     let compute = step_flops(model, step) / (kind.fp16_tflops * 1e12 * emu.compute_efficiency);
     let memory = step_bytes(model, step) / (kind.memory_bw_gbs * 1e9 * emu.memory_efficiency);
     let (unscaled_s, bound) = if compute > memory { (compute, Bound::Compute) } else { (memory, Bound::Memory) };
     Roofline {
-        compute_s: compute * emu.time_scale,
-        memory_s: memory * emu.time_scale,
-        time_s: unscaled_s * emu.time_scale,
+        compute_s: paced(compute * emu.time_scale),
+        memory_s: paced(memory * emu.time_scale),
+        time_s: paced(unscaled_s * emu.time_scale),
         unscaled_s,
         bound,
     }
+}
+
+/// The roofline of one decode token of [`REFERENCE_MODEL`] at [`REFERENCE_CONTEXT`]
+/// tokens of context on `kind`: what validation paces to keep emulated steps far from
+/// [`MAX_STEP_S`]. Its `unscaled_s x time_scale` is the uncapped pace.
+pub fn reference_step(kind: &ChipKind, emu: &EmulationSpec) -> Roofline {
+    roofline(kind, &REFERENCE_MODEL, &StepShape::decode(1, REFERENCE_CONTEXT), emu)
+}
+
+/// `seconds` as a pacer can use it: at most [`MAX_STEP_S`]. A time that is not a number
+/// (from figures of 0 or NaN, which validation refuses) counts as the longest.
+fn paced(seconds: f64) -> f64 {
+    if seconds.is_nan() { MAX_STEP_S } else { seconds.clamp(0.0, MAX_STEP_S) }
 }
 
 #[cfg(test)]
@@ -179,17 +222,7 @@ mod tests {
     use crate::catalog;
 
     /// Llama-2-7B: 6,738,415,616 parameters in f16, f16 KV.
-    const LLAMA_7B: ModelShape = ModelShape {
-        num_layers: 32,
-        hidden_size: 4096,
-        num_heads: 32,
-        num_kv_heads: 32,
-        head_dim: 128,
-        intermediate_size: 11008,
-        vocab_size: 32000,
-        weight_bytes: 13_476_831_232,
-        kv_bytes_per_elem: 2,
-    };
+    const LLAMA_7B: ModelShape = REFERENCE_MODEL;
 
     /// Tessera's `builtin:tiny`: 1,000,576 parameters in f32, f32 KV.
     const TINY: ModelShape = ModelShape {
@@ -347,5 +380,59 @@ mod tests {
         // 2 x 6.7e9 FLOP against 13.5e9 weight bytes shared by the batch.
         assert_eq!(bound(64), Bound::Memory);
         assert_eq!(bound(128), Bound::Compute);
+    }
+
+    #[test]
+    fn paced_times_stay_finite_and_at_most_a_day() {
+        let Some(cpu) = catalog::lookup("cpu") else { panic!("no cpu kind") };
+        // The largest model the backends accept (hidden 2^16, MLP 2^18, 2^10 layers and
+        // heads, 2^22 vocabulary) in a 2^20-token step at 2^24 tokens of context: its
+        // FLOPs pass u64::MAX, and the step would take centuries on one CPU.
+        let huge = ModelShape {
+            num_layers: 1 << 10,
+            hidden_size: 1 << 16,
+            num_heads: 1 << 10,
+            num_kv_heads: 1 << 10,
+            head_dim: 1 << 6,
+            intermediate_size: 1 << 18,
+            vocab_size: 1 << 22,
+            weight_bytes: u64::MAX,
+            kv_bytes_per_elem: 4,
+        };
+        let step = StepShape { seqs: vec![SeqStep { new_tokens: 1 << 20, context: 1 << 24 }] };
+        assert!(step_flops(&huge, &step) > u64::MAX as f64);
+        let slow = EmulationSpec { time_scale: 1e6, ..EmulationSpec::default() };
+        // Figures no validated topology has: 0 and NaN peaks.
+        let zero = ChipKind { fp16_tflops: 0.0, memory_bw_gbs: f64::NAN, ..cpu.clone() };
+        // (kind, model, step, emulation, paced seconds)
+        let table: &[(&ChipKind, ModelShape, StepShape, EmulationSpec, f64)] = &[
+            (cpu, huge, step.clone(), slow, MAX_STEP_S),
+            (cpu, huge, step, EmulationSpec { time_scale: 1e-300, ..slow }, 0.0),
+            (&zero, TINY, StepShape::decode(1, 1), EmulationSpec::default(), MAX_STEP_S),
+            (&zero, TINY, StepShape::default(), EmulationSpec::default(), MAX_STEP_S),
+        ];
+        for (kind, model, step, emu, seconds) in table {
+            let r = roofline(kind, model, step, emu);
+            for paced in [r.compute_s, r.memory_s, r.time_s] {
+                assert!(paced.is_finite() && (0.0..=MAX_STEP_S).contains(&paced), "{r:?}");
+            }
+            assert!((r.time_s - seconds).abs() < 1e-9, "{r:?}");
+            let due = std::time::Instant::now().checked_add(std::time::Duration::from_secs_f64(r.time_s));
+            assert!(due.is_some(), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn every_catalog_kind_paces_the_reference_step_under_a_day_at_the_largest_time_scale() {
+        // What validation relies on: at the default efficiencies no built-in kind can be
+        // refused for its pace, whatever time_scale (at most 1e6) the file sets.
+        let emu = EmulationSpec { time_scale: 1e6, ..EmulationSpec::default() };
+        for kind in catalog::kinds() {
+            let r = reference_step(kind, &emu);
+            assert!(r.unscaled_s * emu.time_scale < MAX_STEP_S, "{}: {r:?}", kind.name);
+        }
+        // The slowest is the cpu kind, memory bound: 15,624,839,168 bytes / (460.8e9 x 0.8).
+        let Some(cpu) = catalog::lookup("cpu") else { panic!("no cpu kind") };
+        close(reference_step(cpu, &EmulationSpec::default()).unscaled_s, 15_624_839_168.0 / (460.8e9 * 0.8));
     }
 }

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use crate::{ChipKind, ClusterSpec};
+use crate::{ChipKind, ClusterSpec, PathReport};
 
 pub(crate) fn render(spec: &ClusterSpec) -> String {
     let mut out = String::new();
@@ -39,7 +39,17 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
     if let Some(name) = &gateway.served_model_name {
         write!(out, ", serving \"{name}\"")?;
     }
-    writeln!(out, ", at most {} requests in flight", gateway.max_inflight_requests)?;
+    write!(out, ", at most {} requests in flight", gateway.max_inflight_requests)?;
+    write!(out, " over {} connections, headers within {} ms", gateway.max_connections, gateway.header_read_timeout_ms)?;
+    match gateway.max_prompt_bytes {
+        Some(bytes) => writeln!(out, ", prompts of at most {bytes} bytes")?,
+        None => writeln!(out)?,
+    }
+    writeln!(
+        out,
+        "  bus: frames of at most {} bytes, handshakes within {} ms",
+        spec.bus.max_frame_bytes, spec.bus.handshake_timeout_ms
+    )?;
     let emu = &spec.emulation;
     writeln!(
         out,
@@ -82,6 +92,27 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
                 write!(out, "      ")?;
                 write_figures(out, kind)?;
             }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn render_paths(report: &PathReport) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = write_paths(&mut out, report);
+    out
+}
+
+fn write_paths(out: &mut String, report: &PathReport) -> std::fmt::Result {
+    writeln!(out, "local paths (a host runs on this machine when this machine can bind its bus address):")?;
+    for host in &report.hosts {
+        let paths: Vec<String> = host.paths.iter().map(|path| path.display().to_string()).collect();
+        let paths = if paths.is_empty() { "none needed".to_owned() } else { paths.join(", ") };
+        if host.local {
+            writeln!(out, "  host {} (bus {}): on this machine; checked: {paths}", host.host, host.bus)?;
+        } else {
+            writeln!(out, "  host {} (bus {}): not on this machine; NOT checked here: {paths}", host.host, host.bus)?;
         }
     }
     Ok(())

@@ -1,19 +1,29 @@
 //! From TOML text to a [`ClusterSpec`]: serde reads the file into spanned raw tables
 //! (unknown keys refused), then every value is checked here so that each error can
 //! point at the exact key that is wrong.
+//!
+//! Every number has a range, so that what the runtime derives from it stays finite and
+//! representable: intervals and timeouts are `Duration`s an `Instant` can be advanced
+//! by, counts multiplied together (sequences x context, blocks x block bytes) fit in a
+//! `usize`, and an emulated chip's paced step time fits in a `Duration` (see
+//! [`crate::perf`]). Given a locality test (`crate::local`), the paths of the hosts
+//! that run on this machine must exist.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::ops::Range;
+use std::fmt::Display;
+use std::net::{IpAddr, SocketAddr};
+use std::ops::{Range, RangeInclusive};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use toml::Spanned;
 
 use crate::error::{self, TopologyError};
+use crate::perf::{self, Bound};
 use crate::{
-    BUILTIN_MODELS, Backend, ChipKind, ChipSpec, ClusterSpec, Confidence, DisaggSpec, EmulationSpec, GatewaySpec,
-    HostSpec, KV_DTYPES, KvLayout, Role, RouterPolicy, RouterSpec, SupervisorSpec, catalog,
+    BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DisaggSpec, EmulationSpec,
+    GatewaySpec, HostPaths, HostSpec, KV_DTYPES, KvLayout, PathReport, Role, RouterPolicy, RouterSpec, SupervisorSpec,
+    catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -21,6 +31,36 @@ const MAX_THREADS: usize = 1024;
 const MAX_TCP_STREAMS: usize = 64;
 /// 64 MiB: a bigger chunk only delays the first bytes of a transfer.
 const MAX_CHUNK_KIB: usize = 65536;
+/// One day, the longest interval, timeout or lease in milliseconds: a `Duration` that an
+/// `Instant` can be advanced by many times over (the restart backoff grows it 32-fold).
+const MAX_MS: u64 = 86_400_000;
+/// One day, in seconds.
+const MAX_S: u64 = 86_400;
+/// Tokens of one batch: 2^20, so that tokens x context (at most 2^24, the longest a
+/// checkpoint may declare) fits in 2^44.
+const MAX_BATCH_TOKENS: usize = 1 << 20;
+/// Sequences of one batch: 2^16, so that sequences x context fits in 2^40 and a
+/// chip's KV blocks stay countable.
+const MAX_BATCH_SEQS: usize = 1 << 16;
+/// The longest context a checkpoint may declare (`max_position_embeddings`).
+const MAX_CONTEXT: usize = 1 << 24;
+/// Requests queued by the router or in flight at the gateway.
+const MAX_REQUESTS: usize = 1 << 20;
+const MAX_RESTARTS: u32 = 10_000;
+/// 1 PiB: more memory than any chip has, and far from overflowing a `u64` of bytes.
+const MAX_MEMORY_BYTES: u64 = 1 << 50;
+/// A step modelled at 1 us is paced at 1 s at most.
+const MAX_TIME_SCALE: f64 = 1e6;
+/// Below 1% of peak no real step runs; a smaller fraction only makes the pace absurd.
+const MIN_EFFICIENCY: f64 = 0.01;
+const MAX_CONNECTIONS: usize = 65_536;
+/// Gateway and bus timeouts: 100 ms to 10 minutes.
+const MIN_TIMEOUT_MS: u64 = 100;
+const MAX_TIMEOUT_MS: u64 = 600_000;
+const MAX_PROMPT_BYTES: usize = 1 << 30;
+/// Bus frames: 4 KiB (a heartbeat fits) to 1 GiB.
+const MIN_FRAME_BYTES: usize = 4096;
+const MAX_FRAME_BYTES: usize = 1 << 30;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -32,6 +72,8 @@ struct RawDoc {
     supervisor: Option<Spanned<RawSupervisor>>,
     #[serde(default)]
     gateway: Option<Spanned<RawGateway>>,
+    #[serde(default)]
+    bus: Option<Spanned<RawBus>>,
     #[serde(default)]
     emulation: Option<Spanned<RawEmulation>>,
     #[serde(default)]
@@ -135,6 +177,21 @@ struct RawGateway {
     served_model_name: Option<Spanned<String>>,
     #[serde(default)]
     max_inflight_requests: Option<Spanned<usize>>,
+    #[serde(default)]
+    max_connections: Option<Spanned<usize>>,
+    #[serde(default)]
+    header_read_timeout_ms: Option<Spanned<u64>>,
+    #[serde(default)]
+    max_prompt_bytes: Option<Spanned<usize>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBus {
+    #[serde(default)]
+    max_frame_bytes: Option<Spanned<usize>>,
+    #[serde(default)]
+    handshake_timeout_ms: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -186,7 +243,11 @@ struct ChipContext<'a> {
 
 impl ChipContext<'_> {
     fn resolves(&self, kind: &str) -> bool {
-        self.kinds.iter().any(|known| known.name == kind) || catalog::lookup(kind).is_some()
+        self.kind(kind).is_some()
+    }
+
+    fn kind(&self, name: &str) -> Option<&ChipKind> {
+        self.kinds.iter().find(|known| known.name == name).or_else(|| catalog::lookup(name))
     }
 
     fn known_kinds(&self) -> String {
@@ -195,12 +256,18 @@ impl ChipContext<'_> {
     }
 }
 
+/// Whether an IP address belongs to this machine (see `crate::local`).
+pub(crate) type IsLocal = dyn Fn(IpAddr) -> bool;
+
 /// The file being checked: builds errors that point into it.
 struct Checker<'a> {
     text: &'a str,
     source: &'a str,
     /// Directory relative paths are resolved against; `None` keeps them as written.
     base: Option<&'a Path>,
+    /// Tells the hosts that run on this machine, whose paths must exist; `None` checks
+    /// no path.
+    is_local: Option<&'a IsLocal>,
 }
 
 impl Checker<'_> {
@@ -270,36 +337,61 @@ impl Checker<'_> {
     }
 }
 
-fn positive(value: f64) -> Result<(), String> {
-    if value.is_finite() && value > 0.0 { Ok(()) } else { Err(format!("{value} must be a number greater than 0")) }
+/// A float as a message shows it: `1e300`, not 301 digits.
+fn show(value: f64) -> String {
+    if value.is_finite() && value != 0.0 && !(1e-4..1e9).contains(&value.abs()) {
+        format!("{value:e}")
+    } else {
+        format!("{value}")
+    }
+}
+
+fn time_scale(value: f64) -> Result<(), String> {
+    if value.is_finite() && value > 0.0 && value <= MAX_TIME_SCALE {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is out of range: more than 0 and at most {} (a step is paced at its modelled time x time_scale)",
+            show(value),
+            show(MAX_TIME_SCALE)
+        ))
+    }
 }
 
 fn fraction(value: f64) -> Result<(), String> {
-    if value.is_finite() && value > 0.0 && value <= 1.0 {
+    if (MIN_EFFICIENCY..=1.0).contains(&value) {
         Ok(())
     } else {
-        Err(format!("{value} must be a fraction of peak: more than 0 and at most 1"))
+        Err(format!("{} must be a fraction of peak: at least {MIN_EFFICIENCY} and at most 1", show(value)))
     }
 }
 
-fn at_least_one<T: PartialOrd + From<u8>>(value: T) -> Result<(), String> {
-    if value >= T::from(1) { Ok(()) } else { Err("must be at least 1".to_owned()) }
-}
-
-fn in_range(low: usize, high: usize) -> impl Fn(usize) -> Result<(), String> {
+fn in_range<T: PartialOrd + Display + Copy>(low: T, high: T) -> impl Fn(T) -> Result<(), String> {
     move |value| {
-        if (low..=high).contains(&value) { Ok(()) } else { Err(format!("{value} is out of range {low}..={high}")) }
+        if low <= value && value <= high { Ok(()) } else { Err(format!("{value} is out of range {low}..={high}")) }
     }
 }
 
-pub(crate) fn parse(text: &str, source: &str, base: Option<&Path>) -> Result<ClusterSpec, TopologyError> {
+/// Milliseconds from `low` to one day.
+fn millis(low: u64) -> impl Fn(u64) -> Result<(), String> {
+    move |value| in_range(low, MAX_MS)(value).map_err(|message| format!("{message} (ms; at most one day)"))
+}
+
+/// Parses and validates `text`. With `is_local`, the paths of the hosts that run on this
+/// machine must exist; the report says which hosts those are.
+pub(crate) fn parse(
+    text: &str,
+    source: &str,
+    base: Option<&Path>,
+    is_local: Option<&IsLocal>,
+) -> Result<(ClusterSpec, PathReport), TopologyError> {
     let raw: RawDoc = toml::from_str(text).map_err(|e| error::from_toml(source, text, &e))?;
-    let checker = Checker { text, source, base };
+    let checker = Checker { text, source, base, is_local };
     checker.cluster(raw)
 }
 
 impl Checker<'_> {
-    fn cluster(&self, raw: RawDoc) -> Result<ClusterSpec, TopologyError> {
+    fn cluster(&self, raw: RawDoc) -> Result<(ClusterSpec, PathReport), TopologyError> {
         let cluster_span = raw.cluster.span();
         let cluster = raw.cluster.into_inner();
 
@@ -331,10 +423,14 @@ impl Checker<'_> {
         let context = ChipContext { kinds: &chip_kinds, block_size, kv_dtype: &kv_dtype };
         let hosts = self.hosts(&raw.hosts, &context)?;
         let gateway = self.gateway(raw.gateway.as_ref().map(Spanned::get_ref), &hosts)?;
+        let bus = self.bus(raw.bus.as_ref().map(Spanned::get_ref))?;
         self.sockets_are_distinct(&raw.hosts, &hosts, raw.gateway.as_ref().map(Spanned::get_ref), &gateway)?;
         self.some_chip_decodes(&raw.hosts, &hosts)?;
+        self.emulated_steps_fit(&raw.hosts, &hosts, &context, &emulation)?;
+        // Last: the one check that depends on the machine, not on the file.
+        let paths = self.local_paths(&cluster.model, &model, &raw.hosts, &hosts)?;
 
-        Ok(ClusterSpec {
+        let spec = ClusterSpec {
             source: self.source.to_owned(),
             name,
             model,
@@ -346,16 +442,114 @@ impl Checker<'_> {
             router,
             supervisor,
             gateway,
+            bus,
             emulation,
             disagg,
-        })
+        };
+        Ok((spec, paths))
+    }
+
+    /// An emulated chip sleeps for its step's roofline time x `time_scale`. The model's
+    /// shape is not known here, so [`perf::reference_step`] stands for it: its pace must
+    /// stay under [`perf::MAX_STEP_S`], or every step of a real model would be paced
+    /// absurdly long (and [`perf::roofline`] would cut it to a day).
+    fn emulated_steps_fit(
+        &self,
+        raw_hosts: &[Spanned<RawHost>],
+        hosts: &[HostSpec],
+        context: &ChipContext,
+        emulation: &EmulationSpec,
+    ) -> Result<(), TopologyError> {
+        for (h, (raw_host, host)) in raw_hosts.iter().zip(hosts).enumerate() {
+            for (c, (raw_chip, chip)) in raw_host.get_ref().chips.iter().zip(&host.chips).enumerate() {
+                let Some(kind) = chip.backend.emulated_kind().and_then(|name| context.kind(name)) else { continue };
+                let step = perf::reference_step(kind, emulation);
+                let paced_s = step.unscaled_s * emulation.time_scale;
+                if paced_s <= perf::MAX_STEP_S {
+                    continue;
+                }
+                let roof = match step.bound {
+                    Bound::Compute => format!(
+                        "{} TFLOPS x compute_efficiency {}",
+                        show(kind.fp16_tflops),
+                        show(emulation.compute_efficiency)
+                    ),
+                    Bound::Memory => format!(
+                        "{} GB/s x memory_efficiency {}",
+                        show(kind.memory_bw_gbs),
+                        show(emulation.memory_efficiency)
+                    ),
+                };
+                return Err(self.err(
+                    raw_chip.get_ref().backend.span(),
+                    format!("hosts[{h}].chips[{c}].backend"),
+                    format!(
+                        "`{}` paces too slowly: at {roof}, times emulation.time_scale {}, one decode step of a \
+                         7B-parameter model at {} tokens of context would take {:.0} s, more than a day ({} s); lower \
+                         emulation.time_scale or raise the efficiencies or the figures of chip kind `{}`",
+                        chip.backend,
+                        show(emulation.time_scale),
+                        perf::REFERENCE_CONTEXT,
+                        paced_s,
+                        perf::MAX_STEP_S,
+                        kind.name
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The paths every host needs, checked for the hosts that run on this machine: the
+    /// model directory (shared by all hosts: checked once) and each chip's kernel library.
+    fn local_paths(
+        &self,
+        raw_model: &Spanned<String>,
+        model: &str,
+        raw_hosts: &[Spanned<RawHost>],
+        hosts: &[HostSpec],
+    ) -> Result<PathReport, TopologyError> {
+        let model_dir = (!model.starts_with("builtin:")).then(|| PathBuf::from(model));
+        let mut report = PathReport { hosts: Vec::with_capacity(hosts.len()) };
+        let mut model_checked = false;
+        for (h, (raw_host, host)) in raw_hosts.iter().zip(hosts).enumerate() {
+            let local = self.is_local.is_some_and(|is_local| is_local(host.bus.ip()));
+            let mut paths: Vec<PathBuf> = model_dir.iter().cloned().collect();
+            if let Some(dir) = &model_dir
+                && local
+                && !model_checked
+            {
+                model_checked = true;
+                let builtins = format!("the model is a checkpoint directory or one of {}", BUILTIN_MODELS.join(", "));
+                if let Some(problem) = unusable(dir, PathKind::Directory, "checkpoint directory", &builtins, host) {
+                    return Err(self.err(raw_model.span(), "cluster.model", problem));
+                }
+            }
+            for (c, (raw_chip, chip)) in raw_host.get_ref().chips.iter().zip(&host.chips).enumerate() {
+                let Backend::Plugin(library) = &chip.backend else { continue };
+                paths.push(library.clone());
+                if !local {
+                    continue;
+                }
+                let hint = "`plugin:` needs the path of a kernel library";
+                if let Some(problem) = unusable(library, PathKind::File, "kernel library", hint, host) {
+                    return Err(self.err(
+                        raw_chip.get_ref().backend.span(),
+                        format!("hosts[{h}].chips[{c}].backend"),
+                        problem,
+                    ));
+                }
+            }
+            report.hosts.push(HostPaths { host: host.name.clone(), bus: host.bus, local, paths });
+        }
+        Ok(report)
     }
 
     fn emulation(&self, raw: Option<&RawEmulation>) -> Result<EmulationSpec, TopologyError> {
         let defaults = EmulationSpec::default();
         let Some(raw) = raw else { return Ok(defaults) };
         Ok(EmulationSpec {
-            time_scale: self.field(&raw.time_scale, "emulation.time_scale", defaults.time_scale, positive)?,
+            time_scale: self.field(&raw.time_scale, "emulation.time_scale", defaults.time_scale, time_scale)?,
             compute_efficiency: self.field(
                 &raw.compute_efficiency,
                 "emulation.compute_efficiency",
@@ -380,14 +574,15 @@ impl Checker<'_> {
                 "disagg.min_prompt_tokens",
                 defaults.min_prompt_tokens,
                 |tokens| {
-                    if tokens >= 2 {
-                        Ok(())
-                    } else {
+                    if tokens < 2 {
                         Err(format!("{tokens} is below 2: a one-token prompt has no KV worth moving to a decode chip"))
+                    } else {
+                        in_range(2, MAX_CONTEXT)(tokens)
+                            .map_err(|message| format!("{message}: no model has a longer context"))
                     }
                 },
             )?,
-            lease_ms: self.field(&raw.lease_ms, "disagg.lease_ms", defaults.lease_ms, at_least_one)?,
+            lease_ms: self.field(&raw.lease_ms, "disagg.lease_ms", defaults.lease_ms, millis(1))?,
             transport: self.named(&raw.transport, "disagg.transport", defaults.transport)?,
             tcp_streams: self.field(
                 &raw.tcp_streams,
@@ -440,20 +635,36 @@ impl Checker<'_> {
                 Some(value) => Ok(value.get_ref().clone()),
                 None => Ok(default.to_owned()),
             };
-            let figure = |value: &Spanned<f64>, field: &str| {
+            // Within the range of real chips (see `catalog`), so that the roofline stays finite.
+            let figure = |value: &Spanned<f64>, field: &str, range: RangeInclusive<f64>, unit: &str| {
                 let figure = *value.get_ref();
-                positive(figure)
-                    .map(|()| figure)
-                    .map_err(|message| self.err(value.span(), format!("{key}.{field}"), message))
+                let problem = if !(figure.is_finite() && figure > 0.0) {
+                    format!("{} must be a number greater than 0", show(figure))
+                } else if !range.contains(&figure) {
+                    format!(
+                        "{} {unit} is outside {}..={} {unit}, the range of real chips",
+                        show(figure),
+                        show(*range.start()),
+                        show(*range.end())
+                    )
+                } else {
+                    return Ok(figure);
+                };
+                Err(self.err(value.span(), format!("{key}.{field}"), problem))
             };
             kinds.push(ChipKind {
                 vendor: text(&raw_kind.vendor, "vendor", "operator-defined")?,
                 product: text(&raw_kind.product, "product", &name)?,
-                fp16_tflops: figure(&raw_kind.fp16_tflops, "fp16_tflops")?,
-                memory_bytes: self.memory(&raw_kind.memory, &format!("{key}.memory"), "a chip has some memory")?,
-                memory_bw_gbs: figure(&raw_kind.memory_bw_gbs, "memory_bw_gbs")?,
-                link_bw_gbs: figure(&raw_kind.link_bw_gbs, "link_bw_gbs")?,
-                tdp_w: figure(&raw_kind.tdp_w, "tdp_w")?,
+                fp16_tflops: figure(&raw_kind.fp16_tflops, "fp16_tflops", catalog::FP16_TFLOPS_RANGE, "TFLOPS")?,
+                memory_bytes: self.memory(
+                    &raw_kind.memory,
+                    &format!("{key}.memory"),
+                    "a chip has some memory",
+                    catalog::MEMORY_BYTES_RANGE,
+                )?,
+                memory_bw_gbs: figure(&raw_kind.memory_bw_gbs, "memory_bw_gbs", catalog::MEMORY_BW_GBS_RANGE, "GB/s")?,
+                link_bw_gbs: figure(&raw_kind.link_bw_gbs, "link_bw_gbs", catalog::LINK_BW_GBS_RANGE, "GB/s")?,
+                tdp_w: figure(&raw_kind.tdp_w, "tdp_w", catalog::TDP_W_RANGE, "W")?,
                 confidence: self.named(&raw_kind.confidence, &format!("{key}.confidence"), Confidence::Unconfirmed)?,
                 source: text(&Some(raw_kind.source.clone()), "source", "")?,
                 name,
@@ -519,7 +730,7 @@ impl Checker<'_> {
             },
         };
         let max_queued_requests =
-            self.field(&raw.max_queued_requests, "router.max_queued_requests", 256, at_least_one)?;
+            self.field(&raw.max_queued_requests, "router.max_queued_requests", 256, in_range(1, MAX_REQUESTS))?;
         Ok(RouterSpec { policy, max_queued_requests })
     }
 
@@ -537,31 +748,31 @@ impl Checker<'_> {
                 &raw.heartbeat_interval_ms,
                 "supervisor.heartbeat_interval_ms",
                 defaults.heartbeat_interval_ms,
-                at_least_one,
+                millis(1),
             )?,
             heartbeat_timeout_ms: self.field(
                 &raw.heartbeat_timeout_ms,
                 "supervisor.heartbeat_timeout_ms",
                 defaults.heartbeat_timeout_ms,
-                at_least_one,
+                millis(1),
             )?,
             max_restarts: self.field(
                 &raw.max_restarts,
                 "supervisor.max_restarts",
                 defaults.max_restarts,
-                |_| Ok(()),
+                in_range(0, MAX_RESTARTS),
             )?,
             restart_window_s: self.field(
                 &raw.restart_window_s,
                 "supervisor.restart_window_s",
                 defaults.restart_window_s,
-                at_least_one,
+                |seconds| in_range(1, MAX_S)(seconds).map_err(|message| format!("{message} (s; at most one day)")),
             )?,
             restart_backoff_ms: self.field(
                 &raw.restart_backoff_ms,
                 "supervisor.restart_backoff_ms",
                 defaults.restart_backoff_ms,
-                |_| Ok(()),
+                millis(0),
             )?,
         };
         if spec.heartbeat_timeout_ms <= spec.heartbeat_interval_ms {
@@ -712,7 +923,9 @@ impl Checker<'_> {
         let memory_limit_bytes = raw
             .memory_limit
             .as_ref()
-            .map(|limit| self.memory(limit, &format!("{key}.memory_limit"), "leave it out for no limit"))
+            .map(|limit| {
+                self.memory(limit, &format!("{key}.memory_limit"), "leave it out for no limit", 1..=MAX_MEMORY_BYTES)
+            })
             .transpose()?;
         let kv_dtype = match &raw.kv_dtype {
             Some(kv_dtype) => self.dtype(kv_dtype, &format!("{key}.kv_dtype"))?,
@@ -729,9 +942,14 @@ impl Checker<'_> {
                 &raw.max_batch_tokens,
                 &format!("{key}.max_batch_tokens"),
                 512,
-                at_least_one,
+                in_range(1, MAX_BATCH_TOKENS),
             )?,
-            max_batch_seqs: self.field(&raw.max_batch_seqs, &format!("{key}.max_batch_seqs"), 64, at_least_one)?,
+            max_batch_seqs: self.field(
+                &raw.max_batch_seqs,
+                &format!("{key}.max_batch_seqs"),
+                64,
+                in_range(1, MAX_BATCH_SEQS),
+            )?,
             block_size: self.field(
                 &raw.block_size,
                 &format!("{key}.block_size"),
@@ -773,8 +991,15 @@ impl Checker<'_> {
         refuse(format!("unknown backend `{backend}`; expected \"cpu\", \"emu:KIND\" or \"plugin:PATH\""))
     }
 
-    /// A memory size at `key`; `zero_hint` says what to do instead of writing 0.
-    fn memory(&self, value: &Spanned<toml::Value>, key: &str, zero_hint: &str) -> Result<u64, TopologyError> {
+    /// A memory size at `key`, within `range`; `zero_hint` says what to do instead of
+    /// writing 0.
+    fn memory(
+        &self,
+        value: &Spanned<toml::Value>,
+        key: &str,
+        zero_hint: &str,
+        range: RangeInclusive<u64>,
+    ) -> Result<u64, TopologyError> {
         let bytes = match value.get_ref() {
             toml::Value::Integer(bytes) => u64::try_from(*bytes).map_err(|_| format!("{bytes} is negative")),
             toml::Value::String(text) => parse_memory_size(text),
@@ -784,24 +1009,33 @@ impl Checker<'_> {
         };
         match bytes {
             Ok(0) => Err(self.err(value.span(), key, format!("must be more than 0 bytes; {zero_hint}"))),
+            Ok(bytes) if !range.contains(&bytes) => Err(self.err(
+                value.span(),
+                key,
+                format!(
+                    "{bytes} bytes is out of range: from {} to {}",
+                    binary_size(*range.start()),
+                    binary_size(*range.end())
+                ),
+            )),
             Ok(bytes) => Ok(bytes),
             Err(message) => Err(self.err(value.span(), key, message)),
         }
     }
 
     fn gateway(&self, raw: Option<&RawGateway>, hosts: &[HostSpec]) -> Result<GatewaySpec, TopologyError> {
-        let first_host = hosts.first().map(|host| host.name.clone()).unwrap_or_default();
-        let default_listen = SocketAddr::from(([127, 0, 0, 1], 8000));
-        let Some(raw) = raw else {
-            return Ok(GatewaySpec {
-                host: first_host,
-                listen: default_listen,
-                served_model_name: None,
-                max_inflight_requests: 256,
-            });
+        let defaults = GatewaySpec {
+            host: hosts.first().map(|host| host.name.clone()).unwrap_or_default(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            served_model_name: None,
+            max_inflight_requests: 256,
+            max_connections: 1024,
+            header_read_timeout_ms: 10_000,
+            max_prompt_bytes: None,
         };
+        let Some(raw) = raw else { return Ok(defaults) };
         let host = match &raw.host {
-            None => first_host,
+            None => defaults.host,
             Some(host) => {
                 if !hosts.iter().any(|known| &known.name == host.get_ref()) {
                     let names: Vec<&str> = hosts.iter().map(|host| host.name.as_str()).collect();
@@ -815,7 +1049,7 @@ impl Checker<'_> {
             }
         };
         let listen = match &raw.listen {
-            None => default_listen,
+            None => defaults.listen,
             Some(listen) => self.address(listen, "gateway.listen")?,
         };
         let served_model_name = match &raw.served_model_name {
@@ -824,9 +1058,58 @@ impl Checker<'_> {
             }
             other => other.as_ref().map(|name| name.get_ref().clone()),
         };
-        let max_inflight_requests =
-            self.field(&raw.max_inflight_requests, "gateway.max_inflight_requests", 256, at_least_one)?;
-        Ok(GatewaySpec { host, listen, served_model_name, max_inflight_requests })
+        let max_inflight_requests = self.field(
+            &raw.max_inflight_requests,
+            "gateway.max_inflight_requests",
+            defaults.max_inflight_requests,
+            in_range(1, MAX_REQUESTS),
+        )?;
+        let max_connections = self.field(
+            &raw.max_connections,
+            "gateway.max_connections",
+            defaults.max_connections,
+            in_range(1, MAX_CONNECTIONS),
+        )?;
+        let header_read_timeout_ms = self.field(
+            &raw.header_read_timeout_ms,
+            "gateway.header_read_timeout_ms",
+            defaults.header_read_timeout_ms,
+            in_range(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS),
+        )?;
+        // No default: unset, the gateway derives it from the model.
+        let max_prompt_bytes = raw
+            .max_prompt_bytes
+            .is_some()
+            .then(|| self.field(&raw.max_prompt_bytes, "gateway.max_prompt_bytes", 0, in_range(1, MAX_PROMPT_BYTES)))
+            .transpose()?;
+        Ok(GatewaySpec {
+            host,
+            listen,
+            served_model_name,
+            max_inflight_requests,
+            max_connections,
+            header_read_timeout_ms,
+            max_prompt_bytes,
+        })
+    }
+
+    fn bus(&self, raw: Option<&RawBus>) -> Result<BusSpec, TopologyError> {
+        let defaults = BusSpec::default();
+        let Some(raw) = raw else { return Ok(defaults) };
+        Ok(BusSpec {
+            max_frame_bytes: self.field(
+                &raw.max_frame_bytes,
+                "bus.max_frame_bytes",
+                defaults.max_frame_bytes,
+                in_range(MIN_FRAME_BYTES, MAX_FRAME_BYTES),
+            )?,
+            handshake_timeout_ms: self.field(
+                &raw.handshake_timeout_ms,
+                "bus.handshake_timeout_ms",
+                defaults.handshake_timeout_ms,
+                in_range(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS),
+            )?,
+        })
     }
 
     /// Two sockets bound to one address would fail at start-up, on some host, late.
@@ -903,6 +1186,33 @@ impl Checker<'_> {
     }
 }
 
+enum PathKind {
+    File,
+    Directory,
+}
+
+/// Why `path`, the `what` that `host` (which runs here) needs, is unusable: missing, not
+/// a `kind` (then `hint` says what is expected), or unreadable; `None` when usable.
+fn unusable(path: &Path, kind: PathKind, what: &str, hint: &str, host: &HostSpec) -> Option<String> {
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Some(format!(
+                "{what} `{}` does not exist on this machine, where host `{}` runs (bus {} is local)",
+                path.display(),
+                host.name,
+                host.bus
+            ));
+        }
+        Err(e) => return Some(format!("cannot read {what} `{}`: {e}", path.display())),
+    };
+    let (usable, noun) = match kind {
+        PathKind::File => (meta.is_file(), "file"),
+        PathKind::Directory => (meta.is_dir(), "directory"),
+    };
+    (!usable).then(|| format!("`{}` is not a {noun}; {hint}", path.display()))
+}
+
 /// `host:port` or `tcp://host:port`, with an IP address and a port other than 0.
 fn parse_address(text: &str) -> Result<SocketAddr, String> {
     let bare = match text.split_once("://") {
@@ -917,6 +1227,17 @@ fn parse_address(text: &str) -> Result<SocketAddr, String> {
         return Err(format!("`{text}`: port 0 is not allowed; other hosts need a fixed port to connect to"));
     }
     Ok(address)
+}
+
+/// `bytes` in the largest binary unit that divides it: `1 MiB`, `1 PiB`, `3 bytes`.
+fn binary_size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 5] =
+        [("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    match UNITS.iter().find(|(_, size)| bytes >= *size && bytes.is_multiple_of(*size)) {
+        Some((unit, size)) => format!("{} {unit}", bytes / size),
+        None if bytes == 1 => "1 byte".to_owned(),
+        None => format!("{bytes} bytes"),
+    }
 }
 
 /// Bytes in `"512MiB"`, `"2 GB"`, `"4096"`: an integer and an optional unit, B, KB,

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use tessera_topology::{
-    Backend, ClusterSpec, Confidence, DEFAULT_TOML, DisaggSpec, EmulationSpec, KvLayout, Role, TopologyError,
-    Transport, catalog, default_topology, load, parse,
+    Backend, BusSpec, ClusterSpec, Confidence, DEFAULT_TOML, DisaggSpec, EmulationSpec, HostPaths, KvLayout,
+    PathReport, Role, TopologyError, Transport, catalog, default_topology, load, load_with_report, parse,
 };
 
 /// One host `h0` with one chip `c0`: lines 1-9.
@@ -189,9 +189,15 @@ fn limits() {
         10,
         20,
         "hosts[0].chips[0].max_batch_tokens",
-        "at least 1",
+        "0 is out of range 1..=1048576",
     );
-    assert_error(&format!("{ONE_CHIP}max_batch_seqs = 0\n"), 10, 18, "hosts[0].chips[0].max_batch_seqs", "at least 1");
+    assert_error(
+        &format!("{ONE_CHIP}max_batch_seqs = 0\n"),
+        10,
+        18,
+        "hosts[0].chips[0].max_batch_seqs",
+        "0 is out of range 1..=65536",
+    );
     assert_error(
         &format!("{ONE_CHIP}memory_limit = \"0MiB\"\n"),
         10,
@@ -212,7 +218,7 @@ fn limits() {
         11,
         23,
         "router.max_queued_requests",
-        "at least 1",
+        "0 is out of range 1..=1048576",
     );
 }
 
@@ -455,15 +461,22 @@ fn emulation_and_disagg_defaults() {
 fn bad_emulation_and_disagg_values() {
     // (table, line, column, key, fragment), the line being line 11.
     let table: &[(&str, &str, usize, &str, &str)] = &[
-        ("emulation", "time_scale = 0.0", 14, "time_scale", "greater than 0"),
-        ("emulation", "time_scale = -1", 14, "time_scale", "greater than 0"),
-        ("emulation", "time_scale = nan", 14, "time_scale", "greater than 0"),
-        ("emulation", "compute_efficiency = 1.5", 22, "compute_efficiency", "more than 0 and at most 1"),
-        ("emulation", "compute_efficiency = 0", 22, "compute_efficiency", "more than 0 and at most 1"),
+        ("emulation", "time_scale = 0.0", 14, "time_scale", "0 is out of range: more than 0 and at most 1000000"),
+        ("emulation", "time_scale = -1", 14, "time_scale", "more than 0 and at most 1000000"),
+        ("emulation", "time_scale = nan", 14, "time_scale", "NaN is out of range"),
+        ("emulation", "time_scale = inf", 14, "time_scale", "inf is out of range"),
+        ("emulation", "time_scale = 1e300", 14, "time_scale", "1e300 is out of range: more than 0 and at most 1000000"),
+        ("emulation", "time_scale = 1000001", 14, "time_scale", "out of range"),
+        ("emulation", "compute_efficiency = 1.5", 22, "compute_efficiency", "at least 0.01 and at most 1"),
+        ("emulation", "compute_efficiency = 0", 22, "compute_efficiency", "at least 0.01 and at most 1"),
+        ("emulation", "compute_efficiency = 1e-300", 22, "compute_efficiency", "1e-300 must be a fraction of peak"),
         ("emulation", "memory_efficiency = 1.01", 21, "memory_efficiency", "at most 1"),
+        ("emulation", "memory_efficiency = 0.009", 21, "memory_efficiency", "at least 0.01"),
         ("emulation", "speed = 2", 1, "speed", "unknown field `speed`"),
         ("disagg", "min_prompt_tokens = 1", 21, "min_prompt_tokens", "1 is below 2"),
-        ("disagg", "lease_ms = 0", 12, "lease_ms", "at least 1"),
+        ("disagg", "min_prompt_tokens = 16777217", 21, "min_prompt_tokens", "out of range 2..=16777216"),
+        ("disagg", "lease_ms = 0", 12, "lease_ms", "0 is out of range 1..=86400000 (ms; at most one day)"),
+        ("disagg", "lease_ms = 86400001", 12, "lease_ms", "out of range 1..=86400000"),
         (
             "disagg",
             "transport = \"rdma\"",
@@ -637,15 +650,37 @@ fn every_key_of_the_default_topology_is_commented() {
     }
 }
 
+/// A fresh directory with a checkpoint directory `ckpt/tiny` and a kernel library
+/// `lib/libk.so` (empty: `load` checks that paths exist, not what they hold).
+fn paths_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let made = std::fs::create_dir_all(dir.path().join("ckpt/tiny"))
+        .and_then(|()| std::fs::create_dir_all(dir.path().join("lib")))
+        .and_then(|()| std::fs::write(dir.path().join("lib/libk.so"), b""));
+    made.unwrap_or_else(|e| panic!("{e}"));
+    dir
+}
+
+/// Writes `text` to `dir/cluster.toml` and loads it.
+fn load_in(dir: &std::path::Path, text: &str) -> Result<(ClusterSpec, PathReport), TopologyError> {
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("write: {e}"));
+    load_with_report(&path)
+}
+
+/// h1 of [`SECOND_HOST`] on an address no machine has (TEST-NET-1, RFC 5737): a host
+/// that runs elsewhere.
+fn remote_second_host(backend: &str) -> String {
+    SECOND_HOST.replace("127.0.0.1:7410", "192.0.2.1:7410").replace("backend = \"cpu\"", backend)
+}
+
 #[test]
 fn load_resolves_relative_paths_against_the_file() {
-    let dir = match tempfile::tempdir() {
-        Ok(dir) => dir,
-        Err(e) => panic!("tempdir: {e}"),
-    };
+    let dir = paths_dir();
     let text =
         ONE_CHIP.replace("builtin:tiny", "ckpt/tiny").replace("backend = \"cpu\"", "backend = \"plugin:lib/libk.so\"");
-    let text = format!("{text}{}", SECOND_HOST.replace("backend = \"cpu\"", "backend = \"plugin:/abs/libk.so\""));
+    // An absolute path on a host of another machine: not checked here.
+    let text = format!("{text}{}", remote_second_host("backend = \"plugin:/abs/libk.so\""));
     let path = dir.path().join("cluster.toml");
     if let Err(e) = std::fs::write(&path, text) {
         panic!("write: {e}");
@@ -680,4 +715,304 @@ fn every_example_topology_is_valid() {
         }
     }
     assert!(seen > 0, "no example in {}", dir.display());
+}
+
+#[test]
+fn load_reports_which_hosts_paths_it_checked() {
+    let dir = paths_dir();
+    let text =
+        ONE_CHIP.replace("builtin:tiny", "ckpt/tiny").replace("backend = \"cpu\"", "backend = \"plugin:lib/libk.so\"");
+    let text = format!("{text}{}", remote_second_host("backend = \"plugin:/abs/libk.so\""));
+    let (_, report) = load_in(dir.path(), &text).unwrap_or_else(|e| panic!("{e}"));
+    let (ckpt, lib) = (dir.path().join("ckpt/tiny"), dir.path().join("lib/libk.so"));
+    assert_eq!(
+        report,
+        PathReport {
+            hosts: vec![
+                HostPaths {
+                    host: "h0".into(),
+                    bus: "127.0.0.1:7400".parse().unwrap_or_else(|e| panic!("{e}")),
+                    local: true,
+                    paths: vec![ckpt.clone(), lib.clone()],
+                },
+                HostPaths {
+                    host: "h1".into(),
+                    bus: "192.0.2.1:7410".parse().unwrap_or_else(|e| panic!("{e}")),
+                    local: false,
+                    paths: vec![ckpt.clone(), PathBuf::from("/abs/libk.so")],
+                },
+            ]
+        }
+    );
+    let rendered = report.render();
+    for needle in [
+        format!("host h0 (bus 127.0.0.1:7400): on this machine; checked: {}, {}", ckpt.display(), lib.display()),
+        format!(
+            "host h1 (bus 192.0.2.1:7410): not on this machine; NOT checked here: {}, /abs/libk.so",
+            ckpt.display()
+        ),
+    ] {
+        assert!(rendered.contains(&needle), "{needle} not in:\n{rendered}");
+    }
+    // A builtin model and cpu chips need no path.
+    let (_, report) = load_in(dir.path(), ONE_CHIP).unwrap_or_else(|e| panic!("{e}"));
+    assert!(report.render().contains("host h0 (bus 127.0.0.1:7400): on this machine; checked: none needed"));
+    // `parse` checks no path.
+    assert!(parse(&text.replace("lib/libk.so", "missing.so"), "t.toml").is_ok());
+}
+
+#[test]
+fn load_refuses_missing_local_paths() {
+    let dir = paths_dir();
+    let cluster_toml = dir.path().join("cluster.toml").display().to_string();
+    let (missing_lib, missing_ckpt) = (dir.path().join("nope/libk.so"), dir.path().join("nope/ckpt"));
+    let plugin = |path: &str| with_line(9, &format!("backend = \"plugin:{path}\""));
+    let model = |path: &str| with_line(2, &format!("model = \"{path}\""));
+    // (text, line, column, key, fragment)
+    let table: &[(String, usize, usize, &str, String)] = &[
+        (
+            plugin("nope/libk.so"),
+            9,
+            11,
+            "hosts[0].chips[0].backend",
+            format!(
+                "kernel library `{}` does not exist on this machine, where host `h0` runs (bus 127.0.0.1:7400 is local)",
+                missing_lib.display()
+            ),
+        ),
+        (plugin("lib"), 9, 11, "hosts[0].chips[0].backend", "is not a file; `plugin:` needs the path".to_owned()),
+        (
+            model("nope/ckpt"),
+            2,
+            9,
+            "cluster.model",
+            format!("checkpoint directory `{}` does not exist on this machine", missing_ckpt.display()),
+        ),
+        (model("lib/libk.so"), 2, 9, "cluster.model", "is not a directory".to_owned()),
+        // The model directory is checked when any host runs here, not only the first.
+        (
+            format!("{}{SECOND_HOST}", model("nope/ckpt").replace("127.0.0.1:7400", "192.0.2.1:7400")),
+            2,
+            9,
+            "cluster.model",
+            "where host `h1` runs (bus 127.0.0.1:7410 is local)".to_owned(),
+        ),
+        // A missing library on the second (local) host.
+        (
+            format!("{ONE_CHIP}{}", SECOND_HOST.replace("backend = \"cpu\"", "backend = \"plugin:/nope/libk.so\"")),
+            16,
+            11,
+            "hosts[1].chips[0].backend",
+            "kernel library `/nope/libk.so` does not exist".to_owned(),
+        ),
+    ];
+    for (text, line, column, key, fragment) in table {
+        let e = match load_in(dir.path(), text) {
+            Ok((spec, _)) => panic!("expected an error, got {spec:#?}"),
+            Err(e) => e,
+        };
+        assert_eq!((e.file.as_str(), e.line, e.column, e.key.as_str()), (cluster_toml.as_str(), *line, *column, *key));
+        assert!(e.message.contains(fragment.as_str()), "`{fragment}` not in: {e}");
+        assert!(e.to_string().starts_with(&format!("{cluster_toml}:{line}:{column}: `{key}`: ")), "{e}");
+    }
+    // The same paths on a host of another machine are left to that machine.
+    let text = format!(
+        "{}{}",
+        ONE_CHIP.replace("builtin:tiny", "nope/ckpt").replace("127.0.0.1:7400", "192.0.2.1:7400"),
+        remote_second_host("backend = \"plugin:/nope/libk.so\"")
+    );
+    let report = load_in(dir.path(), &text).map(|(_, report)| report).map_err(|e| e.to_string());
+    assert_eq!(report.map(|report| report.hosts.iter().filter(|host| host.local).count()), Ok(0));
+}
+
+#[test]
+fn hostile_numbers_are_refused_where_they_are_written() {
+    let acme = |from: &str, to: &str| format!("{ONE_CHIP}{}", ACME.replace(from, to));
+    let section = |table: &str, line: &str| format!("{ONE_CHIP}[{table}]\n{line}\n");
+    let chip = |line: &str| format!("{ONE_CHIP}{line}\n");
+    // (text, line, column, key, fragment)
+    let table: &[(String, usize, usize, &str, &str)] = &[
+        // Paced steps (modelled seconds x time_scale) that no Duration holds.
+        (
+            section("emulation", "time_scale = 1e300"),
+            11,
+            14,
+            "emulation.time_scale",
+            "1e300 is out of range: more than 0 and at most 1000000",
+        ),
+        (
+            acme("fp16_tflops = 100.0", "fp16_tflops = 1e-300"),
+            12,
+            15,
+            "chip_kinds[0].fp16_tflops",
+            "1e-300 TFLOPS is outside 0.001..=100000 TFLOPS, the range of real chips",
+        ),
+        (
+            acme("memory_bw_gbs = 1000.0", "memory_bw_gbs = 1e-300"),
+            14,
+            17,
+            "chip_kinds[0].memory_bw_gbs",
+            "1e-300 GB/s is outside 0.1..=100000 GB/s",
+        ),
+        (acme("fp16_tflops = 100.0", "fp16_tflops = 1e6"), 12, 15, "chip_kinds[0].fp16_tflops", "outside"),
+        (acme("link_bw_gbs = 100.0", "link_bw_gbs = 0.001"), 15, 15, "chip_kinds[0].link_bw_gbs", "outside"),
+        (acme("tdp_w = 300.0", "tdp_w = 1e9"), 16, 9, "chip_kinds[0].tdp_w", "1e9 W is outside 0.1..=100000 W"),
+        (
+            acme("\"32GiB\"", "\"2048TiB\""),
+            13,
+            10,
+            "chip_kinds[0].memory",
+            "2251799813685248 bytes is out of range: from 1 MiB to 1 PiB",
+        ),
+        (acme("\"32GiB\"", "1024"), 13, 10, "chip_kinds[0].memory", "from 1 MiB to 1 PiB"),
+        // Timers that overflow an Instant.
+        (
+            section("supervisor", "heartbeat_interval_ms = 9223372036854775807"),
+            11,
+            25,
+            "supervisor.heartbeat_interval_ms",
+            "9223372036854775807 is out of range 1..=86400000 (ms; at most one day)",
+        ),
+        (
+            section("supervisor", "heartbeat_timeout_ms = 86400001"),
+            11,
+            24,
+            "supervisor.heartbeat_timeout_ms",
+            "out of range 1..=86400000",
+        ),
+        (
+            section("supervisor", "restart_backoff_ms = 9223372036854775807"),
+            11,
+            22,
+            "supervisor.restart_backoff_ms",
+            "out of range 0..=86400000",
+        ),
+        (
+            section("supervisor", "restart_window_s = 86401"),
+            11,
+            20,
+            "supervisor.restart_window_s",
+            "86401 is out of range 1..=86400 (s; at most one day)",
+        ),
+        (section("supervisor", "restart_window_s = 0"), 11, 20, "supervisor.restart_window_s", "out of range"),
+        (section("supervisor", "max_restarts = 4000000000"), 11, 16, "supervisor.max_restarts", "0..=10000"),
+        (section("disagg", "lease_ms = 9223372036854775807"), 11, 12, "disagg.lease_ms", "at most one day"),
+        // Counts that wrap a product.
+        (
+            chip("max_batch_seqs = 9007199254740992"),
+            10,
+            18,
+            "hosts[0].chips[0].max_batch_seqs",
+            "9007199254740992 is out of range 1..=65536",
+        ),
+        (
+            chip("max_batch_tokens = 1048577"),
+            10,
+            20,
+            "hosts[0].chips[0].max_batch_tokens",
+            "1048577 is out of range 1..=1048576",
+        ),
+        (
+            chip("memory_limit = 9223372036854775807"),
+            10,
+            16,
+            "hosts[0].chips[0].memory_limit",
+            "9223372036854775807 bytes is out of range: from 1 byte to 1 PiB",
+        ),
+        (chip("memory_limit = \"1025TiB\""), 10, 16, "hosts[0].chips[0].memory_limit", "to 1 PiB"),
+        (section("router", "max_queued_requests = 1048577"), 11, 23, "router.max_queued_requests", "1..=1048576"),
+        (
+            section("gateway", "max_inflight_requests = 9007199254740992"),
+            11,
+            25,
+            "gateway.max_inflight_requests",
+            "out of range 1..=1048576",
+        ),
+    ];
+    for (text, line, column, key, fragment) in table {
+        assert_error(text, *line, *column, key, fragment);
+    }
+    // The largest values of every range are valid.
+    let spec = spec_of(&format!(
+        "{ONE_CHIP}max_batch_tokens = 1048576\nmax_batch_seqs = 65536\nmemory_limit = \"1024TiB\"\n\
+         [supervisor]\nheartbeat_interval_ms = 86399999\nheartbeat_timeout_ms = 86400000\n\
+         restart_window_s = 86400\nrestart_backoff_ms = 86400000\nmax_restarts = 10000\n\
+         [emulation]\ntime_scale = 1e6\n"
+    ));
+    let c0 = &spec.hosts[0].chips[0];
+    assert_eq!((c0.max_batch_tokens, c0.max_batch_seqs, c0.memory_limit_bytes), (1 << 20, 1 << 16, Some(1 << 50)));
+    assert_eq!(spec.emulation.time_scale, 1e6);
+}
+
+#[test]
+fn an_emulated_chip_whose_pace_exceeds_a_day_is_refused() {
+    // Every figure and the time scale are in range, but together they pace one decode
+    // step of a 7B model at ~195 s x 1000.
+    let slow_acme = ACME.replace("fp16_tflops = 100.0", "fp16_tflops = 0.001").replace("1000.0", "0.1");
+    let chip = with_line(9, "backend = \"emu:acme-x1\"").replace("kind = \"cpu\"", "kind = \"acme-x1\"");
+    let text = format!("{chip}{slow_acme}[emulation]\ntime_scale = 1000\n");
+    assert_error(
+        &text,
+        9,
+        11,
+        "hosts[0].chips[0].backend",
+        "`emu:acme-x1` paces too slowly: at 0.1 GB/s x memory_efficiency 0.8, times emulation.time_scale 1000, one \
+         decode step of a 7B-parameter model at 4096 tokens of context would take 195310 s, more than a \
+         day (86400 s)",
+    );
+    // At a smaller scale, or with a catalog chip at the largest scale, it paces.
+    assert!(parse(&text.replace("time_scale = 1000", "time_scale = 100"), "t.toml").is_ok());
+    let h100 = with_line(9, "backend = \"emu:nvidia-h100\"").replace("kind = \"cpu\"\n", "");
+    let spec = spec_of(&format!("{h100}[emulation]\ntime_scale = 1e6\n"));
+    assert_eq!(spec.emulation.time_scale, 1e6);
+    // A cpu chip is not paced: a slow kind there is fine.
+    assert!(
+        parse(&format!("{}{slow_acme}[emulation]\ntime_scale = 1e6\n", with_line(8, "kind = \"acme-x1\"")), "t.toml")
+            .is_ok()
+    );
+}
+
+#[test]
+fn gateway_and_bus_limits() {
+    let spec = spec_of(ONE_CHIP);
+    let gateway = &spec.gateway;
+    assert_eq!(
+        (gateway.max_connections, gateway.header_read_timeout_ms, gateway.max_prompt_bytes),
+        (1024, 10_000, None)
+    );
+    assert_eq!(spec.bus, BusSpec { max_frame_bytes: 16 << 20, handshake_timeout_ms: 5000 });
+    assert_eq!(spec.bus, BusSpec::default());
+    let spec = spec_of(&format!(
+        "{ONE_CHIP}[gateway]\nmax_connections = 65536\nheader_read_timeout_ms = 100\nmax_prompt_bytes = 1073741824\n\
+         [bus]\nmax_frame_bytes = 4096\nhandshake_timeout_ms = 600000\n"
+    ));
+    let gateway = &spec.gateway;
+    assert_eq!(
+        (gateway.max_connections, gateway.header_read_timeout_ms, gateway.max_prompt_bytes),
+        (65_536, 100, Some(1 << 30))
+    );
+    assert_eq!(spec.bus, BusSpec { max_frame_bytes: 4096, handshake_timeout_ms: 600_000 });
+    let rendered = spec.render();
+    assert!(rendered.contains("over 65536 connections, headers within 100 ms, prompts of at most 1073741824 bytes"));
+    assert!(rendered.contains("bus: frames of at most 4096 bytes, handshakes within 600000 ms"), "{rendered}");
+
+    // (table, line, column, key, fragment), the line being line 11.
+    let table: &[(&str, &str, usize, &str, &str)] = &[
+        ("gateway", "max_connections = 0", 19, "max_connections", "0 is out of range 1..=65536"),
+        ("gateway", "max_connections = 65537", 19, "max_connections", "65537 is out of range 1..=65536"),
+        ("gateway", "header_read_timeout_ms = 99", 26, "header_read_timeout_ms", "99 is out of range 100..=600000"),
+        ("gateway", "header_read_timeout_ms = 600001", 26, "header_read_timeout_ms", "out of range 100..=600000"),
+        ("gateway", "header_read_timeout_ms = -1", 26, "header_read_timeout_ms", "expected u64"),
+        ("gateway", "max_prompt_bytes = 0", 20, "max_prompt_bytes", "0 is out of range 1..=1073741824"),
+        ("gateway", "max_prompt_bytes = 1073741825", 20, "max_prompt_bytes", "out of range 1..=1073741824"),
+        ("gateway", "max_prompt_tokens = 5", 1, "max_prompt_tokens", "unknown field `max_prompt_tokens`"),
+        ("bus", "max_frame_bytes = 4095", 19, "max_frame_bytes", "4095 is out of range 4096..=1073741824"),
+        ("bus", "max_frame_bytes = 1073741825", 19, "max_frame_bytes", "out of range 4096..=1073741824"),
+        ("bus", "handshake_timeout_ms = 99", 24, "handshake_timeout_ms", "99 is out of range 100..=600000"),
+        ("bus", "handshake_timeout_ms = 600001", 24, "handshake_timeout_ms", "out of range 100..=600000"),
+        ("bus", "max_frame_kib = 4", 1, "max_frame_kib", "unknown field `max_frame_kib`"),
+    ];
+    for (table, line, column, key, fragment) in table {
+        assert_error(&format!("{ONE_CHIP}[{table}]\n{line}\n"), 11, *column, &format!("{table}.{key}"), fragment);
+    }
 }
