@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tessera_actors::chip::executor::{Emulation, ExecutorFactory, ModelExecutor, ModelExecutorConfig, StepExecutor};
 use tessera_actors::chip::{Chip, ChipConfig};
+use tessera_actors::gateway::listener::HttpLimits;
 use tessera_actors::gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_actors::msg::{ChipReport, Msg, well_known};
 use tessera_actors::request::RetryPolicy;
@@ -75,7 +76,12 @@ pub fn run_node(
         .filter(|(i, _)| *i != index)
         .map(|(i, h)| PeerSpec { host: HostId(i as u16), name: h.name.clone(), direct: h.bus, events: h.events })
         .collect();
-    let bus_config = BusConfig { peers, ..BusConfig::new(HostId(index as u16), me.name.clone(), me.bus, me.events) };
+    let bus_config = BusConfig {
+        peers,
+        max_frame_bytes: spec.bus.max_frame_bytes,
+        handshake_timeout: Duration::from_millis(spec.bus.handshake_timeout_ms),
+        ..BusConfig::new(HostId(index as u16), me.name.clone(), me.bus, me.events)
+    };
     let bus: Bus = rt
         .block_on(Bus::start(bus_config, host.inbound()))
         .with_context(|| format!("host {host_name}: starting the bus on {} / {}", me.bus, me.events))?;
@@ -188,6 +194,13 @@ pub fn run_node(
             retry: RetryPolicy::default(),
             chips: chip_addrs,
             metrics: opts.metrics.clone(),
+            max_prompt_bytes: spec.gateway.max_prompt_bytes.unwrap_or_else(|| {
+                server::default_max_prompt_bytes(model_config.max_context, tokenizer.max_token_bytes())
+            }),
+            http: HttpLimits {
+                max_connections: spec.gateway.max_connections,
+                header_read_timeout: Duration::from_millis(spec.gateway.header_read_timeout_ms),
+            },
         };
         let state = Arc::new(GatewayState::new(host.clone(), tokenizer, config).map_err(anyhow::Error::msg)?);
         let listen = spec.gateway.listen;

@@ -236,3 +236,43 @@ fn pd_topology_with(p_extra: &str, d_extra: &str, cluster_extra: &str, gateway_o
     topo.toml = topo.toml.replacen("[disagg]", &format!("{cluster_extra}\n\n[disagg]"), 1);
     topo
 }
+
+/// Ten long prompts, for the worker-panic drills.
+fn panic_prompts() -> Vec<String> {
+    (0..10).map(|i| prompt_of(180, 40 + i)).collect()
+}
+
+/// A `worker_panic` drill on `victim` (`p-chip` or `d-chip`) while ten streams run,
+/// prefills and KV hand-offs in flight: the chip restarts, and meanwhile its requests
+/// avoid it (the other chip serves them alone) instead of being declined until their
+/// attempts run out. Every stream finishes with all its tokens, equal to the no-fault
+/// answer; both pools drain; the victim is up again with one restart.
+fn ten_streams_survive_a_worker_panic_on(victim: &str) {
+    let prompts = panic_prompts();
+    let want: Vec<Generated> = prompts.iter().map(|p| generate(p, FAULT_MAX_TOKENS, true)).collect();
+    let p_emu = "kind = \"ascend-910b\"\nbackend = \"emu:ascend-910b\"";
+    let topo = pd_topology_with(p_emu, "", SLOW_PREFILL, false);
+    let mut cluster = Cluster::up(&topo);
+    let gw = cluster.gateway;
+    cluster.wait_ready(2);
+    stream_through_fault_after(gw, "d-chip", 1, &prompts, &want, FAULT_MAX_TOKENS, || {
+        wait_health(gw, "p prefills", Duration::from_secs(5), |h| chip(h, "p-chip")["running"].as_u64() > Some(0));
+        let r = post_json(gw, "/admin/faults", &json!({"chip": victim, "fault": "worker_panic"}));
+        assert_eq!(r.status, 202, "{}", r.body);
+    });
+    let health = wait_health(gw, "the victim restarted and every pool drained", Duration::from_secs(10), |h| {
+        chip(h, victim)["state"] == "up" && chip(h, victim)["restarts"] == 1 && drained(h, &[])
+    });
+    assert_eq!(health["chips_up"], 2, "{health:#}");
+    assert!(metric(gw, "tessera_request_failed_total ") == 0.0, "a request failed");
+}
+
+#[test]
+fn ten_streams_survive_a_worker_panic_on_the_decode_chip() {
+    ten_streams_survive_a_worker_panic_on("d-chip");
+}
+
+#[test]
+fn ten_streams_survive_a_worker_panic_on_the_prefill_chip() {
+    ten_streams_survive_a_worker_panic_on("p-chip");
+}

@@ -287,6 +287,29 @@ fn gateway_errors_have_status_and_openai_shape() {
     let long = json!({"model": MODEL, "prompt": vec![5u32; 2048], "max_tokens": 1, "temperature": 0});
     let e = assert_api_error(&post_json(gw, "/v1/completions", &long), 413, "invalid_request_error");
     assert_eq!(e["code"], "context_length_exceeded", "{e}");
+    // A text no context could hold is refused before it is tokenized.
+    let huge = completion_body(&"lorem ipsum ".repeat(20_000), 4, false, false);
+    let e = assert_api_error(&post_json(gw, "/v1/completions", &huge), 413, "invalid_request_error");
+    assert!(e["message"].as_str().is_some_and(|m| m.contains("bytes of text")), "{e}");
+    // A body over the limit, an unknown path and a wrong method: OpenAI error JSON too.
+    // (Announced, not sent: the gateway answers from the header and closes.)
+    let raw = {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(gw).expect("connect");
+        let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                    content-length: 67108864\r\n\r\n";
+        c.write_all(head.as_bytes()).expect("send the head");
+        c.set_read_timeout(Some(Duration::from_secs(10))).expect("read timeout");
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    assert!(raw.starts_with("HTTP/1.1 413"), "{raw}");
+    assert!(raw.contains("\"code\":\"request_too_large\""), "{raw}");
+    let e = assert_api_error(&get(gw, "/v1/nothing-here"), 404, "invalid_request_error");
+    assert_eq!(e["code"], "unknown_url", "{e}");
+    let e = assert_api_error(&get(gw, "/v1/completions"), 405, "invalid_request_error");
+    assert_eq!(e["code"], "method_not_allowed", "{e}");
 
     // One long stream holds the only in-flight slot: a second request is refused.
     let mut sse = post_stream(gw, "/v1/completions", &completion_body("A long story", 2000, true, true))
@@ -336,4 +359,114 @@ fn no_healthy_chip_is_503() {
     let e =
         assert_api_error(&post_json(gw, "/v1/chat/completions", &chat_body("Hi", 4, true)), 503, "service_unavailable");
     assert_eq!(e["code"], "no_healthy_chip", "{e}");
+}
+
+/// Thousands of words per prompt, ~`bytes` long.
+fn heavy_prompt(bytes: usize, seed: usize) -> String {
+    let words = ["chip", "token", "prefill", "decode", "cache", "router", "tile", "mosaic", "lorem", "ipsum"];
+    let mut s = String::with_capacity(bytes + 16);
+    let mut i = seed;
+    while s.len() < bytes {
+        s.push_str(words[i % words.len()]);
+        s.push(' ');
+        i = i.wrapping_mul(31).wrapping_add(7);
+    }
+    s
+}
+
+/// Eight clients post multi-megabyte prompts (the gateway is told to accept that much
+/// text, so each one is parsed and tokenized): the host's heartbeats never starve —
+/// neither supervisor declares a host down — `/health` answers within 1 s throughout,
+/// each heavy request gets a clean 413, and normal requests are still served.
+#[test]
+fn heavy_prompts_do_not_starve_heartbeats_or_health() {
+    let topo = topology(&["h0", "h1"], "max_prompt_bytes = 4194304", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
+    let gw = cluster.gateway;
+    cluster.wait_ready(2);
+    let prompts: Vec<String> = (0..8).map(|i| heavy_prompt(3 << 20, i)).collect();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let mut slowest_health = Duration::ZERO;
+    std::thread::scope(|s| {
+        for prompt in &prompts {
+            let done = &done;
+            s.spawn(move || {
+                let r = post_json(gw, "/v1/completions", &completion_body(prompt, 4, false, false));
+                let e = assert_api_error(&r, 413, "invalid_request_error");
+                assert_eq!(e["code"], "context_length_exceeded", "{e}");
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while done.load(std::sync::atomic::Ordering::SeqCst) < prompts.len() {
+            assert!(Instant::now() < deadline, "the heavy prompts were not answered within 120 s");
+            let asked = Instant::now();
+            let h = get(gw, "/health");
+            let took = asked.elapsed();
+            slowest_health = slowest_health.max(took);
+            assert_eq!(h.status, 200, "{}", h.body);
+            assert_eq!(h.json()["hosts_down"], json!([]), "a host was declared down: {}", h.body);
+            assert!(took < Duration::from_secs(1), "/health took {took:?} under heavy prompts");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    eprintln!("slowest /health under 8 heavy prompts: {slowest_health:?}");
+    let r = post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false));
+    assert_eq!(r.status, 200, "{}", r.body);
+    for host in ["h0", "h1"] {
+        let log = cluster.proc(host).log();
+        assert!(!log.contains("missed its heartbeats"), "{host} declared a host down:\n{log}");
+    }
+}
+
+/// A flood of clients that open connections and send only part of their headers: the
+/// gateway sheds them (closes the longest idle when at its connection cap, times out
+/// the rest) and keeps serving normal requests meanwhile; connections over the cap
+/// while all are busy would get 503 JSON rather than an OS error.
+#[test]
+fn a_slow_header_flood_is_shed_and_requests_keep_being_served() {
+    use std::io::{Read, Write};
+    let extra = "max_connections = 32\nheader_read_timeout_ms = 2000";
+    let topo = topology(&["h0"], extra, "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0"]);
+    let gw = cluster.gateway;
+    cluster.wait_ready(1);
+    let mut slow = Vec::new();
+    let mut served = 0;
+    for i in 0..400 {
+        let mut c = std::net::TcpStream::connect(gw).expect("connect");
+        // Half a request line and one header, never finished.
+        let _ = c.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n");
+        slow.push(c);
+        if i % 50 == 49 {
+            let r = post_json(gw, "/v1/completions", &completion_body("Hi", 2, false, false));
+            assert_eq!(r.status, 200, "request during the flood: {}", r.body);
+            served += 1;
+        }
+    }
+    assert_eq!(served, 8);
+    // Every slow connection ends: shed at the cap, or timed out after 2 s.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for c in &mut slow {
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        c.set_read_timeout(Some(left)).expect("read timeout");
+        let mut buf = [0u8; 512];
+        loop {
+            match c.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {} // a 408 or error response before the close
+            }
+            assert!(Instant::now() < deadline, "a slow-header connection was never closed");
+        }
+        assert!(Instant::now() < deadline, "a slow-header connection was still open after 10 s");
+    }
+    let metrics = get(gw, "/metrics").body;
+    let shed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tessera_gateway_connections_shed_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(shed >= 300.0, "the flood was not shed at the cap: {shed}");
+    let r = post_json(gw, "/v1/completions", &completion_body("Hi", 2, false, false));
+    assert_eq!(r.status, 200, "{}", r.body);
 }

@@ -201,6 +201,15 @@ impl TextTokenizer {
         self.inner.decode(&known, false).map_err(|e| self.err(format!("cannot decode ids: {e}")))
     }
 
+    /// The most bytes of text one token can stand for: its raw bytes for a byte-level
+    /// vocabulary; otherwise its spelling's length in UTF-8, which is never shorter than
+    /// the text it decodes to (`▁` is 3 bytes for 1 space, `<0x41>` 6 for 1 byte).
+    pub fn max_token_bytes(&self) -> usize {
+        let spelled = self.inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1);
+        let raw = self.token_bytes.as_ref().and_then(|t| t.iter().flatten().map(Vec::len).max()).unwrap_or(0);
+        spelled.max(raw).max(1)
+    }
+
     /// Number of tokens including added/special tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -2,14 +2,21 @@
 //! this host, and their events back into JSON or SSE. Each HTTP request owns a mailbox;
 //! when the client goes away the mailbox's guard cancels the Request actor, which
 //! aborts its sequence and frees its KV on the chip.
+//!
+//! The async runtime this runs on also carries the bus and the heartbeats, so nothing
+//! CPU-heavy runs on it: parsing a body, rendering a chat template and tokenizing run
+//! on blocking threads, a few at a time (`prompt_workers`), after the prompt's text has
+//! been checked against a bound derived from the model's context (`max_prompt_bytes`).
 
 use super::openai::{self, ApiError, ChatTemplate, FinishReason, GenerationRequest, Prompt, StopMatcher, Usage};
 use crate::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, SamplingSpec, ServeError};
 use crate::request::{Request, RequestSpec, RetryPolicy};
+use super::listener::{self, HttpLimits};
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,7 +24,6 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -35,6 +41,23 @@ pub struct GatewayConfig {
     /// Chip ids and addresses, for fault drills.
     pub chips: HashMap<String, Addr>,
     pub metrics: Option<PrometheusHandle>,
+    /// Prompts with more bytes of text than this are refused before tokenizing; see
+    /// [`default_max_prompt_bytes`].
+    pub max_prompt_bytes: usize,
+    /// Connections, header and idle timeouts.
+    pub http: HttpLimits,
+}
+
+/// The longest prompt text that could fit `max_context` tokens: no token stands for more
+/// than `max_token_bytes` bytes of text, so a longer text needs more tokens than fit.
+pub fn default_max_prompt_bytes(max_context: usize, max_token_bytes: usize) -> usize {
+    max_context.saturating_mul(max_token_bytes.max(1))
+}
+
+/// The largest request body accepted: the prompt bound, with room for JSON escapes
+/// (up to 6 bytes per byte of text) and the other fields.
+fn max_body_bytes(max_prompt_bytes: usize) -> usize {
+    max_prompt_bytes.saturating_mul(6).saturating_add(1 << 20)
 }
 
 pub struct GatewayState {
@@ -44,6 +67,8 @@ pub struct GatewayState {
     config: GatewayConfig,
     inflight: AtomicUsize,
     next_id: AtomicU64,
+    /// Bodies being parsed and prompts tokenized at once, off the async runtime.
+    prompt_workers: tokio::sync::Semaphore,
 }
 
 impl GatewayState {
@@ -65,12 +90,17 @@ impl GatewayState {
             inflight: AtomicUsize::new(0),
             // Request ids only need to be unique within this gateway's life.
             next_id: AtomicU64::new(seed & 0xffff_ffff_0000),
+            prompt_workers: tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
+            ),
         })
     }
 }
 
-/// The gateway's routes.
+/// The gateway's routes. Every error, including unknown paths, wrong methods and
+/// bodies over the limit, is OpenAI error JSON.
 pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
+    let body_limit = max_body_bytes(state.config.max_prompt_bytes);
     HttpRouter::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -79,7 +109,46 @@ pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
         .route("/metrics", get(prometheus))
         .route("/admin/faults", post(inject_fault))
         .route("/admin/role", post(set_role))
+        .fallback(unknown_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn(move |req, next| refuse_announced_oversize(req, next, body_limit)))
         .with_state(state)
+}
+
+/// A body whose announced length is over the limit is refused from its headers, before
+/// the client spends time sending it (one without a length is cut off at the limit).
+async fn refuse_announced_oversize(req: axum::extract::Request, next: axum::middleware::Next, limit: usize) -> Response {
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limit as u64) {
+        return error_response(ApiError::body_too_large(limit));
+    }
+    next.run(req).await
+}
+
+async fn unknown_route(method: Method, uri: Uri) -> Response {
+    error_response(ApiError::unknown_route(method.as_str(), uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error_response(ApiError::method_not_allowed(method.as_str(), uri.path()))
+}
+
+/// A request body, or the error JSON for one that could not be read (over the limit:
+/// 413; cut off or unreadable: 400).
+fn body_or_error(st: &GatewayState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, Response> {
+    body.map_err(|rejection| {
+        let e = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::body_too_large(max_body_bytes(st.config.max_prompt_bytes))
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {}", rejection.body_text()), None)
+        };
+        error_response(e)
+    })
 }
 
 /// Serves until `shutdown` resolves, then waits for in-flight requests to finish.
@@ -88,9 +157,8 @@ pub async fn serve(
     state: Arc<GatewayState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, routes(state).into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(shutdown)
-        .await
+    let limits = state.config.http;
+    listener::serve(listener, routes(state), limits, shutdown).await
 }
 
 fn unix_now() -> u64 {
@@ -119,17 +187,17 @@ enum Endpoint {
     Chat,
 }
 
-async fn completions(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
-    match openai::parse_completion(&body) {
-        Ok(req) => generate(st, req, Endpoint::Completions).await,
-        Err(e) => error_response(e),
+async fn completions(State(st): State<Arc<GatewayState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    match body_or_error(&st, body) {
+        Ok(body) => generate(st, body, Endpoint::Completions).await,
+        Err(response) => response,
     }
 }
 
-async fn chat_completions(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
-    match openai::parse_chat(&body) {
-        Ok(req) => generate(st, req, Endpoint::Chat).await,
-        Err(e) => error_response(e),
+async fn chat_completions(State(st): State<Arc<GatewayState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    match body_or_error(&st, body) {
+        Ok(body) => generate(st, body, Endpoint::Chat).await,
+        Err(response) => response,
     }
 }
 
@@ -149,6 +217,33 @@ impl Drop for RequestGuard {
         self.st.inflight.fetch_sub(1, Ordering::AcqRel);
         metrics::gauge!("tessera_gateway_inflight_requests").decrement(1.0);
     }
+}
+
+/// Bytes of text in a prompt, before any template.
+fn prompt_text_bytes(prompt: &Prompt) -> usize {
+    match prompt {
+        Prompt::Text(text) => text.len(),
+        Prompt::TokenIds(_) => 0,
+        Prompt::Chat(messages) => messages.iter().map(|m| m.content.len()).sum(),
+    }
+}
+
+/// Parses a body and tokenizes its prompt: CPU work, run on a blocking thread.
+fn prepare(st: &GatewayState, body: &[u8], endpoint: Endpoint) -> Result<(GenerationRequest, Vec<u32>), ApiError> {
+    let req = match endpoint {
+        Endpoint::Completions => openai::parse_completion(body)?,
+        Endpoint::Chat => openai::parse_chat(body)?,
+    };
+    if req.model != st.config.served_model {
+        return Err(ApiError::not_found_model(&req.model, std::slice::from_ref(&st.config.served_model)));
+    }
+    let bytes = prompt_text_bytes(&req.prompt);
+    if bytes > st.config.max_prompt_bytes {
+        metrics::counter!("tessera_gateway_prompts_too_long_total").increment(1);
+        return Err(ApiError::prompt_text_too_long(bytes, st.config.max_prompt_bytes, st.config.max_context));
+    }
+    let ids = prompt_ids(st, &req.prompt)?;
+    Ok((req, ids))
 }
 
 fn prompt_ids(st: &GatewayState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
@@ -171,14 +266,23 @@ fn prompt_ids(st: &GatewayState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> 
     }
 }
 
-async fn generate(st: Arc<GatewayState>, req: GenerationRequest, endpoint: Endpoint) -> Response {
+async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Response {
     let started = Instant::now();
-    if req.model != st.config.served_model {
-        return error_response(ApiError::not_found_model(&req.model, std::slice::from_ref(&st.config.served_model)));
-    }
-    let prompt = match prompt_ids(&st, &req.prompt) {
-        Ok(p) => p,
-        Err(e) => return error_response(e),
+    let prepared = {
+        // The semaphore is never closed; a wait for it is a queue, not a failure.
+        let Ok(_permit) = st.prompt_workers.acquire().await else {
+            return error_response(ApiError::internal("the gateway is shutting down"));
+        };
+        let st = st.clone();
+        tokio::task::spawn_blocking(move || prepare(&st, &body, endpoint)).await
+    };
+    let (req, prompt) = match prepared {
+        Ok(Ok(prepared)) => prepared,
+        Ok(Err(e)) => return error_response(e),
+        Err(e) => {
+            tracing::error!("preparing a prompt failed: {e}");
+            return error_response(ApiError::internal("the request could not be prepared"));
+        }
     };
     let max_context = st.config.max_context;
     if prompt.is_empty() {
@@ -502,15 +606,19 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
         "chips_up": up,
         "hosts_down": hosts_down,
         "inflight_requests": st.inflight.load(Ordering::Acquire),
-        "chips": chips.iter().map(|c| json!({
+        "chips": chips.iter().map(|c| {
+            // A dead host's chips have no figures: null, never its last report's.
+            let live = !hosts_down.contains(&c.host_name);
+            let figure = |v: usize| if live { json!(v) } else { Value::Null };
+            json!({
             "id": c.id,
             "host": c.host_name,
             "role": c.role,
-            "state": format!("{:?}", c.state).to_lowercase(),
-            "kv_blocks_used": c.kv_blocks_used,
-            "kv_blocks_total": c.kv_blocks_total,
-            "running": c.running,
-            "waiting": c.waiting,
+            "state": if live { format!("{:?}", c.state).to_lowercase() } else { "down".to_string() },
+            "kv_blocks_used": figure(c.kv_blocks_used),
+            "kv_blocks_total": figure(c.kv_blocks_total),
+            "running": figure(c.running),
+            "waiting": figure(c.waiting),
             "steps": c.steps,
             "max_step_seqs": c.max_step_seqs,
             "restarts": c.restarts,
@@ -520,8 +628,8 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
             // "ascend-910b x2000": an emulation of that kind, steps paced to its
             // roofline with that time scale — never real hardware.
             "emulated": c.emulated,
-            "last_handoff_gap_s": c.last_handoff_gap_s,
-        })).collect::<Vec<_>>(),
+            "last_handoff_gap_s": if live { c.last_handoff_gap_s } else { None },
+        })}).collect::<Vec<_>>(),
     });
     (status, axum::Json(body)).into_response()
 }

@@ -59,6 +59,55 @@ impl ApiError {
         }
     }
 
+    /// 413 before tokenizing: the prompt's text is longer than any prompt that fits the
+    /// model's context could be (`max_bytes`: the context times the longest token).
+    pub fn prompt_text_too_long(bytes: usize, max_bytes: usize, max_context: usize) -> Self {
+        Self {
+            status: 413,
+            message: format!(
+                "The prompt has {bytes} bytes of text; this model's context of {max_context} tokens holds \
+                 at most {max_bytes}. Please shorten the prompt."
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("context_length_exceeded".to_owned()),
+        }
+    }
+
+    /// 413: the request body is over the gateway's limit.
+    pub fn body_too_large(limit_bytes: usize) -> Self {
+        Self {
+            status: 413,
+            message: format!("The request body is larger than this server accepts ({limit_bytes} bytes)."),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large".to_owned()),
+        }
+    }
+
+    /// 404 for a path this server does not serve.
+    pub fn unknown_route(method: &str, path: &str) -> Self {
+        Self {
+            status: 404,
+            message: format!("Unknown request URL: {method} {path}. This server serves /v1/completions, \
+                 /v1/chat/completions, /v1/models, /health and /metrics."),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("unknown_url".to_owned()),
+        }
+    }
+
+    /// 405: the path exists, the method does not.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self {
+            status: 405,
+            message: format!("Method {method} is not allowed for {path}."),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("method_not_allowed".to_owned()),
+        }
+    }
+
     /// 429: every queue is full; the client should retry later (OpenAI's SDKs back off on 429).
     pub fn overloaded(message: impl Into<String>) -> Self {
         Self {
