@@ -231,10 +231,8 @@ fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
     p.fx.advance(Duration::from_secs(6), &mut p.chip);
     assert_eq!(p.used(), 0, "the lease freed them");
     let sent = p.sent();
-    assert!(
-        sent.iter().any(|(to, m)| *to == REQ
-            && matches!(m, Msg::Refused { retry: Retry::Elsewhere, error, .. } if error.message.contains("lease")))
-    );
+    assert!(sent.iter().any(|(to, m)| *to == REQ
+        && matches!(m, Msg::Refused { retry: Retry::Elsewhere, error, .. } if error.message.contains("lease"))));
     assert!(sent.iter().any(|(to, m)| *to == D && matches!(m, Msg::KvCancel { .. })));
 }
 

@@ -8,10 +8,10 @@
 //! on blocking threads, a few at a time (`prompt_workers`), after the prompt's text has
 //! been checked against a bound derived from the model's context (`max_prompt_bytes`).
 
+use super::listener::{self, HttpLimits};
 use super::openai::{self, ApiError, ChatTemplate, FinishReason, GenerationRequest, Prompt, StopMatcher, Usage};
 use crate::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, SamplingSpec, ServeError};
 use crate::request::{Request, RequestSpec, RetryPolicy};
-use super::listener::{self, HttpLimits};
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -118,12 +118,13 @@ pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
 
 /// A body whose announced length is over the limit is refused from its headers, before
 /// the client spends time sending it (one without a length is cut off at the limit).
-async fn refuse_announced_oversize(req: axum::extract::Request, next: axum::middleware::Next, limit: usize) -> Response {
-    let announced = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+async fn refuse_announced_oversize(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+    limit: usize,
+) -> Response {
+    let announced =
+        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if announced.is_some_and(|n| n > limit as u64) {
         return error_response(ApiError::body_too_large(limit));
     }

@@ -261,7 +261,8 @@ fn declines_from_a_chip_that_is_not_up_cost_no_attempt_and_back_off() {
 #[test]
 fn a_route_failure_mid_stream_waits_for_a_chip_but_a_fresh_request_fails_at_once() {
     let p = a(1, 16);
-    let no_chip = || Msg::RouteFailed { request_id: 9, error: ServeError::new(ErrorKind::Unavailable, "no healthy chip") };
+    let no_chip =
+        || Msg::RouteFailed { request_id: 9, error: ServeError::new(ErrorKind::Unavailable, "no healthy chip") };
     let mut fx = TestFx::new(ME);
     let mut r = request(4);
     r.on_start(&mut fx);

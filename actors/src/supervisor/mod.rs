@@ -124,10 +124,9 @@ impl Behavior<Msg> for Supervisor {
         match msg {
             Msg::Tick => self.tick(fx),
             Msg::Report { report } => {
-                let changed = self
-                    .chips
-                    .get(&report.chip)
-                    .is_some_and(|old| (old.state, old.draining, &old.role) != (report.state, report.draining, &report.role));
+                let changed = self.chips.get(&report.chip).is_some_and(|old| {
+                    (old.state, old.draining, &old.role) != (report.state, report.draining, &report.role)
+                });
                 self.chips.insert(report.chip, report);
                 if changed {
                     self.beat(fx);

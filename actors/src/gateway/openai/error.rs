@@ -89,8 +89,10 @@ impl ApiError {
     pub fn unknown_route(method: &str, path: &str) -> Self {
         Self {
             status: 404,
-            message: format!("Unknown request URL: {method} {path}. This server serves /v1/completions, \
-                 /v1/chat/completions, /v1/models, /health and /metrics."),
+            message: format!(
+                "Unknown request URL: {method} {path}. This server serves /v1/completions, \
+                 /v1/chat/completions, /v1/models, /health and /metrics."
+            ),
             kind: "invalid_request_error",
             param: None,
             code: Some("unknown_url".to_owned()),
