@@ -131,7 +131,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         4 => Msg::Enqueue { seq },
         5 => Msg::Abort { request_id: p.a },
         6 => Msg::Generated { request_id: p.a, chip: addr(p.b), tokens: p.tokens.clone(), finish },
-        7 => Msg::Refused { request_id: p.a, chip: addr(p.b), error: error(p), retry: p.flag },
+        7 => Msg::Refused { request_id: p.a, chip: addr(p.b), error: error(p), retry: retry(p) },
         8 => Msg::ChipLost { chip: addr(p.a) },
         9 => Msg::Cancel,
         10 => Msg::Client { event: ClientEvent::Tokens { tokens: p.tokens.clone() } },
@@ -190,7 +190,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
             },
         },
         31 => Msg::KvClaim { request_id: p.a, decode: addr(p.b) },
-        32 => Msg::KvDecline { request_id: p.a, decode: addr(p.b), error: error(p), retry: p.flag },
+        32 => Msg::KvDecline { request_id: p.a, decode: addr(p.b), error: error(p), retry: retry(p) },
         33 => {
             Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone(), staged_unix_ns: p.b }
         }
@@ -199,11 +199,16 @@ fn build(kind: usize, p: &Parts) -> Msg {
         36 => Msg::KvLeaseExpired { request_id: p.a, lease: p.b },
         37 => Msg::KvStaged { step: p.a, layer: p.n, staged: vec![(p.a, p.n), (p.b, 1)], staged_unix_ns: p.b },
         38 => Msg::KvInstalled { request_id: p.a, layer: p.n, upto: p.n, error: p.flag.then(|| p.text.clone()) },
-        _ => Msg::SetRole { role: p.text.clone() },
+        39 => Msg::SetRole { role: p.text.clone() },
+        _ => Msg::Reroute,
     }
 }
 
-const KINDS: usize = 40;
+fn retry(p: &Parts) -> Retry {
+    [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
+}
+
+const KINDS: usize = 41;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -248,6 +253,7 @@ fn kind_index(m: &Msg) -> usize {
         Msg::KvStaged { .. } => 37,
         Msg::KvInstalled { .. } => 38,
         Msg::SetRole { .. } => 39,
+        Msg::Reroute => 40,
     }
 }
 
