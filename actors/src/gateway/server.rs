@@ -141,14 +141,13 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
 
 /// A request body, or the error JSON for one that could not be read (over the limit:
 /// 413; cut off or unreadable: 400).
-fn body_or_error(st: &GatewayState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, Response> {
+fn body_or_error(st: &GatewayState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
-        let e = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::body_too_large(max_body_bytes(st.config.max_prompt_bytes))
         } else {
             ApiError::bad_request(format!("cannot read the request body: {}", rejection.body_text()), None)
-        };
-        error_response(e)
+        }
     })
 }
 
@@ -191,14 +190,14 @@ enum Endpoint {
 async fn completions(State(st): State<Arc<GatewayState>>, body: Result<Bytes, BytesRejection>) -> Response {
     match body_or_error(&st, body) {
         Ok(body) => generate(st, body, Endpoint::Completions).await,
-        Err(response) => response,
+        Err(e) => error_response(e),
     }
 }
 
 async fn chat_completions(State(st): State<Arc<GatewayState>>, body: Result<Bytes, BytesRejection>) -> Response {
     match body_or_error(&st, body) {
         Ok(body) => generate(st, body, Endpoint::Chat).await,
-        Err(response) => response,
+        Err(e) => error_response(e),
     }
 }
 
