@@ -2,7 +2,7 @@
 //! on worker threads, and reaches other hosts through the bus. Messages to actors on
 //! this host never touch the bus.
 
-use crate::actor::{Behavior, Effects, Job, Message, Moment, Notifier, SendError, TimerId, WorkerId, WorkerSpec};
+use crate::actor::{Behavior, Effects, Job, JobCtx, Message, Moment, SendError, TimerId, WorkerId, WorkerSpec};
 use crate::addr::{Addr, FIRST_DYNAMIC_ACTOR, HostId};
 use crate::bus::{Bus, InboundFn};
 use crate::codec::{self, Envelope, PROTOCOL_VERSION};
@@ -177,8 +177,15 @@ impl<M: Message> HostCore<M> {
                     break;
                 }
                 let label = job.label;
-                match catch_unwind(AssertUnwindSafe(|| (job.run)(state.as_mut()))) {
-                    Ok(msg) => report(&core, msg),
+                let mut ctx = PacedJob { started: Instant::now(), declared: None, owner, core: &core };
+                match catch_unwind(AssertUnwindSafe(|| (job.run)(state.as_mut(), &mut ctx))) {
+                    Ok(msg) => {
+                        // Model time: the one place a job's declared duration is waited out.
+                        if let Some(d) = ctx.declared {
+                            sleep_until(ctx.started + d);
+                        }
+                        report(&core, msg)
+                    }
                     Err(panic) => {
                         let text = panic_message(panic.as_ref());
                         tracing::error!(worker = %name, job = label, panic = %text, "a compute job panicked; the worker stops");
@@ -221,6 +228,37 @@ impl<M: Message> HostCore<M> {
         // starts). If it already stopped, the entry is disconnected and sends fail.
         self.local.write().insert(actor, Local::Actor(addr));
         me
+    }
+}
+
+/// Sleeps the calling (worker) thread until `due`.
+fn sleep_until(due: Instant) {
+    if let Some(wait) = due.checked_duration_since(Instant::now()) {
+        thread::sleep(wait);
+    }
+}
+
+/// A job's context on the real-time host: declared model time is waited out on the
+/// worker thread (a job that declares none took what it measured); a notification is
+/// posted once its model time has come.
+struct PacedJob<'a, M: Message> {
+    started: Instant,
+    declared: Option<Duration>,
+    owner: Addr,
+    core: &'a Weak<HostCore<M>>,
+}
+
+impl<M: Message> JobCtx<M> for PacedJob<'_, M> {
+    fn elapse(&mut self, d: Duration) {
+        self.declared = Some(d);
+    }
+
+    fn notify_at(&mut self, at: Duration, msg: M) {
+        sleep_until(self.started + at);
+        if let Some(core) = self.core.upgrade() {
+            // The owner may have stopped; then nobody is waiting for it.
+            let _ = core.deliver_local(self.owner, msg);
+        }
     }
 }
 
@@ -361,16 +399,6 @@ impl<M: Message> Effects<M> for CellEffects<'_, M> {
 
     fn stop_worker(&mut self, worker: WorkerId) {
         self.core.stop_worker(worker);
-    }
-
-    fn notifier(&self) -> Notifier<M> {
-        let core = Arc::downgrade(self.core);
-        let me = self.me;
-        Notifier::new(move |msg| {
-            if let Some(core) = core.upgrade() {
-                let _ = core.deliver_local(me, msg);
-            }
-        })
     }
 
     fn stop(&mut self) {

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
-use tessera_runtime::actor::{Behavior, Effects, Job, Message, SendError, WorkerSpec};
+use tessera_runtime::actor::{Behavior, Effects, Job, JobCtx, Message, SendError, WorkerSpec};
 use tessera_runtime::host::Host;
 use tessera_runtime::{Addr, HostId};
 
@@ -140,7 +140,7 @@ impl Behavior<T> for Computer {
                 let n = self.jobs;
                 let job = Job {
                     label: "add",
-                    run: Box::new(move |state: &mut dyn std::any::Any| {
+                    run: Box::new(move |state: &mut dyn std::any::Any, _: &mut dyn JobCtx<T>| {
                         let counter = state.downcast_mut::<u64>().expect("the worker's state is a u64");
                         assert!(n < 3, "job {n} fails on purpose");
                         *counter += n;
@@ -152,7 +152,7 @@ impl Behavior<T> for Computer {
             T::Panicked { why } => {
                 fx.send(self.out, T::Panicked { why }).unwrap();
                 // The worker is gone: more jobs are refused.
-                let refused = fx.submit(self.worker.unwrap(), Job { label: "late", run: Box::new(|_| T::Go) });
+                let refused = fx.submit(self.worker.unwrap(), Job { label: "late", run: Box::new(|_, _| T::Go) });
                 assert!(refused.is_err());
             }
             _ => {}
@@ -179,5 +179,51 @@ fn a_message_for_another_host_without_a_bus_is_unreachable() {
     let host = Host::<T>::start(HostId(0)).unwrap();
     let elsewhere = Addr::new(HostId(7), 16);
     assert_eq!(host.send(elsewhere, T::Go), Err(SendError::Unreachable(HostId(7))));
+    host.shutdown();
+}
+
+/// A job that declares model time: its notification and its result are held back until
+/// their model times have passed (the real host's pacing), never delivered early.
+struct Paced {
+    out: Addr,
+}
+
+impl Behavior<T> for Paced {
+    fn name(&self) -> &'static str {
+        "paced"
+    }
+    fn on_start(&mut self, fx: &mut dyn Effects<T>) {
+        let worker = fx.start_worker(WorkerSpec {
+            name: "paced-worker".into(),
+            init: Box::new(|| Ok((Box::new(()) as Box<dyn std::any::Any>, T::Ready))),
+            on_panic: Box::new(|why| T::Panicked { why }),
+        });
+        let job = Job {
+            label: "paced",
+            run: Box::new(|_: &mut dyn std::any::Any, ctx: &mut dyn JobCtx<T>| {
+                ctx.notify_at(Duration::from_millis(60), T::News { text: "layer".into() });
+                ctx.elapse(Duration::from_millis(150));
+                T::Computed { value: 1 }
+            }),
+        };
+        fx.submit(worker, job).unwrap();
+    }
+    fn handle(&mut self, msg: T, fx: &mut dyn Effects<T>) {
+        if msg != T::Ready {
+            fx.send(self.out, msg).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_job_s_declared_model_time_is_waited_out_by_the_host() {
+    let host = Host::<T>::start(HostId(2)).unwrap();
+    let mut out = host.mailbox();
+    let started = std::time::Instant::now();
+    host.spawn(Box::new(Paced { out: out.addr() }));
+    assert_eq!(out.recv_blocking(WAIT), Some(T::News { text: "layer".into() }));
+    assert!(started.elapsed() >= Duration::from_millis(60), "the notification came before its model time");
+    assert_eq!(out.recv_blocking(WAIT), Some(T::Computed { value: 1 }));
+    assert!(started.elapsed() >= Duration::from_millis(150), "the result came before its model time");
     host.shutdown();
 }
