@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tessera_actors::admission::{Admission, AdmissionConfig};
 use tessera_actors::chip::executor::{Emulation, ExecutorFactory, ModelExecutor, ModelExecutorConfig, StepExecutor};
 use tessera_actors::chip::{Chip, ChipConfig};
 use tessera_actors::gateway::listener::HttpLimits;
@@ -135,9 +136,21 @@ pub fn run_node(
         }
     }
     if is_gateway {
-        let router =
+        let routing =
             Router::new(all_chips, spec.router.max_queued_requests).with_disaggregation(spec.disagg.min_prompt_tokens);
-        host.spawn_at(well_known::ROUTER, Box::new(router));
+        host.spawn_at(well_known::ROUTER, Box::new(routing));
+        // Request ids based on the start time (the one clock read here, in the adapter):
+        // a restarted gateway's ids do not meet old ones still on chips.
+        let id_base = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64 & 0xffff_ffff_0000);
+        let admission = AdmissionConfig {
+            max_inflight: spec.gateway.max_inflight_requests,
+            router,
+            retry: RetryPolicy::default(),
+            id_base,
+        };
+        host.spawn_at(well_known::ADMISSION, Box::new(Admission::new(admission)));
     }
     for (i, chip) in me.chips.iter().enumerate() {
         let emulation = match &chip.backend {
@@ -189,9 +202,8 @@ pub fn run_node(
         let config = GatewayConfig {
             served_model: served_model.clone(),
             max_context: model_config.max_context,
-            max_inflight_requests: spec.gateway.max_inflight_requests,
             router,
-            retry: RetryPolicy::default(),
+            admission: Addr::new(HostId(index as u16), well_known::ADMISSION),
             chips: chip_addrs,
             metrics: opts.metrics.clone(),
             max_prompt_bytes: spec.gateway.max_prompt_bytes.unwrap_or_else(|| {

@@ -1,8 +1,11 @@
-//! The behaviors of a Tessera cluster — chip, KV pool, request, batcher, router,
-//! supervisor — written against `tessera-runtime`'s `Behavior`/`Effects` traits only
-//! (never actix or ZeroMQ), plus the OpenAI-compatible HTTP gateway in front of them.
+//! The behaviors of a Tessera cluster — admission, request, router, chip (with its
+//! batcher and KV pool), supervisor — written against the actor core's
+//! `Behavior`/`Effects` traits (never actix or ZeroMQ), so the same code serves real
+//! traffic and runs in virtual time; plus, for now, the OpenAI-compatible HTTP gateway
+//! and the load generator in front of them.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod batcher;
 pub mod chip;
 pub mod gateway;
@@ -15,3 +18,5 @@ pub mod supervisor;
 
 #[cfg(test)]
 mod test_fx;
+#[cfg(test)]
+mod virtual_cluster;

@@ -12,6 +12,7 @@ pub mod well_known {
     pub const SUPERVISOR: u64 = 1;
     /// The router, on the gateway's host.
     pub const ROUTER: u64 = 2;
+    pub const ADMISSION: u64 = 3;
     /// Chip `i` of a host (in topology order) is `CHIP_BASE + i`.
     pub const CHIP_BASE: u64 = 16;
 }
@@ -100,6 +101,14 @@ pub struct SeqRequest {
     pub tokens: Vec<u32>,
     pub generated: usize,
     pub max_new_tokens: usize,
+    pub sampling: SamplingSpec,
+}
+
+/// What a client asks admission to serve (checked against the model's context already).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdmitAsk {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
     pub sampling: SamplingSpec,
 }
 
@@ -192,9 +201,9 @@ pub struct StepOutcome {
     /// (request id, sampled token) per sequence that sampled.
     pub sampled: Vec<(u64, u32)>,
     pub error: Option<String>,
+    /// The step's model time: what an emulated or simulated chip declared, or what a
+    /// real one measured. Its start is the moment it was reported, less this.
     pub elapsed_s: f64,
-    /// Wall clock (ns since the Unix epoch) when the step started on the worker.
-    pub started_unix_ns: u64,
 }
 
 /// How a chip stores its KV cache, as its peers need to know it to read its blocks.
@@ -285,6 +294,30 @@ pub enum Fault {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
+    // Admission.
+    /// Client -> admission: serve this; the answer is `Admitted` or a failed `Client`
+    /// event, then the request's events.
+    Admit {
+        client: Addr,
+        ask: AdmitAsk,
+    },
+    /// Admission -> client: admitted as `request_id`, run by the Request actor `request`.
+    Admitted {
+        request_id: u64,
+        request: Addr,
+    },
+    /// Request -> admission: it ended, whatever the outcome.
+    RequestEnded {
+        request_id: u64,
+    },
+    QueryAdmission {
+        reply_to: Addr,
+    },
+    AdmissionView {
+        inflight: usize,
+        max_inflight: usize,
+    },
+
     // Request life.
     /// Request -> router: pick a chip, avoiding `exclude`.
     Route {
@@ -374,8 +407,6 @@ pub enum Msg {
         layer: usize,
         upto: usize,
         blocks: Vec<u32>,
-        /// Wall clock (ns since the Unix epoch) when P staged it, for the hand-off gap.
-        staged_unix_ns: u64,
     },
     /// D -> P: every layer is installed; P frees its blocks.
     KvDone {
@@ -396,7 +427,6 @@ pub enum Msg {
         step: u64,
         layer: usize,
         staged: Vec<(u64, usize)>,
-        staged_unix_ns: u64,
     },
     /// D's worker -> D: installed positions ..upto of `layer` (or failed).
     KvInstalled {
@@ -477,6 +507,11 @@ pub enum Msg {
 impl Message for Msg {
     fn kind(&self) -> &'static str {
         match self {
+            Msg::Admit { .. } => "admit",
+            Msg::Admitted { .. } => "admitted",
+            Msg::RequestEnded { .. } => "request_ended",
+            Msg::QueryAdmission { .. } => "query_admission",
+            Msg::AdmissionView { .. } => "admission_view",
             Msg::Route { .. } => "route",
             Msg::Routed { .. } => "routed",
             Msg::RouteFailed { .. } => "route_failed",

@@ -6,8 +6,10 @@
 //! sequences prefilled for a decode chip are copied into a registered memory region
 //! that mirrors the cache: block b of layer l's K at `staging_offset(l, K, b)`) and
 //! installs KV read from another chip's region, converting it to this cache's block
-//! size, layout and dtype. An emulated chip (`emu:<kind>`) computes on the CPU and then
-//! waits until that kind's roofline time for the step has passed, layer by layer.
+//! size, layout and dtype. An emulated chip (`emu:<kind>`) computes on the CPU and
+//! declares that kind's roofline time for the step (and for each layer's staged KV) as
+//! the job's model time, which its host waits out: the executor itself never sleeps to
+//! pace.
 
 use crate::batcher::StepPlan;
 use crate::msg::{ChipInfo, KvCompat, KvFormatDesc, Msg, SamplingSpec, StepOutcome};
@@ -15,7 +17,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::DType;
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
@@ -23,14 +25,16 @@ use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::{LogitsWanted, Model, SeqChunk};
 use tessera_backends::sampling::{Sampler, SamplingParams};
+use tessera_runtime::actor::JobCtx;
 use tessera_runtime::transfer::{Assignment, Region, RegionDesc, TransferEngine};
 use tessera_topology::perf::{ModelShape, SeqStep, StepShape, roofline};
 use tessera_topology::{ChipKind, EmulationSpec};
 
 /// Runs step plans and KV installs. Lives on a worker thread.
 pub trait StepExecutor {
-    /// Runs one step; `staged` receives `KvStaged` messages part-way through it.
-    fn step(&mut self, step: u64, plan: &StepPlan, staged: &dyn Fn(Msg)) -> StepOutcome;
+    /// Runs one step. Through `ctx` it declares the step's model time (emulated and
+    /// simulated chips) and posts `KvStaged` part-way through it, stamped at model time.
+    fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome;
 
     /// Reads KV another chip staged and writes it into this chip's cache.
     fn install(&mut self, job: &KvInstall) -> Result<(), String>;
@@ -96,10 +100,6 @@ fn kv_compat(c: &tessera_backends::compat::CompatInfo) -> KvCompat {
 pub struct Emulation {
     pub kind: ChipKind,
     pub spec: EmulationSpec,
-}
-
-fn unix_ns() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// Builds a chip's executor on its worker thread.
@@ -352,9 +352,8 @@ fn sampler(spec: &SamplingSpec, skip: u64) -> Sampler {
 }
 
 impl StepExecutor for ModelExecutor {
-    fn step(&mut self, step: u64, plan: &StepPlan, staged: &dyn Fn(Msg)) -> StepOutcome {
+    fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome {
         let started = Instant::now();
-        let started_unix_ns = unix_ns();
         let paced = self.paced_time(plan);
         for id in &plan.drop_samplers {
             self.samplers.remove(id);
@@ -375,21 +374,13 @@ impl StepExecutor for ModelExecutor {
                 logits: if s.sample { LogitsWanted::Last } else { LogitsWanted::None },
             })
             .collect();
-        let mut outcome = StepOutcome { step, sampled: Vec::new(), error: None, elapsed_s: 0.0, started_unix_ns };
+        let mut outcome = StepOutcome { step, sampled: Vec::new(), error: None, elapsed_s: 0.0 };
         let layers = self.model.config().num_layers;
         let stage = plan.seqs.iter().any(|s| s.stage);
         let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
-        // Time spent waiting for the emulated chip, not computing.
-        let mut slept = Duration::ZERO;
+        // Host time the job was held back to post a layer at its model time, not computing.
+        let mut held = Duration::ZERO;
         let mut on_layer = |layer: usize, dev: &Device| -> tessera_backends::error::Result<()> {
-            // An emulated chip finishes layer l no earlier than (l+1)/L of its step time.
-            if let Some(paced) = paced {
-                let due = paced.mul_f64((layer + 1) as f64 / layers as f64);
-                if let Some(wait) = due.checked_sub(started.elapsed()) {
-                    std::thread::sleep(wait);
-                    slept += wait;
-                }
-            }
             if stage {
                 let Some(staging) = staging else {
                     return Err(tessera_backends::error::BackendError::KvCache(
@@ -397,7 +388,14 @@ impl StepExecutor for ModelExecutor {
                     ));
                 };
                 let staged_seqs = stage_layer(kv, dev, staging, format, plan, layer)?;
-                staged(Msg::KvStaged { step, layer, staged: staged_seqs, staged_unix_ns: unix_ns() });
+                // An emulated chip stages layer l at (l+1)/L of its step's model time.
+                let due = match paced {
+                    Some(paced) => paced.mul_f64((layer + 1) as f64 / layers as f64),
+                    None => started.elapsed(),
+                };
+                let before = started.elapsed();
+                ctx.notify_at(due, Msg::KvStaged { step, layer, staged: staged_seqs });
+                held += started.elapsed().saturating_sub(before);
             }
             Ok(())
         };
@@ -415,11 +413,12 @@ impl StepExecutor for ModelExecutor {
             }
             Err(e) => outcome.error = Some(e.to_string()),
         }
+        let computed = started.elapsed().saturating_sub(held);
+        outcome.elapsed_s = computed.as_secs_f64();
         if let Some(paced) = paced {
-            let computed = started.elapsed().saturating_sub(slept);
-            if let Some(wait) = paced.checked_sub(started.elapsed()) {
-                std::thread::sleep(wait);
-            }
+            // The host completes the step at its model time; this step took the longer.
+            ctx.elapse(paced);
+            outcome.elapsed_s = paced.max(computed).as_secs_f64();
             if computed > paced {
                 // The CPU, not the emulated chip, set this step's time.
                 metrics::counter!("tessera_emu_overrun_total", "chip" => self.chip_id.clone()).increment(1);
@@ -429,7 +428,6 @@ impl StepExecutor for ModelExecutor {
             metrics::histogram!("tessera_emu_step_compute_seconds", "chip" => self.chip_id.clone())
                 .record(computed.as_secs_f64());
         }
-        outcome.elapsed_s = started.elapsed().as_secs_f64();
         outcome
     }
 

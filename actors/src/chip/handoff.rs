@@ -22,9 +22,9 @@ use super::executor::{KvInstall, StepExecutor};
 use crate::batcher::Prefilled;
 use crate::kv::BlockRef;
 use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, Retry, SeqRequest, ServeError, StepOutcome};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use tessera_runtime::Addr;
-use tessera_runtime::actor::{Effects, Job};
+use tessera_runtime::actor::{Effects, Job, JobCtx, Moment};
 use tessera_runtime::transfer::RegionDesc;
 
 /// KV this chip (as P) computes and holds for a decode chip.
@@ -36,7 +36,6 @@ struct Outgoing {
     /// Per layer: positions staged so far, and told to D so far.
     staged: Vec<usize>,
     told: Vec<usize>,
-    staged_unix_ns: u64,
     /// Set once the prefill ran to its end (the blocks left the batcher).
     blocks: Option<Vec<BlockRef>>,
     lease: u64,
@@ -54,18 +53,20 @@ struct Incoming {
     /// Per layer: positions asked of the worker, and installed.
     requested: Vec<usize>,
     installed: Vec<usize>,
-    last_staged_unix_ns: u64,
+    /// When (on this chip's clock) P said its last layer was staged.
+    last_ready_at: Option<Moment>,
 }
 
 #[derive(Debug, Default)]
 pub(super) struct Handoffs {
-    outgoing: HashMap<u64, Outgoing>,
-    incoming: HashMap<u64, Incoming>,
+    outgoing: BTreeMap<u64, Outgoing>,
+    incoming: BTreeMap<u64, Incoming>,
     /// Offers waiting for free blocks, in arrival order.
     waiting: VecDeque<KvOffer>,
     leases: u64,
-    /// Request id -> when P staged its last layer: for the hand-off gap metric.
-    first_step: HashMap<u64, u64>,
+    /// Request id -> when this chip heard P's last layer was staged: for the hand-off
+    /// gap metric, measured on this chip's clock alone.
+    first_step: BTreeMap<u64, Moment>,
     /// Fault drill: ignore the next offer.
     pub drop_next_claim: bool,
     pub last_gap_s: Option<f64>,
@@ -139,7 +140,6 @@ impl Chip {
             claimed: false,
             staged: vec![0; layers],
             told: vec![0; layers],
-            staged_unix_ns: 0,
             blocks: None,
             lease: 0,
         };
@@ -198,12 +198,11 @@ impl Chip {
     }
 
     /// The worker staged `layer` of these sequences up to the given positions.
-    pub(super) fn staged(&mut self, layer: usize, staged: Vec<(u64, usize)>, at_ns: u64, fx: &mut dyn Effects<Msg>) {
+    pub(super) fn staged(&mut self, layer: usize, staged: Vec<(u64, usize)>, fx: &mut dyn Effects<Msg>) {
         for (request_id, upto) in staged {
             let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { continue };
             if let Some(w) = h.staged.get_mut(layer) {
                 *w = (*w).max(upto);
-                h.staged_unix_ns = at_ns;
             }
             self.tell(request_id, layer, fx);
         }
@@ -222,7 +221,7 @@ impl Chip {
             None => table.unwrap_or_default(),
         };
         h.told[layer] = staged;
-        let msg = Msg::KvReady { request_id, layer, upto: staged, blocks, staged_unix_ns: h.staged_unix_ns };
+        let msg = Msg::KvReady { request_id, layer, upto: staged, blocks };
         let decode = h.decode;
         if fx.send(decode, msg).is_err() {
             self.lost_decode(request_id, format!("decode chip {decode} is unreachable"), fx);
@@ -396,7 +395,7 @@ impl Chip {
                     slots,
                     requested: vec![0; layers],
                     installed: vec![0; layers],
-                    last_staged_unix_ns: 0,
+                    last_ready_at: None,
                 },
             );
             if fx.send(offer.prefill, Msg::KvClaim { request_id, decode: fx.me() }).is_err() {
@@ -411,7 +410,6 @@ impl Chip {
         layer: usize,
         upto: usize,
         blocks: Vec<u32>,
-        staged_unix_ns: u64,
         fx: &mut dyn Effects<Msg>,
     ) {
         let Some(h) = self.handoffs.incoming.get_mut(&request_id) else { return };
@@ -442,7 +440,7 @@ impl Chip {
         }
         h.requested[layer] = upto;
         if layer + 1 == h.requested.len() && upto == h.kv_tokens {
-            h.last_staged_unix_ns = staged_unix_ns;
+            h.last_ready_at = Some(fx.now());
         }
         let job = KvInstall {
             layer,
@@ -456,7 +454,7 @@ impl Chip {
         let Some(worker) = self.worker else { return };
         let run = Job {
             label: "kv_install",
-            run: Box::new(move |state: &mut dyn std::any::Any| {
+            run: Box::new(move |state: &mut dyn std::any::Any, _: &mut dyn JobCtx<Msg>| {
                 let error = match state.downcast_mut::<Box<dyn StepExecutor>>() {
                     Some(exec) => exec.install(&job).err(),
                     None => Some("the worker holds no step executor".into()),
@@ -489,9 +487,11 @@ impl Chip {
         if h.installed.iter().any(|&w| w < h.kv_tokens) {
             return;
         }
-        let (prefill, staged) = (h.prefill, h.last_staged_unix_ns);
+        let (prefill, ready) = (h.prefill, h.last_ready_at);
         self.handoffs.incoming.remove(&request_id);
-        self.handoffs.first_step.insert(request_id, staged);
+        if let Some(ready) = ready {
+            self.handoffs.first_step.insert(request_id, ready);
+        }
         if let Some(b) = self.batcher.as_mut() {
             b.mark_received(request_id);
         }
@@ -516,19 +516,19 @@ impl Chip {
         self.settle(fx);
     }
 
-    /// Records how long after P staged its last layer D's first step for a hand-off
-    /// started (both wall clocks of one machine, or NTP-close ones).
-    pub(super) fn first_steps_after_handoff(&mut self, outcome: &StepOutcome) {
+    /// Records how long after P's word that its last layer was staged this chip's first
+    /// step for a hand-off started — both on this chip's clock (the step started its
+    /// model time before `now`, when its outcome arrived).
+    pub(super) fn first_steps_after_handoff(&mut self, outcome: &StepOutcome, now: Moment) {
         if self.handoffs.first_step.is_empty() {
             return;
         }
         let done: Vec<u64> =
             outcome.sampled.iter().map(|(id, _)| *id).filter(|id| self.handoffs.first_step.contains_key(id)).collect();
         for id in done {
-            if let Some(staged) = self.handoffs.first_step.remove(&id)
-                && staged > 0
-            {
-                let gap = outcome.started_unix_ns.saturating_sub(staged) as f64 / 1e9;
+            if let Some(ready) = self.handoffs.first_step.remove(&id) {
+                let started = Moment(now.0.saturating_sub((outcome.elapsed_s.max(0.0) * 1e9) as u64));
+                let gap = started.since(ready).as_secs_f64();
                 self.handoffs.last_gap_s = Some(gap);
                 metrics::histogram!("tessera_kv_handoff_gap_seconds", "chip" => self.config.id.clone()).record(gap);
             }
@@ -559,7 +559,7 @@ impl Chip {
     pub(super) fn handoffs_lost(&mut self, why: &str, fx: &mut dyn Effects<Msg>) {
         let me = fx.me();
         let reason = format!("chip {}: {why}", self.config.id);
-        for (request_id, h) in self.handoffs.outgoing.drain() {
+        for (request_id, h) in std::mem::take(&mut self.handoffs.outgoing) {
             let _ = fx.send(h.decode, Msg::KvCancel { request_id, reason: reason.clone() });
             // Those still prefilling were handed back with the batcher's sequences.
             if h.blocks.is_some() {
@@ -567,7 +567,7 @@ impl Chip {
                 let _ = fx.send(h.req, Msg::Refused { request_id, chip: me, error, retry: Retry::Elsewhere });
             }
         }
-        for (request_id, h) in self.handoffs.incoming.drain() {
+        for (request_id, h) in std::mem::take(&mut self.handoffs.incoming) {
             let _ = fx.send(h.prefill, Msg::KvCancel { request_id, reason: reason.clone() });
         }
         for offer in self.handoffs.waiting.drain(..) {

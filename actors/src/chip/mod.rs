@@ -19,7 +19,7 @@ use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::time::Duration;
 use tessera_runtime::Addr;
-use tessera_runtime::actor::{Behavior, Effects, Job, WorkerId, WorkerSpec};
+use tessera_runtime::actor::{Behavior, Effects, Job, JobCtx, WorkerId, WorkerSpec};
 
 /// The roles a chip can take.
 pub const ROLES: [&str; 3] = ["prefill", "decode", "both"];
@@ -223,15 +223,14 @@ impl Chip {
         metrics::histogram!("tessera_chip_step_seqs", "chip" => self.config.id.clone()).record(plan.seqs.len() as f64);
         metrics::histogram!("tessera_chip_step_tokens", "chip" => self.config.id.clone()).record(plan.tokens() as f64);
         let step = self.steps;
-        let staged = fx.notifier();
         let job = Job {
             label: "forward",
-            run: Box::new(move |state: &mut dyn std::any::Any| {
+            run: Box::new(move |state: &mut dyn std::any::Any, ctx: &mut dyn JobCtx<Msg>| {
                 if panic_now {
                     panic!("fault drill: worker panic injected");
                 }
                 match state.downcast_mut::<Box<dyn StepExecutor>>() {
-                    Some(exec) => Msg::StepDone { outcome: exec.step(step, &plan, &|m| staged.notify(m)) },
+                    Some(exec) => Msg::StepDone { outcome: exec.step(step, &plan, ctx) },
                     None => Msg::WorkerPanicked { error: "the worker holds no step executor".into() },
                 }
             }),
@@ -249,7 +248,7 @@ impl Chip {
             return;
         }
         metrics::histogram!("tessera_chip_step_seconds", "chip" => self.config.id.clone()).record(outcome.elapsed_s);
-        self.first_steps_after_handoff(&outcome);
+        self.first_steps_after_handoff(&outcome, fx.now());
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
         let prefilled = batcher.take_prefilled();
@@ -360,16 +359,14 @@ impl Behavior<Msg> for Chip {
             Msg::KvOffer { offer } => self.offered(offer, fx),
             Msg::KvClaim { request_id, decode } => self.claimed(request_id, decode, fx),
             Msg::KvDecline { request_id, decode, error, retry } => self.declined(request_id, decode, error, retry, fx),
-            Msg::KvReady { request_id, layer, upto, blocks, staged_unix_ns } => {
-                self.kv_ready(request_id, layer, upto, blocks, staged_unix_ns, fx)
-            }
+            Msg::KvReady { request_id, layer, upto, blocks } => self.kv_ready(request_id, layer, upto, blocks, fx),
             Msg::KvDone { request_id } => self.kv_done(request_id, fx),
             Msg::KvCancel { request_id, reason } => {
                 self.forget(request_id, &reason, fx);
                 self.settle(fx);
             }
             Msg::KvLeaseExpired { request_id, lease } => self.lease_expired(request_id, lease, fx),
-            Msg::KvStaged { layer, staged, staged_unix_ns, .. } => self.staged(layer, staged, staged_unix_ns, fx),
+            Msg::KvStaged { layer, staged, .. } => self.staged(layer, staged, fx),
             Msg::KvInstalled { request_id, layer, upto, error } => self.installed(request_id, layer, upto, error, fx),
             Msg::SetRole { role } => self.set_role(role, fx),
             Msg::Restart if self.state == ChipState::Down => {

@@ -9,7 +9,9 @@ use crate::msg::{KvCompat, KvFormatDesc, SamplingSpec, StepOutcome};
 use crate::test_fx::TestFx;
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_actor_core::testkit::run_job;
 use tessera_runtime::HostId;
+use tessera_runtime::actor::JobCtx;
 use tessera_runtime::transfer::{EndpointDesc, RegionDesc};
 
 const P: Addr = Addr { host: HostId(0), actor: 16 };
@@ -25,16 +27,18 @@ struct Recorder {
 }
 
 impl StepExecutor for Recorder {
-    fn step(&mut self, step: u64, plan: &StepPlan, staged: &dyn Fn(Msg)) -> StepOutcome {
+    fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome {
         for layer in 0..LAYERS {
             let seqs: Vec<(u64, usize)> =
                 plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
             if !seqs.is_empty() {
-                staged(Msg::KvStaged { step, layer, staged: seqs, staged_unix_ns: 1_000 });
+                let at = Duration::from_millis(layer as u64 + 1);
+                ctx.notify_at(at, Msg::KvStaged { step, layer, staged: seqs });
             }
         }
+        ctx.elapse(Duration::from_millis(LAYERS as u64));
         let sampled = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
-        StepOutcome { step, sampled, error: None, elapsed_s: 0.0, started_unix_ns: 2_000 }
+        StepOutcome { step, sampled, error: None, elapsed_s: 0.0 }
     }
 
     fn install(&mut self, job: &KvInstall) -> Result<(), String> {
@@ -101,12 +105,11 @@ impl Side {
     fn run_jobs(&mut self) {
         while !self.fx.jobs.is_empty() {
             let job = self.fx.jobs.remove(0);
-            let result = (job.run)(&mut self.exec as &mut dyn std::any::Any);
-            let notified: Vec<Msg> = std::mem::take(&mut *self.fx.notified.lock().expect("lock"));
-            for m in notified {
+            let run = run_job(job, &mut self.exec as &mut dyn std::any::Any);
+            for (_, m) in run.notifications {
                 self.chip.handle(m, &mut self.fx);
             }
-            self.chip.handle(result, &mut self.fx);
+            self.chip.handle(run.result, &mut self.fx);
         }
     }
 
@@ -183,7 +186,7 @@ impl Side {
         let mut seen = Vec::new();
         while !self.fx.jobs.is_empty() {
             let job = self.fx.jobs.remove(0);
-            let result = (job.run)(&mut self.exec as &mut dyn std::any::Any);
+            let result = run_job(job, &mut self.exec as &mut dyn std::any::Any).result;
             if let Msg::KvInstalled { layer, upto, .. } = &result {
                 seen.push((*layer, *upto));
             }
@@ -239,10 +242,10 @@ fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
 #[test]
 fn malformed_kv_ready_is_refused_and_frees_both_sides() {
     for bad in [
-        Msg::KvReady { request_id: 9, layer: LAYERS, upto: 4, blocks: vec![0], staged_unix_ns: 0 },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 99, blocks: vec![0], staged_unix_ns: 0 },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 8, blocks: vec![0], staged_unix_ns: 0 },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: vec![1_000_000], staged_unix_ns: 0 },
+        Msg::KvReady { request_id: 9, layer: LAYERS, upto: 4, blocks: vec![0] },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 99, blocks: vec![0] },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 8, blocks: vec![0] },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: vec![1_000_000] },
     ] {
         let mut d = Side::new(D, "decode", info(4, "head-major", 1));
         d.chip.handle(Msg::KvOffer { offer: make_offer() }, &mut d.fx);

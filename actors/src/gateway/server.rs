@@ -10,8 +10,8 @@
 
 use super::listener::{self, HttpLimits};
 use super::openai::{self, ApiError, ChatTemplate, FinishReason, GenerationRequest, Prompt, StopMatcher, Usage};
+use crate::msg::AdmitAsk;
 use crate::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, SamplingSpec, ServeError};
-use crate::request::{Request, RequestSpec, RetryPolicy};
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -25,7 +25,6 @@ use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::Addr;
@@ -35,9 +34,9 @@ use tessera_runtime::host::{Host, Mailbox};
 pub struct GatewayConfig {
     pub served_model: String,
     pub max_context: usize,
-    pub max_inflight_requests: usize,
     pub router: Addr,
-    pub retry: RetryPolicy,
+    /// The admission behavior on this host: ids, in-flight limits, Request actors.
+    pub admission: Addr,
     /// Chip ids and addresses, for fault drills.
     pub chips: HashMap<String, Addr>,
     pub metrics: Option<PrometheusHandle>,
@@ -65,8 +64,6 @@ pub struct GatewayState {
     tokenizer: Arc<TextTokenizer>,
     template: Option<ChatTemplate>,
     config: GatewayConfig,
-    inflight: AtomicUsize,
-    next_id: AtomicU64,
     /// Bodies being parsed and prompts tokenized at once, off the async runtime.
     prompt_workers: tokio::sync::Semaphore,
 }
@@ -81,15 +78,11 @@ impl GatewayState {
             }
             None => None,
         };
-        let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
         Ok(GatewayState {
             host,
             tokenizer: Arc::new(tokenizer),
             template,
             config,
-            inflight: AtomicUsize::new(0),
-            // Request ids only need to be unique within this gateway's life.
-            next_id: AtomicU64::new(seed & 0xffff_ffff_0000),
             prompt_workers: tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             ),
@@ -201,7 +194,8 @@ async fn chat_completions(State(st): State<Arc<GatewayState>>, body: Result<Byte
     }
 }
 
-/// Cancels the Request actor unless it ended by itself; releases the in-flight slot.
+/// Cancels the Request actor unless it ended by itself (its end frees the admission
+/// slot).
 struct RequestGuard {
     st: Arc<GatewayState>,
     actor: Addr,
@@ -214,8 +208,6 @@ impl Drop for RequestGuard {
             // The actor may have ended meanwhile; then there is nothing to cancel.
             let _ = self.st.host.send(self.actor, Msg::Cancel);
         }
-        self.st.inflight.fetch_sub(1, Ordering::AcqRel);
-        metrics::gauge!("tessera_gateway_inflight_requests").decrement(1.0);
     }
 }
 
@@ -303,21 +295,11 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             Some("max_tokens"),
         ));
     }
-    if st.inflight.fetch_add(1, Ordering::AcqRel) >= st.config.max_inflight_requests {
-        st.inflight.fetch_sub(1, Ordering::AcqRel);
-        return error_response(ApiError::overloaded(format!(
-            "the gateway already serves {} requests; retry later",
-            st.config.max_inflight_requests
-        )));
-    }
-    metrics::gauge!("tessera_gateway_inflight_requests").increment(1.0);
     let mut stop_token_ids = req.stop_token_ids.clone();
     if !req.ignore_eos {
         stop_token_ids.extend(st.tokenizer.eos_ids());
     }
-    let request_id = st.next_id.fetch_add(1, Ordering::Relaxed);
-    let spec = RequestSpec {
-        request_id,
+    let ask = AdmitAsk {
         prompt: prompt.clone(),
         max_tokens,
         sampling: SamplingSpec {
@@ -330,7 +312,15 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         },
     };
     let mut mailbox = st.host.mailbox();
-    let actor = st.host.spawn(Box::new(Request::new(spec, mailbox.addr(), st.config.router, st.config.retry)));
+    if let Err(e) = st.host.send_from(&mailbox, st.config.admission, Msg::Admit { client: mailbox.addr(), ask }) {
+        tracing::error!("admission is unreachable: {e}");
+        return error_response(ApiError::internal("the request could not be admitted"));
+    }
+    let (request_id, actor) = match mailbox.recv().await {
+        Some(Msg::Admitted { request_id, request }) => (request_id, request),
+        Some(Msg::Client { event: ClientEvent::Failed { error } }) => return error_response(api_error(&error)),
+        _ => return error_response(ApiError::internal("the request could not be admitted")),
+    };
     let mut guard = RequestGuard { st: st.clone(), actor, done: false };
 
     // Wait for the first event, so a request that cannot be served gets its status.
@@ -594,8 +584,18 @@ async fn cluster_view(st: &GatewayState) -> Option<(Vec<crate::msg::ChipReport>,
     }
 }
 
+/// Asks admission how many requests are in flight.
+async fn inflight(st: &GatewayState) -> Option<usize> {
+    let mut mailbox = st.host.mailbox();
+    st.host.send_from(&mailbox, st.config.admission, Msg::QueryAdmission { reply_to: mailbox.addr() }).ok()?;
+    match tokio::time::timeout(Duration::from_secs(2), mailbox.recv()).await {
+        Ok(Some(Msg::AdmissionView { inflight, .. })) => Some(inflight),
+        _ => None,
+    }
+}
+
 async fn health(State(st): State<Arc<GatewayState>>) -> Response {
-    let Some((chips, hosts_down)) = cluster_view(&st).await else {
+    let (Some((chips, hosts_down)), Some(inflight)) = (cluster_view(&st).await, inflight(&st).await) else {
         return error_response(ApiError::unavailable("the router did not answer"));
     };
     let up = chips.iter().filter(|c| c.state == ChipState::Up).count();
@@ -605,7 +605,7 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
         "model": st.config.served_model,
         "chips_up": up,
         "hosts_down": hosts_down,
-        "inflight_requests": st.inflight.load(Ordering::Acquire),
+        "inflight_requests": inflight,
         "chips": chips.iter().map(|c| {
             // A dead host's chips have no figures: null, never its last report's.
             let live = !hosts_down.contains(&c.host_name);

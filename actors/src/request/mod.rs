@@ -78,6 +78,8 @@ pub struct Request {
     unavailable_since: Option<Moment>,
     last_progress: Moment,
     done: bool,
+    /// Told when this request ends (its admission slot frees).
+    admission: Option<Addr>,
 }
 
 impl Request {
@@ -96,7 +98,14 @@ impl Request {
             unavailable_since: None,
             last_progress: Moment::default(),
             done: false,
+            admission: None,
         }
+    }
+
+    /// Tells `admission` when this request ends.
+    pub fn reporting_to(mut self, admission: Addr) -> Request {
+        self.admission = Some(admission);
+        self
     }
 
     /// A new placement, spending one attempt.
@@ -276,6 +285,9 @@ impl Request {
 
     fn finish(&mut self, fx: &mut dyn Effects<Msg>) {
         self.done = true;
+        if let Some(admission) = self.admission {
+            let _ = fx.send(admission, Msg::RequestEnded { request_id: self.spec.request_id });
+        }
         fx.stop();
     }
 }

@@ -6,7 +6,7 @@
 //! so they re-route and replay.
 
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, ServeError, topic};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use tessera_runtime::actor::{Behavior, Effects};
 use tessera_runtime::{Addr, HostId};
 
@@ -96,7 +96,7 @@ pub struct Router {
     chips: BTreeMap<Addr, ChipView>,
     down_hosts: BTreeSet<HostId>,
     down_host_names: BTreeMap<HostId, String>,
-    placements: HashMap<u64, Placement>,
+    placements: BTreeMap<u64, Placement>,
     max_queued_requests: usize,
     min_prompt_tokens: usize,
 }
@@ -110,7 +110,7 @@ impl Router {
             chips,
             down_hosts: BTreeSet::new(),
             down_host_names: BTreeMap::new(),
-            placements: HashMap::new(),
+            placements: BTreeMap::new(),
             max_queued_requests,
             min_prompt_tokens: usize::MAX,
         }

@@ -7,7 +7,7 @@
 //! routers stop placing work on a restarting chip within one bus hop.
 
 use crate::msg::{ChipReport, Heartbeat, Msg, topic};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use tessera_runtime::actor::{Behavior, Effects, Moment};
 use tessera_runtime::{Addr, HostId};
@@ -30,9 +30,9 @@ pub struct SupervisorConfig {
 pub struct Supervisor {
     config: SupervisorConfig,
     chips: BTreeMap<Addr, ChipReport>,
-    last_seen: HashMap<HostId, Moment>,
+    last_seen: BTreeMap<HostId, Moment>,
     down: BTreeSet<HostId>,
-    restarts: HashMap<Addr, Vec<Moment>>,
+    restarts: BTreeMap<Addr, Vec<Moment>>,
     seq: u64,
 }
 
@@ -46,9 +46,9 @@ impl Supervisor {
         Supervisor {
             config,
             chips: BTreeMap::new(),
-            last_seen: HashMap::new(),
+            last_seen: BTreeMap::new(),
             down: BTreeSet::new(),
-            restarts: HashMap::new(),
+            restarts: BTreeMap::new(),
             seq: 0,
         }
     }
