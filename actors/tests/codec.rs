@@ -160,7 +160,6 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 sampled: p.tokens.iter().map(|&t| (t as u64, t)).collect(),
                 error: p.flag.then(|| p.text.clone()),
                 elapsed_s: p.f as f64,
-                started_unix_ns: p.b,
             },
         },
         17 => Msg::Restart,
@@ -192,15 +191,23 @@ fn build(kind: usize, p: &Parts) -> Msg {
         31 => Msg::KvClaim { request_id: p.a, decode: addr(p.b) },
         32 => Msg::KvDecline { request_id: p.a, decode: addr(p.b), error: error(p), retry: retry(p) },
         33 => {
-            Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone(), staged_unix_ns: p.b }
+            Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone() }
         }
         34 => Msg::KvDone { request_id: p.a },
         35 => Msg::KvCancel { request_id: p.a, reason: p.text.clone() },
         36 => Msg::KvLeaseExpired { request_id: p.a, lease: p.b },
-        37 => Msg::KvStaged { step: p.a, layer: p.n, staged: vec![(p.a, p.n), (p.b, 1)], staged_unix_ns: p.b },
+        37 => Msg::KvStaged { step: p.a, layer: p.n, staged: vec![(p.a, p.n), (p.b, 1)] },
         38 => Msg::KvInstalled { request_id: p.a, layer: p.n, upto: p.n, error: p.flag.then(|| p.text.clone()) },
         39 => Msg::SetRole { role: p.text.clone() },
-        _ => Msg::Reroute,
+        40 => Msg::Reroute,
+        41 => Msg::Admit {
+            client: addr(p.a),
+            ask: AdmitAsk { prompt: p.tokens.clone(), max_tokens: p.n, sampling: seq.sampling.clone() },
+        },
+        42 => Msg::Admitted { request_id: p.a, request: addr(p.b) },
+        43 => Msg::RequestEnded { request_id: p.a },
+        44 => Msg::QueryAdmission { reply_to: addr(p.a) },
+        _ => Msg::AdmissionView { inflight: p.n, max_inflight: p.n * 2 },
     }
 }
 
@@ -208,7 +215,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 41;
+const KINDS: usize = 46;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -254,6 +261,11 @@ fn kind_index(m: &Msg) -> usize {
         Msg::KvInstalled { .. } => 38,
         Msg::SetRole { .. } => 39,
         Msg::Reroute => 40,
+        Msg::Admit { .. } => 41,
+        Msg::Admitted { .. } => 42,
+        Msg::RequestEnded { .. } => 43,
+        Msg::QueryAdmission { .. } => 44,
+        Msg::AdmissionView { .. } => 45,
     }
 }
 
