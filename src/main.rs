@@ -2,7 +2,6 @@
 //! no logic of its own beyond presenting results.
 #![forbid(unsafe_code)]
 
-mod node;
 mod up;
 
 use std::path::PathBuf;
@@ -315,7 +314,7 @@ struct ServeArgs {
     model: Option<String>,
     /// Route to load: `completions` or `chat`.
     #[arg(long, default_value = "completions")]
-    endpoint: tessera_actors::loadgen::Endpoint,
+    endpoint: tessera_loadgen::Endpoint,
     /// Open loop: Poisson arrivals at this many requests per second.
     #[arg(long, conflicts_with = "concurrency")]
     rate: Option<f64>,
@@ -327,10 +326,10 @@ struct ServeArgs {
     requests: usize,
     /// Input tokens per request (approximate): `128`, `uniform:64-256` or `normal:128,32`.
     #[arg(long, default_value = "128")]
-    isl: tessera_actors::loadgen::LengthDist,
+    isl: tessera_loadgen::LengthDist,
     /// Output tokens per request (`max_tokens` with `ignore_eos`), same syntax as --isl.
     #[arg(long, default_value = "128")]
-    osl: tessera_actors::loadgen::LengthDist,
+    osl: tessera_loadgen::LengthDist,
     /// Seed of the prompts, lengths and arrival times.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -396,13 +395,7 @@ fn open_device(args: &DeviceArgs) -> Result<Device> {
 
 /// A checkpoint directory, or a builtin test model generated on first use.
 fn resolve_model(spec: &str) -> Result<PathBuf> {
-    match spec.strip_prefix("builtin:") {
-        Some(name) => {
-            let preset: Preset = name.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
-            Ok(tessera_backends::builtin::model_dir(preset)?)
-        }
-        None => Ok(PathBuf::from(spec)),
-    }
+    Ok(tessera_node::resolve_model(spec)?)
 }
 
 fn load_model(model: &str, dtype: Option<DType>, device: &DeviceArgs) -> Result<(PathBuf, Model)> {
@@ -579,9 +572,9 @@ fn bench_handoff(
     model: Option<String>,
     prompt_tokens: usize,
     requests: usize,
-) -> Result<tessera_actors::loadgen::handoff::HandoffReport> {
+) -> Result<tessera_loadgen::handoff::HandoffReport> {
     let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
-    Ok(runtime.block_on(tessera_actors::loadgen::handoff::run(url, model, prompt_tokens, requests))?)
+    Ok(runtime.block_on(tessera_loadgen::handoff::run(url, model, prompt_tokens, requests))?)
 }
 
 fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {
@@ -608,12 +601,12 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
 }
 
 fn bench_serve(args: ServeArgs) -> Result<()> {
-    use tessera_actors::loadgen;
+    use tessera_loadgen as loadgen;
     let opts = loadgen::ServeBenchOptions {
         url: args.url,
         model: args.model,
         endpoint: args.endpoint,
-        load: loadgen::Load::from_flags(args.rate, args.concurrency)?,
+        load: loadgen::Load::from_flags(args.rate, args.concurrency).map_err(loadgen::LoadgenError::from)?,
         requests: args.requests,
         isl: args.isl,
         osl: args.osl,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::node::{NodeOptions, run_node};
+use tessera_node::{NodeOptions, run_node};
 use tessera_topology::ClusterSpec;
 
 /// The validated topology: the file's, or the embedded default; with `colocated`,
@@ -84,7 +84,7 @@ pub fn node(
 ) -> Result<()> {
     let spec = load_spec(topology, colocated)?;
     let opts = NodeOptions { kernel_lib, metrics: install_metrics(), drain_timeout: Duration::from_secs(30) };
-    run_node(&spec, host, &opts, shutdown_signal(exit_on_stdin_eof))
+    Ok(run_node(&spec, host, &opts, shutdown_signal(exit_on_stdin_eof))?)
 }
 
 pub fn up(topology: Option<&Path>, in_process: bool, colocated: bool, kernel_lib: Option<PathBuf>) -> Result<()> {

@@ -3,8 +3,7 @@
 //! still read what they share.
 
 use serde::{Deserialize, Serialize};
-use tessera_runtime::actor::Message;
-use tessera_runtime::{Addr, HostId};
+use tessera_actor_core::{Addr, HostId, Message};
 
 /// Well-known actor ids, the same on every host.
 pub mod well_known {
@@ -263,7 +262,30 @@ pub struct KvOffer {
     pub format: KvFormatDesc,
     pub compat: KvCompat,
     /// The prefill chip's staging region: every block of every layer, K then V.
-    pub region: tessera_runtime::transfer::RegionDesc,
+    pub region: KvRegionDesc,
+}
+
+/// Where a chip's KV transfer engine listens, as peers see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvEndpointDesc {
+    /// Equal on two endpoints iff they run on the same machine (boot id + hostname).
+    pub host_key: String,
+    pub pid: u32,
+    /// The TCP data-plane address.
+    pub tcp: std::net::SocketAddr,
+}
+
+/// A registered memory region holding staged KV, as it travels in messages. Plain data
+/// that the behaviors only forward: the executor adapter converts it to and from the
+/// transfer engine's own descriptor (same fields, same serde shape), so behaviors need
+/// no data-plane dependency.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvRegionDesc {
+    pub endpoint: KvEndpointDesc,
+    pub region: u64,
+    /// The memfd's descriptor number in the owner process (for `/proc/<pid>/fd/<fd>`).
+    pub fd: i32,
+    pub len: u64,
 }
 
 /// What a chip's worker knows once its model is loaded.
@@ -272,7 +294,7 @@ pub struct ChipInfo {
     pub format: KvFormatDesc,
     pub compat: KvCompat,
     /// Where the chip stages KV for decode chips to read.
-    pub staging: Option<tessera_runtime::transfer::RegionDesc>,
+    pub staging: Option<KvRegionDesc>,
     /// Roofline emulation of another chip kind, if any (e.g. "ascend-910b x2000").
     pub emulated: Option<String>,
     pub num_blocks: usize,

@@ -257,7 +257,7 @@ fn run(seed: u64) -> Run {
     // Host 1 (its chip and supervisor) is lost while requests run on it.
     vh.run_until(Moment(700_000_000));
     vh.kill_host(HostId(1));
-    let all_done = |_: &VirtualHost<Msg>| outcomes.lock().map_or(false, |o| o.len() == REQUESTS);
+    let all_done = |_: &VirtualHost<Msg>| outcomes.lock().is_ok_and(|o| o.len() == REQUESTS);
     assert!(vh.run_while(Moment(120_000_000_000), all_done), "requests still open after 120 s of virtual time");
 
     // A heartbeat later, the router's view of the surviving chip is current.
@@ -265,7 +265,7 @@ fn run(seed: u64) -> Run {
     vh.run_until(settle);
     let view = Arc::new(Mutex::new(None));
     vh.spawn(HostId(0), Box::new(Probe { view: view.clone() }));
-    let answered = |_: &VirtualHost<Msg>| view.lock().map_or(false, |v| v.is_some());
+    let answered = |_: &VirtualHost<Msg>| view.lock().is_ok_and(|v| v.is_some());
     assert!(vh.run_while(vh.now().after(Duration::from_secs(1)), answered), "the router did not answer");
     let view = view.lock().ok().and_then(|mut v| v.take()).unwrap_or_default();
     let outcomes = outcomes.lock().map(|o| o.clone()).unwrap_or_default();

@@ -1,8 +1,8 @@
 //! Every cluster message survives the wire: payload encoding inside a bus envelope.
 
 use proptest::prelude::*;
+use tessera_actor_core::Message;
 use tessera_actors::msg::*;
-use tessera_runtime::actor::Message;
 use tessera_runtime::codec::{self, Envelope, PROTOCOL_VERSION};
 use tessera_runtime::{Addr, HostId};
 
@@ -74,9 +74,9 @@ fn format(p: &Parts) -> KvFormatDesc {
     }
 }
 
-fn region(p: &Parts) -> tessera_runtime::transfer::RegionDesc {
-    tessera_runtime::transfer::RegionDesc {
-        endpoint: tessera_runtime::transfer::EndpointDesc {
+fn region(p: &Parts) -> KvRegionDesc {
+    KvRegionDesc {
+        endpoint: KvEndpointDesc {
             host_key: p.text.clone(),
             pid: p.n as u32,
             tcp: "127.0.0.1:7402".parse().expect("addr"),
@@ -190,9 +190,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         },
         31 => Msg::KvClaim { request_id: p.a, decode: addr(p.b) },
         32 => Msg::KvDecline { request_id: p.a, decode: addr(p.b), error: error(p), retry: retry(p) },
-        33 => {
-            Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone() }
-        }
+        33 => Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone() },
         34 => Msg::KvDone { request_id: p.a },
         35 => Msg::KvCancel { request_id: p.a, reason: p.text.clone() },
         36 => Msg::KvLeaseExpired { request_id: p.a, lease: p.b },

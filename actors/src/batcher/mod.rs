@@ -8,8 +8,8 @@
 use crate::kv::{BlockRef, KvPool};
 use crate::msg::{Finish, SamplingSpec, SeqRequest};
 use std::collections::{HashSet, VecDeque};
+use tessera_actor_core::Addr;
 use tessera_backends::kv::chained_block_hash;
-use tessera_runtime::Addr;
 
 /// Limits of one chip's steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,5 +1,5 @@
 use super::*;
-use tessera_runtime::HostId;
+use tessera_actor_core::HostId;
 
 fn limits(max_batch_tokens: usize, max_batch_seqs: usize, block_size: usize) -> BatcherLimits {
     BatcherLimits { max_batch_tokens, max_batch_seqs, block_size, max_context: 1024 }

@@ -21,11 +21,11 @@ use super::Chip;
 use super::executor::{KvInstall, StepExecutor};
 use crate::batcher::Prefilled;
 use crate::kv::BlockRef;
+use crate::msg::KvRegionDesc;
 use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, Retry, SeqRequest, ServeError, StepOutcome};
 use std::collections::{BTreeMap, VecDeque};
-use tessera_runtime::Addr;
-use tessera_runtime::actor::{Effects, Job, JobCtx, Moment};
-use tessera_runtime::transfer::RegionDesc;
+use tessera_actor_core::Addr;
+use tessera_actor_core::{Effects, Job, JobCtx, Moment};
 
 /// KV this chip (as P) computes and holds for a decode chip.
 #[derive(Debug)]
@@ -45,7 +45,7 @@ struct Outgoing {
 #[derive(Debug)]
 struct Incoming {
     prefill: Addr,
-    region: RegionDesc,
+    region: KvRegionDesc,
     format: KvFormatDesc,
     kv_tokens: usize,
     /// This chip's cache slot of each position 0..kv_tokens.

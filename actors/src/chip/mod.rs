@@ -18,8 +18,8 @@ use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, 
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::time::Duration;
-use tessera_runtime::Addr;
-use tessera_runtime::actor::{Behavior, Effects, Job, JobCtx, WorkerId, WorkerSpec};
+use tessera_actor_core::Addr;
+use tessera_actor_core::{Behavior, Effects, Job, JobCtx, WorkerId, WorkerSpec};
 
 /// The roles a chip can take.
 pub const ROLES: [&str; 3] = ["prefill", "decode", "both"];

@@ -6,13 +6,13 @@ use super::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use super::*;
 use crate::batcher::StepPlan;
 use crate::msg::{KvCompat, KvFormatDesc, SamplingSpec, StepOutcome};
+use crate::msg::{KvEndpointDesc, KvRegionDesc};
 use crate::test_fx::TestFx;
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_actor_core::HostId;
+use tessera_actor_core::JobCtx;
 use tessera_actor_core::testkit::run_job;
-use tessera_runtime::HostId;
-use tessera_runtime::actor::JobCtx;
-use tessera_runtime::transfer::{EndpointDesc, RegionDesc};
 
 const P: Addr = Addr { host: HostId(0), actor: 16 };
 const D: Addr = Addr { host: HostId(1), actor: 16 };
@@ -59,8 +59,8 @@ fn info(block_size: usize, layout: &str, hash: u64) -> ChipInfo {
             dtype: "f32".into(),
         },
         compat: KvCompat { hash, fields: vec![("head_dim".into(), if hash == 1 { "8" } else { "16" }.into())] },
-        staging: Some(RegionDesc {
-            endpoint: EndpointDesc { host_key: "test".into(), pid: 1, tcp: "127.0.0.1:9".parse().expect("addr") },
+        staging: Some(KvRegionDesc {
+            endpoint: KvEndpointDesc { host_key: "test".into(), pid: 1, tcp: "127.0.0.1:9".parse().expect("addr") },
             region: 1,
             fd: 3,
             len: 1 << 20,

@@ -6,7 +6,7 @@
 //! and reads the slots it is told.
 
 use slab::Slab;
-use tessera_runtime::Addr;
+use tessera_actor_core::Addr;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BlockRef {
@@ -114,7 +114,7 @@ impl KvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tessera_runtime::HostId;
+    use tessera_actor_core::HostId;
 
     fn chip(n: u64) -> Addr {
         Addr::new(HostId(0), n)

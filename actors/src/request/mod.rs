@@ -13,8 +13,8 @@
 
 use crate::msg::{ClientEvent, ErrorKind, Finish, Msg, Retry, SamplingSpec, SeqRequest, ServeError};
 use std::time::Duration;
-use tessera_runtime::Addr;
-use tessera_runtime::actor::{Behavior, Effects, Moment};
+use tessera_actor_core::Addr;
+use tessera_actor_core::{Behavior, Effects, Moment};
 
 /// What a request asks for.
 #[derive(Debug, Clone, PartialEq)]

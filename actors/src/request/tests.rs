@@ -1,7 +1,7 @@
 use super::*;
 use crate::msg::SamplingSpec;
 use crate::test_fx::TestFx;
-use tessera_runtime::HostId;
+use tessera_actor_core::HostId;
 
 fn a(host: u16, n: u64) -> Addr {
     Addr::new(HostId(host), n)

@@ -7,8 +7,8 @@
 
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, ServeError, topic};
 use std::collections::{BTreeMap, BTreeSet};
-use tessera_runtime::actor::{Behavior, Effects};
-use tessera_runtime::{Addr, HostId};
+use tessera_actor_core::{Addr, HostId};
+use tessera_actor_core::{Behavior, Effects};
 
 /// A chip as the router knows it.
 #[derive(Debug, Clone, PartialEq)]

@@ -9,8 +9,8 @@
 use crate::msg::{ChipReport, Heartbeat, Msg, topic};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
-use tessera_runtime::actor::{Behavior, Effects, Moment};
-use tessera_runtime::{Addr, HostId};
+use tessera_actor_core::{Addr, HostId};
+use tessera_actor_core::{Behavior, Effects, Moment};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SupervisorConfig {

@@ -1,8 +1,13 @@
-//! Wiring of one host process: its actor host and bus, its supervisor, its chips, and —
-//! on the gateway's host — the router and the HTTP gateway. `tessera up` runs one of
-//! these per host (as child processes, or threads with `--in-process`).
+//! Builds and runs one host of a cluster from a validated topology: its actor host and
+//! bus, its KV transfer engine, its supervisor, its chips (with their model executors)
+//! and — on the gateway's host — the router, admission and the HTTP gateway. `tessera up`
+//! and `tessera node` call [`run_node`] once per host (as child processes, or threads
+//! with `--in-process`); so do the end-to-end tests, through the binary.
+//!
+//! The one place where behaviors meet their adapters: behaviors (`tessera-actors`) never
+//! depend on it, and it makes no scheduling decision of its own.
+#![forbid(unsafe_code)]
 
-use anyhow::{Context, Result, bail};
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -10,10 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_actors::admission::{Admission, AdmissionConfig};
-use tessera_actors::chip::executor::{Emulation, ExecutorFactory, ModelExecutor, ModelExecutorConfig, StepExecutor};
+use tessera_actors::chip::executor::{ExecutorFactory, StepExecutor};
 use tessera_actors::chip::{Chip, ChipConfig};
-use tessera_actors::gateway::listener::HttpLimits;
-use tessera_actors::gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_actors::msg::{ChipReport, Msg, well_known};
 use tessera_actors::request::RetryPolicy;
 use tessera_actors::router::Router;
@@ -21,12 +24,57 @@ use tessera_actors::supervisor::{Supervisor, SupervisorConfig};
 use tessera_backends::config::ModelConfig;
 use tessera_backends::dtype::DType;
 use tessera_backends::kv_format::KvLayout;
+use tessera_backends::synth::Preset;
 use tessera_backends::tokenizer::TextTokenizer;
+use tessera_chip_executor::{Emulation, ModelExecutor, ModelExecutorConfig};
+use tessera_gateway::listener::HttpLimits;
+use tessera_gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
 use tessera_runtime::transfer::{TransferConfig, TransferEngine, TransportChoice};
 use tessera_runtime::{Addr, HostId};
 use tessera_topology::{Backend, ClusterSpec};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a host could not be brought up or served.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("{topology}: no host named `{host}`; hosts: {hosts}")]
+    UnknownHost { topology: String, host: String, hosts: String },
+    /// A topology value the backends refuse (a dtype, a layout, a chip kind).
+    #[error("{0}")]
+    Config(String),
+    /// The model's files (config, weights, tokenizer).
+    #[error(transparent)]
+    Model(#[from] tessera_backends::error::BackendError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// Something failed to start or serve; `context` says what.
+    #[error("{context}")]
+    Start {
+        context: String,
+        #[source]
+        cause: BoxError,
+    },
+}
+
+/// Wraps an error with what was being done, for `map_err`.
+fn ctx<E: Into<BoxError>>(context: impl Into<String>) -> impl FnOnce(E) -> NodeError {
+    let context = context.into();
+    move |e| NodeError::Start { context, cause: e.into() }
+}
+
+/// A checkpoint directory, or a builtin test model (`builtin:<preset>`) generated on first use.
+pub fn resolve_model(spec: &str) -> Result<PathBuf, NodeError> {
+    match spec.strip_prefix("builtin:") {
+        Some(name) => {
+            let preset = name.parse::<Preset>().map_err(NodeError::Config)?;
+            Ok(tessera_backends::builtin::model_dir(preset)?)
+        }
+        None => Ok(PathBuf::from(spec)),
+    }
+}
 
 /// How a node is run.
 pub struct NodeOptions {
@@ -43,8 +91,8 @@ pub fn chip_addr(host: usize, i: usize) -> Addr {
     Addr::new(HostId(host as u16), well_known::CHIP_BASE + i as u64)
 }
 
-fn parse_dtype(s: &str) -> Result<DType> {
-    s.parse::<DType>().map_err(|e| anyhow::anyhow!("{e}"))
+fn parse_dtype(s: &str) -> Result<DType, NodeError> {
+    s.parse::<DType>().map_err(NodeError::Config)
 }
 
 /// Runs host `host_name` of `spec` until `shutdown` resolves, then drains.
@@ -53,13 +101,17 @@ pub fn run_node(
     host_name: &str,
     opts: &NodeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<()> {
+) -> Result<(), NodeError> {
     let Some(index) = spec.host_index(host_name) else {
         let names: Vec<&str> = spec.hosts.iter().map(|h| h.name.as_str()).collect();
-        bail!("{}: no host named `{host_name}`; hosts: {}", spec.source, names.join(", "));
+        return Err(NodeError::UnknownHost {
+            topology: spec.source.to_string(),
+            host: host_name.into(),
+            hosts: names.join(", "),
+        });
     };
     let me = &spec.hosts[index];
-    let model_dir = crate::resolve_model(&spec.model)?;
+    let model_dir = resolve_model(&spec.model)?;
     let model_config = ModelConfig::from_dir(&model_dir)?;
     let dtype = spec.dtype.as_deref().map(parse_dtype).transpose()?;
     let is_gateway = spec.gateway.host == me.name;
@@ -85,7 +137,7 @@ pub fn run_node(
     };
     let bus: Bus = rt
         .block_on(Bus::start(bus_config, host.inbound()))
-        .with_context(|| format!("host {host_name}: starting the bus on {} / {}", me.bus, me.events))?;
+        .map_err(ctx(format!("host {host_name}: starting the bus on {} / {}", me.bus, me.events)))?;
     host.attach_bus(bus.clone());
 
     // The data plane: KV blocks move between chips through it, never over the bus.
@@ -100,7 +152,7 @@ pub fn run_node(
         },
         ..TransferConfig::new(me.transfer)
     })
-    .with_context(|| format!("host {host_name}: starting the KV transfer engine on {}", me.transfer))?;
+    .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
 
     let gateway_index = spec.host_index(&spec.gateway.host).unwrap_or(0);
     let router = Addr::new(HostId(gateway_index as u16), well_known::ROUTER);
@@ -157,7 +209,7 @@ pub fn run_node(
             Backend::Emu(kind) => {
                 let kind = spec
                     .chip_kind(kind)
-                    .with_context(|| format!("chip {}: unknown chip kind `{kind}`", chip.id))?
+                    .ok_or_else(|| NodeError::Config(format!("chip {}: unknown chip kind `{kind}`", chip.id)))?
                     .clone();
                 Some(Emulation { kind, spec: spec.emulation })
             }
@@ -173,7 +225,7 @@ pub fn run_node(
             memory_limit_bytes: chip.memory_limit_bytes,
             dtype,
             kv_dtype: parse_dtype(&chip.kv_dtype)?,
-            kv_layout: chip.kv_layout.to_string().parse::<KvLayout>().map_err(anyhow::Error::msg)?,
+            kv_layout: chip.kv_layout.to_string().parse::<KvLayout>().map_err(NodeError::Config)?,
             block_size: chip.block_size,
             max_batch_seqs: chip.max_batch_seqs,
             chip_id: chip.id.clone(),
@@ -214,14 +266,14 @@ pub fn run_node(
                 header_read_timeout: Duration::from_millis(spec.gateway.header_read_timeout_ms),
             },
         };
-        let state = Arc::new(GatewayState::new(host.clone(), tokenizer, config).map_err(anyhow::Error::msg)?);
+        let state = Arc::new(GatewayState::new(host.clone(), tokenizer, config).map_err(NodeError::Config)?);
         let listen = spec.gateway.listen;
         let drain = opts.drain_timeout;
         let host_name = host_name.to_string();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
-                .with_context(|| format!("gateway: cannot listen on {listen}"))?;
+                .map_err(ctx(format!("gateway: cannot listen on {listen}")))?;
             eprintln!(
                 "tessera: host {host_name} serving model `{served_model}` on http://{listen} ({} chips in the cluster)",
                 spec.hosts.iter().map(|h| h.chips.len()).sum::<usize>()
@@ -238,7 +290,7 @@ pub fn run_node(
             });
             // Graceful shutdown waits for open requests; the drain timeout bounds it.
             let outcome = tokio::select! {
-                r = serving => r.map_err(anyhow::Error::from),
+                r = serving => r.map_err(NodeError::from),
                 _ = async { let _ = drained.await; tokio::time::sleep(drain).await } => {
                     eprintln!("tessera: drain timeout reached; closing the remaining requests");
                     Ok(())

@@ -1,12 +1,15 @@
-//! `tessera bench serve`: a load generator for any OpenAI-compatible server, in the spirit
+//! `tessera bench serve`: the HTTP driver of the workload model (`tessera-workload`), a load generator for any OpenAI-compatible server, in the spirit
 //! of vLLM's `benchmark_serving.py`. It sends streamed completions (or chat completions)
 //! with synthetic prompts, either as an open-loop Poisson process or with a fixed number in
 //! flight, and reports throughput and TTFT / TPOT / ITL / end-to-end latency percentiles.
 //!
 //! Every request is decided from the seed before the run starts, so two runs with the same
 //! options send the same prompts and lengths whatever the server's speed.
+//!
+//! An I/O adapter (reqwest, tokio, a progress bar): behaviors never depend on it; what a
+//! simulator needs of a benchmark lives in `tessera-workload`.
+#![forbid(unsafe_code)]
 
-mod dist;
 pub mod handoff;
 mod request;
 mod sse;
@@ -25,14 +28,12 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::{Semaphore, mpsc};
 
-pub use dist::{DistParseError, LengthDist, SeededRng};
 pub use sse::SseParser;
 pub use stats::{LatencySummary, percentile};
+pub use tessera_workload::{DEFAULT_CONCURRENCY, DistParseError, LengthDist, Load, SeededRng, Workload, WorkloadError};
 
-use request::{PlannedRequest, Sample};
-
-/// Requests in flight when neither a rate nor a concurrency is given.
-pub const DEFAULT_CONCURRENCY: usize = 8;
+use request::Sample;
+use tessera_workload::PlannedRequest;
 
 /// Distinct error messages shown by [`ServeBenchReport::table`]; the JSON has them all.
 const ERRORS_SHOWN: usize = 5;
@@ -77,30 +78,6 @@ impl fmt::Display for Endpoint {
     }
 }
 
-/// How requests are released.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Load {
-    /// Open loop: Poisson arrivals at this many requests per second, whatever the server does.
-    Poisson { rate_rps: f64 },
-    /// Closed loop: a new request as soon as one of this many in flight finishes.
-    Closed { concurrency: usize },
-}
-
-impl Load {
-    /// From the `--rate` / `--concurrency` flags: at most one of them, default closed loop
-    /// with [`DEFAULT_CONCURRENCY`].
-    pub fn from_flags(rate_rps: Option<f64>, concurrency: Option<usize>) -> Result<Load, LoadgenError> {
-        match (rate_rps, concurrency) {
-            (Some(_), Some(_)) => Err(LoadgenError::InvalidOptions("give --rate or --concurrency, not both".into())),
-            (Some(r), None) if r.is_finite() && r > 0.0 => Ok(Load::Poisson { rate_rps: r }),
-            (Some(r), None) => Err(LoadgenError::InvalidOptions(format!("--rate must be positive, got {r}"))),
-            (None, Some(0)) => Err(LoadgenError::InvalidOptions("--concurrency must be at least 1".into())),
-            (None, Some(c)) => Ok(Load::Closed { concurrency: c }),
-            (None, None) => Ok(Load::Closed { concurrency: DEFAULT_CONCURRENCY }),
-        }
-    }
-}
-
 /// Everything `tessera bench serve` takes.
 #[derive(Clone, Debug)]
 pub struct ServeBenchOptions {
@@ -129,6 +106,8 @@ pub struct ServeBenchOptions {
 pub enum LoadgenError {
     #[error("invalid options: {0}")]
     InvalidOptions(String),
+    #[error("invalid options: {0}")]
+    Workload(#[from] WorkloadError),
     #[error("cannot build the HTTP client: {0}")]
     Client(#[source] reqwest::Error),
     #[error("cannot pick a model from {url}: {reason} (pass --model)")]
@@ -210,20 +189,13 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         timeout,
     });
 
-    // Separate streams, so that changing --warmup or --rate leaves the measured prompts alone.
-    let mut rng = SeededRng::new(opts.seed);
-    let mut warmup_rng = SeededRng::new(opts.seed ^ 0x5741_524D_5550);
-    let mut arrival_rng = SeededRng::new(opts.seed ^ 0x4152_5249_5641_4C53);
-    let plan = |n: usize, rng: &mut SeededRng| -> Vec<PlannedRequest> {
-        (0..n).map(|_| PlannedRequest::new(opts.isl.sample(rng), opts.osl.sample(rng), rng)).collect()
-    };
-
+    let workload = Workload { isl: opts.isl, osl: opts.osl, load: opts.load, seed: opts.seed };
     if opts.warmup > 0 {
         let concurrency = match opts.load {
             Load::Closed { concurrency } => concurrency,
             Load::Poisson { .. } => DEFAULT_CONCURRENCY,
         };
-        let plan = plan(opts.warmup, &mut warmup_rng);
+        let plan = workload.warmup(opts.warmup);
         let (outcomes, _) = drive(&target, plan, &[], concurrency, &ProgressBar::hidden()).await;
         if outcomes.iter().all(|o| o.result.is_err()) {
             let first = outcomes.into_iter().find_map(|o| o.result.err()).unwrap_or_default();
@@ -231,20 +203,11 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         }
     }
 
-    let measured = plan(opts.requests, &mut rng);
-    let (arrivals_s, concurrency) = match opts.load {
-        Load::Poisson { rate_rps } => {
-            let mut t = 0.0;
-            let arrivals = (0..opts.requests)
-                .map(|_| {
-                    let at = t;
-                    t += arrival_rng.exponential(rate_rps);
-                    at
-                })
-                .collect();
-            (arrivals, opts.requests)
-        }
-        Load::Closed { concurrency } => (Vec::new(), concurrency),
+    let measured = workload.measured(opts.requests);
+    let arrivals_s = workload.arrivals_s(opts.requests);
+    let concurrency = match opts.load {
+        Load::Poisson { .. } => opts.requests,
+        Load::Closed { concurrency } => concurrency,
     };
     let bar = progress_bar(opts.progress, opts.requests);
     let (outcomes, duration) = drive(&target, measured, &arrivals_s, concurrency, &bar).await;
@@ -323,7 +286,7 @@ async fn drive(
             let (target, tx) = (Arc::clone(target), tx.clone());
             // Spawned, so that the runtime's workers read each stream as its bytes arrive.
             tokio::spawn(async move {
-                let body = req.body(target.endpoint, &target.model);
+                let body = request::body(&req, target.endpoint, &target.model);
                 let result = request::send(&target.client, &target.url, &body, target.timeout).await;
                 drop(slot);
                 let _ = tx.send(Outcome { nominal_isl: req.isl, result });

@@ -8,10 +8,8 @@
 //! on blocking threads, a few at a time (`prompt_workers`), after the prompt's text has
 //! been checked against a bound derived from the model's context (`max_prompt_bytes`).
 
-use super::listener::{self, HttpLimits};
-use super::openai::{self, ApiError, ChatTemplate, FinishReason, GenerationRequest, Prompt, StopMatcher, Usage};
-use crate::msg::AdmitAsk;
-use crate::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, SamplingSpec, ServeError};
+use crate::listener::{self, HttpLimits};
+use crate::openai::{self, ApiError, ChatTemplate, FinishReason, GenerationRequest, Prompt, StopMatcher, Usage};
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -26,6 +24,8 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tessera_actors::msg::AdmitAsk;
+use tessera_actors::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, SamplingSpec, ServeError};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::Addr;
 use tessera_runtime::host::{Host, Mailbox};
@@ -575,7 +575,7 @@ async fn models(State(st): State<Arc<GatewayState>>) -> Response {
 }
 
 /// Asks the router for its view of the cluster.
-async fn cluster_view(st: &GatewayState) -> Option<(Vec<crate::msg::ChipReport>, Vec<String>)> {
+async fn cluster_view(st: &GatewayState) -> Option<(Vec<tessera_actors::msg::ChipReport>, Vec<String>)> {
     let mut mailbox = st.host.mailbox();
     st.host.send_from(&mailbox, st.config.router, Msg::QueryCluster { reply_to: mailbox.addr() }).ok()?;
     match tokio::time::timeout(Duration::from_secs(2), mailbox.recv()).await {
@@ -696,7 +696,7 @@ async fn set_role(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response 
         Ok(r) => r,
         Err(e) => return error_response(ApiError::bad_request(format!("malformed role request: {e}"), None)),
     };
-    if !crate::chip::ROLES.contains(&req.role.as_str()) {
+    if !tessera_actors::chip::ROLES.contains(&req.role.as_str()) {
         return error_response(ApiError::bad_request(
             format!("unknown role `{}`; roles: prefill, decode, both", req.role),
             Some("role"),

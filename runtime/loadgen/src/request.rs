@@ -2,66 +2,36 @@
 //! that times it. Every failure comes back as a message for the report, never a panic:
 //! everything here is read from the network.
 
-use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::{Value, json};
 
 use super::Endpoint;
-use super::dist::SeededRng;
 use super::sse::SseParser;
+use tessera_workload::PlannedRequest;
+#[cfg(test)]
+use tessera_workload::SeededRng;
 
-/// Common English words, nearly all one token (with their leading space) in GPT-2-, Llama- and
-/// Qwen-style BPE vocabularies, so a prompt of N of them is about N tokens. An approximation:
-/// BOS and a chat template add a few, a rare split adds one; the report takes the server's
-/// `usage.prompt_tokens`.
-const WORDS: &str = "\
-    the time people year way day man thing woman life child world school state family student group country \
-    problem hand part place case week company system program question work government number night point home \
-    water room mother area money story fact month lot right study book eye job word business issue side kind \
-    head house service friend father power hour game line end member law car city community name president team \
-    minute idea kid body information back parent face others level office door health person art war history \
-    party result change morning reason research girl guy moment air teacher force education good new first last \
-    long great little own other old big high different small large next early young important few public bad \
-    same able make know take see come think look want give use find tell ask feel try leave call keep let begin \
-    seem help show hear play run move live believe bring write sit stand lose pay meet include";
-
-/// A request decided before the run starts, so that the load shape cannot change it.
-#[derive(Clone, Debug)]
-pub(super) struct PlannedRequest {
-    pub prompt: String,
-    pub isl: u32,
-    pub osl: u32,
-}
-
-impl PlannedRequest {
-    pub fn new(isl: u32, osl: u32, rng: &mut SeededRng) -> Self {
-        static VOCABULARY: LazyLock<Vec<&str>> = LazyLock::new(|| WORDS.split_whitespace().collect());
-        let words: Vec<&str> = (0..isl).map(|_| VOCABULARY[rng.below(VOCABULARY.len() as u64) as usize]).collect();
-        PlannedRequest { prompt: words.join(" "), isl, osl }
+/// The OpenAI request for a planned one, streaming with usage, and `ignore_eos` (a vLLM
+/// extension) so that every output is exactly `max_tokens` long.
+pub(super) fn body(req: &PlannedRequest, endpoint: Endpoint, model: &str) -> Value {
+    let mut body = json!({
+        "model": model,
+        "max_tokens": req.osl,
+        "ignore_eos": true,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let (key, value) = match endpoint {
+        Endpoint::Completions => ("prompt", json!(req.prompt)),
+        Endpoint::Chat => ("messages", json!([{"role": "user", "content": req.prompt}])),
+    };
+    if let Some(obj) = body.as_object_mut() {
+        obj.insert(key.to_string(), value);
     }
-
-    /// The OpenAI request, streaming with usage, and `ignore_eos` (a vLLM extension) so that
-    /// every output is exactly `max_tokens` long.
-    pub fn body(&self, endpoint: Endpoint, model: &str) -> Value {
-        let mut body = json!({
-            "model": model,
-            "max_tokens": self.osl,
-            "ignore_eos": true,
-            "temperature": 0.0,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        let (key, value) = match endpoint {
-            Endpoint::Completions => ("prompt", json!(self.prompt)),
-            Endpoint::Chat => ("messages", json!([{"role": "user", "content": self.prompt}])),
-        };
-        if let Some(obj) = body.as_object_mut() {
-            obj.insert(key.to_string(), value);
-        }
-        body
-    }
+    body
 }
 
 /// The timings of one successful request.
@@ -298,16 +268,12 @@ mod tests {
     }
 
     #[test]
-    fn prompts_have_the_asked_word_count_and_differ() {
-        let mut rng = SeededRng::new(3);
-        let a = PlannedRequest::new(100, 5, &mut rng);
-        let b = PlannedRequest::new(100, 5, &mut rng);
-        assert_eq!(a.prompt.split(' ').count(), 100);
-        assert_ne!(a.prompt, b.prompt);
-        let body = a.body(Endpoint::Chat, "m");
-        assert_eq!(body["messages"][0]["content"], json!(a.prompt));
-        assert_eq!((body["max_tokens"].clone(), body["ignore_eos"].clone()), (json!(5), json!(true)));
-        assert_eq!(a.body(Endpoint::Completions, "m")["prompt"], json!(a.prompt));
+    fn bodies_carry_the_planned_prompt_and_length() {
+        let a = PlannedRequest::new(100, 5, &mut SeededRng::new(3));
+        let chat = body(&a, Endpoint::Chat, "m");
+        assert_eq!(chat["messages"][0]["content"], json!(a.prompt));
+        assert_eq!((chat["max_tokens"].clone(), chat["ignore_eos"].clone()), (json!(5), json!(true)));
+        assert_eq!(body(&a, Endpoint::Completions, "m")["prompt"], json!(a.prompt));
     }
 
     #[test]

@@ -1,0 +1,503 @@
+//! What a chip's worker thread runs: a loaded model over its paged KV cache, plus the
+//! samplers of the sequences it serves. This is the only place an actor's plan meets
+//! the device; a simulator substitutes its own `StepExecutor`.
+//!
+//! For disaggregation the worker also stages KV (after each layer, the blocks of the
+//! sequences prefilled for a decode chip are copied into a registered memory region
+//! that mirrors the cache: block b of layer l's K at `staging_offset(l, K, b)`) and
+//! installs KV read from another chip's region, converting it to this cache's block
+//! size, layout and dtype. An emulated chip (`emu:<kind>`) computes on the CPU and
+//! declares that kind's roofline time for the step (and for each layer's staged KV) as
+//! the job's model time, which its host waits out: the executor itself never sleeps to
+//! pace.
+//!
+//! An adapter between the chip behavior (`tessera-actors`' `StepExecutor`) and the data
+//! plane (`tessera-backends` devices, the `tessera-runtime` transfer engine): the only
+//! crate that knows both, so it alone converts the behaviors' plain `KvRegionDesc` to the
+//! transfer engine's `RegionDesc`. Behaviors never depend on it.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_actors::batcher::StepPlan;
+use tessera_actors::chip::executor::{KvInstall, StepExecutor};
+use tessera_actors::msg::{
+    ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, SamplingSpec, StepOutcome,
+};
+use tessera_backends::device::{Device, DeviceConfig};
+use tessera_backends::dtype::DType;
+use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
+use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
+use tessera_backends::loader::KernelLibrary;
+use tessera_backends::model::{LogitsWanted, Model, SeqChunk};
+use tessera_backends::sampling::{Sampler, SamplingParams};
+use tessera_runtime::actor::JobCtx;
+use tessera_runtime::transfer::{Assignment, EndpointDesc, Region, RegionDesc, TransferEngine};
+use tessera_topology::perf::{ModelShape, SeqStep, StepShape, roofline};
+use tessera_topology::{ChipKind, EmulationSpec};
+
+/// The transfer engine's descriptor of a region as the behaviors carry it in messages.
+pub fn kv_region_desc(d: RegionDesc) -> KvRegionDesc {
+    let RegionDesc { endpoint: EndpointDesc { host_key, pid, tcp }, region, fd, len } = d;
+    KvRegionDesc { endpoint: KvEndpointDesc { host_key, pid, tcp }, region, fd, len }
+}
+
+/// A region the behaviors carried, as the transfer engine reads it.
+pub fn region_desc(d: &KvRegionDesc) -> RegionDesc {
+    let KvRegionDesc { endpoint: KvEndpointDesc { host_key, pid, tcp }, region, fd, len } = d.clone();
+    RegionDesc { endpoint: EndpointDesc { host_key, pid, tcp }, region, fd, len }
+}
+
+/// Byte offset of block `block`'s K (`v = false`) or V of layer `layer` in a chip's
+/// staging region: layers in order, each all K blocks then all V blocks.
+pub fn staging_offset(format: &KvFormatDesc, block_bytes: usize, layer: usize, v: bool, block: usize) -> usize {
+    ((layer * 2 + v as usize) * format.num_blocks + block) * block_bytes
+}
+
+/// The backends' view of a chip's KV format, checked.
+pub fn kv_format(desc: &KvFormatDesc) -> Result<KvFormat, String> {
+    Ok(KvFormat {
+        num_layers: desc.num_layers,
+        num_kv_heads: desc.num_kv_heads,
+        head_dim: desc.head_dim,
+        block_size: desc.block_size,
+        layout: desc.layout.parse::<KvLayout>()?,
+        dtype: desc.dtype.parse::<DType>().map_err(|e| e.to_string())?,
+    })
+}
+
+/// The compatibility hash and the fields behind it, in the order a mismatch is named.
+fn kv_compat(c: &tessera_backends::compat::CompatInfo) -> KvCompat {
+    let fields = [
+        ("architecture", c.arch.hf_name().to_string()),
+        ("num_layers", c.num_layers.to_string()),
+        ("num_heads", c.num_heads.to_string()),
+        ("num_kv_heads", c.num_kv_heads.to_string()),
+        ("head_dim", c.head_dim.to_string()),
+        ("hidden_size", c.hidden_size.to_string()),
+        ("intermediate_size", c.intermediate_size.to_string()),
+        ("vocab_size", c.vocab_size.to_string()),
+        ("rms_norm_eps", c.rms_norm_eps.to_string()),
+        ("rope_theta", c.rope_theta.to_string()),
+        ("rope_scaling", format!("{:?}", c.rope)),
+        ("qkv_bias", c.qkv_bias.to_string()),
+        ("weights_fingerprint", c.weights.map_or("-".into(), |w| format!("{w:016x}"))),
+    ];
+    KvCompat { hash: c.hash(), fields: fields.into_iter().map(|(k, v)| (k.to_string(), v)).collect() }
+}
+
+/// Roofline pacing of an emulated chip.
+#[derive(Debug, Clone)]
+pub struct Emulation {
+    pub kind: ChipKind,
+    pub spec: EmulationSpec,
+}
+
+/// How to bring up a model on a CPU-library (or plugin) device.
+#[derive(Debug, Clone)]
+pub struct ModelExecutorConfig {
+    pub model_dir: PathBuf,
+    /// None: the CPU kernel library built with Tessera.
+    pub kernel_lib: Option<PathBuf>,
+    pub threads: u32,
+    pub memory_limit_bytes: Option<u64>,
+    pub dtype: Option<DType>,
+    pub kv_dtype: DType,
+    pub kv_layout: KvLayout,
+    pub block_size: usize,
+    pub max_batch_seqs: usize,
+    /// The chip's id, for metrics and logs.
+    pub chip_id: String,
+    /// The process's KV transfer engine (None: this chip cannot take part in
+    /// disaggregation).
+    pub transfer: Option<Arc<TransferEngine>>,
+    pub emulation: Option<Emulation>,
+}
+
+/// KV memory used when a chip has no memory limit.
+const DEFAULT_KV_BYTES: u64 = 256 << 20;
+
+pub struct ModelExecutor {
+    model: Model,
+    kv: PagedKvCache,
+    samplers: HashMap<u64, Sampler>,
+    chip_id: String,
+    format: KvFormatDesc,
+    transfer: Option<Arc<TransferEngine>>,
+    /// Mirror of the cache that decode chips read (see the module doc).
+    staging: Option<Region>,
+    /// Where bytes read from another chip land before conversion; grown on demand.
+    inbox: Option<Region>,
+    emulation: Option<(Emulation, ModelShape)>,
+    k_rows: Vec<f32>,
+    v_rows: Vec<f32>,
+}
+
+impl ModelExecutor {
+    /// Opens the device on the calling thread (the worker), loads the model and sizes
+    /// the KV cache: what the memory limit leaves after the weights, or a default.
+    pub fn load(config: &ModelExecutorConfig) -> Result<(ModelExecutor, ChipInfo), String> {
+        let lib = match &config.kernel_lib {
+            Some(path) => KernelLibrary::load(path),
+            None => KernelLibrary::load_default(),
+        }
+        .map_err(|e| e.to_string())?;
+        let device_config = DeviceConfig {
+            threads: config.threads,
+            memory_limit_bytes: config.memory_limit_bytes.unwrap_or(0),
+            ..Default::default()
+        };
+        let device = Device::open(&lib, &device_config).map_err(|e| e.to_string())?;
+        let model = Model::load(&config.model_dir, device, config.dtype).map_err(|e| e.to_string())?;
+        let mc = model.config().clone();
+        let kv_bytes = match config.memory_limit_bytes {
+            // Leave an eighth of what remains for step scratch buffers.
+            Some(limit) => {
+                let rest = limit.checked_sub(model.weight_bytes()).ok_or_else(|| {
+                    format!(
+                        "the memory limit ({limit} bytes) is smaller than the model's weights ({} bytes)",
+                        model.weight_bytes()
+                    )
+                })?;
+                rest - rest / 8
+            }
+            None => DEFAULT_KV_BYTES,
+        };
+        let most_useful = (config.max_batch_seqs * mc.max_context).div_ceil(config.block_size);
+        let num_blocks =
+            PagedKvCache::blocks_for_bytes(&mc, config.block_size, config.kv_dtype, kv_bytes).min(most_useful);
+        if num_blocks == 0 {
+            return Err(format!("no memory is left for even one KV block of {} tokens", config.block_size));
+        }
+        let kv = PagedKvCache::with_layout(
+            model.device(),
+            &mc,
+            KvCacheConfig { block_size: config.block_size, num_blocks, dtype: config.kv_dtype },
+            config.kv_layout,
+        )
+        .map_err(|e| e.to_string())?;
+        let format = KvFormatDesc {
+            num_layers: mc.num_layers,
+            num_kv_heads: mc.num_kv_heads,
+            head_dim: mc.head_dim,
+            block_size: config.block_size,
+            num_blocks,
+            layout: config.kv_layout.to_string(),
+            dtype: config.kv_dtype.to_string(),
+        };
+        let compat = kv_compat(&model.compat_info());
+        let staging = match &config.transfer {
+            Some(engine) => {
+                let bytes = 2 * mc.num_layers * num_blocks * kv.format().block_bytes();
+                Some(engine.register(bytes).map_err(|e| format!("cannot register a KV staging region: {e}"))?)
+            }
+            None => None,
+        };
+        let emulation = config.emulation.clone().map(|emu| {
+            let shape = ModelShape {
+                num_layers: mc.num_layers,
+                hidden_size: mc.hidden_size,
+                num_heads: mc.num_heads,
+                num_kv_heads: mc.num_kv_heads,
+                head_dim: mc.head_dim,
+                intermediate_size: mc.intermediate_size,
+                vocab_size: mc.vocab_size,
+                weight_bytes: model.weight_bytes(),
+                kv_bytes_per_elem: config.kv_dtype.size_bytes(),
+            };
+            let labels = [("chip", config.chip_id.clone()), ("kind", emu.kind.name.clone())];
+            metrics::gauge!("tessera_emu_time_scale", &labels).set(emu.spec.time_scale);
+            tracing::warn!(
+                chip = %config.chip_id,
+                kind = %emu.kind.name,
+                time_scale = emu.spec.time_scale,
+                compute_efficiency = emu.spec.compute_efficiency,
+                memory_efficiency = emu.spec.memory_efficiency,
+                "EMULATED chip: computes on the CPU, paced to the roofline of a {} ({} TFLOPS, {} GB/s), not real hardware",
+                emu.kind.product,
+                emu.kind.fp16_tflops,
+                emu.kind.memory_bw_gbs
+            );
+            (emu, shape)
+        });
+        let info = ChipInfo {
+            staging: match (&config.transfer, &staging) {
+                (Some(engine), Some(region)) => Some(kv_region_desc(engine.describe(region))),
+                _ => None,
+            },
+            emulated: emulation.as_ref().map(|(e, _)| format!("{} x{}", e.kind.name, e.spec.time_scale)),
+            format: format.clone(),
+            compat,
+            num_blocks,
+            block_size: config.block_size,
+            max_context: mc.max_context,
+            vocab_size: mc.vocab_size,
+            eos_token_ids: mc.eos_token_ids.clone(),
+        };
+        let exec = ModelExecutor {
+            model,
+            kv,
+            samplers: HashMap::new(),
+            chip_id: config.chip_id.clone(),
+            format,
+            transfer: config.transfer.clone(),
+            staging,
+            inbox: None,
+            emulation,
+            k_rows: Vec::new(),
+            v_rows: Vec::new(),
+        };
+        Ok((exec, info))
+    }
+
+    /// The roofline time of `plan` on the emulated chip, if this chip emulates one.
+    fn paced_time(&self, plan: &StepPlan) -> Option<Duration> {
+        let (emu, shape) = self.emulation.as_ref()?;
+        let step = StepShape {
+            seqs: plan
+                .seqs
+                .iter()
+                .map(|s| SeqStep { new_tokens: s.tokens.len(), context: s.start_pos + s.tokens.len() })
+                .collect(),
+        };
+        let r = roofline(&emu.kind, shape, &step, &emu.spec);
+        Some(Duration::from_secs_f64(r.time_s))
+    }
+}
+
+impl Drop for ModelExecutor {
+    fn drop(&mut self) {
+        if let (Some(engine), Some(region)) = (&self.transfer, &self.staging) {
+            engine.unregister(region);
+        }
+        if let (Some(engine), Some(region)) = (&self.transfer, &self.inbox) {
+            engine.unregister(region);
+        }
+    }
+}
+
+/// Copies layer `layer`'s blocks of the staged sequences of `plan` into `staging`. Each
+/// run of consecutive blocks is borrowed from the region on its own, so a decode chip
+/// reading other blocks of the region over tcp meanwhile is never refused as busy.
+fn stage_layer(
+    kv: &PagedKvCache,
+    dev: &Device,
+    staging: &Region,
+    format: &KvFormatDesc,
+    plan: &StepPlan,
+    layer: usize,
+) -> tessera_backends::error::Result<Vec<(u64, usize)>> {
+    let bb = kv.format().block_bytes();
+    let bs = format.block_size;
+    let region_error = |e: tessera_runtime::transfer::TransferError| {
+        tessera_backends::error::BackendError::KvCache(format!("staging region: {e}"))
+    };
+    let mut staged = Vec::new();
+    for s in plan.seqs.iter().filter(|s| s.stage) {
+        let end = s.start_pos + s.tokens.len();
+        let blocks = &s.block_table[s.start_pos / bs..end.div_ceil(bs)];
+        let mut i = 0;
+        while i < blocks.len() {
+            let mut j = i + 1;
+            while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
+                j += 1;
+            }
+            let (b0, len) = (blocks[i] as usize, (j - i) * bb);
+            let k_at = staging_offset(format, bb, layer, false, b0);
+            let v_at = staging_offset(format, bb, layer, true, b0);
+            staging
+                .with_mut(k_at, len, |k| {
+                    staging
+                        .with_mut(v_at, len, |v| kv.read_blocks(dev, layer, &blocks[i..j], k, v))
+                        .map_err(region_error)
+                })
+                .map_err(region_error)???;
+            i = j;
+        }
+        staged.push((s.request_id, end));
+    }
+    Ok(staged)
+}
+
+/// Whether a read failed only because the bytes were being written at that moment.
+fn busy(e: &tessera_runtime::transfer::TransferError) -> bool {
+    use tessera_runtime::transfer::{RemoteStatus, TransferError};
+    matches!(e, TransferError::RangeBusy { .. } | TransferError::Refused { status: RemoteStatus::Busy, .. })
+}
+
+fn sampler(spec: &SamplingSpec, skip: u64) -> Sampler {
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: spec.temperature,
+        top_k: spec.top_k,
+        top_p: spec.top_p,
+        seed: spec.seed,
+        max_tokens: 1,
+        stop_token_ids: Vec::new(),
+        ignore_eos: spec.ignore_eos,
+    });
+    sampler.skip(skip);
+    sampler
+}
+
+impl StepExecutor for ModelExecutor {
+    fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome {
+        let started = Instant::now();
+        let paced = self.paced_time(plan);
+        for id in &plan.drop_samplers {
+            self.samplers.remove(id);
+        }
+        for s in &plan.seqs {
+            if let Some((spec, skip)) = &s.new_sampler {
+                self.samplers.insert(s.request_id, sampler(spec, *skip));
+            }
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .seqs
+            .iter()
+            .map(|s| SeqChunk {
+                tokens: &s.tokens,
+                start_pos: s.start_pos,
+                block_table: &s.block_table,
+                slots: &s.slots,
+                logits: if s.sample { LogitsWanted::Last } else { LogitsWanted::None },
+            })
+            .collect();
+        let mut outcome = StepOutcome { step, sampled: Vec::new(), error: None, elapsed_s: 0.0 };
+        let layers = self.model.config().num_layers;
+        let stage = plan.seqs.iter().any(|s| s.stage);
+        let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
+        // Host time the job was held back to post a layer at its model time, not computing.
+        let mut held = Duration::ZERO;
+        let mut on_layer = |layer: usize, dev: &Device| -> tessera_backends::error::Result<()> {
+            if stage {
+                let Some(staging) = staging else {
+                    return Err(tessera_backends::error::BackendError::KvCache(
+                        "a sequence is prefilled for a decode chip but this chip has no staging region".into(),
+                    ));
+                };
+                let staged_seqs = stage_layer(kv, dev, staging, format, plan, layer)?;
+                // An emulated chip stages layer l at (l+1)/L of its step's model time.
+                let due = match paced {
+                    Some(paced) => paced.mul_f64((layer + 1) as f64 / layers as f64),
+                    None => started.elapsed(),
+                };
+                let before = started.elapsed();
+                ctx.notify_at(due, Msg::KvStaged { step, layer, staged: staged_seqs });
+                held += started.elapsed().saturating_sub(before);
+            }
+            Ok(())
+        };
+        let forward = self.model.forward_observed(kv, &chunks, &mut on_layer);
+        match forward {
+            Ok(logits) => {
+                let vocab = self.model.config().vocab_size;
+                for (s, row) in plan.seqs.iter().filter(|s| s.sample).zip(logits.chunks_exact(vocab)) {
+                    let token = match self.samplers.get_mut(&s.request_id) {
+                        Some(sampler) => sampler.sample(row),
+                        None => tessera_backends::sampling::argmax(row),
+                    };
+                    outcome.sampled.push((s.request_id, token));
+                }
+            }
+            Err(e) => outcome.error = Some(e.to_string()),
+        }
+        let computed = started.elapsed().saturating_sub(held);
+        outcome.elapsed_s = computed.as_secs_f64();
+        if let Some(paced) = paced {
+            // The host completes the step at its model time; this step took the longer.
+            ctx.elapse(paced);
+            outcome.elapsed_s = paced.max(computed).as_secs_f64();
+            if computed > paced {
+                // The CPU, not the emulated chip, set this step's time.
+                metrics::counter!("tessera_emu_overrun_total", "chip" => self.chip_id.clone()).increment(1);
+            }
+            metrics::histogram!("tessera_emu_step_paced_seconds", "chip" => self.chip_id.clone())
+                .record(paced.as_secs_f64());
+            metrics::histogram!("tessera_emu_step_compute_seconds", "chip" => self.chip_id.clone())
+                .record(computed.as_secs_f64());
+        }
+        outcome
+    }
+
+    fn install(&mut self, job: &KvInstall) -> Result<(), String> {
+        let engine = self.transfer.as_ref().ok_or("this chip has no KV transfer engine")?;
+        let src = kv_format(&job.format)?;
+        let bb = src.block_bytes();
+        let n = job.src_blocks.len();
+        if job.dst_slots.len() != job.positions.len() {
+            return Err(format!("{} slots for {} positions", job.dst_slots.len(), job.positions.len()));
+        }
+        let need = 2 * n * bb;
+        if self.inbox.as_ref().is_none_or(|r| r.len() < need) {
+            if let Some(old) = self.inbox.take() {
+                engine.unregister(&old);
+            }
+            let region = engine.register(need.next_power_of_two()).map_err(|e| e.to_string())?;
+            self.inbox = Some(region);
+        }
+        let Some(inbox) = self.inbox.as_ref() else { return Err("no inbox region".into()) };
+        let remote = region_desc(&job.region);
+        // K blocks to inbox[0..n), V blocks to inbox[n..2n); runs of consecutive source
+        // blocks become one assignment.
+        let mut batch: Vec<Assignment> = Vec::new();
+        for (v, base) in [(false, 0), (true, n * bb)] {
+            for (i, &b) in job.src_blocks.iter().enumerate() {
+                if b as usize >= job.format.num_blocks {
+                    return Err(format!("block {b} is outside the source pool of {}", job.format.num_blocks));
+                }
+                let src_offset = staging_offset(&job.format, bb, job.layer, v, b as usize) as u64;
+                let dst_offset = (base + i * bb) as u64;
+                match batch.last_mut() {
+                    Some(a) if a.src_offset + a.len == src_offset && a.dst_offset + a.len == dst_offset => {
+                        a.len += bb as u64
+                    }
+                    _ => batch.push(Assignment { src_offset, dst_offset, len: bb as u64 }),
+                }
+            }
+        }
+        // A block being re-staged (a later chunk filling it) is busy for microseconds.
+        let mut tries = 0;
+        while let Err(e) = engine.read(&remote, inbox, &batch) {
+            tries += 1;
+            if !busy(&e) || tries >= 200 {
+                return Err(e.to_string());
+            }
+            std::thread::sleep(Duration::from_micros(250));
+        }
+        self.k_rows.clear();
+        self.v_rows.clear();
+        let (k_rows, v_rows) = (&mut self.k_rows, &mut self.v_rows);
+        inbox
+            .with_ref(0, need, |buf| {
+                let (k, v) = buf.split_at(n * bb);
+                decode_tokens(&src, k, job.first_pos, job.positions.clone(), k_rows)?;
+                decode_tokens(&src, v, job.first_pos, job.positions.clone(), v_rows)
+            })
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        self.kv
+            .write_tokens(self.model.device(), job.layer, &self.k_rows, &self.v_rows, &job.dst_slots)
+            .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The behaviors' descriptor and the engine's are one wire shape: a region described by
+    /// either side reads the same on the bus, and converting there and back loses nothing.
+    #[test]
+    fn region_descriptors_convert_losslessly_and_serialize_alike() {
+        let engine = RegionDesc {
+            endpoint: EndpointDesc { host_key: "boot:host".into(), pid: 41, tcp: "127.0.0.1:7000".parse().unwrap() },
+            region: 3,
+            fd: 9,
+            len: 1 << 20,
+        };
+        let kv = kv_region_desc(engine.clone());
+        assert_eq!(region_desc(&kv), engine);
+        assert_eq!(serde_json::to_string(&kv).unwrap(), serde_json::to_string(&engine).unwrap());
+    }
+}

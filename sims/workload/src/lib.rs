@@ -1,0 +1,170 @@
+//! The workload model of a serving benchmark: token-length distributions, arrival
+//! processes (open-loop Poisson or a closed loop of fixed concurrency), synthetic prompts,
+//! and a seeded plan of every request decided before a run starts. `tessera bench serve`
+//! drives it over HTTP; the simulator replays the same plan in virtual time.
+//!
+//! Pure: it must not depend on any I/O, async runtime, HTTP client or clock — a plan is a
+//! function of its seed and options alone.
+#![forbid(unsafe_code)]
+
+mod dist;
+
+use std::sync::LazyLock;
+
+pub use dist::{DistParseError, LengthDist, SeededRng};
+
+/// Requests in flight when neither a rate nor a concurrency is given.
+pub const DEFAULT_CONCURRENCY: usize = 8;
+
+/// Options that describe no workload.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct WorkloadError(pub String);
+
+/// How requests are released.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Load {
+    /// Open loop: Poisson arrivals at this many requests per second, whatever the server does.
+    Poisson { rate_rps: f64 },
+    /// Closed loop: a new request as soon as one of this many in flight finishes.
+    Closed { concurrency: usize },
+}
+
+impl Load {
+    /// From the `--rate` / `--concurrency` flags: at most one of them, default closed loop
+    /// with [`DEFAULT_CONCURRENCY`].
+    pub fn from_flags(rate_rps: Option<f64>, concurrency: Option<usize>) -> Result<Load, WorkloadError> {
+        let bad = |m: String| Err(WorkloadError(m));
+        match (rate_rps, concurrency) {
+            (Some(_), Some(_)) => bad("give --rate or --concurrency, not both".into()),
+            (Some(r), None) if r.is_finite() && r > 0.0 => Ok(Load::Poisson { rate_rps: r }),
+            (Some(r), None) => bad(format!("--rate must be positive, got {r}")),
+            (None, Some(0)) => bad("--concurrency must be at least 1".into()),
+            (None, Some(c)) => Ok(Load::Closed { concurrency: c }),
+            (None, None) => Ok(Load::Closed { concurrency: DEFAULT_CONCURRENCY }),
+        }
+    }
+}
+
+/// A benchmark's requests, from its seed: the measured ones, the warm-up ones and the
+/// arrival times each come from their own stream, so that changing `--warmup` or `--rate`
+/// leaves the measured prompts alone.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Workload {
+    pub isl: LengthDist,
+    pub osl: LengthDist,
+    pub load: Load,
+    pub seed: u64,
+}
+
+impl Workload {
+    /// The `n` measured requests.
+    pub fn measured(&self, n: usize) -> Vec<PlannedRequest> {
+        self.plan(n, &mut SeededRng::new(self.seed))
+    }
+
+    /// The `n` warm-up requests.
+    pub fn warmup(&self, n: usize) -> Vec<PlannedRequest> {
+        self.plan(n, &mut SeededRng::new(self.seed ^ 0x5741_524D_5550))
+    }
+
+    /// Release times in seconds from the start of the `n` measured requests of an open-loop
+    /// load (the first at 0); empty for a closed loop, whose releases follow completions.
+    pub fn arrivals_s(&self, n: usize) -> Vec<f64> {
+        let Load::Poisson { rate_rps } = self.load else { return Vec::new() };
+        let mut rng = SeededRng::new(self.seed ^ 0x4152_5249_5641_4C53);
+        let mut t = 0.0;
+        (0..n)
+            .map(|_| {
+                let at = t;
+                t += rng.exponential(rate_rps);
+                at
+            })
+            .collect()
+    }
+
+    fn plan(&self, n: usize, rng: &mut SeededRng) -> Vec<PlannedRequest> {
+        (0..n).map(|_| PlannedRequest::new(self.isl.sample(rng), self.osl.sample(rng), rng)).collect()
+    }
+}
+
+/// Common English words, nearly all one token (with their leading space) in GPT-2-, Llama- and
+/// Qwen-style BPE vocabularies, so a prompt of N of them is about N tokens. An approximation:
+/// BOS and a chat template add a few, a rare split adds one; the report takes the server's
+/// `usage.prompt_tokens`.
+const WORDS: &str = "\
+    the time people year way day man thing woman life child world school state family student group country \
+    problem hand part place case week company system program question work government number night point home \
+    water room mother area money story fact month lot right study book eye job word business issue side kind \
+    head house service friend father power hour game line end member law car city community name president team \
+    minute idea kid body information back parent face others level office door health person art war history \
+    party result change morning reason research girl guy moment air teacher force education good new first last \
+    long great little own other old big high different small large next early young important few public bad \
+    same able make know take see come think look want give use find tell ask feel try leave call keep let begin \
+    seem help show hear play run move live believe bring write sit stand lose pay meet include";
+
+/// A request decided before the run starts, so that the load shape cannot change it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedRequest {
+    pub prompt: String,
+    pub isl: u32,
+    pub osl: u32,
+}
+
+impl PlannedRequest {
+    /// A prompt of `isl` words drawn from `rng`, asking for `osl` tokens.
+    pub fn new(isl: u32, osl: u32, rng: &mut SeededRng) -> Self {
+        static VOCABULARY: LazyLock<Vec<&str>> = LazyLock::new(|| WORDS.split_whitespace().collect());
+        let words: Vec<&str> = (0..isl).map(|_| VOCABULARY[rng.below(VOCABULARY.len() as u64) as usize]).collect();
+        PlannedRequest { prompt: words.join(" "), isl, osl }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_have_the_asked_word_count_and_differ() {
+        let mut rng = SeededRng::new(3);
+        let a = PlannedRequest::new(100, 5, &mut rng);
+        let b = PlannedRequest::new(100, 5, &mut rng);
+        assert_eq!(a.prompt.split(' ').count(), 100);
+        assert_ne!(a.prompt, b.prompt);
+        assert_eq!((a.isl, a.osl), (100, 5));
+    }
+
+    #[test]
+    fn load_flags() {
+        let cases = [
+            (None, None, Some(Load::Closed { concurrency: DEFAULT_CONCURRENCY })),
+            (None, Some(2), Some(Load::Closed { concurrency: 2 })),
+            (Some(4.5), None, Some(Load::Poisson { rate_rps: 4.5 })),
+            (Some(1.0), Some(2), None),
+            (Some(0.0), None, None),
+            (Some(f64::NAN), None, None),
+            (None, Some(0), None),
+        ];
+        for (rate, concurrency, want) in cases {
+            assert_eq!(Load::from_flags(rate, concurrency).ok(), want, "{rate:?} {concurrency:?}");
+        }
+    }
+
+    #[test]
+    fn streams_are_independent_and_reproducible() {
+        let w =
+            |load, seed| Workload { isl: LengthDist::Uniform { lo: 4, hi: 40 }, osl: LengthDist::Fixed(3), load, seed };
+        let open = w(Load::Poisson { rate_rps: 10.0 }, 7);
+        let closed = w(Load::Closed { concurrency: 2 }, 7);
+        assert_eq!(open.measured(5), closed.measured(5), "the load shape leaves the prompts alone");
+        assert_ne!(open.measured(5), open.warmup(5));
+        assert_ne!(open.measured(5), w(Load::Closed { concurrency: 2 }, 8).measured(5));
+        let arrivals = open.arrivals_s(50);
+        assert_eq!(arrivals, open.arrivals_s(50));
+        assert_eq!(arrivals[0], 0.0);
+        assert!(arrivals.windows(2).all(|p| p[0] <= p[1]));
+        // 49 gaps of mean 0.1 s: far from 0 and from 10 s whatever the seed's luck.
+        assert!((1.0..10.0).contains(&arrivals[49]), "{}", arrivals[49]);
+        assert!(closed.arrivals_s(50).is_empty());
+    }
+}
