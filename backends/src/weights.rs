@@ -173,3 +173,307 @@ pub fn f32_to_bytes(values: &[f32], to: DType) -> Vec<u8> {
 fn convert(bytes: &[u8], from: DType, to: DType) -> Vec<u8> {
     f32_to_bytes(&convert_to_f32(bytes, from), to)
 }
+
+/// Bounded fuzzing of [`Checkpoint::open`] (CI): checkpoint files come from whoever
+/// published the model. Inputs are safetensors files written here — a JSON header of
+/// tensors, then their bytes — with a field of one tensor replaced by a hostile value
+/// (a dtype we do not serve, a shape or offsets at 0, -1, 2^32, 2^63, 2^64, 1e300,
+/// reversed or overlapping offsets), a wrong header length, and bytes flipped, cut or
+/// inserted; and shard indexes naming files outside the directory. Opening must refuse
+/// with an error, never panic; an accepted checkpoint's every tensor lies inside the
+/// map with exactly the bytes its dtype and shape need. The coverage-guided target is
+/// `tests/fuzz/fuzz_targets/safetensors_header.rs`.
+#[cfg(test)]
+mod fuzz {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    /// A directory of its own for one test, removed when the test ends.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(tag: &str) -> Scratch {
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let dir = std::env::temp_dir().join(format!("tessera-weights-fuzz-{tag}-{}-{n}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+            Scratch(dir)
+        }
+
+        /// Leaves exactly these files in the directory.
+        fn write(&self, files: &[(&str, &[u8])]) {
+            for name in ["model.safetensors", "model.safetensors.index.json", "shard.safetensors"] {
+                let _ = std::fs::remove_file(self.0.join(name));
+            }
+            for (name, bytes) in files {
+                let path = self.0.join(name);
+                std::fs::write(&path, bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            }
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    struct Tensor {
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+    }
+
+    fn arb_tensors() -> impl Strategy<Value = Vec<Tensor>> {
+        let dtype = prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)];
+        let tensor = (dtype, proptest::collection::vec(0..5usize, 0..4)).prop_map(|(dtype, shape)| Tensor {
+            name: String::new(),
+            dtype,
+            shape,
+        });
+        proptest::collection::vec(tensor, 0..4).prop_map(|mut tensors| {
+            for (i, t) in tensors.iter_mut().enumerate() {
+                t.name = format!("model.layers.{i}.weight");
+            }
+            tensors
+        })
+    }
+
+    /// The valid header (as JSON, to be edited) and data section of `tensors`.
+    fn valid_file(tensors: &[Tensor], fill: u8) -> (Value, Vec<u8>) {
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), json!({"format": "pt"}));
+        let mut data = Vec::new();
+        for t in tensors {
+            let len = t.shape.iter().product::<usize>() * t.dtype.size_bytes();
+            let start = data.len();
+            data.extend((0..len).map(|i| fill.wrapping_add(i as u8)));
+            header.insert(
+                t.name.clone(),
+                json!({"dtype": t.dtype.safetensors_name(), "shape": t.shape, "data_offsets": [start, data.len()]}),
+            );
+        }
+        (Value::Object(header), data)
+    }
+
+    fn assemble(header: &[u8], data: &[u8], declared: Option<u64>) -> Vec<u8> {
+        let mut file = declared.unwrap_or(header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend_from_slice(data);
+        file
+    }
+
+    /// JSON values where a dtype, a shape, offsets or a whole tensor entry belong.
+    fn hostile_value() -> impl Strategy<Value = Value> {
+        let big = |s: &str| serde_json::from_str::<Value>(s).unwrap_or(Value::Null);
+        prop_oneof![
+            Just(json!(null)),
+            Just(json!(0)),
+            Just(json!(-1)),
+            Just(json!(1e300)),
+            Just(json!(u64::MAX)),
+            Just(big("18446744073709551616")),
+            Just(json!("F8_E4M3")),
+            Just(json!("F4")),
+            Just(json!("BOOL")),
+            Just(json!("I64")),
+            Just(json!("F64")),
+            Just(json!("")),
+            Just(json!([])),
+            Just(json!([0])),
+            Just(json!([-1])),
+            Just(json!([1u64 << 32, 1u64 << 32])),
+            Just(json!([u64::MAX, 2])),
+            Just(json!([1u64 << 63, 1u64 << 63, 4])),
+            Just(json!([0, u64::MAX])),
+            Just(json!([u64::MAX, u64::MAX])),
+            Just(json!([8, 0])),
+            Just(json!([0, 0])),
+            Just(json!([0, 1])),
+            Just(json!([0, 4, 8])),
+            Just(json!([1e300, 2])),
+            Just(json!({})),
+            Just(json!({"dtype": "F32", "shape": [1]})),
+            Just(json!({"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1})),
+            Just(json!("\u{0}")),
+        ]
+    }
+
+    #[derive(Debug, Clone)]
+    enum Edit {
+        /// Sets field `field` of the `tensor`-th entry (modulo their count; the metadata
+        /// entry included) to a hostile value.
+        Field {
+            tensor: usize,
+            field: usize,
+            value: Value,
+        },
+        /// A header length other than the header's.
+        Declared(u64),
+        Flip(usize, u8),
+        Cut(usize),
+        Insert(usize, Vec<u8>),
+    }
+
+    const TENSOR_FIELDS: &[&str] = &["dtype", "shape", "data_offsets", ""];
+
+    fn arb_edit() -> impl Strategy<Value = Edit> {
+        prop_oneof![
+            6 => (any::<usize>(), 0..TENSOR_FIELDS.len(), hostile_value())
+                .prop_map(|(tensor, field, value)| Edit::Field { tensor, field, value }),
+            2 => prop_oneof![
+                Just(0u64), Just(1), Just(2), Just(100_000_001), Just(1 << 63), Just(u64::MAX), any::<u64>()
+            ].prop_map(Edit::Declared),
+            1 => (any::<usize>(), 1..=255u8).prop_map(|(at, x)| Edit::Flip(at, x)),
+            1 => any::<usize>().prop_map(Edit::Cut),
+            1 => (any::<usize>(), proptest::collection::vec(any::<u8>(), 1..8)).prop_map(|(at, b)| Edit::Insert(at, b)),
+        ]
+    }
+
+    fn edited_file(tensors: &[Tensor], edits: &[Edit]) -> Vec<u8> {
+        let (mut header, data) = valid_file(tensors, 7);
+        let mut declared = None;
+        if let Value::Object(entries) = &mut header {
+            let names: Vec<String> = entries.keys().cloned().collect();
+            for edit in edits {
+                match edit {
+                    Edit::Field { tensor, field, value } if !names.is_empty() => {
+                        let name = &names[tensor % names.len()];
+                        match (TENSOR_FIELDS[*field], entries.get_mut(name)) {
+                            ("", _) => {
+                                entries.insert(name.clone(), value.clone());
+                            }
+                            (key, Some(Value::Object(entry))) => {
+                                entry.insert(key.to_owned(), value.clone());
+                            }
+                            _ => {}
+                        }
+                    }
+                    Edit::Declared(n) => declared = Some(*n),
+                    _ => {}
+                }
+            }
+        }
+        let header = serde_json::to_vec(&header).unwrap_or_default();
+        let mut file = assemble(&header, &data, declared);
+        for edit in edits {
+            let n = file.len().max(1);
+            match edit {
+                Edit::Flip(at, x) if !file.is_empty() => file[at % n] ^= x,
+                Edit::Cut(at) => file.truncate(at % n),
+                Edit::Insert(at, bytes) => {
+                    let at = at % (file.len() + 1);
+                    file.splice(at..at, bytes.iter().copied());
+                }
+                _ => {}
+            }
+        }
+        file
+    }
+
+    /// Every tensor of an accepted checkpoint: inside its map, exactly its bytes, readable.
+    fn check_accepted(ckpt: &Checkpoint) -> std::result::Result<(), TestCaseError> {
+        for (name, entry) in &ckpt.tensors {
+            prop_assert_eq!(name, &entry.name);
+            let map = &ckpt.maps[entry.file];
+            prop_assert!(entry.range.start <= entry.range.end && entry.range.end <= map.len());
+            let elements: usize = entry.shape.iter().product();
+            prop_assert_eq!(ckpt.bytes(entry).len(), elements * entry.dtype.size_bytes());
+            let values = ckpt.to_f32(name, &entry.shape).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert_eq!(values.len(), elements);
+        }
+        Ok(())
+    }
+
+    /// Cases per property: `PROPTEST_CASES` when set (a longer local run), else what CI runs.
+    fn cases(ci: u32) -> u32 {
+        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(ci)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: cases(1024), ..ProptestConfig::default() })]
+
+        #[test]
+        fn edited_safetensors_files_are_refused_or_sound(
+            tensors in arb_tensors(),
+            edits in proptest::collection::vec(arb_edit(), 0..4),
+        ) {
+            let scratch = Scratch::new("single");
+            scratch.write(&[("model.safetensors", &edited_file(&tensors, &edits))]);
+            match Checkpoint::open(&scratch.0) {
+                Ok(ckpt) => {
+                    check_accepted(&ckpt)?;
+                    if edits.is_empty() {
+                        prop_assert_eq!(ckpt.tensors.len(), tensors.len());
+                        for t in &tensors {
+                            let entry = ckpt.get(&t.name, &t.shape).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                            prop_assert_eq!(entry.dtype, t.dtype);
+                        }
+                    }
+                }
+                Err(e) => {
+                    prop_assert!(!edits.is_empty(), "a valid file was refused: {}", e);
+                    prop_assert!(!e.to_string().is_empty());
+                }
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_are_refused_or_sound(
+            bytes in proptest::collection::vec(any::<u8>(), 0..96),
+            prefix in prop_oneof![Just(None), (0..96u64).prop_map(Some)],
+        ) {
+            let scratch = Scratch::new("bytes");
+            let file = match prefix {
+                Some(n) => assemble(&bytes, &[], Some(n)),
+                None => bytes,
+            };
+            scratch.write(&[("model.safetensors", &file)]);
+            if let Ok(ckpt) = Checkpoint::open(&scratch.0) {
+                check_accepted(&ckpt)?;
+            }
+        }
+
+        /// A shard index may only name files inside the checkpoint directory.
+        #[test]
+        fn shard_indexes_are_refused_or_sound(
+            tensors in arb_tensors(),
+            shard in prop_oneof![
+                Just("shard.safetensors"),
+                Just("../shard.safetensors"),
+                Just("/etc/passwd"),
+                Just(".shard"),
+                Just("a\\b"),
+                Just(""),
+                Just("missing.safetensors"),
+            ],
+            index_edit in prop_oneof![Just(None), hostile_value().prop_map(Some)],
+        ) {
+            let scratch = Scratch::new("index");
+            let (header, data) = valid_file(&tensors, 3);
+            let file = assemble(&serde_json::to_vec(&header).unwrap_or_default(), &data, None);
+            let weight_map: serde_json::Map<String, Value> = tensors
+                .iter()
+                .map(|t| (t.name.clone(), index_edit.clone().unwrap_or_else(|| json!(shard))))
+                .collect();
+            let index = serde_json::to_vec(&json!({"metadata": {}, "weight_map": weight_map})).unwrap_or_default();
+            scratch.write(&[("model.safetensors.index.json", &index), ("shard.safetensors", &file)]);
+            match Checkpoint::open(&scratch.0) {
+                Ok(ckpt) => {
+                    check_accepted(&ckpt)?;
+                    prop_assert!(tensors.is_empty() || (shard == "shard.safetensors" && index_edit.is_none()));
+                }
+                Err(e) => prop_assert!(
+                    !tensors.is_empty() && (shard != "shard.safetensors" || index_edit.is_some()),
+                    "a valid sharded checkpoint was refused: {}", e
+                ),
+            }
+        }
+    }
+}

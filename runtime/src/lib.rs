@@ -7,6 +7,8 @@ pub mod actor;
 pub mod addr;
 pub mod bus;
 pub mod codec;
+#[cfg(test)]
+mod fuzz_tests;
 pub mod host;
 mod peer;
 pub mod transfer;

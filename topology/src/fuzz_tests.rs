@@ -369,8 +369,13 @@ fn the_seeds_are_valid() {
     }
 }
 
+/// Cases per property: `PROPTEST_CASES` when set (a longer local run), else what CI runs.
+fn cases(ci: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(ci)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 384, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(4096), ..ProptestConfig::default() })]
 
     #[test]
     fn edited_topologies_are_refused_with_a_place_or_keep_their_ranges(

@@ -52,6 +52,29 @@ pub use wire::Status as RemoteStatus;
 
 use region::PeerMapping;
 
+/// Reads `bytes` as the data plane's two headers, a request as a server reads it and a
+/// response as a client does; for fuzz targets and tests. Gives each header's fields if
+/// accepted (`[region, offset, len]`, `(status, len)`; `None`: refused, or `bytes` shorter
+/// than the header), and asserts that an accepted header re-encodes to the bytes it was
+/// read from (reserved bytes aside).
+#[doc(hidden)]
+pub fn decode_headers_for_fuzzing(bytes: &[u8]) -> (Option<[u64; 3]>, Option<(RemoteStatus, u64)>) {
+    let request = bytes.first_chunk::<{ wire::REQUEST_BYTES }>().and_then(|header| {
+        let request = wire::Request::decode(header).ok()?;
+        assert_eq!(&request.encode(), header, "an accepted request header must re-encode to its bytes");
+        Some([request.region, request.offset, request.len])
+    });
+    let response = bytes.first_chunk::<{ wire::RESPONSE_BYTES }>().and_then(|header| {
+        let response = wire::Response::decode(header).ok()?;
+        let mut expected = *header;
+        // Reserved: ignored on read, zero on write.
+        expected[6..8].fill(0);
+        assert_eq!(response.encode(), expected, "an accepted response header must re-encode to its bytes");
+        Some((response.status, response.len))
+    });
+    (request, response)
+}
+
 /// Most peer-region mappings kept open; past this the cache is cleared (mappings in
 /// use stay alive through their `Arc`).
 const SHM_CACHE_MAX: usize = 1024;

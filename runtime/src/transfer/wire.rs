@@ -205,3 +205,119 @@ mod tests {
         assert!(Response::decode(&b).unwrap_err().contains("unknown response status 200"));
     }
 }
+
+/// Bounded fuzzing of both header parsers (CI): arbitrary headers, and valid ones with
+/// extreme fields and flipped bytes. A header is accepted exactly when its magic,
+/// version and op (status) are right, and an accepted one re-encodes to its bytes.
+/// The coverage-guided target is `tests/fuzz/fuzz_targets/transfer_header.rs`.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn extreme() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            Just(0u64),
+            Just(1),
+            Just(MAX_REQUEST_LEN),
+            Just(MAX_REQUEST_LEN + 1),
+            Just(MAX_ERROR_TEXT + 1),
+            Just(i64::MAX as u64),
+            Just(1 << 63),
+            Just(u64::MAX),
+            any::<u64>(),
+        ]
+    }
+
+    fn request_accepted(b: &[u8; REQUEST_BYTES]) -> bool {
+        u32_at(b, 0) == MAGIC && u16_at(b, 4) == VERSION && u16_at(b, 6) == OP_READ
+    }
+
+    /// Cases per property: `PROPTEST_CASES` when set (a longer local run), else what CI runs.
+    fn cases(ci: u32) -> u32 {
+        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(ci)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: cases(4096), ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_request_headers(b in any::<[u8; REQUEST_BYTES]>()) {
+            match Request::decode(&b) {
+                Ok(r) => prop_assert_eq!(r.encode(), b),
+                Err(e) => {
+                    prop_assert!(!request_accepted(&b));
+                    prop_assert!(!e.to_string().is_empty());
+                }
+            }
+        }
+
+        #[test]
+        fn valid_request_headers_with_extremes_and_a_flip(
+            region in extreme(),
+            offset in extreme(),
+            len in extreme(),
+            flip in proptest::option::of((0..REQUEST_BYTES, 1..=255u8)),
+        ) {
+            let request = Request { region, offset, len };
+            let mut b = request.encode();
+            if let Some((at, xor)) = flip {
+                b[at] ^= xor;
+            }
+            match Request::decode(&b) {
+                Ok(r) => {
+                    prop_assert!(flip.is_none_or(|(at, _)| at >= 8), "a flip in magic/version/op was accepted");
+                    prop_assert_eq!(r.encode(), b);
+                    if flip.is_none() {
+                        prop_assert_eq!(r, request);
+                    }
+                }
+                Err(e) => {
+                    let (at, _) = flip.ok_or_else(|| TestCaseError::fail(format!("valid header refused: {e}")))?;
+                    let expected = match at {
+                        0..4 => matches!(e, HeaderError::Magic(_)),
+                        4..6 => matches!(e, HeaderError::Version(_)),
+                        _ => matches!(e, HeaderError::Op(_)),
+                    };
+                    prop_assert!(expected, "flip at byte {} gave {:?}", at, e);
+                }
+            }
+        }
+
+        #[test]
+        fn arbitrary_response_headers(b in any::<[u8; RESPONSE_BYTES]>(), valid_magic in any::<bool>()) {
+            let mut b = b;
+            if valid_magic {
+                b[0..4].copy_from_slice(&RESPONSE_MAGIC.to_le_bytes());
+            }
+            let accepted = u32_at(&b, 0) == RESPONSE_MAGIC && Status::from_code(u16_at(&b, 4)).is_some();
+            match Response::decode(&b) {
+                Ok(r) => {
+                    prop_assert!(accepted);
+                    prop_assert_eq!(r.len, u64_at(&b, 8));
+                    // Bytes 6..8 are reserved: ignored on read, zero on write.
+                    let mut expected = b;
+                    expected[6..8].fill(0);
+                    prop_assert_eq!(r.encode(), expected);
+                }
+                Err(e) => {
+                    prop_assert!(!accepted);
+                    prop_assert!(!e.is_empty());
+                }
+            }
+        }
+
+        #[test]
+        fn the_fuzzing_hook_agrees_with_the_parsers(bytes in proptest::collection::vec(any::<u8>(), 0..48)) {
+            let (request, response) = super::super::decode_headers_for_fuzzing(&bytes);
+            let expected_request = bytes
+                .first_chunk::<REQUEST_BYTES>()
+                .and_then(|b| Request::decode(b).ok())
+                .map(|r| [r.region, r.offset, r.len]);
+            prop_assert_eq!(request, expected_request);
+            let expected_response =
+                bytes.first_chunk::<RESPONSE_BYTES>().and_then(|b| Response::decode(b).ok()).map(|r| (r.status, r.len));
+            prop_assert_eq!(response, expected_response);
+        }
+    }
+}

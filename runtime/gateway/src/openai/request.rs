@@ -141,9 +141,11 @@ fn parse_sampling(
         ));
     }
     let top_p = body.number("top_p")?.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    // Checked as the f32 sampling receives: 1e-300 is above 0, its f32 is not.
+    if !(top_p as f32 > 0.0 && top_p <= 1.0) {
+        let rounded = if top_p > 0.0 && top_p <= 1.0 { ", which rounds to 0 in single precision" } else { "" };
         return Err(ApiError::bad_request(
-            format!("`top_p` must be greater than 0 and at most 1, got {top_p}"),
+            format!("`top_p` must be greater than 0 and at most 1, got {top_p}{rounded}"),
             Some("top_p"),
         ));
     }
@@ -534,5 +536,7 @@ fn type_name(value: &Value) -> &'static str {
     }
 }
 
+#[cfg(test)]
+mod fuzz_tests;
 #[cfg(test)]
 mod tests;
