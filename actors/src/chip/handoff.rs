@@ -293,6 +293,32 @@ impl Chip {
         }
     }
 
+    /// The other chip of a hand-off cancelled it. Only the hand-off is dropped: the same
+    /// request may already run here again in a new placement (its id does not change),
+    /// and that must go on. Its request is told, naming the other chip (a request that
+    /// has moved on ignores it).
+    pub(super) fn cancelled(&mut self, request_id: u64, reason: &str, fx: &mut dyn Effects<Msg>) {
+        if let Some(h) = self.handoffs.outgoing.get(&request_id) {
+            let (req, decode) = (h.req, h.decode);
+            self.drop_outgoing(request_id, fx);
+            let error = ServeError::new(ErrorKind::Unavailable, format!("decode chip {decode} cancelled: {reason}"));
+            let _ = fx.send(req, Msg::Refused { request_id, chip: decode, error, retry: Retry::Elsewhere });
+        }
+        if let Some(h) = self.handoffs.incoming.remove(&request_id) {
+            self.handoffs.first_step.remove(&request_id);
+            let req = match (self.pool.as_mut(), self.batcher.as_mut()) {
+                (Some(pool), Some(batcher)) => batcher.abort(request_id, pool),
+                _ => None,
+            };
+            if let Some(req) = req {
+                let why = format!("prefill chip {} cancelled: {reason}", h.prefill);
+                let error = ServeError::new(ErrorKind::Unavailable, why);
+                let _ = fx.send(req, Msg::Refused { request_id, chip: h.prefill, error, retry: Retry::Elsewhere });
+            }
+        }
+        self.handoffs.waiting.retain(|o| o.seq.request_id != request_id);
+    }
+
     fn drop_outgoing(&mut self, request_id: u64, _fx: &mut dyn Effects<Msg>) {
         let Some(h) = self.handoffs.outgoing.remove(&request_id) else { return };
         match h.blocks {
@@ -510,8 +536,9 @@ impl Chip {
             _ => None,
         };
         if let Some(req) = req {
+            // P failed it: the request should avoid P, not this chip.
             let error = ServeError::new(ErrorKind::Unavailable, why);
-            let _ = fx.send(req, Msg::Refused { request_id, chip: fx.me(), error, retry: Retry::Elsewhere });
+            let _ = fx.send(req, Msg::Refused { request_id, chip: h.prefill, error, retry: Retry::Elsewhere });
         }
         self.settle(fx);
     }

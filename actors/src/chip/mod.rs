@@ -362,7 +362,7 @@ impl Behavior<Msg> for Chip {
             Msg::KvReady { request_id, layer, upto, blocks } => self.kv_ready(request_id, layer, upto, blocks, fx),
             Msg::KvDone { request_id } => self.kv_done(request_id, fx),
             Msg::KvCancel { request_id, reason } => {
-                self.forget(request_id, &reason, fx);
+                self.cancelled(request_id, &reason, fx);
                 self.settle(fx);
             }
             Msg::KvLeaseExpired { request_id, lease } => self.lease_expired(request_id, lease, fx),

@@ -341,3 +341,28 @@ fn an_offer_waits_for_free_blocks_then_is_claimed() {
     assert_eq!(claims(&d.sent()), vec![10], "claimed once the first one's blocks were freed");
     assert_eq!(d.used(), 3);
 }
+
+/// D cancels a hand-off after the request has already moved on to run on P alone (same
+/// request id): only the hand-off is dropped; the new sequence on P runs to its end.
+#[test]
+fn a_late_cancel_of_a_hand_off_spares_the_request_s_new_placement() {
+    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
+    p.chip.handle(Msg::Prefill { seq: seq(14, 3), decode: D }, &mut p.fx);
+    // D went down: its request re-routed to P alone (aborting the hand-off first)...
+    p.chip.handle(Msg::Abort { request_id: 9 }, &mut p.fx);
+    p.chip.handle(Msg::Enqueue { seq: seq(14, 3) }, &mut p.fx);
+    // ...and only then does D's cancel of the old hand-off arrive.
+    p.chip.handle(Msg::KvCancel { request_id: 9, reason: "chip d: worker panicked".into() }, &mut p.fx);
+    p.run_jobs();
+    let tokens: Vec<u32> = p
+        .sent()
+        .into_iter()
+        .filter_map(|(to, m)| match m {
+            Msg::Generated { tokens, .. } if to == REQ => Some(tokens),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(tokens, vec![7, 7, 7], "the colocated run went on to its end");
+    assert_eq!(p.used(), 0);
+}
