@@ -5,11 +5,9 @@
 //! either chip dying and a decode chip that never claims its KV (invariant 1); every
 //! surviving pool drains (invariant 2). Every wait has a deadline.
 
-#[path = "common/serve.rs"]
-mod serve;
 
 use serde_json::{Value, json};
-use serve::*;
+use crate::serve_kit::*;
 use std::time::{Duration, Instant};
 
 const HEARTBEAT_TIMEOUT_MS: u64 = 1000;

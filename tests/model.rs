@@ -1,10 +1,8 @@
 //! The executor, paged KV cache and engine against a plain reference forward pass
 //! (`common::reference`) on tiny synthetic Llama and Qwen2 checkpoints.
 
-mod common;
-
-use common::reference::{Reference, argmax};
-use common::{TempCkpt, assert_close, kv_cache, load, max_abs, max_abs_diff, run_chunk, tokens};
+use crate::common::reference::{Reference, argmax};
+use crate::common::{TempCkpt, assert_close, kv_cache, load, max_abs, max_abs_diff, run_chunk, tokens};
 use tessera_backends::dtype::DType;
 use tessera_backends::engine::{Completion, Engine, EngineConfig, FinishReason};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
@@ -140,8 +138,8 @@ fn llama3_and_linear_rope_scaling_match_reference() {
     }
     // The three llama3 bands are really exercised.
     use tessera_backends::config::RopeKind;
-    let base = common::reference::inv_freq(32, 10_000.0, RopeKind::None);
-    let scaled = common::reference::inv_freq(
+    let base = crate::common::reference::inv_freq(32, 10_000.0, RopeKind::None);
+    let scaled = crate::common::reference::inv_freq(
         32,
         10_000.0,
         RopeKind::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 },

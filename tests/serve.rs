@@ -4,11 +4,9 @@
 //! (invariant 1), and every KV block is free once requests drain (invariant 2).
 //! Every wait has a deadline; every process is stopped by its pid when a test ends.
 
-#[path = "common/serve.rs"]
-mod serve;
 
 use serde_json::{Value, json};
-use serve::*;
+use crate::serve_kit::*;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
