@@ -5,9 +5,8 @@
 //! either chip dying and a decode chip that never claims its KV (invariant 1); every
 //! surviving pool drains (invariant 2). Every wait has a deadline.
 
-
-use serde_json::{Value, json};
 use crate::serve_kit::*;
+use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 const HEARTBEAT_TIMEOUT_MS: u64 = 1000;

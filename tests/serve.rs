@@ -4,9 +4,8 @@
 //! (invariant 1), and every KV block is free once requests drain (invariant 2).
 //! Every wait has a deadline; every process is stopped by its pid when a test ends.
 
-
-use serde_json::{Value, json};
 use crate::serve_kit::*;
+use serde_json::{Value, json};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
