@@ -113,6 +113,18 @@ impl Side {
         }
     }
 
+    /// Tokens sent to the request since the last look at the sends.
+    fn generated(&mut self) -> Vec<u32> {
+        self.sent()
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Generated { tokens, .. } if to == REQ => Some(tokens),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
     fn used(&self) -> usize {
         self.chip.pool.as_ref().map_or(0, |p| p.used())
     }
@@ -166,15 +178,7 @@ fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
     assert!(deliver(&mut d, &mut p).is_empty());
     assert_eq!(p.used(), 0, "P freed its blocks on D's acknowledgement");
     d.run_jobs();
-    let tokens: Vec<u32> = d
-        .sent()
-        .into_iter()
-        .filter_map(|(to, m)| match m {
-            Msg::Generated { tokens, .. } if to == REQ => Some(tokens),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let tokens = d.generated();
     assert_eq!(tokens, vec![7, 7, 7], "D sampled every token, the first one included");
     assert_eq!(d.used(), 0, "D finished the request and freed its blocks");
     assert!(p.chip.handoffs.is_empty() && d.chip.handoffs.is_empty());
@@ -354,15 +358,7 @@ fn a_late_cancel_of_a_hand_off_spares_the_request_s_new_placement() {
     // ...and only then does D's cancel of the old hand-off arrive.
     p.chip.handle(Msg::KvCancel { request_id: 9, reason: "chip d: worker panicked".into() }, &mut p.fx);
     p.run_jobs();
-    let tokens: Vec<u32> = p
-        .sent()
-        .into_iter()
-        .filter_map(|(to, m)| match m {
-            Msg::Generated { tokens, .. } if to == REQ => Some(tokens),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let tokens = p.generated();
     assert_eq!(tokens, vec![7, 7, 7], "the colocated run went on to its end");
     assert_eq!(p.used(), 0);
 }
