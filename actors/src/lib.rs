@@ -11,6 +11,7 @@
 pub mod admission;
 pub mod batcher;
 pub mod chip;
+pub mod host;
 pub mod kv;
 pub mod msg;
 pub mod request;

@@ -5,17 +5,14 @@
 //! surviving pool must end all-free, and two runs with the same seed must produce
 //! byte-identical traces.
 
-use crate::admission::{Admission, AdmissionConfig};
 use crate::batcher::StepPlan;
 use crate::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
-use crate::chip::{Chip, ChipConfig};
+use crate::host::build_host;
 use crate::msg::{
     AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, Finish, KvCompat, KvFormatDesc, Msg, SamplingSpec,
     StepOutcome, well_known,
 };
-use crate::request::RetryPolicy;
-use crate::router::Router;
-use crate::supervisor::{Supervisor, SupervisorConfig};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -200,43 +197,62 @@ struct Run {
 
 const REQUESTS: usize = 40;
 
-fn run(seed: u64) -> Run {
-    let hosts = [HostId(0), HostId(1)];
-    let chip = |h: HostId| Addr::new(h, well_known::CHIP_BASE);
-    let supervisor = |h: HostId| Addr::new(h, well_known::SUPERVISOR);
-    let router = Addr::new(HostId(0), well_known::ROUTER);
-    let mut vh: VirtualHost<Msg> = VirtualHost::new(Duration::from_micros(200));
+/// The cluster, as an operator would write it: the gateway's host and one more, a
+/// chip on each.
+const TOPOLOGY: &str = r#"
+[cluster]
+name = "virtual"
+model = "builtin:tiny"
 
-    let reports =
-        hosts.iter().map(|&h| ChipReport::starting(chip(h), format!("c{}", h.0), format!("h{}", h.0), "both".into()));
-    vh.spawn_at(router, Box::new(Router::new(reports.collect(), 1000)));
-    let retry = RetryPolicy::default();
-    let admission = AdmissionConfig { max_inflight: 64, router, retry, id_base: 1 };
-    vh.spawn_at(Addr::new(HostId(0), well_known::ADMISSION), Box::new(Admission::new(admission)));
-    for &h in &hosts {
-        let peers = hosts.iter().filter(|&&p| p != h).map(|&p| (p, format!("h{}", p.0))).collect();
-        let config = SupervisorConfig {
-            host: h,
-            host_name: format!("h{}", h.0),
-            peers,
-            router: (h == HostId(0)).then_some(router),
-            heartbeat_interval: Duration::from_millis(100),
-            heartbeat_timeout: Duration::from_millis(500),
-            max_restarts: 3,
-            restart_window: Duration::from_secs(60),
-            restart_backoff: Duration::from_millis(200),
-        };
-        vh.spawn_at(supervisor(h), Box::new(Supervisor::new(config)));
-        let chip_config = ChipConfig {
-            id: format!("c{}", h.0),
-            host_name: format!("h{}", h.0),
-            role: "both".into(),
-            max_batch_tokens: 64,
-            max_batch_seqs: 8,
-            supervisor: supervisor(h),
-            kv_lease: Duration::from_secs(5),
-        };
-        vh.spawn_at(chip(h), Box::new(Chip::new(chip_config, modelled_chip())));
+[router]
+max_queued_requests = 1000
+
+[supervisor]
+heartbeat_interval_ms = 100
+heartbeat_timeout_ms = 500
+max_restarts = 3
+restart_window_s = 60
+restart_backoff_ms = 200
+
+[gateway]
+host = "h0"
+max_inflight_requests = 64
+
+[disagg]
+lease_ms = 5000
+
+[[hosts]]
+name = "h0"
+bus = "127.0.0.1:7400"
+[[hosts.chips]]
+id = "c0"
+kind = "cpu"
+backend = "cpu"
+role = "both"
+max_batch_tokens = 64
+max_batch_seqs = 8
+
+[[hosts]]
+name = "h1"
+bus = "127.0.0.1:7410"
+[[hosts.chips]]
+id = "c1"
+kind = "cpu"
+backend = "cpu"
+role = "both"
+max_batch_tokens = 64
+max_batch_seqs = 8
+"#;
+
+fn run(seed: u64, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Run {
+    let spec = tessera_topology::parse(TOPOLOGY, "virtual.toml").expect("the test topology is valid");
+    let mut vh: VirtualHost<Msg> = VirtualHost::new(Duration::from_micros(200)).with_recorder(recorder);
+    // The very builder the real node uses, with modelled executors.
+    for host in &spec.hosts {
+        let built = build_host(&spec, &host.name, 1, |_, _| Ok::<_, String>(modelled_chip())).expect("build");
+        for (actor, behavior) in built.actors {
+            vh.spawn_at(Addr::new(built.host, actor), behavior);
+        }
     }
 
     // Poisson arrivals, 40 per second, from t = 0.3 s (the chips are up by then).
@@ -272,9 +288,31 @@ fn run(seed: u64) -> Run {
     Run { outcomes, view, trace: vh.trace().to_vec(), asked }
 }
 
+/// A recorder of its own per simulated cluster.
+fn recorder() -> (Arc<DebuggingRecorder>, Snapshotter) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    (Arc::new(recorder), snapshotter)
+}
+
+/// Router decisions counted in a recorder, over all placements.
+fn decisions(snapshotter: &Snapshotter) -> u64 {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| key.key().name() == "tessera_router_decisions_total")
+        .map(|(.., value)| match value {
+            DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
+}
+
 #[test]
 fn forty_requests_survive_a_lost_host_in_virtual_time_deterministically() {
-    let first = run(7);
+    let (first_recorder, first_metrics) = recorder();
+    let first = run(7, first_recorder);
     for (n, outcome) in &first.outcomes {
         match outcome {
             Outcome::Done { tokens, finish } => {
@@ -294,9 +332,17 @@ fn forty_requests_survive_a_lost_host_in_virtual_time_deterministically() {
     let rerouted = first.trace.iter().filter(|l| l.contains(" chip_lost ")).count();
     assert!(rerouted > 0, "no request was running on the lost host");
 
-    let second = run(7);
+    let second = run(7, Arc::new(metrics::NoopRecorder));
     assert_eq!(first.trace.len(), second.trace.len());
     assert!(first.trace == second.trace, "same seed, different traces");
-    let other = run(8);
+    let (other_recorder, other_metrics) = recorder();
+    let other = run(8, other_recorder);
     assert!(first.trace != other.trace, "the seed does not matter?");
+
+    // Each cluster's metrics went to its own recorder, and only there: one decision per
+    // placement its own trace shows.
+    let placed = |run: &Run| run.trace.iter().filter(|l| l.contains(" routed ")).count() as u64;
+    assert!(placed(&first) >= REQUESTS as u64);
+    assert_eq!(decisions(&first_metrics), placed(&first));
+    assert_eq!(decisions(&other_metrics), placed(&other));
 }

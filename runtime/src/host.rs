@@ -1,6 +1,8 @@
 //! The real-time host: runs behaviors as actix actors on one actor thread, compute jobs
 //! on worker threads, and reaches other hosts through the bus. Messages to actors on
-//! this host never touch the bus.
+//! this host never touch the bus. Behaviors record metrics into the process's global
+//! recorder — one process is one host of one cluster — which the node installs (the
+//! gateway's Prometheus exporter); the virtual host scopes them to its own instead.
 
 use crate::actor::{Behavior, Effects, Job, JobCtx, Message, Moment, SendError, TimerId, WorkerId, WorkerSpec};
 use crate::addr::{Addr, FIRST_DYNAMIC_ACTOR, HostId};

@@ -7,7 +7,10 @@
 //!   and complete at the model time they declare; cross-host messages take a fixed
 //!   latency. The same behaviors, the same seed, the same inputs give the same
 //!   [`VirtualHost::trace`], byte for byte: nothing here depends on wall time, thread
-//!   scheduling or map iteration order.
+//!   scheduling or map iteration order. Behaviors record metrics with the `metrics`
+//!   macros; a virtual host scopes every delivery to its own recorder
+//!   ([`VirtualHost::with_recorder`]; none by default), so several simulated clusters in
+//!   one process never mix their metrics, nor write into the process's.
 
 use crate::actor::{Behavior, Effects, Job, JobCtx, Message, Moment, SendError, TimerId, WorkerId, WorkerSpec};
 use crate::addr::{Addr, FIRST_DYNAMIC_ACTOR, HostId};
@@ -15,6 +18,7 @@ use std::any::Any;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// What a job did when run by hand: its result, its notifications (offset, message) in
@@ -366,6 +370,7 @@ pub struct VirtualHost<M: Message> {
     behaviors: BTreeMap<Addr, Box<dyn Behavior<M>>>,
     world: World<M>,
     record: bool,
+    recorder: Arc<dyn metrics::Recorder + Send + Sync>,
 }
 
 impl<M: Message> Default for VirtualHost<M> {
@@ -397,7 +402,14 @@ impl<M: Message> VirtualHost<M> {
                 delivered: 0,
             },
             record: true,
+            recorder: Arc::new(metrics::NoopRecorder),
         }
+    }
+
+    /// Records the behaviors' metrics (and their jobs') into `recorder`.
+    pub fn with_recorder(mut self, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Self {
+        self.recorder = recorder;
+        self
     }
 
     /// Keep (default) or skip the trace of every delivery (long runs skip it).
@@ -470,6 +482,11 @@ impl<M: Message> VirtualHost<M> {
 
     /// Processes the next event; `false` when the queue is empty.
     pub fn step(&mut self) -> bool {
+        let recorder = self.recorder.clone();
+        metrics::with_local_recorder(recorder.as_ref(), || self.deliver_next())
+    }
+
+    fn deliver_next(&mut self) -> bool {
         let Some(Reverse(q)) = self.world.queue.pop() else { return false };
         self.world.now = q.at;
         let Some(mut behavior) = self.behaviors.remove(&q.to) else {

@@ -14,13 +14,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_actors::admission::{Admission, AdmissionConfig};
 use tessera_actors::chip::executor::{ExecutorFactory, StepExecutor};
-use tessera_actors::chip::{Chip, ChipConfig};
-use tessera_actors::msg::{ChipReport, Msg, well_known};
-use tessera_actors::request::RetryPolicy;
-use tessera_actors::router::Router;
-use tessera_actors::supervisor::{Supervisor, SupervisorConfig};
+use tessera_actors::host::{HostBuildError, build_host};
+use tessera_actors::msg::Msg;
 use tessera_backends::config::ModelConfig;
 use tessera_backends::dtype::DType;
 use tessera_backends::kv_format::KvLayout;
@@ -86,10 +82,7 @@ pub struct NodeOptions {
     pub drain_timeout: Duration,
 }
 
-/// The address of chip `i` of host `host`.
-pub fn chip_addr(host: usize, i: usize) -> Addr {
-    Addr::new(HostId(host as u16), well_known::CHIP_BASE + i as u64)
-}
+pub use tessera_actors::host::chip_addr;
 
 fn parse_dtype(s: &str) -> Result<DType, NodeError> {
     s.parse::<DType>().map_err(NodeError::Config)
@@ -114,7 +107,6 @@ pub fn run_node(
     let model_dir = resolve_model(&spec.model)?;
     let model_config = ModelConfig::from_dir(&model_dir)?;
     let dtype = spec.dtype.as_deref().map(parse_dtype).transpose()?;
-    let is_gateway = spec.gateway.host == me.name;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -154,62 +146,17 @@ pub fn run_node(
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
 
-    let gateway_index = spec.host_index(&spec.gateway.host).unwrap_or(0);
-    let router = Addr::new(HostId(gateway_index as u16), well_known::ROUTER);
-    let sup = &spec.supervisor;
-    let supervisor = host.spawn_at(
-        well_known::SUPERVISOR,
-        Box::new(Supervisor::new(SupervisorConfig {
-            host: HostId(index as u16),
-            host_name: me.name.clone(),
-            peers: spec
-                .hosts
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| *i != index)
-                .map(|(i, h)| (HostId(i as u16), h.name.clone()))
-                .collect(),
-            router: is_gateway.then_some(router),
-            heartbeat_interval: Duration::from_millis(sup.heartbeat_interval_ms),
-            heartbeat_timeout: Duration::from_millis(sup.heartbeat_timeout_ms),
-            max_restarts: sup.max_restarts,
-            restart_window: Duration::from_secs(sup.restart_window_s),
-            restart_backoff: Duration::from_millis(sup.restart_backoff_ms),
-        })),
-    );
-
-    let mut chip_addrs = HashMap::new();
-    let mut all_chips = Vec::new();
-    for (h, host_spec) in spec.hosts.iter().enumerate() {
-        for (i, chip) in host_spec.chips.iter().enumerate() {
-            let addr = chip_addr(h, i);
-            chip_addrs.insert(chip.id.clone(), addr);
-            all_chips.push(ChipReport::starting(addr, chip.id.clone(), host_spec.name.clone(), chip.role.to_string()));
-        }
-    }
-    if is_gateway {
-        let routing =
-            Router::new(all_chips, spec.router.max_queued_requests).with_disaggregation(spec.disagg.min_prompt_tokens);
-        host.spawn_at(well_known::ROUTER, Box::new(routing));
-        // Request ids based on the start time (the one clock read here, in the adapter):
-        // a restarted gateway's ids do not meet old ones still on chips.
-        let id_base = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64 & 0xffff_ffff_0000);
-        let admission = AdmissionConfig {
-            max_inflight: spec.gateway.max_inflight_requests,
-            router,
-            retry: RetryPolicy::default(),
-            id_base,
-        };
-        host.spawn_at(well_known::ADMISSION, Box::new(Admission::new(admission)));
-    }
-    for (i, chip) in me.chips.iter().enumerate() {
+    // Request ids based on the start time (the one clock read here, in the adapter): a
+    // restarted gateway's ids do not meet old ones still on chips.
+    let id_base = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64 & 0xffff_ffff_0000);
+    let built = build_host(spec, host_name, id_base, |_, chip| {
         let emulation = match &chip.backend {
             Backend::Emu(kind) => {
                 let kind = spec
                     .chip_kind(kind)
-                    .ok_or_else(|| NodeError::Config(format!("chip {}: unknown chip kind `{kind}`", chip.id)))?
+                    .ok_or_else(|| NodeError::Config(format!("unknown chip kind `{kind}`")))?
                     .clone();
                 Some(Emulation { kind, spec: spec.emulation })
             }
@@ -235,27 +182,29 @@ pub fn run_node(
         let factory: ExecutorFactory = Arc::new(move || {
             ModelExecutor::load(&config).map(|(exec, info)| (Box::new(exec) as Box<dyn StepExecutor>, info))
         });
-        let chip_config = ChipConfig {
-            id: chip.id.clone(),
-            host_name: me.name.clone(),
-            role: chip.role.to_string(),
-            max_batch_tokens: chip.max_batch_tokens,
-            max_batch_seqs: chip.max_batch_seqs,
-            supervisor,
-            kv_lease: Duration::from_millis(spec.disagg.lease_ms),
-        };
-        let addr = host.spawn_at(well_known::CHIP_BASE + i as u64, Box::new(Chip::new(chip_config, factory)));
-        debug_assert_eq!(addr, chip_addr(index, i));
+        Ok::<_, NodeError>(factory)
+    })
+    .map_err(|e| match e {
+        HostBuildError::UnknownHost { topology, host, hosts } => NodeError::UnknownHost { topology, host, hosts },
+        HostBuildError::Executor { chip, source: NodeError::Config(why) } => {
+            NodeError::Config(format!("chip {chip}: {why}"))
+        }
+        HostBuildError::Executor { source, .. } => source,
+    })?;
+    let router = built.router;
+    let chip_addrs: HashMap<String, Addr> = built.chips.into_iter().collect();
+    for (actor, behavior) in built.actors {
+        host.spawn_at(actor, behavior);
     }
 
-    let result = if is_gateway {
+    let result = if let Some(admission) = built.admission {
         let tokenizer = TextTokenizer::from_dir(&model_dir)?;
         let served_model = spec.gateway.served_model_name.clone().unwrap_or_else(|| spec.model.clone());
         let config = GatewayConfig {
             served_model: served_model.clone(),
             max_context: model_config.max_context,
             router,
-            admission: Addr::new(HostId(index as u16), well_known::ADMISSION),
+            admission,
             chips: chip_addrs,
             metrics: opts.metrics.clone(),
             max_prompt_bytes: spec.gateway.max_prompt_bytes.unwrap_or_else(|| {

@@ -1,0 +1,135 @@
+//! One host's behaviors, built from a validated topology: its supervisor, its chips and
+//! — on the gateway's host — the router and admission. The real host (`tessera-node`)
+//! and the virtual-time host (tests, the simulator) both spawn exactly this list, so
+//! they run the same cluster; only the chips' executors differ, and the caller supplies
+//! those.
+
+use crate::admission::{Admission, AdmissionConfig};
+use crate::chip::executor::ExecutorFactory;
+use crate::chip::{Chip, ChipConfig};
+use crate::msg::{ChipReport, Msg, well_known};
+use crate::request::RetryPolicy;
+use crate::router::Router;
+use crate::supervisor::{Supervisor, SupervisorConfig};
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tessera_actor_core::{Addr, Behavior, HostId};
+use tessera_topology::{ChipSpec, ClusterSpec, HostSpec};
+
+/// The address of chip `i` of host `host` (in topology order).
+pub fn chip_addr(host: usize, i: usize) -> Addr {
+    Addr::new(HostId(host as u16), well_known::CHIP_BASE + i as u64)
+}
+
+/// Why a host's behaviors could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum HostBuildError<E> {
+    #[error("{topology}: no host named `{host}`; hosts: {hosts}")]
+    UnknownHost { topology: String, host: String, hosts: String },
+    /// The caller's executor for `chip` could not be made.
+    #[error("chip {chip}: {source}")]
+    Executor {
+        chip: String,
+        #[source]
+        source: E,
+    },
+}
+
+/// What to spawn on one host, and where the cluster's well-known actors are.
+pub struct HostActors {
+    pub host: HostId,
+    /// (well-known actor id on `host`, behavior), in the order to spawn them.
+    pub actors: Vec<(u64, Box<dyn Behavior<Msg>>)>,
+    /// Where the router runs (the gateway's host).
+    pub router: Addr,
+    /// Admission, when this is the gateway's host.
+    pub admission: Option<Addr>,
+    /// Every chip of the cluster, by id.
+    pub chips: BTreeMap<String, Addr>,
+}
+
+/// The behaviors of host `host_name` of `spec`. `id_base` seeds admission's request ids
+/// (the real gateway bases it on its start time; a simulation passes a constant);
+/// `executor` makes the executor of each of this host's chips.
+pub fn build_host<E>(
+    spec: &ClusterSpec,
+    host_name: &str,
+    id_base: u64,
+    mut executor: impl FnMut(&HostSpec, &ChipSpec) -> Result<ExecutorFactory, E>,
+) -> Result<HostActors, HostBuildError<E>> {
+    let Some(index) = spec.host_index(host_name) else {
+        let names: Vec<&str> = spec.hosts.iter().map(|h| h.name.as_str()).collect();
+        return Err(HostBuildError::UnknownHost {
+            topology: spec.source.clone(),
+            host: host_name.into(),
+            hosts: names.join(", "),
+        });
+    };
+    let me = &spec.hosts[index];
+    let host = HostId(index as u16);
+    let is_gateway = spec.gateway.host == me.name;
+    let gateway_index = spec.host_index(&spec.gateway.host).unwrap_or(0);
+    let router = Addr::new(HostId(gateway_index as u16), well_known::ROUTER);
+    let supervisor = Addr::new(host, well_known::SUPERVISOR);
+
+    let mut chips = BTreeMap::new();
+    let mut reports = Vec::new();
+    for (h, host_spec) in spec.hosts.iter().enumerate() {
+        for (i, chip) in host_spec.chips.iter().enumerate() {
+            let addr = chip_addr(h, i);
+            chips.insert(chip.id.clone(), addr);
+            reports.push(ChipReport::starting(addr, chip.id.clone(), host_spec.name.clone(), chip.role.to_string()));
+        }
+    }
+
+    let mut actors: Vec<(u64, Box<dyn Behavior<Msg>>)> = Vec::new();
+    let sup = &spec.supervisor;
+    let supervising = Supervisor::new(SupervisorConfig {
+        host,
+        host_name: me.name.clone(),
+        peers: spec
+            .hosts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != index)
+            .map(|(i, h)| (HostId(i as u16), h.name.clone()))
+            .collect(),
+        router: is_gateway.then_some(router),
+        heartbeat_interval: Duration::from_millis(sup.heartbeat_interval_ms),
+        heartbeat_timeout: Duration::from_millis(sup.heartbeat_timeout_ms),
+        max_restarts: sup.max_restarts,
+        restart_window: Duration::from_secs(sup.restart_window_s),
+        restart_backoff: Duration::from_millis(sup.restart_backoff_ms),
+    });
+    actors.push((well_known::SUPERVISOR, Box::new(supervising)));
+
+    let admission = is_gateway.then(|| Addr::new(host, well_known::ADMISSION));
+    if is_gateway {
+        let routing =
+            Router::new(reports, spec.router.max_queued_requests).with_disaggregation(spec.disagg.min_prompt_tokens);
+        actors.push((well_known::ROUTER, Box::new(routing)));
+        let config = AdmissionConfig {
+            max_inflight: spec.gateway.max_inflight_requests,
+            router,
+            retry: RetryPolicy::default(),
+            id_base,
+        };
+        actors.push((well_known::ADMISSION, Box::new(Admission::new(config))));
+    }
+
+    for (i, chip) in me.chips.iter().enumerate() {
+        let factory =
+            executor(me, chip).map_err(|source| HostBuildError::Executor { chip: chip.id.clone(), source })?;
+        let config = ChipConfig {
+            id: chip.id.clone(),
+            host_name: me.name.clone(),
+            role: chip.role.to_string(),
+            max_batch_tokens: chip.max_batch_tokens,
+            max_batch_seqs: chip.max_batch_seqs,
+            supervisor,
+            kv_lease: Duration::from_millis(spec.disagg.lease_ms),
+        };
+        actors.push((well_known::CHIP_BASE + i as u64, Box::new(Chip::new(config, factory))));
+    }
+    Ok(HostActors { host, actors, router, admission, chips })
+}
