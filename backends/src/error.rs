@@ -20,6 +20,8 @@ pub enum BackendError {
     TensorShape { dir: PathBuf, name: String, found: Vec<usize>, expected: Vec<usize> },
     #[error("checkpoint {dir}: tensor {name:?} has dtype {found}, supported: F32, F16, BF16")]
     TensorDtype { dir: PathBuf, name: String, found: String },
+    #[error("{path}: invalid GGUF file: {reason}")]
+    Gguf { path: PathBuf, reason: crate::gguf::GgufError },
     #[error("{path}: tokenizer: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
     #[error("kernel library {library}: {reason}")]

@@ -12,6 +12,7 @@ pub mod device;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod gguf;
 pub mod kv;
 pub mod kv_format;
 #[allow(unsafe_code)]

@@ -1,0 +1,249 @@
+//! ggml's tensor types and their block layouts (`ggml-common.h`), with dequantization
+//! to f32 following ggml's reference formulas (`dequantize_row_*` in `ggml-quants.c`).
+//!
+//! A quantized row is a run of blocks; each block holds `block_elements` values in
+//! `block_bytes` bytes: f16 scales (and mins) followed by packed integers.
+
+use half::{bf16, f16};
+use std::fmt;
+
+/// The ggml tensor types Tessera reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Bf16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+/// Values per block of the k-quants.
+pub const QK_K: usize = 256;
+
+impl GgmlType {
+    pub const ALL: [GgmlType; 10] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Bf16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+    ];
+
+    /// ggml's `enum ggml_type` value.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q4K => 12,
+            GgmlType::Q6K => 14,
+            GgmlType::Bf16 => 30,
+        }
+    }
+
+    pub fn from_id(id: u32) -> Option<GgmlType> {
+        GgmlType::ALL.into_iter().find(|t| t.id() == id)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::Bf16 => "BF16",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4K => "Q4_K",
+            GgmlType::Q6K => "Q6_K",
+        }
+    }
+
+    pub fn supported_names() -> String {
+        GgmlType::ALL.map(GgmlType::name).join(", ")
+    }
+
+    /// Values per block (1 for the plain float types).
+    pub fn block_elements(self) -> u64 {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4K | GgmlType::Q6K => QK_K as u64,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> u64 {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::Bf16 => 2,
+            GgmlType::Q4_0 => 2 + 16,
+            GgmlType::Q4_1 => 2 + 2 + 16,
+            GgmlType::Q5_0 => 2 + 4 + 16,
+            GgmlType::Q5_1 => 2 + 2 + 4 + 16,
+            GgmlType::Q8_0 => 2 + 32,
+            GgmlType::Q4K => 2 + 2 + 12 + QK_K as u64 / 2,
+            GgmlType::Q6K => QK_K as u64 / 2 + QK_K as u64 / 4 + QK_K as u64 / 16 + 2,
+        }
+    }
+
+    pub fn is_quantized(self) -> bool {
+        self.block_elements() > 1
+    }
+
+    /// Dequantizes whole blocks: `out.len()` values from `bytes` (which must hold exactly
+    /// `out.len() / block_elements` blocks; both lengths are the caller's to check).
+    pub fn dequantize(self, bytes: &[u8], out: &mut [f32]) {
+        let n = self.block_elements() as usize;
+        let b = self.block_bytes() as usize;
+        debug_assert_eq!(out.len() % n, 0);
+        debug_assert_eq!(bytes.len(), out.len() / n * b);
+        for (block, y) in bytes.chunks_exact(b).zip(out.chunks_exact_mut(n)) {
+            match self {
+                GgmlType::F32 => y[0] = f32::from_le_bytes([block[0], block[1], block[2], block[3]]),
+                GgmlType::F16 => y[0] = f16_at(block, 0),
+                GgmlType::Bf16 => y[0] = bf16::from_le_bytes([block[0], block[1]]).to_f32(),
+                GgmlType::Q4_0 => dequantize_q4_0(block, y),
+                GgmlType::Q4_1 => dequantize_q4_1(block, y),
+                GgmlType::Q5_0 => dequantize_q5_0(block, y),
+                GgmlType::Q5_1 => dequantize_q5_1(block, y),
+                GgmlType::Q8_0 => dequantize_q8_0(block, y),
+                GgmlType::Q4K => dequantize_q4_k(block, y),
+                GgmlType::Q6K => dequantize_q6_k(block, y),
+            }
+        }
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn f16_at(block: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
+}
+
+/// `block_q4_0 { half d; uint8_t qs[16]; }`: x = (nibble - 8) * d; low nibbles are
+/// values 0..16, high nibbles 16..32.
+fn dequantize_q4_0(block: &[u8], y: &mut [f32]) {
+    let d = f16_at(block, 0);
+    let qs = &block[2..18];
+    for j in 0..16 {
+        y[j] = ((qs[j] & 0x0f) as i32 - 8) as f32 * d;
+        y[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+/// `block_q4_1 { half d; half m; uint8_t qs[16]; }`: x = nibble * d + m.
+fn dequantize_q4_1(block: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(block, 0), f16_at(block, 2));
+    let qs = &block[4..20];
+    for j in 0..16 {
+        y[j] = (qs[j] & 0x0f) as f32 * d + m;
+        y[j + 16] = (qs[j] >> 4) as f32 * d + m;
+    }
+}
+
+/// The 5th bits of the 32 values of a Q5 block: value j's in bit j of `qh`.
+fn fifth_bits(qh: u32, j: usize) -> (u8, u8) {
+    ((((qh >> j) << 4) & 0x10) as u8, ((qh >> (j + 12)) & 0x10) as u8)
+}
+
+/// `block_q5_0 { half d; uint8_t qh[4]; uint8_t qs[16]; }`: x = (5-bit value - 16) * d.
+fn dequantize_q5_0(block: &[u8], y: &mut [f32]) {
+    let d = f16_at(block, 0);
+    let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+    let qs = &block[6..22];
+    for j in 0..16 {
+        let (h0, h1) = fifth_bits(qh, j);
+        y[j] = (((qs[j] & 0x0f) | h0) as i32 - 16) as f32 * d;
+        y[j + 16] = (((qs[j] >> 4) | h1) as i32 - 16) as f32 * d;
+    }
+}
+
+/// `block_q5_1 { half d; half m; uint8_t qh[4]; uint8_t qs[16]; }`: x = value * d + m.
+fn dequantize_q5_1(block: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(block, 0), f16_at(block, 2));
+    let qh = u32::from_le_bytes([block[4], block[5], block[6], block[7]]);
+    let qs = &block[8..24];
+    for j in 0..16 {
+        let (h0, h1) = fifth_bits(qh, j);
+        y[j] = ((qs[j] & 0x0f) | h0) as f32 * d + m;
+        y[j + 16] = ((qs[j] >> 4) | h1) as f32 * d + m;
+    }
+}
+
+/// `block_q8_0 { half d; int8_t qs[32]; }`: x = q * d.
+fn dequantize_q8_0(block: &[u8], y: &mut [f32]) {
+    let d = f16_at(block, 0);
+    for (y, &q) in y.iter_mut().zip(&block[2..34]) {
+        *y = q as i8 as f32 * d;
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K block's 12 scale bytes.
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// `block_q4_K { half d; half dmin; uint8_t scales[12]; uint8_t qs[128]; }`: eight
+/// sub-blocks of 32 with 6-bit scales and mins; x = d * scale * nibble - dmin * min.
+fn dequantize_q4_k(block: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+    let scales = &block[4..16];
+    let qs = &block[16..144];
+    for (chunk, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
+        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
+        for l in 0..32 {
+            y[l] = d1 * (q[l] & 0x0f) as f32 - m1;
+            y[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
+        }
+    }
+}
+
+/// `block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; half d; }`: 16
+/// sub-blocks of 16 with signed 8-bit scales; x = d * scale * (6-bit value - 32).
+fn dequantize_q6_k(block: &[u8], y: &mut [f32]) {
+    let d = f16_at(block, 208);
+    for half in 0..2 {
+        let ql = &block[half * 64..half * 64 + 64];
+        let qh = &block[128 + half * 32..128 + half * 32 + 32];
+        let sc = &block[192 + half * 8..192 + half * 8 + 8];
+        let y = &mut y[half * 128..half * 128 + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+            y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+            y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+            y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+        }
+    }
+}

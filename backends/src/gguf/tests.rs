@@ -1,0 +1,382 @@
+use super::*;
+use half::f16;
+use proptest::prelude::*;
+
+/// Writes GGUF bytes: metadata (key, type id, encoded value) and tensors (name, dims,
+/// type, data), data aligned as the reader expects.
+pub(crate) struct Writer {
+    pub version: u32,
+    pub alignment: u64,
+    pub metadata: Vec<(String, u32, Vec<u8>)>,
+    pub tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)>,
+}
+
+pub(crate) fn gguf_string(s: &str) -> Vec<u8> {
+    let mut out = (s.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(s.as_bytes());
+    out
+}
+
+impl Writer {
+    pub fn new() -> Writer {
+        Writer { version: 3, alignment: DEFAULT_ALIGNMENT, metadata: Vec::new(), tensors: Vec::new() }
+    }
+
+    pub fn meta_str(mut self, key: &str, value: &str) -> Writer {
+        self.metadata.push((key.into(), 8, gguf_string(value)));
+        self
+    }
+
+    pub fn meta_u32(mut self, key: &str, value: u32) -> Writer {
+        self.metadata.push((key.into(), 4, value.to_le_bytes().to_vec()));
+        self
+    }
+
+    pub fn tensor(mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> Writer {
+        self.tensors.push((name.into(), dims.to_vec(), ty, data));
+        self
+    }
+
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
+        for (key, ty, value) in &self.metadata {
+            out.extend_from_slice(&gguf_string(key));
+            out.extend_from_slice(&ty.to_le_bytes());
+            out.extend_from_slice(value);
+        }
+        let mut offset = 0u64;
+        let mut offsets = Vec::new();
+        for (name, dims, ty, data) in &self.tensors {
+            out.extend_from_slice(&gguf_string(name));
+            out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in dims {
+                out.extend_from_slice(&d.to_le_bytes());
+            }
+            out.extend_from_slice(&ty.id().to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
+            offsets.push(offset);
+            offset = (offset + data.len() as u64).next_multiple_of(self.alignment);
+        }
+        out.resize((out.len() as u64).next_multiple_of(self.alignment) as usize, 0);
+        let start = out.len() as u64;
+        for ((_, _, _, data), at) in self.tensors.iter().zip(offsets) {
+            out.resize((start + at) as usize, 0);
+            out.extend_from_slice(data);
+        }
+        out
+    }
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn sample() -> Writer {
+    let q8: Vec<u8> =
+        [f16::from_f32(0.5).to_le_bytes().to_vec(), (0..32).map(|i| (i as i8 - 16) as u8).collect()].concat();
+    Writer::new()
+        .meta_str("general.architecture", "llama")
+        .meta_u32("llama.block_count", 2)
+        .tensor("norm", &[4], GgmlType::F32, f32_bytes(&[1.0, 2.0, 3.0, 4.0]))
+        .tensor("emb", &[32, 1], GgmlType::Q8_0, q8)
+}
+
+fn parse(bytes: Vec<u8>) -> Result<Gguf, GgufError> {
+    Gguf::from_bytes(bytes, Path::new("test.gguf"))
+}
+
+#[test]
+fn reads_metadata_tensors_and_data() {
+    let g = parse(sample().bytes()).expect("parse");
+    assert_eq!(g.version, 3);
+    assert_eq!(g.architecture(), Some("llama"));
+    assert_eq!(g.get("llama.block_count").and_then(Value::as_u64), Some(2));
+    let norm = g.tensor("norm").expect("norm");
+    assert_eq!((norm.ty, norm.shape()), (GgmlType::F32, vec![4]));
+    assert_eq!(g.tensor_f32(norm), vec![1.0, 2.0, 3.0, 4.0]);
+    let emb = g.tensor("emb").expect("emb");
+    assert_eq!(emb.shape(), vec![1, 32]);
+    let values = g.tensor_f32(emb);
+    assert_eq!(values[0], -8.0);
+    assert_eq!(values[31], 7.5);
+    assert_eq!(g.tensors().iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["norm", "emb"]);
+}
+
+#[test]
+fn version_2_reads_and_others_are_refused() {
+    let mut w = sample();
+    w.version = 2;
+    assert!(parse(w.bytes()).is_ok());
+    for v in [1, 4, u32::MAX] {
+        w.version = v;
+        assert_eq!(parse(w.bytes()).unwrap_err(), GgufError::Version(v));
+    }
+}
+
+#[test]
+fn every_truncation_is_an_error_never_a_panic() {
+    let bytes = sample().bytes();
+    let header_end = bytes.len() - 4 * 4 - 34;
+    for len in 0..bytes.len() {
+        let result = parse(bytes[..len].to_vec());
+        assert!(result.is_err(), "a file cut to {len} of {} bytes parsed", bytes.len());
+        if len >= 4 && len < header_end {
+            let e = result.unwrap_err().to_string();
+            assert!(e.contains("truncated") || e.contains("cannot fit") || e.contains("past the end"), "{len}: {e}");
+        }
+    }
+}
+
+#[test]
+fn damaged_headers_get_clear_errors() {
+    let good = sample().bytes();
+    let mut bad_magic = good.clone();
+    bad_magic[..4].copy_from_slice(b"GGML");
+    assert!(matches!(parse(bad_magic), Err(GgufError::BadMagic { .. })));
+
+    // Huge counts are refused before any allocation.
+    for at in [8, 16] {
+        let mut huge = good.clone();
+        huge[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let e = parse(huge).unwrap_err().to_string();
+        assert!(e.contains("cannot fit"), "{e}");
+    }
+    // A string length past the end.
+    let mut long_key = good.clone();
+    long_key[24..32].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    assert!(parse(long_key).unwrap_err().to_string().contains("truncated"));
+
+    let cases: Vec<(Writer, &str)> = vec![
+        (sample().tensor("bad", &[4], GgmlType::F32, f32_bytes(&[0.0; 2])), "past the end"),
+        (sample().tensor("ragged", &[33], GgmlType::Q8_0, vec![0; 68]), "blocks of 32"),
+        (sample().tensor("zero", &[0, 4], GgmlType::F32, Vec::new()), "zero dimension"),
+        (sample().tensor("huge", &[u64::MAX, 4], GgmlType::F32, Vec::new()), "overflow"),
+        (sample().tensor("norm", &[4], GgmlType::F32, f32_bytes(&[0.0; 4])), "twice"),
+        (sample().meta_str("general.architecture", "x"), "twice"),
+        (sample().meta_str("general.alignment", "x"), "power of two"),
+    ];
+    for (w, expect) in cases {
+        let e = parse(w.bytes()).unwrap_err().to_string();
+        assert!(e.contains(expect), "expected {expect:?} in {e:?}");
+    }
+
+    // An unknown tensor type and an unknown value type.
+    let mut w = sample();
+    w.tensors[1].2 = GgmlType::F32;
+    let mut bytes = w.bytes();
+    let type_at = find_tensor_type_offset(&bytes, "emb");
+    bytes[type_at..type_at + 4].copy_from_slice(&99u32.to_le_bytes());
+    let e = parse(bytes).unwrap_err().to_string();
+    assert!(e.contains("unsupported tensor type 99") && e.contains("Q4_K"), "{e}");
+    let mut w = sample();
+    w.metadata.push(("odd".into(), 42, Vec::new()));
+    assert!(parse(w.bytes()).unwrap_err().to_string().contains("unknown value type 42"));
+}
+
+/// Where the type id of tensor `name` sits in a [`Writer`]'s bytes.
+fn find_tensor_type_offset(bytes: &[u8], name: &str) -> usize {
+    let needle = gguf_string(name);
+    let at = bytes.windows(needle.len()).rposition(|w| w == needle.as_slice()).expect("tensor name");
+    let dims = u32::from_le_bytes(bytes[at + needle.len()..at + needle.len() + 4].try_into().expect("4 bytes"));
+    at + needle.len() + 4 + 8 * dims as usize
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    /// Random bytes, and random corruptions of a good file, never panic.
+    #[test]
+    fn arbitrary_bytes_never_panic(noise in proptest::collection::vec(any::<u8>(), 0..256),
+                                   flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8)) {
+        let _ = parse([b"GGUF".as_slice(), &3u32.to_le_bytes(), &noise].concat());
+        let mut bytes = sample().bytes();
+        for (at, b) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] = b;
+        }
+        if let Ok(g) = parse(bytes) {
+            for t in g.tensors() {
+                let _ = g.tensor_f32(t);
+            }
+        }
+    }
+}
+
+// ---- block formats, against ggml's reference formulas written out by hand ----
+
+fn h(v: f32) -> [u8; 2] {
+    f16::from_f32(v).to_le_bytes()
+}
+
+#[test]
+fn q4_0_and_q4_1_use_low_nibbles_first_then_high() {
+    let mut b = h(2.0).to_vec();
+    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    let mut y = [0.0; 32];
+    GgmlType::Q4_0.dequantize(&b, &mut y);
+    for j in 0..16 {
+        assert_eq!(y[j], (j as f32 - 8.0) * 2.0);
+        assert_eq!(y[j + 16], ((15 - j) as f32 - 8.0) * 2.0);
+    }
+    let mut b = [h(0.5), h(-3.0)].concat();
+    b.extend((0..16u8).map(|j| j | (j << 4)));
+    GgmlType::Q4_1.dequantize(&b, &mut y);
+    for j in 0..16 {
+        assert_eq!((y[j], y[j + 16]), (j as f32 * 0.5 - 3.0, j as f32 * 0.5 - 3.0));
+    }
+}
+
+#[test]
+fn q5_takes_the_fifth_bit_of_value_j_from_bit_j_of_qh() {
+    // Values 0..16 get bit j, values 16..32 bit j + 16 (as ggml's `>> (j + 12)` & 0x10).
+    let qh: u32 = 0b1010_0000_0000_0001_1000_0000_0000_0011;
+    let mut b = h(1.0).to_vec();
+    b.extend(qh.to_le_bytes());
+    b.extend([0x21u8; 16]);
+    let mut y = [0.0; 32];
+    GgmlType::Q5_0.dequantize(&b, &mut y);
+    for (j, v) in y.iter().enumerate() {
+        let nibble = if j < 16 { 1 } else { 2 };
+        let fifth = (qh >> j) & 1;
+        assert_eq!(*v, (nibble + 16 * fifth) as f32 - 16.0, "value {j}");
+    }
+    let mut b = [h(0.25), h(1.0)].concat();
+    b.extend(qh.to_le_bytes());
+    b.extend([0x21u8; 16]);
+    GgmlType::Q5_1.dequantize(&b, &mut y);
+    for (j, v) in y.iter().enumerate() {
+        let nibble = if j < 16 { 1 } else { 2 };
+        assert_eq!(*v, (nibble + 16 * ((qh >> j) & 1)) as f32 * 0.25 + 1.0, "value {j}");
+    }
+}
+
+#[test]
+fn edge_scales_zero_negative_zero_subnormal() {
+    let subnormal = f16::from_bits(0x0001); // 2^-24
+    for d in [f16::ZERO, f16::NEG_ZERO, subnormal, f16::MAX] {
+        let mut b = d.to_le_bytes().to_vec();
+        b.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let mut y = [0.0; 32];
+        GgmlType::Q8_0.dequantize(&b, &mut y);
+        for (i, v) in y.iter().enumerate() {
+            assert_eq!(*v, (i as f32 - 16.0) * d.to_f32());
+        }
+    }
+}
+
+/// ggml's `get_scale_min_k4`, written as in C.
+fn reference_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// ggml's `dequantize_row_q4_K` for one block, written as in C (pointer walks).
+fn reference_q4_k(x: &[u8]) -> Vec<f32> {
+    let d = f16::from_le_bytes([x[0], x[1]]).to_f32();
+    let min = f16::from_le_bytes([x[2], x[3]]).to_f32();
+    let scales = &x[4..16];
+    let mut q = &x[16..];
+    let mut y = Vec::new();
+    let mut is = 0;
+    for _ in (0..256).step_by(64) {
+        let (sc, m) = reference_scale_min(is, scales);
+        let (d1, m1) = (d * sc as f32, min * m as f32);
+        let (sc, m) = reference_scale_min(is + 1, scales);
+        let (d2, m2) = (d * sc as f32, min * m as f32);
+        y.extend(q[..32].iter().map(|&v| d1 * (v & 0xF) as f32 - m1));
+        y.extend(q[..32].iter().map(|&v| d2 * (v >> 4) as f32 - m2));
+        q = &q[32..];
+        is += 2;
+    }
+    y
+}
+
+/// ggml's `dequantize_row_q6_K` for one block, written as in C.
+fn reference_q6_k(x: &[u8]) -> Vec<f32> {
+    let d = f16::from_le_bytes([x[208], x[209]]).to_f32();
+    let (mut ql, mut qh, mut sc) = (&x[0..128], &x[128..192], &x[192..208]);
+    let mut y = vec![0.0; 256];
+    for n in (0..256).step_by(128) {
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+            y[n + l] = d * sc[is] as i8 as f32 * q1 as f32;
+            y[n + l + 32] = d * sc[is + 2] as i8 as f32 * q2 as f32;
+            y[n + l + 64] = d * sc[is + 4] as i8 as f32 * q3 as f32;
+            y[n + l + 96] = d * sc[is + 6] as i8 as f32 * q4 as f32;
+        }
+        ql = &ql[64..];
+        qh = &qh[32..];
+        sc = &sc[8..];
+    }
+    y
+}
+
+/// A finite f16 scale, edge values included.
+fn scale() -> impl Strategy<Value = [u8; 2]> {
+    prop_oneof![
+        Just(f16::ZERO.to_le_bytes()),
+        Just(f16::NEG_ZERO.to_le_bytes()),
+        Just(f16::from_bits(1).to_le_bytes()),
+        Just(f16::from_bits(0x03ff).to_le_bytes()),
+        (-4.0f32..4.0).prop_map(|v| f16::from_f32(v).to_le_bytes()),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn k_quants_equal_ggml_reference(d in scale(), dmin in scale(), body in proptest::collection::vec(any::<u8>(), 208)) {
+        let q4k = [d.as_slice(), &dmin, &body[..140]].concat();
+        let mut y = vec![0.0; 256];
+        GgmlType::Q4K.dequantize(&q4k, &mut y);
+        prop_assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        reference_q4_k(&q4k).iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        let q6k = [body.as_slice(), &d].concat();
+        GgmlType::Q6K.dequantize(&q6k, &mut y);
+        prop_assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        reference_q6_k(&q6k).iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn q8_0_and_nibble_formats_equal_the_formulas(d in scale(), m in scale(), body in proptest::collection::vec(any::<u8>(), 32)) {
+        let (df, mf) = (f16::from_le_bytes(d).to_f32(), f16::from_le_bytes(m).to_f32());
+        let mut y = [0.0; 32];
+        GgmlType::Q8_0.dequantize(&[d.as_slice(), &body].concat(), &mut y);
+        for j in 0..32 {
+            prop_assert_eq!(y[j].to_bits(), (body[j] as i8 as f32 * df).to_bits());
+        }
+        GgmlType::Q4_1.dequantize(&[d.as_slice(), &m, &body[..16]].concat(), &mut y);
+        for j in 0..16 {
+            prop_assert_eq!(y[j].to_bits(), ((body[j] & 15) as f32 * df + mf).to_bits());
+            prop_assert_eq!(y[j + 16].to_bits(), ((body[j] >> 4) as f32 * df + mf).to_bits());
+        }
+    }
+}
+
+/// The shared SmolLM2 file (Q4_1 linears, Q8_0 embedding, F32 norms).
+#[test]
+fn reads_the_shared_smollm2_file() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let g = Gguf::open(&path).expect("the shared model parses");
+    assert_eq!(g.architecture(), Some("llama"));
+    assert_eq!(g.get("llama.block_count").and_then(Value::as_u64), Some(30));
+    assert_eq!(g.get("llama.embedding_length").and_then(Value::as_u64), Some(576));
+    assert_eq!(g.get("tokenizer.ggml.model").and_then(Value::as_str), Some("gpt2"));
+    let emb = g.tensor("token_embd.weight").expect("embedding");
+    assert_eq!((emb.ty, emb.shape()), (GgmlType::Q8_0, vec![49152, 576]));
+    let q = g.tensor("blk.0.attn_q.weight").expect("attn_q");
+    assert_eq!((q.ty, q.shape()), (GgmlType::Q4_1, vec![576, 576]));
+    assert_eq!(g.tensor("blk.0.attn_norm.weight").map(|t| t.ty), Some(GgmlType::F32));
+    let values = g.tensor_f32(q);
+    assert!(values.iter().all(|v| v.is_finite()));
+    let rms = (values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32).sqrt();
+    assert!((0.005..1.0).contains(&rms), "attn_q rms {rms}");
+}
