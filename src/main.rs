@@ -205,9 +205,9 @@ struct DeviceArgs {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// Checkpoint directory (config.json, safetensors, tokenizer.json), or
+    /// Checkpoint directory (config.json, safetensors, tokenizer.json), a GGUF file, or
     /// `builtin:tiny` / `builtin:small` for a generated test model.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR|FILE")]
     model: String,
     /// Prompt text.
     #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]

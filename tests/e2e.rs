@@ -1,7 +1,7 @@
 //! The workspace's end-to-end and cross-crate tests, in one binary (each integration-test
 //! binary links the whole workspace): the model against a reference forward, the kernel
 //! ABI, the CLI and its refusals of bad input, serving across host processes with their
-//! faults, and prefill/decode disaggregation.
+//! faults, prefill/decode disaggregation, and a real model from a GGUF file.
 
 mod common;
 #[path = "common/serve.rs"]
@@ -10,6 +10,7 @@ mod serve_kit;
 mod bad_input;
 mod cli;
 mod disagg;
+mod gguf;
 mod kernels_abi;
 mod model;
 mod serve;

@@ -162,7 +162,14 @@ impl ModelConfig {
     /// Reads and validates `dir/config.json`, adding the end-of-sequence ids of
     /// `dir/generation_config.json` when it exists (chat models list their end-of-turn
     /// token only there, as HF `generate` reads it).
+    /// A GGUF file instead of a directory reads its metadata ([`crate::gguf::hf`]).
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if crate::gguf::is_model_file(dir) {
+            let g = crate::gguf::Gguf::open(dir)?;
+            let hf = crate::gguf::hf::hf_config(&g)
+                .map_err(|reason| BackendError::Gguf { path: dir.to_path_buf(), reason })?;
+            return Self::from_hf(&hf, dir);
+        }
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| BackendError::io(&path, e))?;
         let mut config = Self::from_json(&text, &path)?;

@@ -155,7 +155,9 @@ impl Model {
     /// Loads the checkpoint in `dir` onto `device`, with weights as `dtype` (None =
     /// as stored). Every tensor is checked for presence, shape and dtype first.
     pub fn load(dir: &Path, device: Device, dtype: Option<DType>) -> Result<Model> {
-        std::fs::read_dir(dir).map_err(|e| BackendError::io(dir, e))?;
+        if !crate::gguf::is_model_file(dir) {
+            std::fs::read_dir(dir).map_err(|e| BackendError::io(dir, e))?;
+        }
         let config = ModelConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         let (h, v) = (config.hidden_size, config.vocab_size);

@@ -72,7 +72,12 @@ fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
 impl TextTokenizer {
     /// Loads `dir/tokenizer.json` (required) and `dir/tokenizer_config.json` and
     /// `dir/generation_config.json` (optional: chat template, BOS/EOS).
+    /// A GGUF file instead of a directory reads its vocabulary, special tokens and chat
+    /// template from its metadata.
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if crate::gguf::is_model_file(dir) {
+            return Self::from_gguf(dir);
+        }
         let path = dir.join("tokenizer.json");
         let tok_err = |reason: String| BackendError::Tokenizer { path: path.clone(), reason };
         let text = match std::fs::read_to_string(&path) {
@@ -136,6 +141,43 @@ impl TextTokenizer {
             }
         }
 
+        Ok(Self::assemble(inner, path, bos_id, eos_ids, chat_template))
+    }
+
+    /// The tokenizer of a GGUF file: `tokenizer.ggml.*` and `tokenizer.chat_template`.
+    /// BOS is added only when the file asks for it (`tokenizer.ggml.add_bos_token`,
+    /// default true, as llama.cpp reads it).
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        use crate::gguf::{Gguf, Value, hf};
+        let g = Gguf::open(path)?;
+        let tok_err = |reason: String| BackendError::Tokenizer { path: path.to_path_buf(), reason };
+        let json = hf::tokenizer_json(&g).map_err(|e| tok_err(e.to_string()))?;
+        let inner: Tokenizer = json.parse().map_err(|e| tok_err(format!("cannot build the vocabulary: {e}")))?;
+        let id = |key: &str| {
+            g.get(key)
+                .and_then(Value::as_u64)
+                .and_then(|v| u32::try_from(v).ok())
+                .filter(|&v| inner.id_to_token(v).is_some())
+        };
+        let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(true);
+        let bos_id = id("tokenizer.ggml.bos_token_id").filter(|_| add_bos);
+        let mut eos_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        if let Some(eot) = id("tokenizer.ggml.eot_token_id")
+            && !eos_ids.contains(&eot)
+        {
+            eos_ids.push(eot);
+        }
+        let chat_template = g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_owned);
+        Ok(Self::assemble(inner, path.to_path_buf(), bos_id, eos_ids, chat_template))
+    }
+
+    fn assemble(
+        inner: Tokenizer,
+        path: PathBuf,
+        bos_id: Option<u32>,
+        eos_ids: Vec<u32>,
+        chat_template: Option<String>,
+    ) -> Self {
         let token_bytes = matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_))).then(|| {
             let table = byte_to_char_table();
             let mut char_to_byte = std::collections::HashMap::with_capacity(256);
@@ -161,7 +203,7 @@ impl TextTokenizer {
                 .collect()
         });
 
-        Ok(TextTokenizer { inner, path, bos_id, eos_ids, chat_template, token_bytes })
+        TextTokenizer { inner, path, bos_id, eos_ids, chat_template, token_bytes }
     }
 
     fn err(&self, reason: String) -> BackendError {

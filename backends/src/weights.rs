@@ -24,11 +24,27 @@ pub struct TensorEntry {
     range: Range<usize>,
 }
 
-/// All tensors of a checkpoint directory, memory-mapped.
+/// All tensors of a checkpoint directory, memory-mapped (or, for a GGUF file, converted
+/// to the layout the executor expects).
 pub struct Checkpoint {
     dir: PathBuf,
-    maps: Vec<Arc<Mmap>>,
+    maps: Vec<Storage>,
     tensors: HashMap<String, TensorEntry>,
+}
+
+/// Where a checkpoint's tensor bytes live.
+enum Storage {
+    Map(Arc<Mmap>),
+    Owned(Vec<u8>),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Map(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -40,6 +56,9 @@ impl Checkpoint {
     /// Opens `dir/model.safetensors`, or the shards listed in
     /// `dir/model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
+        if crate::gguf::is_model_file(dir) {
+            return Checkpoint::from_gguf(dir);
+        }
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if single.is_file() {
@@ -94,9 +113,40 @@ impl Checkpoint {
                     return Err(st_err(format!("tensor {name:?} appears in more than one shard")));
                 }
             }
-            maps.push(map);
+            maps.push(Storage::Map(map));
         }
         Ok(Checkpoint { dir: dir.to_path_buf(), maps, tensors })
+    }
+
+    /// The tensors of a GGUF file under their Hugging Face names, dequantized to f32 and
+    /// in Hugging Face layout (llama Q/K rows un-permuted; see [`crate::gguf::hf`]).
+    pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
+        use crate::gguf::{Gguf, GgufError, hf};
+        let g = Gguf::open(path)?;
+        let fail = |reason: GgufError| BackendError::Gguf { path: path.to_path_buf(), reason };
+        let config = hf::hf_config(&g).map_err(fail)?;
+        let mut maps = Vec::new();
+        let mut tensors = HashMap::new();
+        for info in g.tensors() {
+            let Some(name) = hf::hf_name(&info.name) else { continue };
+            let mut values = g.tensor_f32(info);
+            if let Some(heads) = hf::permuted_heads(&g, info, &config) {
+                let cols = if info.dims.len() > 1 { info.dims[0] as usize } else { 1 };
+                hf::unpermute_rows(&mut values, heads, cols)
+                    .map_err(|what| fail(GgufError::Tensor { name: info.name.clone(), what }))?;
+            }
+            let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+            let entry = TensorEntry {
+                name: name.clone(),
+                dtype: DType::F32,
+                shape: info.shape(),
+                file: maps.len(),
+                range: 0..bytes.len(),
+            };
+            maps.push(Storage::Owned(bytes));
+            tensors.insert(name, entry);
+        }
+        Ok(Checkpoint { dir: path.to_path_buf(), maps, tensors })
     }
 
     pub fn dir(&self) -> &Path {
@@ -126,7 +176,7 @@ impl Checkpoint {
 
     /// The raw little-endian bytes of a tensor, straight from the map.
     pub fn bytes(&self, entry: &TensorEntry) -> &[u8] {
-        &self.maps[entry.file][entry.range.clone()]
+        &self.maps[entry.file].bytes()[entry.range.clone()]
     }
 
     /// The tensor converted to f32 on the host (for tests and reference paths).
@@ -142,8 +192,11 @@ impl Checkpoint {
         let bytes = self.bytes(entry);
         if entry.dtype == dtype {
             let aligned = entry.range.start % dtype.size_bytes() == 0;
-            if device.info().host_memory_shared && aligned {
-                return device.wrap_host(self.maps[entry.file].clone(), entry.range.clone());
+            if let Storage::Map(map) = &self.maps[entry.file]
+                && device.info().host_memory_shared
+                && aligned
+            {
+                return device.wrap_host(map.clone(), entry.range.clone());
             }
             return device.upload(bytes);
         }
@@ -381,7 +434,7 @@ mod fuzz {
     fn check_accepted(ckpt: &Checkpoint) -> std::result::Result<(), TestCaseError> {
         for (name, entry) in &ckpt.tensors {
             prop_assert_eq!(name, &entry.name);
-            let map = &ckpt.maps[entry.file];
+            let map = ckpt.maps[entry.file].bytes();
             prop_assert!(entry.range.start <= entry.range.end && entry.range.end <= map.len());
             let elements: usize = entry.shape.iter().product();
             prop_assert_eq!(ckpt.bytes(entry).len(), elements * entry.dtype.size_bytes());

@@ -6,6 +6,7 @@
 //! [`GgufError`] naming what was wrong and where, never a panic, a huge allocation or a
 //! read out of bounds.
 
+pub mod hf;
 pub mod quant;
 
 use std::collections::BTreeMap;
@@ -170,6 +171,11 @@ impl TensorInfo {
     pub fn shape(&self) -> Vec<usize> {
         self.dims.iter().rev().map(|&d| d as usize).collect()
     }
+}
+
+/// Is `path` a single-file model (GGUF) rather than a checkpoint directory?
+pub fn is_model_file(path: &Path) -> bool {
+    path.is_file()
 }
 
 /// The parsed header of a GGUF file over its bytes.

@@ -380,3 +380,35 @@ fn reads_the_shared_smollm2_file() {
     let rms = (values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32).sqrt();
     assert!((0.005..1.0).contains(&rms), "attn_q rms {rms}");
 }
+
+/// llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`):
+/// `w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)`.
+fn converter_permute(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let rows = w.len() / cols;
+    let half = rows / heads / 2;
+    let mut out = Vec::with_capacity(w.len());
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let src = h * 2 * half + j * half + i;
+                out.extend_from_slice(&w[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn unpermute_undoes_the_converters_q_k_permutation() {
+    for (heads, head_dim, cols) in [(1, 2, 1), (3, 8, 5), (9, 64, 3)] {
+        let hf: Vec<f32> = (0..heads * head_dim * cols).map(|v| v as f32).collect();
+        let mut values = converter_permute(&hf, heads, cols);
+        if head_dim > 2 {
+            assert_ne!(values, hf, "the permutation moves rows");
+        }
+        hf::unpermute_rows(&mut values, heads, cols).expect("unpermute");
+        assert_eq!(values, hf);
+    }
+    let mut odd = vec![0.0; 3 * 4];
+    assert!(hf::unpermute_rows(&mut odd, 2, 4).is_err(), "3 rows do not split into 2 heads");
+}
