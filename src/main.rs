@@ -437,7 +437,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
     let config = EngineConfig { keep_logits: args.dump_logits.is_some(), ..Default::default() };
     let mut engine = Engine::new(model, kv, config)?;
-    engine.add_request(0, &prompt, params)?;
+    engine.add_request(0, &prompt, params.clone())?;
     let started = Instant::now();
     let mut first_token_s = None;
     let mut decoder = tokenizer.stream_decoder();
@@ -447,6 +447,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
         let report = engine.step()?;
         for (_, token) in report.sampled {
             first_token_s.get_or_insert(started.elapsed().as_secs_f64());
+            // The token that stopped the sequence (EOS, --stop-token-ids) is not text, as
+            // the gateway does not show it either.
+            if params.stop_token_ids.contains(&token) {
+                continue;
+            }
             if let Some(text) = decoder.push(token)? {
                 write!(out, "{text}")?;
                 out.flush()?;

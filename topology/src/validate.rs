@@ -520,8 +520,9 @@ impl Checker<'_> {
                 && !model_checked
             {
                 model_checked = true;
-                let builtins = format!("the model is a checkpoint directory or one of {}", BUILTIN_MODELS.join(", "));
-                if let Some(problem) = unusable(dir, PathKind::Directory, "checkpoint directory", &builtins, host) {
+                let builtins =
+                    format!("the model is a checkpoint directory, a GGUF file or one of {}", BUILTIN_MODELS.join(", "));
+                if let Some(problem) = unusable(dir, PathKind::Model, "model", &builtins, host) {
                     return Err(self.err(raw_model.span(), "cluster.model", problem));
                 }
             }
@@ -1188,7 +1189,8 @@ impl Checker<'_> {
 
 enum PathKind {
     File,
-    Directory,
+    /// A checkpoint directory or a single-file (GGUF) model.
+    Model,
 }
 
 /// Why `path`, the `what` that `host` (which runs here) needs, is unusable: missing, not
@@ -1208,9 +1210,21 @@ fn unusable(path: &Path, kind: PathKind, what: &str, hint: &str, host: &HostSpec
     };
     let (usable, noun) = match kind {
         PathKind::File => (meta.is_file(), "file"),
-        PathKind::Directory => (meta.is_dir(), "directory"),
+        PathKind::Model => {
+            (meta.is_dir() || (meta.is_file() && has_gguf_magic(path)), "checkpoint directory nor a GGUF file")
+        }
     };
-    (!usable).then(|| format!("`{}` is not a {noun}; {hint}", path.display()))
+    (!usable).then(|| match kind {
+        PathKind::Model => format!("`{}` is neither a {noun}; {hint}", path.display()),
+        PathKind::File => format!("`{}` is not a {noun}; {hint}", path.display()),
+    })
+}
+
+/// Does the file start like a GGUF model?
+fn has_gguf_magic(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == b"GGUF"
 }
 
 /// `host:port` or `tcp://host:port`, with an IP address and a port other than 0.

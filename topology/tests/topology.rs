@@ -786,9 +786,9 @@ fn load_refuses_missing_local_paths() {
             2,
             9,
             "cluster.model",
-            format!("checkpoint directory `{}` does not exist on this machine", missing_ckpt.display()),
+            format!("model `{}` does not exist on this machine", missing_ckpt.display()),
         ),
-        (model("lib/libk.so"), 2, 9, "cluster.model", "is not a directory".to_owned()),
+        (model("lib/libk.so"), 2, 9, "cluster.model", "is neither a checkpoint directory nor a GGUF file".to_owned()),
         // The model directory is checked when any host runs here, not only the first.
         (
             format!("{}{SECOND_HOST}", model("nope/ckpt").replace("127.0.0.1:7400", "192.0.2.1:7400")),

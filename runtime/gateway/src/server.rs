@@ -299,6 +299,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
     if !req.ignore_eos {
         stop_token_ids.extend(st.tokenizer.eos_ids());
     }
+    let stop_ids = stop_token_ids.clone();
     let ask = AdmitAsk {
         prompt: prompt.clone(),
         max_tokens,
@@ -346,6 +347,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         endpoint,
         prompt_tokens: prompt.len(),
         stops: req.stop.clone(),
+        stop_ids,
         started,
     };
     if req.stream {
@@ -362,6 +364,8 @@ struct Completion {
     endpoint: Endpoint,
     prompt_tokens: usize,
     stops: Vec<String>,
+    /// Tokens that end generation (EOS, `stop_token_ids`): counted, never shown as text.
+    stop_ids: Vec<u32>,
     started: Instant,
 }
 
@@ -369,15 +373,17 @@ struct Completion {
 struct TextAssembler<'a> {
     decoder: tessera_backends::tokenizer::StreamDecoder<'a>,
     stops: StopMatcher,
+    stop_ids: Vec<u32>,
     completion_tokens: usize,
     stopped: bool,
 }
 
 impl<'a> TextAssembler<'a> {
-    fn new(tok: &'a TextTokenizer, stops: Vec<String>) -> Self {
+    fn new(tok: &'a TextTokenizer, stops: Vec<String>, stop_ids: Vec<u32>) -> Self {
         TextAssembler {
             decoder: tok.stream_decoder(),
             stops: StopMatcher::new(stops),
+            stop_ids,
             completion_tokens: 0,
             stopped: false,
         }
@@ -391,6 +397,10 @@ impl<'a> TextAssembler<'a> {
                 break;
             }
             self.completion_tokens += 1;
+            if self.stop_ids.contains(&t) {
+                // The chip ends the sequence on it; its text (`<|im_end|>`) is no output.
+                break;
+            }
             let piece = self.decoder.push(t).map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
             if let Some(piece) = piece {
                 let (safe, hit) = self.stops.push(&piece);
@@ -433,7 +443,7 @@ async fn whole_response(
     first: ClientEvent,
 ) -> Response {
     let tokenizer = st.tokenizer.clone();
-    let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone());
+    let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone(), ctx.stop_ids.clone());
     let mut out = String::new();
     let mut event = Some(first);
     let finish = loop {
@@ -494,7 +504,7 @@ fn stream_response(
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     tokio::spawn(async move {
         let tokenizer = st.tokenizer.clone();
-        let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone());
+        let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone(), ctx.stop_ids.clone());
         let data = |v: Value| Ok(Event::default().data(v.to_string()));
         let mut sent_role = false;
         if ctx.endpoint == Endpoint::Chat {
