@@ -95,6 +95,19 @@ struct NodeArgs {
 enum ModelCommand {
     /// Write a deterministic random-weight checkpoint in the Hugging Face layout.
     MakeTiny(MakeTinyArgs),
+    /// What a GGUF file holds: architecture, shapes, tensor types and bytes, tokenizer,
+    /// chat template.
+    Info(ModelInfoArgs),
+}
+
+#[derive(Args)]
+struct ModelInfoArgs {
+    /// The GGUF file.
+    #[arg(value_name = "FILE.gguf")]
+    file: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -357,6 +370,7 @@ fn main() {
         }
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::MakeTiny(args)) => make_tiny(args),
+        Command::Model(ModelCommand::Info(args)) => model_info(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve(args),
         Command::Bench(BenchCommand::Bus(args)) => bench_bus(args),
@@ -479,6 +493,17 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if let Some(path) = &args.dump_logits {
         tessera_backends::npy::write_f32(path, &[done.tokens.len(), vocab], &done.logits)?;
         eprintln!("[logits of {} tokens written to {}]", done.tokens.len(), path.display());
+    }
+    Ok(())
+}
+
+fn model_info(args: ModelInfoArgs) -> Result<()> {
+    let gguf = tessera_backends::gguf::Gguf::open(&args.file)?;
+    let info = tessera_backends::gguf::info::describe(&gguf)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&info)?);
+    } else {
+        print!("{}", info.render());
     }
     Ok(())
 }

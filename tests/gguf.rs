@@ -96,3 +96,30 @@ fn smollm2_gguf_serves_disaggregated_through_the_gateway() {
     let metrics = get(cluster.gateway, "/metrics").body;
     assert!(metrics.contains("tessera_router_decisions_total{placement=\"disaggregated\"} 2"), "{metrics}");
 }
+
+#[test]
+fn model_info_describes_the_file() {
+    let run = |json: bool| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["model", "info"]).arg(smollm2());
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().expect("run tessera");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = run(false);
+    for want in ["llama: 30 layers, hidden 576", "9 heads / 3 KV heads of 64", "Q4_1", "Q8_0", "smollm", "<|im_start|>"]
+    {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    let info: serde_json::Value = serde_json::from_str(&run(true)).expect("JSON");
+    assert_eq!(info["layers"], 30);
+    assert_eq!(info["tensor_types"]["Q4_1"]["tensors"], 210);
+    assert_eq!(info["tokenizer"]["tokens"], 49152);
+
+    let out = Command::new(BIN).args(["model", "info", "Cargo.toml"]).output().expect("run tessera");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a GGUF file"));
+}

@@ -7,6 +7,7 @@
 //! read out of bounds.
 
 pub mod hf;
+pub mod info;
 pub mod quant;
 
 use std::collections::BTreeMap;
