@@ -25,7 +25,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Assignment, Region, RegionDesc, TransferConfig, TransferEngine, TransferError, Transport};
+use tessera_runtime::transfer::{
+    Assignment, Region, RegionDesc, TransferConfig, TransferEngine, TransferError, Transport,
+};
 
 /// Longest wait for the peer to come up or to go away.
 const PEER_TIMEOUT: Duration = Duration::from_secs(20);
@@ -439,10 +441,7 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
     let engine = TransferEngine::start(config)?;
     let dst = engine.register(opts.bytes)?;
     let batch = scattered_batch(opts.bytes, opts.block_bytes);
-    let tcp_requests =
-        super::batch::plan(&batch, (remote.region, remote.len), (dst.id(), dst.len() as u64), opts.chunk_bytes as u64)?
-            .chunks
-            .len();
+    let tcp_requests = engine.tcp_requests(remote, &dst, &batch)?;
 
     let want = pattern(opts.bytes);
     let mut raw_dst = vec![0u8; opts.bytes];
@@ -575,5 +574,17 @@ mod tests {
         dst.sort_unstable();
         assert_eq!(src, dst, "destination slots are a permutation of the source blocks");
         assert!(batch.iter().any(|a| a.src_offset != a.dst_offset), "destinations are scattered");
+    }
+
+    #[test]
+    fn bench_runs_end_to_end_with_a_thread_peer() {
+        let mut opts = TransferBenchOptions::new(2 << 20, PeerLaunch::Thread);
+        opts.block_bytes = 64 * 1024;
+        opts.runs = 1;
+        let report = run(&opts).expect("bench");
+        assert!(report.verified);
+        assert_eq!((report.blocks, report.tcp_requests), (32, 2));
+        assert!(report.tcp.median_gb_per_s > 0.0 && report.shm.median_gb_per_s > 0.0);
+        assert!(report.table().contains("engine tcp / raw socket"));
     }
 }

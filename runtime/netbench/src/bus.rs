@@ -19,15 +19,25 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 
-use super::{Bus, BusConfig, BusError, BusStats, InboundFn, PeerSpec, SendError};
-use crate::addr::{Addr, HostId};
-use crate::codec::{self, Envelope};
+use tessera_runtime::bus::{Bus, BusConfig, BusError, BusStats, InboundFn, PeerSpec, SendError};
+use tessera_runtime::codec::{self, Envelope};
+use tessera_runtime::{Addr, HostId};
 
 const MAIN_HOST: HostId = HostId(0);
 const PEER_HOST: HostId = HostId(1);
 /// Longest wait for any one reply, for the peer to come up, or for it to exit.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 const SETUP_ATTEMPTS: usize = 3;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BusBenchError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("bus benchmark: {0}")]
+    Bench(String),
+    #[error("bus benchmark I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
 
 /// How the echo peer runs.
 #[derive(Debug, Clone)]
@@ -126,15 +136,15 @@ impl BusBenchReport {
     }
 }
 
-fn bench_err(msg: impl Into<String>) -> BusError {
-    BusError::Bench(msg.into())
+fn bench_err(msg: impl Into<String>) -> BusBenchError {
+    BusBenchError::Bench(msg.into())
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, BusError> {
+fn runtime() -> Result<tokio::runtime::Runtime, BusBenchError> {
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
 }
 
-fn free_port() -> Result<u16, BusError> {
+fn free_port() -> Result<u16, BusBenchError> {
     Ok(std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
 }
 
@@ -143,7 +153,7 @@ fn loopback(port: u16) -> SocketAddr {
 }
 
 /// Runs the echo peer until its standard input closes (the parent exited or let go).
-pub fn serve_peer(args: &BusPeerArgs) -> Result<(), BusError> {
+pub fn serve_peer(args: &BusPeerArgs) -> Result<(), BusBenchError> {
     let rt = runtime()?;
     rt.block_on(async {
         let stdin_closed = tokio::task::spawn_blocking(|| {
@@ -161,7 +171,7 @@ async fn serve(
     args: &BusPeerArgs,
     stop: impl std::future::Future<Output = ()>,
     ready: impl FnOnce(),
-) -> Result<(), BusError> {
+) -> Result<(), BusBenchError> {
     let tcp = TcpListener::bind(loopback(args.tcp_port)).await?;
     let slot: Arc<OnceLock<Bus>> = Arc::new(OnceLock::new());
     let echo = slot.clone();
@@ -228,7 +238,7 @@ enum PeerGuard {
     Process(Option<Child>),
     Thread {
         stop: Option<tokio::sync::oneshot::Sender<()>>,
-        join: Option<std::thread::JoinHandle<Result<(), BusError>>>,
+        join: Option<std::thread::JoinHandle<Result<(), BusBenchError>>>,
     },
 }
 
@@ -257,7 +267,7 @@ impl Drop for PeerGuard {
 }
 
 /// Starts the peer and waits until it has bound its sockets.
-fn launch_peer(launch: &PeerLaunch, args: &BusPeerArgs) -> Result<PeerGuard, BusError> {
+fn launch_peer(launch: &PeerLaunch, args: &BusPeerArgs) -> Result<PeerGuard, BusBenchError> {
     match launch {
         PeerLaunch::Process { program, args: prefix } => {
             let child = crate::peer::spawn_peer_process(program, prefix, args.to_args())
@@ -308,7 +318,7 @@ fn launch_peer(launch: &PeerLaunch, args: &BusPeerArgs) -> Result<PeerGuard, Bus
 }
 
 /// Runs the benchmark; creates its own tokio runtime (call it from sync code).
-pub fn run(opts: &BusBenchOptions) -> Result<BusBenchReport, BusError> {
+pub fn run(opts: &BusBenchOptions) -> Result<BusBenchReport, BusBenchError> {
     if opts.messages == 0 || opts.window == 0 {
         return Err(bench_err("messages and window must be at least 1"));
     }
@@ -329,8 +339,8 @@ pub fn run(opts: &BusBenchOptions) -> Result<BusBenchReport, BusError> {
 }
 
 enum Attempt {
-    Setup(BusError),
-    Measure(BusError),
+    Setup(BusBenchError),
+    Measure(BusBenchError),
 }
 
 fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusBenchReport, Attempt> {
@@ -355,7 +365,7 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
             direct: peer_args.direct,
             events: peer_args.events,
         });
-        let bus = Bus::start(config, inbound).await.map_err(Attempt::Setup)?;
+        let bus = Bus::start(config, inbound).await.map_err(|e| Attempt::Setup(e.into()))?;
         let measured = measure(&bus, rx, opts, peer_args.tcp_port).await;
         let stats = bus.stats();
         bus.shutdown().await;
@@ -378,7 +388,7 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
     })
 }
 
-async fn recv(rx: &mut mpsc::UnboundedReceiver<u64>) -> Result<u64, BusError> {
+async fn recv(rx: &mut mpsc::UnboundedReceiver<u64>) -> Result<u64, BusBenchError> {
     match tokio::time::timeout(REPLY_TIMEOUT, rx.recv()).await {
         Ok(Some(corr)) => Ok(corr),
         Ok(None) => Err(bench_err("bus closed")),
@@ -405,7 +415,7 @@ async fn measure(
     mut rx: mpsc::UnboundedReceiver<u64>,
     opts: &BusBenchOptions,
     tcp_port: u16,
-) -> Result<(usize, PathReport, PathReport), BusError> {
+) -> Result<(usize, PathReport, PathReport), BusBenchError> {
     let payload = vec![0xa5u8; opts.payload_bytes];
     let ping = |corr: u64| {
         Envelope::direct(Addr::new(MAIN_HOST, 1), Addr::new(PEER_HOST, 1), "BenchPing", corr, payload.clone())
@@ -466,7 +476,7 @@ async fn measure(
     Ok((frame_bytes, bus_path, tcp_path))
 }
 
-async fn measure_tcp(port: u16, frame_bytes: usize, n: usize, window: usize) -> Result<PathReport, BusError> {
+async fn measure_tcp(port: u16, frame_bytes: usize, n: usize, window: usize) -> Result<PathReport, BusBenchError> {
     let mut frame = (frame_bytes as u32).to_le_bytes().to_vec();
     frame.resize(4 + frame_bytes, 0xa5);
     let timeout = |what: &'static str| move |_| bench_err(format!("TCP baseline: {what} timed out"));
@@ -506,4 +516,23 @@ async fn measure_tcp(port: u16, frame_bytes: usize, n: usize, window: usize) -> 
     let elapsed = started.elapsed();
     writer.await.map_err(|e| bench_err(format!("TCP writer: {e}")))??;
     Ok(path_report(rtts, n, elapsed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_runs_against_a_thread_peer() {
+        let opts = BusBenchOptions { messages: 300, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread };
+        let report = run(&opts).expect("bench");
+        assert_eq!(report.peer, "thread");
+        assert!(report.frame_bytes > 64);
+        assert!(report.bus.rtt_p50_us > 0.0 && report.bus.rtt_p99_us >= report.bus.rtt_p50_us);
+        assert!(report.tcp.rtt_p50_us > 0.0 && report.tcp.round_trips_per_s > 0.0);
+        assert!(report.rtt_p50_ratio.is_finite() && report.throughput_ratio.is_finite());
+        assert!(report.bus_stats.received >= 600, "{:?}", report.bus_stats);
+        assert_eq!(report.bus_stats.dropped, 0);
+        assert!(report.table().contains("bus/tcp"));
+    }
 }
