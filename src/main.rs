@@ -111,8 +111,9 @@ enum BenchCommand {
     /// The echo peer of `bench bus` (started by it).
     #[command(hide = true)]
     BusPeer(BusPeerArgs),
-    /// KV transfer engine between two processes: tcp against a plain TCP socket blast
-    /// and shm against memcpy, of the same bytes, in one run.
+    /// KV transfer engine between two processes: tcp against plain TCP sockets (as many
+    /// streams as the engine) and shm against memcpy, of the same bytes, in one run,
+    /// beside the STREAM copy bandwidth of the machine.
     Transfer(BenchTransferArgs),
     /// The region-owning peer of `bench transfer` (started by it).
     #[command(hide = true)]
@@ -136,6 +137,10 @@ struct BenchTransferArgs {
     /// Bytes per TCP request (default: the engine's).
     #[arg(long, value_parser = tessera_netbench::transfer::parse_bytes)]
     chunk: Option<usize>,
+    /// Bytes of each array of the STREAM copy (default: 4 x the last-level cache,
+    /// within 256MiB..1GiB).
+    #[arg(long, value_parser = tessera_netbench::transfer::parse_bytes)]
+    stream_bytes: Option<usize>,
     /// Also measure the prefill -> decode hand-off gap on the disaggregated cluster
     /// serving at this URL (e.g. `tessera up topology/examples/disagg-small.toml`).
     #[arg(long, value_name = "URL")]
@@ -533,6 +538,7 @@ fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
     opts.runs = args.runs;
     opts.tcp_streams = args.streams.unwrap_or(opts.tcp_streams);
     opts.chunk_bytes = args.chunk.unwrap_or(opts.chunk_bytes);
+    opts.stream_array_bytes = args.stream_bytes.unwrap_or(opts.stream_array_bytes);
     let report = bench::run(&opts)?;
     let handoff = match &args.handoff_url {
         Some(url) => {

@@ -9,4 +9,5 @@
 
 pub mod bus;
 mod peer;
+pub mod stream;
 pub mod transfer;
