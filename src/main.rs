@@ -124,8 +124,9 @@ enum BenchCommand {
     /// The echo peer of `bench bus` (started by it).
     #[command(hide = true)]
     BusPeer(BusPeerArgs),
-    /// KV transfer engine between two processes: tcp against a plain TCP socket blast
-    /// and shm against memcpy, of the same bytes, in one run.
+    /// KV transfer engine between two processes: tcp against plain TCP sockets (as many
+    /// streams as the engine) and shm against memcpy, of the same bytes, in one run,
+    /// beside the STREAM copy bandwidth of the machine.
     Transfer(BenchTransferArgs),
     /// The region-owning peer of `bench transfer` (started by it).
     #[command(hide = true)]
@@ -135,10 +136,10 @@ enum BenchCommand {
 #[derive(Args)]
 struct BenchTransferArgs {
     /// Bytes moved per measurement (e.g. 64MiB, 1GiB).
-    #[arg(long, default_value = "64MiB", value_parser = tessera_runtime::transfer::bench::parse_bytes)]
+    #[arg(long, default_value = "64MiB", value_parser = tessera_netbench::transfer::parse_bytes)]
     bytes: usize,
     /// Bytes per assignment (one KV block).
-    #[arg(long, default_value = "256KiB", value_parser = tessera_runtime::transfer::bench::parse_bytes)]
+    #[arg(long, default_value = "256KiB", value_parser = tessera_netbench::transfer::parse_bytes)]
     block: usize,
     /// Measured runs after one warm-up; medians are reported.
     #[arg(long, default_value_t = 9)]
@@ -147,8 +148,12 @@ struct BenchTransferArgs {
     #[arg(long)]
     streams: Option<usize>,
     /// Bytes per TCP request (default: the engine's).
-    #[arg(long, value_parser = tessera_runtime::transfer::bench::parse_bytes)]
+    #[arg(long, value_parser = tessera_netbench::transfer::parse_bytes)]
     chunk: Option<usize>,
+    /// Bytes of each array of the STREAM copy (default: 4 x the last-level cache,
+    /// within 256MiB..1GiB).
+    #[arg(long, value_parser = tessera_netbench::transfer::parse_bytes)]
+    stream_bytes: Option<usize>,
     /// Also measure the prefill -> decode hand-off gap on the disaggregated cluster
     /// serving at this URL (e.g. `tessera up topology/examples/disagg-small.toml`).
     #[arg(long, value_name = "URL")]
@@ -167,7 +172,7 @@ struct BenchTransferArgs {
     json: bool,
 }
 
-/// Flags written by `tessera_runtime::transfer::bench::TransferPeerArgs::to_args`.
+/// Flags written by `tessera_netbench::transfer::TransferPeerArgs::to_args`.
 #[derive(Args)]
 struct TransferPeerArgs {
     #[arg(long)]
@@ -190,7 +195,7 @@ struct BenchBusArgs {
     json: bool,
 }
 
-/// Flags written by `tessera_runtime::bus::bench::BusPeerArgs::to_args`.
+/// Flags written by `tessera_netbench::bus::BusPeerArgs::to_args`.
 #[derive(Args)]
 struct BusPeerArgs {
     #[arg(long)]
@@ -526,7 +531,7 @@ fn make_tiny(args: MakeTinyArgs) -> Result<()> {
 }
 
 fn bench_bus(args: BenchBusArgs) -> Result<()> {
-    use tessera_runtime::bus::bench;
+    use tessera_netbench::bus as bench;
     let program = std::env::current_exe().context("locating the tessera binary to start the bus peer")?;
     let opts = bench::BusBenchOptions {
         messages: args.messages,
@@ -544,18 +549,18 @@ fn bench_bus(args: BenchBusArgs) -> Result<()> {
 }
 
 fn bench_bus_peer(args: BusPeerArgs) -> Result<()> {
-    let args = tessera_runtime::bus::bench::BusPeerArgs {
+    let args = tessera_netbench::bus::BusPeerArgs {
         direct: args.direct,
         events: args.events,
         peer_direct: args.peer_direct,
         peer_events: args.peer_events,
         tcp_port: args.tcp_port,
     };
-    Ok(tessera_runtime::bus::bench::serve_peer(&args)?)
+    Ok(tessera_netbench::bus::serve_peer(&args)?)
 }
 
 fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
-    use tessera_runtime::transfer::bench;
+    use tessera_netbench::transfer as bench;
     let program = std::env::current_exe().context("locating the tessera binary to start the transfer peer")?;
     let peer = bench::PeerLaunch::Process { program, args: vec!["bench".into(), "transfer-peer".into()] };
     let mut opts = bench::TransferBenchOptions::new(args.bytes, peer);
@@ -563,6 +568,7 @@ fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
     opts.runs = args.runs;
     opts.tcp_streams = args.streams.unwrap_or(opts.tcp_streams);
     opts.chunk_bytes = args.chunk.unwrap_or(opts.chunk_bytes);
+    opts.stream_array_bytes = args.stream_bytes.unwrap_or(opts.stream_array_bytes);
     let report = bench::run(&opts)?;
     let handoff = match &args.handoff_url {
         Some(url) => {
@@ -608,8 +614,8 @@ fn bench_handoff(
 }
 
 fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {
-    let args = tessera_runtime::transfer::bench::TransferPeerArgs { bytes: args.bytes };
-    Ok(tessera_runtime::transfer::bench::serve_peer(&args)?)
+    let args = tessera_netbench::transfer::TransferPeerArgs { bytes: args.bytes };
+    Ok(tessera_netbench::transfer::serve_peer(&args)?)
 }
 
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {

@@ -10,7 +10,6 @@ pub mod codec;
 #[cfg(test)]
 mod fuzz_tests;
 pub mod host;
-mod peer;
 pub mod transfer;
 
 pub use addr::{Addr, HostId};

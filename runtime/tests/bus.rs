@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_runtime::bus::bench::{self, BusBenchOptions, PeerLaunch};
 use tessera_runtime::bus::{Bus, BusConfig, BusError, InboundFn, PeerSpec, SendError};
 use tessera_runtime::codec::Envelope;
 use tessera_runtime::{Addr, HostId};
@@ -323,20 +322,6 @@ async fn bind_failure_names_the_address() {
     let mut cfg = config(A, ports(), B, ports(), 16);
     cfg.peers.push(cfg.peers[0].clone());
     assert!(matches!(Bus::start(cfg, ia).await, Err(BusError::Config(_))));
-}
-
-#[test]
-fn bench_runs_against_a_thread_peer() {
-    let opts = BusBenchOptions { messages: 300, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread };
-    let report = bench::run(&opts).expect("bench");
-    assert_eq!(report.peer, "thread");
-    assert!(report.frame_bytes > 64);
-    assert!(report.bus.rtt_p50_us > 0.0 && report.bus.rtt_p99_us >= report.bus.rtt_p50_us);
-    assert!(report.tcp.rtt_p50_us > 0.0 && report.tcp.round_trips_per_s > 0.0);
-    assert!(report.rtt_p50_ratio.is_finite() && report.throughput_ratio.is_finite());
-    assert!(report.bus_stats.received >= 600, "{:?}", report.bus_stats);
-    assert_eq!(report.bus_stats.dropped, 0);
-    assert!(report.table().contains("bus/tcp"));
 }
 
 /// Hostile bytes at a bus port, as a raw TCP client would send them.

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use tessera_runtime::transfer::bench::{self, PeerLaunch, TransferBenchOptions};
 use tessera_runtime::transfer::{
     Assignment, Region, RegionDesc, RemoteStatus, TransferConfig, TransferEngine, TransferError, Transport,
     TransportChoice,
@@ -584,13 +583,30 @@ fn region_access_is_bounds_checked_and_exclusive() {
 }
 
 #[test]
-fn bench_runs_end_to_end_with_a_thread_peer() {
-    let mut opts = TransferBenchOptions::new(2 << 20, PeerLaunch::Thread);
-    opts.block_bytes = 64 * 1024;
-    opts.runs = 1;
-    let report = bench::run(&opts).expect("bench");
-    assert!(report.verified);
-    assert_eq!((report.blocks, report.tcp_requests), (32, 2));
-    assert!(report.tcp.median_gb_per_s > 0.0 && report.shm.median_gb_per_s > 0.0);
-    assert!(report.table().contains("engine tcp / raw socket"));
+fn tcp_requests_counts_coalesced_chunks() {
+    let mut config = TransferConfig::new(loopback());
+    config.chunk_bytes = 256 << 10;
+    let (reader, writer) = (TransferEngine::start(config).expect("reader"), engine());
+    let (remote, local) =
+        (writer.register(REGION_BYTES).expect("remote"), reader.register(REGION_BYTES).expect("local"));
+    let desc = writer.describe(&remote);
+    // Four 64 KiB blocks back to back on the writer, scattered locally: one request.
+    let block = 64 << 10;
+    let scattered: Vec<Assignment> = [3u64, 0, 7, 5]
+        .iter()
+        .enumerate()
+        .map(|(i, &slot)| Assignment { src_offset: i as u64 * block, dst_offset: slot * block, len: block })
+        .collect();
+    assert_eq!(reader.tcp_requests(&desc, &local, &scattered).expect("plan"), 1);
+    // The whole region: cut at chunk_bytes; a gap on the writer splits a request.
+    let whole = [Assignment { src_offset: 0, dst_offset: 0, len: REGION_BYTES as u64 }];
+    assert_eq!(reader.tcp_requests(&desc, &local, &whole).expect("plan"), 4);
+    let gap = [
+        Assignment { src_offset: 0, dst_offset: 0, len: 4096 },
+        Assignment { src_offset: 8192, dst_offset: 4096, len: 4096 },
+    ];
+    assert_eq!(reader.tcp_requests(&desc, &local, &gap).expect("plan"), 2);
+    // Checked as a read is.
+    let past_end = [Assignment { src_offset: REGION_BYTES as u64, dst_offset: 0, len: 1 }];
+    assert!(matches!(reader.tcp_requests(&desc, &local, &past_end), Err(TransferError::OutOfBounds { .. })));
 }

@@ -39,7 +39,6 @@
 //! - A handshake that ends after its socket closed leaks the connection and a task;
 //!   shutdown reaps those.
 
-pub mod bench;
 mod link;
 
 use std::collections::{HashMap, HashSet};
@@ -168,10 +167,6 @@ pub enum BusError {
     Config(String),
     #[error("the bus must be started inside a tokio runtime")]
     NoRuntime,
-    #[error("bus benchmark: {0}")]
-    Bench(String),
-    #[error("bus benchmark I/O: {0}")]
-    Io(#[from] std::io::Error),
 }
 
 #[derive(Debug, thiserror::Error)]

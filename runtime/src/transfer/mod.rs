@@ -32,7 +32,6 @@
 #![deny(unsafe_code)]
 
 mod batch;
-pub mod bench;
 mod client;
 mod region;
 mod server;
@@ -496,6 +495,23 @@ impl TransferEngine {
         batch: &[Assignment],
     ) -> Result<TransferStats, TransferError> {
         self.read_via_async(transport, remote, local, batch)?.wait()
+    }
+
+    /// How many requests a `tcp` read of `batch` sends: the batch coalesced where it is
+    /// contiguous on the peer, then cut at `chunk_bytes`. Checks the batch as a read does.
+    pub fn tcp_requests(
+        &self,
+        remote: &RegionDesc,
+        local: &Region,
+        batch: &[Assignment],
+    ) -> Result<usize, TransferError> {
+        let plan = batch::plan(
+            batch,
+            (remote.region, remote.len),
+            (local.id(), local.len() as u64),
+            self.config.chunk_bytes as u64,
+        )?;
+        Ok(plan.chunks.len())
     }
 
     /// Starts [`read`](Self::read) and returns at once (an shm batch is copied before

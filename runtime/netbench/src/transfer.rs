@@ -3,10 +3,16 @@
 //!
 //! - tcp: the engine pulls the peer's region as KV-block-sized assignments (contiguous
 //!   on the peer, scattered over the local region, as a decode chip's free blocks are)
-//!   vs one plain TCP stream blasting the same bytes (`write_all` / `read_exact`)
-//!   between the same two processes.
+//!   vs plain TCP sockets blasting the same bytes (`write_all` / `read_exact`) between
+//!   the same two processes, over as many parallel streams as the engine uses, from the
+//!   peer's region into a region registered here, as the engine's bytes go.
 //! - shm: the engine pulls the same batch from the peer's pages vs a single `memcpy` of
-//!   the same size inside this process.
+//!   the same size inside this process, into a buffer written before any timing (so,
+//!   like the engine's destination, it pays no page faults).
+//! - The STREAM copy kernel on this machine ([`crate::stream`]), as the ceiling of both.
+//!
+//! A baseline must not carry a handicap the engine does not (one stream against four,
+//! page faults against warm pages): a ratio then measures the engine, not the baseline.
 //!
 //! The peer is this binary re-executed with a hidden subcommand that calls
 //! [`serve_peer`] (or, in tests, a thread running the same code): it registers a region
@@ -17,15 +23,19 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::process::Child;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Assignment, Region, RegionDesc, TransferConfig, TransferEngine, TransferError, Transport};
+use tessera_runtime::transfer::{
+    Assignment, Region, RegionDesc, TransferConfig, TransferEngine, TransferError, Transport,
+};
 
 /// Longest wait for the peer to come up or to go away.
 const PEER_TIMEOUT: Duration = Duration::from_secs(20);
@@ -64,6 +74,10 @@ pub struct TransferBenchOptions {
     pub tcp_streams: usize,
     pub chunk_bytes: usize,
     pub pipeline_depth: usize,
+    /// Bytes of each of the STREAM copy's two arrays.
+    pub stream_array_bytes: usize,
+    /// Passes of the STREAM copy; the best is reported.
+    pub stream_passes: usize,
     pub peer: PeerLaunch,
 }
 
@@ -77,6 +91,8 @@ impl TransferBenchOptions {
             tcp_streams: defaults.tcp_streams,
             chunk_bytes: defaults.chunk_bytes,
             pipeline_depth: defaults.pipeline_depth,
+            stream_array_bytes: crate::stream::default_array_bytes(),
+            stream_passes: 5,
             peer,
         }
     }
@@ -98,7 +114,9 @@ impl TransferPeerArgs {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PeerHello {
     pub region: RegionDesc,
-    /// The raw-TCP baseline: send a u64 (LE) byte count, receive that many bytes.
+    /// The raw-TCP baseline: send a u64 (LE) offset and a u64 (LE) length, receive that
+    /// many bytes of the region from that offset; as often as wanted, on any number of
+    /// connections.
     pub raw_tcp: SocketAddr,
 }
 
@@ -111,6 +129,8 @@ pub struct PathStats {
     pub median_ms: f64,
 }
 
+/// The figures of one run. Keys of `--json` keep their meaning across versions; where a
+/// baseline was made fairer the key stayed and its doc says what changed.
 #[derive(Debug, Clone, Serialize)]
 pub struct TransferBenchReport {
     pub bytes: usize,
@@ -125,14 +145,32 @@ pub struct TransferBenchReport {
     /// "process" or "thread".
     pub peer: &'static str,
     pub tcp: PathStats,
+    /// Plain sockets: `raw_tcp_streams` connections, each reading one contiguous slice
+    /// of the bytes into a registered region. (Before `raw_tcp_streams` existed this was
+    /// one connection reading into a plain buffer.)
     pub raw_tcp: PathStats,
+    /// Parallel streams of the raw-TCP baseline: as many as the engine's tcp read uses,
+    /// `min(tcp_streams, tcp_requests)`.
+    pub raw_tcp_streams: usize,
     pub shm: PathStats,
+    /// One `memcpy` into a buffer whose pages were written before any timing.
     pub memcpy: PathStats,
-    /// Engine tcp throughput / raw socket throughput: the median over runs of the ratio
-    /// within each run, where the two ran back to back (robust to a slow spell of the
-    /// machine hitting one path's median but not the other's).
+    /// The STREAM copy kernel on one thread, best of `stream_copy_passes`, in bytes
+    /// copied per second like every path above (STREAM itself reports twice this: it
+    /// counts bytes read + written): the ceiling of a one-thread copy (shm, memcpy).
+    pub stream_copy_gbps: f64,
+    /// The same on `stream_copy_threads` threads: the machine's memory-bandwidth ceiling.
+    pub stream_copy_all_threads_gbps: f64,
+    pub stream_copy_threads: usize,
+    pub stream_copy_array_bytes: usize,
+    pub stream_copy_passes: usize,
+    /// Engine tcp throughput / raw socket throughput (same number of streams): the
+    /// median over runs of the ratio within each run, where the two ran back to back
+    /// (robust to a slow spell of the machine hitting one path's median but not the
+    /// other's). (Before `raw_tcp_streams` existed the baseline was one stream.)
     pub tcp_vs_raw: f64,
-    /// Engine shm throughput / memcpy throughput, paired the same way.
+    /// Engine shm throughput / memcpy throughput (pre-faulted destination), paired the
+    /// same way.
     pub shm_vs_memcpy: f64,
     /// Every measured transfer matched the pattern byte for byte.
     pub verified: bool,
@@ -150,27 +188,47 @@ impl TransferBenchReport {
             self.runs
         );
         s += &format!(
-            "tcp: {} streams, chunks of {:.0} KiB ({} requests), pipeline depth {}\n",
+            "tcp: {} streams, chunks of {:.0} KiB ({} requests), pipeline depth {}; raw socket: {} streams, one slice each\n",
             self.tcp_streams,
             self.chunk_bytes as f64 / 1024.0,
             self.tcp_requests,
-            self.pipeline_depth
+            self.pipeline_depth,
+            self.raw_tcp_streams
         );
-        s += &format!("{:<16} {:>12} {:>10} {:>10} {:>11}\n", "path", "GB/s median", "min", "max", "ms median");
+        s += &format!("{:<28} {:>12} {:>10} {:>10} {:>11}\n", "path", "GB/s median", "min", "max", "ms median");
+        let raw = format!("raw tcp socket, {} streams", self.raw_tcp_streams);
         for (name, p) in [
             ("engine tcp", &self.tcp),
-            ("raw tcp socket", &self.raw_tcp),
+            (raw.as_str(), &self.raw_tcp),
             ("engine shm", &self.shm),
-            ("memcpy", &self.memcpy),
+            ("memcpy, pre-faulted", &self.memcpy),
         ] {
             s += &format!(
-                "{:<16} {:>12.2} {:>10.2} {:>10.2} {:>11.2}\n",
+                "{:<28} {:>12.2} {:>10.2} {:>10.2} {:>11.2}\n",
                 name, p.median_gb_per_s, p.min_gb_per_s, p.max_gb_per_s, p.median_ms
             );
         }
         s += &format!(
+            "{:<28} {:>12.2}   (best of {}, 2 arrays of {:.0} MiB)\n",
+            "STREAM copy, 1 thread",
+            self.stream_copy_gbps,
+            self.stream_copy_passes,
+            mib(self.stream_copy_array_bytes)
+        );
+        s += &format!(
+            "{:<28} {:>12.2}   (bytes copied per second; STREAM reports read + written, twice these)\n",
+            format!("STREAM copy, {} threads", self.stream_copy_threads),
+            self.stream_copy_all_threads_gbps
+        );
+        let of_stream = |p: &PathStats| 100.0 * p.median_gb_per_s / self.stream_copy_gbps.max(1e-12);
+        s += &format!(
             "engine tcp / raw socket: x{:.2}   engine shm / memcpy: x{:.2}   (median of per-run ratios)   verified: {}\n",
             self.tcp_vs_raw, self.shm_vs_memcpy, self.verified
+        );
+        s += &format!(
+            "of the 1-thread STREAM copy: engine shm {:.0}%, memcpy {:.0}%\n",
+            of_stream(&self.shm),
+            of_stream(&self.memcpy)
         );
         s
     }
@@ -220,8 +278,7 @@ fn loopback_any() -> SocketAddr {
 fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl FnOnce()) -> Result<(), BenchError> {
     let engine = TransferEngine::start(TransferConfig::new(loopback_any()))?;
     let region = engine.register(args.bytes)?;
-    let data = Arc::new(pattern(args.bytes));
-    region.write(0, &data)?;
+    region.write(0, &pattern(args.bytes))?;
     let raw = TcpListener::bind(loopback_any())?;
     let hello = PeerHello { region: engine.describe(&region), raw_tcp: raw.local_addr()? };
     let stopping = Arc::new(AtomicBool::new(false));
@@ -232,9 +289,9 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
                 return;
             }
             let Ok(stream) = stream else { continue };
-            let data = data.clone();
+            let region = region.clone();
             std::thread::spawn(move || {
-                if let Err(e) = blast(stream, &data) {
+                if let Err(e) = blast(stream, &region) {
                     tracing::debug!("raw TCP bench connection ended: {e}");
                 }
             });
@@ -251,21 +308,24 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
     Ok(())
 }
 
-/// Raw baseline server: for each u64 count received, writes that many pattern bytes.
-fn blast(mut stream: TcpStream, data: &[u8]) -> std::io::Result<()> {
+/// Raw baseline server: for each (offset, len) received, writes those bytes of the
+/// region, straight from its pages as the engine's server does.
+fn blast(mut stream: TcpStream, region: &Region) -> Result<(), BenchError> {
     stream.set_nodelay(true)?;
-    let mut count = [0u8; 8];
+    let mut request = [0u8; 16];
     loop {
-        match stream.read_exact(&mut count) {
+        match stream.read_exact(&mut request) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
-        let n = usize::try_from(u64::from_le_bytes(count)).unwrap_or(usize::MAX);
-        let Some(bytes) = data.get(..n) else {
-            return Err(std::io::Error::other(format!("asked for {n} bytes of {}", data.len())));
+        let field = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&request[at..at + 8]);
+            usize::try_from(u64::from_le_bytes(b)).unwrap_or(usize::MAX)
         };
-        stream.write_all(bytes)?;
+        let (offset, len) = (field(0), field(8));
+        region.with_ref(offset, len, |bytes| stream.write_all(bytes))??;
     }
 }
 
@@ -421,6 +481,105 @@ fn stats(bytes: usize, times: &[Duration]) -> PathStats {
     }
 }
 
+/// The raw-TCP baseline's reading side: one thread per stream, each owning one
+/// connection to the peer's blaster and one contiguous slice of the destination region,
+/// woken for every run as the engine wakes its stream workers for every batch.
+struct RawStreams {
+    go: Vec<mpsc::Sender<()>>,
+    done: mpsc::Receiver<Result<(), BenchError>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl RawStreams {
+    /// Connects `streams` streams to `peer`, splitting `dst` into as many slices.
+    fn connect(peer: SocketAddr, dst: &Region, streams: usize) -> Result<RawStreams, BenchError> {
+        let (done_tx, done) = mpsc::channel();
+        let mut raw = RawStreams { go: Vec::new(), done, threads: Vec::new() };
+        let slice = dst.len().div_ceil(streams.max(1));
+        for (i, start) in (0..dst.len()).step_by(slice.max(1)).enumerate() {
+            let range = start..(start + slice).min(dst.len());
+            let stream = TcpStream::connect_timeout(&peer, PEER_TIMEOUT)?;
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(PEER_TIMEOUT))?;
+            stream.set_write_timeout(Some(PEER_TIMEOUT))?;
+            let (go_tx, go) = mpsc::channel();
+            let (dst, done) = (dst.clone(), done_tx.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("bench-raw-tcp{i}"))
+                .spawn(move || raw_stream(stream, &dst, range, &go, &done))?;
+            raw.go.push(go_tx);
+            raw.threads.push(thread);
+        }
+        Ok(raw)
+    }
+
+    fn streams(&self) -> usize {
+        self.go.len()
+    }
+
+    /// One transfer of the whole region, every stream reading its slice; returns when
+    /// the last stream is done.
+    fn read(&self) -> Result<(), BenchError> {
+        for go in &self.go {
+            go.send(()).map_err(|_| BenchError::Peer("a raw TCP stream thread is gone".into()))?;
+        }
+        for _ in 0..self.go.len() {
+            match self.done.recv_timeout(PEER_TIMEOUT) {
+                Ok(outcome) => outcome?,
+                Err(_) => return Err(BenchError::Peer(format!("a raw TCP stream took over {PEER_TIMEOUT:?}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RawStreams {
+    fn drop(&mut self) {
+        // Closing the channels ends each thread after its current read (bounded by the
+        // socket timeouts).
+        self.go.clear();
+        for thread in self.threads.drain(..) {
+            if thread.join().is_err() {
+                tracing::error!("raw TCP bench stream thread panicked");
+            }
+        }
+    }
+}
+
+fn raw_stream(
+    mut stream: TcpStream,
+    dst: &Region,
+    range: Range<usize>,
+    go: &mpsc::Receiver<()>,
+    done: &mpsc::Sender<Result<(), BenchError>>,
+) {
+    let mut request = [0u8; 16];
+    request[..8].copy_from_slice(&(range.start as u64).to_le_bytes());
+    request[8..].copy_from_slice(&(range.len() as u64).to_le_bytes());
+    while go.recv().is_ok() {
+        let outcome = match dst.with_mut(range.start, range.len(), |buf| {
+            stream.write_all(&request)?;
+            stream.read_exact(buf)
+        }) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(BenchError::Io(e)),
+            Err(e) => Err(BenchError::Transfer(e)),
+        };
+        if done.send(outcome).is_err() {
+            return;
+        }
+    }
+}
+
+/// A buffer of `len` bytes whose every page has been written: the first copy into it
+/// pays no page faults, as none into the engine's destination region does (it is
+/// written before each run).
+fn prefaulted(len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    std::hint::black_box(&mut buf).fill(0x5a);
+    buf
+}
+
 /// Runs the benchmark (blocking).
 pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchError> {
     if opts.bytes == 0 || opts.block_bytes == 0 || opts.runs == 0 {
@@ -439,21 +598,22 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
     let engine = TransferEngine::start(config)?;
     let dst = engine.register(opts.bytes)?;
     let batch = scattered_batch(opts.bytes, opts.block_bytes);
-    let tcp_requests =
-        super::batch::plan(&batch, (remote.region, remote.len), (dst.id(), dst.len() as u64), opts.chunk_bytes as u64)?
-            .chunks
-            .len();
+    let tcp_requests = engine.tcp_requests(remote, &dst, &batch)?;
 
     let want = pattern(opts.bytes);
-    let mut raw_dst = vec![0u8; opts.bytes];
+    // The raw baseline lands in a registered region too, over as many streams as the
+    // engine's read uses (it gives each of its streams at least one request).
+    let raw_dst = engine.register(opts.bytes)?;
+    let raw = RawStreams::connect(hello.raw_tcp, &raw_dst, opts.tcp_streams.min(tcp_requests))?;
     // The memcpy source is its own buffer, touched only by the copies, as the peer's
     // region is only by transfers: `want` is hot from every check, which would favour
     // the baseline (this CPU's last-level cache holds several of these buffers).
     let copy_src = pattern(opts.bytes);
-    let mut copy_dst = vec![0u8; opts.bytes];
-    let mut raw = TcpStream::connect_timeout(&hello.raw_tcp, PEER_TIMEOUT)?;
-    raw.set_nodelay(true)?;
-    raw.set_read_timeout(Some(PEER_TIMEOUT))?;
+    let mut copy_dst = prefaulted(opts.bytes);
+
+    // The ceiling first, while nothing else of the bench runs.
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let ceiling = crate::stream::measure(opts.stream_array_bytes, threads, opts.stream_passes);
 
     let clear = |r: &Region| r.with_mut(0, r.len(), |b| b.fill(0));
     // Each path: reset its destination, time the transfer alone, then check the bytes.
@@ -465,13 +625,12 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
         check_region("engine tcp", &dst, &batch, &want)?;
         Ok(elapsed)
     };
-    let mut raw_tcp = || -> Result<Duration, BenchError> {
-        raw_dst.fill(0);
+    let raw_tcp = || -> Result<Duration, BenchError> {
+        clear(&raw_dst)?;
         let t = Instant::now();
-        raw.write_all(&(opts.bytes as u64).to_le_bytes())?;
-        raw.read_exact(&mut raw_dst)?;
+        raw.read()?;
         let elapsed = t.elapsed();
-        if raw_dst != want {
+        if !raw_dst.with_ref(0, raw_dst.len(), |got| got == want.as_slice())? {
             return Err(BenchError::Corrupt { path: "raw tcp", detail: "the blast differs from the pattern".into() });
         }
         Ok(elapsed)
@@ -515,6 +674,8 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
             }
         }
     }
+    let raw_tcp_streams = raw.streams();
+    drop(raw);
     engine.shutdown();
 
     // Throughput ratio = inverse time ratio, per run, then the median.
@@ -544,8 +705,14 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
         shm_vs_memcpy,
         tcp,
         raw_tcp,
+        raw_tcp_streams,
         shm,
         memcpy,
+        stream_copy_gbps: ceiling.one_thread_gb_per_s,
+        stream_copy_all_threads_gbps: ceiling.all_threads_gb_per_s,
+        stream_copy_threads: ceiling.threads,
+        stream_copy_array_bytes: ceiling.array_bytes,
+        stream_copy_passes: ceiling.passes,
         verified: true,
     })
 }
@@ -575,5 +742,80 @@ mod tests {
         dst.sort_unstable();
         assert_eq!(src, dst, "destination slots are a permutation of the source blocks");
         assert!(batch.iter().any(|a| a.src_offset != a.dst_offset), "destinations are scattered");
+    }
+
+    #[test]
+    fn bench_runs_end_to_end_with_a_thread_peer() {
+        let mut opts = TransferBenchOptions::new(2 << 20, PeerLaunch::Thread);
+        opts.block_bytes = 64 * 1024;
+        opts.runs = 1;
+        opts.stream_array_bytes = 1 << 20;
+        opts.stream_passes = 1;
+        let report = run(&opts).expect("bench");
+        assert!(report.verified);
+        assert_eq!((report.blocks, report.tcp_requests), (32, 2));
+        // Two 1 MiB requests keep two of the engine's four streams busy: so many raw ones.
+        assert_eq!((report.tcp_streams, report.raw_tcp_streams), (4, 2));
+        assert!(report.tcp.median_gb_per_s > 0.0 && report.shm.median_gb_per_s > 0.0);
+        assert!(report.raw_tcp.median_gb_per_s > 0.0 && report.memcpy.median_gb_per_s > 0.0);
+        assert!(report.stream_copy_gbps > 0.0 && report.stream_copy_all_threads_gbps > 0.0);
+        assert_eq!(report.stream_copy_array_bytes, 1 << 20);
+        let table = report.table();
+        for line in
+            ["engine tcp / raw socket", "raw tcp socket, 2 streams", "memcpy, pre-faulted", "STREAM copy, 1 thread"]
+        {
+            assert!(table.contains(line), "{line} missing from\n{table}");
+        }
+        let json = serde_json::to_value(&report).expect("json");
+        for key in ["tcp_vs_raw", "shm_vs_memcpy", "raw_tcp", "memcpy", "raw_tcp_streams", "stream_copy_gbps"] {
+            assert!(json.get(key).is_some(), "--json lacks {key}");
+        }
+    }
+
+    #[test]
+    fn raw_streams_split_the_region_and_read_it_whole() {
+        let peer_engine = TransferEngine::start(TransferConfig::new(loopback_any())).expect("peer engine");
+        let source = peer_engine.register(10_000).expect("source");
+        source.write(0, &pattern(10_000)).expect("fill");
+        let listener = TcpListener::bind(loopback_any()).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = std::thread::spawn(move || {
+            let handles: Vec<_> = listener
+                .incoming()
+                .take(3)
+                .map(|stream| {
+                    let source = source.clone();
+                    std::thread::spawn(move || blast(stream.expect("accept"), &source))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("blaster")).collect::<Vec<_>>()
+        });
+        let engine = TransferEngine::start(TransferConfig::new(loopback_any())).expect("engine");
+        let dst = engine.register(10_000).expect("dst");
+        let raw = RawStreams::connect(addr, &dst, 3).expect("connect");
+        assert_eq!(raw.streams(), 3);
+        for _ in 0..2 {
+            dst.with_mut(0, dst.len(), |b| b.fill(0)).expect("clear");
+            raw.read().expect("read");
+            assert!(dst.with_ref(0, dst.len(), |got| got == pattern(10_000).as_slice()).expect("check"));
+        }
+        drop(raw);
+        // Every blaster saw its connection close cleanly.
+        assert!(server.join().expect("server").iter().all(Result::is_ok));
+    }
+
+    #[test]
+    fn blaster_refuses_bytes_past_the_region() {
+        let engine = TransferEngine::start(TransferConfig::new(loopback_any())).expect("engine");
+        let source = engine.register(4096).expect("source");
+        let listener = TcpListener::bind(loopback_any()).expect("bind");
+        let mut client = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (stream, _) = listener.accept().expect("accept");
+        let mut request = [0u8; 16];
+        request[..8].copy_from_slice(&4000u64.to_le_bytes());
+        request[8..].copy_from_slice(&200u64.to_le_bytes());
+        client.write_all(&request).expect("send");
+        let err = blast(stream, &source).expect_err("out of bounds");
+        assert!(matches!(err, BenchError::Transfer(TransferError::OutOfBounds { .. })), "{err}");
     }
 }
