@@ -2,14 +2,14 @@
 //! carries the decode tokens of running sequences first, then prefill chunks (of
 //! sequences part-way through their prompt, then of new arrivals, in arrival order)
 //! under a token budget, so new requests join running batches. When KV blocks run out
-//! a decoding sequence preempts the latest arrival by recompute — the same choices as
-//! the single-chip `Engine` of `tessera-backends`.
+//! a decoding sequence preempts the latest arrival by recompute. The chip actor and the
+//! single-chip local engine of `tessera-chip-executor` (`tessera generate`) both drive
+//! this batcher over a `KvPool`: one scheduler, one block allocator.
 
-use crate::kv::{BlockRef, KvPool};
+use crate::kv::{BlockRef, KvPool, chained_block_hash};
 use crate::msg::{Finish, SamplingSpec, SeqRequest};
 use std::collections::{HashSet, VecDeque};
 use tessera_actor_core::Addr;
-use tessera_backends::kv::chained_block_hash;
 
 /// Limits of one chip's steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -468,10 +468,12 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
 fn seal_full_blocks(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
     while seq.hashes.len() < seq.cached / bs {
         let i = seq.hashes.len();
-        let hash = chained_block_hash(seq.hashes.last().copied(), &seq.tokens[i * bs..(i + 1) * bs]);
-        if let Err(e) = pool.seal(seq.blocks[i], hash) {
+        let parent = seq.hashes.last().copied();
+        let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+        let hash = pool.seal(seq.blocks[i], parent, tokens).unwrap_or_else(|e| {
             tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");
-        }
+            chained_block_hash(parent, tokens)
+        });
         seq.hashes.push(hash);
     }
 }

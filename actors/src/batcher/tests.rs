@@ -1,4 +1,5 @@
 use super::*;
+use crate::kv::BlockState;
 use tessera_actor_core::HostId;
 
 fn limits(max_batch_tokens: usize, max_batch_seqs: usize, block_size: usize) -> BatcherLimits {
@@ -24,7 +25,11 @@ fn shape(plan: &StepPlan) -> Shape {
 }
 
 fn pool(blocks: usize) -> KvPool {
-    KvPool::new(Addr::new(HostId(0), 16), blocks)
+    pool_of(blocks, 4)
+}
+
+fn pool_of(blocks: usize, block_size: usize) -> KvPool {
+    KvPool::new(Addr::new(HostId(0), 16), blocks, block_size)
 }
 
 /// Samples token 7 for every sequence that asked.
@@ -53,6 +58,43 @@ fn plans_chunked_prefill_then_decode_first() {
     }
     assert!(!b.has_work(), "both reached max_new_tokens = 3");
     assert_eq!(p.used(), 0, "finished requests free every block");
+}
+
+/// Every block the cached tokens fill is sealed with its chained hash (the last, partly
+/// filled block is still being written), chunk boundaries notwithstanding.
+#[test]
+fn full_blocks_are_sealed_with_chained_hashes_as_prefill_chunks_fill_them() {
+    let mut b = Batcher::new(limits(6, 4, 4), vec![]);
+    let mut p = pool(8);
+    let s = seq(1, 10, 3);
+    let prompt = s.tokens.clone();
+    b.enqueue(s);
+    let states = |b: &Batcher, p: &KvPool| -> Vec<BlockState> {
+        let table = b.block_table(1).unwrap_or_default();
+        let refs = table.iter().map(|&slot| BlockRef { chip: Addr::new(HostId(0), 16), slot, generation: 0 });
+        refs.map(|r| p.state(r).unwrap()).collect()
+    };
+    let h0 = chained_block_hash(None, &prompt[0..4]);
+    let h1 = chained_block_hash(Some(h0), &prompt[4..8]);
+    let sealed = |hash| BlockState::Sealed { hash, refs: 1 };
+    let writing = BlockState::Writing { owner: 1 };
+    // Chunks of 6 and 4 tokens: block 1 is filled across the chunk boundary.
+    run_step(&mut b, &mut p);
+    assert_eq!(states(&b, &p), vec![sealed(h0), writing]);
+    run_step(&mut b, &mut p);
+    assert_eq!(states(&b, &p), vec![sealed(h0), sealed(h1), writing]);
+    assert_eq!(
+        p.find(h1),
+        b.block_table(1).map(|t| BlockRef { chip: Addr::new(HostId(0), 16), slot: t[1], generation: 0 })
+    );
+    while b.has_work() {
+        run_step(&mut b, &mut p);
+    }
+    assert_eq!(
+        (p.used(), p.find(h0), p.find(h1)),
+        (0, None, None),
+        "a finished request frees and unindexes its blocks"
+    );
 }
 
 #[test]
@@ -85,7 +127,7 @@ fn stop_tokens_eos_and_length_finish() {
 #[test]
 fn out_of_blocks_preempts_the_latest_arrival_and_recomputes_it() {
     let mut b = Batcher::new(limits(64, 8, 2), vec![]);
-    let mut p = pool(4);
+    let mut p = pool_of(4, 2);
     // Each fits alone (4 + 4 tokens = 4 blocks), as the chip's admission guarantees.
     b.enqueue(seq(1, 4, 4)); // 2 blocks
     b.enqueue(seq(2, 4, 4)); // 2 blocks: the pool is full

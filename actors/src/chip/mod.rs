@@ -333,7 +333,7 @@ impl Behavior<Msg> for Chip {
                     block_size: info.block_size,
                     max_context: info.max_context,
                 };
-                self.pool = Some(KvPool::new(fx.me(), info.num_blocks));
+                self.pool = Some(KvPool::new(fx.me(), info.num_blocks, info.block_size));
                 self.batcher = Some(Batcher::new(limits, info.eos_token_ids.clone()));
                 tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
                 self.info = Some(info);
