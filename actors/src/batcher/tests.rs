@@ -261,3 +261,35 @@ fn preemption_drops_a_prefill_for_a_decode_chip_instead_of_deadlocking() {
     assert!(!b.contains(2));
     assert_eq!(p.used(), 3, "request 1 holds all three blocks");
 }
+
+/// The admission check the chip and the local engine share: a table of sequences and
+/// the refusal each gets (a model of 100 tokens and a context of 32, a pool of 8 blocks
+/// of 4).
+#[test]
+fn admission_refuses_what_can_never_run_here() {
+    let b = Batcher::new(BatcherLimits { max_context: 32, ..limits(64, 8, 4) }, vec![]);
+    let with = |tokens: Vec<u32>, max_new: usize| SeqRequest { tokens, max_new_tokens: max_new, ..seq(1, 0, 0) };
+    let cases: Vec<(SeqRequest, Result<(), Inadmissible>)> = vec![
+        (with(vec![1, 2, 3], 10), Ok(())),
+        (with(vec![], 4), Err(Inadmissible::EmptyPrompt)),
+        (with(vec![1, 100, 2], 4), Err(Inadmissible::OutOfVocabulary { token: 100, vocab_size: 100 })),
+        (with(vec![5; 32], 1), Err(Inadmissible::NoRoomInContext { tokens: 32, max_context: 32 })),
+        // 31 + 1 tokens fill the context: exactly the pool's 8 blocks.
+        (with(vec![5; 31], 1), Ok(())),
+        // max_tokens is clamped to the context: 20 + 30 tokens still need 8 blocks.
+        (with(vec![5; 20], 30), Ok(())),
+        (with(vec![5; 20], usize::MAX), Ok(())),
+    ];
+    for (s, want) in cases {
+        let got = admissible(&s, 100, 32, b.blocks_to_finish(&s), 8);
+        assert_eq!(got, want, "{} prompt tokens, max_new {}", s.tokens.len(), s.max_new_tokens);
+    }
+    // A pool too small for the whole request.
+    let s = with(vec![5; 10], 12);
+    let err = admissible(&s, 100, 32, b.blocks_to_finish(&s), 5).unwrap_err();
+    assert_eq!(err, Inadmissible::TooFewBlocks { prompt: 10, new: 12, need: 6, num_blocks: 5 });
+    assert_eq!(
+        err.to_string(),
+        "10 prompt tokens + 12 new tokens need 6 KV blocks but the cache holds 5: lower max_tokens"
+    );
+}
