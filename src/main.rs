@@ -12,13 +12,13 @@ use clap::{Args, Parser, Subcommand};
 
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::DType;
-use tessera_backends::engine::{Engine, EngineConfig};
 use tessera_backends::kv::{DEFAULT_BLOCK_SIZE, KvCacheConfig};
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::Model;
 use tessera_backends::sampling::SamplingParams;
 use tessera_backends::synth::{self, Preset, SynthArch, SynthSpec};
 use tessera_backends::tokenizer::TextTokenizer;
+use tessera_chip_executor::local::{EngineConfig, LocalEngine};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Serve one LLM across a cluster of unlike AI chips")]
@@ -455,7 +455,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         dtype: args.kv_dtype,
     };
     let config = EngineConfig { keep_logits: args.dump_logits.is_some(), ..Default::default() };
-    let mut engine = Engine::new(model, kv, config)?;
+    let mut engine = LocalEngine::new(model, kv, config)?;
     engine.add_request(0, &prompt, params.clone())?;
     let started = Instant::now();
     let mut first_token_s = None;

@@ -1,14 +1,18 @@
-//! The executor, paged KV cache and engine against a plain reference forward pass
-//! (`common::reference`) on tiny synthetic Llama and Qwen2 checkpoints.
+//! The executor, paged KV cache and local engine (the chip's batcher and KV pool over
+//! the model) against a plain reference forward pass (`common::reference`) on tiny
+//! synthetic Llama and Qwen2 checkpoints.
 
 use crate::common::reference::{Reference, argmax};
-use crate::common::{TempCkpt, assert_close, kv_cache, load, max_abs, max_abs_diff, run_chunk, tokens};
+use crate::common::{
+    Kv, SeqKv, TempCkpt, assert_close, kv_cache, kv_cache_in, load, max_abs, max_abs_diff, run_chunk, tokens,
+};
+use tessera_actors::msg::Finish;
 use tessera_backends::dtype::DType;
-use tessera_backends::engine::{Completion, Engine, EngineConfig, FinishReason};
-use tessera_backends::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
+use tessera_backends::kv::KvCacheConfig;
 use tessera_backends::model::{LogitsWanted, Model, SeqChunk};
 use tessera_backends::sampling::SamplingParams;
 use tessera_backends::synth::SynthArch;
+use tessera_chip_executor::local::{Completion, EngineConfig, LocalEngine};
 
 /// Max abs logits difference allowed between the f32 executor and the f64 reference
 /// (logits have std ≈ 4, so this is ~1e-5 relative).
@@ -35,16 +39,16 @@ fn one_prefill_matches_reference_for_every_block_size() {
         let want = reference.logits(&prompt);
         for bs in [1, 4, 16] {
             let mut kv = kv_cache(&model, bs, 128 / bs + 4, DType::F32);
-            let mut seq = SequenceKv::default();
+            let mut seq = SeqKv::default();
             let got = run_chunk(&mut model, &mut kv, &mut seq, &prompt, LogitsWanted::All);
             assert_close(&format!("{arch} block {bs} prefill"), &got, &want, vocab, TOL);
             // `Last` is the last of those rows.
-            let mut seq2 = SequenceKv::default();
+            let mut seq2 = SeqKv::default();
             let last = run_chunk(&mut model, &mut kv, &mut seq2, &prompt, LogitsWanted::Last);
             assert_close(&format!("{arch} block {bs} last"), &last, rows(&want, vocab, 39, 40), vocab, TOL);
             kv.release(&mut seq);
             kv.release(&mut seq2);
-            assert_eq!(kv.allocator().used_blocks(), 0);
+            assert_eq!(kv.used_blocks(), 0);
         }
     }
 }
@@ -64,13 +68,13 @@ fn a_batch_of_sequences_matches_each_reference() {
             let mut kv = kv_cache(&model, bs, 2 * 100 / bs + 8, DType::F32);
             // Reserve round-robin, one block's worth per sequence at a time, so the
             // block tables interleave instead of being contiguous ranges.
-            let mut seqs = (0..lens.len()).map(|_| SequenceKv::default()).collect::<Vec<_>>();
+            let mut seqs = (0..lens.len()).map(|_| SeqKv::default()).collect::<Vec<_>>();
             let mut slots: Vec<Vec<i32>> = vec![Vec::new(); lens.len()];
             for r in 0..40usize.div_ceil(bs) {
                 for (i, p) in prompts.iter().enumerate() {
                     let (a, b) = ((r * bs).min(p.len()), ((r + 1) * bs).min(p.len()));
                     if a < b {
-                        slots[i].extend(kv.append(&mut seqs[i], &p[a..b]).unwrap());
+                        slots[i].extend(kv.append(&mut seqs[i], &p[a..b]));
                     }
                 }
             }
@@ -105,7 +109,7 @@ fn a_batch_of_sequences_matches_each_reference() {
             for s in &mut seqs {
                 kv.release(s);
             }
-            assert_eq!(kv.allocator().used_blocks(), 0);
+            assert_eq!(kv.used_blocks(), 0);
         }
     }
 }
@@ -132,7 +136,7 @@ fn llama3_and_linear_rope_scaling_match_reference() {
         let vocab = model.config().vocab_size;
         let prompt = tokens(40, 3, vocab);
         let mut kv = kv_cache(&model, 4, 16, DType::F32);
-        let mut seq = SequenceKv::default();
+        let mut seq = SeqKv::default();
         let got = run_chunk(&mut model, &mut kv, &mut seq, &prompt, LogitsWanted::All);
         assert_close(&format!("rope_scaling {scaling}"), &got, &reference.logits(&prompt), vocab, TOL);
     }
@@ -166,11 +170,11 @@ fn chunked_prefill_and_decode_match_whole_prefill_and_reference() {
         let other_want = reference.logits(&other);
         for bs in [4, 16] {
             let mut kv = kv_cache(&model, bs, 200 / bs + 8, DType::F32);
-            let mut whole_seq = SequenceKv::default();
+            let mut whole_seq = SeqKv::default();
             let whole = run_chunk(&mut model, &mut kv, &mut whole_seq, prompt, LogitsWanted::All);
             assert_close(&format!("{arch} bs {bs} whole"), &whole, rows(&want, vocab, 0, 40), vocab, TOL);
 
-            let mut seq = SequenceKv::default();
+            let mut seq = SeqKv::default();
             let mut at = 0;
             for n in [7, 16, 17] {
                 let got = run_chunk(&mut model, &mut kv, &mut seq, &prompt[at..at + n], LogitsWanted::All);
@@ -194,12 +198,12 @@ fn chunked_prefill_and_decode_match_whole_prefill_and_reference() {
             }
 
             // A batch of decode steps over sequences of different lengths.
-            let mut seq2 = SequenceKv::default();
+            let mut seq2 = SeqKv::default();
             run_chunk(&mut model, &mut kv, &mut seq2, &other[..10], LogitsWanted::None);
             for j in 0..2 {
                 let (pa, pb) = (43 + j, 10 + j);
-                let sa = kv.append(&mut seq, &full[pa..pa + 1]).unwrap();
-                let sb = kv.append(&mut seq2, &other[pb..pb + 1]).unwrap();
+                let sa = kv.append(&mut seq, &full[pa..pa + 1]);
+                let sb = kv.append(&mut seq2, &other[pb..pb + 1]);
                 let chunks = [
                     SeqChunk {
                         tokens: &full[pa..pa + 1],
@@ -234,10 +238,10 @@ fn chunked_prefill_and_decode_match_whole_prefill_and_reference() {
             }
 
             // A mixed step: one decode token and a prefill chunk in the same forward.
-            let sa = kv.append(&mut seq, &full[45..46]).unwrap();
-            let sb = kv.append(&mut seq2, &other[12..13]).unwrap();
-            let mut whole2 = SequenceKv::default();
-            let sc = kv.append(&mut whole2, &other[..5]).unwrap();
+            let sa = kv.append(&mut seq, &full[45..46]);
+            let sb = kv.append(&mut seq2, &other[12..13]);
+            let mut whole2 = SeqKv::default();
+            let sc = kv.append(&mut whole2, &other[..5]);
             let chunks = [
                 SeqChunk {
                     tokens: &full[45..46],
@@ -287,7 +291,7 @@ fn chunked_prefill_and_decode_match_whole_prefill_and_reference() {
             for s in [&mut seq, &mut seq2, &mut whole_seq, &mut whole2] {
                 kv.release(s);
             }
-            assert_eq!(kv.allocator().used_blocks(), 0);
+            assert_eq!(kv.used_blocks(), 0);
         }
     }
 }
@@ -296,10 +300,10 @@ fn chunked_prefill_and_decode_match_whole_prefill_and_reference() {
 // 3. Greedy generation alone equals generation in a mixed batch, with and without
 //    preemption; and matches the reference.
 
-fn engine(dir: &std::path::Path, block_size: usize, num_blocks: usize, max_batch_tokens: usize) -> Engine {
+fn engine(dir: &std::path::Path, block_size: usize, num_blocks: usize, max_batch_tokens: usize) -> LocalEngine {
     let model = load(dir, None);
     let kv = KvCacheConfig { block_size, num_blocks, dtype: DType::F32 };
-    Engine::new(model, kv, EngineConfig { max_batch_tokens, keep_logits: true, ..Default::default() }).unwrap()
+    LocalEngine::new(model, kv, EngineConfig { max_batch_tokens, keep_logits: true, ..Default::default() }).unwrap()
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
@@ -377,8 +381,8 @@ fn greedy_alone_equals_greedy_in_a_mixed_batch_and_under_preemption() {
     let alone = solo.run_to_completion().unwrap();
     assert_eq!(alone.len(), 1);
     let alone = &alone[0];
-    assert_eq!((alone.tokens.len(), alone.finish), (max_tokens[probe], FinishReason::Length));
-    assert_eq!(solo.kv().allocator().used_blocks(), 0);
+    assert_eq!((alone.tokens.len(), alone.finish), (max_tokens[probe], Finish::Length));
+    assert_eq!(solo.pool().used(), 0);
     assert_reference_greedy(&reference, &prompts[probe], alone, "probe alone");
 
     // All 8 together, with a 32-token step budget (so long prompts are chunked).
@@ -387,7 +391,7 @@ fn greedy_alone_equals_greedy_in_a_mixed_batch_and_under_preemption() {
         batch.add_request(i as u64, p, greedy(max_tokens[i])).unwrap();
     }
     let together = by_id(batch.run_to_completion().unwrap());
-    assert_eq!(batch.kv().allocator().used_blocks(), 0);
+    assert_eq!(batch.pool().used(), 0);
     assert_eq!(together.len(), 8);
     assert_eq!(together[probe].tokens, alone.tokens, "probe in a batch of 8 differs from its solo run");
     for (i, c) in together.iter().enumerate() {
@@ -412,7 +416,7 @@ fn greedy_alone_equals_greedy_in_a_mixed_batch_and_under_preemption() {
         assert!(steps < 10_000);
     }
     let preempted = by_id(scarce.take_finished());
-    assert_eq!(scarce.kv().allocator().used_blocks(), 0);
+    assert_eq!(scarce.pool().used(), 0);
     // Without preemption each request's tokens are fed once (its last sample never is).
     let once: usize = (0..8).map(|i| lens[i] + max_tokens[i] - 1).sum();
     assert!(carried > once, "no preemption happened ({carried} tokens carried, {once} without recompute)");
@@ -454,7 +458,7 @@ fn seeded_sampling_is_deterministic() {
             }
         }
         let done = by_id(e.run_to_completion().unwrap());
-        assert_eq!(e.kv().allocator().used_blocks(), 0);
+        assert_eq!(e.pool().used(), 0);
         assert_eq!(done[0].tokens.len(), 24);
         done[0].tokens.clone()
     };
@@ -473,8 +477,8 @@ fn seeded_sampling_is_deterministic() {
 
 /// Logits of one whole prefill of `prompt` with a KV cache of `kv_dtype`.
 fn prefill_logits(model: &mut Model, prompt: &[u32], kv_dtype: DType) -> Vec<f32> {
-    let mut kv: PagedKvCache = kv_cache(model, 16, 8, kv_dtype);
-    let mut seq = SequenceKv::default();
+    let mut kv: Kv = kv_cache(model, 16, 8, kv_dtype);
+    let mut seq = SeqKv::default();
     run_chunk(model, &mut kv, &mut seq, prompt, LogitsWanted::All)
 }
 
@@ -575,7 +579,7 @@ fn bad_requests_are_refused_and_change_nothing() {
         let err = e.add_request(1, prompt, params.clone()).expect_err(what).to_string();
         assert!(err.contains(needle), "{what}: error {err:?} does not contain {needle:?}");
         assert!(!e.has_work(), "{what}: a refused request was admitted");
-        assert_eq!(e.kv().allocator().used_blocks(), 0, "{what}");
+        assert_eq!(e.pool().used(), 0, "{what}");
     }
     // A duplicate id is refused while the first is running.
     e.add_request(1, &ok_prompt, greedy(6)).unwrap();
@@ -584,7 +588,7 @@ fn bad_requests_are_refused_and_change_nothing() {
     // The engine still runs a good request, and exactly as a fresh engine does.
     let done = e.run_to_completion().unwrap();
     assert_eq!(done.len(), 1);
-    assert_eq!(e.kv().allocator().used_blocks(), 0);
+    assert_eq!(e.pool().used(), 0);
     let mut fresh = engine(ck.path(), 4, 8, 64);
     fresh.add_request(1, &ok_prompt, greedy(6)).unwrap();
     assert_eq!(done[0].tokens, fresh.run_to_completion().unwrap()[0].tokens);
@@ -607,7 +611,7 @@ fn random_chunkings_and_block_sizes_match_reference() {
         let prompt = tokens(len, 1000 + case, vocab);
         let want = reference.logits(&prompt);
         let mut kv = kv_cache(&model, bs, 64 / bs + 2, DType::F32);
-        let mut seq = SequenceKv::default();
+        let mut seq = SeqKv::default();
         let mut at = 0;
         let mut k = 2;
         let mut chunks = vec![];
@@ -622,7 +626,7 @@ fn random_chunkings_and_block_sizes_match_reference() {
         }
         assert_eq!(seq.block_table().len(), len.div_ceil(bs), "chunks {chunks:?}");
         kv.release(&mut seq);
-        assert_eq!(kv.allocator().used_blocks(), 0);
+        assert_eq!(kv.used_blocks(), 0);
     }
 }
 
@@ -642,18 +646,18 @@ fn stop_tokens_context_limit_and_abort_finish_cleanly() {
     let params = SamplingParams { stop_token_ids: vec![stop], ..greedy(12) };
     e.add_request(1, &prompt, params).unwrap();
     let done = e.run_to_completion().unwrap().remove(0);
-    assert_eq!(done.finish, FinishReason::Stop);
+    assert_eq!(done.finish, Finish::Stop);
     assert_eq!(done.tokens, free_run[..=first]);
-    assert_eq!(e.kv().allocator().used_blocks(), 0);
+    assert_eq!(e.pool().used(), 0);
 
     // Abort frees the blocks of a request mid-generation.
     e.add_request(2, &prompt, greedy(12)).unwrap();
     e.step().unwrap();
-    assert!(e.kv().allocator().used_blocks() > 0);
+    assert!(e.pool().used() > 0);
     assert!(e.abort(2));
     assert!(!e.abort(2));
     assert!(!e.has_work());
-    assert_eq!(e.kv().allocator().used_blocks(), 0);
+    assert_eq!(e.pool().used(), 0);
     assert!(e.take_finished().is_empty());
 
     // The model's context ends generation as Length: shrink it to 16 in config.json.
@@ -665,9 +669,9 @@ fn stop_tokens_context_limit_and_abort_finish_cleanly() {
     assert_eq!(e.model().config().max_context, 16);
     e.add_request(0, &prompt, greedy(12)).unwrap();
     let done = e.run_to_completion().unwrap().remove(0);
-    assert_eq!((done.finish, done.tokens.len()), (FinishReason::Length, 4));
+    assert_eq!((done.finish, done.tokens.len()), (Finish::Length, 4));
     assert_eq!(done.tokens, free_run[..4]);
-    assert_eq!(e.kv().allocator().used_blocks(), 0);
+    assert_eq!(e.pool().used(), 0);
     let err = e.add_request(1, &tokens(16, 1, vocab), greedy(1)).unwrap_err().to_string();
     assert!(err.contains("the prompt has 16 tokens; the model's context is 16"), "{err}");
 }
@@ -678,9 +682,9 @@ fn forward_refuses_malformed_steps() {
     let mut model = load(ck.path(), None);
     let vocab = model.config().vocab_size;
     let mut kv = kv_cache(&model, 4, 8, DType::F32);
-    let mut seq = SequenceKv::default();
+    let mut seq = SeqKv::default();
     let toks = tokens(6, 1, vocab);
-    let slots = kv.append(&mut seq, &toks).unwrap();
+    let slots = kv.append(&mut seq, &toks);
     let good = SeqChunk {
         tokens: &toks,
         start_pos: 0,
@@ -713,11 +717,6 @@ fn forward_refuses_malformed_steps() {
 use tessera_backends::compat::{CompatInfo, compat_hash, compat_mismatch};
 use tessera_backends::kv_format::{KvLayout, decode_tokens};
 
-fn kv_cache_in(model: &Model, block_size: usize, num_blocks: usize, dtype: DType, layout: KvLayout) -> PagedKvCache {
-    let config = KvCacheConfig { block_size, num_blocks, dtype };
-    PagedKvCache::with_layout(model.device(), model.config(), config, layout).expect("kv cache")
-}
-
 #[test]
 fn token_major_caches_match_reference_and_head_major_bit_for_bit() {
     let ck = TempCkpt::tiny("layout", SynthArch::Qwen2, 61, None, 1);
@@ -732,7 +731,7 @@ fn token_major_caches_match_reference_and_head_major_bit_for_bit() {
             for layout in KvLayout::ALL {
                 let mut kv = kv_cache_in(&model, bs, 64 / bs + 4, dtype, layout);
                 assert_eq!(kv.format().layout, layout);
-                let mut seq = SequenceKv::default();
+                let mut seq = SeqKv::default();
                 // A chunked prefill then two decode steps: both attention kernels read the layout.
                 let mut got = run_chunk(&mut model, &mut kv, &mut seq, &prompt[..20], LogitsWanted::All);
                 got.extend(run_chunk(&mut model, &mut kv, &mut seq, &prompt[20..28], LogitsWanted::All));
@@ -759,8 +758,8 @@ fn forward_observed_sees_each_layer_right_after_its_kv_is_written() {
     let mut kv = kv_cache_in(&model, 4, 8, DType::F32, KvLayout::TokenMajor);
     let bb = kv.format().block_bytes();
     let prompt = tokens(7, 3, vocab);
-    let mut seq = SequenceKv::default();
-    let slots = kv.append(&mut seq, &prompt).unwrap();
+    let mut seq = SeqKv::default();
+    let slots = kv.append(&mut seq, &prompt);
     let table = seq.block_table().to_vec();
     let chunk =
         SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, slots: &slots, logits: LogitsWanted::Last };
@@ -783,12 +782,12 @@ fn forward_observed_sees_each_layer_right_after_its_kv_is_written() {
     assert_eq!(seen, (0..layers).map(|li| (li, true, true)).collect::<Vec<_>>());
     // Same logits as the unobserved step over the same KV.
     let mut kv2 = kv_cache_in(&model, 4, 8, DType::F32, KvLayout::TokenMajor);
-    let mut seq2 = SequenceKv::default();
+    let mut seq2 = SeqKv::default();
     assert!(got == run_chunk(&mut model, &mut kv2, &mut seq2, &prompt, LogitsWanted::Last));
 
     // An observer error ends the step with that error, after the layer it saw.
     kv.release(&mut seq);
-    let slots = kv.append(&mut seq, &prompt).unwrap();
+    let slots = kv.append(&mut seq, &prompt);
     let table = seq.block_table().to_vec();
     let chunk =
         SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, slots: &slots, logits: LogitsWanted::Last };
@@ -831,8 +830,8 @@ fn prefill_kv_handed_to_a_decode_chip_of_another_format_decodes_identically() {
     assert_ne!(fp, kv_d.format());
 
     // P: prefill, staging every layer as soon as it is written.
-    let mut seq_p = SequenceKv::default();
-    let slots = kv_p.append(&mut seq_p, &prompt).unwrap();
+    let mut seq_p = SeqKv::default();
+    let slots = kv_p.append(&mut seq_p, &prompt);
     let table = seq_p.block_table().to_vec();
     let chunk =
         SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, slots: &slots, logits: LogitsWanted::Last };
@@ -849,8 +848,8 @@ fn prefill_kv_handed_to_a_decode_chip_of_another_format_decodes_identically() {
     assert_eq!(staged.len(), layers);
 
     // D: reserve the prompt's slots in its own pool, install every layer.
-    let mut seq_d = SequenceKv::default();
-    let dst_slots = kv_d.append(&mut seq_d, &prompt).unwrap();
+    let mut seq_d = SeqKv::default();
+    let dst_slots = kv_d.append(&mut seq_d, &prompt);
     for (li, (k, v)) in staged.iter().enumerate() {
         let (mut k_rows, mut v_rows) = (Vec::new(), Vec::new());
         decode_tokens(&fp, k, 0, 0..prompt.len(), &mut k_rows).unwrap();
@@ -869,7 +868,7 @@ fn prefill_kv_handed_to_a_decode_chip_of_another_format_decodes_identically() {
     }
     kv_p.release(&mut seq_p);
     kv_d.release(&mut seq_d);
-    assert_eq!(kv_p.allocator().used_blocks() + kv_d.allocator().used_blocks(), 0);
+    assert_eq!(kv_p.used_blocks() + kv_d.used_blocks(), 0);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::dtype::DType;
 use crate::error::{BackendError, Result};
-use crate::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
+use crate::kv::{KvCacheConfig, PagedKvCache, slot_of};
 use crate::model::{LogitsWanted, Model, SeqChunk};
 use crate::sampling::Rng;
 
@@ -195,19 +195,43 @@ fn random_tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
 }
 
+/// One sequence of the benchmark: it owns a fixed run of blocks for the whole run (the
+/// benchmark times the forward step, so it needs no allocator), of which it uses as many
+/// as its `len` tokens fill.
+struct BenchSeq {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+impl BenchSeq {
+    /// Sequence `i` of the run: blocks `i * per_seq..(i + 1) * per_seq`.
+    fn nth(i: usize, per_seq: usize) -> BenchSeq {
+        BenchSeq { blocks: (i * per_seq..(i + 1) * per_seq).map(|b| b as u32).collect(), len: 0 }
+    }
+}
+
 /// Appends `tokens` for each sequence and runs them as one step.
 fn run_step(
     model: &mut Model,
-    kv: &mut PagedKvCache,
-    seqs: &mut [SequenceKv],
+    kv: &PagedKvCache,
+    seqs: &mut [BenchSeq],
     tokens: &[Vec<u32>],
     logits: LogitsWanted,
 ) -> Result<f64> {
+    let bs = kv.config().block_size;
     let mut starts = Vec::new();
     let mut slots = Vec::new();
     for (seq, t) in seqs.iter_mut().zip(tokens) {
-        starts.push(seq.len());
-        slots.push(kv.append(seq, t)?);
+        let start = seq.len;
+        seq.len += t.len();
+        let s = (start..seq.len)
+            .map(|pos| {
+                slot_of(&seq.blocks, bs, pos)
+                    .ok_or_else(|| BackendError::KvCache(format!("position {pos} is beyond the sequence's blocks")))
+            })
+            .collect::<Result<Vec<i32>>>()?;
+        starts.push(start);
+        slots.push(s);
     }
     let chunks: Vec<SeqChunk<'_>> = seqs
         .iter()
@@ -216,7 +240,7 @@ fn run_step(
         .map(|((seq, t), (&start_pos, slots))| SeqChunk {
             tokens: t,
             start_pos,
-            block_table: seq.block_table(),
+            block_table: &seq.blocks[..seq.len.div_ceil(bs)],
             slots,
             logits,
         })
@@ -249,7 +273,7 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
     let block_size = crate::kv::DEFAULT_BLOCK_SIZE;
     let per_seq = (opts.context + opts.steps + 2).max(opts.prompt_len).div_ceil(block_size);
     let kv_config = KvCacheConfig { block_size, num_blocks: per_seq * max_batch.max(1), dtype: opts.kv_dtype };
-    let mut kv = PagedKvCache::new(model.device(), &c, kv_config)?;
+    let kv = PagedKvCache::new(model.device(), &c, kv_config)?;
     let mut rng = Rng::seeded(7);
     let vocab = c.vocab_size;
     let head_params = c.vocab_size * c.hidden_size;
@@ -259,9 +283,8 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
     let mut prefill_times = Vec::new();
     for i in 0..4 {
         let len = if i == 0 { opts.prompt_len.min(64) } else { opts.prompt_len };
-        let mut seqs = vec![SequenceKv::default()];
-        let t = run_step(&mut model, &mut kv, &mut seqs, &[random_tokens(&mut rng, len, vocab)], LogitsWanted::Last)?;
-        kv.release(&mut seqs[0]);
+        let mut seqs = vec![BenchSeq::nth(0, per_seq)];
+        let t = run_step(&mut model, &kv, &mut seqs, &[random_tokens(&mut rng, len, vocab)], LogitsWanted::Last)?;
         if i > 0 {
             prefill_times.push(t);
         }
@@ -282,25 +305,22 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
     let weight_read = c.linear_params() * model.dtype().size_bytes() + norm_bytes;
     let mut decode = Vec::new();
     for &batch in &opts.batches {
-        let mut seqs: Vec<SequenceKv> = (0..batch).map(|_| SequenceKv::default()).collect();
+        let mut seqs: Vec<BenchSeq> = (0..batch).map(|i| BenchSeq::nth(i, per_seq)).collect();
         let prompts: Vec<Vec<u32>> = (0..batch).map(|_| random_tokens(&mut rng, opts.context, vocab)).collect();
-        run_step(&mut model, &mut kv, &mut seqs, &prompts, LogitsWanted::None)?;
+        run_step(&mut model, &kv, &mut seqs, &prompts, LogitsWanted::None)?;
         let mut times = Vec::new();
         let mut bytes = Vec::new();
         let mut flops = Vec::new();
         for i in 0..=opts.steps {
             let next: Vec<Vec<u32>> = (0..batch).map(|_| random_tokens(&mut rng, 1, vocab)).collect();
-            let ctx_total: usize = seqs.iter().map(|s| s.len() + 1).sum();
-            let attn: f64 = seqs.iter().map(|s| attention_flops(&model, 1, s.len() + 1)).sum();
-            let t = run_step(&mut model, &mut kv, &mut seqs, &next, LogitsWanted::Last)?;
+            let ctx_total: usize = seqs.iter().map(|s| s.len + 1).sum();
+            let attn: f64 = seqs.iter().map(|s| attention_flops(&model, 1, s.len + 1)).sum();
+            let t = run_step(&mut model, &kv, &mut seqs, &next, LogitsWanted::Last)?;
             if i > 0 {
                 times.push(t);
                 bytes.push((weight_read + ctx_total * kv_token_bytes) as f64);
                 flops.push(2.0 * (c.linear_params() * batch) as f64 + attn);
             }
-        }
-        for s in &mut seqs {
-            kv.release(s);
         }
         let step = median(times);
         let (b, f) = (median(bytes), median(flops));

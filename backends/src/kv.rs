@@ -1,9 +1,8 @@
-//! The paged KV cache of one chip: per-layer K/V block arrays on the device, a slab of
-//! block records (which block is free, who holds it, its chained prefix hash), and the
-//! per-sequence block tables that map token positions to cache slots.
-//!
-//! Invariant: a block is either free or held by at least one sequence; when every
-//! sequence is released the allocator is back to all-free (`used_blocks() == 0`).
+//! The paged KV cache of one chip: per-layer K/V block arrays on the device, which the
+//! kernels write and read at the slots they are given. It is storage only: which blocks
+//! a sequence holds (and so which slots its tokens take) is the chip's KV pool's
+//! decision (`tessera-actors`), made outside this crate; `slot_of` is how a block table
+//! maps a position to a slot.
 //!
 //! For prefill/decode disaggregation it also moves KV in and out of the device: a
 //! prefill chip stages whole blocks in their native bytes (`read_blocks`), a decode chip
@@ -12,8 +11,6 @@
 //! (`write_blocks`). See `kv_format` for the byte format.
 
 use std::sync::Mutex;
-
-use slab::Slab;
 
 use crate::config::ModelConfig;
 use crate::device::{Buffer, Device, KvCacheView};
@@ -34,111 +31,12 @@ pub struct KvCacheConfig {
     pub dtype: DType,
 }
 
-/// Hash of a full block given its parent's hash: blocks with equal hashes hold the KV
-/// of equal token prefixes, which is what prefix sharing and KV-aware routing key on.
-pub fn chained_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut bytes = Vec::with_capacity(9 + tokens.len() * 4);
-    match parent {
-        Some(p) => {
-            bytes.push(1);
-            bytes.extend_from_slice(&p.to_le_bytes());
-        }
-        None => bytes.push(0),
-    }
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
-    }
-    xxhash_rust::xxh3::xxh3_64(&bytes)
-}
-
-#[derive(Debug, Clone, Default)]
-struct BlockRecord {
-    refs: u32,
-    hash: Option<u64>,
-}
-
-/// Hands out block ids `0..capacity`; a block's id is its slab key.
-#[derive(Debug)]
-pub struct BlockAllocator {
-    blocks: Slab<BlockRecord>,
-    capacity: usize,
-}
-
-impl BlockAllocator {
-    pub fn new(capacity: usize) -> Self {
-        BlockAllocator { blocks: Slab::with_capacity(capacity), capacity }
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    pub fn used_blocks(&self) -> usize {
-        self.blocks.len()
-    }
-
-    pub fn free_blocks(&self) -> usize {
-        self.capacity - self.blocks.len()
-    }
-
-    fn alloc(&mut self) -> Option<u32> {
-        if self.blocks.len() >= self.capacity {
-            return None;
-        }
-        let id = self.blocks.insert(BlockRecord { refs: 1, hash: None });
-        debug_assert!(id < self.capacity, "slab reuses freed keys before growing");
-        Some(id as u32)
-    }
-
-    fn release(&mut self, id: u32) {
-        let Some(rec) = self.blocks.get_mut(id as usize) else {
-            return;
-        };
-        rec.refs -= 1;
-        if rec.refs == 0 {
-            self.blocks.remove(id as usize);
-        }
-    }
-
-    fn seal(&mut self, id: u32, hash: u64) {
-        if let Some(rec) = self.blocks.get_mut(id as usize) {
-            rec.hash = Some(hash);
-        }
-    }
-
-    /// The chained hash a full block was sealed with.
-    pub fn block_hash(&self, id: u32) -> Option<u64> {
-        self.blocks.get(id as usize).and_then(|r| r.hash)
-    }
-}
-
-/// One sequence's view of the cache: its block table and the tokens it has cached.
-/// Not `Clone`: two copies releasing the same blocks would free another sequence's KV.
-#[derive(Debug, Default)]
-pub struct SequenceKv {
-    block_table: Vec<u32>,
-    tokens: Vec<u32>,
-    block_hashes: Vec<u64>,
-}
-
-impl SequenceKv {
-    pub fn block_table(&self) -> &[u32] {
-        &self.block_table
-    }
-
-    /// Tokens whose K/V are (or are being) written to the cache.
-    pub fn len(&self) -> usize {
-        self.tokens.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-
-    /// Chained hashes of the full blocks, in order.
-    pub fn block_hashes(&self) -> &[u64] {
-        &self.block_hashes
-    }
+/// The cache slot of position `pos` of a sequence whose blocks are `block_table`, in
+/// order: offset `pos % block_size` of its block `pos / block_size`. None past the
+/// table's end.
+pub fn slot_of(block_table: &[u32], block_size: usize, pos: usize) -> Option<i32> {
+    let block = *block_table.get(pos / block_size)? as usize;
+    i32::try_from(block * block_size + pos % block_size).ok()
 }
 
 /// Device buffers `write_tokens` uploads rows and slots into, kept and grown so that
@@ -160,14 +58,13 @@ fn grow(device: &Device, slot: &mut Option<Buffer>, bytes: usize) -> Result<()> 
     Ok(())
 }
 
-/// A chip's KV cache: device memory plus its allocator.
+/// A chip's KV cache: its blocks' device memory.
 pub struct PagedKvCache {
     config: KvCacheConfig,
     layout: KvLayout,
     num_kv_heads: usize,
     head_dim: usize,
     layers: Vec<(Buffer, Buffer)>,
-    allocator: BlockAllocator,
     // A Mutex rather than a RefCell only so the cache stays `Sync`; it is never contended
     // (ops on a device are issued from one thread).
     install: Mutex<InstallScratch>,
@@ -210,7 +107,6 @@ impl PagedKvCache {
             num_kv_heads: model.num_kv_heads,
             head_dim: model.head_dim,
             layers,
-            allocator: BlockAllocator::new(config.num_blocks),
             install: Mutex::new(InstallScratch::default()),
         })
     }
@@ -223,10 +119,6 @@ impl PagedKvCache {
 
     pub fn config(&self) -> &KvCacheConfig {
         &self.config
-    }
-
-    pub fn allocator(&self) -> &BlockAllocator {
-        &self.allocator
     }
 
     pub fn layout(&self) -> KvLayout {
@@ -372,52 +264,6 @@ impl PagedKvCache {
         device.write(s.view(), slots)?;
         device.fill_kv_cache(&self.layer_view(layer), k.view(), v.view(), s.view(), n32)
     }
-
-    /// Blocks needed to grow `seq` by `extra` tokens.
-    pub fn blocks_needed(&self, seq: &SequenceKv, extra: usize) -> usize {
-        let bs = self.config.block_size;
-        (seq.len() + extra).div_ceil(bs).saturating_sub(seq.block_table.len())
-    }
-
-    /// Reserves room for `tokens` after what `seq` holds, returns their cache slots, and
-    /// seals every block the new tokens fill. All-or-nothing: on failure `seq` is unchanged.
-    pub fn append(&mut self, seq: &mut SequenceKv, tokens: &[u32]) -> Result<Vec<i32>> {
-        let need = self.blocks_needed(seq, tokens.len());
-        if need > self.allocator.free_blocks() {
-            return Err(BackendError::KvCache(format!(
-                "out of KV blocks: need {need}, {} free of {}",
-                self.allocator.free_blocks(),
-                self.allocator.capacity()
-            )));
-        }
-        for _ in 0..need {
-            // Cannot fail: free blocks were counted above.
-            if let Some(id) = self.allocator.alloc() {
-                seq.block_table.push(id);
-            }
-        }
-        let bs = self.config.block_size;
-        let start = seq.tokens.len();
-        seq.tokens.extend_from_slice(tokens);
-        let slots =
-            (start..seq.tokens.len()).map(|pos| (seq.block_table[pos / bs] as usize * bs + pos % bs) as i32).collect();
-        while seq.block_hashes.len() < seq.tokens.len() / bs {
-            let i = seq.block_hashes.len();
-            let hash = chained_block_hash(seq.block_hashes.last().copied(), &seq.tokens[i * bs..(i + 1) * bs]);
-            self.allocator.seal(seq.block_table[i], hash);
-            seq.block_hashes.push(hash);
-        }
-        Ok(slots)
-    }
-
-    /// Returns every block of `seq` to the pool.
-    pub fn release(&mut self, seq: &mut SequenceKv) {
-        for id in seq.block_table.drain(..) {
-            self.allocator.release(id);
-        }
-        seq.tokens.clear();
-        seq.block_hashes.clear();
-    }
 }
 
 /// A run of consecutive block ids: `len` blocks from `first_block`, found at
@@ -455,25 +301,11 @@ mod tests {
     }
 
     #[test]
-    fn allocator_reuses_ids_and_drains_to_free() {
-        let mut a = BlockAllocator::new(3);
-        let ids: Vec<u32> = (0..3).filter_map(|_| a.alloc()).collect();
-        assert_eq!(ids, vec![0, 1, 2]);
-        assert_eq!(a.alloc(), None);
-        a.release(1);
-        assert_eq!(a.alloc(), Some(1));
-        for id in [0, 1, 2] {
-            a.release(id);
-        }
-        assert_eq!(a.used_blocks(), 0);
-    }
-
-    #[test]
-    fn chained_hash_depends_on_parent_and_tokens() {
-        let a = chained_block_hash(None, &[1, 2, 3]);
-        assert_eq!(a, chained_block_hash(None, &[1, 2, 3]));
-        assert_ne!(a, chained_block_hash(None, &[1, 2, 4]));
-        assert_ne!(chained_block_hash(Some(a), &[5]), chained_block_hash(Some(a ^ 1), &[5]));
-        assert_ne!(chained_block_hash(None, &[5]), chained_block_hash(Some(0), &[5]));
+    fn slots_follow_the_block_table() {
+        let table = [5, 2, 9];
+        let slots: Vec<Option<i32>> = (0..7).map(|pos| slot_of(&table, 2, pos)).collect();
+        assert_eq!(slots, vec![Some(10), Some(11), Some(4), Some(5), Some(18), Some(19), None]);
+        assert_eq!(slot_of(&[], 16, 0), None);
+        assert_eq!(slot_of(&[u32::MAX], 4096, 0), None, "beyond what the kernel ABI addresses");
     }
 }

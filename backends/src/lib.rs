@@ -10,7 +10,6 @@ pub mod compat;
 pub mod config;
 pub mod device;
 pub mod dtype;
-pub mod engine;
 pub mod error;
 pub mod gguf;
 pub mod kv;

@@ -51,7 +51,7 @@ pub enum LogitsWanted {
 }
 
 /// One sequence's part of a step: `tokens` are appended after the `start_pos` tokens
-/// already cached; `slots` are their cache slots (from `PagedKvCache::append`).
+/// already cached; `slots` are their cache slots (`kv::slot_of` of `block_table`).
 #[derive(Debug, Clone, Copy)]
 pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],

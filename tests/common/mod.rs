@@ -1,5 +1,6 @@
 //! Shared helpers of the model integration tests: temporary synthetic checkpoints, a
-//! CPU device, token streams, and the reference forward in `reference`.
+//! CPU device, a KV cache whose blocks a chip's KV pool hands out, token streams, and
+//! the reference forward in `reference`.
 #![allow(dead_code)]
 
 pub mod reference;
@@ -7,9 +8,11 @@ pub mod reference;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use tessera_actors::kv::{BlockRef, KvPool};
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::DType;
-use tessera_backends::kv::{KvCacheConfig, PagedKvCache, SequenceKv};
+use tessera_backends::kv::{KvCacheConfig, PagedKvCache, slot_of};
+use tessera_backends::kv_format::KvLayout;
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::{LogitsWanted, Model, SeqChunk};
 use tessera_backends::synth::{Preset, SynthArch, SynthSpec, write_checkpoint};
@@ -53,10 +56,81 @@ pub fn load(dir: &Path, dtype: Option<DType>) -> Model {
     Model::load(dir, device(), dtype).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
 
-/// A KV cache for `model`.
-pub fn kv_cache(model: &Model, block_size: usize, num_blocks: usize, dtype: DType) -> PagedKvCache {
-    PagedKvCache::new(model.device(), model.config(), KvCacheConfig { block_size, num_blocks, dtype })
-        .expect("kv cache")
+/// A chip's KV storage and the pool that decides which of its blocks a sequence holds,
+/// for tests that run the model step by step themselves (a chip's batcher does this
+/// when serving). Dereferences to the cache.
+pub struct Kv {
+    pub cache: PagedKvCache,
+    pub pool: KvPool,
+}
+
+/// One sequence's blocks in a [`Kv`] and how many tokens they hold.
+#[derive(Debug, Default)]
+pub struct SeqKv {
+    blocks: Vec<BlockRef>,
+    table: Vec<u32>,
+    len: usize,
+}
+
+impl SeqKv {
+    pub fn block_table(&self) -> &[u32] {
+        &self.table
+    }
+
+    /// Tokens whose K/V are (or are being) written to the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Kv {
+    /// Reserves blocks for `tokens` after what `seq` holds and returns their slots.
+    pub fn append(&mut self, seq: &mut SeqKv, tokens: &[u32]) -> Vec<i32> {
+        let bs = self.pool.block_size();
+        let end = seq.len + tokens.len();
+        while seq.table.len() < end.div_ceil(bs) {
+            let block = self.pool.alloc(0).expect("a free KV block");
+            seq.blocks.push(block);
+            seq.table.push(block.slot);
+        }
+        let slots = (seq.len..end).map(|pos| slot_of(&seq.table, bs, pos).expect("a slot")).collect();
+        seq.len = end;
+        slots
+    }
+
+    /// Returns every block of `seq` to the pool.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        for block in seq.blocks.drain(..) {
+            self.pool.release(block).expect("a held block");
+        }
+        seq.table.clear();
+        seq.len = 0;
+    }
+
+    pub fn used_blocks(&self) -> usize {
+        self.pool.used()
+    }
+}
+
+impl std::ops::Deref for Kv {
+    type Target = PagedKvCache;
+
+    fn deref(&self) -> &PagedKvCache {
+        &self.cache
+    }
+}
+
+/// A head-major KV cache for `model`.
+pub fn kv_cache(model: &Model, block_size: usize, num_blocks: usize, dtype: DType) -> Kv {
+    kv_cache_in(model, block_size, num_blocks, dtype, KvLayout::HeadMajor)
+}
+
+/// A KV cache for `model` in `layout`.
+pub fn kv_cache_in(model: &Model, block_size: usize, num_blocks: usize, dtype: DType, layout: KvLayout) -> Kv {
+    let config = KvCacheConfig { block_size, num_blocks, dtype };
+    let cache = PagedKvCache::with_layout(model.device(), model.config(), config, layout).expect("kv cache");
+    let chip = tessera_actor_core::Addr::new(tessera_actor_core::HostId(0), 1);
+    Kv { cache, pool: KvPool::new(chip, num_blocks, block_size) }
 }
 
 /// `n` pseudo-random token ids in `0..vocab` (deterministic in `seed`).
@@ -84,15 +158,9 @@ pub fn max_abs(a: &[f32]) -> f32 {
 }
 
 /// Appends `toks` to `seq` and runs them as one chunk, returning the rows `want` asks for.
-pub fn run_chunk(
-    model: &mut Model,
-    kv: &mut PagedKvCache,
-    seq: &mut SequenceKv,
-    toks: &[u32],
-    want: LogitsWanted,
-) -> Vec<f32> {
+pub fn run_chunk(model: &mut Model, kv: &mut Kv, seq: &mut SeqKv, toks: &[u32], want: LogitsWanted) -> Vec<f32> {
     let start_pos = seq.len();
-    let slots = kv.append(seq, toks).expect("append");
+    let slots = kv.append(seq, toks);
     let chunk = SeqChunk { tokens: toks, start_pos, block_table: seq.block_table(), slots: &slots, logits: want };
     model.forward(kv, &[chunk]).expect("forward")
 }

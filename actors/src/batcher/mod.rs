@@ -2,14 +2,14 @@
 //! carries the decode tokens of running sequences first, then prefill chunks (of
 //! sequences part-way through their prompt, then of new arrivals, in arrival order)
 //! under a token budget, so new requests join running batches. When KV blocks run out
-//! a decoding sequence preempts the latest arrival by recompute — the same choices as
-//! the single-chip `Engine` of `tessera-backends`.
+//! a decoding sequence preempts the latest arrival by recompute. The chip actor and the
+//! single-chip local engine of `tessera-chip-executor` (`tessera generate`) both drive
+//! this batcher over a `KvPool`: one scheduler, one block allocator.
 
-use crate::kv::{BlockRef, KvPool};
+use crate::kv::{BlockRef, KvPool, chained_block_hash};
 use crate::msg::{Finish, SamplingSpec, SeqRequest};
 use std::collections::{HashSet, VecDeque};
 use tessera_actor_core::Addr;
-use tessera_backends::kv::chained_block_hash;
 
 /// Limits of one chip's steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,6 +131,50 @@ impl StepPlan {
     }
 }
 
+/// Why a sequence can never run on a chip, whatever else runs there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Inadmissible {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("token id {token} is outside the vocabulary ({vocab_size} tokens)")]
+    OutOfVocabulary { token: u32, vocab_size: usize },
+    #[error("the prompt has {tokens} tokens; the model's context is {max_context}")]
+    NoRoomInContext { tokens: usize, max_context: usize },
+    #[error(
+        "{prompt} prompt tokens + {new} new tokens need {need} KV blocks but the cache holds {num_blocks}: \
+         lower max_tokens"
+    )]
+    TooFewBlocks { prompt: usize, new: usize, need: usize, num_blocks: usize },
+}
+
+/// Whether `seq` may be admitted to a chip whose model has `vocab_size` tokens and a
+/// context of `max_context`, and whose pool has `num_blocks` blocks, when it needs
+/// `need_blocks` of them at most.
+pub fn admissible(
+    seq: &SeqRequest,
+    vocab_size: usize,
+    max_context: usize,
+    need_blocks: usize,
+    num_blocks: usize,
+) -> Result<(), Inadmissible> {
+    if seq.tokens.is_empty() {
+        return Err(Inadmissible::EmptyPrompt);
+    }
+    if let Some(&token) = seq.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(Inadmissible::OutOfVocabulary { token, vocab_size });
+    }
+    if seq.tokens.len() >= max_context {
+        return Err(Inadmissible::NoRoomInContext { tokens: seq.tokens.len(), max_context });
+    }
+    // Admit only what can run to its end alone: then the earliest arrival can always
+    // finish by preempting later ones, and the chip never deadlocks on KV.
+    if need_blocks > num_blocks {
+        let (prompt, new) = (seq.tokens.len(), seq.max_new_tokens);
+        return Err(Inadmissible::TooFewBlocks { prompt, new, need: need_blocks, num_blocks });
+    }
+    Ok(())
+}
+
 /// A token a step produced, for its request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Emitted {
@@ -189,6 +233,12 @@ impl Batcher {
     /// Blocks a sequence of `tokens` tokens occupies.
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.limits.block_size)
+    }
+
+    /// Blocks `seq` occupies at its longest: its prompt and every new token it may
+    /// generate, within the model's context.
+    pub fn blocks_to_finish(&self, seq: &SeqRequest) -> usize {
+        self.blocks_for(seq.tokens.len().saturating_add(seq.max_new_tokens).min(self.limits.max_context))
     }
 
     pub fn enqueue(&mut self, seq: SeqRequest) {
@@ -468,10 +518,12 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
 fn seal_full_blocks(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
     while seq.hashes.len() < seq.cached / bs {
         let i = seq.hashes.len();
-        let hash = chained_block_hash(seq.hashes.last().copied(), &seq.tokens[i * bs..(i + 1) * bs]);
-        if let Err(e) = pool.seal(seq.blocks[i], hash) {
+        let parent = seq.hashes.last().copied();
+        let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+        let hash = pool.seal(seq.blocks[i], parent, tokens).unwrap_or_else(|e| {
             tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");
-        }
+            chained_block_hash(parent, tokens)
+        });
         seq.hashes.push(hash);
     }
 }

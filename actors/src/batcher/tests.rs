@@ -1,4 +1,5 @@
 use super::*;
+use crate::kv::BlockState;
 use tessera_actor_core::HostId;
 
 fn limits(max_batch_tokens: usize, max_batch_seqs: usize, block_size: usize) -> BatcherLimits {
@@ -24,7 +25,11 @@ fn shape(plan: &StepPlan) -> Shape {
 }
 
 fn pool(blocks: usize) -> KvPool {
-    KvPool::new(Addr::new(HostId(0), 16), blocks)
+    pool_of(blocks, 4)
+}
+
+fn pool_of(blocks: usize, block_size: usize) -> KvPool {
+    KvPool::new(Addr::new(HostId(0), 16), blocks, block_size)
 }
 
 /// Samples token 7 for every sequence that asked.
@@ -53,6 +58,43 @@ fn plans_chunked_prefill_then_decode_first() {
     }
     assert!(!b.has_work(), "both reached max_new_tokens = 3");
     assert_eq!(p.used(), 0, "finished requests free every block");
+}
+
+/// Every block the cached tokens fill is sealed with its chained hash (the last, partly
+/// filled block is still being written), chunk boundaries notwithstanding.
+#[test]
+fn full_blocks_are_sealed_with_chained_hashes_as_prefill_chunks_fill_them() {
+    let mut b = Batcher::new(limits(6, 4, 4), vec![]);
+    let mut p = pool(8);
+    let s = seq(1, 10, 3);
+    let prompt = s.tokens.clone();
+    b.enqueue(s);
+    let states = |b: &Batcher, p: &KvPool| -> Vec<BlockState> {
+        let table = b.block_table(1).unwrap_or_default();
+        let refs = table.iter().map(|&slot| BlockRef { chip: Addr::new(HostId(0), 16), slot, generation: 0 });
+        refs.map(|r| p.state(r).unwrap()).collect()
+    };
+    let h0 = chained_block_hash(None, &prompt[0..4]);
+    let h1 = chained_block_hash(Some(h0), &prompt[4..8]);
+    let sealed = |hash| BlockState::Sealed { hash, refs: 1 };
+    let writing = BlockState::Writing { owner: 1 };
+    // Chunks of 6 and 4 tokens: block 1 is filled across the chunk boundary.
+    run_step(&mut b, &mut p);
+    assert_eq!(states(&b, &p), vec![sealed(h0), writing]);
+    run_step(&mut b, &mut p);
+    assert_eq!(states(&b, &p), vec![sealed(h0), sealed(h1), writing]);
+    assert_eq!(
+        p.find(h1),
+        b.block_table(1).map(|t| BlockRef { chip: Addr::new(HostId(0), 16), slot: t[1], generation: 0 })
+    );
+    while b.has_work() {
+        run_step(&mut b, &mut p);
+    }
+    assert_eq!(
+        (p.used(), p.find(h0), p.find(h1)),
+        (0, None, None),
+        "a finished request frees and unindexes its blocks"
+    );
 }
 
 #[test]
@@ -85,7 +127,7 @@ fn stop_tokens_eos_and_length_finish() {
 #[test]
 fn out_of_blocks_preempts_the_latest_arrival_and_recomputes_it() {
     let mut b = Batcher::new(limits(64, 8, 2), vec![]);
-    let mut p = pool(4);
+    let mut p = pool_of(4, 2);
     // Each fits alone (4 + 4 tokens = 4 blocks), as the chip's admission guarantees.
     b.enqueue(seq(1, 4, 4)); // 2 blocks
     b.enqueue(seq(2, 4, 4)); // 2 blocks: the pool is full
@@ -218,4 +260,36 @@ fn preemption_drops_a_prefill_for_a_decode_chip_instead_of_deadlocking() {
     assert_eq!(b.take_dropped(), vec![(2, Addr::new(HostId(0), 1002))]);
     assert!(!b.contains(2));
     assert_eq!(p.used(), 3, "request 1 holds all three blocks");
+}
+
+/// The admission check the chip and the local engine share: a table of sequences and
+/// the refusal each gets (a model of 100 tokens and a context of 32, a pool of 8 blocks
+/// of 4).
+#[test]
+fn admission_refuses_what_can_never_run_here() {
+    let b = Batcher::new(BatcherLimits { max_context: 32, ..limits(64, 8, 4) }, vec![]);
+    let with = |tokens: Vec<u32>, max_new: usize| SeqRequest { tokens, max_new_tokens: max_new, ..seq(1, 0, 0) };
+    let cases: Vec<(SeqRequest, Result<(), Inadmissible>)> = vec![
+        (with(vec![1, 2, 3], 10), Ok(())),
+        (with(vec![], 4), Err(Inadmissible::EmptyPrompt)),
+        (with(vec![1, 100, 2], 4), Err(Inadmissible::OutOfVocabulary { token: 100, vocab_size: 100 })),
+        (with(vec![5; 32], 1), Err(Inadmissible::NoRoomInContext { tokens: 32, max_context: 32 })),
+        // 31 + 1 tokens fill the context: exactly the pool's 8 blocks.
+        (with(vec![5; 31], 1), Ok(())),
+        // max_tokens is clamped to the context: 20 + 30 tokens still need 8 blocks.
+        (with(vec![5; 20], 30), Ok(())),
+        (with(vec![5; 20], usize::MAX), Ok(())),
+    ];
+    for (s, want) in cases {
+        let got = admissible(&s, 100, 32, b.blocks_to_finish(&s), 8);
+        assert_eq!(got, want, "{} prompt tokens, max_new {}", s.tokens.len(), s.max_new_tokens);
+    }
+    // A pool too small for the whole request.
+    let s = with(vec![5; 10], 12);
+    let err = admissible(&s, 100, 32, b.blocks_to_finish(&s), 5).unwrap_err();
+    assert_eq!(err, Inadmissible::TooFewBlocks { prompt: 10, new: 12, need: 6, num_blocks: 5 });
+    assert_eq!(
+        err.to_string(),
+        "10 prompt tokens + 12 new tokens need 6 KV blocks but the cache holds 5: lower max_tokens"
+    );
 }

@@ -12,7 +12,7 @@
 pub mod executor;
 mod handoff;
 
-use crate::batcher::{Batcher, BatcherLimits};
+use crate::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use crate::kv::KvPool;
 use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, SeqRequest, ServeError};
 use executor::{ExecutorFactory, StepExecutor};
@@ -130,42 +130,21 @@ impl Chip {
 
     /// Why `seq` can never run here, if so.
     fn check(&self, seq: &SeqRequest, info: &ChipInfo, batcher: &Batcher) -> Option<ServeError> {
-        let longest = (seq.tokens.len() + seq.max_new_tokens).min(info.max_context);
-        self.check_fits(seq, info, batcher.blocks_for(longest))
+        self.check_fits(seq, info, batcher.blocks_to_finish(seq))
     }
 
     /// Why `seq` can never run here, if so, when it needs `need` KV blocks at most.
     fn check_fits(&self, seq: &SeqRequest, info: &ChipInfo, need: usize) -> Option<ServeError> {
-        if seq.tokens.is_empty() {
-            return Some(ServeError::new(ErrorKind::BadRequest, "the prompt is empty"));
-        }
-        if let Some(&bad) = seq.tokens.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return Some(ServeError::new(
-                ErrorKind::BadRequest,
-                format!("token id {bad} is outside the vocabulary ({} tokens)", info.vocab_size),
-            ));
-        }
-        if seq.tokens.len() >= info.max_context {
-            return Some(ServeError::new(
-                ErrorKind::PromptTooLong,
-                format!("{} tokens leave no room in the model's context of {}", seq.tokens.len(), info.max_context),
-            ));
-        }
-        // Admit only what can run to its end alone: then the earliest arrival can always
-        // finish by preempting later ones, and the chip never deadlocks on KV.
-        if need > info.num_blocks {
-            return Some(ServeError::new(
-                ErrorKind::BadRequest,
-                format!(
-                    "{} prompt tokens + {} new tokens need {need} KV blocks; chip {} has {}: lower max_tokens",
-                    seq.tokens.len(),
-                    seq.max_new_tokens,
-                    self.config.id,
-                    info.num_blocks
-                ),
-            ));
-        }
-        None
+        let error = admissible(seq, info.vocab_size, info.max_context, need, info.num_blocks).err()?;
+        Some(match error {
+            Inadmissible::NoRoomInContext { .. } => ServeError::new(ErrorKind::PromptTooLong, error.to_string()),
+            Inadmissible::TooFewBlocks { .. } => {
+                ServeError::new(ErrorKind::BadRequest, format!("chip {}: {error}", self.config.id))
+            }
+            Inadmissible::EmptyPrompt | Inadmissible::OutOfVocabulary { .. } => {
+                ServeError::new(ErrorKind::BadRequest, error.to_string())
+            }
+        })
     }
 
     fn enqueue(&mut self, seq: SeqRequest, fx: &mut dyn Effects<Msg>) {
@@ -333,7 +312,7 @@ impl Behavior<Msg> for Chip {
                     block_size: info.block_size,
                     max_context: info.max_context,
                 };
-                self.pool = Some(KvPool::new(fx.me(), info.num_blocks));
+                self.pool = Some(KvPool::new(fx.me(), info.num_blocks, info.block_size));
                 self.batcher = Some(Batcher::new(limits, info.eos_token_ids.clone()));
                 tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
                 self.info = Some(info);

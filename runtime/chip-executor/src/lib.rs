@@ -15,6 +15,11 @@
 //! plane (`tessera-backends` devices, the `tessera-runtime` transfer engine): the only
 //! crate that knows both, so it alone converts the behaviors' plain `KvRegionDesc` to the
 //! transfer engine's `RegionDesc`. Behaviors never depend on it.
+//!
+//! It also runs a chip without actors (`local`: `tessera generate`, the model tests):
+//! the chip's batcher and KV pool driving this executor in a synchronous step loop.
+
+pub mod local;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -132,6 +137,15 @@ pub struct ModelExecutor {
     emulation: Option<(Emulation, ModelShape)>,
     k_rows: Vec<f32>,
     v_rows: Vec<f32>,
+    /// The logits row of each sampled token since `take_logits`, when kept.
+    kept_logits: Option<Vec<(u64, Vec<f32>)>>,
+}
+
+/// What a chip's executor is attached to beyond its model and cache.
+struct Attachments {
+    chip_id: String,
+    transfer: Option<Arc<TransferEngine>>,
+    emulation: Option<Emulation>,
 }
 
 impl ModelExecutor {
@@ -170,31 +184,50 @@ impl ModelExecutor {
         if num_blocks == 0 {
             return Err(format!("no memory is left for even one KV block of {} tokens", config.block_size));
         }
-        let kv = PagedKvCache::with_layout(
-            model.device(),
-            &mc,
-            KvCacheConfig { block_size: config.block_size, num_blocks, dtype: config.kv_dtype },
-            config.kv_layout,
-        )
-        .map_err(|e| e.to_string())?;
+        let kv = KvCacheConfig { block_size: config.block_size, num_blocks, dtype: config.kv_dtype };
+        let attach = Attachments {
+            chip_id: config.chip_id.clone(),
+            transfer: config.transfer.clone(),
+            emulation: config.emulation.clone(),
+        };
+        Self::build(model, kv, config.kv_layout, attach)
+    }
+
+    /// An executor over `model`, already loaded, with a head-major cache of `kv`: a chip
+    /// of its own, with no transfer engine and no emulation (the local engine's).
+    pub fn local(model: Model, kv: KvCacheConfig) -> Result<(ModelExecutor, ChipInfo), String> {
+        let attach = Attachments { chip_id: "local".into(), transfer: None, emulation: None };
+        Self::build(model, kv, KvLayout::HeadMajor, attach)
+    }
+
+    fn build(
+        model: Model,
+        kv_config: KvCacheConfig,
+        kv_layout: KvLayout,
+        attach: Attachments,
+    ) -> Result<(ModelExecutor, ChipInfo), String> {
+        let Attachments { chip_id, transfer, emulation } = attach;
+        let mc = model.config().clone();
+        let KvCacheConfig { block_size, num_blocks, dtype: kv_dtype } = kv_config;
+        let kv = PagedKvCache::with_layout(model.device(), &mc, kv_config, kv_layout).map_err(|e| e.to_string())?;
         let format = KvFormatDesc {
             num_layers: mc.num_layers,
             num_kv_heads: mc.num_kv_heads,
             head_dim: mc.head_dim,
-            block_size: config.block_size,
+            block_size,
             num_blocks,
-            layout: config.kv_layout.to_string(),
-            dtype: config.kv_dtype.to_string(),
+            layout: kv_layout.to_string(),
+            dtype: kv_dtype.to_string(),
         };
         let compat = kv_compat(&model.compat_info());
-        let staging = match &config.transfer {
+        let staging = match &transfer {
             Some(engine) => {
                 let bytes = 2 * mc.num_layers * num_blocks * kv.format().block_bytes();
                 Some(engine.register(bytes).map_err(|e| format!("cannot register a KV staging region: {e}"))?)
             }
             None => None,
         };
-        let emulation = config.emulation.clone().map(|emu| {
+        let emulation = emulation.map(|emu| {
             let shape = ModelShape {
                 num_layers: mc.num_layers,
                 hidden_size: mc.hidden_size,
@@ -204,12 +237,12 @@ impl ModelExecutor {
                 intermediate_size: mc.intermediate_size,
                 vocab_size: mc.vocab_size,
                 weight_bytes: model.weight_bytes(),
-                kv_bytes_per_elem: config.kv_dtype.size_bytes(),
+                kv_bytes_per_elem: kv_dtype.size_bytes(),
             };
-            let labels = [("chip", config.chip_id.clone()), ("kind", emu.kind.name.clone())];
+            let labels = [("chip", chip_id.clone()), ("kind", emu.kind.name.clone())];
             metrics::gauge!("tessera_emu_time_scale", &labels).set(emu.spec.time_scale);
             tracing::warn!(
-                chip = %config.chip_id,
+                chip = %chip_id,
                 kind = %emu.kind.name,
                 time_scale = emu.spec.time_scale,
                 compute_efficiency = emu.spec.compute_efficiency,
@@ -222,7 +255,7 @@ impl ModelExecutor {
             (emu, shape)
         });
         let info = ChipInfo {
-            staging: match (&config.transfer, &staging) {
+            staging: match (&transfer, &staging) {
                 (Some(engine), Some(region)) => Some(kv_region_desc(engine.describe(region))),
                 _ => None,
             },
@@ -230,7 +263,7 @@ impl ModelExecutor {
             format: format.clone(),
             compat,
             num_blocks,
-            block_size: config.block_size,
+            block_size,
             max_context: mc.max_context,
             vocab_size: mc.vocab_size,
             eos_token_ids: mc.eos_token_ids.clone(),
@@ -239,16 +272,38 @@ impl ModelExecutor {
             model,
             kv,
             samplers: HashMap::new(),
-            chip_id: config.chip_id.clone(),
+            chip_id,
             format,
-            transfer: config.transfer.clone(),
+            transfer,
             staging,
             inbox: None,
             emulation,
             k_rows: Vec::new(),
             v_rows: Vec::new(),
+            kept_logits: None,
         };
         Ok((exec, info))
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Keeps (from the next step on) the logits row each token is sampled from, for
+    /// [`take_logits`](Self::take_logits); off by default.
+    pub fn keep_logits(&mut self, keep: bool) {
+        self.kept_logits = keep.then(Vec::new);
+    }
+
+    /// The (request id, logits row) of every token sampled since the last call, in
+    /// sampling order, when keeping them.
+    pub fn take_logits(&mut self) -> Vec<(u64, Vec<f32>)> {
+        self.kept_logits.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Forgets every sampler (their sequences were dropped without a plan saying so).
+    pub fn forget_samplers(&mut self) {
+        self.samplers.clear();
     }
 
     /// The roofline time of `plan` on the emulated chip, if this chip emulates one.
@@ -398,6 +453,9 @@ impl StepExecutor for ModelExecutor {
                         None => tessera_backends::sampling::argmax(row),
                     };
                     outcome.sampled.push((s.request_id, token));
+                    if let Some(kept) = self.kept_logits.as_mut() {
+                        kept.push((s.request_id, row.to_vec()));
+                    }
                 }
             }
             Err(e) => outcome.error = Some(e.to_string()),
