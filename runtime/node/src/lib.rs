@@ -31,7 +31,7 @@ use tessera_gateway::listener::HttpLimits;
 use tessera_gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
-use tessera_runtime::transfer::{TransferConfig, TransferEngine, TransportChoice};
+use tessera_runtime::transfer::{TransferConfig, TransferEngine};
 use tessera_runtime::{Addr, HostId};
 use tessera_topology::{Backend, ClusterSpec};
 
@@ -113,7 +113,7 @@ pub fn run_node(
     let me = &spec.hosts[index];
     let model_dir = resolve_model(&spec.model)?;
     let model_config = ModelConfig::from_dir(&model_dir)?;
-    let dtype = spec.dtype.as_deref().map(parse_dtype).transpose()?;
+    let dtype = spec.dtype.map(|dtype| parse_dtype(dtype.as_str())).transpose()?;
     let is_gateway = spec.gateway.host == me.name;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -145,11 +145,7 @@ pub fn run_node(
     let transfer = TransferEngine::start(TransferConfig {
         tcp_streams: d.tcp_streams,
         chunk_bytes: d.chunk_bytes(),
-        transport: match d.transport {
-            tessera_topology::Transport::Auto => TransportChoice::Auto,
-            tessera_topology::Transport::Shm => TransportChoice::Shm,
-            tessera_topology::Transport::Tcp => TransportChoice::Tcp,
-        },
+        transport: d.transport,
         ..TransferConfig::new(me.transfer)
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
@@ -224,7 +220,7 @@ pub fn run_node(
             threads: chip.threads as u32,
             memory_limit_bytes: chip.memory_limit_bytes,
             dtype,
-            kv_dtype: parse_dtype(&chip.kv_dtype)?,
+            kv_dtype: parse_dtype(chip.kv_dtype.as_str())?,
             kv_layout: chip.kv_layout.to_string().parse::<KvLayout>().map_err(NodeError::Config)?,
             block_size: chip.block_size,
             max_batch_seqs: chip.max_batch_seqs,
