@@ -420,7 +420,7 @@ fn per_chip_kv_format() {
     assert!(spec.render().contains("kv cache: blocks of 32 tokens, bf16, token-major"));
 
     for layout in KvLayout::ALL {
-        assert_eq!(layout.to_string().parse::<KvLayout>().ok(), Some(*layout));
+        assert_eq!(layout.to_string().parse::<KvLayout>().ok(), Some(layout));
     }
     let table: &[(&str, usize, &str, &str)] = &[
         ("block_size = 0", 14, "block_size", "0 is out of range 1..=4096"),
@@ -470,7 +470,7 @@ fn emulation_and_disagg_defaults() {
         }
     );
     for transport in TransportChoice::ALL {
-        assert_eq!(transport.to_string().parse::<TransportChoice>().ok(), Some(*transport));
+        assert_eq!(transport.to_string().parse::<TransportChoice>().ok(), Some(transport));
     }
 }
 

@@ -62,7 +62,7 @@ pub fn kv_format(desc: &KvFormatDesc) -> Result<KvFormat, String> {
         num_kv_heads: desc.num_kv_heads,
         head_dim: desc.head_dim,
         block_size: desc.block_size,
-        layout: desc.layout.parse::<KvLayout>()?,
+        layout: desc.layout.parse::<KvLayout>().map_err(|e| e.to_string())?,
         dtype: desc.dtype.parse::<DType>().map_err(|e| e.to_string())?,
     })
 }

@@ -22,8 +22,6 @@ use tessera_actors::request::RetryPolicy;
 use tessera_actors::router::Router;
 use tessera_actors::supervisor::{Supervisor, SupervisorConfig};
 use tessera_backends::config::ModelConfig;
-use tessera_backends::dtype::DType;
-use tessera_backends::kv_format::KvLayout;
 use tessera_backends::synth::Preset;
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_chip_executor::{Emulation, ModelExecutor, ModelExecutorConfig};
@@ -91,10 +89,6 @@ pub fn chip_addr(host: usize, i: usize) -> Addr {
     Addr::new(HostId(host as u16), well_known::CHIP_BASE + i as u64)
 }
 
-fn parse_dtype(s: &str) -> Result<DType, NodeError> {
-    s.parse::<DType>().map_err(NodeError::Config)
-}
-
 /// Runs host `host_name` of `spec` until `shutdown` resolves, then drains.
 pub fn run_node(
     spec: &ClusterSpec,
@@ -113,7 +107,6 @@ pub fn run_node(
     let me = &spec.hosts[index];
     let model_dir = resolve_model(&spec.model)?;
     let model_config = ModelConfig::from_dir(&model_dir)?;
-    let dtype = spec.dtype.map(|dtype| parse_dtype(dtype.as_str())).transpose()?;
     let is_gateway = spec.gateway.host == me.name;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -219,9 +212,9 @@ pub fn run_node(
             },
             threads: chip.threads as u32,
             memory_limit_bytes: chip.memory_limit_bytes,
-            dtype,
-            kv_dtype: parse_dtype(chip.kv_dtype.as_str())?,
-            kv_layout: chip.kv_layout.to_string().parse::<KvLayout>().map_err(NodeError::Config)?,
+            dtype: spec.dtype,
+            kv_dtype: chip.kv_dtype,
+            kv_layout: chip.kv_layout,
             block_size: chip.block_size,
             max_batch_seqs: chip.max_batch_seqs,
             chip_id: chip.id.clone(),

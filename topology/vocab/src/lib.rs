@@ -51,7 +51,7 @@ macro_rules! vocabulary {
         }
 
         impl $ty {
-            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+            pub const ALL: [$ty; [$($name),+].len()] = [$($ty::$variant),+];
             /// The names, in the order of [`Self::ALL`].
             pub const NAMES: &'static [&'static str] = &[$($name),+];
 
@@ -166,13 +166,13 @@ mod tests {
     use super::*;
 
     /// Every value's name: `as_str`, `Display`, serde and `FromStr` agree, in both directions.
-    fn round_trips<T>(all: &[T], names: &[&str])
+    fn round_trips<T, const N: usize>(all: [T; N], names: &[&str])
     where
         T: Copy + std::fmt::Debug + std::fmt::Display + PartialEq + Serialize + serde::de::DeserializeOwned,
         T: std::str::FromStr<Err = UnknownName>,
     {
         assert_eq!(all.len(), names.len());
-        for (&value, &name) in all.iter().zip(names) {
+        for (value, &name) in all.into_iter().zip(names) {
             assert_eq!(value.to_string(), name);
             assert_eq!(name.parse::<T>(), Ok(value));
             assert_eq!(serde_json::to_string(&value).unwrap(), format!("\"{name}\""));
@@ -224,7 +224,7 @@ mod tests {
 
     #[test]
     fn dtype_sizes() {
-        let sizes: Vec<usize> = DType::ALL.iter().map(|d| d.size_bytes()).collect();
+        let sizes = DType::ALL.map(DType::size_bytes);
         assert_eq!(sizes, [4, 2, 2]);
     }
 
