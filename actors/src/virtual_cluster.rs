@@ -10,8 +10,8 @@ use crate::batcher::StepPlan;
 use crate::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use crate::chip::{Chip, ChipConfig};
 use crate::msg::{
-    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, Finish, KvCompat, KvFormatDesc, Msg, SamplingSpec,
-    StepOutcome, well_known,
+    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, DType, Finish, KvCompat, KvFormatDesc, KvLayout, Msg, Role,
+    SamplingSpec, StepOutcome, well_known,
 };
 use crate::request::RetryPolicy;
 use crate::router::Router;
@@ -59,8 +59,8 @@ fn modelled_chip() -> ExecutorFactory {
                 head_dim: 8,
                 block_size: 16,
                 num_blocks: 64,
-                layout: "token-major".into(),
-                dtype: "f32".into(),
+                layout: KvLayout::TokenMajor,
+                dtype: DType::F32,
             },
             compat: KvCompat { hash: 1, fields: Vec::new() },
             staging: None,
@@ -208,7 +208,7 @@ fn run(seed: u64) -> Run {
     let mut vh: VirtualHost<Msg> = VirtualHost::new(Duration::from_micros(200));
 
     let reports =
-        hosts.iter().map(|&h| ChipReport::starting(chip(h), format!("c{}", h.0), format!("h{}", h.0), "both".into()));
+        hosts.iter().map(|&h| ChipReport::starting(chip(h), format!("c{}", h.0), format!("h{}", h.0), Role::Both));
     vh.spawn_at(router, Box::new(Router::new(reports.collect(), 1000)));
     let retry = RetryPolicy::default();
     let admission = AdmissionConfig { max_inflight: 64, router, retry, id_base: 1 };
@@ -230,7 +230,7 @@ fn run(seed: u64) -> Run {
         let chip_config = ChipConfig {
             id: format!("c{}", h.0),
             host_name: format!("h{}", h.0),
-            role: "both".into(),
+            role: Role::Both,
             max_batch_tokens: 64,
             max_batch_seqs: 8,
             supervisor: supervisor(h),

@@ -173,7 +173,7 @@ pub fn run_node(
         for (i, chip) in host_spec.chips.iter().enumerate() {
             let addr = chip_addr(h, i);
             chip_addrs.insert(chip.id.clone(), addr);
-            all_chips.push(ChipReport::starting(addr, chip.id.clone(), host_spec.name.clone(), chip.role.to_string()));
+            all_chips.push(ChipReport::starting(addr, chip.id.clone(), host_spec.name.clone(), chip.role));
         }
     }
     if is_gateway {
@@ -227,7 +227,7 @@ pub fn run_node(
         let chip_config = ChipConfig {
             id: chip.id.clone(),
             host_name: me.name.clone(),
-            role: chip.role.to_string(),
+            role: chip.role,
             max_batch_tokens: chip.max_batch_tokens,
             max_batch_seqs: chip.max_batch_seqs,
             supervisor,
