@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
 use tessera_backends::device::{Device, DeviceConfig};
-use tessera_backends::dtype::DType;
+use tessera_backends::dtype::{DType, parse_dtype};
 use tessera_backends::kv::{DEFAULT_BLOCK_SIZE, KvCacheConfig};
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::Model;
@@ -249,10 +249,10 @@ struct GenerateArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// Weight dtype on the device (default: as stored).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
     /// KV cache dtype.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     kv_dtype: DType,
     /// Tokens per KV block.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
@@ -285,7 +285,7 @@ struct MakeTinyArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Weight dtype in the file (default: f32 for tiny/small, f16 for bench).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
     /// Split the weights over this many safetensors shards (with an index file).
     #[arg(long, default_value_t = 1)]
@@ -298,7 +298,7 @@ struct BenchEngineArgs {
     #[arg(long, value_name = "DIR")]
     model: String,
     /// Weight dtype on the device (default: as stored).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
     /// Decode batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
@@ -313,7 +313,7 @@ struct BenchEngineArgs {
     #[arg(long, default_value_t = 8)]
     steps: usize,
     /// KV cache dtype.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     kv_dtype: DType,
     /// Print one JSON object instead of a table.
     #[arg(long)]

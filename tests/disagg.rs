@@ -220,8 +220,10 @@ fn a_live_role_change_takes_effect_after_draining() {
     cluster.wait_ready(2);
     let bad = post_json(gw, "/admin/role", &json!({"chip": "d-chip", "role": "sideways"}));
     assert_eq!(bad.status, 400, "{}", bad.body);
+    assert!(bad.body.contains("unknown role `sideways`; expected prefill, decode or both"), "{}", bad.body);
     let r = post_json(gw, "/admin/role", &json!({"chip": "d-chip", "role": "both"}));
     assert_eq!(r.status, 202, "{}", r.body);
+    assert!(r.body.contains(r#""role":"both""#), "{}", r.body);
     wait_health(gw, "d-chip is a both chip", Duration::from_secs(5), |h: &Value| chip(h, "d-chip")["role"] == "both");
     assert_answers(gw, std::slice::from_ref(&prompt), std::slice::from_ref(&want), MAX_TOKENS, "after the change");
     assert_eq!(metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} "), 0.0);

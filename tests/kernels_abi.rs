@@ -51,14 +51,14 @@ impl Rng {
     }
 }
 
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
 /// `x` as stored in `dt` and read back.
 fn round(x: f32, dt: DType) -> f32 {
     match dt {
         DType::F32 => x,
         DType::F16 => half::f16::from_f32(x).to_f32(),
-        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        DType::Bf16 => half::bf16::from_f32(x).to_f32(),
     }
 }
 
@@ -68,7 +68,7 @@ fn encode(xs: &[f32], dt: DType) -> Vec<u8> {
         match dt {
             DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
             DType::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes()),
+            DType::Bf16 => out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes()),
         }
     }
     out
@@ -78,7 +78,7 @@ fn decode(bytes: &[u8], dt: DType) -> Vec<f32> {
     match dt {
         DType::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
         DType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
-        DType::BF16 => {
+        DType::Bf16 => {
             bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect()
         }
     }
@@ -887,7 +887,7 @@ fn attention_long_context_head_dim_128() {
 }
 
 fn dtype_strategy() -> impl Strategy<Value = DType> {
-    prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)]
+    prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::Bf16)]
 }
 
 fn layout_strategy() -> impl Strategy<Value = KvLayout> {
@@ -1435,7 +1435,7 @@ fn check_kv_transfer(a: WireFmt, b: WireFmt, kv_heads: usize, head_dim: usize, l
         let (rel, abs) = match b.dtype {
             DType::F32 => (0.0, 0.0),
             DType::F16 => (2f32.powi(-11), 2f32.powi(-25)),
-            DType::BF16 => (2f32.powi(-8), 0.0),
+            DType::Bf16 => (2f32.powi(-8), 0.0),
         };
         for (name, got, src) in [("K", &kb, &ka), ("V", &vb, &va)] {
             assert!(got[..first * row].iter().all(|&x| x == 0.5), "{what}: layer {layer} {name}: prefix overwritten");
@@ -1473,7 +1473,7 @@ fn kv_same_format_blocks_copy_as_bytes() {
     let d = dev();
     let mut rng = Rng(77);
     let m = kv_model(3, 2, 4);
-    let f = WireFmt { block_size: 5, layout: KvLayout::TokenMajor, dtype: DType::BF16 };
+    let f = WireFmt { block_size: 5, layout: KvLayout::TokenMajor, dtype: DType::Bf16 };
     let (a, ta, sa) = cache_for(&d, &m, f, 17, &mut rng);
     let (b, tb, _) = cache_for(&d, &m, f, 17, &mut rng);
     assert_eq!(a.format(), b.format());

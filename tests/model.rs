@@ -496,7 +496,7 @@ fn weight_and_kv_dtypes_stay_close_to_reference() {
         // the executor is as exact as in f32; against the f32 reference the error is the
         // rounding's: f16 (11-bit mantissa) within 0.5%, bf16 (8-bit) within 3% of max |logit|
         // (measured: ~0.13% and ~1.1%).
-        for (dtype, rel) in [(DType::F16, 0.005), (DType::BF16, 0.03)] {
+        for (dtype, rel) in [(DType::F16, 0.005), (DType::Bf16, 0.03)] {
             let mut model = load(ck.path(), Some(dtype));
             assert_eq!(model.dtype(), dtype);
             let got = prefill_logits(&mut model, &prompt, DType::F32);
@@ -510,7 +510,7 @@ fn weight_and_kv_dtypes_stay_close_to_reference() {
         // KV cache in f16 and bf16 against f32 KV: within 0.2% and 1% of max |logit|
         // (measured: ~0.04% and ~0.3%).
         let mut model = load(ck.path(), None);
-        for (dtype, rel) in [(DType::F16, 0.002), (DType::BF16, 0.01)] {
+        for (dtype, rel) in [(DType::F16, 0.002), (DType::Bf16, 0.01)] {
             let got = prefill_logits(&mut model, &prompt, dtype);
             let d = max_abs_diff(&got, &want);
             eprintln!("{arch} {dtype} kv: max diff {d} (scale {scale})");
@@ -725,7 +725,7 @@ fn token_major_caches_match_reference_and_head_major_bit_for_bit() {
     let vocab = model.config().vocab_size;
     let prompt = tokens(30, 4, vocab);
     let want = reference.logits(&prompt);
-    for dtype in [DType::F32, DType::F16, DType::BF16] {
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
         for bs in [1, 5, 16] {
             let mut outs = Vec::new();
             for layout in KvLayout::ALL {
@@ -887,7 +887,7 @@ fn model_reports_params_fingerprint_and_compat() {
     // The same checkpoint held as bf16 on another chip: same params, fingerprint and
     // compatibility; a differently seeded checkpoint of the same shapes is refused by
     // its weights.
-    let bf16_model = load(ck.path(), Some(DType::BF16));
+    let bf16_model = load(ck.path(), Some(DType::Bf16));
     assert_eq!(bf16_model.param_count(), f32_model.param_count());
     assert_eq!(bf16_model.weights_fingerprint(), f32_model.weights_fingerprint());
     assert_eq!(compat_mismatch(&CompatInfo::of(&f32_model), &CompatInfo::of(&bf16_model)), None);

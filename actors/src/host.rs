@@ -78,7 +78,7 @@ pub fn build_host<E>(
         for (i, chip) in host_spec.chips.iter().enumerate() {
             let addr = chip_addr(h, i);
             chips.insert(chip.id.clone(), addr);
-            reports.push(ChipReport::starting(addr, chip.id.clone(), host_spec.name.clone(), chip.role.to_string()));
+            reports.push(ChipReport::starting(addr, chip.id.clone(), host_spec.name.clone(), chip.role));
         }
     }
 
@@ -123,7 +123,7 @@ pub fn build_host<E>(
         let config = ChipConfig {
             id: chip.id.clone(),
             host_name: me.name.clone(),
-            role: chip.role.to_string(),
+            role: chip.role,
             max_batch_tokens: chip.max_batch_tokens,
             max_batch_seqs: chip.max_batch_seqs,
             supervisor,

@@ -4,6 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 use tessera_actor_core::{Addr, HostId, Message};
+/// The vocabulary the messages carry; each travels as its name ("decode", "head-major",
+/// "f16"), as it always has.
+pub use tessera_vocab::{DType, KvLayout, Role};
 
 /// Well-known actor ids, the same on every host.
 pub mod well_known {
@@ -128,7 +131,7 @@ pub struct ChipReport {
     pub chip: Addr,
     pub id: String,
     pub host_name: String,
-    pub role: String,
+    pub role: Role,
     pub state: ChipState,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
@@ -153,7 +156,7 @@ pub struct ChipReport {
 
 impl ChipReport {
     /// A chip nobody has heard from yet.
-    pub fn starting(chip: Addr, id: String, host_name: String, role: String) -> ChipReport {
+    pub fn starting(chip: Addr, id: String, host_name: String, role: Role) -> ChipReport {
         ChipReport {
             chip,
             id,
@@ -214,10 +217,8 @@ pub struct KvFormatDesc {
     pub block_size: usize,
     /// Blocks in the chip's pool (its staging region holds all of them).
     pub num_blocks: usize,
-    /// "head-major" or "token-major".
-    pub layout: String,
-    /// "f32", "f16" or "bf16".
-    pub dtype: String,
+    pub layout: KvLayout,
+    pub dtype: DType,
 }
 
 /// What must match for two chips to exchange KV: the model and its attention shapes.
@@ -457,9 +458,9 @@ pub enum Msg {
         upto: usize,
         error: Option<String>,
     },
-    /// Operator -> chip: take this role once drained ("prefill", "decode" or "both").
+    /// Operator -> chip: take this role once drained.
     SetRole {
-        role: String,
+        role: Role,
     },
 
     // Chip internals.

@@ -9,8 +9,8 @@ use crate::batcher::StepPlan;
 use crate::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use crate::host::build_host;
 use crate::msg::{
-    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, Finish, KvCompat, KvFormatDesc, Msg, SamplingSpec,
-    StepOutcome, well_known,
+    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, DType, Finish, KvCompat, KvFormatDesc, KvLayout, Msg,
+    SamplingSpec, StepOutcome, well_known,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use std::collections::BTreeMap;
@@ -56,8 +56,8 @@ fn modelled_chip() -> ExecutorFactory {
                 head_dim: 8,
                 block_size: 16,
                 num_blocks: 64,
-                layout: "token-major".into(),
-                dtype: "f32".into(),
+                layout: KvLayout::TokenMajor,
+                dtype: DType::F32,
             },
             compat: KvCompat { hash: 1, fields: Vec::new() },
             staging: None,

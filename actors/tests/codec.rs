@@ -40,7 +40,7 @@ fn report(p: &Parts) -> ChipReport {
         chip: addr(p.a),
         id: p.text.clone(),
         host_name: "h1".into(),
-        role: "both".into(),
+        role: Role::ALL[p.n % 3],
         state: if p.flag { ChipState::Up } else { ChipState::Failed },
         kv_blocks_used: p.n,
         kv_blocks_total: p.n * 2,
@@ -69,8 +69,8 @@ fn format(p: &Parts) -> KvFormatDesc {
         head_dim: 64,
         block_size: 16,
         num_blocks: p.n,
-        layout: if p.flag { "token-major" } else { "head-major" }.into(),
-        dtype: "f16".into(),
+        layout: if p.flag { KvLayout::TokenMajor } else { KvLayout::HeadMajor },
+        dtype: DType::ALL[p.n % 3],
     }
 }
 
@@ -196,7 +196,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         36 => Msg::KvLeaseExpired { request_id: p.a, lease: p.b },
         37 => Msg::KvStaged { step: p.a, layer: p.n, staged: vec![(p.a, p.n), (p.b, 1)] },
         38 => Msg::KvInstalled { request_id: p.a, layer: p.n, upto: p.n, error: p.flag.then(|| p.text.clone()) },
-        39 => Msg::SetRole { role: p.text.clone() },
+        39 => Msg::SetRole { role: Role::ALL[p.b as usize % 3] },
         40 => Msg::Reroute,
         41 => Msg::Admit {
             client: addr(p.a),
@@ -288,6 +288,79 @@ fn every_kind_is_covered() {
     let p = Parts { a: 1, b: 2, n: 3, text: "x".into(), tokens: vec![1], flag: true, f: 0.5 };
     let covered: std::collections::BTreeSet<usize> = (0..KINDS).map(|k| kind_index(&build(k, &p))).collect();
     assert_eq!(covered.len(), KINDS);
+}
+
+/// Role, KV layout and dtype were strings on the wire before they were enums; they are
+/// still written as the same strings, so older and newer nodes read each other.
+mod before_the_vocabulary {
+    use serde::{Deserialize, Serialize};
+
+    #[derive(Debug, Serialize)]
+    pub enum Msg {
+        SetRole { role: String },
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct KvFormatDesc {
+        pub num_layers: usize,
+        pub num_kv_heads: usize,
+        pub head_dim: usize,
+        pub block_size: usize,
+        pub num_blocks: usize,
+        pub layout: String,
+        pub dtype: String,
+    }
+
+    /// What an older reader took of a chip report: the role as a string.
+    #[derive(Debug, Deserialize)]
+    pub struct ChipReport {
+        pub role: String,
+    }
+
+    pub fn format(layout: &str, dtype: &str) -> KvFormatDesc {
+        KvFormatDesc {
+            num_layers: 1,
+            num_kv_heads: 2,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 1,
+            layout: layout.into(),
+            dtype: dtype.into(),
+        }
+    }
+}
+
+#[test]
+fn string_payloads_of_older_nodes_still_decode() {
+    for role in Role::ALL {
+        let old = codec::encode_payload(&before_the_vocabulary::Msg::SetRole { role: role.to_string() }).unwrap();
+        assert_eq!(codec::encode_payload(&Msg::SetRole { role }).unwrap(), old, "{role}: the same bytes");
+        assert_eq!(codec::decode_payload::<Msg>(&old).unwrap(), Msg::SetRole { role });
+    }
+    let p = Parts { a: 1, b: 2, n: 1, text: "x".into(), tokens: vec![1], flag: true, f: 0.5 };
+    let bytes = codec::encode_payload(&before_the_vocabulary::format("token-major", "f16")).unwrap();
+    assert_eq!(codec::encode_payload(&format(&p)).unwrap(), bytes, "the same bytes");
+    assert_eq!(codec::decode_payload::<KvFormatDesc>(&bytes).unwrap(), format(&p));
+
+    let report = codec::encode_payload(&ChipReport { role: Role::Decode, ..report(&p) }).unwrap();
+    let seen: before_the_vocabulary::ChipReport = codec::decode_payload(&report).unwrap();
+    assert_eq!(seen.role, "decode");
+}
+
+/// A name this node does not know (a newer peer's layout) fails the payload's decoding,
+/// naming the value and the accepted ones; the bus counts and drops such a frame.
+#[test]
+fn unknown_names_are_refused_naming_them() {
+    // (layout, dtype, the unknown name, an accepted name the error lists)
+    let cases = [("diagonal", "f32", "diagonal", "head-major"), ("head-major", "f8", "f8", "bf16")];
+    for (layout, dtype, unknown, accepted) in cases {
+        let bytes = codec::encode_payload(&before_the_vocabulary::format(layout, dtype)).unwrap();
+        let e = codec::decode_payload::<KvFormatDesc>(&bytes).unwrap_err().to_string();
+        assert!(e.contains(unknown) && e.contains(accepted), "{e}");
+    }
+    let bytes = codec::encode_payload(&before_the_vocabulary::Msg::SetRole { role: "sideways".into() }).unwrap();
+    let e = codec::decode_payload::<Msg>(&bytes).unwrap_err().to_string();
+    assert!(e.contains("sideways") && e.contains("prefill"), "{e}");
 }
 
 proptest! {

@@ -287,7 +287,7 @@ mod tests {
             f.finish()
         };
         let base = fp("w", &[5, 8], &vals, DType::F32);
-        assert_eq!(base, fp("w", &[5, 8], &vals, DType::BF16));
+        assert_eq!(base, fp("w", &[5, 8], &vals, DType::Bf16));
         assert_ne!(base, fp("v", &[5, 8], &vals, DType::F32));
         assert_ne!(base, fp("w", &[8, 5], &vals, DType::F32));
         let mut changed = vals.clone();

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use tessera_kernel_abi as abi;
 
-use crate::dtype::DType;
+use crate::dtype::{DType, DTypeExt};
 use crate::error::{BackendError, Result};
-use crate::kv_format::KvLayout;
+use crate::kv_format::{KvLayout, KvLayoutExt};
 use crate::loader::{KernelLibrary, RawBuffer, RawDevice, raw};
 
 /// How to open a device.

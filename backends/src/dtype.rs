@@ -1,84 +1,100 @@
-//! Element types of weights and KV caches as the kernel ABI names them.
+//! Element types of weights and KV caches: the shared [`DType`], and what only the
+//! backends need of it — its ABI code and its names in checkpoint files ([`DTypeExt`]),
+//! and the looser spellings a command line accepts ([`parse_dtype`]).
 
-use std::fmt;
-use std::str::FromStr;
-
-use serde::{Deserialize, Serialize};
 use tessera_kernel_abi as abi;
+pub use tessera_vocab::{DType, UnknownName};
 
-/// A floating-point element type a weight or KV tensor may have (activations are f32).
-/// Serialized by its short name ("f32", "f16", "bf16"), as `Display` writes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    F32,
-    F16,
-    BF16,
+/// [`DType`] as the kernel ABI and checkpoint files name it.
+pub trait DTypeExt: Sized {
+    fn to_abi(self) -> abi::TkDtype;
+
+    /// The name in a safetensors header.
+    fn safetensors_name(self) -> &'static str;
+
+    /// The name in `config.json`'s `torch_dtype`.
+    fn torch_name(self) -> &'static str;
+
+    /// The dtype named in a safetensors header.
+    fn from_safetensors(dtype: safetensors::Dtype) -> Option<Self>;
 }
 
-impl DType {
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-        }
-    }
-
-    pub fn to_abi(self) -> abi::TkDtype {
+impl DTypeExt for DType {
+    fn to_abi(self) -> abi::TkDtype {
         match self {
             DType::F32 => abi::TK_DTYPE_F32,
             DType::F16 => abi::TK_DTYPE_F16,
-            DType::BF16 => abi::TK_DTYPE_BF16,
+            DType::Bf16 => abi::TK_DTYPE_BF16,
         }
     }
 
-    /// The name in a safetensors header.
-    pub fn safetensors_name(self) -> &'static str {
+    fn safetensors_name(self) -> &'static str {
         match self {
             DType::F32 => "F32",
             DType::F16 => "F16",
-            DType::BF16 => "BF16",
+            DType::Bf16 => "BF16",
         }
     }
 
-    /// The name in `config.json`'s `torch_dtype`.
-    pub fn torch_name(self) -> &'static str {
+    fn torch_name(self) -> &'static str {
         match self {
             DType::F32 => "float32",
             DType::F16 => "float16",
-            DType::BF16 => "bfloat16",
+            DType::Bf16 => "bfloat16",
         }
     }
 
-    /// The dtype named in a safetensors header.
-    pub fn from_safetensors(dtype: safetensors::Dtype) -> Option<Self> {
+    fn from_safetensors(dtype: safetensors::Dtype) -> Option<Self> {
         match dtype {
             safetensors::Dtype::F32 => Some(DType::F32),
             safetensors::Dtype::F16 => Some(DType::F16),
-            safetensors::Dtype::BF16 => Some(DType::BF16),
+            safetensors::Dtype::BF16 => Some(DType::Bf16),
             _ => None,
         }
     }
 }
 
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-        })
+/// A dtype as a person types it on a command line: its name in any case, or its torch
+/// name (`float16`, `bfloat16`, `half` ...). Topology files and the wire take the exact
+/// names only (`DType`'s `FromStr`).
+pub fn parse_dtype(text: &str) -> Result<DType, UnknownName> {
+    match text.to_ascii_lowercase().as_str() {
+        "float32" => Ok(DType::F32),
+        "float16" | "half" => Ok(DType::F16),
+        "bfloat16" => Ok(DType::Bf16),
+        name => name.parse().map_err(|_| UnknownName::new("dtype", text, DType::NAMES)),
     }
 }
 
-impl FromStr for DType {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" | "float32" => Ok(DType::F32),
-            "f16" | "float16" | "half" => Ok(DType::F16),
-            "bf16" | "bfloat16" => Ok(DType::BF16),
-            other => Err(format!("unknown dtype {other:?} (expected f32, f16 or bf16)")),
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line_spellings() {
+        let table = [
+            ("f32", DType::F32),
+            ("float32", DType::F32),
+            ("F16", DType::F16),
+            ("float16", DType::F16),
+            ("half", DType::F16),
+            ("bf16", DType::Bf16),
+            ("BFloat16", DType::Bf16),
+        ];
+        for (text, dtype) in table {
+            assert_eq!(parse_dtype(text), Ok(dtype), "{text}");
         }
+        let e = parse_dtype("F8").unwrap_err().to_string();
+        assert_eq!(e, "unknown dtype `F8`; expected f32, f16 or bf16");
+    }
+
+    #[test]
+    fn abi_and_file_names() {
+        for dtype in DType::ALL {
+            assert_eq!(dtype.torch_name().parse::<DType>().ok(), None, "torch names are aliases only");
+            assert_eq!(parse_dtype(dtype.torch_name()), Ok(dtype));
+            assert_eq!(dtype.safetensors_name().to_ascii_lowercase(), dtype.as_str());
+        }
+        assert_eq!(DType::Bf16.to_abi(), abi::TK_DTYPE_BF16);
     }
 }

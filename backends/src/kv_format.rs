@@ -9,7 +9,6 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 use tessera_kernel_abi as abi;
@@ -17,32 +16,27 @@ use tessera_kernel_abi as abi;
 use crate::dtype::DType;
 use crate::error::{BackendError, Result};
 
-/// How one KV block orders its tokens and heads (`tk_kv_cache.layout`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum KvLayout {
-    /// `[num_kv_heads][block_size][head_dim]`: one head's tokens are contiguous, which
-    /// attention kernels that stream a head at a time prefer.
-    #[default]
-    HeadMajor,
-    /// `[block_size][num_kv_heads][head_dim]`: one token's heads are contiguous, which
-    /// is what a projection writes and what token-granular transfers prefer.
-    TokenMajor,
+pub use tessera_vocab::KvLayout;
+
+/// [`KvLayout`] as the kernels see it (`tk_kv_cache.layout`).
+pub trait KvLayoutExt {
+    fn to_abi(self) -> u32;
+
+    /// Element offset inside one block of (kv head `head`, token `off`, element 0).
+    fn offset_in_block(self, num_kv_heads: usize, block_size: usize, head_dim: usize, head: usize, off: usize)
+    -> usize;
 }
 
-impl KvLayout {
-    pub const ALL: [KvLayout; 2] = [KvLayout::HeadMajor, KvLayout::TokenMajor];
-
-    pub fn to_abi(self) -> u32 {
+impl KvLayoutExt for KvLayout {
+    fn to_abi(self) -> u32 {
         match self {
             KvLayout::HeadMajor => abi::TK_KV_LAYOUT_HEAD_MAJOR,
             KvLayout::TokenMajor => abi::TK_KV_LAYOUT_TOKEN_MAJOR,
         }
     }
 
-    /// Element offset inside one block of (kv head `head`, token `off`, element 0).
     #[inline]
-    pub fn offset_in_block(
+    fn offset_in_block(
         self,
         num_kv_heads: usize,
         block_size: usize,
@@ -53,26 +47,6 @@ impl KvLayout {
         match self {
             KvLayout::HeadMajor => (head * block_size + off) * head_dim,
             KvLayout::TokenMajor => (off * num_kv_heads + head) * head_dim,
-        }
-    }
-}
-
-impl fmt::Display for KvLayout {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            KvLayout::HeadMajor => "head-major",
-            KvLayout::TokenMajor => "token-major",
-        })
-    }
-}
-
-impl FromStr for KvLayout {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "head-major" => Ok(KvLayout::HeadMajor),
-            "token-major" => Ok(KvLayout::TokenMajor),
-            other => Err(format!("unknown KV layout {other:?} (expected head-major or token-major)")),
         }
     }
 }
@@ -158,7 +132,7 @@ pub fn decode_tokens(
             match fmt.dtype {
                 DType::F32 => out.extend(src.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
                 DType::F16 => out.extend(src.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())),
-                DType::BF16 => {
+                DType::Bf16 => {
                     out.extend(src.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()))
                 }
             }
@@ -204,7 +178,7 @@ mod tests {
     #[test]
     fn decodes_every_layout_dtype_and_sub_range() {
         for layout in KvLayout::ALL {
-            for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for dtype in [DType::F32, DType::F16, DType::Bf16] {
                 for bs in [1, 3, 4] {
                     let f = fmt(layout, dtype, bs);
                     let first = 2 * bs;
@@ -253,8 +227,8 @@ mod tests {
         }
         assert_eq!(KvLayout::HeadMajor.to_abi(), abi::TK_KV_LAYOUT_HEAD_MAJOR);
         assert_eq!(KvLayout::TokenMajor.to_abi(), abi::TK_KV_LAYOUT_TOKEN_MAJOR);
-        assert!("row-major".parse::<KvLayout>().unwrap_err().contains("head-major or token-major"));
-        let f = fmt(KvLayout::TokenMajor, DType::BF16, 16);
+        assert!("row-major".parse::<KvLayout>().unwrap_err().to_string().contains("head-major or token-major"));
+        let f = fmt(KvLayout::TokenMajor, DType::Bf16, 16);
         assert_eq!(f.block_bytes(), 16 * 2 * 3 * 2);
         let json = serde_json::to_string(&f).unwrap();
         assert_eq!(serde_json::from_str::<KvFormat>(&json).unwrap(), f);

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use serde_json::json;
 
 use crate::config::{HfConfig, RopeScaling, TokenIds};
-use crate::dtype::DType;
+use crate::dtype::{DType, DTypeExt};
 use crate::error::{BackendError, Result};
 use crate::tokenizer::byte_to_char_table;
 
@@ -321,7 +321,7 @@ fn fill_chunk(tensor_seed: u64, chunk: u64, init: Init, dtype: DType, out: &mut 
         match dtype {
             DType::F32 => dst.copy_from_slice(&v.to_le_bytes()),
             DType::F16 => dst.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-            DType::BF16 => dst.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            DType::Bf16 => dst.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
         }
     }
 }
@@ -721,10 +721,10 @@ mod tests {
         assert_eq!("tiny".parse::<Preset>().unwrap(), Preset::Tiny);
         assert_eq!("Bench".parse::<Preset>().unwrap().to_string(), "bench");
         assert_eq!("qwen2".parse::<SynthArch>().unwrap(), SynthArch::Qwen2);
-        assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
+        assert_eq!("bf16".parse::<DType>().unwrap(), DType::Bf16);
         let err = "huge".parse::<Preset>().unwrap_err();
         assert_eq!(err, "unknown preset \"huge\" (expected one of: tiny, small, bench)");
-        assert!("f8".parse::<DType>().unwrap_err().contains("f32, f16 or bf16"));
+        assert!("f8".parse::<DType>().unwrap_err().to_string().contains("f32, f16 or bf16"));
     }
 
     #[test]
@@ -809,7 +809,7 @@ mod tests {
         assert!(load_tensors(&d3) == a);
         // Other seeds give other weights; bf16 halves f32.
         s.seed = 8;
-        s.dtype = Some(DType::BF16);
+        s.dtype = Some(DType::Bf16);
         write_checkpoint(&d3, &s).unwrap();
         let c = load_tensors(&d3);
         assert_ne!(c["model.embed_tokens.weight"].2, a["model.embed_tokens.weight"].2);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use crate::device::{Buffer, Device};
-use crate::dtype::DType;
+use crate::dtype::{DType, DTypeExt};
 use crate::error::{BackendError, Result};
 use crate::mmap::map_file;
 
@@ -210,7 +210,7 @@ pub fn convert_to_f32(bytes: &[u8], from: DType) -> Vec<f32> {
     match from {
         DType::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         DType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        DType::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::Bf16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
     }
 }
 
@@ -219,7 +219,7 @@ pub fn f32_to_bytes(values: &[f32], to: DType) -> Vec<u8> {
     match to {
         DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         DType::F16 => values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
-        DType::BF16 => values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+        DType::Bf16 => values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
     }
 }
 
@@ -284,7 +284,7 @@ mod fuzz {
     }
 
     fn arb_tensors() -> impl Strategy<Value = Vec<Tensor>> {
-        let dtype = prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)];
+        let dtype = prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::Bf16)];
         let tensor = (dtype, proptest::collection::vec(0..5usize, 0..4)).prop_map(|(dtype, shape)| Tensor {
             name: String::new(),
             dtype,

@@ -59,7 +59,7 @@ fn round_to(v: f32, dtype: DType) -> f32 {
     match dtype {
         DType::F32 => v,
         DType::F16 => half::f16::from_f32(v).to_f32(),
-        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+        DType::Bf16 => half::bf16::from_f32(v).to_f32(),
     }
 }
 

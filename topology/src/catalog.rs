@@ -98,7 +98,7 @@ impl std::str::FromStr for Confidence {
         Confidence::ALL
             .into_iter()
             .find(|confidence| confidence.as_str() == text)
-            .ok_or_else(|| crate::UnknownName::new("confidence", text, "confirmed, unconfirmed or estimate"))
+            .ok_or_else(|| crate::UnknownName::new("confidence", text, &["confirmed", "unconfirmed", "estimate"]))
     }
 }
 

@@ -1,6 +1,6 @@
-//! The errors of this crate — what is wrong with a topology file, and a name that
-//! names nothing — and how byte offsets in a topology file become the line, column and
-//! dotted key an operator can find.
+//! The error of this crate — what is wrong with a topology file, and where — and how
+//! byte offsets in a topology file become the line, column and dotted key an operator
+//! can find.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -42,23 +42,6 @@ impl TopologyError {
         } else {
             format!("{}:{}:{}: `{}`: {}", self.file, self.line, self.column, self.key, self.message)
         }
-    }
-}
-
-/// A string that is not one of the names an enum of this crate reads (its `FromStr`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown {what} `{name}`; expected {expected}")]
-pub struct UnknownName {
-    /// What was being named, e.g. `"kv layout"`.
-    pub what: &'static str,
-    pub name: String,
-    /// The names accepted, for the message.
-    pub expected: &'static str,
-}
-
-impl UnknownName {
-    pub(crate) fn new(what: &'static str, name: &str, expected: &'static str) -> Self {
-        UnknownName { what, name: name.to_owned(), expected }
     }
 }
 

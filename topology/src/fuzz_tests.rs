@@ -285,8 +285,6 @@ const ONE_DAY_MS: u64 = 86_400_000;
 fn check_spec(spec: &ClusterSpec) -> Result<(), TestCaseError> {
     let _ = spec.render();
     prop_assert!((1..=4096).contains(&spec.block_size));
-    prop_assert!(crate::KV_DTYPES.contains(&spec.kv_dtype.as_str()));
-    prop_assert!(spec.dtype.as_deref().is_none_or(|d| crate::KV_DTYPES.contains(&d)));
     prop_assert!(!spec.hosts.is_empty());
     prop_assert!(spec.host_index(&spec.gateway.host).is_some(), "gateway host {:?} names no host", spec.gateway.host);
     prop_assert!(spec.chips().any(|(_, _, chip)| chip.role.decodes()), "no chip decodes");

@@ -3,7 +3,8 @@
 //! topology may name, and the roofline perf model ([`perf`]) that paces emulated chips
 //! and feeds the planner. Every error points at the file, line, column and dotted key
 //! that is wrong. This crate only describes a cluster; it starts nothing and depends on
-//! no other tessera crate (nor on actors, the bus or the kernels), so every other crate
+//! no other tessera crate but the shared vocabulary (`tessera-vocab`: roles, KV layouts,
+//! dtypes, transports) — not on actors, the bus or the kernels — so every other crate
 //! can read a topology. Beyond reading the file, [`load`] only asks the OS whether the
 //! paths of the hosts that run on this machine exist (and which hosts those are).
 #![forbid(unsafe_code)]
@@ -21,7 +22,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 pub use catalog::{ChipKind, Confidence};
-pub use error::{TopologyError, UnknownName};
+pub use error::TopologyError;
+pub use tessera_vocab::{DType, KvLayout, Role, TransportChoice, UnknownName};
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
 /// that prefills and host `h1` with an emulated MetaX C500 that decodes, their KV
@@ -35,9 +37,6 @@ pub const DEFAULT_SOURCE: &str = "<embedded default topology>";
 /// The builtin test models `cluster.model` may name instead of a checkpoint directory.
 pub const BUILTIN_MODELS: &[&str] = &["builtin:tiny", "builtin:small", "builtin:bench"];
 
-/// The KV cache dtypes a topology may name (`cluster.kv_dtype`, `hosts.chips.kv_dtype`).
-pub const KV_DTYPES: &[&str] = &["f32", "f16", "bf16"];
-
 /// A validated cluster description.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClusterSpec {
@@ -47,11 +46,10 @@ pub struct ClusterSpec {
     /// One of [`BUILTIN_MODELS`], or a checkpoint directory. [`load`] resolves a relative
     /// directory against the topology file's directory; [`parse`] leaves it as written.
     pub model: String,
-    /// Weights dtype override: `"f32"`, `"f16"` or `"bf16"`; `None` keeps the checkpoint's.
-    pub dtype: Option<String>,
-    /// KV cache dtype, the default of every chip's [`ChipSpec::kv_dtype`]: `"f32"`
-    /// (default), `"f16"` or `"bf16"`.
-    pub kv_dtype: String,
+    /// Weights dtype override; `None` keeps the checkpoint's.
+    pub dtype: Option<DType>,
+    /// KV cache dtype, the default of every chip's [`ChipSpec::kv_dtype`] (default f32).
+    pub kv_dtype: DType,
     /// KV block size in tokens, the default of every chip's [`ChipSpec::block_size`]
     /// (default 16, 1..=4096).
     pub block_size: usize,
@@ -101,8 +99,8 @@ pub struct ChipSpec {
     pub max_batch_seqs: usize,
     /// KV block size in tokens (default: [`ClusterSpec::block_size`]).
     pub block_size: usize,
-    /// KV cache dtype, one of [`KV_DTYPES`] (default: [`ClusterSpec::kv_dtype`]).
-    pub kv_dtype: String,
+    /// KV cache dtype (default: [`ClusterSpec::kv_dtype`]).
+    pub kv_dtype: DType,
     /// How the chip lays out a KV block (default head-major).
     pub kv_layout: KvLayout,
 }
@@ -142,52 +140,6 @@ impl std::fmt::Display for Backend {
     }
 }
 
-/// `as_str`, `ALL`, `Display` and `FromStr` (with [`UnknownName`]) for an enum named by
-/// fixed strings in topology files.
-macro_rules! named_enum {
-    ($ty:ident, $what:literal, $expected:literal, $($variant:ident => $name:literal),+ $(,)?) => {
-        impl $ty {
-            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
-
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $($ty::$variant => $name),+
-                }
-            }
-        }
-
-        impl std::fmt::Display for $ty {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl std::str::FromStr for $ty {
-            type Err = UnknownName;
-
-            fn from_str(text: &str) -> Result<Self, Self::Err> {
-                match text {
-                    $($name => Ok($ty::$variant),)+
-                    _ => Err(UnknownName::new($what, text, $expected)),
-                }
-            }
-        }
-    };
-}
-
-/// How a chip orders the K and V entries inside one KV block. Chips that disagree
-/// convert on receive (DESIGN.md §6). TOML: `"head-major"` (default), `"token-major"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum KvLayout {
-    /// `[kv_head][token][head_dim]`: each head's tokens contiguous.
-    #[default]
-    HeadMajor,
-    /// `[token][kv_head][head_dim]`: each token's heads contiguous.
-    TokenMajor,
-}
-
-named_enum!(KvLayout, "kv layout", "\"head-major\" or \"token-major\"", HeadMajor => "head-major", TokenMajor => "token-major");
-
 /// How emulated chips ([`Backend::Emu`]) are paced; `[emulation]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EmulationSpec {
@@ -219,7 +171,8 @@ pub struct DisaggSpec {
     /// claimed it within this long (1..=86_400_000, default 5000), so a dead decode chip
     /// leaks no blocks.
     pub lease_ms: u64,
-    pub transport: Transport,
+    /// How KV blocks travel between chips. TOML: `"auto"` (default), `"shm"`, `"tcp"`.
+    pub transport: TransportChoice,
     /// Parallel TCP streams per transfer, 1..=64 (default 4).
     pub tcp_streams: usize,
     /// Bytes sent per chunk of a transfer, in KiB, 1..=65536 (default 1024).
@@ -237,56 +190,10 @@ impl Default for DisaggSpec {
         DisaggSpec {
             min_prompt_tokens: 32,
             lease_ms: 5000,
-            transport: Transport::Auto,
+            transport: TransportChoice::Auto,
             tcp_streams: 4,
             chunk_kib: 1024,
         }
-    }
-}
-
-/// How KV blocks travel between chips. TOML: `"auto"` (default), `"shm"`, `"tcp"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Transport {
-    /// Shared memory between chips of one machine, TCP otherwise.
-    #[default]
-    Auto,
-    /// Shared memory only: the transfer engine refuses a pair it cannot reach so.
-    Shm,
-    /// TCP always, even on one machine.
-    Tcp,
-}
-
-named_enum!(Transport, "transport", "\"auto\", \"shm\" or \"tcp\"", Auto => "auto", Shm => "shm", Tcp => "tcp");
-
-/// Which phases of a request a chip runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    Prefill,
-    Decode,
-    Both,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Both => "both",
-        }
-    }
-
-    pub fn prefills(self) -> bool {
-        matches!(self, Role::Prefill | Role::Both)
-    }
-
-    pub fn decodes(self) -> bool {
-        matches!(self, Role::Decode | Role::Both)
-    }
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

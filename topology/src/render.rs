@@ -19,7 +19,7 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
         out,
         "  model: {}  weights dtype: {}  kv dtype: {}  block size: {} tokens",
         spec.model,
-        spec.dtype.as_deref().unwrap_or("as in checkpoint"),
+        spec.dtype.map_or("as in checkpoint", crate::DType::as_str),
         spec.kv_dtype,
         spec.block_size
     )?;

@@ -21,9 +21,8 @@ use toml::Spanned;
 use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
-    BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DisaggSpec, EmulationSpec,
-    GatewaySpec, HostPaths, HostSpec, KV_DTYPES, KvLayout, PathReport, Role, RouterPolicy, RouterSpec, SupervisorSpec,
-    catalog,
+    BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DType, DisaggSpec, EmulationSpec,
+    GatewaySpec, HostPaths, HostSpec, KvLayout, PathReport, Role, RouterPolicy, RouterSpec, SupervisorSpec, catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -238,7 +237,7 @@ struct ChipContext<'a> {
     /// The file's `[[chip_kinds]]`.
     kinds: &'a [ChipKind],
     block_size: usize,
-    kv_dtype: &'a str,
+    kv_dtype: DType,
 }
 
 impl ChipContext<'_> {
@@ -304,36 +303,29 @@ impl Checker<'_> {
         }
     }
 
-    fn dtype(&self, value: &Spanned<String>, key: &str) -> Result<String, TopologyError> {
-        let dtype = value.get_ref();
-        if KV_DTYPES.contains(&dtype.as_str()) {
-            Ok(dtype.clone())
-        } else {
-            Err(self.err(
-                value.span(),
-                key,
-                format!("unknown dtype `{dtype}`; expected one of {}", KV_DTYPES.join(", ")),
-            ))
-        }
-    }
-
     fn address(&self, value: &Spanned<String>, key: &str) -> Result<SocketAddr, TopologyError> {
         parse_address(value.get_ref()).map_err(|message| self.err(value.span(), key, message))
     }
 
-    /// `value` read with `FromStr` (the enums of this crate name their choices).
+    /// `value` read with `FromStr` (the vocabulary enums name their choices), `default`
+    /// when it is not set.
     fn named<T: std::str::FromStr<Err = crate::UnknownName>>(
         &self,
         value: &Option<Spanned<String>>,
         key: &str,
         default: T,
     ) -> Result<T, TopologyError> {
-        match value {
-            None => Ok(default),
-            Some(value) => {
-                value.get_ref().parse().map_err(|e: crate::UnknownName| self.err(value.span(), key, e.to_string()))
-            }
-        }
+        value.as_ref().map_or(Ok(default), |value| self.parse(value, key))
+    }
+
+    /// `value` read with `FromStr`; an unknown name is an error at its span that lists
+    /// the accepted ones.
+    fn parse<T: std::str::FromStr<Err = crate::UnknownName>>(
+        &self,
+        value: &Spanned<String>,
+        key: &str,
+    ) -> Result<T, TopologyError> {
+        value.get_ref().parse().map_err(|e: crate::UnknownName| self.err(value.span(), key, e.to_string()))
     }
 }
 
@@ -400,11 +392,8 @@ impl Checker<'_> {
             None => "default".to_owned(),
         };
         let model = self.model(&cluster.model)?;
-        let dtype = cluster.dtype.as_ref().map(|dtype| self.dtype(dtype, "cluster.dtype")).transpose()?;
-        let kv_dtype = match &cluster.kv_dtype {
-            Some(kv_dtype) => self.dtype(kv_dtype, "cluster.kv_dtype")?,
-            None => "f32".to_owned(),
-        };
+        let dtype = cluster.dtype.as_ref().map(|dtype| self.parse(dtype, "cluster.dtype")).transpose()?;
+        let kv_dtype = self.named(&cluster.kv_dtype, "cluster.kv_dtype", DType::F32)?;
         let block_size = self.field(&cluster.block_size, "cluster.block_size", 16, in_range(1, MAX_BLOCK_SIZE))?;
 
         let router = self.router(raw.router.as_ref().map(Spanned::get_ref))?;
@@ -420,7 +409,7 @@ impl Checker<'_> {
                 "the cluster has no hosts: add a [[hosts]] table with at least one [[hosts.chips]]",
             ));
         }
-        let context = ChipContext { kinds: &chip_kinds, block_size, kv_dtype: &kv_dtype };
+        let context = ChipContext { kinds: &chip_kinds, block_size, kv_dtype };
         let hosts = self.hosts(&raw.hosts, &context)?;
         let gateway = self.gateway(raw.gateway.as_ref().map(Spanned::get_ref), &hosts)?;
         let bus = self.bus(raw.bus.as_ref().map(Spanned::get_ref))?;
@@ -906,21 +895,7 @@ impl Checker<'_> {
                 ));
             }
         };
-        let role = match &raw.role {
-            None => Role::Both,
-            Some(role) => match role.get_ref().as_str() {
-                "prefill" => Role::Prefill,
-                "decode" => Role::Decode,
-                "both" => Role::Both,
-                other => {
-                    return Err(self.err(
-                        role.span(),
-                        format!("{key}.role"),
-                        format!("unknown role `{other}`; expected prefill, decode or both"),
-                    ));
-                }
-            },
-        };
+        let role = self.named(&raw.role, &format!("{key}.role"), Role::Both)?;
         let memory_limit_bytes = raw
             .memory_limit
             .as_ref()
@@ -928,10 +903,7 @@ impl Checker<'_> {
                 self.memory(limit, &format!("{key}.memory_limit"), "leave it out for no limit", 1..=MAX_MEMORY_BYTES)
             })
             .transpose()?;
-        let kv_dtype = match &raw.kv_dtype {
-            Some(kv_dtype) => self.dtype(kv_dtype, &format!("{key}.kv_dtype"))?,
-            None => context.kv_dtype.to_owned(),
-        };
+        let kv_dtype = self.named(&raw.kv_dtype, &format!("{key}.kv_dtype"), context.kv_dtype)?;
         Ok(ChipSpec {
             id,
             kind,

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use tessera_topology::{
-    Backend, BusSpec, ClusterSpec, Confidence, DEFAULT_TOML, DisaggSpec, EmulationSpec, HostPaths, KvLayout,
-    PathReport, Role, TopologyError, Transport, catalog, default_topology, load, load_with_report, parse,
+    Backend, BusSpec, ClusterSpec, Confidence, DEFAULT_TOML, DType, DisaggSpec, EmulationSpec, HostPaths, KvLayout,
+    PathReport, Role, TopologyError, TransportChoice, catalog, default_topology, load, load_with_report, parse,
 };
 
 /// One host `h0` with one chip `c0`: lines 1-9.
@@ -233,7 +233,7 @@ fn heartbeat_timeout_must_exceed_interval() {
 #[test]
 fn bad_dtypes() {
     let text = with_line(2, "model = \"builtin:tiny\"\ndtype = \"fp8\"");
-    assert_error(&text, 3, 9, "cluster.dtype", "unknown dtype `fp8`; expected one of f32, f16, bf16");
+    assert_error(&text, 3, 9, "cluster.dtype", "unknown dtype `fp8`; expected f32, f16 or bf16");
     let text = with_line(2, "model = \"builtin:tiny\"\nkv_dtype = \"int4\"");
     assert_error(&text, 3, 12, "cluster.kv_dtype", "unknown dtype `int4`");
 }
@@ -244,7 +244,13 @@ fn bad_model_backend_and_role() {
     assert_error(&with_line(9, "backend = \"sim\""), 9, 11, "hosts[0].chips[0].backend", "not available yet");
     assert_error(&with_line(9, "backend = \"cuda\""), 9, 11, "hosts[0].chips[0].backend", "unknown backend");
     assert_error(&with_line(9, "backend = \"plugin:\""), 9, 11, "hosts[0].chips[0].backend", "needs the path");
-    assert_error(&format!("{ONE_CHIP}role = \"decoder\""), 10, 8, "hosts[0].chips[0].role", "unknown role `decoder`");
+    assert_error(
+        &format!("{ONE_CHIP}role = \"decoder\""),
+        10,
+        8,
+        "hosts[0].chips[0].role",
+        "unknown role `decoder`; expected prefill, decode or both",
+    );
     assert_error(
         &format!("{ONE_CHIP}role = \"prefill\""),
         10,
@@ -407,20 +413,25 @@ fn per_chip_kv_format() {
     let text = format!("{ONE_CHIP}block_size = 32\nkv_dtype = \"bf16\"\nkv_layout = \"token-major\"\n{SECOND_HOST}")
         .replace("model = \"builtin:tiny\"", "model = \"builtin:tiny\"\nblock_size = 8\nkv_dtype = \"f16\"");
     let spec = spec_of(&text);
-    let formats: Vec<(usize, &str, KvLayout)> =
-        spec.chips().map(|(_, _, chip)| (chip.block_size, chip.kv_dtype.as_str(), chip.kv_layout)).collect();
+    let formats: Vec<(usize, DType, KvLayout)> =
+        spec.chips().map(|(_, _, chip)| (chip.block_size, chip.kv_dtype, chip.kv_layout)).collect();
     // The second chip inherits the cluster's block size and dtype, and head-major.
-    assert_eq!(formats, [(32, "bf16", KvLayout::TokenMajor), (8, "f16", KvLayout::HeadMajor)]);
+    assert_eq!(formats, [(32, DType::Bf16, KvLayout::TokenMajor), (8, DType::F16, KvLayout::HeadMajor)]);
     assert!(spec.render().contains("kv cache: blocks of 32 tokens, bf16, token-major"));
 
     for layout in KvLayout::ALL {
-        assert_eq!(layout.to_string().parse::<KvLayout>().ok(), Some(*layout));
+        assert_eq!(layout.to_string().parse::<KvLayout>().ok(), Some(layout));
     }
     let table: &[(&str, usize, &str, &str)] = &[
         ("block_size = 0", 14, "block_size", "0 is out of range 1..=4096"),
         ("block_size = 4097", 14, "block_size", "out of range"),
-        ("kv_dtype = \"fp8\"", 12, "kv_dtype", "unknown dtype `fp8`; expected one of f32, f16, bf16"),
-        ("kv_layout = \"row-major\"", 13, "kv_layout", "unknown kv layout `row-major`; expected \"head-major\" or"),
+        ("kv_dtype = \"fp8\"", 12, "kv_dtype", "unknown dtype `fp8`; expected f32, f16 or bf16"),
+        (
+            "kv_layout = \"row-major\"",
+            13,
+            "kv_layout",
+            "unknown kv layout `row-major`; expected head-major or token-major",
+        ),
         ("kv_layout = 3", 13, "kv_layout", "expected a string"),
     ];
     for (line, column, key, fragment) in table {
@@ -437,7 +448,7 @@ fn emulation_and_disagg_defaults() {
         DisaggSpec {
             min_prompt_tokens: 32,
             lease_ms: 5000,
-            transport: Transport::Auto,
+            transport: TransportChoice::Auto,
             tcp_streams: 4,
             chunk_kib: 1024
         }
@@ -450,10 +461,16 @@ fn emulation_and_disagg_defaults() {
     assert_eq!(spec.emulation, EmulationSpec { time_scale: 250.0, compute_efficiency: 0.5, memory_efficiency: 1.0 });
     assert_eq!(
         spec.disagg,
-        DisaggSpec { min_prompt_tokens: 2, lease_ms: 1, transport: Transport::Tcp, tcp_streams: 64, chunk_kib: 65536 }
+        DisaggSpec {
+            min_prompt_tokens: 2,
+            lease_ms: 1,
+            transport: TransportChoice::Tcp,
+            tcp_streams: 64,
+            chunk_kib: 65536
+        }
     );
-    for transport in Transport::ALL {
-        assert_eq!(transport.to_string().parse::<Transport>().ok(), Some(*transport));
+    for transport in TransportChoice::ALL {
+        assert_eq!(transport.to_string().parse::<TransportChoice>().ok(), Some(transport));
     }
 }
 
@@ -477,13 +494,7 @@ fn bad_emulation_and_disagg_values() {
         ("disagg", "min_prompt_tokens = 16777217", 21, "min_prompt_tokens", "out of range 2..=16777216"),
         ("disagg", "lease_ms = 0", 12, "lease_ms", "0 is out of range 1..=86400000 (ms; at most one day)"),
         ("disagg", "lease_ms = 86400001", 12, "lease_ms", "out of range 1..=86400000"),
-        (
-            "disagg",
-            "transport = \"rdma\"",
-            13,
-            "transport",
-            "unknown transport `rdma`; expected \"auto\", \"shm\" or \"tcp\"",
-        ),
+        ("disagg", "transport = \"rdma\"", 13, "transport", "unknown transport `rdma`; expected auto, shm or tcp"),
         ("disagg", "tcp_streams = 0", 15, "tcp_streams", "out of range 1..=64"),
         ("disagg", "tcp_streams = 65", 15, "tcp_streams", "out of range 1..=64"),
         ("disagg", "chunk_kib = 0", 13, "chunk_kib", "out of range 1..=65536"),
@@ -558,14 +569,14 @@ fn defaults_and_values() {
         Err(e) => panic!("{e}"),
     };
     assert_eq!(spec.name, "default");
-    assert_eq!((spec.kv_dtype.as_str(), spec.block_size, spec.dtype.clone()), ("f32", 16, None));
+    assert_eq!((spec.kv_dtype, spec.block_size, spec.dtype), (DType::F32, 16, None));
     assert_eq!(spec.gateway.host, "h0");
     assert_eq!(spec.gateway.listen.to_string(), "127.0.0.1:8000");
     assert_eq!((spec.supervisor.heartbeat_interval_ms, spec.supervisor.heartbeat_timeout_ms), (100, 1000));
     let c0 = &spec.hosts[0].chips[0];
     assert_eq!((c0.role, c0.memory_limit_bytes, c0.threads), (Role::Prefill, Some(512 << 20), 4));
     assert_eq!((c0.max_batch_tokens, c0.max_batch_seqs), (512, 64));
-    assert_eq!((c0.block_size, c0.kv_dtype.as_str(), c0.kv_layout), (16, "f32", KvLayout::HeadMajor));
+    assert_eq!((c0.block_size, c0.kv_dtype, c0.kv_layout), (16, DType::F32, KvLayout::HeadMajor));
     let c1 = &spec.hosts[1].chips[0];
     assert_eq!((c1.role, &c1.backend), (Role::Decode, &Backend::Plugin(PathBuf::from("kernels/libx.so"))));
     assert_eq!(spec.hosts[0].transfer.to_string(), "127.0.0.1:7402");
@@ -602,9 +613,9 @@ fn default_topology_is_heterogeneous_and_disaggregated() {
         ]
     );
     // The chips disagree on KV block size and layout, not on dtype (exact greedy outputs).
-    let formats: Vec<(usize, &str, KvLayout)> =
-        spec.chips().map(|(_, _, chip)| (chip.block_size, chip.kv_dtype.as_str(), chip.kv_layout)).collect();
-    assert_eq!(formats, [(16, "f32", KvLayout::HeadMajor), (32, "f32", KvLayout::TokenMajor)]);
+    let formats: Vec<(usize, DType, KvLayout)> =
+        spec.chips().map(|(_, _, chip)| (chip.block_size, chip.kv_dtype, chip.kv_layout)).collect();
+    assert_eq!(formats, [(16, DType::F32, KvLayout::HeadMajor), (32, DType::F32, KvLayout::TokenMajor)]);
     // The pairing the file justifies: more FLOPS prefill, more bandwidth decode.
     let figures = |kind: &str| spec.chip_kind(kind).map_or((0.0, 0.0), |kind| (kind.fp16_tflops, kind.memory_bw_gbs));
     let (ascend, metax) = (figures("ascend-910b"), figures("metax-c500"));

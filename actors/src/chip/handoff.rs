@@ -367,10 +367,6 @@ impl Chip {
             ))
         } else if f.block_size == 0 || f.num_blocks == 0 {
             Some(format!("block size {} and block count {} must be positive", f.block_size, f.num_blocks))
-        } else if !["head-major", "token-major"].contains(&f.layout.as_str()) {
-            Some(format!("unknown KV layout `{}`", f.layout))
-        } else if !["f32", "f16", "bf16"].contains(&f.dtype.as_str()) {
-            Some(format!("unknown KV dtype `{}`", f.dtype))
         } else if offer.kv_tokens == 0 || offer.kv_tokens >= offer.seq.tokens.len() {
             Some(format!("{} prefilled positions for a {}-token sequence", offer.kv_tokens, offer.seq.tokens.len()))
         } else {

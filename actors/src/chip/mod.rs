@@ -14,22 +14,19 @@ mod handoff;
 
 use crate::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use crate::kv::KvPool;
-use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, SeqRequest, ServeError};
+use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, Role, SeqRequest, ServeError};
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::time::Duration;
 use tessera_actor_core::Addr;
 use tessera_actor_core::{Behavior, Effects, Job, JobCtx, WorkerId, WorkerSpec};
 
-/// The roles a chip can take.
-pub const ROLES: [&str; 3] = ["prefill", "decode", "both"];
-
 /// A chip's fixed description.
 #[derive(Debug, Clone)]
 pub struct ChipConfig {
     pub id: String,
     pub host_name: String,
-    pub role: String,
+    pub role: Role,
     pub max_batch_tokens: usize,
     pub max_batch_seqs: usize,
     pub supervisor: Addr,
@@ -52,15 +49,15 @@ pub struct Chip {
     restarts: u32,
     error: Option<String>,
     inject_panic: bool,
-    role: String,
+    role: Role,
     /// A role to take once drained.
-    draining_to: Option<String>,
+    draining_to: Option<Role>,
     handoffs: Handoffs,
 }
 
 impl Chip {
     pub fn new(config: ChipConfig, factory: ExecutorFactory) -> Chip {
-        let role = config.role.clone();
+        let role = config.role;
         Chip {
             role,
             draining_to: None,
@@ -106,7 +103,7 @@ impl Chip {
             chip: fx.me(),
             id: self.config.id.clone(),
             host_name: self.config.host_name.clone(),
-            role: self.role.clone(),
+            role: self.role,
             state: self.state,
             kv_blocks_used: used,
             kv_blocks_total: total,
@@ -272,11 +269,7 @@ impl Chip {
         self.report(fx);
     }
 
-    fn set_role(&mut self, role: String, fx: &mut dyn Effects<Msg>) {
-        if !ROLES.contains(&role.as_str()) {
-            tracing::error!(chip = %self.config.id, %role, "ignoring a role change to an unknown role");
-            return;
-        }
+    fn set_role(&mut self, role: Role, fx: &mut dyn Effects<Msg>) {
         tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "role change: draining first");
         self.draining_to = Some(role);
         self.settle(fx);

@@ -5,7 +5,7 @@
 use super::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use super::*;
 use crate::batcher::StepPlan;
-use crate::msg::{KvCompat, KvFormatDesc, SamplingSpec, StepOutcome};
+use crate::msg::{DType, KvCompat, KvFormatDesc, KvLayout, SamplingSpec, StepOutcome};
 use crate::msg::{KvEndpointDesc, KvRegionDesc};
 use crate::test_fx::TestFx;
 use std::sync::Arc;
@@ -47,7 +47,7 @@ impl StepExecutor for Recorder {
     }
 }
 
-fn info(block_size: usize, layout: &str, hash: u64) -> ChipInfo {
+fn info(block_size: usize, layout: KvLayout, hash: u64) -> ChipInfo {
     ChipInfo {
         format: KvFormatDesc {
             num_layers: LAYERS,
@@ -55,8 +55,8 @@ fn info(block_size: usize, layout: &str, hash: u64) -> ChipInfo {
             head_dim: 8,
             block_size,
             num_blocks: 32,
-            layout: layout.into(),
-            dtype: "f32".into(),
+            layout,
+            dtype: DType::F32,
         },
         compat: KvCompat { hash, fields: vec![("head_dim".into(), if hash == 1 { "8" } else { "16" }.into())] },
         staging: Some(KvRegionDesc {
@@ -81,12 +81,12 @@ struct Side {
 }
 
 impl Side {
-    fn new(me: Addr, role: &str, info: ChipInfo) -> Side {
+    fn new(me: Addr, role: Role, info: ChipInfo) -> Side {
         let factory: ExecutorFactory = Arc::new(|| Err("not used".into()));
         let config = ChipConfig {
             id: format!("chip-{}", me.host.0),
             host_name: format!("h{}", me.host.0),
-            role: role.into(),
+            role,
             max_batch_tokens: 8,
             max_batch_seqs: 8,
             supervisor: SUP,
@@ -161,8 +161,8 @@ fn deliver(from: &mut Side, to: &mut Side) -> Vec<(Addr, Msg)> {
 
 #[test]
 fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
-    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
-    let mut d = Side::new(D, "decode", info(8, "token-major", 1));
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
     p.chip.handle(Msg::Prefill { seq: seq(14, 3), decode: D }, &mut p.fx);
     // P offers at once and starts computing; D claims.
     assert!(deliver(&mut p, &mut d).is_empty());
@@ -205,8 +205,8 @@ impl Side {
 
 #[test]
 fn incompatible_decode_chip_refuses_the_offer_naming_both_chips() {
-    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
-    let mut d = Side::new(D, "decode", info(4, "head-major", 2));
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 2));
     p.chip.handle(Msg::Prefill { seq: seq(10, 3), decode: D }, &mut p.fx);
     assert!(deliver(&mut p, &mut d).is_empty());
     assert_eq!(d.used(), 0);
@@ -226,8 +226,8 @@ fn incompatible_decode_chip_refuses_the_offer_naming_both_chips() {
 
 #[test]
 fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
-    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
-    let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
     d.chip.handle(Msg::InjectFault { fault: Fault::DropKvClaim }, &mut d.fx);
     p.chip.handle(Msg::Prefill { seq: seq(10, 3), decode: D }, &mut p.fx);
     assert!(deliver(&mut p, &mut d).is_empty());
@@ -251,7 +251,7 @@ fn malformed_kv_ready_is_refused_and_frees_both_sides() {
         Msg::KvReady { request_id: 9, layer: 0, upto: 8, blocks: vec![0] },
         Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: vec![1_000_000] },
     ] {
-        let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+        let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
         d.chip.handle(Msg::KvOffer { offer: make_offer() }, &mut d.fx);
         assert_eq!(d.used(), 3);
         d.fx.take_sent();
@@ -267,15 +267,15 @@ fn malformed_kv_ready_is_refused_and_frees_both_sides() {
 #[test]
 fn offers_with_a_bad_format_are_declined_not_installed() {
     type Breaks = Box<dyn Fn(&mut crate::msg::KvOffer)>;
+    // An unknown layout or dtype never reaches a chip: its payload does not decode
+    // (actors/tests/codec.rs).
     let cases: Vec<(&str, Breaks)> = vec![
-        ("layout", Box::new(|o| o.format.layout = "diagonal".into())),
-        ("dtype", Box::new(|o| o.format.dtype = "f8".into())),
         ("KV shape", Box::new(|o| o.format.num_kv_heads = 4)),
         ("block size", Box::new(|o| o.format.block_size = 0)),
         ("prefilled positions", Box::new(|o| o.kv_tokens = 10)),
     ];
     for (what, break_it) in cases {
-        let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+        let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
         let mut offer = make_offer();
         break_it(&mut offer);
         d.chip.handle(Msg::KvOffer { offer }, &mut d.fx);
@@ -290,7 +290,7 @@ fn offers_with_a_bad_format_are_declined_not_installed() {
 }
 
 fn make_offer() -> crate::msg::KvOffer {
-    let i = info(4, "head-major", 1);
+    let i = info(4, KvLayout::HeadMajor, 1);
     crate::msg::KvOffer {
         seq: seq(10, 3),
         prefill: P,
@@ -304,11 +304,11 @@ fn make_offer() -> crate::msg::KvOffer {
 
 #[test]
 fn role_change_drains_first() {
-    let mut d = Side::new(D, "decode", info(4, "head-major", 1));
+    let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
     d.chip.handle(Msg::KvOffer { offer: make_offer() }, &mut d.fx);
     d.fx.take_sent();
-    d.chip.handle(Msg::SetRole { role: "both".into() }, &mut d.fx);
-    assert_eq!(d.chip.role, "decode", "a hand-off is in flight");
+    d.chip.handle(Msg::SetRole { role: Role::Both }, &mut d.fx);
+    assert_eq!(d.chip.role, Role::Decode, "a hand-off is in flight");
     d.chip.handle(Msg::Enqueue { seq: SeqRequest { request_id: 10, ..seq(4, 2) } }, &mut d.fx);
     assert!(
         d.sent()
@@ -316,16 +316,16 @@ fn role_change_drains_first() {
             .any(|(_, m)| matches!(m, Msg::Refused { retry: Retry::Unavailable, error, .. } if error.message.contains("draining")))
     );
     d.chip.handle(Msg::KvCancel { request_id: 9, reason: "test".into() }, &mut d.fx);
-    assert_eq!(d.chip.role, "both", "drained: the new role is taken");
+    assert_eq!(d.chip.role, Role::Both, "drained: the new role is taken");
     assert_eq!(d.used(), 0);
 }
 
 #[test]
 fn an_offer_waits_for_free_blocks_then_is_claimed() {
-    let mut small = info(4, "head-major", 1);
+    let mut small = info(4, KvLayout::HeadMajor, 1);
     small.num_blocks = 4;
     small.format.num_blocks = 4;
-    let mut d = Side::new(D, "decode", small);
+    let mut d = Side::new(D, Role::Decode, small);
     let first = make_offer();
     let mut second = make_offer();
     second.seq.request_id = 10;
@@ -350,7 +350,7 @@ fn an_offer_waits_for_free_blocks_then_is_claimed() {
 /// request id): only the hand-off is dropped; the new sequence on P runs to its end.
 #[test]
 fn a_late_cancel_of_a_hand_off_spares_the_request_s_new_placement() {
-    let mut p = Side::new(P, "prefill", info(4, "head-major", 1));
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
     p.chip.handle(Msg::Prefill { seq: seq(14, 3), decode: D }, &mut p.fx);
     // D went down: its request re-routed to P alone (aborting the hand-off first)...
     p.chip.handle(Msg::Abort { request_id: 9 }, &mut p.fx);

@@ -5,7 +5,7 @@
 //! still to be processed. When a chip goes down it tells every request placed there,
 //! so they re-route and replay.
 
-use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, ServeError, topic};
+use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic};
 use std::collections::{BTreeMap, BTreeSet};
 use tessera_actor_core::{Addr, HostId};
 use tessera_actor_core::{Behavior, Effects};
@@ -66,20 +66,19 @@ pub fn place(
     min_prompt_tokens: usize,
 ) -> Option<Placed> {
     let place_avoiding = |avoid: &[Addr]| {
-        let role = |r: &'static str| move |c: &ChipView| c.report.role == r;
         if prompt_tokens >= min_prompt_tokens
-            && let Some(p) = least_loaded(chips, down_hosts, avoid, role("prefill"))
+            && let Some(p) = least_loaded(chips, down_hosts, avoid, |c| c.report.role == Role::Prefill)
         {
             let compat = chips.get(&p).and_then(|c| c.report.compat.clone());
             let decode = least_loaded(chips, down_hosts, avoid, |c| {
-                c.report.role == "decode"
+                c.report.role == Role::Decode
                     && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
             });
             if let Some(d) = decode {
                 return Some(Placed { decode: d, prefill: Some(p) });
             }
         }
-        least_loaded(chips, down_hosts, avoid, |c| c.report.role != "prefill")
+        least_loaded(chips, down_hosts, avoid, |c| c.report.role.decodes())
             .or_else(|| least_loaded(chips, down_hosts, avoid, |_| true))
             .map(|decode| Placed { decode, prefill: None })
     };
@@ -177,7 +176,7 @@ impl Router {
                 let r = &view.report;
                 metrics::gauge!("tessera_router_chip_up", "chip" => r.id.clone()).set(0.0);
                 // Its last figures describe a host that is gone: keep who it is, drop them.
-                let known = ChipReport::starting(chip, r.id.clone(), r.host_name.clone(), r.role.clone());
+                let known = ChipReport::starting(chip, r.id.clone(), r.host_name.clone(), r.role);
                 view.report = ChipReport {
                     state: ChipState::Failed,
                     error: Some("its host stopped heartbeating".into()),

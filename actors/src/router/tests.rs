@@ -1,12 +1,13 @@
 use super::*;
 use crate::msg::ChipReport;
+use crate::msg::Role::{self, Both, Decode, Prefill};
 
 fn chip(host: u16, n: u64, state: ChipState, load: usize) -> (Addr, ChipView) {
     let addr = Addr::new(HostId(host), n);
     let report = ChipReport {
         state,
         kv_blocks_total: 8,
-        ..ChipReport::starting(addr, format!("h{host}-{n}"), format!("h{host}"), "both".into())
+        ..ChipReport::starting(addr, format!("h{host}-{n}"), format!("h{host}"), Both)
     };
     (addr, ChipView { report, load_tokens: load })
 }
@@ -78,9 +79,9 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     assert_eq!(fx.take_sent(), vec![(req(2), Msg::Routed { request_id: 2, chip: c0.0, prefill: None })]);
 }
 
-fn role_chip(host: u16, role: &str, state: ChipState, load: usize) -> (Addr, ChipView) {
+fn role_chip(host: u16, role: Role, state: ChipState, load: usize) -> (Addr, ChipView) {
     let (addr, mut view) = chip(host, 16, state, load);
-    view.report.role = role.into();
+    view.report.role = role;
     (addr, view)
 }
 
@@ -93,22 +94,22 @@ fn place_disaggregates_long_prompts_and_colocates_the_rest() {
     // (chips, prompt tokens, expected); min_prompt_tokens is 32.
     type Case = (Vec<(Addr, ChipView)>, usize, Option<Placed>);
     let table: Vec<Case> = vec![
-        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0)], 100, pd(0, 1)),
-        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0)], 31, one(1)), // short: decode chip alone
-        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Down, 0)], 100, one(0)), // no decode chip: fall back
-        (vec![role_chip(0, "prefill", Down, 0), role_chip(1, "decode", Up, 0)], 100, one(1)),
-        (vec![role_chip(0, "both", Up, 0), role_chip(1, "both", Up, 9)], 100, one(0)), // all both: colocated
+        (vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0)], 100, pd(0, 1)),
+        (vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0)], 31, one(1)), // short: decode chip alone
+        (vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Down, 0)], 100, one(0)), // no decode chip: fall back
+        (vec![role_chip(0, Prefill, Down, 0), role_chip(1, Decode, Up, 0)], 100, one(1)),
+        (vec![role_chip(0, Both, Up, 0), role_chip(1, Both, Up, 9)], 100, one(0)), // all both: colocated
         (
             vec![
-                role_chip(0, "prefill", Up, 50),
-                role_chip(1, "prefill", Up, 10),
-                role_chip(2, "decode", Up, 5),
-                role_chip(3, "decode", Up, 1),
+                role_chip(0, Prefill, Up, 50),
+                role_chip(1, Prefill, Up, 10),
+                role_chip(2, Decode, Up, 5),
+                role_chip(3, Decode, Up, 1),
             ],
             100,
             pd(1, 3),
         ),
-        (vec![role_chip(0, "prefill", Up, 0), role_chip(1, "both", Up, 0)], 100, one(1)), // no decode-role chip
+        (vec![role_chip(0, Prefill, Up, 0), role_chip(1, Both, Up, 0)], 100, one(1)), // no decode-role chip
     ];
     for (i, (chips, prompt, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
@@ -120,9 +121,9 @@ fn place_disaggregates_long_prompts_and_colocates_the_rest() {
 fn place_never_pairs_chips_of_different_models_and_skips_draining_chips() {
     use crate::msg::KvCompat;
     let compat = |h| Some(KvCompat { hash: h, fields: vec![] });
-    let (p, mut pv) = role_chip(0, "prefill", ChipState::Up, 0);
-    let (d1, mut d1v) = role_chip(1, "decode", ChipState::Up, 0);
-    let (d2, mut d2v) = role_chip(2, "decode", ChipState::Up, 5);
+    let (p, mut pv) = role_chip(0, Prefill, ChipState::Up, 0);
+    let (d1, mut d1v) = role_chip(1, Decode, ChipState::Up, 0);
+    let (d2, mut d2v) = role_chip(2, Decode, ChipState::Up, 5);
     pv.report.compat = compat(1);
     d1v.report.compat = compat(2);
     d2v.report.compat = compat(1);
@@ -140,7 +141,7 @@ fn place_avoids_excluded_chips_whole_before_reusing_them() {
     let a = |h| Addr::new(HostId(h), 16);
     let pd = |p, d| Some(Placed { decode: a(d), prefill: Some(a(p)) });
     let one = |d| Some(Placed { decode: a(d), prefill: None });
-    let pair = || vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0)];
+    let pair = || vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0)];
     // (chips, excluded hosts, expected); a long prompt, min_prompt_tokens 32.
     type Case = (Vec<(Addr, ChipView)>, Vec<u16>, Option<Placed>);
     let table: Vec<Case> = vec![
@@ -153,12 +154,12 @@ fn place_avoids_excluded_chips_whole_before_reusing_them() {
         (pair(), vec![0, 1], pd(0, 1)),
         // Another decode chip is up: a pair that avoids the excluded one.
         (
-            vec![role_chip(0, "prefill", Up, 0), role_chip(1, "decode", Up, 0), role_chip(2, "decode", Up, 99)],
+            vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0), role_chip(2, Decode, Up, 99)],
             vec![1],
             pd(0, 2),
         ),
         // Colocated on a non-excluded chip before an excluded one, whatever the load.
-        (vec![role_chip(0, "both", Up, 0), role_chip(1, "both", Up, 500)], vec![0], one(1)),
+        (vec![role_chip(0, Both, Up, 0), role_chip(1, Both, Up, 500)], vec![0], one(1)),
     ];
     for (i, (chips, exclude, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();

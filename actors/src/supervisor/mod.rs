@@ -125,7 +125,7 @@ impl Behavior<Msg> for Supervisor {
             Msg::Tick => self.tick(fx),
             Msg::Report { report } => {
                 let changed = self.chips.get(&report.chip).is_some_and(|old| {
-                    (old.state, old.draining, &old.role) != (report.state, report.draining, &report.role)
+                    (old.state, old.draining, old.role) != (report.state, report.draining, report.role)
                 });
                 self.chips.insert(report.chip, report);
                 if changed {
@@ -151,6 +151,7 @@ impl Behavior<Msg> for Supervisor {
 mod tests {
     use super::*;
 
+    use crate::msg::Role;
     use crate::test_fx::TestFx;
 
     const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };
@@ -223,7 +224,7 @@ mod tests {
         let mut fx = TestFx::new(Addr::new(HostId(0), 1));
         let mut s = supervisor();
         s.on_start(&mut fx);
-        let report = |state| ChipReport { state, ..ChipReport::starting(chip, "c".into(), "h0".into(), "both".into()) };
+        let report = |state| ChipReport { state, ..ChipReport::starting(chip, "c".into(), "h0".into(), Role::Both) };
         // (report, heartbeats published at once)
         let table = [
             (report(ChipState::Starting), 0), // first report: the next tick carries it

@@ -60,16 +60,16 @@ pub fn staging_offset(format: &KvFormatDesc, block_bytes: usize, layer: usize, v
     ((layer * 2 + v as usize) * format.num_blocks + block) * block_bytes
 }
 
-/// The backends' view of a chip's KV format, checked.
-pub fn kv_format(desc: &KvFormatDesc) -> Result<KvFormat, String> {
-    Ok(KvFormat {
+/// The backends' view of a chip's KV format.
+pub fn kv_format(desc: &KvFormatDesc) -> KvFormat {
+    KvFormat {
         num_layers: desc.num_layers,
         num_kv_heads: desc.num_kv_heads,
         head_dim: desc.head_dim,
         block_size: desc.block_size,
-        layout: desc.layout.parse::<KvLayout>()?,
-        dtype: desc.dtype.parse::<DType>().map_err(|e| e.to_string())?,
-    })
+        layout: desc.layout,
+        dtype: desc.dtype,
+    }
 }
 
 /// The compatibility hash and the fields behind it, in the order a mismatch is named.
@@ -216,8 +216,8 @@ impl ModelExecutor {
             head_dim: mc.head_dim,
             block_size,
             num_blocks,
-            layout: kv_layout.to_string(),
-            dtype: kv_dtype.to_string(),
+            layout: kv_layout,
+            dtype: kv_dtype,
         };
         let compat = kv_compat(&model.compat_info());
         let staging = match &transfer {
@@ -480,7 +480,7 @@ impl StepExecutor for ModelExecutor {
 
     fn install(&mut self, job: &KvInstall) -> Result<(), String> {
         let engine = self.transfer.as_ref().ok_or("this chip has no KV transfer engine")?;
-        let src = kv_format(&job.format)?;
+        let src = kv_format(&job.format);
         let bb = src.block_bytes();
         let n = job.src_blocks.len();
         if job.dst_slots.len() != job.positions.len() {

@@ -25,7 +25,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tessera_actors::msg::AdmitAsk;
-use tessera_actors::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, SamplingSpec, ServeError};
+use tessera_actors::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, Role, SamplingSpec, ServeError};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::Addr;
 use tessera_runtime::host::{Host, Mailbox};
@@ -696,6 +696,7 @@ fn known_chip(st: &GatewayState, id: &str) -> Result<Addr, Box<ApiError>> {
 #[serde(deny_unknown_fields)]
 struct RoleRequest {
     chip: String,
+    /// Parsed apart, so that an unknown role is refused naming the `role` parameter.
     role: String,
 }
 
@@ -706,18 +707,16 @@ async fn set_role(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response 
         Ok(r) => r,
         Err(e) => return error_response(ApiError::bad_request(format!("malformed role request: {e}"), None)),
     };
-    if !tessera_actors::chip::ROLES.contains(&req.role.as_str()) {
-        return error_response(ApiError::bad_request(
-            format!("unknown role `{}`; roles: prefill, decode, both", req.role),
-            Some("role"),
-        ));
-    }
+    let role = match req.role.parse::<Role>() {
+        Ok(role) => role,
+        Err(e) => return error_response(ApiError::bad_request(e.to_string(), Some("role"))),
+    };
     let chip = match known_chip(&st, &req.chip) {
         Ok(chip) => chip,
         Err(e) => return error_response(*e),
     };
-    match st.host.send(chip, Msg::SetRole { role: req.role.clone() }) {
-        Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"chip": req.chip, "role": req.role, "draining": true})))
+    match st.host.send(chip, Msg::SetRole { role }) {
+        Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"chip": req.chip, "role": role, "draining": true})))
             .into_response(),
         Err(e) => error_response(ApiError::unavailable(format!("chip {} is unreachable: {e}", req.chip))),
     }

@@ -8,6 +8,7 @@
 use serde::Serialize;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
+use tessera_vocab::Role;
 
 use super::{LatencySummary, LoadgenError};
 
@@ -34,7 +35,7 @@ fn decode_gaps(h: &Value) -> Vec<(String, u64, Option<f64>)> {
         .map(|chips| {
             chips
                 .iter()
-                .filter(|c| c["role"] == "decode")
+                .filter(|c| c["role"].as_str().and_then(|role| role.parse().ok()) == Some(Role::Decode))
                 .map(|c| {
                     (
                         c["id"].as_str().unwrap_or("?").to_string(),

@@ -18,8 +18,6 @@ use tessera_actors::chip::executor::{ExecutorFactory, StepExecutor};
 use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::Msg;
 use tessera_backends::config::ModelConfig;
-use tessera_backends::dtype::DType;
-use tessera_backends::kv_format::KvLayout;
 use tessera_backends::synth::Preset;
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_chip_executor::{Emulation, ModelExecutor, ModelExecutorConfig};
@@ -27,7 +25,7 @@ use tessera_gateway::listener::HttpLimits;
 use tessera_gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
-use tessera_runtime::transfer::{TransferConfig, TransferEngine, TransportChoice};
+use tessera_runtime::transfer::{TransferConfig, TransferEngine};
 use tessera_runtime::{Addr, HostId};
 use tessera_topology::{Backend, ClusterSpec};
 
@@ -84,10 +82,6 @@ pub struct NodeOptions {
 
 pub use tessera_actors::host::chip_addr;
 
-fn parse_dtype(s: &str) -> Result<DType, NodeError> {
-    s.parse::<DType>().map_err(NodeError::Config)
-}
-
 /// Runs host `host_name` of `spec` until `shutdown` resolves, then drains.
 pub fn run_node(
     spec: &ClusterSpec,
@@ -106,7 +100,6 @@ pub fn run_node(
     let me = &spec.hosts[index];
     let model_dir = resolve_model(&spec.model)?;
     let model_config = ModelConfig::from_dir(&model_dir)?;
-    let dtype = spec.dtype.as_deref().map(parse_dtype).transpose()?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -137,11 +130,7 @@ pub fn run_node(
     let transfer = TransferEngine::start(TransferConfig {
         tcp_streams: d.tcp_streams,
         chunk_bytes: d.chunk_bytes(),
-        transport: match d.transport {
-            tessera_topology::Transport::Auto => TransportChoice::Auto,
-            tessera_topology::Transport::Shm => TransportChoice::Shm,
-            tessera_topology::Transport::Tcp => TransportChoice::Tcp,
-        },
+        transport: d.transport,
         ..TransferConfig::new(me.transfer)
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
@@ -170,9 +159,9 @@ pub fn run_node(
             },
             threads: chip.threads as u32,
             memory_limit_bytes: chip.memory_limit_bytes,
-            dtype,
-            kv_dtype: parse_dtype(&chip.kv_dtype)?,
-            kv_layout: chip.kv_layout.to_string().parse::<KvLayout>().map_err(NodeError::Config)?,
+            dtype: spec.dtype,
+            kv_dtype: chip.kv_dtype,
+            kv_layout: chip.kv_layout,
             block_size: chip.block_size,
             max_batch_seqs: chip.max_batch_seqs,
             chip_id: chip.id.clone(),

@@ -78,38 +78,9 @@ pub fn decode_headers_for_fuzzing(bytes: &[u8]) -> (Option<[u64; 3]>, Option<(Re
 /// use stay alive through their `Arc`).
 const SHM_CACHE_MAX: usize = 1024;
 
-/// Which transport [`TransferEngine::read`] uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub enum TransportChoice {
-    /// `shm` to peers on this host, `tcp` to the others (and `tcp` when a same-host
-    /// peer's memory cannot be mapped, e.g. another pid namespace).
-    #[default]
-    Auto,
-    Shm,
-    Tcp,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Transport {
-    Shm,
-    Tcp,
-}
-
-impl Transport {
-    /// Metric label and display name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Transport::Shm => "shm",
-            Transport::Tcp => "tcp",
-        }
-    }
-}
-
-impl std::fmt::Display for Transport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// Which transport [`TransferEngine::read`] uses ([`TransportChoice`]), and which one a
+/// batch went by ([`Transport`], also its metric label).
+pub use tessera_vocab::{Transport, TransportChoice};
 
 #[derive(Debug, Clone)]
 pub struct TransferConfig {
