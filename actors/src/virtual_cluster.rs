@@ -42,7 +42,7 @@ impl StepExecutor for ModelledExecutor {
         StepOutcome { step, sampled, error: None, elapsed_s: model.as_secs_f64() }
     }
 
-    fn install(&mut self, _job: &KvInstall) -> Result<(), String> {
+    fn install(&mut self, _job: &KvInstall, _ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
         Err("the modelled executor holds no KV to install into".into())
     }
 }

@@ -23,15 +23,23 @@ pub struct TopologyError {
 }
 
 impl TopologyError {
-    /// An error about the whole file (it could not be read).
-    pub(crate) fn file(file: &str, message: String) -> Self {
+    /// An error about the whole file (it could not be read). Public, like [`Self::at`]
+    /// and [`Self::from_toml`], so that files which embed or point at a topology (the
+    /// simulator's scenarios) report their own errors in the same form.
+    pub fn file(file: &str, message: String) -> Self {
         TopologyError { file: file.to_owned(), line: 0, column: 0, key: String::new(), message }
     }
 
     /// An error at byte offset `span.start` of `text`.
-    pub(crate) fn at(file: &str, text: &str, span: Range<usize>, key: String, message: String) -> Self {
+    pub fn at(file: &str, text: &str, span: Range<usize>, key: String, message: String) -> Self {
         let (line, column) = line_column(text, span.start);
         TopologyError { file: file.to_owned(), line, column, key, message }
+    }
+
+    /// A TOML parser or serde error in `text` (syntax, unknown key, wrong type, missing
+    /// key), with the dotted key recovered from the table headers.
+    pub fn from_toml(file: &str, text: &str, error: &toml::de::Error) -> Self {
+        from_toml(file, text, error)
     }
 
     fn describe(&self) -> String {

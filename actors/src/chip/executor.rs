@@ -14,8 +14,10 @@ pub trait StepExecutor {
     /// simulated chips) and posts `KvStaged` part-way through it, stamped at model time.
     fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome;
 
-    /// Reads KV another chip staged and writes it into this chip's cache.
-    fn install(&mut self, job: &KvInstall) -> Result<(), String>;
+    /// Reads KV another chip staged and writes it into this chip's cache. Through `ctx`
+    /// a simulated chip declares the transfer's model time (the link model's); a real
+    /// one takes as long as the read does.
+    fn install(&mut self, job: &KvInstall, ctx: &mut dyn JobCtx<Msg>) -> Result<(), String>;
 }
 
 /// One layer's positions of one sequence, from a prefill chip's staging region into

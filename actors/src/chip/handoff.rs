@@ -476,9 +476,9 @@ impl Chip {
         let Some(worker) = self.worker else { return };
         let run = Job {
             label: "kv_install",
-            run: Box::new(move |state: &mut dyn std::any::Any, _: &mut dyn JobCtx<Msg>| {
+            run: Box::new(move |state: &mut dyn std::any::Any, ctx: &mut dyn JobCtx<Msg>| {
                 let error = match state.downcast_mut::<Box<dyn StepExecutor>>() {
-                    Some(exec) => exec.install(&job).err(),
+                    Some(exec) => exec.install(&job, ctx).err(),
                     None => Some("the worker holds no step executor".into()),
                 };
                 Msg::KvInstalled { request_id, layer, upto, error }

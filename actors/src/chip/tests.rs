@@ -41,7 +41,7 @@ impl StepExecutor for Recorder {
         StepOutcome { step, sampled, error: None, elapsed_s: 0.0 }
     }
 
-    fn install(&mut self, job: &KvInstall) -> Result<(), String> {
+    fn install(&mut self, job: &KvInstall, _ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
         self.installs.push(job.clone());
         Ok(())
     }

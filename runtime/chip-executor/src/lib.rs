@@ -478,7 +478,8 @@ impl StepExecutor for ModelExecutor {
         outcome
     }
 
-    fn install(&mut self, job: &KvInstall) -> Result<(), String> {
+    // The read itself takes the time: nothing to declare.
+    fn install(&mut self, job: &KvInstall, _ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
         let engine = self.transfer.as_ref().ok_or("this chip has no KV transfer engine")?;
         let src = kv_format(&job.format);
         let bb = src.block_bytes();
