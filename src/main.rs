@@ -42,6 +42,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Simulate a scenario (a topology, a workload, SLOs) in virtual time: the real
+    /// behaviors, chips modelled by the roofline.
+    Sim(SimArgs),
     /// Cluster topology files.
     Topology {
         #[command(subcommand)]
@@ -323,6 +326,19 @@ struct BenchEngineArgs {
 }
 
 #[derive(Args)]
+struct SimArgs {
+    /// The scenario TOML (see sims/scenarios/).
+    scenario: PathBuf,
+    /// Seed of the workload (default: the scenario's `seed`).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print the report as JSON (the same for the same scenario and seed); the
+    /// simulator's wall-clock speed goes to stderr.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 struct ServeArgs {
     /// Server base URL, e.g. http://127.0.0.1:8000.
     #[arg(long)]
@@ -383,11 +399,28 @@ fn main() {
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
+        Command::Sim(args) => sim(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+fn sim(args: SimArgs) -> Result<()> {
+    // The error already names the file, line, column and key.
+    let scenario = tessera_sim::load(&args.scenario)?;
+    let (report, speed) = tessera_sim::run(&scenario, args.seed)?;
+    if args.json {
+        println!("{}", report.to_json());
+        eprintln!(
+            "simulated {:.3} s in {:.3} s of wall time; {} events, {:.0} events/s",
+            report.simulated_s, speed.wall_s, report.events, speed.events_per_s
+        );
+    } else {
+        print!("{}", report.table(&speed));
+    }
+    Ok(())
 }
 
 fn topology_check(file: &std::path::Path) -> Result<()> {

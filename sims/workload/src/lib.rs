@@ -8,10 +8,12 @@
 #![forbid(unsafe_code)]
 
 mod dist;
+mod stats;
 
 use std::sync::LazyLock;
 
 pub use dist::{DistParseError, LengthDist, SeededRng};
+pub use stats::percentile;
 
 /// Requests in flight when neither a rate nor a concurrency is given.
 pub const DEFAULT_CONCURRENCY: usize = 8;

@@ -1,0 +1,256 @@
+//! A modelled chip: a [`StepExecutor`] that computes nothing and declares, as each job's
+//! model time, what the roofline model (`tessera_topology::perf`, the one emulated chips
+//! are paced by) predicts for the chip's kind and the model's shape. A KV hand-off
+//! installed from another chip takes the link model's time. Sampling is a hash of the
+//! last token and its position, so a request replayed on another chip continues exactly
+//! where it was, and it never yields an end-of-sequence token: every request runs to its
+//! `max_tokens`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_actor_core::JobCtx;
+use tessera_actors::batcher::StepPlan;
+use tessera_actors::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
+use tessera_actors::msg::{ChipInfo, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome};
+use tessera_topology::perf::{ModelShape, SeqStep, StepShape, roofline};
+use tessera_topology::{Backend, ChipKind, ChipSpec, ClusterSpec, EmulationSpec};
+
+use crate::model::SimModel;
+use crate::scenario::Network;
+
+/// Why a chip cannot be modelled.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ChipModelError {
+    #[error("unknown chip kind {0:?}")]
+    UnknownKind(String),
+    #[error("its memory ({memory} bytes) is smaller than the model's weights ({weights} bytes)")]
+    WeightsExceedMemory { memory: u64, weights: u64 },
+    #[error("no memory is left for even one KV block of {block_size} tokens")]
+    NoKvBlock { block_size: usize },
+}
+
+/// Where each chip of the cluster is and how fast its links are, for hand-off times.
+/// Chips are numbered in topology order; a modelled chip's staging region carries its
+/// number, which is how a decode chip knows where KV comes from.
+#[derive(Debug, Clone)]
+pub struct Links {
+    /// (host index, scale-up link GB/s) per chip.
+    chips: Vec<(usize, f64)>,
+    network: Network,
+}
+
+impl Links {
+    pub fn new(spec: &ClusterSpec, network: Network) -> Links {
+        let chips =
+            spec.chips().map(|(h, _, chip)| (h, spec.chip_kind(&chip.kind).map_or(0.0, |k| k.link_bw_gbs))).collect();
+        Links { chips, network }
+    }
+
+    /// How long `bytes` of KV take from chip `from` to chip `to`: the scale-up link
+    /// within a host (the slower end's, one direction: half the quoted bidirectional
+    /// figure), the scenario's network between hosts, plus the network's latency.
+    pub fn transfer_time(&self, from: usize, to: usize, bytes: u64) -> Duration {
+        let (Some(&(from_host, from_gbs)), Some(&(to_host, to_gbs))) = (self.chips.get(from), self.chips.get(to))
+        else {
+            return self.network.kv_latency + secs(bytes as f64 / (self.network.kv_bandwidth_gbs * 1e9));
+        };
+        if from_host == to_host && from_gbs > 0.0 && to_gbs > 0.0 {
+            secs(bytes as f64 / (from_gbs.min(to_gbs) / 2.0 * 1e9))
+        } else {
+            self.network.kv_latency + secs(bytes as f64 / (self.network.kv_bandwidth_gbs * 1e9))
+        }
+    }
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
+}
+
+/// A chip's executor in the simulator.
+#[derive(Debug, Clone)]
+pub struct ModelledChip {
+    /// This chip's number in topology order.
+    index: usize,
+    kind: ChipKind,
+    /// The roofline's efficiencies and time scale (see [`pacing`]).
+    pacing: EmulationSpec,
+    shape: ModelShape,
+    vocab: u64,
+    links: Arc<Links>,
+}
+
+/// How a chip of `backend` is timed: an emulated chip (`emu:KIND`) as the real node
+/// paces it, time scale included; any other at its kind's unscaled roofline with the
+/// topology's efficiencies.
+pub fn pacing(spec: &ClusterSpec, backend: &Backend) -> EmulationSpec {
+    match backend {
+        Backend::Emu(_) => spec.emulation,
+        Backend::Cpu | Backend::Plugin(_) => EmulationSpec { time_scale: 1.0, ..spec.emulation },
+    }
+}
+
+/// The executor factory and description of chip number `index` of `spec`.
+pub fn modelled_chip(
+    spec: &ClusterSpec,
+    chip: &ChipSpec,
+    index: usize,
+    host_name: &str,
+    model: &SimModel,
+    links: Arc<Links>,
+) -> Result<(ExecutorFactory, ChipInfo), ChipModelError> {
+    let kind = spec.chip_kind(&chip.kind).ok_or_else(|| ChipModelError::UnknownKind(chip.kind.clone()))?.clone();
+    let shape = model.shape(chip.kv_dtype);
+    let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
+    let rest = memory
+        .checked_sub(model.weight_bytes)
+        .ok_or(ChipModelError::WeightsExceedMemory { memory, weights: model.weight_bytes })?;
+    // As the real executor: an eighth of what the weights leave is step scratch, and
+    // no more blocks than the batch could ever fill.
+    let kv_bytes = rest - rest / 8;
+    let block_bytes = (chip.block_size as u64).saturating_mul(shape.kv_bytes_per_token()).max(1);
+    let most_useful = (chip.max_batch_seqs * model.config.max_context).div_ceil(chip.block_size);
+    let num_blocks = usize::try_from(kv_bytes / block_bytes).unwrap_or(usize::MAX).min(most_useful);
+    if num_blocks == 0 {
+        return Err(ChipModelError::NoKvBlock { block_size: chip.block_size });
+    }
+    let c = &model.config;
+    let format = KvFormatDesc {
+        num_layers: c.num_layers,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        block_size: chip.block_size,
+        num_blocks,
+        layout: chip.kv_layout,
+        dtype: chip.kv_dtype,
+    };
+    let pacing = pacing(spec, &chip.backend);
+    // No memory behind it: it names the chip, so that its decode chips know where the
+    // KV comes from.
+    let staging = KvRegionDesc {
+        endpoint: KvEndpointDesc { host_key: format!("sim:{host_name}"), pid: 0, tcp: ([0, 0, 0, 0], 0).into() },
+        region: index as u64,
+        fd: -1,
+        len: 0,
+    };
+    let info = ChipInfo {
+        format,
+        compat: model.compat(),
+        staging: Some(staging),
+        emulated: Some(format!("{} (simulated, x{})", kind.name, pacing.time_scale)),
+        num_blocks,
+        block_size: chip.block_size,
+        max_context: c.max_context,
+        vocab_size: c.vocab_size,
+        eos_token_ids: Vec::new(),
+    };
+    let exec = ModelledChip { index, kind, pacing, shape, vocab: c.vocab_size.max(1) as u64, links };
+    let ready = info.clone();
+    let factory: ExecutorFactory =
+        Arc::new(move || Ok((Box::new(exec.clone()) as Box<dyn StepExecutor>, ready.clone())));
+    Ok((factory, info))
+}
+
+impl ModelledChip {
+    /// The roofline time of `plan` on this chip.
+    pub fn step_time(&self, plan: &StepPlan) -> Duration {
+        let step = StepShape {
+            seqs: plan
+                .seqs
+                .iter()
+                .map(|s| SeqStep { new_tokens: s.tokens.len(), context: s.start_pos + s.tokens.len() })
+                .collect(),
+        };
+        secs(roofline(&self.kind, &self.shape, &step, &self.pacing).time_s)
+    }
+}
+
+impl StepExecutor for ModelledChip {
+    fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome {
+        let time = self.step_time(plan);
+        // As a real prefill chip: layer l of the sequences prefilled for a decode chip is
+        // staged at (l+1)/L of the step.
+        let staged: Vec<(u64, usize)> =
+            plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
+        if !staged.is_empty() {
+            let layers = self.shape.num_layers.max(1);
+            for layer in 0..layers {
+                let at = time.mul_f64((layer + 1) as f64 / layers as f64);
+                ctx.notify_at(at, Msg::KvStaged { step, layer, staged: staged.clone() });
+            }
+        }
+        let sampled = plan
+            .seqs
+            .iter()
+            .filter(|s| s.sample)
+            .map(|s| {
+                let last = s.tokens.last().copied().unwrap_or(0) as u64;
+                let pos = (s.start_pos + s.tokens.len()) as u64;
+                (s.request_id, ((last * 7919 + pos * 104_729) % self.vocab) as u32)
+            })
+            .collect();
+        ctx.elapse(time);
+        StepOutcome { step, sampled, error: None, elapsed_s: time.as_secs_f64() }
+    }
+
+    fn install(&mut self, job: &KvInstall, ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
+        let f = &job.format;
+        let bytes_per_position = (2 * f.num_kv_heads * f.head_dim * f.dtype.size_bytes()) as u64;
+        let bytes = job.positions.len() as u64 * bytes_per_position;
+        ctx.elapse(self.links.transfer_time(job.region.region as usize, self.index, bytes));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_actors::batcher::PlannedSeq;
+
+    fn seq(id: u64, new: usize, start: usize) -> PlannedSeq {
+        PlannedSeq {
+            request_id: id,
+            tokens: vec![1; new],
+            start_pos: start,
+            block_table: Vec::new(),
+            slots: Vec::new(),
+            sample: true,
+            new_sampler: None,
+            stage: false,
+        }
+    }
+
+    #[test]
+    fn step_times_are_the_emulated_chips_pacing_and_links_their_bandwidth() {
+        let spec = tessera_topology::default_topology();
+        let Ok(model) = SimModel::of(&spec, std::path::Path::new(".")) else { panic!("builtin:tiny") };
+        let links = Arc::new(Links::new(&spec, Network::default()));
+        let chips: Vec<_> = spec.chips().map(|(_, h, c)| (h.name.clone(), c.clone())).collect();
+        let made = |i: usize| modelled_chip(&spec, &chips[i].1, i, &chips[i].0, &model, links.clone());
+        let (Ok((_, ascend)), Ok((_, metax))) = (made(0), made(1)) else { panic!("default chips") };
+        assert_eq!(ascend.format.block_size, 16);
+        assert_eq!(metax.format.block_size, 32);
+        assert!(ascend.num_blocks > 0 && ascend.compat == metax.compat);
+
+        let kind = |n: &str| spec.chip_kind(n).cloned().unwrap_or_else(|| panic!("{n}"));
+        let chip = |k: &str| ModelledChip {
+            index: 0,
+            kind: kind(k),
+            pacing: spec.emulation,
+            shape: model.shape(tessera_topology::DType::F32),
+            vocab: 1024,
+            links: links.clone(),
+        };
+        // perf.rs's documented default-topology figures: a 512-token prefill on the 910B
+        // in ~29 ms, a decode at 128 tokens of context on the C500 in ~14.8 ms.
+        let prefill =
+            chip("ascend-910b").step_time(&StepPlan { seqs: vec![seq(1, 512, 0)], drop_samplers: Vec::new() });
+        let decode = chip("metax-c500").step_time(&StepPlan { seqs: vec![seq(1, 1, 127)], drop_samplers: Vec::new() });
+        assert!((0.025..0.035).contains(&prefill.as_secs_f64()), "{prefill:?}");
+        assert!((0.010..0.020).contains(&decode.as_secs_f64()), "{decode:?}");
+
+        // Two hosts: the scenario's network, 12.5 GB/s plus 20 us.
+        let t = links.transfer_time(0, 1, 12_500_000);
+        assert_eq!(t, Duration::from_micros(1_020));
+    }
+}

@@ -1,0 +1,260 @@
+//! The cluster simulator: a scenario's topology built by the very function the real node
+//! uses (`tessera_actors::host::build_host`), every host's behaviors — admission,
+//! requests, router, supervisors, chips with their batchers and KV pools — spawned on
+//! the actor core's deterministic virtual-time host, and each chip's executor replaced by
+//! a modelled one that declares the roofline's time for a step instead of computing it
+//! ([`chip`]). A seeded open-loop workload (the `tessera-workload` plan `bench serve`
+//! uses) drives it; the report gives latencies, goodput against SLOs, throughput, the KV
+//! blocks left held, and the simulator's own speed.
+//!
+//! No behavior is re-implemented here: this crate only adds what stands outside the
+//! cluster (clients, the arrival process, a probe of the router's view). It depends on
+//! the behaviors, the actor core, the topology, the workload model and — for a model's
+//! config alone — the backends; never on the real-time host, the bus or a kernel library.
+//! Same scenario and seed, same [`Report`], byte for byte: nothing here lets wall time,
+//! threads or map iteration order decide anything.
+#![forbid(unsafe_code)]
+
+pub mod chip;
+mod clients;
+pub mod model;
+pub mod report;
+pub mod scenario;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_actor_core::testkit::VirtualHost;
+use tessera_actor_core::{Addr, Moment};
+use tessera_actors::host::{HostBuildError, build_host};
+use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Msg, SamplingSpec};
+use tessera_topology::TopologyError;
+use tessera_workload::{Load, Workload};
+
+use chip::{ChipModelError, Links, modelled_chip};
+use clients::{Arrivals, Outcomes, Probe, View};
+use model::{ModelError, SimModel};
+pub use report::{Report, Speed};
+pub use scenario::{Scenario, load};
+
+/// How long (virtual) the chips have to come up before the workload starts.
+const STARTUP_LIMIT: Duration = Duration::from_secs(60);
+/// How long (virtual) the run waits for the last requests after the last arrival.
+const DRAIN_LIMIT: Duration = Duration::from_secs(3600);
+
+/// Why a scenario could not be simulated.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error(transparent)]
+    Scenario(#[from] TopologyError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("{topology}: {source}")]
+    Build {
+        topology: String,
+        #[source]
+        source: HostBuildError<ChipModelError>,
+    },
+    #[error("chips not up after {limit_s} s of simulated time: {chips}")]
+    ChipsNotUp { limit_s: u64, chips: String },
+    #[error("the router did not answer a query for its view")]
+    RouterSilent,
+}
+
+/// Runs `scenario` (with `seed`, else the scenario's own).
+pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), SimError> {
+    let wall = Instant::now();
+    let spec = &scenario.topology;
+    let seed = seed.unwrap_or(scenario.seed);
+    let model = SimModel::of(spec, &scenario.base_dir)?;
+    let links = Arc::new(Links::new(spec, scenario.network));
+    let numbers: BTreeMap<&str, usize> = spec.chips().enumerate().map(|(i, (_, _, c))| (c.id.as_str(), i)).collect();
+
+    let mut vh: VirtualHost<Msg> = VirtualHost::new(scenario.network.bus_latency).with_trace(false);
+    let (mut admission, mut router) = (None, None);
+    for host in &spec.hosts {
+        // The very builder the real node uses, with modelled executors.
+        let built = build_host(spec, &host.name, 1, |h, c| {
+            let n = numbers.get(c.id.as_str()).copied().unwrap_or(0);
+            modelled_chip(spec, c, n, &h.name, &model, links.clone()).map(|(factory, _)| factory)
+        })
+        .map_err(|source| SimError::Build { topology: spec.source.clone(), source })?;
+        for (actor, behavior) in built.actors {
+            vh.spawn_at(Addr::new(built.host, actor), behavior);
+        }
+        admission = admission.or(built.admission);
+        router = Some(built.router);
+    }
+    let (Some(admission), Some(router)) = (admission, router) else {
+        // A validated topology names a gateway host among its hosts.
+        return Err(SimError::RouterSilent);
+    };
+
+    // Start the workload once the router sees every chip up.
+    loop {
+        let view = probe(&mut vh, router)?;
+        let down: Vec<String> = view
+            .iter()
+            .filter(|c| c.state != ChipState::Up)
+            .map(|c| match &c.error {
+                Some(e) => format!("{} ({:?}: {e})", c.id, c.state),
+                None => format!("{} ({:?})", c.id, c.state),
+            })
+            .collect();
+        if down.is_empty() {
+            break;
+        }
+        if vh.now() >= Moment(0).after(STARTUP_LIMIT) {
+            return Err(SimError::ChipsNotUp { limit_s: STARTUP_LIMIT.as_secs(), chips: down.join(", ") });
+        }
+        let next = vh.now().after(Duration::from_millis(10));
+        vh.run_until(next);
+    }
+
+    let w = &scenario.workload;
+    let workload = Workload { isl: w.isl, osl: w.osl, load: Load::Poisson { rate_rps: w.rate_rps }, seed };
+    let arrivals_s = arrivals(&workload, w);
+    let vocab = model.config.vocab_size.max(1) as u64;
+    let asks: VecDeque<(u64, AdmitAsk)> = workload
+        .measured(arrivals_s.len())
+        .into_iter()
+        .zip(&arrivals_s)
+        .map(|(planned, at_s)| {
+            // One token per word, as `bench serve`'s prompts are about one token a word.
+            let prompt = planned.prompt.split(' ').map(|word| (fnv1a(word.as_bytes()) % vocab) as u32).collect();
+            let ask = AdmitAsk { prompt, max_tokens: planned.osl as usize, sampling: SamplingSpec::greedy() };
+            ((at_s * 1e9).round() as u64, ask)
+        })
+        .collect();
+    let requests = asks.len();
+    let last_arrival = asks.back().map_or(0, |(at, _)| *at);
+    let outcomes: Outcomes = Arc::default();
+    let t0 = vh.now();
+    let arrivals = Arrivals { admission, asks, outcomes: outcomes.clone(), next: 0, started: t0 };
+    vh.spawn(admission.host, Box::new(arrivals));
+    let limit = t0.after(Duration::from_nanos(last_arrival)).after(DRAIN_LIMIT);
+    vh.run_while(limit, |_| outcomes.lock().is_ok_and(|o| o.len() == requests));
+    let end = vh.now();
+
+    // A few heartbeats later every chip's last report has reached the router.
+    let settle = end.after(Duration::from_millis(spec.supervisor.heartbeat_interval_ms.saturating_mul(3)));
+    vh.run_until(settle);
+    let view = probe(&mut vh, router)?;
+    let outcomes = outcomes.lock().map(|o| o.clone()).unwrap_or_default();
+    let report = report(scenario, seed, &model, requests, &outcomes, end.since(t0), vh.delivered(), &view);
+    let speed = Speed::of(&report, wall.elapsed().as_secs_f64());
+    Ok((report, speed))
+}
+
+/// Arrival times in seconds: `requests` of them, or every one within `duration_s`.
+fn arrivals(workload: &Workload, w: &scenario::WorkloadSpec) -> Vec<f64> {
+    match w.size {
+        scenario::WorkloadSize::Requests(n) => workload.arrivals_s(n),
+        scenario::WorkloadSize::DurationS(d) => {
+            // The plan is a prefix-stable stream: draw more until one falls past the end.
+            let mut n = (w.rate_rps * d * 1.25) as usize + 16;
+            loop {
+                let mut times = workload.arrivals_s(n);
+                if times.last().is_some_and(|&t| t >= d) || n as u64 >= scenario::MAX_REQUESTS {
+                    times.retain(|&t| t < d);
+                    return times;
+                }
+                n = n.saturating_mul(2).min(scenario::MAX_REQUESTS as usize);
+            }
+        }
+    }
+}
+
+/// The router's view of the chips, now.
+fn probe(vh: &mut VirtualHost<Msg>, router: Addr) -> Result<Vec<ChipReport>, SimError> {
+    let view: View = Arc::default();
+    vh.spawn(router.host, Box::new(Probe { router, view: view.clone() }));
+    let answered = |_: &VirtualHost<Msg>| view.lock().is_ok_and(|v| v.is_some());
+    vh.run_while(vh.now().after(Duration::from_secs(10)), answered);
+    let answer = view.lock().ok().and_then(|mut v| v.take());
+    answer.ok_or(SimError::RouterSilent)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    scenario: &Scenario,
+    seed: u64,
+    model: &SimModel,
+    requests: usize,
+    outcomes: &BTreeMap<usize, clients::Outcome>,
+    span: Duration,
+    events: u64,
+    view: &[ChipReport],
+) -> Report {
+    let slo = scenario.slo;
+    let (mut ttft, mut tpot, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut completed, mut slo_met, mut output_tokens) = (0, 0, 0u64);
+    let mut failures: BTreeMap<String, usize> = BTreeMap::new();
+    for o in outcomes.values() {
+        if let Some(error) = &o.error {
+            *failures.entry(error.clone()).or_default() += 1;
+            continue;
+        }
+        completed += 1;
+        output_tokens += o.tokens as u64;
+        let e2e_s = o.ended.since(o.sent).as_secs_f64();
+        e2e.push(e2e_s);
+        let Some(first) = o.first_token else { continue };
+        let ttft_s = first.since(o.sent).as_secs_f64();
+        ttft.push(ttft_s);
+        let tpot_s = (o.tokens > 1).then(|| o.ended.since(first).as_secs_f64() / (o.tokens - 1) as f64);
+        if let Some(t) = tpot_s {
+            tpot.push(t);
+        }
+        if ttft_s * 1e3 <= slo.ttft_ms && tpot_s.is_none_or(|t| t * 1e3 <= slo.tpot_ms) {
+            slo_met += 1;
+        }
+    }
+    let failed = failures.values().sum();
+    let span_s = span.as_secs_f64();
+    let per_s = |x: f64| if span_s > 0.0 { x / span_s } else { 0.0 };
+    let chips: Vec<report::ChipEnd> = view
+        .iter()
+        .map(|c| report::ChipEnd {
+            id: c.id.clone(),
+            host: c.host_name.clone(),
+            role: c.role.to_string(),
+            state: format!("{:?}", c.state).to_lowercase(),
+            modelled_as: c.emulated.clone(),
+            steps: c.steps,
+            kv_blocks_total: c.kv_blocks_total,
+            kv_blocks_used: c.kv_blocks_used,
+            handoffs_open: c.handoffs,
+        })
+        .collect();
+    Report {
+        scenario: scenario.source.clone(),
+        seed,
+        cluster: scenario.topology.name.clone(),
+        model: model.name.clone(),
+        rate_rps: scenario.workload.rate_rps,
+        requests,
+        completed,
+        failed,
+        unfinished: requests - completed - failed,
+        failures,
+        ttft: report::Latency::from_seconds(&ttft),
+        tpot: report::Latency::from_seconds(&tpot),
+        e2e: report::Latency::from_seconds(&e2e),
+        slo_ttft_ms: slo.ttft_ms,
+        slo_tpot_ms: slo.tpot_ms,
+        slo_met,
+        goodput_rps: per_s(slo_met as f64),
+        output_tokens,
+        output_tokens_per_s: per_s(output_tokens as f64),
+        simulated_s: span_s,
+        events,
+        kv_blocks_used_at_end: view.iter().map(|c| c.kv_blocks_used).sum(),
+        chips,
+    }
+}

@@ -1,0 +1,333 @@
+//! Scenario TOML: a topology (a file, or embedded), a workload, SLOs, the network's
+//! figures and a seed, validated like a topology — serde reads spanned raw tables
+//! (unknown keys refused), then every value is checked here so that each error names the
+//! file, line, column and dotted key (the topology crate's [`TopologyError`]).
+//!
+//! ```toml
+//! seed = 7
+//! topology = "../../topology/default.toml"   # relative to this file; or topology_toml = '''...'''
+//! [workload]
+//! rate_rps = 4.0          # Poisson arrivals
+//! requests = 200          # or duration_s = 60
+//! isl = "uniform:64-512"  # as `tessera bench serve --isl`
+//! osl = "uniform:16-128"
+//! [slo]
+//! ttft_ms = 500
+//! tpot_ms = 50
+//! [network]               # optional
+//! bus_latency_us = 50     # a bus message between hosts
+//! kv_bandwidth_gbs = 12.5 # a KV hand-off between hosts
+//! kv_latency_us = 20
+//! ```
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tessera_topology::{ClusterSpec, TopologyError};
+use tessera_workload::LengthDist;
+use toml::Spanned;
+
+/// The most requests one scenario may plan.
+pub const MAX_REQUESTS: u64 = 10_000_000;
+/// The longest workload, in seconds (a day).
+pub const MAX_DURATION_S: f64 = 86_400.0;
+/// The highest arrival rate, requests per second.
+pub const MAX_RATE_RPS: f64 = 1e6;
+
+/// A validated scenario.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    /// Where it was read from.
+    pub source: String,
+    pub topology: ClusterSpec,
+    /// The directory a relative model path of the topology is resolved against.
+    pub base_dir: PathBuf,
+    pub workload: WorkloadSpec,
+    pub slo: Slo,
+    pub network: Network,
+    pub seed: u64,
+}
+
+/// Open-loop Poisson arrivals and the requests' lengths.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkloadSpec {
+    pub rate_rps: f64,
+    pub size: WorkloadSize,
+    pub isl: LengthDist,
+    pub osl: LengthDist,
+}
+
+/// How many requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum WorkloadSize {
+    Requests(usize),
+    /// Every arrival within this many seconds.
+    DurationS(f64),
+}
+
+/// The service level a request must meet to count towards goodput.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slo {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+}
+
+/// What the topology does not say about the network between hosts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Network {
+    /// A bus message from one host to another.
+    pub bus_latency: Duration,
+    /// KV hand-offs between chips of different hosts.
+    pub kv_bandwidth_gbs: f64,
+    pub kv_latency: Duration,
+}
+
+impl Default for Network {
+    /// A 100 Gb/s Ethernet fabric: 12.5 GB/s, 20 us per transfer, 50 us per bus message.
+    fn default() -> Self {
+        Network {
+            bus_latency: Duration::from_micros(50),
+            kv_bandwidth_gbs: 12.5,
+            kv_latency: Duration::from_micros(20),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScenario {
+    #[serde(default)]
+    seed: Option<Spanned<i64>>,
+    #[serde(default)]
+    topology: Option<Spanned<String>>,
+    #[serde(default)]
+    topology_toml: Option<Spanned<String>>,
+    workload: Spanned<RawWorkload>,
+    slo: Spanned<RawSlo>,
+    #[serde(default)]
+    network: Option<Spanned<RawNetwork>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWorkload {
+    #[serde(default)]
+    arrivals: Option<Spanned<String>>,
+    rate_rps: Spanned<toml::Value>,
+    #[serde(default)]
+    requests: Option<Spanned<i64>>,
+    #[serde(default)]
+    duration_s: Option<Spanned<toml::Value>>,
+    isl: Spanned<String>,
+    osl: Spanned<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSlo {
+    ttft_ms: Spanned<toml::Value>,
+    tpot_ms: Spanned<toml::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetwork {
+    #[serde(default)]
+    bus_latency_us: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    kv_bandwidth_gbs: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    kv_latency_us: Option<Spanned<toml::Value>>,
+}
+
+/// Reads and validates the scenario at `path`; a relative `topology` path is read from
+/// the scenario's directory.
+pub fn load(path: &Path) -> Result<Scenario, TopologyError> {
+    let source = path.display().to_string();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| TopologyError::file(&source, format!("cannot read the scenario file: {e}")))?;
+    let dir = path.parent().unwrap_or(Path::new(""));
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    parse(&text, &source, &dir)
+}
+
+/// Parses and validates scenario `text` (named `source` in errors); relative paths are
+/// resolved against `dir`.
+pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyError> {
+    let raw: RawScenario = toml::from_str(text).map_err(|e| TopologyError::from_toml(source, text, &e))?;
+    let at =
+        |span: Range<usize>, key: &str, message: String| TopologyError::at(source, text, span, key.into(), message);
+
+    let seed = match raw.seed {
+        Some(s) if *s.get_ref() < 0 => {
+            return Err(at(s.span(), "seed", format!("must be 0 or more, got {}", s.get_ref())));
+        }
+        Some(s) => *s.get_ref() as u64,
+        None => 0,
+    };
+
+    let topology = match (&raw.topology, &raw.topology_toml) {
+        (Some(path), None) => {
+            let file = dir.join(path.get_ref());
+            match tessera_topology::load(&file) {
+                Ok(spec) => spec,
+                // The file itself is missing or unreadable: the scenario's key is wrong.
+                Err(e) if e.line == 0 => return Err(at(path.span(), "topology", e.to_string())),
+                Err(e) => return Err(e),
+            }
+        }
+        (None, Some(inline)) => embedded_topology(source, text, inline)?,
+        (Some(_), Some(inline)) => {
+            return Err(at(
+                inline.span(),
+                "topology_toml",
+                "give `topology` (a file) or `topology_toml`, not both".into(),
+            ));
+        }
+        (None, None) => {
+            return Err(TopologyError::at(
+                source,
+                text,
+                0..0,
+                "topology".into(),
+                "missing: give `topology = \"FILE\"` or `topology_toml = '''...'''`".into(),
+            ));
+        }
+    };
+
+    let w = raw.workload.get_ref();
+    if let Some(arrivals) = &w.arrivals
+        && arrivals.get_ref() != "poisson"
+    {
+        let why = format!("unknown arrival process {:?}; expected \"poisson\"", arrivals.get_ref());
+        return Err(at(arrivals.span(), "workload.arrivals", why));
+    }
+    let rate_rps =
+        number(&w.rate_rps, "workload.rate_rps", |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", &at)?;
+    let size = match (&w.requests, &w.duration_s) {
+        (Some(n), None) => {
+            let v = *n.get_ref();
+            if !(1..=MAX_REQUESTS as i64).contains(&v) {
+                return Err(at(n.span(), "workload.requests", format!("must be 1..={MAX_REQUESTS}, got {v}")));
+            }
+            WorkloadSize::Requests(v as usize)
+        }
+        (None, Some(d)) => {
+            let s = number(
+                d,
+                "workload.duration_s",
+                |x| x > 0.0 && x <= MAX_DURATION_S,
+                "more than 0 and at most 86400",
+                &at,
+            )?;
+            if rate_rps * s > MAX_REQUESTS as f64 {
+                let why = format!("{s} s at {rate_rps} req/s is more than {MAX_REQUESTS} requests");
+                return Err(at(d.span(), "workload.duration_s", why));
+            }
+            WorkloadSize::DurationS(s)
+        }
+        (Some(_), Some(d)) => {
+            return Err(at(d.span(), "workload.duration_s", "give `requests` or `duration_s`, not both".into()));
+        }
+        (None, None) => {
+            let why = "give `requests` (how many) or `duration_s` (arrivals within that many seconds)".into();
+            return Err(at(raw.workload.span(), "workload", why));
+        }
+    };
+    let dist = |s: &Spanned<String>, key: &str| {
+        s.get_ref().parse::<LengthDist>().map_err(|e| at(s.span(), key, e.to_string()))
+    };
+    let workload =
+        WorkloadSpec { rate_rps, size, isl: dist(&w.isl, "workload.isl")?, osl: dist(&w.osl, "workload.osl")? };
+
+    let positive_ms = |x: f64| x > 0.0 && x <= 86_400_000.0;
+    let slo = Slo {
+        ttft_ms: number(
+            &raw.slo.get_ref().ttft_ms,
+            "slo.ttft_ms",
+            positive_ms,
+            "more than 0 and at most 86400000",
+            &at,
+        )?,
+        tpot_ms: number(
+            &raw.slo.get_ref().tpot_ms,
+            "slo.tpot_ms",
+            positive_ms,
+            "more than 0 and at most 86400000",
+            &at,
+        )?,
+    };
+
+    let mut network = Network::default();
+    if let Some(n) = &raw.network {
+        let n = n.get_ref();
+        let us = |x: f64| (0.0..=1e6).contains(&x);
+        if let Some(v) = &n.bus_latency_us {
+            let x = number(v, "network.bus_latency_us", us, "0..=1000000", &at)?;
+            network.bus_latency = Duration::from_secs_f64(x / 1e6);
+        }
+        if let Some(v) = &n.kv_bandwidth_gbs {
+            network.kv_bandwidth_gbs =
+                number(v, "network.kv_bandwidth_gbs", |x| x >= 0.01 && x <= 1e5, "0.01..=100000", &at)?;
+        }
+        if let Some(v) = &n.kv_latency_us {
+            let x = number(v, "network.kv_latency_us", us, "0..=1000000", &at)?;
+            network.kv_latency = Duration::from_secs_f64(x / 1e6);
+        }
+    }
+    Ok(Scenario { source: source.into(), topology, base_dir: dir.to_path_buf(), workload, slo, network, seed })
+}
+
+/// A number (integer or float) within `ok`, or an error naming `key`.
+fn number(
+    v: &Spanned<toml::Value>,
+    key: &str,
+    ok: impl Fn(f64) -> bool,
+    range: &str,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<f64, TopologyError> {
+    let x = match v.get_ref() {
+        toml::Value::Integer(i) => *i as f64,
+        toml::Value::Float(f) => *f,
+        other => return Err(at(v.span(), key, format!("must be a number, got {}", other.type_str()))),
+    };
+    if !x.is_finite() || !ok(x) {
+        return Err(at(v.span(), key, format!("must be {range}, got {x}")));
+    }
+    Ok(x)
+}
+
+/// The topology written inside the scenario as a string. Its errors are moved to the
+/// scenario file's lines (exact for a `'''` literal string, which has no escapes) and
+/// their keys prefixed with `topology_toml.`.
+fn embedded_topology(source: &str, text: &str, inline: &Spanned<String>) -> Result<ClusterSpec, TopologyError> {
+    tessera_topology::parse(inline.get_ref(), source).map_err(|mut e| {
+        let span = inline.span();
+        let literal = &text[span.clone()];
+        let delimiter = if literal.starts_with("'''") || literal.starts_with("\"\"\"") { 3 } else { 1 };
+        let mut start = span.start + delimiter;
+        // A newline right after a multi-line opening delimiter is not part of the string.
+        if delimiter == 3 {
+            if text[start..].starts_with("\r\n") {
+                start += 2;
+            } else if text[start..].starts_with('\n') {
+                start += 1;
+            }
+        }
+        let before = &text[..start.min(text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        if e.line > 0 {
+            if e.line == 1 {
+                e.column += column - 1;
+            }
+            e.line += line - 1;
+        } else {
+            (e.line, e.column) = (line, column);
+        }
+        e.key = if e.key.is_empty() { "topology_toml".into() } else { format!("topology_toml.{}", e.key) };
+        e
+    })
+}
