@@ -270,7 +270,7 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
         }
         if let Some(v) = &n.kv_bandwidth_gbs {
             network.kv_bandwidth_gbs =
-                number(v, "network.kv_bandwidth_gbs", |x| x >= 0.01 && x <= 1e5, "0.01..=100000", &at)?;
+                number(v, "network.kv_bandwidth_gbs", |x| (0.01..=1e5).contains(&x), "0.01..=100000", &at)?;
         }
         if let Some(v) = &n.kv_latency_us {
             let x = number(v, "network.kv_latency_us", us, "0..=1000000", &at)?;

@@ -1,1 +1,178 @@
-//! placeholder
+//! The simulator end to end: scenarios parsed and validated, the real behaviors run in
+//! virtual time, reports checked for determinism, completeness and leaks.
+
+use std::path::{Path, PathBuf};
+
+use tessera_sim::scenario::{self, Scenario};
+use tessera_sim::{Report, run};
+
+fn here() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The default topology (disaggregated: 910B prefill on h0, C500 decode on h1).
+const DISAGGREGATED: &str = r#"
+seed = 3
+topology = "../../topology/default.toml"
+
+[workload]
+rate_rps = 2.0
+requests = 60
+isl = "uniform:8-300"
+osl = "uniform:1-64"
+
+[slo]
+ttft_ms = 500
+tpot_ms = 50
+"#;
+
+/// Two hosts, two colocated chips each; written inside the scenario.
+const COLOCATED: &str = r#"
+seed = 11
+topology_toml = '''
+[cluster]
+model = "builtin:tiny"
+[emulation]
+time_scale = 2000.0
+[[hosts]]
+name = "a"
+bus = "10.0.0.1:7400"
+[[hosts.chips]]
+id = "a0"
+backend = "emu:nvidia-a100"
+[[hosts.chips]]
+id = "a1"
+backend = "emu:nvidia-a100"
+max_batch_seqs = 8
+[[hosts]]
+name = "b"
+bus = "10.0.0.2:7400"
+[[hosts.chips]]
+id = "b0"
+backend = "emu:ascend-910b"
+kv_dtype = "f16"
+[[hosts.chips]]
+id = "b1"
+kind = "metax-c500"
+backend = "cpu"
+'''
+
+[workload]
+rate_rps = 20
+duration_s = 5
+isl = "normal:100,40"
+osl = "uniform:4-40"
+
+[slo]
+ttft_ms = 200
+tpot_ms = 30
+
+[network]
+bus_latency_us = 100
+
+"#;
+
+fn parse(text: &str) -> Scenario {
+    match scenario::parse(text, "test.toml", &here()) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn simulate(s: &Scenario, seed: Option<u64>) -> Report {
+    match run(s, seed) {
+        Ok((report, _)) => report,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[track_caller]
+fn all_served_and_all_free(r: &Report) {
+    assert!(r.requests > 0);
+    assert_eq!((r.completed, r.failed, r.unfinished), (r.requests, 0, 0), "{:?}", r.failures);
+    assert_eq!(r.kv_blocks_used_at_end, 0);
+    for c in &r.chips {
+        assert_eq!((c.state.as_str(), c.kv_blocks_used, c.handoffs_open), ("up", 0, 0), "{c:?}");
+        assert!(c.kv_blocks_total > 0 && c.steps > 0, "{c:?} did no work");
+    }
+    let (Some(ttft), Some(e2e)) = (r.ttft, r.e2e) else { panic!("no latencies") };
+    assert_eq!((ttft.samples, e2e.samples), (r.requests, r.requests));
+    assert!(ttft.p50_ms > 0.0 && ttft.p50_ms <= ttft.p90_ms && ttft.p90_ms <= ttft.p99_ms);
+    assert!(e2e.p50_ms >= ttft.p50_ms);
+    assert!(r.output_tokens > 0 && r.output_tokens_per_s > 0.0 && r.simulated_s > 0.0 && r.events > 0);
+    assert!(r.slo_met <= r.completed);
+}
+
+#[test]
+fn a_disaggregated_cluster_serves_every_request_deterministically_and_frees_every_block() {
+    let s = parse(DISAGGREGATED);
+    let first = simulate(&s, None);
+    all_served_and_all_free(&first);
+    // Requests ran to max_tokens (no end-of-sequence): uniform 1..=64 averages 32.5.
+    assert!((20 * 60..45 * 60).contains(&first.output_tokens), "{}", first.output_tokens);
+    // Both roles did their part: the prefill chip prefilled, the decode chip decoded.
+    let roles: Vec<(&str, &str)> = first.chips.iter().map(|c| (c.id.as_str(), c.role.as_str())).collect();
+    assert_eq!(roles, [("h0-ascend0", "prefill"), ("h1-metax0", "decode")]);
+
+    let again = simulate(&s, None);
+    assert_eq!(first.to_json(), again.to_json(), "same scenario and seed, different reports");
+    let other = simulate(&s, Some(4));
+    assert_eq!(other.seed, 4);
+    all_served_and_all_free(&other);
+    assert_ne!(first.to_json(), other.to_json(), "the seed changed nothing");
+}
+
+#[test]
+fn a_colocated_cluster_written_inline_serves_a_timed_workload() {
+    let s = parse(COLOCATED);
+    assert_eq!(s.topology.hosts.len(), 2);
+    let r = simulate(&s, None);
+    all_served_and_all_free(&r);
+    // Poisson at 20/s for 5 s: about 100 arrivals.
+    assert!((60..140).contains(&r.requests), "{}", r.requests);
+    assert_eq!(r.chips.len(), 4);
+    assert_eq!(r.to_json(), simulate(&s, None).to_json());
+}
+
+#[test]
+fn the_example_scenario_runs() {
+    let path = here().join("../scenarios/default-poisson.toml");
+    let s = match tessera_sim::load(&path) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    all_served_and_all_free(&simulate(&s, None));
+}
+
+/// (what is wrong, the scenario, the line and key the error must name)
+#[test]
+fn bad_scenarios_name_file_line_and_key() {
+    let cases: &[(&str, String, usize, &str)] = &[
+        ("unknown key", DISAGGREGATED.replace("rate_rps = 2.0", "rate_rps = 2.0\nburst = 3"), 7, "workload.burst"),
+        ("negative rate", DISAGGREGATED.replace("rate_rps = 2.0", "rate_rps = -1"), 6, "workload.rate_rps"),
+        ("a bad length", DISAGGREGATED.replace("uniform:8-300", "uniform:300-8"), 8, "workload.isl"),
+        ("zero SLO", DISAGGREGATED.replace("tpot_ms = 50", "tpot_ms = 0"), 13, "slo.tpot_ms"),
+        ("no topology file", DISAGGREGATED.replace("default.toml", "missing.toml"), 3, "topology"),
+        (
+            "requests and duration",
+            DISAGGREGATED.replace("requests = 60", "requests = 60\nduration_s = 3"),
+            8,
+            "workload.duration_s",
+        ),
+        // A wrong key inside the embedded topology is found at its line of the scenario.
+        (
+            "inline topology",
+            COLOCATED.replace("backend = \"cpu\"", "backend = \"gpu\""),
+            28,
+            "topology_toml.hosts[1].chips[1].backend",
+        ),
+    ];
+    for (what, text, line, key) in cases {
+        let Err(e) = scenario::parse(text, "bad.toml", &here()) else { panic!("{what}: accepted") };
+        assert_eq!((e.file.as_str(), e.line, e.key.as_str()), ("bad.toml", *line, *key), "{what}: {e}");
+        let shown = e.to_string();
+        assert!(shown.starts_with(&format!("bad.toml:{line}:")) && shown.contains(key), "{what}: {shown}");
+    }
+    let missing = tessera_sim::load(Path::new("/nonexistent/scenario.toml"));
+    assert!(missing.is_err_and(|e| e.to_string().contains("/nonexistent/scenario.toml")));
+}
