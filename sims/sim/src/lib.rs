@@ -60,6 +60,8 @@ pub enum SimError {
     ChipsNotUp { limit_s: u64, chips: String },
     #[error("the router did not answer a query for its view")]
     RouterSilent,
+    #[error("{topology}: no host runs the gateway's admission")]
+    NoGateway { topology: String },
 }
 
 /// Runs `scenario` (with `seed`, else the scenario's own).
@@ -88,7 +90,7 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
     }
     let (Some(admission), Some(router)) = (admission, router) else {
         // A validated topology names a gateway host among its hosts.
-        return Err(SimError::RouterSilent);
+        return Err(SimError::NoGateway { topology: spec.source.clone() });
     };
 
     // Start the workload once the router sees every chip up.
