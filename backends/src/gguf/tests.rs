@@ -412,3 +412,31 @@ fn unpermute_undoes_the_converters_q_k_permutation() {
     let mut odd = vec![0.0; 3 * 4];
     assert!(hf::unpermute_rows(&mut odd, 2, 4).is_err(), "3 rows do not split into 2 heads");
 }
+
+/// The GGUF vocabulary tokenizes as llama.cpp does: ids recorded from llama.cpp's own
+/// tokenizer on the same file (tests/fixtures/tokenizer/make-smollm2-ids.py says how)
+/// for 240 strings — ASCII, digits, whitespace runs, code, accents, CJK, emoji, special
+/// tokens — and every string survives decode(encode(s)).
+#[test]
+fn smollm2_vocabulary_tokenizes_as_llama_cpp() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let fixture = root.join("tests/fixtures/tokenizer/smollm2-ids.json");
+    let text = std::fs::read_to_string(&fixture).expect("the fixture");
+    let fixture: serde_json::Value = serde_json::from_str(&text).expect("fixture JSON");
+    let model = root.join("../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let tok = crate::tokenizer::TextTokenizer::from_gguf(&model).expect("tokenizer");
+    let cases = fixture["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 200);
+    let mut wrong = Vec::new();
+    for case in cases {
+        let s = case["text"].as_str().expect("text");
+        let want: Vec<u32> =
+            case["ids"].as_array().expect("ids").iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect();
+        let got = tok.encode(s, false).expect("encode");
+        if got != want {
+            wrong.push(format!("{s:?}: llama.cpp {want:?}, ours {got:?}"));
+        }
+        assert_eq!(tok.decode(&got).expect("decode"), s, "decode(encode(s)) == s");
+    }
+    assert!(wrong.is_empty(), "{} of {} strings differ:\n{}", wrong.len(), cases.len(), wrong.join("\n"));
+}
