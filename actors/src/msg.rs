@@ -27,7 +27,8 @@ pub mod topic {
     pub const MEMBERSHIP: &str = "membership";
 }
 
-/// What a client may be told when its request cannot be served.
+/// What a client may be told when its request cannot be served: the kind alone decides
+/// the client's status and generic message (the gateway maps it, in one place).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ErrorKind {
     BadRequest,
@@ -37,15 +38,34 @@ pub enum ErrorKind {
     Internal,
 }
 
+/// Why a request cannot be served, classified once, where it is decided.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServeError {
     pub kind: ErrorKind,
+    /// The operator's diagnostic: it may name chips, hosts and internal errors, so it goes
+    /// to the log and never to a client.
     pub message: String,
+    /// What the client may read beyond its kind's generic message: only ever about the
+    /// client's own request (a token id, a length), never about the cluster.
+    #[serde(default)]
+    pub public: Option<String>,
 }
 
 impl ServeError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ServeError { kind, message: message.into() }
+        ServeError { kind, message: message.into(), public: None }
+    }
+
+    /// An error about the client's own request, which it may read as it is.
+    pub fn about_request(kind: ErrorKind, message: impl Into<String>) -> Self {
+        let message = message.into();
+        ServeError { kind, public: Some(message.clone()), message }
+    }
+
+    /// The same error, with `public` for the client and the diagnostic for the log.
+    pub fn with_public(mut self, public: impl Into<String>) -> Self {
+        self.public = Some(public.into());
+        self
     }
 }
 

@@ -95,7 +95,8 @@ fn error(p: &Parts) -> ServeError {
         ErrorKind::Unavailable,
         ErrorKind::Internal,
     ];
-    ServeError::new(kinds[p.n % kinds.len()], p.text.clone())
+    let error = ServeError::new(kinds[p.n % kinds.len()], p.text.clone());
+    if p.n.is_multiple_of(2) { error.with_public(p.text.to_uppercase()) } else { error }
 }
 
 /// Message number `kind` built from `p`.

@@ -2,7 +2,6 @@
 //! model configs and memory-mapped weights, the Llama-family executor over a paged KV
 //! cache, tokenizer and sampling. It knows nothing of actors, buses or topology files,
 //! and reaches kernels only through the C ABI of a library loaded at run time.
-#![deny(unsafe_code)]
 
 pub mod bench;
 pub mod builtin;

@@ -134,12 +134,16 @@ impl Chip {
     fn check_fits(&self, seq: &SeqRequest, info: &ChipInfo, need: usize) -> Option<ServeError> {
         let error = admissible(seq, info.vocab_size, info.max_context, need, info.num_blocks).err()?;
         Some(match error {
-            Inadmissible::NoRoomInContext { .. } => ServeError::new(ErrorKind::PromptTooLong, error.to_string()),
+            Inadmissible::NoRoomInContext { .. } => {
+                ServeError::about_request(ErrorKind::PromptTooLong, error.to_string())
+            }
+            // The client may read the sizes, not which chip was asked.
             Inadmissible::TooFewBlocks { .. } => {
                 ServeError::new(ErrorKind::BadRequest, format!("chip {}: {error}", self.config.id))
+                    .with_public(error.to_string())
             }
             Inadmissible::EmptyPrompt | Inadmissible::OutOfVocabulary { .. } => {
-                ServeError::new(ErrorKind::BadRequest, error.to_string())
+                ServeError::about_request(ErrorKind::BadRequest, error.to_string())
             }
         })
     }

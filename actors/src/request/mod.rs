@@ -274,8 +274,10 @@ impl Request {
         self.finish(fx);
     }
 
+    /// Ends the request with `error`. Its diagnostic is logged here, the one place a
+    /// request fails; the client is told only what the error's kind and `public` allow.
     fn fail(&mut self, error: ServeError, fx: &mut dyn Effects<Msg>) {
-        tracing::warn!(request_id = self.spec.request_id, error = %error.message, "request failed");
+        tracing::warn!(request_id = self.spec.request_id, kind = ?error.kind, error = %error.message, "request failed");
         self.abort_all(fx);
         self.release(fx);
         let _ = fx.send(self.client, Msg::Client { event: ClientEvent::Failed { error } });

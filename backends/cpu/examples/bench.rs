@@ -1,6 +1,8 @@
 //! Throughput of the hot ops through the exported ABI, against STREAM copy and a
 //! large f32 GEMM. Run: `cargo run --release -p tessera-kernels-cpu --example bench
 //! [gemv|linear|attention]` (no argument: all sections).
+// It calls the library's C ABI exports directly, as a loader would.
+#![allow(unsafe_code)]
 
 use std::time::Instant;
 
@@ -52,9 +54,9 @@ fn main() {
     let s = 2048usize;
     let (o, x, w) = (alloc(dev, s * s * 4), alloc(dev, s * s * 4), alloc(dev, s * s * 4));
     let t = time(
-        // SAFETY: valid device and buffers of the right size.
         || {
             assert_eq!(
+                // SAFETY: valid device and buffers of the right size.
                 unsafe { tk_linear(dev, o, x, w, TK_DTYPE_F32, TkPtr::NULL, s as u32, s as u32, s as u32,) },
                 TK_OK
             )
@@ -167,9 +169,9 @@ fn main() {
         };
         let (o, q) = (alloc(dev, tq * h * hd * 4), alloc(dev, tq * h * hd * 4));
         let t = time(
-            // SAFETY: as above.
             || {
                 assert_eq!(
+                    // SAFETY: valid device, buffers of the right size, a cache and batch built above.
                     unsafe { tk_prefill_attention(dev, o, q, &cache, &batch, tq as u32, h as u32, 0.125) },
                     TK_OK
                 )

@@ -818,7 +818,7 @@ mod tests {
 
     #[test]
     fn device_lifecycle_and_info() {
-        // SAFETY (whole test): all pointers passed are valid or deliberately bad
+        // SAFETY: (whole test) all pointers passed are valid or deliberately bad
         // handles that the library must refuse without dereferencing.
         unsafe {
             assert_eq!(tk_abi_version(), (1 << 16) | 1);
@@ -891,7 +891,7 @@ mod tests {
         h2d(d, xp, &x);
         // Weights wrapped read-only, zero-copy.
         let mut wb = std::ptr::null_mut();
-        // SAFETY (whole block): w outlives its buffer handle; other pointers are
+        // SAFETY: (whole block) w outlives its buffer handle; other pointers are
         // valid or deliberately bad handles.
         unsafe {
             assert_eq!(tk_buffer_wrap_host(d, w.as_ptr().cast(), (n * k * 4) as u64, &mut wb), TK_OK);

@@ -8,11 +8,18 @@
 //! runtime. The safe Rust implementations of the ops live in [`ops`] and are tested
 //! against naive references; [`ffi`] is the only place that touches raw ABI pointers.
 
+// `unsafe` is denied by the workspace's lints but for the modules whose SAFETY contracts
+// need it: host allocations (`device`), the C ABI exports (`ffi`), raw `gemm` calls and
+// disjoint writes from rayon tasks (`ops`), and SIMD intrinsics (`simd`).
+#[allow(unsafe_code)]
 pub mod device;
 pub mod dtype;
 pub mod error;
+#[allow(unsafe_code)]
 pub mod ffi;
+#[allow(unsafe_code)]
 pub mod ops;
+#[allow(unsafe_code)]
 pub mod simd;
 
 pub use error::KernelError;

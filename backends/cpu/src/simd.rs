@@ -177,7 +177,7 @@ mod x86 {
                 let scalar = $scalar;
                 let xp = x.as_ptr();
                 for r in 0..rows {
-                    // SAFETY (whole block): the caller checked that w holds
+                    // SAFETY: (whole block) the caller checked that w holds
                     // (row0 + rows) * k elements and x holds M * k; every offset below
                     // is < k within its row.
                     unsafe {
@@ -291,7 +291,7 @@ mod x512 {
                 let step = 16 * U;
                 let mut r = 0;
                 while r + R <= rows {
-                    // SAFETY (whole block): the caller checked that w holds
+                    // SAFETY: (whole block) the caller checked that w holds
                     // (row0 + rows) * k elements and x holds M * k; every offset read is
                     // < k within its row. Prefetch addresses are computed with
                     // wrapping arithmetic and never dereferenced.

@@ -164,13 +164,28 @@ fn error_response(e: ApiError) -> Response {
     (status, axum::Json(e.to_json())).into_response()
 }
 
+/// A request the actors could not serve, as its client sees it: the one place an
+/// [`ErrorKind`] becomes a status, an OpenAI error type and a generic message. The
+/// diagnostic (`message`: chips, hosts, internal errors) was logged where the request
+/// failed and never reaches the client; `public`, about the client's own request, does.
 fn api_error(e: &ServeError) -> ApiError {
+    tracing::debug!(kind = ?e.kind, error = %e.message, "request refused");
+    let public = |generic: &str| e.public.clone().unwrap_or_else(|| generic.to_owned());
     match e.kind {
-        ErrorKind::BadRequest => ApiError::bad_request(&e.message, None),
-        ErrorKind::PromptTooLong => ApiError { status: 413, ..ApiError::bad_request(&e.message, Some("prompt")) },
-        ErrorKind::Overloaded => ApiError::overloaded(&e.message),
-        ErrorKind::Unavailable => ApiError::unavailable(&e.message),
-        ErrorKind::Internal => ApiError::internal(&e.message),
+        ErrorKind::BadRequest => ApiError::bad_request(public("The request cannot be served as sent."), None),
+        ErrorKind::PromptTooLong => ApiError {
+            status: 413,
+            code: Some("context_length_exceeded".to_owned()),
+            ..ApiError::bad_request(
+                public("The prompt leaves no room in the model's context. Please shorten the prompt."),
+                Some("prompt"),
+            )
+        },
+        ErrorKind::Overloaded => ApiError::overloaded(public("The server is overloaded; retry later.")),
+        ErrorKind::Unavailable => {
+            ApiError::unavailable(public("No chip can serve the request right now; retry later."))
+        }
+        ErrorKind::Internal => ApiError::internal(public("The server could not complete the request.")),
     }
 }
 
@@ -240,7 +255,10 @@ fn prepare(st: &GatewayState, body: &[u8], endpoint: Endpoint) -> Result<(Genera
 
 fn prompt_ids(st: &GatewayState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     let encode = |text: &str, add_bos: bool| {
-        st.tokenizer.encode(text, add_bos).map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}"), None))
+        st.tokenizer.encode(text, add_bos).map_err(|e| {
+            tracing::warn!(error = %e, "a prompt could not be tokenized");
+            ApiError::bad_request("The prompt cannot be tokenized.", Some("prompt"))
+        })
     };
     match prompt {
         Prompt::Text(text) => encode(text, true),
@@ -401,7 +419,7 @@ impl<'a> TextAssembler<'a> {
                 // The chip ends the sequence on it; its text (`<|im_end|>`) is no output.
                 break;
             }
-            let piece = self.decoder.push(t).map_err(|e| ApiError::internal(format!("detokenizing: {e}")))?;
+            let piece = self.decoder.push(t).map_err(detokenize_error)?;
             if let Some(piece) = piece {
                 let (safe, hit) = self.stops.push(&piece);
                 out.push_str(&safe);
@@ -416,7 +434,7 @@ impl<'a> TextAssembler<'a> {
             return Ok(String::new());
         }
         let mut out = String::new();
-        if let Some(piece) = self.decoder.finish().map_err(|e| ApiError::internal(format!("detokenizing: {e}")))? {
+        if let Some(piece) = self.decoder.finish().map_err(detokenize_error)? {
             let (safe, hit) = self.stops.push(&piece);
             out.push_str(&safe);
             self.stopped = hit;
@@ -426,6 +444,11 @@ impl<'a> TextAssembler<'a> {
         }
         Ok(out)
     }
+}
+
+fn detokenize_error(e: impl std::fmt::Display) -> ApiError {
+    tracing::error!(error = %e, "detokenizing generated tokens failed");
+    ApiError::internal("The server could not complete the request.")
 }
 
 fn finish_reason(f: Finish) -> FinishReason {
@@ -680,7 +703,10 @@ async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Respo
     };
     match st.host.send(chip, Msg::InjectFault { fault }) {
         Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"injected": req.fault, "chip": req.chip}))).into_response(),
-        Err(e) => error_response(ApiError::unavailable(format!("chip {} is unreachable: {e}", req.chip))),
+        Err(e) => {
+            tracing::warn!(chip = %req.chip, error = %e, "an admin request could not reach its chip");
+            error_response(ApiError::unavailable(format!("chip `{}` is unreachable", req.chip)))
+        }
     }
 }
 
@@ -718,6 +744,38 @@ async fn set_role(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response 
     match st.host.send(chip, Msg::SetRole { role }) {
         Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"chip": req.chip, "role": role, "draining": true})))
             .into_response(),
-        Err(e) => error_response(ApiError::unavailable(format!("chip {} is unreachable: {e}", req.chip))),
+        Err(e) => {
+            tracing::warn!(chip = %req.chip, error = %e, "an admin request could not reach its chip");
+            error_response(ApiError::unavailable(format!("chip `{}` is unreachable", req.chip)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_tells_the_client_its_kind_and_never_the_diagnostic() {
+        let detail = "chip h1-metax0 of host h1 lost it: worker panicked at kv.rs:42";
+        // (kind, status, type, code)
+        let cases = [
+            (ErrorKind::BadRequest, 400, "invalid_request_error", None),
+            (ErrorKind::PromptTooLong, 413, "invalid_request_error", Some("context_length_exceeded")),
+            (ErrorKind::Overloaded, 429, "rate_limit_error", Some("overloaded")),
+            (ErrorKind::Unavailable, 503, "service_unavailable", Some("no_healthy_chip")),
+            (ErrorKind::Internal, 500, "server_error", None),
+        ];
+        for (kind, status, type_, code) in cases {
+            let e = api_error(&ServeError::new(kind, detail));
+            assert_eq!((e.status, e.kind, e.code.as_deref()), (status, type_, code), "{kind:?}");
+            assert!(!e.message.is_empty(), "{kind:?}");
+            for secret in ["h1", "metax", "panicked", "kv.rs"] {
+                assert!(!e.message.contains(secret), "{kind:?}: {:?} leaks {secret:?}", e.message);
+            }
+            // What is about the client's own request reaches it.
+            let e = api_error(&ServeError::new(kind, detail).with_public("token id 99 is outside the vocabulary"));
+            assert_eq!(e.message, "token id 99 is outside the vocabulary", "{kind:?}");
+        }
     }
 }

@@ -29,7 +29,6 @@
 //!   `tessera_transfer_seconds{transport}` (histogram, one sample per batch),
 //!   `tessera_transfer_errors_total{reason}` (reader errors, and requests a server
 //!   refused as `reason="served_<status>"`).
-#![deny(unsafe_code)]
 
 mod batch;
 mod client;

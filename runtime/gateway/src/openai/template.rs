@@ -74,10 +74,10 @@ impl ChatTemplate {
             bos_token => self.bos_token.as_deref().map_or(Value::UNDEFINED, Value::from),
             eos_token => self.eos_token.as_deref().map_or(Value::UNDEFINED, Value::from),
         };
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| ApiError::internal(format!("chat template missing: {e}")))?;
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| {
+            tracing::error!(error = %e, "the chat template is missing");
+            ApiError::internal("The server could not complete the request.")
+        })?;
         template.render(ctx).map_err(|e| render_error(&e))
     }
 }
@@ -87,7 +87,11 @@ fn render_error(error: &Error) -> ApiError {
         .find_map(|e| e.downcast_ref::<RaisedByTemplate>());
     let message = match raised {
         Some(RaisedByTemplate(message)) => message.clone(),
-        None => format!("The chat template could not render these messages: {error}"),
+        // The template's error (its lines, its variables) is the operator's to read.
+        None => {
+            tracing::warn!(error = %error, "the chat template could not render a request's messages");
+            "The chat template could not render these messages.".to_owned()
+        }
     };
     ApiError::bad_request(message, Some("messages"))
 }
