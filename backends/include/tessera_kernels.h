@@ -37,9 +37,12 @@ extern "C" {
  * History
  *  1.0  initial op set.
  *  1.1  tk_kv_cache.layout: token-major KV blocks beside head-major ones (so chips
- *       that disagree on layout can exchange KV, the receiver's kernels converting). */
+ *       that disagree on layout can exchange KV, the receiver's kernels converting).
+ *  1.2  quantized weight dtypes (ggml's block formats) for tk_embedding's table and
+ *       tk_linear's w. A loader still accepts a 1.1 library for float weights and
+ *       refuses to load quantized weights onto it. */
 #define TK_ABI_MAJOR 1
-#define TK_ABI_MINOR 1
+#define TK_ABI_MINOR 2
 
 typedef int32_t tk_status;
 #define TK_OK 0
@@ -53,6 +56,18 @@ typedef int32_t tk_dtype;
 #define TK_DTYPE_F16 1
 #define TK_DTYPE_BF16 2
 #define TK_DTYPE_I32 3
+/* Quantized weights (since 1.2): rows of ggml blocks, byte for byte as ggml-common.h
+ * defines them (block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0: 32 values;
+ * block_q4_K, block_q6_K: 256 values). A tensor of such a dtype is given by its byte
+ * address; each row of k values is k / block_values blocks, so k must be a multiple
+ * of the block's value count. No alignment beyond 1 byte is required. */
+#define TK_DTYPE_Q4_0 16
+#define TK_DTYPE_Q4_1 17
+#define TK_DTYPE_Q5_0 18
+#define TK_DTYPE_Q5_1 19
+#define TK_DTYPE_Q8_0 20
+#define TK_DTYPE_Q4_K 21
+#define TK_DTYPE_Q6_K 22
 
 /* Rope scaling kinds (tk_rope.scaling). */
 #define TK_ROPE_NONE 0
@@ -156,12 +171,16 @@ tk_status tk_copy_d2h(tk_device *dev, void *dst, tk_ptr src, uint64_t bytes);
 tk_status tk_copy_d2d(tk_device *dev, tk_ptr dst, tk_ptr src, uint64_t bytes);
 
 /* ---- ops ----------------------------------------------------------------------- */
-/* out[i, :] = table[ids[i], :] as f32. table [vocab][hidden] of table_dtype. */
+/* out[i, :] = table[ids[i], :] as f32. table [vocab][hidden] of table_dtype (a float
+ * dtype, or since 1.2 a quantized one). */
 tk_status tk_embedding(tk_device *dev, tk_ptr out, tk_ptr table, tk_dtype table_dtype,
                        tk_ptr ids, uint32_t n, uint32_t hidden, uint32_t vocab);
 
 /* out[m][n] = x[m][k] . w[n][k]^T (+ bias[n]); w and bias are of w_dtype; bias.buf may
- * be NULL. */
+ * be NULL. With a quantized w_dtype (since 1.2) the bias is f32, and a library may
+ * quantize x per block of 32 (to 8 bits with an f32 scale, as llama.cpp does): the
+ * result then differs from the dequantized weights' exact product by at most
+ * sum over blocks of (max|x_block| / 254) * sum|w_block| (plus f32 rounding). */
 tk_status tk_linear(tk_device *dev, tk_ptr out, tk_ptr x, tk_ptr w, tk_dtype w_dtype,
                     tk_ptr bias, uint32_t m, uint32_t n, uint32_t k);
 

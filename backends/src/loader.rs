@@ -80,7 +80,7 @@ impl KernelLibrary {
         let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
             lib_err(std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| format!("{e}: {s}")))
         })?;
-        let (need_major, need_minor) = (abi::TK_ABI_MAJOR, abi::TK_ABI_MINOR);
+        let (need_major, need_minor) = (abi::TK_ABI_MAJOR, abi::TK_ABI_MINOR_OLDEST);
         let missing = |symbol: &str| BackendError::MissingSymbol {
             library: path.to_path_buf(),
             symbol: symbol.to_string(),

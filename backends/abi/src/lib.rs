@@ -9,8 +9,12 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const TK_ABI_MAJOR: u32 = 1;
-/// 1.1 added `TkKvCache::layout` (token-major KV blocks).
-pub const TK_ABI_MINOR: u32 = 1;
+/// 1.1 added `TkKvCache::layout` (token-major KV blocks); 1.2 quantized weight dtypes.
+pub const TK_ABI_MINOR: u32 = 2;
+/// The oldest minor a loader accepts: 1.1 libraries still serve float weights.
+pub const TK_ABI_MINOR_OLDEST: u32 = 1;
+/// The minor that added the quantized weight dtypes (`TK_DTYPE_Q*`).
+pub const TK_ABI_MINOR_QUANT: u32 = 2;
 
 /// `(MAJOR << 16) | MINOR`, what `tk_abi_version` returns.
 pub const fn abi_version(major: u32, minor: u32) -> u32 {
@@ -29,6 +33,14 @@ pub const TK_DTYPE_F32: TkDtype = 0;
 pub const TK_DTYPE_F16: TkDtype = 1;
 pub const TK_DTYPE_BF16: TkDtype = 2;
 pub const TK_DTYPE_I32: TkDtype = 3;
+/// Quantized weights (since 1.2): rows of ggml blocks, byte for byte as `ggml-common.h`.
+pub const TK_DTYPE_Q4_0: TkDtype = 16;
+pub const TK_DTYPE_Q4_1: TkDtype = 17;
+pub const TK_DTYPE_Q5_0: TkDtype = 18;
+pub const TK_DTYPE_Q5_1: TkDtype = 19;
+pub const TK_DTYPE_Q8_0: TkDtype = 20;
+pub const TK_DTYPE_Q4_K: TkDtype = 21;
+pub const TK_DTYPE_Q6_K: TkDtype = 22;
 
 pub const TK_ROPE_NONE: u32 = 0;
 pub const TK_ROPE_LLAMA3: u32 = 1;

@@ -1,7 +1,8 @@
 //! Element types: the ABI dtype codes and typed views of weight / KV-cache tensors.
 
 use half::{bf16, f16};
-use tessera_kernel_abi::{TK_DTYPE_BF16, TK_DTYPE_F16, TK_DTYPE_F32, TK_DTYPE_I32, TkDtype};
+use tessera_kernel_abi::*;
+use tessera_quant::GgmlType;
 
 use crate::error::{KernelError, Result};
 
@@ -23,6 +24,9 @@ impl DType {
             TK_DTYPE_I32 => Err(KernelError::Unsupported(format!(
                 "{what} dtype i32 ({code}) is not supported here (expected f32, f16 or bf16)"
             ))),
+            _ if WType::quant_from_abi(code).is_some() => {
+                Err(KernelError::Unsupported(format!("{what} cannot be quantized ({code}); expected f32, f16 or bf16")))
+            }
             _ => Err(KernelError::InvalidArgument(format!(
                 "{what} has unknown dtype {code} (expected 0 = f32, 1 = f16, 2 = bf16)"
             ))),
@@ -38,12 +42,78 @@ impl DType {
     }
 }
 
-/// A read-only tensor of one of the float storage types.
+/// The storage type of a weight tensor: a float type, or (since ABI 1.2) one of ggml's
+/// block formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WType {
+    Float(DType),
+    Quant(GgmlType),
+}
+
+impl WType {
+    /// Parses an ABI dtype code for a weight that may be quantized (`tk_linear`'s `w`,
+    /// `tk_embedding`'s table).
+    pub fn from_abi(code: TkDtype, what: &str) -> Result<WType> {
+        match WType::quant_from_abi(code) {
+            Some(q) => Ok(WType::Quant(q)),
+            None => DType::from_abi(code, what).map(WType::Float).map_err(|e| match e {
+                KernelError::InvalidArgument(_) => KernelError::InvalidArgument(format!(
+                    "{what} has unknown dtype {code} (expected 0 = f32, 1 = f16, 2 = bf16, or a quantized \
+                     format 16..=22)"
+                )),
+                other => other,
+            }),
+        }
+    }
+
+    fn quant_from_abi(code: TkDtype) -> Option<GgmlType> {
+        Some(match code {
+            TK_DTYPE_Q4_0 => GgmlType::Q4_0,
+            TK_DTYPE_Q4_1 => GgmlType::Q4_1,
+            TK_DTYPE_Q5_0 => GgmlType::Q5_0,
+            TK_DTYPE_Q5_1 => GgmlType::Q5_1,
+            TK_DTYPE_Q8_0 => GgmlType::Q8_0,
+            TK_DTYPE_Q4_K => GgmlType::Q4K,
+            TK_DTYPE_Q6_K => GgmlType::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of a `[rows][cols]` tensor, refusing rows that are not whole blocks.
+    pub fn tensor_bytes(self, what: &str, rows: usize, cols: usize) -> Result<usize> {
+        let row = match self {
+            WType::Float(d) => cols.checked_mul(d.size()),
+            WType::Quant(q) => {
+                let n = q.block_elements();
+                if !(cols as u64).is_multiple_of(n) {
+                    return Err(KernelError::InvalidArgument(format!(
+                        "{what}: rows of {cols} values are not whole {q} blocks of {n}"
+                    )));
+                }
+                q.row_bytes(cols)
+            }
+        };
+        row.and_then(|r| r.checked_mul(rows))
+            .ok_or_else(|| KernelError::InvalidArgument(format!("{what}: size {rows} x {cols} overflows")))
+    }
+
+    /// The alignment a tensor of this type needs (quantized blocks are read bytewise).
+    pub fn align(self) -> usize {
+        match self {
+            WType::Float(d) => d.size(),
+            WType::Quant(_) => 1,
+        }
+    }
+}
+
+/// A read-only tensor of one of the float storage types, or a quantized one (whole
+/// blocks; element indices count values, and ranges must start and end on blocks).
 #[derive(Debug, Clone, Copy)]
 pub enum WSlice<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
     Bf16(&'a [bf16]),
+    Quant(GgmlType, &'a [u8]),
 }
 
 impl<'a> WSlice<'a> {
@@ -52,19 +122,12 @@ impl<'a> WSlice<'a> {
             WSlice::F32(s) => s.len(),
             WSlice::F16(s) => s.len(),
             WSlice::Bf16(s) => s.len(),
+            WSlice::Quant(q, b) => b.len() / q.block_bytes() as usize * q.block_elements() as usize,
         }
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-
-    pub fn dtype(&self) -> DType {
-        match self {
-            WSlice::F32(_) => DType::F32,
-            WSlice::F16(_) => DType::F16,
-            WSlice::Bf16(_) => DType::Bf16,
-        }
     }
 
     /// Converts elements `[start, start + dst.len())` to f32 into `dst`.
@@ -74,6 +137,11 @@ impl<'a> WSlice<'a> {
             WSlice::F32(s) => dst.copy_from_slice(&s[start..end]),
             WSlice::F16(s) => crate::simd::f16_to_f32(&s[start..end], dst),
             WSlice::Bf16(s) => crate::simd::bf16_to_f32(&s[start..end], dst),
+            WSlice::Quant(q, b) => {
+                let (n, bb) = (q.block_elements() as usize, q.block_bytes() as usize);
+                assert!(start.is_multiple_of(n) && end.is_multiple_of(n), "{q} range {start}..{end} splits a block");
+                q.dequantize(&b[start / n * bb..end / n * bb], dst);
+            }
         }
     }
 

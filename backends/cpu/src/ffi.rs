@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use tessera_kernel_abi::*;
 
 use crate::device::Device;
-use crate::dtype::{DType, WSlice, WSliceMut};
+use crate::dtype::{DType, WSlice, WSliceMut, WType};
 use crate::error::Result;
 use crate::invalid;
 use crate::ops::{
@@ -141,6 +141,7 @@ enum WCow<'a> {
     F32(Cow<'a, [f32]>),
     F16(Cow<'a, [f16]>),
     Bf16(Cow<'a, [bf16]>),
+    Quant(tessera_quant::GgmlType, Cow<'a, [u8]>),
 }
 
 impl WCow<'_> {
@@ -149,7 +150,16 @@ impl WCow<'_> {
             WCow::F32(c) => WSlice::F32(c),
             WCow::F16(c) => WSlice::F16(c),
             WCow::Bf16(c) => WSlice::Bf16(c),
+            WCow::Quant(q, c) => WSlice::Quant(*q, c),
         }
+    }
+}
+
+/// A weight input that may be quantized (see [`winput`]).
+fn wtinput<'a>(wt: WType, a: &Arg, outputs: &[&Arg]) -> WCow<'a> {
+    match wt {
+        WType::Float(dt) => winput(dt, a, outputs),
+        WType::Quant(q) => WCow::Quant(q, input(a, outputs)),
     }
 }
 
@@ -402,11 +412,12 @@ pub unsafe extern "C" fn tk_embedding(
 ) -> TkStatus {
     guard("tk_embedding", || {
         let d = device(dev)?;
-        let dt = DType::from_abi(table_dtype, "table")?;
+        let wt = WType::from_abi(table_dtype, "table")?;
         let o = arg(d, "out", out, dims("out", &[n, hidden])?, 4, true)?;
-        let t = arg(d, "table", table, dims("table", &[vocab, hidden])?, dt.size(), false)?;
+        let t_bytes = wt.tensor_bytes("table", vocab as usize, hidden as usize)?;
+        let t = arg(d, "table", table, t_bytes / wt.align(), wt.align(), false)?;
         let i = arg(d, "ids", ids, n as usize, 4, false)?;
-        let t = winput(dt, &t, &[&o]);
+        let t = wtinput(wt, &t, &[&o]);
         let i = input::<i32>(&i, &[&o]);
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
@@ -431,14 +442,20 @@ pub unsafe extern "C" fn tk_linear(
 ) -> TkStatus {
     guard("tk_linear", || {
         let d = device(dev)?;
-        let dt = DType::from_abi(w_dtype, "w")?;
+        let wt = WType::from_abi(w_dtype, "w")?;
+        // A quantized weight's bias is f32 (ABI 1.2).
+        let bias_dt = match wt {
+            WType::Float(dt) => dt,
+            WType::Quant(_) => DType::F32,
+        };
         let o = arg(d, "out", out, dims("out", &[m, n])?, 4, true)?;
         let xa = arg(d, "x", x, dims("x", &[m, k])?, 4, false)?;
-        let wa = arg(d, "w", w, dims("w", &[n, k])?, dt.size(), false)?;
-        let ba = if bias.buf.is_null() { None } else { Some(arg(d, "bias", bias, n as usize, dt.size(), false)?) };
+        let w_bytes = wt.tensor_bytes("w", n as usize, k as usize)?;
+        let wa = arg(d, "w", w, w_bytes / wt.align(), wt.align(), false)?;
+        let ba = if bias.buf.is_null() { None } else { Some(arg(d, "bias", bias, n as usize, bias_dt.size(), false)?) };
         let xs = input::<f32>(&xa, &[&o]);
-        let ws = winput(dt, &wa, &[&o]);
-        let bs = ba.map(|b| winput(dt, &b, &[&o]));
+        let ws = wtinput(wt, &wa, &[&o]);
+        let bs = ba.map(|b| winput(bias_dt, &b, &[&o]));
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
         d.pool.install(|| {
@@ -821,7 +838,7 @@ mod tests {
         // SAFETY: (whole test) all pointers passed are valid or deliberately bad
         // handles that the library must refuse without dereferencing.
         unsafe {
-            assert_eq!(tk_abi_version(), (1 << 16) | 1);
+            assert_eq!(tk_abi_version(), (1 << 16) | 2);
             let cfg = TkDeviceConfig { threads: 5000, device_index: 0, memory_limit_bytes: 0 };
             let mut d = std::ptr::null_mut();
             assert_eq!(tk_device_create(&cfg, &mut d), TK_ERR_INVALID_ARGUMENT);

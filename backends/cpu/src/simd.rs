@@ -96,6 +96,12 @@ pub fn gemv(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, 
     assert!((1..=gemv_max_m()).contains(&m));
     assert!(x.len() >= m * k && out.len() >= rows * m);
     assert!(w.len() >= (row0 + rows) * k);
+    if let WSlice::Quant(..) = w {
+        // Quantized weights take `ops::quant`'s integer kernels; this dequantizing path
+        // is their reference.
+        gemv_scalar(w, row0, rows, x, m, k, out);
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         // SAFETY: the CPU features were detected, and the asserts above guarantee every
@@ -105,6 +111,7 @@ pub fn gemv(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, 
                 WSlice::F32(s) => x512::gemv_f32(s, row0, rows, x, m, k, out),
                 WSlice::F16(s) => x512::gemv_f16(s, row0, rows, x, m, k, out),
                 WSlice::Bf16(s) => x512::gemv_bf16(s, row0, rows, x, m, k, out),
+                WSlice::Quant(..) => {}
             }
         }
         return;
@@ -117,6 +124,7 @@ pub fn gemv(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, 
                 WSlice::F32(s) => x86::gemv_f32(s, row0, rows, x, m, k, out),
                 WSlice::F16(s) => x86::gemv_f16(s, row0, rows, x, m, k, out),
                 WSlice::Bf16(s) => x86::gemv_bf16(s, row0, rows, x, m, k, out),
+                WSlice::Quant(..) => {}
             }
         }
         return;
@@ -433,6 +441,7 @@ mod tests {
                                     WSlice::F32(s) => x86::gemv_f32(s, 1, n, &x, m, k, &mut got),
                                     WSlice::F16(s) => x86::gemv_f16(s, 1, n, &x, m, k, &mut got),
                                     WSlice::Bf16(s) => x86::gemv_bf16(s, 1, n, &x, m, k, &mut got),
+                                    WSlice::Quant(..) => unreachable!("float weights only"),
                                 }
                             }
                             assert_close(&got, &want, tol, &format!("avx2 m={m} k={k}"));
@@ -445,6 +454,7 @@ mod tests {
                                     WSlice::F32(s) => x512::gemv_f32(s, 1, n, &x, m, k, &mut got),
                                     WSlice::F16(s) => x512::gemv_f16(s, 1, n, &x, m, k, &mut got),
                                     WSlice::Bf16(s) => x512::gemv_bf16(s, 1, n, &x, m, k, &mut got),
+                                    WSlice::Quant(..) => unreachable!("float weights only"),
                                 }
                             }
                             assert_close(&got, &want, tol, &format!("avx512 m={m} k={k}"));

@@ -8,7 +8,7 @@
 
 pub mod hf;
 pub mod info;
-pub mod quant;
+pub use tessera_quant as quant;
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -2,14 +2,20 @@
 //! 4 rows, 8 with AVX-512), an AVX-512 register-blocked kernel for decode batches up to
 //! 64 rows, otherwise the
 //! `gemm` crate (directly for f32 weights; on f32 tiles of converted weight rows for
-//! f16/bf16 weights).
+//! f16/bf16 weights). Quantized weights take [`quant`]'s integer kernels up to
+//! `QUANT_MAX_M` rows (decode), and dequantized tiles through the float paths beyond
+//! (prefill, where the tile's conversion is shared by every row).
 
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::{SendPtr, Strided, matmul, small_batch};
+use super::{SendPtr, Strided, matmul, quant, small_batch};
 use crate::dtype::WSlice;
 use crate::simd;
+
+/// Activation rows up to which quantized weights take the integer kernels (each pass of
+/// `quant::MAX_M` rows reads the weights once).
+const QUANT_MAX_M: usize = 2 * quant::MAX_M;
 
 /// Computes the linear layer. Slices must hold exactly `m*n`, `m*k`, `n*k` and `n`
 /// (bias) elements; the FFI layer checks that.
@@ -21,7 +27,12 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, bias: Option<WSlice>, m: us
     let out = &mut out[..m * n];
     if k == 0 {
         out.fill(0.0);
-    } else if m <= 2 * simd::gemv_max_m() {
+    } else if let WSlice::Quant(ty, bytes) = w
+        && quant::supports(ty)
+        && m <= QUANT_MAX_M
+    {
+        quant::linear(out, x, ty, bytes, m, n, k, quant::Path::best());
+    } else if m <= 2 * simd::gemv_max_m() && !matches!(w, WSlice::Quant(..)) {
         // Up to two GEMV passes over the weights: still memory-bound, and faster than
         // the decode-batch kernel at one 16-lane vector (measured: m = 16 on the bench
         // model, 280 vs 330 ms per step).

@@ -2,7 +2,12 @@
 //! to f32 following ggml's reference formulas (`dequantize_row_*` in `ggml-quants.c`).
 //!
 //! A quantized row is a run of blocks; each block holds `block_elements` values in
-//! `block_bytes` bytes: f16 scales (and mins) followed by packed integers.
+//! `block_bytes` bytes: f16 scales (and mins) followed by packed integers. Quantization
+//! (`quantize`, for Q8_0 and Q4_0) follows `quantize_row_*_ref`, so a tensor quantized
+//! here has the bytes llama.cpp's `llama-quantize` would write for it.
+//!
+//! Shared by the loader (GGUF files, load-time quantization) and the CPU kernel library
+//! (which dequantizes tiles and unpacks blocks in its integer kernels).
 
 use half::{bf16, f16};
 use std::fmt;
@@ -106,6 +111,26 @@ impl GgmlType {
         self.block_elements() > 1
     }
 
+    /// Bytes of one row of `k` values, or `None` when `k` is not a whole number of blocks
+    /// (ggml quantizes rows block by block) or the size overflows.
+    pub fn row_bytes(self, k: usize) -> Option<usize> {
+        let n = self.block_elements() as usize;
+        if !k.is_multiple_of(n) {
+            return None;
+        }
+        (k / n).checked_mul(self.block_bytes() as usize)
+    }
+
+    /// The lower-case name used on command lines and in topology files (`q4_0`).
+    pub fn lower_name(self) -> String {
+        self.name().to_ascii_lowercase()
+    }
+
+    /// Parses a name in any case (`Q4_K`, `q8_0`, `bf16`).
+    pub fn from_name(name: &str) -> Option<GgmlType> {
+        GgmlType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(name))
+    }
+
     /// Dequantizes whole blocks: `out.len()` values from `bytes` (which must hold exactly
     /// `out.len() / block_elements` blocks; both lengths are the caller's to check).
     pub fn dequantize(self, bytes: &[u8], out: &mut [f32]) {
@@ -127,6 +152,63 @@ impl GgmlType {
                 GgmlType::Q6K => dequantize_q6_k(block, y),
             }
         }
+    }
+}
+
+/// Quantizes `x` (a whole number of blocks) into `out` (exactly the bytes those blocks
+/// take), as ggml's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` do. Only the
+/// formats Tessera quantizes to at load time are supported.
+pub fn quantize(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<(), String> {
+    let n = ty.block_elements() as usize;
+    let b = ty.block_bytes() as usize;
+    if !x.len().is_multiple_of(n) || out.len() != x.len() / n * b {
+        return Err(format!(
+            "{} values do not fill {} blocks of {n} in {} bytes",
+            x.len(),
+            out.len() / b.max(1),
+            out.len()
+        ));
+    }
+    for (x, y) in x.chunks_exact(n).zip(out.chunks_exact_mut(b)) {
+        match ty {
+            GgmlType::Q8_0 => quantize_q8_0(x, y),
+            GgmlType::Q4_0 => quantize_q4_0(x, y),
+            other => return Err(format!("quantizing to {other} is not supported (q8_0 and q4_0 are)")),
+        }
+    }
+    Ok(())
+}
+
+/// `d = max|x| / 127`, `q = round(x / d)`.
+fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    y[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for (q, &v) in y[2..34].iter_mut().zip(x) {
+        *q = (v * id).round() as i8 as u8;
+    }
+}
+
+/// `d = x_maxabs / -8` (signed: the value of largest magnitude maps to nibble 0),
+/// `nibble = min(15, trunc(x / d + 8.5))`.
+fn quantize_q4_0(x: &[f32], y: &mut [u8]) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    y[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for j in 0..16 {
+        // As C's `(int8_t)(x*id + 8.5f)` then MIN(15, ..): truncation toward zero of a
+        // value that is never below 0.5.
+        let lo = ((x[j] * id + 8.5) as i8).min(15) as u8;
+        let hi = ((x[j + 16] * id + 8.5) as i8).min(15) as u8;
+        y[2 + j] = lo | (hi << 4);
     }
 }
 
@@ -245,5 +327,86 @@ fn dequantize_q6_k(block: &[u8], y: &mut [f32]) {
             y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
             y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// ggml's `quantize_row_q8_0_ref` for one block, written as in C.
+    fn reference_q8_0(x: &[f32]) -> Vec<u8> {
+        let mut amax = 0.0f32;
+        for v in x {
+            amax = amax.max(v.abs());
+        }
+        let d = amax / ((1 << 7) - 1) as f32;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut y = f16::from_f32(d).to_le_bytes().to_vec();
+        y.extend(x.iter().map(|v| (v * id).round() as i8 as u8));
+        y
+    }
+
+    /// ggml's `quantize_row_q4_0_ref` for one block, written as in C.
+    fn reference_q4_0(x: &[f32]) -> Vec<u8> {
+        let mut amax = 0.0f32;
+        let mut max = 0.0f32;
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut y = f16::from_f32(d).to_le_bytes().to_vec();
+        for j in 0..16 {
+            let x0 = x[j] * id;
+            let x1 = x[16 + j] * id;
+            let xi0 = 15u8.min((x0 + 8.5) as i8 as u8);
+            let xi1 = 15u8.min((x1 + 8.5) as i8 as u8);
+            y.push(xi0 | (xi1 << 4));
+        }
+        y
+    }
+
+    fn values() -> impl Strategy<Value = Vec<f32>> {
+        let v = prop_oneof![-4.0f32..4.0, Just(0.0f32), Just(-0.0f32), -1e-6f32..1e-6, Just(1e4f32)];
+        proptest::collection::vec(v, 32)
+    }
+
+    proptest! {
+        #[test]
+        fn quantization_equals_ggml_reference(x in values()) {
+            for (ty, reference) in [(GgmlType::Q8_0, reference_q8_0(&x)), (GgmlType::Q4_0, reference_q4_0(&x))] {
+                let mut y = vec![0u8; ty.block_bytes() as usize];
+                quantize(ty, &x, &mut y).unwrap();
+                prop_assert_eq!(&y, &reference, "{}", ty);
+                // Round trip: within half a step of the block's scale.
+                let mut back = vec![0.0f32; 32];
+                ty.dequantize(&y, &mut back);
+                let d = f16::from_le_bytes([y[0], y[1]]).to_f32().abs();
+                for (a, b) in x.iter().zip(&back) {
+                    prop_assert!((a - b).abs() <= d * 0.5 + d * 1e-3 + amax_ulp(&x), "{ty}: {a} vs {b} (d {d})");
+                }
+            }
+        }
+    }
+
+    /// f16 rounding of the scale moves values by up to max|x| * 2^-11.
+    fn amax_ulp(x: &[f32]) -> f32 {
+        x.iter().fold(0.0f32, |a, v| a.max(v.abs())) * 1e-3
+    }
+
+    #[test]
+    fn rows_are_whole_blocks() {
+        assert_eq!(GgmlType::Q4_0.row_bytes(64), Some(36));
+        assert_eq!(GgmlType::Q4_0.row_bytes(48), None);
+        assert_eq!(GgmlType::Q6K.row_bytes(512), Some(420));
+        assert_eq!(GgmlType::F16.row_bytes(3), Some(6));
+        assert_eq!(GgmlType::from_name("q4_k"), Some(GgmlType::Q4K));
+        assert!(quantize(GgmlType::Q4K, &[0.0; 256], &mut [0u8; 144]).is_err());
+        assert!(quantize(GgmlType::Q8_0, &[0.0; 31], &mut [0u8; 34]).is_err());
     }
 }

@@ -1,0 +1,526 @@
+//! Linear layers on quantized weights for small batches (decode): the weights stay in
+//! ggml's block formats and are read once per call, which is what makes a quantized
+//! decode step cheaper than an f16 one — it moves a quarter of the bytes.
+//!
+//! As llama.cpp does, the activations are quantized on the fly, per block of 32 values,
+//! to 8 bits with an f32 scale (`dx = max|x| / 127`, `qx = round(x / dx)`), so each
+//! block's dot product is an integer one. A weight group of 32 values decodes to
+//! unsigned codes `u` with `w = dw * u + cw` (Q4_0: `cw = -8 dw`; Q4_1: `cw = min`;
+//! Q4_K: a sub-block's `d * scale` and `-dmin * min`), or, for Q8_0, to signed codes
+//! with `cw = 0`. Then
+//!
+//! `sum(w * x) ~= dw * dx * sum(u * qx) + cw * dx * sum(qx)`.
+//!
+//! The only error beyond f32 rounding is the activations' rounding, at most `dx / 2` per
+//! value: `|result - exact| <= sum over blocks of (max|x_b| / 254) * sum|w_b|`. The
+//! tests hold every path to that bound against dequantize-then-f32.
+//!
+//! Paths: AVX-512 VNNI (`vpdpbusd` on 256-bit vectors), AVX2 (`vpmaddubsw` +
+//! `vpmaddwd`) and a scalar one; all three compute the same integer sums. Q6_K (16-value
+//! sub-blocks) is not served here: `linear` dequantizes it tile by tile instead.
+
+use rayon::prelude::*;
+use tessera_quant::GgmlType;
+
+use super::SendPtr;
+
+/// Values per activation block (and per weight group).
+const QK: usize = 32;
+
+/// The most activation rows one pass serves (more take several passes).
+pub const MAX_M: usize = 8;
+
+/// Which instructions compute the integer dot products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+impl Path {
+    /// The fastest path this CPU runs.
+    pub fn best() -> Path {
+        [Path::Avx512Vnni, Path::Avx2].into_iter().find(|p| p.available()).unwrap_or(Path::Scalar)
+    }
+
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Path::Scalar => true,
+                Path::Avx2 => std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
+                Path::Avx512Vnni => {
+                    Path::Avx2.available()
+                        && std::is_x86_feature_detected!("avx512f")
+                        && std::is_x86_feature_detected!("avx512bw")
+                        && std::is_x86_feature_detected!("avx512vl")
+                        && std::is_x86_feature_detected!("avx512vnni")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Path::Scalar
+        }
+    }
+}
+
+/// True when `ty` has an integer kernel here (every block format but Q6_K).
+pub fn supports(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::Q4K)
+}
+
+/// Activations quantized per block of 32: codes, scales, and scale times code sum.
+pub struct QActs {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    ds: Vec<f32>,
+    /// Blocks per row (`k / 32`).
+    blocks: usize,
+}
+
+impl QActs {
+    /// Quantizes `m` rows of `k` values (`k` a multiple of 32).
+    pub fn new(x: &[f32], m: usize, k: usize) -> QActs {
+        assert!(k.is_multiple_of(QK) && x.len() >= m * k);
+        let blocks = k / QK;
+        let mut q = vec![0i8; m * k];
+        let (mut d, mut ds) = (vec![0.0f32; m * blocks], vec![0.0f32; m * blocks]);
+        for (b, (xs, qs)) in x[..m * k].chunks_exact(QK).zip(q.chunks_exact_mut(QK)).enumerate() {
+            let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in qs.iter_mut().zip(xs) {
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                sum += *q as i32;
+            }
+            d[b] = scale;
+            ds[b] = scale * sum as f32;
+        }
+        QActs { q, d, ds, blocks }
+    }
+}
+
+/// `out[i][j] = x[i] · w[j]` for `m` rows of `x` (any m; passes of up to `MAX_M`), `w`
+/// being `n` rows of `k` values of format `ty` (`supports(ty)`, `k` a multiple of the
+/// block size). `path` must be available.
+pub fn linear(out: &mut [f32], x: &[f32], ty: GgmlType, w: &[u8], m: usize, n: usize, k: usize, path: Path) {
+    assert!(supports(ty) && path.available());
+    let row_bytes = ty.row_bytes(k).expect("k is a whole number of blocks");
+    assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * row_bytes);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let acts = QActs::new(x, m, k);
+    let threads = rayon::current_num_threads().max(1);
+    // Enough chunks to balance, each large enough to amortise the task overhead.
+    let chunk = n.div_ceil(threads * 8).max((32768 / k).clamp(1, 64));
+    let optr = SendPtr(out.as_mut_ptr());
+    for i0 in (0..m).step_by(MAX_M) {
+        let mm = MAX_M.min(m - i0);
+        let acts = &acts;
+        (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
+            let j0 = c * chunk;
+            let rows = chunk.min(n - j0);
+            let mut tile = [0.0f32; MAX_M];
+            for j in j0..j0 + rows {
+                let wrow = &w[j * row_bytes..(j + 1) * row_bytes];
+                row_dot(path, ty, wrow, acts, i0, mm, &mut tile);
+                for (i, v) in tile[..mm].iter().enumerate() {
+                    // SAFETY: (i0 + i, j) is inside the m x n output, and only this task
+                    // writes rows [j0, j0 + rows) of w's outputs (column j).
+                    unsafe { *optr.get().add((i0 + i) * n + j) = *v };
+                }
+            }
+        });
+    }
+}
+
+/// Dots one weight row with activation rows `i0..i0 + mm` into `out[..mm]`.
+fn row_dot(path: Path, ty: GgmlType, wrow: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32; MAX_M]) {
+    match path {
+        Path::Scalar => scalar::row_dot(ty, wrow, acts, i0, mm, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller checked `path.available()`; `linear` checked that `wrow`
+        // holds a whole row of `acts.blocks` groups and `acts` holds rows i0..i0 + mm.
+        Path::Avx2 => unsafe { x86::row_dot_avx2(ty, wrow, acts, i0, mm, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Path::Avx512Vnni => unsafe { x86::row_dot_vnni(ty, wrow, acts, i0, mm, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only the scalar path is available off x86-64"),
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Byte offset, within a row, of the block holding group `g`, and the group's index in
+/// that block.
+fn group_of(ty: GgmlType, g: usize) -> (usize, usize) {
+    let per = ty.block_elements() as usize / QK;
+    (g / per * ty.block_bytes() as usize, g % per)
+}
+
+/// A weight group's scale `dw` and offset `cw` (`w = dw * u + cw`).
+fn group_scales(ty: GgmlType, blk: &[u8], sub: usize) -> (f32, f32) {
+    match ty {
+        GgmlType::Q4_0 => {
+            let d = f16_at(blk, 0);
+            (d, -8.0 * d)
+        }
+        GgmlType::Q5_0 => {
+            let d = f16_at(blk, 0);
+            (d, -16.0 * d)
+        }
+        GgmlType::Q4_1 | GgmlType::Q5_1 => (f16_at(blk, 0), f16_at(blk, 2)),
+        GgmlType::Q8_0 => (f16_at(blk, 0), 0.0),
+        GgmlType::Q4K => {
+            let (sc, mn) = tessera_quant::scale_min_k4(sub, &blk[4..16]);
+            (f16_at(blk, 0) * sc as f32, -f16_at(blk, 2) * mn as f32)
+        }
+        other => unreachable!("{other} has no integer kernel"),
+    }
+}
+
+mod scalar {
+    use super::*;
+
+    /// A group's 32 codes in value order.
+    fn codes(ty: GgmlType, blk: &[u8], sub: usize) -> [i32; QK] {
+        let mut u = [0i32; QK];
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let qs = &blk[if ty == GgmlType::Q4_0 { 2 } else { 4 }..];
+                for j in 0..16 {
+                    u[j] = (qs[j] & 0x0f) as i32;
+                    u[j + 16] = (qs[j] >> 4) as i32;
+                }
+            }
+            GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                let at = if ty == GgmlType::Q5_0 { 2 } else { 4 };
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                let qs = &blk[at + 4..];
+                for j in 0..16 {
+                    u[j] = (qs[j] & 0x0f) as i32 | (((qh >> j) & 1) << 4) as i32;
+                    u[j + 16] = (qs[j] >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
+                }
+            }
+            GgmlType::Q8_0 => {
+                for (u, &q) in u.iter_mut().zip(&blk[2..34]) {
+                    *u = q as i8 as i32;
+                }
+            }
+            GgmlType::Q4K => {
+                let q = &blk[16 + sub / 2 * 32..][..32];
+                for (u, &q) in u.iter_mut().zip(q) {
+                    *u = if sub % 2 == 0 { q & 0x0f } else { q >> 4 } as i32;
+                }
+            }
+            other => unreachable!("{other} has no integer kernel"),
+        }
+        u
+    }
+
+    pub fn row_dot(ty: GgmlType, wrow: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32; MAX_M]) {
+        let mut acc = [0.0f32; MAX_M];
+        for g in 0..acts.blocks {
+            let (at, sub) = group_of(ty, g);
+            let blk = &wrow[at..];
+            let u = codes(ty, blk, sub);
+            let (dw, cw) = group_scales(ty, blk, sub);
+            for (i, acc) in acc[..mm].iter_mut().enumerate() {
+                let b = (i0 + i) * acts.blocks + g;
+                let qx = &acts.q[b * QK..][..QK];
+                let isum: i32 = u.iter().zip(qx).map(|(&u, &q)| u * q as i32).sum();
+                *acc += dw * acts.d[b] * isum as f32 + cw * acts.ds[b];
+            }
+        }
+        out[..mm].copy_from_slice(&acc[..mm]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Bit j of `x` as byte j (0xff or 0) of a 256-bit vector (llama.cpp's
+    /// `bytes_from_bits_32`).
+    #[inline(always)]
+    unsafe fn bits_to_bytes(x: u32) -> __m256i {
+        // SAFETY: register-only intrinsics; callers enable avx2.
+        unsafe {
+            let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+            let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe_u64 as i64));
+            _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+        }
+    }
+
+    /// 16 bytes of nibbles as 32 codes in value order (low nibbles, then high).
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees 16 readable bytes at p.
+        unsafe {
+            let q = _mm_loadu_si128(p as *const __m128i);
+            let m4 = _mm_set1_epi8(0x0f);
+            let lo = _mm_and_si128(q, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            _mm256_set_m128i(hi, lo)
+        }
+    }
+
+    /// Defines a row kernel for one instruction set: `$dot(u, qx)` sums `u * qx` (u
+    /// unsigned bytes, qx signed bytes) into eight i32 lanes.
+    macro_rules! row_kernel {
+        ($name:ident, $features:literal, $dot:ident) => {
+            /// # Safety
+            /// The CPU has the features; `wrow` holds a whole row of `acts.blocks`
+            /// groups of `ty`; `acts` holds rows `i0..i0 + mm`.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(ty: GgmlType, wrow: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32; MAX_M]) {
+                // SAFETY: every load below reads inside the group's block (offsets from
+                // ggml's block layouts) or inside an activation row, per the contract.
+                unsafe {
+                    let mut acc = [_mm256_setzero_ps(); MAX_M];
+                    let mut corr = [0.0f32; MAX_M];
+                    let wp = wrow.as_ptr();
+                    // One loop per format, so the decode is straight-line code.
+                    macro_rules! groups {
+                        (|$blk:ident, $sub:ident| $decode:expr, signed = $signed:expr) => {
+                            for g in 0..acts.blocks {
+                                let (at, $sub) = group_of(ty, g);
+                                let $blk = wp.add(at);
+                                let w: __m256i = $decode;
+                                let (dw, cw) = group_scales(ty, &wrow[at..], $sub);
+                                let u = if $signed { _mm256_sign_epi8(w, w) } else { w };
+                                for i in 0..mm {
+                                    let b = (i0 + i) * acts.blocks + g;
+                                    let mut qx = _mm256_loadu_si256(acts.q.as_ptr().add(b * QK) as *const __m256i);
+                                    if $signed {
+                                        qx = _mm256_sign_epi8(qx, w);
+                                    }
+                                    let s = _mm256_cvtepi32_ps($dot(u, qx));
+                                    acc[i] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * *acts.d.get_unchecked(b)), acc[i]);
+                                    corr[i] += cw * *acts.ds.get_unchecked(b);
+                                }
+                            }
+                        };
+                    }
+                    match ty {
+                        GgmlType::Q4_0 => groups!(|blk, _s| nibbles(blk.add(2)), signed = false),
+                        GgmlType::Q4_1 => groups!(|blk, _s| nibbles(blk.add(4)), signed = false),
+                        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                            let at = if ty == GgmlType::Q5_0 { 2 } else { 4 };
+                            groups!(
+                                |blk, _s| {
+                                    let qh = (blk.add(at) as *const u32).read_unaligned();
+                                    let fifth = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+                                    _mm256_or_si256(nibbles(blk.add(at + 4)), fifth)
+                                },
+                                signed = false
+                            )
+                        }
+                        GgmlType::Q8_0 => {
+                            groups!(|blk, _s| _mm256_loadu_si256(blk.add(2) as *const __m256i), signed = true)
+                        }
+                        GgmlType::Q4K => groups!(
+                            |blk, sub| {
+                                let q = _mm256_loadu_si256(blk.add(16 + sub / 2 * 32) as *const __m256i);
+                                let q = if sub % 2 == 0 { q } else { _mm256_srli_epi16(q, 4) };
+                                _mm256_and_si256(q, _mm256_set1_epi8(0x0f))
+                            },
+                            signed = false
+                        ),
+                        other => unreachable!("{other} has no integer kernel"),
+                    }
+                    for i in 0..mm {
+                        let v = acc[i];
+                        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+                        out[i] = _mm_cvtss_f32(s) + corr[i];
+                    }
+                }
+            }
+        };
+    }
+
+    /// `vpmaddubsw` pairs (no overflow: |u| <= 128 and |qx| <= 127 keep each pair
+    /// within i16), then `vpmaddwd` by ones.
+    #[inline(always)]
+    unsafe fn dot_avx2(u: __m256i, qx: __m256i) -> __m256i {
+        // SAFETY: register-only intrinsics; callers enable avx2.
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), _mm256_set1_epi16(1)) }
+    }
+
+    /// `vpdpbusd`: four u8 x i8 products summed into each i32 lane.
+    #[inline(always)]
+    unsafe fn dot_vnni(u: __m256i, qx: __m256i) -> __m256i {
+        // SAFETY: register-only intrinsic; callers enable avx512vnni and avx512vl.
+        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, qx) }
+    }
+
+    row_kernel!(row_dot_avx2, "avx2,fma", dot_avx2);
+    row_kernel!(row_dot_vnni, "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni", dot_vnni);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::WSlice;
+    use crate::ops::testutil::Rng;
+    use proptest::prelude::*;
+
+    /// Random blocks of `ty`: f16 scales of either sign (and zero), random codes.
+    fn random_row(ty: GgmlType, k: usize, rng: &mut Rng) -> Vec<u8> {
+        let nb = k / ty.block_elements() as usize;
+        let bb = ty.block_bytes() as usize;
+        let mut row = Vec::with_capacity(nb * bb);
+        for _ in 0..nb {
+            let mut blk: Vec<u8> = (0..bb).map(|_| rng.next_u64() as u8).collect();
+            let scale = |rng: &mut Rng| half::f16::from_f32(rng.f32() * 0.1).to_le_bytes();
+            let at: &[usize] = match ty {
+                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K => &[0, 2],
+                GgmlType::Q6K => &[208],
+                _ => &[0],
+            };
+            for &a in at {
+                blk[a..a + 2].copy_from_slice(&scale(rng));
+            }
+            row.extend(blk);
+        }
+        row
+    }
+
+    /// Checks `linear` on `path` against dequantize-then-f64 within the stated bound.
+    fn check(ty: GgmlType, path: Path, m: usize, n: usize, k: usize, seed: u64) {
+        check_with(ty, m, n, k, seed, &|out, x, w| linear(out, x, ty, w, m, n, k, path));
+    }
+
+    type Linear<'a> = dyn Fn(&mut [f32], &[f32], &[u8]) + 'a;
+
+    fn check_with(ty: GgmlType, m: usize, n: usize, k: usize, seed: u64, run: &Linear) {
+        let path = "";
+        let mut rng = Rng(seed | 1);
+        let w: Vec<u8> = (0..n).flat_map(|_| random_row(ty, k, &mut rng)).collect();
+        let mut x = rng.vec(m * k);
+        if seed % 3 == 0 {
+            // A zero block and a block with one large value.
+            x[..QK.min(k)].fill(0.0);
+            x[k - 1] = 50.0;
+        }
+        let mut wf = vec![0.0f32; n * k];
+        ty.dequantize(&w, &mut wf);
+        let mut out = vec![f32::NAN; m * n];
+        run(&mut out, &x, &w);
+        for i in 0..m {
+            for j in 0..n {
+                let (xr, wr) = (&x[i * k..][..k], &wf[j * k..][..k]);
+                let exact: f64 = xr.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let mut bound = 0.0f64;
+                let mut mag = 0.0f64;
+                for (xb, wb) in xr.chunks(QK).zip(wr.chunks(QK)) {
+                    let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                    let wsum: f64 = wb.iter().map(|v| v.abs() as f64).sum();
+                    bound += amax / 254.0 * wsum;
+                    mag += amax * wsum;
+                }
+                // f32 rounding of the per-block products and sums.
+                let tol = bound * 1.0001 + mag * 1e-6 + 1e-6;
+                let got = out[i * n + j] as f64;
+                assert!(
+                    (got - exact).abs() <= tol,
+                    "{ty} {path} m={m} n={n} k={k} ({i},{j}): {got} vs {exact} (bound {tol})"
+                );
+            }
+        }
+    }
+
+    const FORMATS: [GgmlType; 6] =
+        [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K];
+
+    fn paths() -> Vec<Path> {
+        [Path::Scalar, Path::Avx2, Path::Avx512Vnni].into_iter().filter(|p| p.available()).collect()
+    }
+
+    #[test]
+    fn every_format_and_path_within_the_bound() {
+        for ty in FORMATS {
+            let kb = ty.block_elements() as usize;
+            for path in paths() {
+                for &(m, n, k) in &[(1, 1, kb), (1, 7, 3 * kb), (3, 5, 2 * kb), (8, 9, kb), (9, 4, kb), (17, 3, 2 * kb)]
+                {
+                    check(ty, path, m, n, k, (m * 31 + n * 7 + k) as u64);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn paths_agree_on_integer_sums() {
+        // Same integer sums and the same scales: the paths differ by f32 summation order.
+        let mut rng = Rng(5);
+        for ty in FORMATS {
+            let k = 2 * ty.block_elements() as usize;
+            let w = random_row(ty, k, &mut rng);
+            let x = rng.vec(3 * k);
+            let acts = QActs::new(&x, 3, k);
+            let mut want = [0.0f32; MAX_M];
+            row_dot(Path::Scalar, ty, &w, &acts, 0, 3, &mut want);
+            for path in paths() {
+                let mut got = [0.0f32; MAX_M];
+                row_dot(path, ty, &w, &acts, 0, 3, &mut got);
+                for i in 0..3 {
+                    assert!((got[i] - want[i]).abs() <= 1e-4 * want[i].abs().max(1.0), "{ty} {path:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_linear_op_serves_every_format_in_every_regime() {
+        // Integer kernels (m <= 16, one or two passes), then dequantized tiles through
+        // the decode-batch kernel and gemm; Q6_K always dequantizes.
+        let all = FORMATS.into_iter().chain([GgmlType::Q6K]);
+        for ty in all {
+            let k = 2 * ty.block_elements() as usize;
+            for &m in &[1, 5, 8, 16, 17, 40, 70] {
+                check_with(ty, m, 13, k, m as u64 * 7 + 1, &|out, x, w| {
+                    crate::ops::linear::linear(out, x, WSlice::Quant(ty, w), None, m, 13, k)
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn embedding_rows_of_a_quantized_table() {
+        let mut rng = Rng(9);
+        for ty in FORMATS.into_iter().chain([GgmlType::Q6K]) {
+            let (vocab, hidden) = (5, ty.block_elements() as usize * 2);
+            let table: Vec<u8> = (0..vocab).flat_map(|_| random_row(ty, hidden, &mut rng)).collect();
+            let mut all = vec![0.0f32; vocab * hidden];
+            ty.dequantize(&table, &mut all);
+            let mut out = vec![f32::NAN; 3 * hidden];
+            crate::ops::misc::embedding(&mut out, WSlice::Quant(ty, &table), &[4, 0, 2], 3, hidden, vocab).unwrap();
+            for (r, id) in [4, 0, 2].into_iter().enumerate() {
+                assert_eq!(&out[r * hidden..][..hidden], &all[id * hidden..][..hidden], "{ty}");
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn ragged_shapes(fi in 0usize..6, m in 1usize..12, n in 1usize..20, blocks in 1usize..5, seed in any::<u64>()) {
+            let ty = FORMATS[fi];
+            for path in paths() {
+                check(ty, path, m, n, blocks * ty.block_elements() as usize, seed);
+            }
+        }
+    }
+}
