@@ -11,10 +11,10 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
 use tessera_backends::device::{Device, DeviceConfig};
-use tessera_backends::dtype::{DType, parse_dtype};
+use tessera_backends::dtype::{DType, Quantize, parse_dtype};
 use tessera_backends::kv::{DEFAULT_BLOCK_SIZE, KvCacheConfig};
 use tessera_backends::loader::KernelLibrary;
-use tessera_backends::model::Model;
+use tessera_backends::model::{LoadOptions, Model};
 use tessera_backends::sampling::SamplingParams;
 use tessera_backends::synth::{self, Preset, SynthArch, SynthSpec};
 use tessera_backends::tokenizer::TextTokenizer;
@@ -254,6 +254,10 @@ struct GenerateArgs {
     /// Weight dtype on the device (default: as stored).
     #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
+    /// Quantize float weights when loading: q8_0 or q4_0 (the embedding and LM head
+    /// to q8_0). A GGUF file's quantized tensors keep their formats.
+    #[arg(long, value_name = "FORMAT")]
+    quantize: Option<Quantize>,
     /// KV cache dtype.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     kv_dtype: DType,
@@ -303,6 +307,9 @@ struct BenchEngineArgs {
     /// Weight dtype on the device (default: as stored).
     #[arg(long, value_parser = parse_dtype)]
     dtype: Option<DType>,
+    /// Quantize float weights when loading: q8_0 or q4_0 (see `generate --help`).
+    #[arg(long, value_name = "FORMAT")]
+    quantize: Option<Quantize>,
     /// Decode batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     batch: Vec<usize>,
@@ -450,15 +457,16 @@ fn resolve_model(spec: &str) -> Result<PathBuf> {
     Ok(tessera_node::resolve_model(spec)?)
 }
 
-fn load_model(model: &str, dtype: Option<DType>, device: &DeviceArgs) -> Result<(PathBuf, Model)> {
+fn load_model(model: &str, options: LoadOptions, device: &DeviceArgs) -> Result<(PathBuf, Model)> {
     let dir = resolve_model(model)?;
     let device = open_device(device)?;
-    let model = Model::load(&dir, device, dtype)?;
+    let model = Model::load_with(&dir, device, options)?;
     Ok((dir, model))
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let (dir, model) = load_model(&args.model, args.dtype, &args.device)?;
+    let (dir, model) =
+        load_model(&args.model, LoadOptions { dtype: args.dtype, quantize: args.quantize }, &args.device)?;
     let tokenizer = TextTokenizer::from_dir(&dir)?;
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => tokenizer.encode(text, true)?,
@@ -652,7 +660,7 @@ fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {
 }
 
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {
-    let (_, model) = load_model(&args.model, args.dtype, &args.device)?;
+    let (_, model) = load_model(&args.model, LoadOptions { dtype: args.dtype, quantize: args.quantize }, &args.device)?;
     let opts = tessera_backends::bench::EngineBenchOptions {
         batches: args.batch.clone(),
         prompt_len: args.prompt_len,

@@ -13,4 +13,5 @@ mod disagg;
 mod gguf;
 mod kernels_abi;
 mod model;
+mod quantize;
 mod serve;

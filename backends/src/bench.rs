@@ -49,9 +49,14 @@ pub struct EngineBenchReport {
     pub device: String,
     pub threads: u32,
     pub weight_dtype: String,
+    /// Block formats of the weights (`float` when none is quantized).
+    pub weight_format: String,
     pub kv_dtype: String,
     pub linear_params: usize,
     pub weight_bytes: u64,
+    /// Bytes of weights one decode step reads, in their device formats (part of every
+    /// decode row's `bytes_per_step`, with the KV the step reads).
+    pub weight_read_per_step: u64,
     pub memory: MemoryBandwidth,
     /// f32 GEMM 2048^3 through the device's `tk_linear`.
     pub gemm_f32_gflop_s: f64,
@@ -62,13 +67,15 @@ pub struct EngineBenchReport {
 impl EngineBenchReport {
     pub fn table(&self) -> String {
         let mut s = format!(
-            "device {}; weights {} ({:.0}M linear params, {:.2} GB); KV {}\n\
+            "device {}; weights {} ({}; {:.0}M linear params, {:.2} GB, {:.3} GB read per decode step); KV {}\n\
              machine: STREAM copy {:.1} GB/s (non-temporal copy {:.1}); \
              f32 GEMM {:.1} GFLOP/s\n\n",
             self.device,
             self.weight_dtype,
+            self.weight_format,
             self.linear_params as f64 / 1e6,
             self.weight_bytes as f64 / 1e9,
+            self.weight_read_per_step as f64 / 1e9,
             self.kv_dtype,
             self.memory.copy_gb_s,
             self.memory.copy_nt_gb_s,
@@ -301,8 +308,7 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
     };
 
     let kv_token_bytes = c.kv_bytes_per_token(opts.kv_dtype.size_bytes());
-    let norm_bytes = (2 * c.num_layers + 1) * c.hidden_size * model.dtype().size_bytes();
-    let weight_read = c.linear_params() * model.dtype().size_bytes() + norm_bytes;
+    let weight_read = model.decode_read_bytes() as usize;
     let mut decode = Vec::new();
     for &batch in &opts.batches {
         let mut seqs: Vec<BenchSeq> = (0..batch).map(|i| BenchSeq::nth(i, per_seq)).collect();
@@ -339,9 +345,11 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
         device: model.device().info().name.clone(),
         threads,
         weight_dtype: model.dtype().to_string(),
+        weight_format: model.weight_format().to_owned(),
         kv_dtype: opts.kv_dtype.to_string(),
         linear_params: c.linear_params(),
         weight_bytes: model.weight_bytes(),
+        weight_read_per_step: model.decode_read_bytes(),
         memory,
         gemm_f32_gflop_s: gemm,
         prefill,

@@ -12,9 +12,9 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::config::{Architecture, ModelConfig, RopeKind};
-use crate::dtype::DType;
+use crate::dtype::GgmlType;
 use crate::model::Model;
-use crate::weights::convert_to_f32;
+use crate::weights::entry_to_f32;
 
 /// Everything about a model that two chips exchanging KV must agree on. Serializable so
 /// chips can send it to each other when they connect.
@@ -36,6 +36,11 @@ pub struct CompatInfo {
     /// (then weights are not compared).
     #[serde(default)]
     pub weights: Option<u64>,
+    /// The block formats of the loaded weights ([`Model::weight_format`]: `float`, or
+    /// e.g. `q4_1+q8_0`); `None` when only the config is known. A chip that quantized
+    /// its weights computes other logits than one that did not, so their KV differs.
+    #[serde(default)]
+    pub weight_format: Option<String>,
 }
 
 impl CompatInfo {
@@ -55,6 +60,7 @@ impl CompatInfo {
             rope: c.rope,
             qkv_bias: c.qkv_bias,
             weights: None,
+            weight_format: None,
         }
     }
 
@@ -65,6 +71,10 @@ impl CompatInfo {
 
     pub fn with_weights(self, fingerprint: u64) -> CompatInfo {
         CompatInfo { weights: Some(fingerprint), ..self }
+    }
+
+    pub fn with_weight_format(self, format: &str) -> CompatInfo {
+        CompatInfo { weight_format: Some(format.to_owned()), ..self }
     }
 
     /// Every compared field as (name, value), in the order [`compat_mismatch`] checks
@@ -85,6 +95,9 @@ impl CompatInfo {
             ("rms_norm_eps", self.rms_norm_eps.to_string()),
             ("qkv_bias", self.qkv_bias.to_string()),
         ];
+        if let Some(format) = &self.weight_format {
+            f.push(("weight format", format.clone()));
+        }
         if let Some(w) = self.weights {
             f.push(("weights fingerprint", format!("{w:016x}")));
         }
@@ -127,6 +140,11 @@ impl CompatInfo {
                 h.update(&w.to_le_bytes());
             }
             None => h.update(&[0]),
+        }
+        // Appended only when known, so config-only hashes stay what they were.
+        if let Some(format) = &self.weight_format {
+            h.update(&(format.len() as u64).to_le_bytes());
+            h.update(format.as_bytes());
         }
         h.digest()
     }
@@ -182,8 +200,8 @@ impl WeightsFingerprint {
         WeightsFingerprint(h)
     }
 
-    /// Adds one tensor: its name, shape, and leading elements of `bytes` (stored as `dtype`).
-    pub fn add(&mut self, name: &str, shape: &[usize], bytes: &[u8], dtype: DType) {
+    /// Adds one tensor: its name, shape, and leading elements of `bytes` (stored as `ty`).
+    pub fn add(&mut self, name: &str, shape: &[usize], bytes: &[u8], ty: GgmlType) {
         let h = &mut self.0;
         h.update(&(name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());
@@ -191,8 +209,9 @@ impl WeightsFingerprint {
         for &d in shape {
             h.update(&(d as u64).to_le_bytes());
         }
-        let take = bytes.len().min(SAMPLED_ELEMS * dtype.size_bytes());
-        for x in convert_to_f32(&bytes[..take], dtype) {
+        let blocks = SAMPLED_ELEMS.div_ceil(ty.block_elements() as usize);
+        let take = bytes.len().min(blocks * ty.block_bytes() as usize);
+        for x in entry_to_f32(&bytes[..take], ty).into_iter().take(SAMPLED_ELEMS) {
             h.update(&half::bf16::from_f32(x).to_bits().to_le_bytes());
         }
     }
@@ -211,6 +230,7 @@ impl Default for WeightsFingerprint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::{DType, DTypeExt};
     use crate::weights::f32_to_bytes;
 
     fn config() -> ModelConfig {
@@ -279,11 +299,21 @@ mod tests {
     }
 
     #[test]
+    fn the_weight_format_is_compared_and_hashed() {
+        let c = config();
+        let float = CompatInfo::from_config(&c).with_weights(7).with_weight_format("float");
+        let q8 = CompatInfo::from_config(&c).with_weights(7).with_weight_format("q8_0");
+        assert_ne!(float.hash(), q8.hash());
+        assert_eq!(compat_mismatch(&float, &q8).as_deref(), Some("weight format float vs q8_0"));
+        assert_eq!(compat_mismatch(&q8, &q8.clone()), None);
+    }
+
+    #[test]
     fn fingerprint_ignores_storage_dtype_but_not_values_names_or_shapes() {
         let vals: Vec<f32> = (0..40).map(|i| half::bf16::from_f32(i as f32 * 0.37 - 3.0).to_f32()).collect();
         let fp = |name: &str, shape: &[usize], vals: &[f32], dt: DType| {
             let mut f = WeightsFingerprint::new();
-            f.add(name, shape, &f32_to_bytes(vals, dt), dt);
+            f.add(name, shape, &f32_to_bytes(vals, dt), dt.ggml());
             f.finish()
         };
         let base = fp("w", &[5, 8], &vals, DType::F32);

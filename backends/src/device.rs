@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tessera_kernel_abi as abi;
 
-use crate::dtype::{DType, DTypeExt};
+use crate::dtype::{DType, DTypeExt, GgmlTypeExt, WeightType};
 use crate::error::{BackendError, Result};
 use crate::kv_format::{KvLayout, KvLayoutExt};
 use crate::loader::{KernelLibrary, RawBuffer, RawDevice, raw};
@@ -283,7 +283,7 @@ impl Device {
         &self,
         out: View<'_>,
         table: View<'_>,
-        dtype: DType,
+        ty: impl WeightType,
         ids: View<'_>,
         n: u32,
         hidden: u32,
@@ -294,7 +294,7 @@ impl Device {
             self.raw.ptr,
             self.arg(out)?,
             self.arg(table)?,
-            dtype.to_abi(),
+            ty.weight_type().to_abi(),
             self.arg(ids)?,
             n,
             hidden,
@@ -303,14 +303,15 @@ impl Device {
         self.check("tk_embedding", s)
     }
 
-    /// `out[m][n] = x[m][k] · w[n][k]ᵀ (+ bias)`.
+    /// `out[m][n] = x[m][k] · w[n][k]ᵀ (+ bias)`; `w` of type `ty` (a block format needs
+    /// kernel ABI 1.2, and its bias is f32).
     #[allow(clippy::too_many_arguments)]
     pub fn linear(
         &self,
         out: View<'_>,
         x: View<'_>,
         w: View<'_>,
-        dtype: DType,
+        ty: impl WeightType,
         bias: Option<View<'_>>,
         m: u32,
         n: u32,
@@ -322,7 +323,7 @@ impl Device {
             self.arg(out)?,
             self.arg(x)?,
             self.arg(w)?,
-            dtype.to_abi(),
+            ty.weight_type().to_abi(),
             self.opt_arg(bias)?,
             m,
             n,

@@ -3,7 +3,8 @@
 //! and the looser spellings a command line accepts ([`parse_dtype`]).
 
 use tessera_kernel_abi as abi;
-pub use tessera_vocab::{DType, UnknownName};
+pub use tessera_quant::GgmlType;
+pub use tessera_vocab::{DType, Quantize, UnknownName};
 
 /// [`DType`] as the kernel ABI and checkpoint files name it.
 pub trait DTypeExt: Sized {
@@ -17,6 +18,9 @@ pub trait DTypeExt: Sized {
 
     /// The dtype named in a safetensors header.
     fn from_safetensors(dtype: safetensors::Dtype) -> Option<Self>;
+
+    /// The same type in ggml's list.
+    fn ggml(self) -> GgmlType;
 }
 
 impl DTypeExt for DType {
@@ -50,6 +54,66 @@ impl DTypeExt for DType {
             safetensors::Dtype::F16 => Some(DType::F16),
             safetensors::Dtype::BF16 => Some(DType::Bf16),
             _ => None,
+        }
+    }
+
+    fn ggml(self) -> GgmlType {
+        match self {
+            DType::F32 => GgmlType::F32,
+            DType::F16 => GgmlType::F16,
+            DType::Bf16 => GgmlType::Bf16,
+        }
+    }
+}
+
+/// A weight's type as ops take it: a float [`DType`] or any [`GgmlType`].
+pub trait WeightType: Copy {
+    fn weight_type(self) -> GgmlType;
+}
+
+impl WeightType for DType {
+    fn weight_type(self) -> GgmlType {
+        self.ggml()
+    }
+}
+
+impl WeightType for GgmlType {
+    fn weight_type(self) -> GgmlType {
+        self
+    }
+}
+
+/// What the loader needs of a tensor type beyond its block layout.
+pub trait GgmlTypeExt {
+    /// The float type, for F32/F16/BF16 (`None` for the block formats).
+    fn float(self) -> Option<DType>;
+
+    /// The kernel ABI's dtype code (block formats since ABI 1.2).
+    fn to_abi(self) -> abi::TkDtype;
+}
+
+impl GgmlTypeExt for GgmlType {
+    fn float(self) -> Option<DType> {
+        match self {
+            GgmlType::F32 => Some(DType::F32),
+            GgmlType::F16 => Some(DType::F16),
+            GgmlType::Bf16 => Some(DType::Bf16),
+            _ => None,
+        }
+    }
+
+    fn to_abi(self) -> abi::TkDtype {
+        match self {
+            GgmlType::F32 => abi::TK_DTYPE_F32,
+            GgmlType::F16 => abi::TK_DTYPE_F16,
+            GgmlType::Bf16 => abi::TK_DTYPE_BF16,
+            GgmlType::Q4_0 => abi::TK_DTYPE_Q4_0,
+            GgmlType::Q4_1 => abi::TK_DTYPE_Q4_1,
+            GgmlType::Q5_0 => abi::TK_DTYPE_Q5_0,
+            GgmlType::Q5_1 => abi::TK_DTYPE_Q5_1,
+            GgmlType::Q8_0 => abi::TK_DTYPE_Q8_0,
+            GgmlType::Q4K => abi::TK_DTYPE_Q4_K,
+            GgmlType::Q6K => abi::TK_DTYPE_Q6_K,
         }
     }
 }

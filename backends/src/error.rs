@@ -22,6 +22,8 @@ pub enum BackendError {
     TensorDtype { dir: PathBuf, name: String, found: String },
     #[error("{path}: invalid GGUF file: {reason}")]
     Gguf { path: PathBuf, reason: crate::gguf::GgufError },
+    #[error("cannot quantize tensor {name:?}: {reason}")]
+    Quantize { name: String, reason: String },
     #[error("{path}: tokenizer: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
     #[error("kernel library {library}: {reason}")]

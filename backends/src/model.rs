@@ -14,7 +14,7 @@ use tessera_kernel_abi as abi;
 use crate::compat::{CompatInfo, WeightsFingerprint};
 use crate::config::{ModelConfig, RopeKind};
 use crate::device::{AttnBatchView, Buffer, Device};
-use crate::dtype::DType;
+use crate::dtype::{DType, DTypeExt, GgmlType, GgmlTypeExt, Quantize};
 use crate::error::{BackendError, Result};
 use crate::kv::PagedKvCache;
 use crate::weights::Checkpoint;
@@ -22,6 +22,9 @@ use crate::weights::Checkpoint;
 /// A linear layer's weight `[out_features, in_features]` and optional bias.
 pub struct LinearWeights {
     pub w: Buffer,
+    /// The weight's type on the device: the model's float dtype or a block format.
+    pub ty: GgmlType,
+    /// f32 when the weight is quantized (kernel ABI 1.2), else the model's dtype.
     pub bias: Option<Buffer>,
     pub out_features: usize,
     pub in_features: usize,
@@ -87,47 +90,137 @@ const S_ROWS: usize = 16;
 const S_LOGITS: usize = 17;
 const S_COUNT: usize = 18;
 
+/// How a checkpoint's weights are put on the device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// The float type of float weights (norms, and linear layers not quantized); `None`:
+    /// as stored (f32 when the embedding is quantized).
+    pub dtype: Option<DType>,
+    /// Quantize float linear weights to this block format. The embedding and LM head
+    /// are quantized to q8_0 under either choice, as llama.cpp keeps its output tensor
+    /// at more bits than the rest. Tensors already quantized (GGUF) keep their format.
+    pub quantize: Option<Quantize>,
+}
+
 /// A loaded model on one device.
 pub struct Model {
     config: ModelConfig,
     dtype: DType,
     device: Device,
     embed: Buffer,
+    embed_ty: GgmlType,
     layers: Vec<LayerWeights>,
     norm: Buffer,
     lm_head: Option<LinearWeights>,
     rope: abi::TkRope,
     weight_bytes: u64,
+    decode_read_bytes: u64,
     param_count: u64,
     weights_fingerprint: u64,
+    weight_format: String,
     scratch: Scratch,
 }
 
-/// Uploads checkpoint tensors as one dtype, counting bytes and parameters and
-/// fingerprinting what it loads.
+/// Uploads checkpoint tensors, choosing each one's device type, counting bytes and
+/// parameters and fingerprinting what it loads.
 struct WeightLoader<'a> {
     ckpt: &'a Checkpoint,
     device: &'a Device,
     dtype: DType,
+    quantize: Option<GgmlType>,
     bytes: u64,
     params: u64,
     fingerprint: WeightsFingerprint,
+    /// The block formats loaded (sorted, distinct).
+    formats: Vec<GgmlType>,
 }
 
 impl WeightLoader<'_> {
-    fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Buffer> {
-        let buf = self.ckpt.upload(self.device, name, shape, self.dtype)?;
+    /// A float tensor (norms, biases) in `dtype`.
+    fn tensor(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<Buffer> {
+        self.upload(name, shape, dtype.ggml())
+    }
+
+    /// A weight matrix: quantized as stored, else in `quantize` when set and its rows
+    /// are whole blocks, else in the float dtype.
+    fn matrix(&mut self, name: &str, shape: [usize; 2], quantize: Option<GgmlType>) -> Result<(Buffer, GgmlType)> {
+        let stored = self.ckpt.get(name, &shape)?.ty;
+        let ty = match quantize {
+            _ if stored.is_quantized() => stored,
+            Some(q) if q.row_bytes(shape[1]).is_some() => q,
+            _ => self.dtype.ggml(),
+        };
+        if ty.is_quantized() {
+            let lib = self.device.library();
+            quantized_weights_supported(lib.abi_version(), lib.path(), name, ty)?;
+            if let Err(at) = self.formats.binary_search(&ty) {
+                self.formats.insert(at, ty);
+            }
+        }
+        Ok((self.upload(name, &shape, ty)?, ty))
+    }
+
+    fn upload(&mut self, name: &str, shape: &[usize], ty: GgmlType) -> Result<Buffer> {
+        let buf = self.ckpt.upload(self.device, name, shape, ty)?;
         self.bytes += buf.len_bytes() as u64;
         self.params += shape.iter().product::<usize>() as u64;
         let entry = self.ckpt.get(name, shape)?;
-        self.fingerprint.add(name, shape, self.ckpt.bytes(entry), entry.dtype);
+        self.fingerprint.add(name, shape, self.ckpt.bytes(entry), entry.ty);
         Ok(buf)
     }
 
-    fn linear(&mut self, name: &str, out_features: usize, in_features: usize, bias: bool) -> Result<LinearWeights> {
-        let w = self.tensor(&format!("{name}.weight"), &[out_features, in_features])?;
-        let bias = if bias { Some(self.tensor(&format!("{name}.bias"), &[out_features])?) } else { None };
-        Ok(LinearWeights { w, bias, out_features, in_features })
+    fn linear(
+        &mut self,
+        name: &str,
+        out_features: usize,
+        in_features: usize,
+        bias: bool,
+        quantize: Option<GgmlType>,
+    ) -> Result<LinearWeights> {
+        let (w, ty) = self.matrix(&format!("{name}.weight"), [out_features, in_features], quantize)?;
+        let bias_dtype = if ty.is_quantized() { DType::F32 } else { self.dtype };
+        let bias = if bias { Some(self.tensor(&format!("{name}.bias"), &[out_features], bias_dtype)?) } else { None };
+        Ok(LinearWeights { w, ty, bias, out_features, in_features })
+    }
+}
+
+/// Refuses quantized weights on a kernel library older than ABI 1.2 (it would not know
+/// their dtype codes).
+fn quantized_weights_supported(version: (u32, u32), library: &Path, name: &str, ty: GgmlType) -> Result<()> {
+    let (major, minor) = version;
+    if (major, minor) >= (abi::TK_ABI_MAJOR, abi::TK_ABI_MINOR_QUANT) {
+        return Ok(());
+    }
+    Err(BackendError::KernelLibrary {
+        library: library.to_path_buf(),
+        reason: format!(
+            "it speaks kernel ABI {major}.{minor}; quantized weights ({name} is {ty}) need {}.{} or newer",
+            abi::TK_ABI_MAJOR,
+            abi::TK_ABI_MINOR_QUANT
+        ),
+    })
+}
+
+/// The block format of a load-time quantization.
+pub fn quantize_format(q: Quantize) -> GgmlType {
+    match q {
+        Quantize::Q8_0 => GgmlType::Q8_0,
+        Quantize::Q4_0 => GgmlType::Q4_0,
+    }
+}
+
+impl LinearWeights {
+    fn bytes(&self) -> u64 {
+        (self.w.len_bytes() + self.bias.as_ref().map_or(0, Buffer::len_bytes)) as u64
+    }
+}
+
+impl LayerWeights {
+    /// Bytes a step reads of this layer.
+    fn bytes(&self) -> u64 {
+        let linears = [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down];
+        linears.iter().map(|l| l.bytes()).sum::<u64>()
+            + (self.input_norm.len_bytes() + self.post_norm.len_bytes()) as u64
     }
 }
 
@@ -152,53 +245,74 @@ fn rope_params(config: &ModelConfig) -> abi::TkRope {
 }
 
 impl Model {
-    /// Loads the checkpoint in `dir` onto `device`, with weights as `dtype` (None =
-    /// as stored). Every tensor is checked for presence, shape and dtype first.
+    /// Loads the checkpoint in `dir` onto `device`, with float weights as `dtype`
+    /// (None = as stored). Every tensor is checked for presence, shape and dtype first.
     pub fn load(dir: &Path, device: Device, dtype: Option<DType>) -> Result<Model> {
+        Model::load_with(dir, device, LoadOptions { dtype, quantize: None })
+    }
+
+    /// [`load`](Self::load) with every option.
+    pub fn load_with(dir: &Path, device: Device, options: LoadOptions) -> Result<Model> {
         if !crate::gguf::is_model_file(dir) {
             std::fs::read_dir(dir).map_err(|e| BackendError::io(dir, e))?;
         }
         let config = ModelConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         let (h, v) = (config.hidden_size, config.vocab_size);
-        let dtype = match dtype {
+        let dtype = match options.dtype {
             Some(d) => d,
-            None => ckpt.get("model.embed_tokens.weight", &[v, h])?.dtype,
+            None => ckpt.get("model.embed_tokens.weight", &[v, h])?.ty.float().unwrap_or(DType::F32),
         };
+        let quantize = options.quantize.map(quantize_format);
+        // The embedding and LM head: never below 8 bits (see `LoadOptions::quantize`).
+        let quantize_head = options.quantize.map(|_| GgmlType::Q8_0);
         let mut ld = WeightLoader {
             ckpt: &ckpt,
             device: &device,
             dtype,
+            quantize,
             bytes: 0,
             params: 0,
             fingerprint: WeightsFingerprint::new(),
+            formats: Vec::new(),
         };
         let qd = config.num_heads * config.head_dim;
         let kvd = config.num_kv_heads * config.head_dim;
         let inter = config.intermediate_size;
-        let embed = ld.tensor("model.embed_tokens.weight", &[v, h])?;
+        let (embed, embed_ty) = ld.matrix("model.embed_tokens.weight", [v, h], quantize_head)?;
         let mut layers = Vec::with_capacity(config.num_layers);
+        let mut read = 0u64;
         for i in 0..config.num_layers {
             let p = format!("model.layers.{i}");
-            let b = config.qkv_bias;
-            layers.push(LayerWeights {
-                input_norm: ld.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
-                q: ld.linear(&format!("{p}.self_attn.q_proj"), qd, h, b)?,
-                k: ld.linear(&format!("{p}.self_attn.k_proj"), kvd, h, b)?,
-                v: ld.linear(&format!("{p}.self_attn.v_proj"), kvd, h, b)?,
-                o: ld.linear(&format!("{p}.self_attn.o_proj"), h, qd, false)?,
-                post_norm: ld.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate: ld.linear(&format!("{p}.mlp.gate_proj"), inter, h, false)?,
-                up: ld.linear(&format!("{p}.mlp.up_proj"), inter, h, false)?,
-                down: ld.linear(&format!("{p}.mlp.down_proj"), h, inter, false)?,
-            });
+            let (b, q) = (config.qkv_bias, ld.quantize);
+            let layer = LayerWeights {
+                input_norm: ld.tensor(&format!("{p}.input_layernorm.weight"), &[h], dtype)?,
+                q: ld.linear(&format!("{p}.self_attn.q_proj"), qd, h, b, q)?,
+                k: ld.linear(&format!("{p}.self_attn.k_proj"), kvd, h, b, q)?,
+                v: ld.linear(&format!("{p}.self_attn.v_proj"), kvd, h, b, q)?,
+                o: ld.linear(&format!("{p}.self_attn.o_proj"), h, qd, false, q)?,
+                post_norm: ld.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h], dtype)?,
+                gate: ld.linear(&format!("{p}.mlp.gate_proj"), inter, h, false, q)?,
+                up: ld.linear(&format!("{p}.mlp.up_proj"), inter, h, false, q)?,
+                down: ld.linear(&format!("{p}.mlp.down_proj"), h, inter, false, q)?,
+            };
+            read += layer.bytes();
+            layers.push(layer);
         }
-        let norm = ld.tensor("model.norm.weight", &[h])?;
+        let norm = ld.tensor("model.norm.weight", &[h], dtype)?;
         // Tied checkpoints may still ship an lm_head copy; use it if present.
         let lm_head = if config.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
             None
         } else {
-            Some(ld.linear("lm_head", v, h, false)?)
+            Some(ld.linear("lm_head", v, h, false, quantize_head)?)
+        };
+        // A decode step reads every layer, the final norm and the LM head (the tied
+        // embedding when there is none), plus one embedding row per token.
+        read += norm.len_bytes() as u64 + lm_head.as_ref().map_or(embed.len_bytes() as u64, LinearWeights::bytes);
+        let weight_format = if ld.formats.is_empty() {
+            "float".to_owned()
+        } else {
+            ld.formats.iter().map(|t| t.lower_name()).collect::<Vec<_>>().join("+")
         };
         let (weight_bytes, param_count, weights_fingerprint) = (ld.bytes, ld.params, ld.fingerprint.finish());
         let rope = rope_params(&config);
@@ -207,13 +321,16 @@ impl Model {
             dtype,
             device,
             embed,
+            embed_ty,
             layers,
             norm,
             lm_head,
             rope,
             weight_bytes,
+            decode_read_bytes: read,
             param_count,
             weights_fingerprint,
+            weight_format,
             scratch: Scratch::default(),
         })
     }
@@ -231,9 +348,22 @@ impl Model {
         &self.device
     }
 
-    /// Bytes of weights resident on the device (what one decode step reads).
+    /// Bytes of weights resident on the device.
     pub fn weight_bytes(&self) -> u64 {
         self.weight_bytes
+    }
+
+    /// Bytes of weights one decode step reads: every layer's weights and norms, the
+    /// final norm and the LM head (or the tied embedding), in their device types. The
+    /// embedding rows a step looks up are not counted (a few KiB).
+    pub fn decode_read_bytes(&self) -> u64 {
+        self.decode_read_bytes
+    }
+
+    /// The block formats of the weights on the device, sorted and joined by `+`
+    /// (`q4_1+q8_0`), or `float` when none is quantized.
+    pub fn weight_format(&self) -> &str {
+        &self.weight_format
     }
 
     /// Parameters loaded (every tensor, embeddings and norms included; a tied LM head
@@ -250,7 +380,9 @@ impl Model {
 
     /// What a peer chip must match to exchange KV with this one.
     pub fn compat_info(&self) -> CompatInfo {
-        CompatInfo::from_config(&self.config).with_weights(self.weights_fingerprint)
+        CompatInfo::from_config(&self.config)
+            .with_weights(self.weights_fingerprint)
+            .with_weight_format(&self.weight_format)
     }
 
     /// Grows the step buffers to hold `tokens` tokens, `seqs` sequences with tables of
@@ -426,7 +558,7 @@ impl Model {
                 out,
                 x,
                 w.w.view(),
-                dt,
+                w.ty,
                 w.bias.as_ref().map(|b| b.view()),
                 m,
                 w.out_features as u32,
@@ -435,7 +567,7 @@ impl Model {
         };
         let all_decode = batch.iter().all(|s| s.tokens.len() == 1);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        dev.embedding(residual, self.embed.view(), dt, ids_b, t, h, c.vocab_size as u32)?;
+        dev.embedding(residual, self.embed.view(), self.embed_ty, ids_b, t, h, c.vocab_size as u32)?;
         dev.rms_norm(hbuf, residual, self.layers[0].input_norm.view(), dt, t, h, eps)?;
         for (li, layer) in self.layers.iter().enumerate() {
             lin(q, hbuf, &layer.q, t)?;
@@ -491,8 +623,27 @@ impl Model {
         let vocab = c.vocab_size as u32;
         match &self.lm_head {
             Some(head) => lin(logits_b, rows_in, head, r)?,
-            None => dev.linear(logits_b, rows_in, self.embed.view(), dt, None, r, vocab, h)?,
+            None => dev.linear(logits_b, rows_in, self.embed.view(), self.embed_ty, None, r, vocab, h)?,
         }
         dev.read_vec(logits_b, rows.len() * c.vocab_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_library_older_than_abi_1_2_is_refused_quantized_weights() {
+        let lib = Path::new("/opt/vendor/libold.so");
+        let e = quantized_weights_supported((1, 1), lib, "model.layers.0.mlp.up_proj.weight", GgmlType::Q4_1)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "kernel library /opt/vendor/libold.so: it speaks kernel ABI 1.1; quantized weights \
+             (model.layers.0.mlp.up_proj.weight is Q4_1) need 1.2 or newer"
+        );
+        assert!(quantized_weights_supported((1, 2), lib, "w", GgmlType::Q8_0).is_ok());
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use crate::device::{Buffer, Device};
-use crate::dtype::{DType, DTypeExt};
+use crate::dtype::{DType, DTypeExt, GgmlType, GgmlTypeExt};
 use crate::error::{BackendError, Result};
 use crate::mmap::map_file;
 
@@ -18,14 +18,15 @@ use crate::mmap::map_file;
 #[derive(Debug, Clone)]
 pub struct TensorEntry {
     pub name: String,
-    pub dtype: DType,
+    /// As stored: a float type (safetensors, GGUF) or a ggml block format (GGUF).
+    pub ty: GgmlType,
     pub shape: Vec<usize>,
     file: usize,
     range: Range<usize>,
 }
 
-/// All tensors of a checkpoint directory, memory-mapped (or, for a GGUF file, converted
-/// to the layout the executor expects).
+/// All tensors of a checkpoint directory, memory-mapped (for a GGUF file: mapped too,
+/// quantized tensors as they are, except llama Q/K rows, which are copied un-permuted).
 pub struct Checkpoint {
     dir: PathBuf,
     maps: Vec<Storage>,
@@ -104,7 +105,7 @@ impl Checkpoint {
                 let start = view.data().as_ptr() as usize - base;
                 let entry = TensorEntry {
                     name: name.clone(),
-                    dtype,
+                    ty: dtype.ggml(),
                     shape: view.shape().to_vec(),
                     file: file_idx,
                     range: start..start + view.data().len(),
@@ -118,32 +119,38 @@ impl Checkpoint {
         Ok(Checkpoint { dir: dir.to_path_buf(), maps, tensors })
     }
 
-    /// The tensors of a GGUF file under their Hugging Face names, dequantized to f32 and
-    /// in Hugging Face layout (llama Q/K rows un-permuted; see [`crate::gguf::hf`]).
+    /// The tensors of a GGUF file under their Hugging Face names and in Hugging Face
+    /// layout (llama Q/K rows un-permuted; see [`crate::gguf::hf`]), each in the type the
+    /// file stores: quantized tensors stay quantized.
     pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
         use crate::gguf::{Gguf, GgufError, hf};
         let g = Gguf::open(path)?;
         let fail = |reason: GgufError| BackendError::Gguf { path: path.to_path_buf(), reason };
         let config = hf::hf_config(&g).map_err(fail)?;
-        let mut maps = Vec::new();
+        let map = g.map().ok_or_else(|| fail(GgufError::Tensor { name: "*".into(), what: "not mapped".into() }))?;
+        let mut maps = vec![Storage::Map(map.clone())];
         let mut tensors = HashMap::new();
         for info in g.tensors() {
             let Some(name) = hf::hf_name(&info.name) else { continue };
-            let mut values = g.tensor_f32(info);
+            let mut entry = TensorEntry {
+                name: name.clone(),
+                ty: info.ty,
+                shape: info.shape(),
+                file: 0,
+                range: g.tensor_range(info),
+            };
             if let Some(heads) = hf::permuted_heads(&g, info, &config) {
                 let cols = if info.dims.len() > 1 { info.dims[0] as usize } else { 1 };
-                hf::unpermute_rows(&mut values, heads, cols)
+                let row_bytes = info.ty.row_bytes(cols).ok_or_else(|| {
+                    fail(GgufError::Tensor { name: info.name.clone(), what: "rows are not whole blocks".into() })
+                })?;
+                let mut bytes = g.tensor_bytes(info).to_vec();
+                hf::unpermute_rows(&mut bytes, heads, row_bytes)
                     .map_err(|what| fail(GgufError::Tensor { name: info.name.clone(), what }))?;
+                entry.file = maps.len();
+                entry.range = 0..bytes.len();
+                maps.push(Storage::Owned(bytes));
             }
-            let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
-            let entry = TensorEntry {
-                name: name.clone(),
-                dtype: DType::F32,
-                shape: info.shape(),
-                file: maps.len(),
-                range: 0..bytes.len(),
-            };
-            maps.push(Storage::Owned(bytes));
             tensors.insert(name, entry);
         }
         Ok(Checkpoint { dir: path.to_path_buf(), maps, tensors })
@@ -179,19 +186,21 @@ impl Checkpoint {
         &self.maps[entry.file].bytes()[entry.range.clone()]
     }
 
-    /// The tensor converted to f32 on the host (for tests and reference paths).
+    /// The tensor converted (dequantized) to f32 on the host.
     pub fn to_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let entry = self.get(name, shape)?;
-        Ok(convert_to_f32(self.bytes(entry), entry.dtype))
+        Ok(entry_to_f32(self.bytes(entry), entry.ty))
     }
 
-    /// Puts a tensor on `device` as `dtype`. When the file already holds `dtype` and the
-    /// device shares host memory, the map itself becomes the buffer (no copy).
-    pub fn upload(&self, device: &Device, name: &str, shape: &[usize], dtype: DType) -> Result<Buffer> {
+    /// Puts a tensor on `device` as `ty`: as stored when that is `ty` (when the device
+    /// shares host memory, the map itself becomes the buffer: no copy), else converted,
+    /// dequantized or quantized (per row of the last dimension; see
+    /// [`tessera_quant::quantize`]).
+    pub fn upload(&self, device: &Device, name: &str, shape: &[usize], ty: GgmlType) -> Result<Buffer> {
         let entry = self.get(name, shape)?;
         let bytes = self.bytes(entry);
-        if entry.dtype == dtype {
-            let aligned = entry.range.start % dtype.size_bytes() == 0;
+        if entry.ty == ty {
+            let aligned = entry.range.start.is_multiple_of(ty.block_bytes().min(4) as usize);
             if let Storage::Map(map) = &self.maps[entry.file]
                 && device.info().host_memory_shared
                 && aligned
@@ -200,8 +209,36 @@ impl Checkpoint {
             }
             return device.upload(bytes);
         }
-        let converted = convert(bytes, entry.dtype, dtype);
-        device.upload(&converted)
+        let values = entry_to_f32(bytes, entry.ty);
+        match ty.float() {
+            Some(dtype) => device.upload(&f32_to_bytes(&values, dtype)),
+            None => {
+                let cols = shape.last().copied().unwrap_or(1);
+                let out_bytes = ty.row_bytes(cols).map(|r| r * (values.len() / cols.max(1)));
+                let mut out = vec![0u8; out_bytes.unwrap_or(0)];
+                if out_bytes.is_none() || tessera_quant::quantize(ty, &values, &mut out).is_err() {
+                    return Err(BackendError::Quantize {
+                        name: name.to_string(),
+                        reason: format!("rows of {cols} values are not whole {ty} blocks of {}", ty.block_elements()),
+                    });
+                }
+                device.upload(&out)
+            }
+        }
+    }
+}
+
+/// A tensor's bytes of type `ty` as f32 values (float types converted, block formats
+/// dequantized).
+pub fn entry_to_f32(bytes: &[u8], ty: GgmlType) -> Vec<f32> {
+    match ty.float() {
+        Some(dtype) => convert_to_f32(bytes, dtype),
+        None => {
+            let n = bytes.len() / ty.block_bytes() as usize * ty.block_elements() as usize;
+            let mut out = vec![0.0; n];
+            ty.dequantize(bytes, &mut out);
+            out
+        }
     }
 }
 
@@ -221,10 +258,6 @@ pub fn f32_to_bytes(values: &[f32], to: DType) -> Vec<u8> {
         DType::F16 => values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
         DType::Bf16 => values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
     }
-}
-
-fn convert(bytes: &[u8], from: DType, to: DType) -> Vec<u8> {
-    f32_to_bytes(&convert_to_f32(bytes, from), to)
 }
 
 /// Bounded fuzzing of [`Checkpoint::open`] (CI): checkpoint files come from whoever
@@ -437,7 +470,7 @@ mod fuzz {
             let map = ckpt.maps[entry.file].bytes();
             prop_assert!(entry.range.start <= entry.range.end && entry.range.end <= map.len());
             let elements: usize = entry.shape.iter().product();
-            prop_assert_eq!(ckpt.bytes(entry).len(), elements * entry.dtype.size_bytes());
+            prop_assert_eq!(ckpt.bytes(entry).len(), elements * entry.ty.block_bytes() as usize);
             let values = ckpt.to_f32(name, &entry.shape).map_err(|e| TestCaseError::fail(e.to_string()))?;
             prop_assert_eq!(values.len(), elements);
         }
@@ -466,7 +499,7 @@ mod fuzz {
                         prop_assert_eq!(ckpt.tensors.len(), tensors.len());
                         for t in &tensors {
                             let entry = ckpt.get(&t.name, &t.shape).map_err(|e| TestCaseError::fail(e.to_string()))?;
-                            prop_assert_eq!(entry.dtype, t.dtype);
+                            prop_assert_eq!(entry.ty, t.dtype.ggml());
                         }
                     }
                 }

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 pub use catalog::{ChipKind, Confidence};
 pub use error::TopologyError;
-pub use tessera_vocab::{DType, KvLayout, Role, TransportChoice, UnknownName};
+pub use tessera_vocab::{DType, KvLayout, Quantize, Role, TransportChoice, UnknownName};
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
 /// that prefills and host `h1` with an emulated MetaX C500 that decodes, their KV
@@ -103,6 +103,10 @@ pub struct ChipSpec {
     pub kv_dtype: DType,
     /// How the chip lays out a KV block (default head-major).
     pub kv_layout: KvLayout,
+    /// The block format the chip quantizes float weights to when it loads them (`None`:
+    /// as stored). Chips that exchange KV must load the same weights, so every
+    /// prefill and decode chip of a file agrees on it.
+    pub quantize: Option<Quantize>,
 }
 
 /// Which kernels run a chip.

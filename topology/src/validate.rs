@@ -230,6 +230,8 @@ struct RawChip {
     kv_dtype: Option<Spanned<String>>,
     #[serde(default)]
     kv_layout: Option<Spanned<String>>,
+    #[serde(default)]
+    quantize: Option<Spanned<String>>,
 }
 
 /// What every chip of the file may refer to or inherits.
@@ -415,6 +417,7 @@ impl Checker<'_> {
         let bus = self.bus(raw.bus.as_ref().map(Spanned::get_ref))?;
         self.sockets_are_distinct(&raw.hosts, &hosts, raw.gateway.as_ref().map(Spanned::get_ref), &gateway)?;
         self.some_chip_decodes(&raw.hosts, &hosts)?;
+        self.kv_peers_quantize_alike(&raw.hosts, &hosts)?;
         self.emulated_steps_fit(&raw.hosts, &hosts, &context, &emulation)?;
         // Last: the one check that depends on the machine, not on the file.
         let paths = self.local_paths(&cluster.model, &model, &raw.hosts, &hosts)?;
@@ -931,6 +934,7 @@ impl Checker<'_> {
             )?,
             kv_dtype,
             kv_layout: self.named(&raw.kv_layout, &format!("{key}.kv_layout"), KvLayout::HeadMajor)?,
+            quantize: raw.quantize.as_ref().map(|q| self.parse(q, &format!("{key}.quantize"))).transpose()?,
         })
     }
 
@@ -1156,6 +1160,42 @@ impl Checker<'_> {
             "no chip can decode: every chip has role = \"prefill\", so no request could finish; \
              give at least one chip role = \"decode\" or \"both\"",
         ))
+    }
+}
+
+impl Checker<'_> {
+    /// A prefill chip hands its KV to decode chips, which continue with their own
+    /// weights: every chip of those roles must load the same ones (the KV compatibility
+    /// hash would refuse the pair at run time; this says so before anything starts).
+    fn kv_peers_quantize_alike(&self, raw_hosts: &[Spanned<RawHost>], hosts: &[HostSpec]) -> Result<(), TopologyError> {
+        let mut first: Option<(String, Option<crate::Quantize>)> = None;
+        for (h, (raw_host, host)) in raw_hosts.iter().zip(hosts).enumerate() {
+            for (c, (raw_chip, chip)) in raw_host.get_ref().chips.iter().zip(&host.chips).enumerate() {
+                if chip.role == Role::Both {
+                    continue;
+                }
+                let Some((first_id, q)) = &first else {
+                    first = Some((chip.id.clone(), chip.quantize));
+                    continue;
+                };
+                if *q != chip.quantize {
+                    let span = raw_chip.get_ref().quantize.as_ref().map_or(raw_chip.span(), |q| q.span());
+                    let name = |q: Option<crate::Quantize>| q.map_or("none".to_owned(), |q| q.to_string());
+                    return Err(self.err(
+                        span,
+                        format!("hosts[{h}].chips[{c}].quantize"),
+                        format!(
+                            "chip {:?} quantizes to {} but {first_id:?} to {}: prefill and decode chips exchange \
+                             KV and must load the same weights; give them the same `quantize`",
+                            chip.id,
+                            name(chip.quantize),
+                            name(*q)
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 }
 

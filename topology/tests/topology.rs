@@ -1027,3 +1027,29 @@ fn gateway_and_bus_limits() {
         assert_error(&format!("{ONE_CHIP}[{table}]\n{line}\n"), 11, *column, &format!("{table}.{key}"), fragment);
     }
 }
+
+#[test]
+fn a_chip_quantizes_its_weights_and_kv_peers_must_agree() {
+    let q8 = |role: &str| format!("role = \"{role}\"\nquantize = \"q8_0\"\n");
+    // Lines 1-9, then chip c0's role and quantize (10-11), then host h1 (12-18) and c1's.
+    let text = format!("{ONE_CHIP}{}{SECOND_HOST}{}", q8("prefill"), q8("decode"));
+    let spec = spec_of(&text);
+    let chips: Vec<_> = spec.hosts.iter().flat_map(|h| &h.chips).map(|c| c.quantize).collect();
+    assert_eq!(chips, [Some(tessera_topology::Quantize::Q8_0); 2]);
+    assert_eq!(spec_of(ONE_CHIP).hosts[0].chips[0].quantize, None);
+    // A decode chip that keeps float weights cannot continue a q8_0 prefill.
+    let text = format!("{ONE_CHIP}{}{SECOND_HOST}role = \"decode\"\nquantize = \"q4_0\"\n", q8("prefill"));
+    assert_error(&text, 20, 12, "hosts[1].chips[0].quantize", "must load the same weights");
+    // A chip with role both runs whole requests: it may differ.
+    let text = format!("{ONE_CHIP}{}{SECOND_HOST}role = \"both\"\n", q8("prefill"));
+    let spec = spec_of(&text.replace("role = \"prefill\"", "role = \"decode\""));
+    assert_eq!(spec.hosts[1].chips[0].quantize, None);
+    // Only the formats Tessera quantizes to.
+    assert_error(
+        &with_line(9, "backend = \"cpu\"\nquantize = \"q4_k\""),
+        10,
+        12,
+        "hosts[0].chips[0].quantize",
+        "q8_0 or q4_0",
+    );
+}

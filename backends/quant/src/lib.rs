@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use std::fmt;
 
 /// The ggml tensor types Tessera reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum GgmlType {
     F32,
     F16,

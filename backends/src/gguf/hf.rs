@@ -163,8 +163,8 @@ pub fn permuted_heads(g: &Gguf, info: &TensorInfo, config: &HfConfig) -> Option<
 
 /// Undoes llama.cpp's Q/K permutation in place: within each head of `rows / heads` rows,
 /// GGUF row `2i + j` is Hugging Face row `j * half + i`. `values` is row-major with
-/// `cols` values per row.
-pub fn unpermute_rows(values: &mut [f32], heads: usize, cols: usize) -> Result<(), String> {
+/// `cols` values per row (for a quantized tensor: bytes, `cols` bytes per row).
+pub fn unpermute_rows<T: Copy>(values: &mut [T], heads: usize, cols: usize) -> Result<(), String> {
     let rows = values.len() / cols.max(1);
     if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(format!("{rows} rows do not split into {heads} heads of an even size"));

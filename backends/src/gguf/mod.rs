@@ -365,8 +365,21 @@ impl Gguf {
 
     /// A tensor's raw bytes (bounds were checked when the file was parsed).
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
+        &self.bytes.as_slice()[self.tensor_range(info)]
+    }
+
+    /// Where a tensor's bytes lie in the file.
+    pub fn tensor_range(&self, info: &TensorInfo) -> std::ops::Range<usize> {
         let start = (self.data_start + info.offset) as usize;
-        &self.bytes.as_slice()[start..start + info.size as usize]
+        start..start + info.size as usize
+    }
+
+    /// The file's memory map, when it was opened from disk ([`Gguf::open`]).
+    pub fn map(&self) -> Option<&Arc<Mmap>> {
+        match &self.bytes {
+            Bytes::Map(m) => Some(m),
+            Bytes::Owned(_) => None,
+        }
     }
 
     /// A tensor's values as f32 (dequantized when quantized).

@@ -31,11 +31,11 @@ use tessera_actors::msg::{
     ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, SamplingSpec, StepOutcome,
 };
 use tessera_backends::device::{Device, DeviceConfig};
-use tessera_backends::dtype::DType;
+use tessera_backends::dtype::{DType, Quantize};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
 use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
-use tessera_backends::model::{LogitsWanted, Model, SeqChunk};
+use tessera_backends::model::{LoadOptions, LogitsWanted, Model, SeqChunk};
 use tessera_backends::sampling::{Sampler, SamplingParams};
 use tessera_runtime::actor::JobCtx;
 use tessera_runtime::transfer::{Assignment, EndpointDesc, Region, RegionDesc, TransferEngine};
@@ -110,6 +110,8 @@ pub struct ModelExecutorConfig {
     pub dtype: Option<DType>,
     pub kv_dtype: DType,
     pub kv_layout: KvLayout,
+    /// Quantize float weights to this block format when loading.
+    pub quantize: Option<Quantize>,
     pub block_size: usize,
     pub max_batch_seqs: usize,
     /// The chip's id, for metrics and logs.
@@ -163,7 +165,8 @@ impl ModelExecutor {
             ..Default::default()
         };
         let device = Device::open(&lib, &device_config).map_err(|e| e.to_string())?;
-        let model = Model::load(&config.model_dir, device, config.dtype).map_err(|e| e.to_string())?;
+        let options = LoadOptions { dtype: config.dtype, quantize: config.quantize };
+        let model = Model::load_with(&config.model_dir, device, options).map_err(|e| e.to_string())?;
         let mc = model.config().clone();
         let kv_bytes = match config.memory_limit_bytes {
             // Leave an eighth of what remains for step scratch buffers.

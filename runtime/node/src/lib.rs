@@ -162,6 +162,7 @@ pub fn run_node(
             dtype: spec.dtype,
             kv_dtype: chip.kv_dtype,
             kv_layout: chip.kv_layout,
+            quantize: chip.quantize,
             block_size: chip.block_size,
             max_batch_seqs: chip.max_batch_seqs,
             chip_id: chip.id.clone(),

@@ -127,6 +127,16 @@ vocabulary! {
     }
 }
 
+vocabulary! {
+    /// A block format a chip quantizes float weights to when it loads them (ggml's
+    /// Q8_0: 8.5 bits per weight; Q4_0: 4.5). Weights already quantized in a GGUF file
+    /// keep their own formats.
+    pub enum Quantize ("quantization") {
+        Q8_0 = "q8_0",
+        Q4_0 = "q4_0",
+    }
+}
+
 impl DType {
     /// Bytes of one element.
     pub const fn size_bytes(self) -> usize {

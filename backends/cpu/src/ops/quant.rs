@@ -49,7 +49,11 @@ impl Path {
         {
             match self {
                 Path::Scalar => true,
-                Path::Avx2 => std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
+                Path::Avx2 => {
+                    std::is_x86_feature_detected!("avx2")
+                        && std::is_x86_feature_detected!("fma")
+                        && std::is_x86_feature_detected!("f16c")
+                }
                 Path::Avx512Vnni => {
                     Path::Avx2.available()
                         && std::is_x86_feature_detected!("avx512f")
@@ -106,6 +110,7 @@ impl QActs {
 /// `out[i][j] = x[i] · w[j]` for `m` rows of `x` (any m; passes of up to `MAX_M`), `w`
 /// being `n` rows of `k` values of format `ty` (`supports(ty)`, `k` a multiple of the
 /// block size). `path` must be available.
+#[allow(clippy::too_many_arguments)]
 pub fn linear(out: &mut [f32], x: &[f32], ty: GgmlType, w: &[u8], m: usize, n: usize, k: usize, path: Path) {
     assert!(supports(ty) && path.available());
     let row_bytes = ty.row_bytes(k).expect("k is a whole number of blocks");
@@ -116,7 +121,7 @@ pub fn linear(out: &mut [f32], x: &[f32], ty: GgmlType, w: &[u8], m: usize, n: u
     let acts = QActs::new(x, m, k);
     let threads = rayon::current_num_threads().max(1);
     // Enough chunks to balance, each large enough to amortise the task overhead.
-    let chunk = n.div_ceil(threads * 8).max((32768 / k).clamp(1, 64));
+    let chunk = n.div_ceil(threads * 8).clamp((32768 / k).clamp(1, 64), 64);
     let optr = SendPtr(out.as_mut_ptr());
     for i0 in (0..m).step_by(MAX_M) {
         let mm = MAX_M.min(m - i0);
@@ -124,31 +129,55 @@ pub fn linear(out: &mut [f32], x: &[f32], ty: GgmlType, w: &[u8], m: usize, n: u
         (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
             let j0 = c * chunk;
             let rows = chunk.min(n - j0);
-            let mut tile = [0.0f32; MAX_M];
-            for j in j0..j0 + rows {
-                let wrow = &w[j * row_bytes..(j + 1) * row_bytes];
-                row_dot(path, ty, wrow, acts, i0, mm, &mut tile);
-                for (i, v) in tile[..mm].iter().enumerate() {
-                    // SAFETY: (i0 + i, j) is inside the m x n output, and only this task
-                    // writes rows [j0, j0 + rows) of w's outputs (column j).
-                    unsafe { *optr.get().add((i0 + i) * n + j) = *v };
+            let mut tile = [0.0f32; 64 * MAX_M];
+            let tile = &mut tile[..rows * mm];
+            rows_dot(path, ty, &w[j0 * row_bytes..(j0 + rows) * row_bytes], acts, i0, mm, tile);
+            for (r, vs) in tile.chunks_exact(mm).enumerate() {
+                for (i, v) in vs.iter().enumerate() {
+                    // SAFETY: (i0 + i, j0 + r) is inside the m x n output, and only this
+                    // task writes columns [j0, j0 + rows).
+                    unsafe { *optr.get().add((i0 + i) * n + j0 + r) = *v };
                 }
             }
         });
     }
 }
 
-/// Dots one weight row with activation rows `i0..i0 + mm` into `out[..mm]`.
-fn row_dot(path: Path, ty: GgmlType, wrow: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32; MAX_M]) {
+/// A SIMD row kernel instance (see `x86`).
+#[cfg(target_arch = "x86_64")]
+type Kernel = unsafe fn(GgmlType, &[u8], &QActs, usize, &mut [f32]);
+
+/// Dots every weight row of `w` with activation rows `i0..i0 + mm` into
+/// `out[r * mm + i]`.
+fn rows_dot(path: Path, ty: GgmlType, w: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32]) {
+    // The activation-row count is a constant of each kernel instance, so its
+    // accumulators live in registers.
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! simd {
+        ($kernel:ident) => {{
+            let kernel: Kernel = match mm {
+                1 => x86::$kernel::<1>,
+                2 => x86::$kernel::<2>,
+                3 => x86::$kernel::<3>,
+                4 => x86::$kernel::<4>,
+                5 => x86::$kernel::<5>,
+                6 => x86::$kernel::<6>,
+                7 => x86::$kernel::<7>,
+                8 => x86::$kernel::<8>,
+                _ => unreachable!("at most MAX_M rows per pass"),
+            };
+            // SAFETY: the caller checked `path.available()`; `linear` checked that `w`
+            // holds whole rows of `acts.blocks` groups, that `acts` holds rows
+            // i0..i0 + mm, and that `out` holds mm values per row.
+            unsafe { kernel(ty, w, acts, i0, out) }
+        }};
+    }
     match path {
-        Path::Scalar => scalar::row_dot(ty, wrow, acts, i0, mm, out),
+        Path::Scalar => scalar::rows_dot(ty, w, acts, i0, mm, out),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked `path.available()`; `linear` checked that `wrow`
-        // holds a whole row of `acts.blocks` groups and `acts` holds rows i0..i0 + mm.
-        Path::Avx2 => unsafe { x86::row_dot_avx2(ty, wrow, acts, i0, mm, out) },
+        Path::Avx2 => simd!(row_dot_avx2),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Path::Avx512Vnni => unsafe { x86::row_dot_vnni(ty, wrow, acts, i0, mm, out) },
+        Path::Avx512Vnni => simd!(row_dot_vnni),
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!("only the scalar path is available off x86-64"),
     }
@@ -217,7 +246,7 @@ mod scalar {
             GgmlType::Q4K => {
                 let q = &blk[16 + sub / 2 * 32..][..32];
                 for (u, &q) in u.iter_mut().zip(q) {
-                    *u = if sub % 2 == 0 { q & 0x0f } else { q >> 4 } as i32;
+                    *u = if sub.is_multiple_of(2) { q & 0x0f } else { q >> 4 } as i32;
                 }
             }
             other => unreachable!("{other} has no integer kernel"),
@@ -225,7 +254,15 @@ mod scalar {
         u
     }
 
-    pub fn row_dot(ty: GgmlType, wrow: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32; MAX_M]) {
+    /// As the SIMD kernels: `out[r * mm + i]` for every row r of `w`.
+    pub fn rows_dot(ty: GgmlType, w: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32]) {
+        let row_bytes = acts.blocks * QK / ty.block_elements() as usize * ty.block_bytes() as usize;
+        for (wrow, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(mm)) {
+            row_dot(ty, wrow, acts, i0, mm, out);
+        }
+    }
+
+    fn row_dot(ty: GgmlType, wrow: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32]) {
         let mut acc = [0.0f32; MAX_M];
         for g in 0..acts.blocks {
             let (at, sub) = group_of(ty, g);
@@ -274,77 +311,130 @@ mod x86 {
         }
     }
 
+    /// An f16 at `p` (unaligned) as f32.
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes at p; callers enable f16c.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32))) }
+    }
+
     /// Defines a row kernel for one instruction set: `$dot(u, qx)` sums `u * qx` (u
     /// unsigned bytes, qx signed bytes) into eight i32 lanes.
     macro_rules! row_kernel {
         ($name:ident, $features:literal, $dot:ident) => {
+            /// `out[r * M + i]` = weight row r of `w` (rows of `acts.blocks` groups of
+            /// `ty`) dotted with activation row `i0 + i`, for every row of `w`.
+            ///
             /// # Safety
-            /// The CPU has the features; `wrow` holds a whole row of `acts.blocks`
-            /// groups of `ty`; `acts` holds rows `i0..i0 + mm`.
+            /// The CPU has the features; `w` holds whole rows; `acts` holds rows
+            /// `i0..i0 + M`; `out` holds `M` values per row of `w`.
             #[target_feature(enable = $features)]
-            pub unsafe fn $name(ty: GgmlType, wrow: &[u8], acts: &QActs, i0: usize, mm: usize, out: &mut [f32; MAX_M]) {
+            pub unsafe fn $name<const M: usize>(ty: GgmlType, w: &[u8], acts: &QActs, i0: usize, out: &mut [f32]) {
+                let bb = ty.block_bytes() as usize;
+                let row_bytes = acts.blocks * QK / ty.block_elements() as usize * bb;
+                for (wrow, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
                 // SAFETY: every load below reads inside the group's block (offsets from
-                // ggml's block layouts) or inside an activation row, per the contract.
+                // ggml's block layouts; the row holds `acts.blocks` groups) or inside
+                // activation rows i0..i0 + M, per the contract.
                 unsafe {
-                    let mut acc = [_mm256_setzero_ps(); MAX_M];
-                    let mut corr = [0.0f32; MAX_M];
+                    let mut acc = [_mm256_setzero_ps(); M];
+                    let mut corr = [0.0f32; M];
                     let wp = wrow.as_ptr();
-                    // One loop per format, so the decode is straight-line code.
+                    let (qp, dp, dsp) = (acts.q.as_ptr(), acts.d.as_ptr(), acts.ds.as_ptr());
+                    let nb = acts.blocks;
+                    // One loop per format, so the decode is straight-line code:
+                    // `$blk` is the group's block, `$g` its index; `$decode` gives the
+                    // codes, `$scales` the group's (dw, cw).
                     macro_rules! groups {
-                        (|$blk:ident, $sub:ident| $decode:expr, signed = $signed:expr) => {
-                            for g in 0..acts.blocks {
-                                let (at, $sub) = group_of(ty, g);
-                                let $blk = wp.add(at);
+                        (|$blk:ident, $g:ident| at = $at:expr, $decode:expr, $scales:expr, signed = $signed:expr) => {
+                            for $g in 0..nb {
+                                let $blk = wp.add($at);
                                 let w: __m256i = $decode;
-                                let (dw, cw) = group_scales(ty, &wrow[at..], $sub);
+                                let (dw, cw): (f32, f32) = $scales;
                                 let u = if $signed { _mm256_sign_epi8(w, w) } else { w };
-                                for i in 0..mm {
-                                    let b = (i0 + i) * acts.blocks + g;
-                                    let mut qx = _mm256_loadu_si256(acts.q.as_ptr().add(b * QK) as *const __m256i);
+                                for i in 0..M {
+                                    let b = (i0 + i) * nb + $g;
+                                    let mut qx = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
                                     if $signed {
                                         qx = _mm256_sign_epi8(qx, w);
                                     }
                                     let s = _mm256_cvtepi32_ps($dot(u, qx));
-                                    acc[i] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * *acts.d.get_unchecked(b)), acc[i]);
-                                    corr[i] += cw * *acts.ds.get_unchecked(b);
+                                    acc[i] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * *dp.add(b)), acc[i]);
+                                    corr[i] += cw * *dsp.add(b);
                                 }
                             }
                         };
                     }
                     match ty {
-                        GgmlType::Q4_0 => groups!(|blk, _s| nibbles(blk.add(2)), signed = false),
-                        GgmlType::Q4_1 => groups!(|blk, _s| nibbles(blk.add(4)), signed = false),
-                        GgmlType::Q5_0 | GgmlType::Q5_1 => {
-                            let at = if ty == GgmlType::Q5_0 { 2 } else { 4 };
-                            groups!(
-                                |blk, _s| {
-                                    let qh = (blk.add(at) as *const u32).read_unaligned();
-                                    let fifth = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-                                    _mm256_or_si256(nibbles(blk.add(at + 4)), fifth)
-                                },
-                                signed = false
-                            )
-                        }
-                        GgmlType::Q8_0 => {
-                            groups!(|blk, _s| _mm256_loadu_si256(blk.add(2) as *const __m256i), signed = true)
-                        }
+                        GgmlType::Q4_0 => groups!(
+                            |blk, g| at = g * bb,
+                            nibbles(blk.add(2)),
+                            {
+                                let d = f16_at(blk);
+                                (d, -8.0 * d)
+                            },
+                            signed = false
+                        ),
+                        GgmlType::Q4_1 => groups!(
+                            |blk, g| at = g * bb,
+                            nibbles(blk.add(4)),
+                            (f16_at(blk), f16_at(blk.add(2))),
+                            signed = false
+                        ),
+                        GgmlType::Q5_0 => groups!(
+                            |blk, g| at = g * bb,
+                            {
+                                let qh = (blk.add(2) as *const u32).read_unaligned();
+                                let fifth = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+                                _mm256_or_si256(nibbles(blk.add(6)), fifth)
+                            },
+                            {
+                                let d = f16_at(blk);
+                                (d, -16.0 * d)
+                            },
+                            signed = false
+                        ),
+                        GgmlType::Q5_1 => groups!(
+                            |blk, g| at = g * bb,
+                            {
+                                let qh = (blk.add(4) as *const u32).read_unaligned();
+                                let fifth = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+                                _mm256_or_si256(nibbles(blk.add(8)), fifth)
+                            },
+                            (f16_at(blk), f16_at(blk.add(2))),
+                            signed = false
+                        ),
+                        GgmlType::Q8_0 => groups!(
+                            |blk, g| at = g * bb,
+                            _mm256_loadu_si256(blk.add(2) as *const __m256i),
+                            (f16_at(blk), 0.0),
+                            signed = true
+                        ),
                         GgmlType::Q4K => groups!(
-                            |blk, sub| {
+                            |blk, g| at = g / 8 * bb,
+                            {
+                                let sub = g % 8;
                                 let q = _mm256_loadu_si256(blk.add(16 + sub / 2 * 32) as *const __m256i);
-                                let q = if sub % 2 == 0 { q } else { _mm256_srli_epi16(q, 4) };
+                                let q = if sub.is_multiple_of(2) { q } else { _mm256_srli_epi16(q, 4) };
                                 _mm256_and_si256(q, _mm256_set1_epi8(0x0f))
+                            },
+                            {
+                                let scales = std::slice::from_raw_parts(blk.add(4), 12);
+                                let (sc, mn) = tessera_quant::scale_min_k4(g % 8, scales);
+                                (f16_at(blk) * sc as f32, -f16_at(blk.add(2)) * mn as f32)
                             },
                             signed = false
                         ),
                         other => unreachable!("{other} has no integer kernel"),
                     }
-                    for i in 0..mm {
+                    for i in 0..M {
                         let v = acc[i];
                         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
                         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
                         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
                         out[i] = _mm_cvtss_f32(s) + corr[i];
                     }
+                }
                 }
             }
         };
@@ -365,8 +455,8 @@ mod x86 {
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, qx) }
     }
 
-    row_kernel!(row_dot_avx2, "avx2,fma", dot_avx2);
-    row_kernel!(row_dot_vnni, "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni", dot_vnni);
+    row_kernel!(row_dot_avx2, "avx2,fma,f16c", dot_avx2);
+    row_kernel!(row_dot_vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", dot_vnni);
 }
 
 #[cfg(test)]
@@ -470,11 +560,11 @@ mod tests {
             let w = random_row(ty, k, &mut rng);
             let x = rng.vec(3 * k);
             let acts = QActs::new(&x, 3, k);
-            let mut want = [0.0f32; MAX_M];
-            row_dot(Path::Scalar, ty, &w, &acts, 0, 3, &mut want);
+            let mut want = [0.0f32; 3];
+            rows_dot(Path::Scalar, ty, &w, &acts, 0, 3, &mut want);
             for path in paths() {
-                let mut got = [0.0f32; MAX_M];
-                row_dot(path, ty, &w, &acts, 0, 3, &mut got);
+                let mut got = [0.0f32; 3];
+                rows_dot(path, ty, &w, &acts, 0, 3, &mut got);
                 for i in 0..3 {
                     assert!((got[i] - want[i]).abs() <= 1e-4 * want[i].abs().max(1.0), "{ty} {path:?}");
                 }
