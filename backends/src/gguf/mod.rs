@@ -9,6 +9,7 @@
 pub mod hf;
 pub mod info;
 pub mod quant;
+pub mod spm;
 
 use std::collections::BTreeMap;
 use std::fmt;

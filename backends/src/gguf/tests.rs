@@ -32,6 +32,32 @@ impl Writer {
         self
     }
 
+    pub fn meta_bool(mut self, key: &str, value: bool) -> Writer {
+        self.metadata.push((key.into(), 7, vec![value.into()]));
+        self
+    }
+
+    /// An array of values of GGUF type `ty`, each already encoded.
+    pub fn meta_array(mut self, key: &str, ty: u32, values: &[Vec<u8>]) -> Writer {
+        let mut out = ty.to_le_bytes().to_vec();
+        out.extend_from_slice(&(values.len() as u64).to_le_bytes());
+        values.iter().for_each(|v| out.extend_from_slice(v));
+        self.metadata.push((key.into(), 9, out));
+        self
+    }
+
+    pub fn meta_strs(self, key: &str, values: &[String]) -> Writer {
+        self.meta_array(key, 8, &values.iter().map(|s| gguf_string(s)).collect::<Vec<_>>())
+    }
+
+    pub fn meta_f32s(self, key: &str, values: &[f32]) -> Writer {
+        self.meta_array(key, 6, &values.iter().map(|v| v.to_le_bytes().to_vec()).collect::<Vec<_>>())
+    }
+
+    pub fn meta_i32s(self, key: &str, values: &[i32]) -> Writer {
+        self.meta_array(key, 5, &values.iter().map(|v| v.to_le_bytes().to_vec()).collect::<Vec<_>>())
+    }
+
     pub fn tensor(mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> Writer {
         self.tensors.push((name.into(), dims.to_vec(), ty, data));
         self
