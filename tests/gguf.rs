@@ -1,5 +1,6 @@
 //! A real model from a single GGUF file: the shared SmolLM2-135M-Instruct (Q4_1 linears,
-//! Q8_0 embedding) through `tessera generate`.
+//! Q8_0 embedding) through `tessera generate`; a tiny llama file with a SentencePiece
+//! vocabulary.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -122,4 +123,25 @@ fn model_info_describes_the_file() {
     let out = Command::new(BIN).args(["model", "info", "Cargo.toml"]).output().expect("run tessera");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a GGUF file"));
+}
+
+/// A tiny llama GGUF with a SentencePiece-style (`llama`) vocabulary
+/// (tests/fixtures/tokenizer/make-llama-spm.py): `model info` names the tokenizer kind,
+/// and `generate` tokenizes the prompt as llama.cpp does (BOS, `▁h`, `i`) and runs.
+#[test]
+fn llama_spm_gguf_describes_its_tokenizer_and_generates() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/llama-spm.gguf");
+    let out = Command::new(BIN).args(["model", "info"]).arg(&model).output().expect("run tessera");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("tokenizer:     llama (SentencePiece, pre-tokenizer default), 2003 tokens"), "{text}");
+    let out = Command::new(BIN).args(["model", "info", "--json"]).arg(&model).output().expect("run tessera");
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        (info["tokenizer"]["kind"].as_str(), info["tokenizer"]["bos"].as_u64()),
+        (Some("SentencePiece"), Some(1))
+    );
+
+    let (_, stderr) = generate(&model, "hi", 4);
+    assert!(stderr.contains("[3 prompt + 4 generated tokens"), "{stderr}");
 }

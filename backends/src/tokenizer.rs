@@ -1,12 +1,14 @@
 //! The tokenizer the runtime uses: a Hugging Face `tokenizer.json` (plus the optional
-//! `tokenizer_config.json` / `generation_config.json`) with BOS/EOS handling, the chat
-//! template, and an incremental decoder for streaming that never splits a character.
+//! `tokenizer_config.json` / `generation_config.json`) or a GGUF file's vocabulary, with
+//! BOS/EOS handling, the chat template, and an incremental decoder for streaming that
+//! never splits a character.
 
 use std::path::{Path, PathBuf};
 
 use tokenizers::{DecoderWrapper, Tokenizer};
 
 use crate::error::{BackendError, Result};
+use crate::gguf::spm::SpmVocab;
 
 /// The GPT-2 byte-to-character table of byte-level BPE: printable bytes map to
 /// themselves, the others to code points from U+0100 on. Index = byte value.
@@ -28,14 +30,39 @@ pub(crate) fn byte_to_char_table() -> [char; 256] {
     table
 }
 
+/// Where the ids come from.
+enum Vocab {
+    /// A Hugging Face `tokenizer.json` (a GGUF `gpt2` vocabulary is converted to one).
+    Hf(Box<Tokenizer>),
+    /// A GGUF SentencePiece-style (`llama`) vocabulary, tokenized as llama.cpp does.
+    Spm(Box<SpmVocab>),
+}
+
+impl Vocab {
+    fn id_to_token(&self, id: u32) -> Option<String> {
+        match self {
+            Vocab::Hf(t) => t.id_to_token(id),
+            Vocab::Spm(v) => v.token(id).map(str::to_owned),
+        }
+    }
+
+    fn token_to_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Vocab::Hf(t) => t.token_to_id(token),
+            Vocab::Spm(v) => v.token_to_id(token),
+        }
+    }
+}
+
 /// A loaded tokenizer with the special tokens and chat template of its checkpoint.
 pub struct TextTokenizer {
-    inner: Tokenizer,
+    inner: Vocab,
     path: PathBuf,
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
     chat_template: Option<String>,
-    /// Per-id raw bytes when the decoder is byte-level (exact byte streaming); else `None`.
+    /// Per-id raw bytes when they are exact (a byte-level or SentencePiece vocabulary:
+    /// exact byte streaming); else `None`. `None` entries render nothing.
     token_bytes: Option<Vec<Option<Vec<u8>>>>,
 }
 
@@ -141,28 +168,36 @@ impl TextTokenizer {
             }
         }
 
-        Ok(Self::assemble(inner, path, bos_id, eos_ids, chat_template))
+        Ok(Self::assemble(Vocab::Hf(Box::new(inner)), path, bos_id, eos_ids, chat_template))
     }
 
     /// The tokenizer of a GGUF file: `tokenizer.ggml.*` and `tokenizer.chat_template`.
     /// BOS is added only when the file asks for it (`tokenizer.ggml.add_bos_token`,
-    /// default true, as llama.cpp reads it).
+    /// default true, as llama.cpp reads it). A `llama` (SentencePiece-style) vocabulary
+    /// is tokenized by [`SpmVocab`], the others through a `tokenizer.json` built from
+    /// the metadata.
     pub fn from_gguf(path: &Path) -> Result<Self> {
         use crate::gguf::{Gguf, Value, hf};
         let g = Gguf::open(path)?;
         let tok_err = |reason: String| BackendError::Tokenizer { path: path.to_path_buf(), reason };
-        let json = hf::tokenizer_json(&g).map_err(|e| tok_err(e.to_string()))?;
-        let inner: Tokenizer = json.parse().map_err(|e| tok_err(format!("cannot build the vocabulary: {e}")))?;
-        let id = |key: &str| {
-            g.get(key)
-                .and_then(Value::as_u64)
-                .and_then(|v| u32::try_from(v).ok())
-                .filter(|&v| inner.id_to_token(v).is_some())
+        let key_id = |key: &str| g.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok());
+        let (bos, eos, inner) = if g.get("tokenizer.ggml.model").and_then(Value::as_str) == Some("llama") {
+            let vocab = SpmVocab::from_gguf(&g).map_err(|e| tok_err(e.to_string()))?;
+            (vocab.bos_id(), vocab.eos_id(), Vocab::Spm(Box::new(vocab)))
+        } else {
+            let json = hf::tokenizer_json(&g).map_err(|e| tok_err(e.to_string()))?;
+            let inner: Tokenizer = json.parse().map_err(|e| tok_err(format!("cannot build the vocabulary: {e}")))?;
+            let known = |id: Option<u32>| id.filter(|&v| inner.id_to_token(v).is_some());
+            (
+                known(key_id("tokenizer.ggml.bos_token_id")),
+                known(key_id("tokenizer.ggml.eos_token_id")),
+                Vocab::Hf(Box::new(inner)),
+            )
         };
         let add_bos = g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(true);
-        let bos_id = id("tokenizer.ggml.bos_token_id").filter(|_| add_bos);
-        let mut eos_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
-        if let Some(eot) = id("tokenizer.ggml.eot_token_id")
+        let bos_id = bos.filter(|_| add_bos);
+        let mut eos_ids: Vec<u32> = eos.into_iter().collect();
+        if let Some(eot) = key_id("tokenizer.ggml.eot_token_id").filter(|&v| inner.id_to_token(v).is_some())
             && !eos_ids.contains(&eot)
         {
             eos_ids.push(eot);
@@ -172,13 +207,22 @@ impl TextTokenizer {
     }
 
     fn assemble(
-        inner: Tokenizer,
+        inner: Vocab,
         path: PathBuf,
         bos_id: Option<u32>,
         eos_ids: Vec<u32>,
         chat_template: Option<String>,
     ) -> Self {
-        let token_bytes = matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_))).then(|| {
+        let token_bytes = match &inner {
+            Vocab::Hf(hf) => Self::byte_level_table(hf),
+            Vocab::Spm(v) => Some((0..v.len() as u32).map(|id| v.rendered(id)).collect()),
+        };
+        TextTokenizer { inner, path, bos_id, eos_ids, chat_template, token_bytes }
+    }
+
+    /// Per-id raw bytes of a byte-level BPE vocabulary; `None` for other decoders.
+    fn byte_level_table(inner: &Tokenizer) -> Option<Vec<Option<Vec<u8>>>> {
+        matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_))).then(|| {
             let table = byte_to_char_table();
             let mut char_to_byte = std::collections::HashMap::with_capacity(256);
             for (b, c) in table.iter().enumerate() {
@@ -201,9 +245,7 @@ impl TextTokenizer {
                     })
                 })
                 .collect()
-        });
-
-        TextTokenizer { inner, path, bos_id, eos_ids, chat_template, token_bytes }
+        })
     }
 
     fn err(&self, reason: String) -> BackendError {
@@ -213,48 +255,81 @@ impl TextTokenizer {
     /// Token ids of `text`. Special-token strings in `text` (as a rendered chat template
     /// has) become their ids. With `add_bos`, the BOS id is prepended unless the text
     /// already starts with it or the tokenizer has none.
+    ///
+    /// A SentencePiece vocabulary puts a space before the text and after each special
+    /// token, as llama.cpp does (its ids equal llama.cpp's `llama_tokenize` with
+    /// `parse_special`, except that a text starting with BOS gets no second one).
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| self.err(format!("cannot encode text: {e}")))?;
-        let ids = enc.get_ids();
+        let ids = match &self.inner {
+            Vocab::Hf(t) => {
+                t.encode(text, false).map_err(|e| self.err(format!("cannot encode text: {e}")))?.get_ids().to_vec()
+            }
+            Vocab::Spm(v) => v.encode(text),
+        };
         match self.bos_id {
             Some(bos) if add_bos && ids.first() != Some(&bos) => {
                 let mut out = Vec::with_capacity(ids.len() + 1);
                 out.push(bos);
-                out.extend_from_slice(ids);
+                out.extend_from_slice(&ids);
                 Ok(out)
             }
-            _ => Ok(ids.to_vec()),
+            _ => Ok(ids),
         }
     }
 
     /// The text of `ids`, special tokens included (so `decode(encode(s)) == s`). Ids the
     /// tokenizer does not know (the model's vocabulary may be larger) decode to "".
+    /// A SentencePiece vocabulary renders no control tokens and drops the one space
+    /// its encoding put before the text (SentencePiece's and Hugging Face's decode).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         if let Some(table) = &self.token_bytes {
             let mut bytes = Vec::new();
+            let mut at_start = true;
             for &id in ids {
-                if let Some(Some(b)) = table.get(id as usize) {
-                    bytes.extend_from_slice(b);
-                }
+                self.render(table, id, &mut at_start, &mut bytes);
             }
             return Ok(String::from_utf8_lossy(&bytes).into_owned());
         }
-        let known: Vec<u32> = ids.iter().copied().filter(|&id| self.inner.id_to_token(id).is_some()).collect();
-        self.inner.decode(&known, false).map_err(|e| self.err(format!("cannot decode ids: {e}")))
+        let Vocab::Hf(inner) = &self.inner else {
+            return Err(self.err("a SentencePiece vocabulary without its byte table".into()));
+        };
+        let known: Vec<u32> = ids.iter().copied().filter(|&id| inner.id_to_token(id).is_some()).collect();
+        inner.decode(&known, false).map_err(|e| self.err(format!("cannot decode ids: {e}")))
+    }
+
+    /// Appends the bytes of `id`; `at_start` is true until a token has rendered something
+    /// (a SentencePiece vocabulary drops the first one's prefix space).
+    fn render(&self, table: &[Option<Vec<u8>>], id: u32, at_start: &mut bool, out: &mut Vec<u8>) {
+        let Some(Some(bytes)) = table.get(id as usize) else {
+            return;
+        };
+        let skip = match &self.inner {
+            Vocab::Spm(v) if *at_start && v.starts_with_prefix_space(id) => 1,
+            _ => 0,
+        };
+        *at_start &= bytes.is_empty();
+        out.extend_from_slice(&bytes[skip.min(bytes.len())..]);
     }
 
     /// The most bytes of text one token can stand for: its raw bytes for a byte-level
     /// vocabulary; otherwise its spelling's length in UTF-8, which is never shorter than
     /// the text it decodes to (`▁` is 3 bytes for 1 space, `<0x41>` 6 for 1 byte).
     pub fn max_token_bytes(&self) -> usize {
-        let spelled = self.inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1);
+        let spelled = match &self.inner {
+            Vocab::Hf(t) => t.get_vocab(true).keys().map(String::len).max(),
+            Vocab::Spm(v) => (0..v.len() as u32).filter_map(|id| v.token(id)).map(str::len).max(),
+        }
+        .unwrap_or(1);
         let raw = self.token_bytes.as_ref().and_then(|t| t.iter().flatten().map(Vec::len).max()).unwrap_or(0);
         spelled.max(raw).max(1)
     }
 
     /// Number of tokens including added/special tokens.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Vocab::Hf(t) => t.get_vocab_size(true),
+            Vocab::Spm(v) => v.len(),
+        }
     }
 
     pub fn bos_id(&self) -> Option<u32> {
@@ -284,7 +359,14 @@ impl TextTokenizer {
 
     /// An incremental decoder for streaming output.
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
-        StreamDecoder { tok: self, ids: Vec::new(), prefix_offset: 0, read_offset: 0, pending: Vec::new() }
+        StreamDecoder {
+            tok: self,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            pending: Vec::new(),
+            at_start: true,
+        }
     }
 }
 
@@ -296,8 +378,10 @@ pub struct StreamDecoder<'a> {
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
-    /// Byte-level path: bytes not yet emitted (an incomplete UTF-8 sequence).
+    /// Byte path: bytes not yet emitted (an incomplete UTF-8 sequence).
     pending: Vec<u8>,
+    /// Byte path: no token has rendered anything yet.
+    at_start: bool,
 }
 
 impl std::fmt::Debug for StreamDecoder<'_> {
@@ -334,9 +418,7 @@ impl StreamDecoder<'_> {
     /// Adds one generated id; returns the text it completes, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         if let Some(table) = &self.tok.token_bytes {
-            if let Some(Some(b)) = table.get(id as usize) {
-                self.pending.extend_from_slice(b);
-            }
+            self.tok.render(table, id, &mut self.at_start, &mut self.pending);
             let (text, consumed) = take_complete(&self.pending, false);
             self.pending.drain(..consumed);
             return Ok((!text.is_empty()).then_some(text));

@@ -185,13 +185,16 @@ pub fn unpermute_rows<T: Copy>(values: &mut [T], heads: usize, cols: usize) -> R
 }
 
 /// The file's vocabulary as a Hugging Face `tokenizer.json`, for `gpt2`-style byte-level
-/// BPE vocabularies (`tokenizer.ggml.model = "gpt2"`).
+/// BPE vocabularies (`tokenizer.ggml.model = "gpt2"`). `llama` (SentencePiece-style)
+/// vocabularies are tokenized by [`super::spm::SpmVocab`] instead.
 pub fn tokenizer_json(g: &Gguf) -> Result<String, GgufError> {
     let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
     if model != "gpt2" {
         return Err(meta_err(
             "tokenizer.ggml.model",
-            format!("{model:?} vocabularies are not supported yet (supported: gpt2 byte-level BPE)"),
+            format!(
+                "{model:?} vocabularies are not supported yet (supported: gpt2 byte-level BPE, llama SentencePiece)"
+            ),
         ));
     }
     let tokens = g

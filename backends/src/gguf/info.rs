@@ -44,6 +44,8 @@ pub struct TypeCount {
 #[derive(Debug, Clone, Serialize)]
 pub struct TokenizerInfo {
     pub model: Option<String>,
+    /// How Tessera tokenizes it: "byte-level BPE", "SentencePiece", or "unsupported".
+    pub kind: &'static str,
     pub pre: Option<String>,
     pub tokens: usize,
     pub merges: usize,
@@ -66,6 +68,12 @@ pub fn describe(g: &Gguf) -> Result<ModelInfo, BackendError> {
     }
     let str_key = |k: &str| g.get(k).and_then(Value::as_str).map(str::to_owned);
     let len_key = |k: &str| g.get(k).and_then(Value::as_array).map_or(0, <[Value]>::len);
+    let model = str_key("tokenizer.ggml.model");
+    let kind = match model.as_deref() {
+        Some("gpt2") => "byte-level BPE",
+        Some("llama") => "SentencePiece",
+        _ => "unsupported",
+    };
     Ok(ModelInfo {
         path: g.path().display().to_string(),
         gguf_version: g.version,
@@ -85,7 +93,8 @@ pub fn describe(g: &Gguf) -> Result<ModelInfo, BackendError> {
         tensor_bytes: tensor_types.values().map(|c| c.bytes).sum(),
         tensor_types,
         tokenizer: TokenizerInfo {
-            model: str_key("tokenizer.ggml.model"),
+            model,
+            kind,
             pre: str_key("tokenizer.ggml.pre"),
             tokens: len_key("tokenizer.ggml.tokens"),
             merges: len_key("tokenizer.ggml.merges"),
@@ -138,8 +147,9 @@ impl ModelInfo {
         let t = &self.tokenizer;
         let _ = writeln!(
             s,
-            "  tokenizer:     {} (pre-tokenizer {}), {} tokens, {} merges, bos {}, eos {}, add bos {}",
+            "  tokenizer:     {} ({}, pre-tokenizer {}), {} tokens, {} merges, bos {}, eos {}, add bos {}",
             t.model.as_deref().unwrap_or("-"),
+            t.kind,
             t.pre.as_deref().unwrap_or("-"),
             t.tokens,
             t.merges,

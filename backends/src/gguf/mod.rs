@@ -9,6 +9,7 @@
 pub mod hf;
 pub mod info;
 pub use tessera_quant as quant;
+pub mod spm;
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -32,6 +32,32 @@ impl Writer {
         self
     }
 
+    pub fn meta_bool(mut self, key: &str, value: bool) -> Writer {
+        self.metadata.push((key.into(), 7, vec![value.into()]));
+        self
+    }
+
+    /// An array of values of GGUF type `ty`, each already encoded.
+    pub fn meta_array(mut self, key: &str, ty: u32, values: &[Vec<u8>]) -> Writer {
+        let mut out = ty.to_le_bytes().to_vec();
+        out.extend_from_slice(&(values.len() as u64).to_le_bytes());
+        values.iter().for_each(|v| out.extend_from_slice(v));
+        self.metadata.push((key.into(), 9, out));
+        self
+    }
+
+    pub fn meta_strs(self, key: &str, values: &[String]) -> Writer {
+        self.meta_array(key, 8, &values.iter().map(|s| gguf_string(s)).collect::<Vec<_>>())
+    }
+
+    pub fn meta_f32s(self, key: &str, values: &[f32]) -> Writer {
+        self.meta_array(key, 6, &values.iter().map(|v| v.to_le_bytes().to_vec()).collect::<Vec<_>>())
+    }
+
+    pub fn meta_i32s(self, key: &str, values: &[i32]) -> Writer {
+        self.meta_array(key, 5, &values.iter().map(|v| v.to_le_bytes().to_vec()).collect::<Vec<_>>())
+    }
+
     pub fn tensor(mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> Writer {
         self.tensors.push((name.into(), dims.to_vec(), ty, data));
         self
@@ -439,4 +465,157 @@ fn smollm2_vocabulary_tokenizes_as_llama_cpp() {
         assert_eq!(tok.decode(&got).expect("decode"), s, "decode(encode(s)) == s");
     }
     assert!(wrong.is_empty(), "{} of {} strings differ:\n{}", wrong.len(), cases.len(), wrong.join("\n"));
+}
+
+/// A SentencePiece-style (`llama`) vocabulary tokenizes as llama.cpp does: a tiny GGUF
+/// with a SentencePiece BPE vocabulary trained for the test, and ids recorded from
+/// llama.cpp's own tokenizer on that file (tests/fixtures/tokenizer/make-llama-spm.py
+/// says how) for 251 strings — ASCII, digits, whitespace runs, code, accents, CJK,
+/// emoji and other bytes outside the vocabulary, special tokens in the text.
+#[test]
+fn llama_spm_vocabulary_tokenizes_as_llama_cpp() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
+    let text = std::fs::read_to_string(dir.join("llama-spm-ids.json")).expect("the fixture");
+    let fixture: serde_json::Value = serde_json::from_str(&text).expect("fixture JSON");
+    let model = dir.join("llama-spm.gguf");
+    let tok = crate::tokenizer::TextTokenizer::from_gguf(&model).expect("tokenizer");
+    let vocab = spm::SpmVocab::from_gguf(&Gguf::open(&model).expect("the GGUF")).expect("vocabulary");
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().expect("ids").iter().filter_map(serde_json::Value::as_u64).map(|v| v as u32).collect()
+    };
+    let cases = fixture["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 200);
+    let (mut wrong, mut round_trips) = (Vec::new(), 0);
+    for case in cases {
+        let s = case["text"].as_str().expect("text");
+        let (want, want_no_bos) = (ids(&case["llama_cpp"]), ids(&case["llama_cpp_no_bos"]));
+        let got_no_bos = tok.encode(s, false).expect("encode");
+        let got = tok.encode(s, true).expect("encode");
+        // Tessera adds no second BOS to a text that starts with one (llama.cpp does).
+        let want_with_bos = if want.starts_with(&[1, 1]) { &want[1..] } else { &want[..] };
+        if got_no_bos != want_no_bos || got != want_with_bos {
+            wrong.push(format!("{s:?}: llama.cpp {want:?}, ours {got:?}"));
+        }
+        // Text that is all pieces round-trips; special tokens get a space after them and
+        // control tokens render nothing, and a literal ▁ is a space (as in llama.cpp).
+        let special =
+            got_no_bos.iter().any(|&id| !matches!(vocab.kind(id), Some(spm::TokenKind::Normal | spm::TokenKind::Byte)));
+        if !special && !s.contains('▁') {
+            assert_eq!(tok.decode(&got).expect("decode"), s, "decode(encode({s:?}))");
+            round_trips += 1;
+        }
+        let mut stream = tok.stream_decoder();
+        let mut streamed = String::new();
+        for &id in &got {
+            streamed.push_str(&stream.push(id).expect("push").unwrap_or_default());
+        }
+        streamed.push_str(&stream.finish().expect("finish").unwrap_or_default());
+        assert_eq!(streamed, tok.decode(&got).expect("decode"), "streamed {s:?}");
+    }
+    assert!(wrong.is_empty(), "{} of {} strings differ:\n{}", wrong.len(), cases.len(), wrong.join("\n"));
+    assert!(round_trips >= 170, "only {round_trips} strings round-trip");
+}
+
+/// The fixture's second reference: the sentencepiece library on the model the vocabulary
+/// was trained as agrees with llama.cpp except where the text spells a special token
+/// (sentencepiece tokenizes `<s>` as text and knows nothing of the added tokens).
+#[test]
+fn sentencepiece_and_llama_cpp_differ_only_on_special_token_text() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
+    let text = std::fs::read_to_string(dir.join("llama-spm-ids.json")).expect("the fixture");
+    let fixture: serde_json::Value = serde_json::from_str(&text).expect("fixture JSON");
+    let specials = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "[[TOOL]]"];
+    let mut differ = 0;
+    for case in fixture["cases"].as_array().expect("cases") {
+        let s = case["text"].as_str().expect("text");
+        let same = case["llama_cpp"] == case["sentencepiece"];
+        assert_eq!(same, !specials.iter().any(|t| s.contains(t)), "{s:?}: {case}");
+        differ += usize::from(!same);
+    }
+    assert!(differ > 20, "the fixture exercises special tokens ({differ} strings)");
+}
+
+/// BOS per `tokenizer.ggml.add_bos_token`, EOS from the file, and bad vocabulary metadata
+/// refused by the tokenizer with the file named.
+#[test]
+fn llama_spm_bos_eos_and_refusals() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
+    let tok = crate::tokenizer::TextTokenizer::from_gguf(&dir.join("llama-spm.gguf")).expect("tokenizer");
+    assert_eq!((tok.bos_id(), tok.eos_ids()), (Some(1), vec![2]));
+    assert_eq!(tok.id_to_token(1).as_deref(), Some("<s>"));
+    assert_eq!(tok.token_to_id("<|im_end|>"), Some(2001));
+    assert_eq!(tok.vocab_size(), 2003);
+    let hi = tok.encode("hi", true).expect("encode");
+    assert_eq!(hi[0], 1);
+    assert_eq!(&hi[1..], tok.encode("hi", false).expect("encode"));
+    assert_eq!(tok.encode("<s>hi", true).expect("encode").iter().filter(|&&id| id == 1).count(), 1);
+    assert_eq!(tok.decode(&hi).expect("decode"), "hi");
+    // Control tokens render nothing; ids past the vocabulary decode to nothing.
+    assert_eq!(tok.decode(&[1, 2, 2000, u32::MAX]).expect("decode"), "");
+    assert!(tok.chat_template().is_some_and(|t| t.contains("[INST]")));
+
+    let bytes = std::fs::read(dir.join("llama-spm.gguf")).expect("the GGUF");
+    let g = Gguf::from_bytes(bytes, Path::new("llama-spm.gguf")).expect("parse");
+    let tmp = std::env::temp_dir().join(format!("tessera-spm-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).expect("tempdir");
+    let rewrite = |name: &str, edit: &dyn Fn(&mut Writer)| {
+        let mut w = Writer::new();
+        for (key, value) in g.metadata() {
+            if key != "general.alignment" {
+                w.metadata.push((key.clone(), 0, Vec::new()));
+                encode_value(value, w.metadata.last_mut().expect("pushed"));
+            }
+        }
+        for t in g.tensors() {
+            w = w.tensor(&t.name, &t.dims, t.ty, g.tensor_bytes(t).to_vec());
+        }
+        edit(&mut w);
+        let path = tmp.join(name);
+        std::fs::write(&path, w.bytes()).expect("write");
+        path
+    };
+    let no_bos = rewrite("no-bos.gguf", &|w| {
+        w.metadata.retain(|(k, _, _)| k != "tokenizer.ggml.add_bos_token");
+        w.metadata.push(("tokenizer.ggml.add_bos_token".into(), 7, vec![0]));
+    });
+    let t = crate::tokenizer::TextTokenizer::from_gguf(&no_bos).expect("tokenizer");
+    assert_eq!(t.bos_id(), None);
+    assert_eq!(t.encode("hi", true).expect("encode"), tok.encode("hi", false).expect("encode"));
+    let short_scores = rewrite("short-scores.gguf", &|w| {
+        let (_, _, v) = w.metadata.iter_mut().find(|(k, _, _)| k == "tokenizer.ggml.scores").expect("scores");
+        // One score (type u32, count u64, one f32) for 2003 tokens.
+        v[4..12].copy_from_slice(&1u64.to_le_bytes());
+        v.truncate(16);
+    });
+    let err = crate::tokenizer::TextTokenizer::from_gguf(&short_scores).expect_err("refused").to_string();
+    assert!(err.contains("short-scores.gguf") && err.contains("1 scores for 2003 tokens"), "{err}");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// Encodes a parsed metadata value back (type id and bytes), for rewriting a file.
+fn encode_value(value: &Value, slot: &mut (String, u32, Vec<u8>)) {
+    fn body(value: &Value) -> (u32, Vec<u8>) {
+        match value {
+            Value::U8(v) => (0, vec![*v]),
+            Value::I8(v) => (1, v.to_le_bytes().to_vec()),
+            Value::U16(v) => (2, v.to_le_bytes().to_vec()),
+            Value::I16(v) => (3, v.to_le_bytes().to_vec()),
+            Value::U32(v) => (4, v.to_le_bytes().to_vec()),
+            Value::I32(v) => (5, v.to_le_bytes().to_vec()),
+            Value::F32(v) => (6, v.to_le_bytes().to_vec()),
+            Value::Bool(v) => (7, vec![u8::from(*v)]),
+            Value::Str(s) => (8, gguf_string(s)),
+            Value::Array(items) => {
+                let ty = items.first().map_or(4, |v| body(v).0);
+                let mut out = ty.to_le_bytes().to_vec();
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                items.iter().for_each(|v| out.extend_from_slice(&body(v).1));
+                (9, out)
+            }
+            Value::U64(v) => (10, v.to_le_bytes().to_vec()),
+            Value::I64(v) => (11, v.to_le_bytes().to_vec()),
+            Value::F64(v) => (12, v.to_le_bytes().to_vec()),
+        }
+    }
+    (slot.1, slot.2) = body(value);
 }
