@@ -494,4 +494,6 @@ impl Reader<'_> {
 }
 
 #[cfg(test)]
+mod fuzz_tests;
+#[cfg(test)]
 mod tests;
