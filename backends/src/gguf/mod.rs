@@ -336,6 +336,24 @@ impl Gguf {
                 }
             }
         }
+        // Tensors may not share bytes (llama.cpp lays them out one after another): a
+        // tensor dequantizes to a few times its bytes, so loading stays proportional to
+        // the file; overlapping infos would multiply it by the number of tensors.
+        let mut spans: Vec<(u64, u64, usize)> =
+            tensors.iter().enumerate().map(|(i, t)| (t.offset, t.offset + t.size, i)).collect();
+        spans.sort_unstable();
+        for pair in spans.windows(2) {
+            let ((start, end, first), (next, _, second)) = (pair[0], pair[1]);
+            if next < end {
+                return Err(GgufError::Tensor {
+                    name: tensors[second].name.clone(),
+                    what: format!(
+                        "its data at offset {next} overlaps tensor {:?}'s (data offsets {start}..{end})",
+                        tensors[first].name
+                    ),
+                });
+            }
+        }
         Ok(Gguf { path: path.to_owned(), bytes, version, alignment, metadata, tensors, by_name, data_start })
     }
 
@@ -489,5 +507,7 @@ impl Reader<'_> {
     }
 }
 
+#[cfg(test)]
+mod fuzz_tests;
 #[cfg(test)]
 mod tests;

@@ -202,6 +202,35 @@ fn damaged_headers_get_clear_errors() {
     assert!(parse(w.bytes()).unwrap_err().to_string().contains("unknown value type 42"));
 }
 
+/// Tensor infos may not share data: each dequantizes to its own buffer on load, so N
+/// infos over one blob made a file cost N times its size in memory: quadratic, a 1 MB
+/// file of such infos (half ~60-byte infos, half Q4_0 data) would ask
+/// `Checkpoint::from_gguf` for about 30 GB.
+#[test]
+fn overlapping_tensor_data_is_refused() {
+    let w = sample().tensor("blk.0.attn_q.weight", &[32, 4], GgmlType::Q4_0, vec![0; 72]).tensor(
+        "blk.1.attn_q.weight",
+        &[32, 4],
+        GgmlType::Q4_0,
+        vec![0; 72],
+    );
+    let good = w.bytes();
+    assert!(parse(good.clone()).is_ok(), "adjacent tensors parse");
+    let offset_of = |bytes: &[u8], name: &str| find_tensor_type_offset(bytes, name) + 4;
+    for (reuse, expect) in [(0u64, "overlaps"), (32, "overlaps")] {
+        let mut bytes = good.clone();
+        let first = offset_of(&bytes, "blk.0.attn_q.weight");
+        let base = u64::from_le_bytes(bytes[first..first + 8].try_into().expect("8 bytes"));
+        let at = offset_of(&bytes, "blk.1.attn_q.weight");
+        bytes[at..at + 8].copy_from_slice(&(base + reuse).to_le_bytes());
+        let e = parse(bytes).unwrap_err();
+        assert!(
+            matches!(&e, GgufError::Tensor { name, what } if name == "blk.1.attn_q.weight" && what.contains(expect)),
+            "{e}"
+        );
+    }
+}
+
 /// Where the type id of tensor `name` sits in a [`Writer`]'s bytes.
 fn find_tensor_type_offset(bytes: &[u8], name: &str) -> usize {
     let needle = gguf_string(name);
