@@ -42,6 +42,13 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, bias: Option<WSlice>, m: us
         }
     } else if m <= small_batch::MAX_M && small_batch::available() {
         small_batch::linear(out, x, w, m, n, k);
+    } else if matches!(w, WSlice::Quant(..)) && small_batch::available() {
+        // Prefill on quantized weights: the AVX-512 kernel in slabs of 64 rows (the
+        // `gemm` crate runs AVX2 kernels only), each weight group dequantized once per
+        // slab.
+        for (o, xs) in out.chunks_mut(small_batch::MAX_M * n).zip(x[..m * k].chunks(small_batch::MAX_M * k)) {
+            small_batch::linear(o, xs, w, xs.len() / k, n, k);
+        }
     } else {
         match w {
             WSlice::F32(w) => gemm_f32(out, x, w, m, n, k),

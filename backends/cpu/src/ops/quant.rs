@@ -121,7 +121,7 @@ pub fn linear(out: &mut [f32], x: &[f32], ty: GgmlType, w: &[u8], m: usize, n: u
     let acts = QActs::new(x, m, k);
     let threads = rayon::current_num_threads().max(1);
     // Enough chunks to balance, each large enough to amortise the task overhead.
-    let chunk = n.div_ceil(threads * 8).clamp((32768 / k).clamp(1, 64), 64);
+    let chunk = n.div_ceil(threads * 8).clamp((8192 / k).clamp(1, 64), 64);
     let optr = SendPtr(out.as_mut_ptr());
     for i0 in (0..m).step_by(MAX_M) {
         let mm = MAX_M.min(m - i0);
@@ -311,17 +311,27 @@ mod x86 {
         }
     }
 
-    /// An f16 at `p` (unaligned) as f32.
+    /// How far ahead of the group being read the weights are prefetched.
+    const PREFETCH_BYTES: usize = 512;
+
+    /// The two f16 at `p` (unaligned) as f32: a block's scale and its min (or the next
+    /// two bytes, for blocks with one scale). Read as one 32-bit load: a 16-bit one
+    /// becomes `vpinsrw`, which merges into whatever register the compiler picks — at
+    /// times the accumulator, chaining every group to the one before.
     #[inline(always)]
-    unsafe fn f16_at(p: *const u8) -> f32 {
-        // SAFETY: the caller guarantees 2 readable bytes at p; callers enable f16c.
-        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32))) }
+    unsafe fn f16x2_at(p: *const u8) -> (f32, f32) {
+        // SAFETY: the caller guarantees 4 readable bytes at p (every block format has
+        // its scale first, and more than 4 bytes); callers enable f16c.
+        unsafe {
+            let v = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u32).read_unaligned() as i32));
+            (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+        }
     }
 
     /// Defines a row kernel for one instruction set: `$dot(u, qx)` sums `u * qx` (u
     /// unsigned bytes, qx signed bytes) into eight i32 lanes.
     macro_rules! row_kernel {
-        ($name:ident, $features:literal, $dot:ident) => {
+        ($name:ident, $features:literal, $vnni:literal) => {
             /// `out[r * M + i]` = weight row r of `w` (rows of `acts.blocks` groups of
             /// `ty`) dotted with activation row `i0 + i`, for every row of `w`.
             ///
@@ -337,40 +347,42 @@ mod x86 {
                 // ggml's block layouts; the row holds `acts.blocks` groups) or inside
                 // activation rows i0..i0 + M, per the contract.
                 unsafe {
-                    let mut acc = [_mm256_setzero_ps(); M];
-                    let mut corr = [0.0f32; M];
+                    let (mut acc, mut acc2) = ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
+                    let (mut corr, mut corr2) = ([0.0f32; M], [0.0f32; M]);
                     let wp = wrow.as_ptr();
-                    let (qp, dp, dsp) = (acts.q.as_ptr(), acts.d.as_ptr(), acts.ds.as_ptr());
                     let nb = acts.blocks;
                     // One loop per format, so the decode is straight-line code:
                     // `$blk` is the group's block, `$g` its index; `$decode` gives the
                     // codes, `$scales` the group's (dw, cw).
                     macro_rules! groups {
-                        (|$blk:ident, $g:ident| at = $at:expr, $decode:expr, $scales:expr, signed = $signed:expr) => {
-                            for $g in 0..nb {
-                                let $blk = wp.add($at);
-                                let w: __m256i = $decode;
-                                let (dw, cw): (f32, f32) = $scales;
-                                let u = if $signed { _mm256_sign_epi8(w, w) } else { w };
-                                for i in 0..M {
-                                    let b = (i0 + i) * nb + $g;
-                                    let mut qx = _mm256_loadu_si256(qp.add(b * QK) as *const __m256i);
-                                    if $signed {
-                                        qx = _mm256_sign_epi8(qx, w);
-                                    }
-                                    let s = _mm256_cvtepi32_ps($dot(u, qx));
-                                    acc[i] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * *dp.add(b)), acc[i]);
-                                    corr[i] += cw * *dsp.add(b);
-                                }
+                        (@one $blk:ident, $g:ident, $at:expr, $decode:expr, $scales:expr, $signed:expr, $acc:ident, $corr:ident) => {{
+                            let $blk = wp.add($at);
+                            // The weights stream from memory once: ask for them early.
+                            _mm_prefetch::<_MM_HINT_T0>($blk.wrapping_add(PREFETCH_BYTES) as *const i8);
+                            let (dw, cw): (f32, f32) = $scales;
+                            accumulate::<M, $signed, $vnni>($decode, dw, cw, &acts, i0, $g, &mut $acc, &mut $corr);
+                        }};
+                        (|$blk:ident, $g:ident| at = $at:expr, $decode:expr, $scales:expr, signed = $signed:expr) => {{
+                            // Two groups per iteration into two sets of accumulators:
+                            // two dependency chains instead of one.
+                            let mut $g = 0;
+                            while $g + 1 < nb {
+                                groups!(@one $blk, $g, $at, $decode, $scales, $signed, acc, corr);
+                                $g += 1;
+                                groups!(@one $blk, $g, $at, $decode, $scales, $signed, acc2, corr2);
+                                $g += 1;
                             }
-                        };
+                            if $g < nb {
+                                groups!(@one $blk, $g, $at, $decode, $scales, $signed, acc, corr);
+                            }
+                        }};
                     }
                     match ty {
                         GgmlType::Q4_0 => groups!(
                             |blk, g| at = g * bb,
                             nibbles(blk.add(2)),
                             {
-                                let d = f16_at(blk);
+                                let d = f16x2_at(blk).0;
                                 (d, -8.0 * d)
                             },
                             signed = false
@@ -378,7 +390,7 @@ mod x86 {
                         GgmlType::Q4_1 => groups!(
                             |blk, g| at = g * bb,
                             nibbles(blk.add(4)),
-                            (f16_at(blk), f16_at(blk.add(2))),
+                            f16x2_at(blk),
                             signed = false
                         ),
                         GgmlType::Q5_0 => groups!(
@@ -389,7 +401,7 @@ mod x86 {
                                 _mm256_or_si256(nibbles(blk.add(6)), fifth)
                             },
                             {
-                                let d = f16_at(blk);
+                                let d = f16x2_at(blk).0;
                                 (d, -16.0 * d)
                             },
                             signed = false
@@ -401,13 +413,13 @@ mod x86 {
                                 let fifth = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
                                 _mm256_or_si256(nibbles(blk.add(8)), fifth)
                             },
-                            (f16_at(blk), f16_at(blk.add(2))),
+                            f16x2_at(blk),
                             signed = false
                         ),
                         GgmlType::Q8_0 => groups!(
                             |blk, g| at = g * bb,
                             _mm256_loadu_si256(blk.add(2) as *const __m256i),
-                            (f16_at(blk), 0.0),
+                            (f16x2_at(blk).0, 0.0),
                             signed = true
                         ),
                         GgmlType::Q4K => groups!(
@@ -421,14 +433,16 @@ mod x86 {
                             {
                                 let scales = std::slice::from_raw_parts(blk.add(4), 12);
                                 let (sc, mn) = tessera_quant::scale_min_k4(g % 8, scales);
-                                (f16_at(blk) * sc as f32, -f16_at(blk.add(2)) * mn as f32)
+                                let (d, dmin) = f16x2_at(blk);
+                                (d * sc as f32, -dmin * mn as f32)
                             },
                             signed = false
                         ),
                         other => unreachable!("{other} has no integer kernel"),
                     }
                     for i in 0..M {
-                        let v = acc[i];
+                        let v = _mm256_add_ps(acc[i], acc2[i]);
+                        corr[i] += corr2[i];
                         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
                         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
                         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -455,8 +469,40 @@ mod x86 {
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, qx) }
     }
 
-    row_kernel!(row_dot_avx2, "avx2,fma,f16c", dot_avx2);
-    row_kernel!(row_dot_vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", dot_vnni);
+    /// One group's contribution to activation rows `i0..i0 + M`: `w` are its codes
+    /// (signed bytes when `SIGNED`, else unsigned), `dw` and `cw` its scales.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate<const M: usize, const SIGNED: bool, const VNNI: bool>(
+        w: __m256i,
+        dw: f32,
+        cw: f32,
+        acts: &QActs,
+        i0: usize,
+        g: usize,
+        acc: &mut [__m256; M],
+        corr: &mut [f32; M],
+    ) {
+        // SAFETY: the caller (a row kernel) guarantees activation rows i0..i0 + M exist
+        // and g < acts.blocks; register intrinsics need the caller's features.
+        unsafe {
+            let u = if SIGNED { _mm256_sign_epi8(w, w) } else { w };
+            for i in 0..M {
+                let b = (i0 + i) * acts.blocks + g;
+                let mut qx = _mm256_loadu_si256(acts.q.as_ptr().add(b * QK) as *const __m256i);
+                if SIGNED {
+                    qx = _mm256_sign_epi8(qx, w);
+                }
+                let sums = if VNNI { dot_vnni(u, qx) } else { dot_avx2(u, qx) };
+                let s = _mm256_cvtepi32_ps(sums);
+                acc[i] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * *acts.d.get_unchecked(b)), acc[i]);
+                corr[i] += cw * *acts.ds.get_unchecked(b);
+            }
+        }
+    }
+
+    row_kernel!(row_dot_avx2, "avx2,fma,f16c", false);
+    row_kernel!(row_dot_vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", true);
 }
 
 #[cfg(test)]
