@@ -11,6 +11,7 @@ use serde_json::json;
 
 use super::{Gguf, GgufError, TensorInfo, Value};
 use crate::config::{HfConfig, RopeScaling, TokenIds};
+use crate::dtype::GgmlTypeExt;
 
 /// Architectures read from GGUF, with their Hugging Face names.
 const ARCHES: [(&str, &str); 2] = [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")];
@@ -83,13 +84,24 @@ pub fn hf_config(g: &Gguf) -> Result<HfConfig, GgufError> {
             return Err(meta_err(&k("rope.scaling.type"), format!("{other:?} is not supported (supported: linear)")));
         }
     };
-    if g.tensor("rope_freqs.weight").is_some() {
-        return Err(GgufError::Tensor {
-            name: "rope_freqs.weight".into(),
-            what: "per-dimension rope frequencies (Llama 3.1-style scaling) are not supported yet".into(),
-        });
-    }
     let head_dim = usize_key(g, &k("attention.key_length"))?;
+    let rope_theta = f32_key(g, &k("rope.freq_base"))?.unwrap_or(10_000.0);
+    let rope_scaling = match g.tensor("rope_freqs.weight") {
+        None => rope_scaling,
+        Some(info) => {
+            let fail = |what: String| GgufError::Tensor { name: "rope_freqs.weight".into(), what };
+            let dim = head_dim.unwrap_or(hidden / num_heads.max(1));
+            if info.elements() != (dim / 2) as u64 || info.ty.float().is_none() {
+                return Err(fail(format!(
+                    "expected {} float values (head_dim / 2), found {} of {}",
+                    dim / 2,
+                    info.elements(),
+                    info.ty
+                )));
+            }
+            llama3_from_rope_factors(&g.tensor_f32(info), rope_theta, dim).map_err(fail)?
+        }
+    };
     let id = |key: &str| -> Result<Option<u32>, GgufError> {
         usize_key(g, key)?.map(|v| u32::try_from(v).map_err(|_| meta_err(key, format!("{v} is too large")))).transpose()
     };
@@ -103,7 +115,7 @@ pub fn hf_config(g: &Gguf) -> Result<HfConfig, GgufError> {
         head_dim,
         vocab_size,
         rms_norm_eps: f32_key(g, &k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
-        rope_theta: f32_key(g, &k("rope.freq_base"))?.unwrap_or(10_000.0),
+        rope_theta,
         rope_scaling,
         max_position_embeddings: usize_key(g, &k("context_length"))?.unwrap_or(2048),
         tie_word_embeddings: g.tensor("output.weight").is_none(),
@@ -146,6 +158,85 @@ pub fn hf_name(name: &str) -> Option<String> {
         _ => return None,
     };
     matches!(kind, "weight" | "bias").then(|| format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+/// Llama 3's rope scaling from the per-dimension factors llama.cpp's converter stores in
+/// `rope_freqs.weight` (frequency `i` is divided by `factors[i]`): `factor` is the
+/// largest, and the dimensions between the unscaled and the fully scaled ones lie on
+/// the line `s = (old / wavelength - low) / (high - low)` that Llama 3's
+/// `_compute_llama3_parameters` interpolates along. Only the ratios of `old`, `low` and
+/// `high` shape the factors, so `old` is taken as 8192 (Llama 3.1's) and the other two
+/// fitted. The result is checked by recomputing every factor; anything else is refused.
+pub fn llama3_from_rope_factors(factors: &[f32], theta: f32, head_dim: usize) -> Result<Option<RopeScaling>, String> {
+    const OLD: f32 = 8192.0;
+    let factor = factors.iter().copied().fold(f32::NAN, f32::max);
+    if !(factor.is_finite() && factors.iter().all(|&r| r.is_finite() && r >= 1.0 - 1e-6)) {
+        return Err("rope factors must be finite and at least 1".into());
+    }
+    if factor <= 1.0 + 1e-6 {
+        return Ok(None);
+    }
+    let wavelength = |i: usize| 2.0 * std::f64::consts::PI * (theta as f64).powf(2.0 * i as f64 / head_dim as f64);
+    let near = |a: f32, b: f32| (a - b).abs() <= 1e-4 * b;
+    // s of each dimension strictly between the two plateaus, against 1 / wavelength.
+    let mut points = Vec::new();
+    for (i, &r) in factors.iter().enumerate() {
+        if !near(r, 1.0) && !near(r, factor) {
+            let s = (1.0 / r as f64 - 1.0 / factor as f64) / (1.0 - 1.0 / factor as f64);
+            points.push((1.0 / wavelength(i), s));
+        }
+    }
+    // s = a / wavelength + b, so that s = 0 at old / low and s = 1 at old / high.
+    let (a, b) = if points.len() >= 2 {
+        let n = points.len() as f64;
+        let (mx, my) = (points.iter().map(|p| p.0).sum::<f64>() / n, points.iter().map(|p| p.1).sum::<f64>() / n);
+        let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        let sxx: f64 = points.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+        let a = sxy / sxx;
+        (a, my - a * mx)
+    } else {
+        // No slope to fit: put s = 0 and s = 1 just inside the plateaus' last dimensions.
+        let last_unscaled = factors.iter().rposition(|&r| near(r, 1.0));
+        let first_scaled = factors.iter().position(|&r| near(r, factor));
+        let (Some(hi_i), Some(lo_i)) = (last_unscaled, first_scaled) else {
+            return Err("rope factors have no unscaled or no fully scaled dimension".into());
+        };
+        let (x1, x0) = (1.0 / wavelength(hi_i) * 0.999, 1.0 / wavelength(lo_i) * 1.001);
+        let a = 1.0 / (x1 - x0);
+        (a, -a * x0)
+    };
+    let span = OLD as f64 / a;
+    let low = -b * span;
+    let high = low + span;
+    let scaling = RopeScaling {
+        rope_type: "llama3".into(),
+        factor,
+        low_freq_factor: low as f32,
+        high_freq_factor: high as f32,
+        original_max_position_embeddings: Some(OLD as u32),
+    };
+    if !(a.is_finite() && a > 0.0 && low > 0.0 && high > low) {
+        return Err(format!("rope factors {factors:?} do not follow Llama 3's scaling"));
+    }
+    // Every factor as the kernels will compute it.
+    for (i, &r) in factors.iter().enumerate() {
+        let wl = wavelength(i) as f32;
+        let inv = if wl < OLD / high as f32 {
+            1.0
+        } else if wl > OLD / low as f32 {
+            1.0 / factor
+        } else {
+            let s = (OLD / wl - low as f32) / (high as f32 - low as f32);
+            (1.0 - s) / factor + s
+        };
+        if (1.0 / inv - r).abs() > 2e-3 * r {
+            return Err(format!(
+                "rope factor {i} is {r} but Llama 3's scaling that fits the others gives {}: not Llama 3's scaling",
+                1.0 / inv
+            ));
+        }
+    }
+    Ok(Some(scaling))
 }
 
 /// The number of heads whose rows of `info` llama.cpp permuted (`None`: not permuted).

@@ -648,3 +648,46 @@ fn encode_value(value: &Value, slot: &mut (String, u32, Vec<u8>)) {
     }
     (slot.1, slot.2) = body(value);
 }
+
+/// `rope_freqs.weight` as llama.cpp's converter writes it for Llama 3 (`LlamaModel`'s
+/// `generate_extra_tensors`), in f32 as stored.
+fn converter_rope_factors(theta: f64, head_dim: usize, factor: f64, low: f64, high: f64, old: f64) -> Vec<f32> {
+    let (low_wl, high_wl) = (old / low, old / high);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+            let wl = 2.0 * std::f64::consts::PI / freq;
+            if wl < high_wl {
+                1.0
+            } else if wl > low_wl {
+                factor as f32
+            } else {
+                let smooth = (old / wl - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
+    // Llama 3.1 (8B, 70B) and Llama 3.2 (1B, 3B): theta 500000, head_dim 128 / 64.
+    for (head_dim, factor) in [(128, 8.0), (64, 32.0), (128, 32.0)] {
+        let factors = converter_rope_factors(500_000.0, head_dim, factor, 1.0, 4.0, 8192.0);
+        let s = hf::llama3_from_rope_factors(&factors, 500_000.0, head_dim).unwrap().expect("scaled");
+        assert_eq!((s.rope_type.as_str(), s.factor), ("llama3", factor as f32));
+        // The boundaries (old / low, old / high) are what shape the factors.
+        let (lo_wl, hi_wl) = (8192.0 / s.low_freq_factor, 8192.0 / s.high_freq_factor);
+        assert!((lo_wl / 8192.0 - 1.0).abs() < 1e-3 && (hi_wl / 2048.0 - 1.0).abs() < 1e-3, "{s:?}");
+    }
+    // No scaling at all.
+    assert!(hf::llama3_from_rope_factors(&[1.0; 32], 10_000.0, 64).unwrap().is_none());
+    // Factors of another shape are refused, not approximated.
+    let mut bent = converter_rope_factors(500_000.0, 128, 8.0, 1.0, 4.0, 8192.0);
+    let mid = bent.iter().position(|&r| r > 1.0 && r < 8.0).unwrap();
+    bent[mid] *= 1.2;
+    let e = hf::llama3_from_rope_factors(&bent, 500_000.0, 128).unwrap_err();
+    assert!(e.contains("Llama 3's scaling"), "{e}");
+    assert!(hf::llama3_from_rope_factors(&[1.0, f32::NAN], 10_000.0, 4).is_err());
+    assert!(hf::llama3_from_rope_factors(&[0.5, 1.0], 10_000.0, 4).is_err());
+}
