@@ -140,7 +140,7 @@ impl<'a> WSlice<'a> {
             WSlice::Quant(q, b) => {
                 let (n, bb) = (q.block_elements() as usize, q.block_bytes() as usize);
                 assert!(start.is_multiple_of(n) && end.is_multiple_of(n), "{q} range {start}..{end} splits a block");
-                q.dequantize(&b[start / n * bb..end / n * bb], dst);
+                crate::ops::quant::dequantize(*q, &b[start / n * bb..end / n * bb], dst);
             }
         }
     }

@@ -70,6 +70,21 @@ impl Path {
     }
 }
 
+/// Dequantizes whole blocks of `ty` into `out` (as [`GgmlType::dequantize`], which it
+/// equals exactly): with AVX-512 for Q4_0, Q4_1 and Q8_0 — the prefill path converts
+/// every weight once per 64 prompt rows, so this is much of a quantized prefill's cost.
+pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    let (n, bb) = (ty.block_elements() as usize, ty.block_bytes() as usize);
+    assert_eq!(bytes.len() / bb * n, out.len(), "{ty}: whole blocks");
+    #[cfg(target_arch = "x86_64")]
+    if matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) && crate::simd::has_avx512() {
+        // SAFETY: avx512f was detected; `bytes` holds out.len() / 32 blocks of `ty`.
+        unsafe { x86::dequantize_avx512(ty, bytes, out) };
+        return;
+    }
+    ty.dequantize(bytes, out);
+}
+
 /// True when `ty` has an integer kernel here (every block format but Q6_K).
 pub fn supports(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::Q4K)
@@ -176,6 +191,8 @@ fn rows_dot(path: Path, ty: GgmlType, w: &[u8], acts: &QActs, i0: usize, mm: usi
         Path::Scalar => scalar::rows_dot(ty, w, acts, i0, mm, out),
         #[cfg(target_arch = "x86_64")]
         Path::Avx2 => simd!(row_dot_avx2),
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx512Vnni if matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) => simd!(row_dot_vnni_pairs),
         #[cfg(target_arch = "x86_64")]
         Path::Avx512Vnni => simd!(row_dot_vnni),
         #[cfg(not(target_arch = "x86_64"))]
@@ -312,7 +329,7 @@ mod x86 {
     }
 
     /// How far ahead of the group being read the weights are prefetched.
-    const PREFETCH_BYTES: usize = 512;
+    const PREFETCH_BYTES: usize = 4096;
 
     /// The two f16 at `p` (unaligned) as f32: a block's scale and its min (or the next
     /// two bytes, for blocks with one scale). Read as one 32-bit load: a 16-bit one
@@ -467,6 +484,186 @@ mod x86 {
     unsafe fn dot_vnni(u: __m256i, qx: __m256i) -> __m256i {
         // SAFETY: register-only intrinsic; callers enable avx512vnni and avx512vl.
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, qx) }
+    }
+
+    /// A Q4_0 / Q4_1 block pair's codes as one 512-bit vector in value order: group
+    /// `a`'s 32 values, then group `b`'s (`at`: the nibbles' offset in a block).
+    #[inline(always)]
+    unsafe fn nibble_pair(a: *const u8, b: *const u8, at: usize) -> __m512i {
+        // SAFETY: 16 readable bytes at a + at and b + at (the caller's block layout);
+        // callers enable avx512f/bw.
+        unsafe {
+            let q = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128(a.add(at) as *const __m128i)),
+                _mm_loadu_si128(b.add(at) as *const __m128i),
+                1,
+            );
+            let m4 = _mm256_set1_epi8(0x0f);
+            // lo = [a 0..16 | b 0..16], hi = [a 16..32 | b 16..32] (16-byte lanes).
+            let lo = _mm256_and_si256(q, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            let v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            // [a lo, b lo, a hi, b hi] -> [a lo, a hi, b lo, b hi]
+            _mm512_shuffle_i64x2(v, v, 0b11_01_10_00)
+        }
+    }
+
+    /// The f16 at `a` and at `b` (unaligned) as f32 lanes 0 and 1, and the f16 two
+    /// bytes after each (a block's min) as lanes 2 and 3.
+    #[inline(always)]
+    unsafe fn f16_pair(a: *const u8, b: *const u8) -> __m128 {
+        // SAFETY: 4 readable bytes at a and at b; callers enable f16c.
+        unsafe {
+            let x = _mm_cvtsi32_si128((a as *const u32).read_unaligned() as i32);
+            let x = _mm_insert_epi32(x, (b as *const u32).read_unaligned() as i32, 1);
+            // [da, ma, db, mb] -> [da, db, ma, mb]
+            _mm_shuffle_ps(_mm_cvtph_ps(x), _mm_cvtph_ps(x), 0b11_01_10_00)
+        }
+    }
+
+    /// The VNNI row kernel for Q4_0, Q4_1 and Q8_0 on 512-bit vectors: two groups per
+    /// `vpdpbusd`, their two scales spread over the vector's halves, the offsets and
+    /// mins (`cw * dx * sum(qx)`) summed two at a time. Same contract as the other row
+    /// kernels.
+    ///
+    /// # Safety
+    /// As for `row_dot_vnni`, and the CPU has avx512bw.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn row_dot_vnni_pairs<const M: usize>(ty: GgmlType, w: &[u8], acts: &QActs, i0: usize, out: &mut [f32]) {
+        let bb = ty.block_bytes() as usize;
+        let nb = acts.blocks;
+        let row_bytes = nb * bb;
+        // SAFETY: every load reads inside a block of the row (scales first; nibbles at
+        // 2 / 4, codes at 2) or inside activation rows i0..i0 + M; `out` holds M values
+        // per row.
+        unsafe {
+            // Lane i of the 16 takes group (i / 8) of a pair's scale.
+            let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            for (wrow, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(M)) {
+                let wp = wrow.as_ptr();
+                let mut acc = [_mm512_setzero_ps(); M];
+                let mut corr = [_mm_setzero_ps(); M];
+                let mut g = 0;
+                while g + 2 <= nb {
+                    let (a, b) = (wp.add(g * bb), wp.add((g + 1) * bb));
+                    _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(PREFETCH_BYTES) as *const i8);
+                    let scales = f16_pair(a, b);
+                    // Codes (unsigned) and, for Q8_0, the signs to move onto qx.
+                    let (u, neg, dw, cw) = match ty {
+                        GgmlType::Q8_0 => {
+                            let q = _mm512_inserti64x4(
+                                _mm512_castsi256_si512(_mm256_loadu_si256(a.add(2) as *const __m256i)),
+                                _mm256_loadu_si256(b.add(2) as *const __m256i),
+                                1,
+                            );
+                            (_mm512_abs_epi8(q), _mm512_movepi8_mask(q), scales, _mm_setzero_ps())
+                        }
+                        GgmlType::Q4_0 => {
+                            let cw = _mm_mul_ps(scales, _mm_set1_ps(-8.0));
+                            (nibble_pair(a, b, 2), 0, scales, cw)
+                        }
+                        _ => (nibble_pair(a, b, 4), 0, scales, _mm_movehl_ps(scales, scales)),
+                    };
+                    for i in 0..M {
+                        let blk = (i0 + i) * nb + g;
+                        let mut qx = _mm512_loadu_si512(acts.q.as_ptr().add(blk * QK) as *const __m512i);
+                        if ty == GgmlType::Q8_0 {
+                            qx = _mm512_mask_sub_epi8(qx, neg, _mm512_setzero_si512(), qx);
+                        }
+                        let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, qx));
+                        // [dw_a * dx_a, dw_b * dx_b] spread over the halves.
+                        let dx = _mm_castpd_ps(_mm_load_sd(acts.d.as_ptr().add(blk) as *const f64));
+                        let s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(dw, dx)));
+                        acc[i] = _mm512_fmadd_ps(sums, s, acc[i]);
+                        let ds = _mm_castpd_ps(_mm_load_sd(acts.ds.as_ptr().add(blk) as *const f64));
+                        corr[i] = _mm_fmadd_ps(cw, ds, corr[i]);
+                    }
+                    g += 2;
+                }
+                let mut tail = [0.0f32; M];
+                if g < nb {
+                    // An odd group count: the last group on the 256-bit kernel's step.
+                    let blk = wp.add(g * bb);
+                    let (d, m) = f16x2_at(blk);
+                    let (code, dw, cw) = match ty {
+                        GgmlType::Q8_0 => (_mm256_loadu_si256(blk.add(2) as *const __m256i), d, 0.0),
+                        GgmlType::Q4_0 => (nibbles(blk.add(2)), d, -8.0 * d),
+                        _ => (nibbles(blk.add(4)), d, m),
+                    };
+                    let mut a = [_mm256_setzero_ps(); M];
+                    let mut c = [0.0f32; M];
+                    if ty == GgmlType::Q8_0 {
+                        accumulate::<M, true, true>(code, dw, cw, acts, i0, g, &mut a, &mut c);
+                    } else {
+                        accumulate::<M, false, true>(code, dw, cw, acts, i0, g, &mut a, &mut c);
+                    }
+                    for i in 0..M {
+                        tail[i] = hsum256(a[i]) + c[i];
+                    }
+                }
+                for i in 0..M {
+                    let c = corr[i];
+                    let c = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));
+                    out[i] = _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(c) + tail[i];
+                }
+            }
+        }
+    }
+
+    /// The sum of a vector's 8 lanes.
+    #[inline(always)]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        // SAFETY: register-only intrinsics; callers enable avx.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+        }
+    }
+
+    /// [`super::dequantize`] of Q4_0, Q4_1 or Q8_0 blocks: 16 values per vector.
+    ///
+    /// # Safety
+    /// The CPU has avx512f; `bytes` holds `out.len() / 32` blocks of `ty`.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub unsafe fn dequantize_avx512(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+        let bb = ty.block_bytes() as usize;
+        // SAFETY: each block's loads stay inside its `bb` bytes (scales first, then 16
+        // nibble bytes or 32 code bytes); each store writes 16 of its 32 outputs.
+        unsafe {
+            for (blk, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(QK)) {
+                let p = blk.as_ptr();
+                let (d, m) = f16x2_at(p);
+                let (lo, hi) = match ty {
+                    GgmlType::Q8_0 => {
+                        let q = |at: usize| {
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(at) as *const __m128i)))
+                        };
+                        let d = _mm512_set1_ps(d);
+                        (_mm512_mul_ps(q(2), d), _mm512_mul_ps(q(18), d))
+                    }
+                    _ => {
+                        let at = if ty == GgmlType::Q4_0 { 2 } else { 4 };
+                        let q = _mm_loadu_si128(p.add(at) as *const __m128i);
+                        let m4 = _mm_set1_epi8(0x0f);
+                        let u = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+                        let (lo, hi) = (u(_mm_and_si128(q, m4)), u(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
+                        // Q4_0: (u - 8) * d, exactly as the reference computes it.
+                        if ty == GgmlType::Q4_0 {
+                            let (eight, d) = (_mm512_set1_ps(8.0), _mm512_set1_ps(d));
+                            (_mm512_mul_ps(_mm512_sub_ps(lo, eight), d), _mm512_mul_ps(_mm512_sub_ps(hi, eight), d))
+                        } else {
+                            let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+                            // u * d + m with one rounding less than the reference would
+                            // differ: multiply, then add, as it does.
+                            (_mm512_add_ps(_mm512_mul_ps(lo, d), m), _mm512_add_ps(_mm512_mul_ps(hi, d), m))
+                        }
+                    }
+                };
+                _mm512_storeu_ps(y.as_mut_ptr(), lo);
+                _mm512_storeu_ps(y.as_mut_ptr().add(16), hi);
+            }
+        }
     }
 
     /// One group's contribution to activation rows `i0..i0 + M`: `w` are its codes
@@ -646,6 +843,22 @@ mod tests {
             for (r, id) in [4, 0, 2].into_iter().enumerate() {
                 assert_eq!(&out[r * hidden..][..hidden], &all[id * hidden..][..hidden], "{ty}");
             }
+        }
+    }
+
+    #[test]
+    fn simd_dequantization_equals_the_reference_exactly() {
+        let mut rng = Rng(17);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let bytes = random_row(ty, 32 * 7, &mut rng);
+            let (mut want, mut got) = (vec![0.0f32; 32 * 7], vec![f32::NAN; 32 * 7]);
+            ty.dequantize(&bytes, &mut want);
+            dequantize(ty, &bytes, &mut got);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{ty}"
+            );
         }
     }
 
