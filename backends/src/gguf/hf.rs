@@ -313,7 +313,8 @@ pub fn tokenizer_json(g: &Gguf) -> Result<String, GgufError> {
     let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
     let pre = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
     let pre_tokenizer = match pre {
-        "default" | "gpt2" => {
+        // llama.cpp names the GPT-2 regex `gpt-2`; `gpt2` is kept for files written that way.
+        "default" | "gpt2" | "gpt-2" => {
             json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
         }
         "smollm" => json!({"type": "Sequence", "pretokenizers": [
@@ -332,7 +333,7 @@ pub fn tokenizer_json(g: &Gguf) -> Result<String, GgufError> {
             return Err(meta_err(
                 "tokenizer.ggml.pre",
                 format!(
-                    "pre-tokenizer {other:?} is not supported (supported: default, gpt2, smollm, llama-bpe, qwen2)"
+                    "pre-tokenizer {other:?} is not supported (supported: default, gpt2, gpt-2, smollm, llama-bpe, qwen2)"
                 ),
             ));
         }
