@@ -897,3 +897,31 @@ fn model_reports_params_fingerprint_and_compat() {
     let why = compat_mismatch(&CompatInfo::of(&f32_model), &CompatInfo::of(&other)).expect("weights differ");
     assert!(why.starts_with("weights fingerprint "), "{why}");
 }
+
+/// A prompt that starts with a prefix the engine computed for an earlier request reuses
+/// that prefix's cached KV blocks (the first step computes only the rest), and its
+/// greedy tokens equal a fresh engine's that computes everything; its logits agree to
+/// rounding (the chunks differ, so the summation orders do).
+#[test]
+fn reused_prefixes_give_the_tokens_of_recomputed_ones() {
+    for arch in [SynthArch::Llama, SynthArch::Qwen2] {
+        let ck = TempCkpt::tiny("prefix-reuse", arch, 11, None, 1);
+        let vocab = load(ck.path(), None).config().vocab_size;
+        let system = tokens(48, 5, vocab); // three blocks of 16
+        let ask = |tail: u64| -> Vec<u32> { system.iter().copied().chain(tokens(9, tail, vocab)).collect() };
+        let mut warm = engine(ck.path(), 16, 64, 2048);
+        warm.add_request(1, &ask(100), greedy(6)).unwrap();
+        warm.run_to_completion().unwrap();
+        assert!(warm.pool().cached() >= 3, "the system prompt's blocks stay cached");
+        warm.add_request(2, &ask(200), greedy(12)).unwrap();
+        let first = warm.step().unwrap();
+        assert_eq!(first.tokens, 9, "only the 9 tokens after the cached 48 are computed");
+        let reused = by_id(warm.run_to_completion().unwrap());
+        let mut cold = engine(ck.path(), 16, 64, 2048);
+        cold.add_request(2, &ask(200), greedy(12)).unwrap();
+        let fresh = by_id(cold.run_to_completion().unwrap());
+        assert_eq!(reused[0].tokens, fresh[0].tokens, "{arch:?}: greedy tokens");
+        assert_close(&format!("{arch:?} logits"), &reused[0].logits, &fresh[0].logits, vocab, TOL);
+        assert_eq!(warm.pool().used(), 0);
+    }
+}

@@ -2,10 +2,15 @@
 //! carries the decode tokens of running sequences first, then prefill chunks (of
 //! sequences part-way through their prompt, then of new arrivals, in arrival order)
 //! under a token budget, so new requests join running batches. When KV blocks run out
-//! a decoding sequence preempts the latest arrival by recompute. The chip actor and the
+//! a decoding sequence preempts the latest arrival by recompute. A sequence that starts
+//! (or restarts) takes the leading blocks of its prompt that the pool still holds —
+//! sealed by a running sequence or cached after an ended one — and computes only the
+//! rest (prefix reuse; at least its last prompt token is always computed, so it has
+//! logits to sample from). The chip actor and the
 //! single-chip local engine of `tessera-chip-executor` (`tessera generate`) both drive
 //! this batcher over a `KvPool`: one scheduler, one block allocator.
 
+pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
 use crate::msg::{Finish, SamplingSpec, SeqRequest};
 use std::collections::{HashSet, VecDeque};
@@ -46,6 +51,8 @@ struct Seq {
     cached: usize,
     blocks: Vec<BlockRef>,
     hashes: Vec<u64>,
+    /// Leading positions whose KV came from the pool's cache, not computed here.
+    reused: usize,
     arrival: u64,
     sampling: SamplingSpec,
     /// The worker holds a sampler for it (kept across preemption, so a recomputed
@@ -66,6 +73,7 @@ impl Seq {
             cached: 0,
             blocks: Vec::new(),
             hashes: Vec::new(),
+            reused: 0,
             arrival,
             sampling: seq.sampling,
             sampler_live: false,
@@ -114,8 +122,11 @@ pub struct PlannedSeq {
     pub sample: bool,
     /// Create the sampler first: its spec and how many draws to skip (a replay).
     pub new_sampler: Option<(SamplingSpec, u64)>,
-    /// A prefill for a decode chip: stage each layer's KV of these positions.
+    /// A prefill for a decode chip: stage each layer's KV of positions
+    /// `stage_from..start_pos + tokens.len()` (from 0 on the first chunk after a reused
+    /// prefix, whose blocks the decode chip needs too).
     pub stage: bool,
+    pub stage_from: usize,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -195,6 +206,9 @@ pub struct Batcher {
     /// Prefills for decode chips that preemption took: a decode chip may be reading
     /// their blocks, so they are not recomputed here but handed back to the chip.
     dropped: Vec<(u64, Addr)>,
+    /// Prompt positions of sequences started since `take_prefix_stats`, and how many of
+    /// them came from the cache.
+    prefix_stats: (u64, u64),
 }
 
 impl Batcher {
@@ -207,7 +221,14 @@ impl Batcher {
             arrivals: 0,
             drop_samplers: Vec::new(),
             dropped: Vec::new(),
+            prefix_stats: (0, 0),
         }
+    }
+
+    /// (prompt positions started, positions of those reused from the cache) since the
+    /// last call: a chip's prefix hit rate.
+    pub fn take_prefix_stats(&mut self) -> (u64, u64) {
+        std::mem::take(&mut self.prefix_stats)
     }
 
     pub fn limits(&self) -> BatcherLimits {
@@ -253,9 +274,10 @@ impl Batcher {
         self.waiting.push_back(Seq::new(seq, self.arrivals, Mode::PrefillFor { kv_tokens }));
     }
 
-    /// Admits `seq` whose positions 0..kv_tokens a prefill chip computed: reserves (and
-    /// seals) their blocks now, all or nothing, and returns the slot of each position.
-    /// The sequence runs once `mark_received`.
+    /// Admits `seq` whose positions 0..kv_tokens a prefill chip computed: reserves their
+    /// blocks now, all or nothing, and returns the slot of each position. The sequence
+    /// runs once `mark_received`, which seals the blocks: until their KV has arrived no
+    /// other sequence may find them by hash.
     pub fn admit_received(&mut self, seq: SeqRequest, kv_tokens: usize, pool: &mut KvPool) -> Option<Vec<i32>> {
         let bs = self.limits.block_size;
         if kv_tokens == 0 || kv_tokens >= seq.tokens.len() || kv_tokens.div_ceil(bs) > pool.free() {
@@ -267,17 +289,19 @@ impl Batcher {
         for _ in 0..kv_tokens.div_ceil(bs) {
             s.blocks.push(pool.alloc(s.request_id)?);
         }
-        seal_full_blocks(&mut s, bs, pool);
         let slots = (0..kv_tokens).map(|pos| (s.blocks[pos / bs].slot as usize * bs + pos % bs) as i32).collect();
         self.running.push(s);
         Some(slots)
     }
 
-    /// A received sequence's KV is all in place: it may run.
-    pub fn mark_received(&mut self, request_id: u64) -> bool {
+    /// A received sequence's KV is all in place: its full blocks are sealed (now others
+    /// may reuse them) and it may run.
+    pub fn mark_received(&mut self, request_id: u64, pool: &mut KvPool) -> bool {
+        let bs = self.limits.block_size;
         match self.running.iter_mut().find(|s| s.request_id == request_id) {
             Some(s) if s.mode == (Mode::Receiving { ready: false }) => {
                 s.mode = Mode::Receiving { ready: true };
+                seal_full_blocks(s, bs, pool);
                 true
             }
             _ => false,
@@ -410,12 +434,23 @@ impl Batcher {
         // 3. New arrivals join, first come first served — unless this step had to
         // preempt: the freed blocks go to the running sequences, not back and forth.
         while !preempted && seqs_left > 0 && budget > 0 {
-            let Some(front) = self.waiting.front() else { break };
+            let Some(front) = self.waiting.front_mut() else { break };
+            let starting = front.cached == 0 && front.blocks.is_empty();
+            if starting {
+                reuse_prefix(front, bs, pool);
+            }
             let chunk = fit_chunk(front, front.pending().min(budget), bs, pool.free());
             if chunk == 0 {
+                // It waits without holding blocks: the running sequences may need them.
+                release_blocks(front, pool);
+                front.cached = 0;
                 break;
             }
             let Some(mut seq) = self.waiting.pop_front() else { break };
+            if starting {
+                self.prefix_stats.0 += seq.pending() as u64 + seq.cached as u64;
+                self.prefix_stats.1 += seq.reused as u64;
+            }
             planned.push(schedule(&mut seq, chunk, bs, pool));
             self.running.push(seq);
             budget -= chunk;
@@ -458,6 +493,11 @@ impl Batcher {
         out
     }
 
+    /// Prompt positions of `request_id` whose KV came from the cache (0 if unknown).
+    pub fn reused_tokens(&self, request_id: u64) -> usize {
+        self.running.iter().chain(&self.waiting).find(|s| s.request_id == request_id).map_or(0, |s| s.reused)
+    }
+
     /// Tokens still to be computed across all sequences (the chip's queue depth).
     pub fn queued_tokens(&self) -> usize {
         self.running.iter().chain(&self.waiting).map(|s| s.pending() + s.max_new.saturating_sub(s.new_tokens)).sum()
@@ -482,6 +522,27 @@ fn release_blocks(seq: &mut Seq, pool: &mut KvPool) {
         }
     }
     seq.hashes.clear();
+    seq.reused = 0;
+}
+
+/// Takes the leading full blocks of `seq`'s prompt that `pool` holds (never the block
+/// of the last position it must compute), and marks their positions cached.
+fn reuse_prefix(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
+    let compute_to = match seq.mode {
+        Mode::Local => seq.tokens.len(),
+        Mode::PrefillFor { kv_tokens } => kv_tokens,
+        Mode::Receiving { .. } => return,
+    };
+    let mut parent = None;
+    for block in seq.tokens[..compute_to.saturating_sub(1)].chunks_exact(bs) {
+        let hash = chained_block_hash(parent, block);
+        let Some(b) = pool.acquire(hash) else { break };
+        seq.blocks.push(b);
+        seq.hashes.push(hash);
+        parent = Some(hash);
+    }
+    seq.cached = seq.blocks.len() * bs;
+    seq.reused = seq.cached;
 }
 
 /// Reserves blocks for the next `n` pending tokens of `seq` and describes the chunk.
@@ -511,6 +572,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         sample: end == seq.tokens.len(),
         new_sampler,
         stage,
+        stage_from: if start == seq.reused { 0 } else { start },
     }
 }
 

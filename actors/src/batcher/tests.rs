@@ -6,11 +6,20 @@ fn limits(max_batch_tokens: usize, max_batch_seqs: usize, block_size: usize) -> 
     BatcherLimits { max_batch_tokens, max_batch_seqs, block_size, max_context: 1024 }
 }
 
+/// A request whose prompt shares no block with another request's (prefix reuse aside).
 fn seq(id: u64, prompt: usize, max_new: usize) -> SeqRequest {
+    let mut s = seq_of(id, (0..prompt as u32).map(|t| t % 50 + 3).collect(), max_new);
+    if let Some(first) = s.tokens.first_mut() {
+        *first = 100 + id as u32;
+    }
+    s
+}
+
+fn seq_of(id: u64, tokens: Vec<u32>, max_new: usize) -> SeqRequest {
     SeqRequest {
         request_id: id,
         req: Addr::new(HostId(0), 1000 + id),
-        tokens: (0..prompt as u32).map(|t| t % 50 + 3).collect(),
+        tokens,
         generated: 0,
         max_new_tokens: max_new,
         sampling: SamplingSpec { stop_token_ids: vec![2], ..SamplingSpec::greedy() },
@@ -90,11 +99,52 @@ fn full_blocks_are_sealed_with_chained_hashes_as_prefill_chunks_fill_them() {
     while b.has_work() {
         run_step(&mut b, &mut p);
     }
-    assert_eq!(
-        (p.used(), p.find(h0), p.find(h1)),
-        (0, None, None),
-        "a finished request frees and unindexes its blocks"
-    );
+    // 10 prompt + 2 generated tokens (the last sampled one is never written): 3 full blocks.
+    assert_eq!((p.used(), p.cached()), (0, 3), "a finished request releases its blocks; the sealed ones stay cached");
+    assert!(p.find(h0).is_some() && p.find(h1).is_some());
+}
+
+/// A prompt that starts with blocks the pool holds computes only the rest: blocks
+/// cached after a finished request, or sealed by one still running; never the block of
+/// its last token, which it must compute to sample.
+#[test]
+fn a_cached_prefix_is_reused_not_recomputed() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(16);
+    let system: Vec<u32> = (10..22).collect(); // three full blocks
+    let with = |tail: &[u32]| system.iter().chain(tail).copied().collect::<Vec<u32>>();
+    b.enqueue(seq_of(1, with(&[40, 41]), 1));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 0, 14, true)]);
+    assert_eq!((p.used(), p.cached()), (0, 3), "the three sealed blocks are cached");
+    // Same system prompt, another question: 12 of 15 positions come from the cache.
+    b.enqueue(seq_of(2, with(&[50, 51, 52]), 2));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(2, 12, 3, true)]);
+    assert_eq!(b.reused_tokens(2), 12);
+    // While 2 runs, 3 shares its sealed blocks; 3's prompt is exactly the system prompt,
+    // so its last block is computed again (its last token needs logits).
+    b.enqueue(seq_of(3, system.clone(), 1));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(2, 15, 1, true), (3, 8, 4, true)]);
+    assert_eq!(p.used(), 0);
+    // A different first block shares nothing, even with equal later blocks.
+    let mut other = system.clone();
+    other[0] = 99;
+    b.enqueue(seq_of(4, other, 1));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(4, 0, 12, true)]);
+}
+
+/// Reused blocks of a prefill for a decode chip are staged with the rest: the decode
+/// chip needs every block.
+#[test]
+fn a_prefill_for_a_decode_chip_stages_its_reused_prefix_too() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(16);
+    let prompt: Vec<u32> = (10..23).collect();
+    b.enqueue(seq_of(1, prompt.clone(), 1));
+    run_step(&mut b, &mut p);
+    b.enqueue_prefill(seq_of(2, prompt, 1), 12);
+    let plan = b.plan(&mut p).expect("a step");
+    let s = &plan.seqs[0];
+    assert_eq!((s.start_pos, s.tokens.len(), s.stage, s.stage_from), (8, 4, true, 0));
 }
 
 #[test]
@@ -219,7 +269,7 @@ fn received_sequence_waits_for_its_kv_then_samples_from_the_last_prompt_token() 
     assert_eq!(slots.len(), 9);
     assert_eq!(p.used(), 3, "ceil(9 / 4) blocks reserved at once");
     assert!(b.plan(&mut p).is_none(), "not runnable before its KV is in");
-    assert!(b.mark_received(1));
+    assert!(b.mark_received(1, &mut p));
     let (got, out) = run_step(&mut b, &mut p);
     assert_eq!(got, vec![(1, 9, 1, true)], "only the last prompt token runs here");
     assert_eq!(out.len(), 1);

@@ -514,8 +514,8 @@ impl Chip {
         if let Some(ready) = ready {
             self.handoffs.first_step.insert(request_id, ready);
         }
-        if let Some(b) = self.batcher.as_mut() {
-            b.mark_received(request_id);
+        if let (Some(b), Some(pool)) = (self.batcher.as_mut(), self.pool.as_mut()) {
+            b.mark_received(request_id, pool);
         }
         let _ = fx.send(prefill, Msg::KvDone { request_id });
         self.settle(fx);

@@ -121,6 +121,8 @@ impl Chip {
         };
         metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
         metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
+        let cached = self.pool.as_ref().map_or(0, KvPool::cached);
+        metrics::gauge!("tessera_kv_blocks_cached", "chip" => self.config.id.clone()).set(cached as f64);
         // The supervisor is on this host; it is only gone while the host shuts down.
         let _ = fx.send(self.config.supervisor, Msg::Report { report });
     }
@@ -190,6 +192,12 @@ impl Chip {
         };
         let panic_now = std::mem::take(&mut self.inject_panic);
         let plan = batcher.plan(pool);
+        let (prompt, reused) = batcher.take_prefix_stats();
+        if prompt > 0 {
+            let chip = self.config.id.clone();
+            metrics::counter!("tessera_prefix_prompt_tokens_total", "chip" => chip.clone()).increment(prompt);
+            metrics::counter!("tessera_prefix_reused_tokens_total", "chip" => chip).increment(reused);
+        }
         let dropped = batcher.take_dropped();
         self.prefills_dropped(dropped, fx);
         let Some(plan) = plan else {

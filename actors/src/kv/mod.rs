@@ -1,18 +1,25 @@
 //! A chip's KV pool: the chip's cache blocks as small state machines hosted in a slab
-//! (Free -> Writing -> Sealed{hash, refs} -> Free). A block is addressed by
-//! `BlockRef{chip, slot, generation}`; the generation changes every time a block is
+//! (Free -> Writing -> Sealed{hash, refs} -> Cached{hash} -> Free). A block is addressed
+//! by `BlockRef{chip, slot, generation}`; the generation changes every time a block is
 //! freed, so a stale reference is an error, never a silent hit on someone else's KV.
 //! The pool decides which device blocks a sequence uses; the chip's worker only writes
 //! and reads the slots it is told.
 //!
 //! A full block is sealed with its chained hash (its tokens hashed with the hash of the
 //! blocks before it), so equal hashes mean equal token prefixes: a sealed block can be
-//! shared by reference count and found by hash (`find`), which is what prefix reuse
-//! and KV-aware routing key on. Invariant: a block is free exactly when no sequence
-//! holds a reference to it, so a pool whose sequences all ended is all-free.
+//! shared by reference count and found by hash (`find`, `acquire`), which is what prefix
+//! reuse and KV-aware routing key on. When its last holder lets go, a sealed block stays
+//! cached — its KV intact, still found by hash — until a new block needs its place: then
+//! the least recently released cached block is evicted. Cached blocks count as free.
+//! Invariant: a block is held (`used`) exactly when a sequence holds a reference to it,
+//! so a pool whose sequences all ended has nothing in use.
+//!
+//! Every hash the pool starts or stops holding is an event ([`KvEvent`], numbered per
+//! chip from 1): the router's cluster index replays them, and a gap in the numbers
+//! tells it to resync from [`KvPool::snapshot`].
 
 use slab::Slab;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use tessera_actor_core::Addr;
 
 /// Hash of a full block given its parent's hash (None for a sequence's first block):
@@ -32,6 +39,19 @@ pub fn chained_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(&bytes)
 }
 
+/// The chained hashes of the full blocks of `tokens`, in order.
+pub fn prefix_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let mut parent = None;
+    tokens
+        .chunks_exact(block_size.max(1))
+        .map(|block| {
+            let h = chained_block_hash(parent, block);
+            parent = Some(h);
+            h
+        })
+        .collect()
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BlockRef {
     pub chip: Addr,
@@ -44,8 +64,29 @@ pub struct BlockRef {
 pub enum BlockState {
     /// Being filled by one sequence.
     Writing { owner: u64 },
-    /// Full, its tokens hashed (chained with the blocks before it).
+    /// Full, its tokens hashed (chained with the blocks before it), held by `refs`
+    /// sequences.
     Sealed { hash: u64, refs: u32 },
+    /// Sealed and held by nobody: kept for a later prompt with the same prefix until
+    /// its place is needed (`since` orders evictions, oldest first).
+    Cached { hash: u64, since: u64 },
+}
+
+/// A change in the set of block hashes a chip holds, numbered per chip (1, 2, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum KvEvent {
+    /// The chip now holds a block of this chained hash.
+    Stored { seq: u64, hash: u64 },
+    /// It holds none any more.
+    Removed { seq: u64, hash: u64 },
+}
+
+impl KvEvent {
+    pub fn seq(&self) -> u64 {
+        match self {
+            KvEvent::Stored { seq, .. } | KvEvent::Removed { seq, .. } => *seq,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -60,7 +101,12 @@ pub enum KvError {
     NotFull { chip: Addr, slot: u32, tokens: usize, block_size: usize },
     #[error("block {slot} of {chip} cannot be shared: it is not sealed")]
     NotSealed { chip: Addr, slot: u32 },
+    #[error("block {slot} of {chip} cannot be released: nobody holds it")]
+    NotHeld { chip: Addr, slot: u32 },
 }
+
+/// Events kept for a reader that does not drain them.
+const MAX_PENDING_EVENTS: usize = 1 << 16;
 
 #[derive(Debug)]
 pub struct KvPool {
@@ -70,9 +116,15 @@ pub struct KvPool {
     blocks: Slab<BlockState>,
     /// Per slot, including free ones: bumped on every free.
     generations: Vec<u32>,
-    /// Sealed blocks by chained hash, oldest seal first (equal prompts not yet sharing
-    /// their prefix seal equal hashes in several blocks).
+    /// Sealed and cached blocks by chained hash, oldest seal first (equal prompts not
+    /// yet sharing their prefix seal equal hashes in several blocks).
     by_hash: HashMap<u64, Vec<u32>>,
+    /// Cached blocks by release time: the first is evicted first.
+    lru: BTreeMap<u64, u32>,
+    clock: u64,
+    /// Events since the last `take_events`, and the number of the last one.
+    events: Vec<KvEvent>,
+    event_seq: u64,
 }
 
 impl KvPool {
@@ -85,6 +137,10 @@ impl KvPool {
             blocks: Slab::with_capacity(capacity),
             generations: vec![0; capacity],
             by_hash: HashMap::new(),
+            lru: BTreeMap::new(),
+            clock: 0,
+            events: Vec::new(),
+            event_seq: 0,
         }
     }
 
@@ -96,20 +152,35 @@ impl KvPool {
         self.block_size
     }
 
+    /// Blocks held by sequences (being written, or sealed and referenced).
     pub fn used(&self) -> usize {
-        self.blocks.len()
+        self.blocks.len() - self.lru.len()
     }
 
+    /// Blocks a sequence can take: never-used or freed ones, and cached ones.
     pub fn free(&self) -> usize {
-        self.capacity - self.blocks.len()
+        self.capacity - self.used()
     }
 
-    /// A free block, now Writing for `owner`; None when the pool is full.
+    /// Cached blocks: sealed, held by nobody, kept for reuse.
+    pub fn cached(&self) -> usize {
+        self.lru.len()
+    }
+
+    /// A free block, now Writing for `owner` (evicting the least recently released
+    /// cached block when no block is unused); None when every block is held.
     pub fn alloc(&mut self, owner: u64) -> Option<BlockRef> {
-        if self.blocks.len() >= self.capacity {
-            return None;
+        if self.blocks.len() < self.capacity {
+            let slot = self.blocks.insert(BlockState::Writing { owner });
+            return Some(self.block_ref(slot));
         }
-        let slot = self.blocks.insert(BlockState::Writing { owner });
+        let (_, slot) = self.lru.pop_first()?;
+        let slot = slot as usize;
+        if let BlockState::Cached { hash, .. } = self.blocks[slot] {
+            self.unindex(hash, slot as u32);
+        }
+        self.generations[slot] = self.generations[slot].wrapping_add(1);
+        self.blocks[slot] = BlockState::Writing { owner };
         Some(self.block_ref(slot))
     }
 
@@ -146,41 +217,64 @@ impl KvPool {
             BlockState::Writing { .. } => {
                 let hash = chained_block_hash(parent, tokens);
                 self.blocks[r.slot as usize] = BlockState::Sealed { hash, refs: 1 };
-                self.by_hash.entry(hash).or_default().push(r.slot);
+                let slots = self.by_hash.entry(hash).or_default();
+                slots.push(r.slot);
+                if slots.len() == 1 {
+                    self.event(|seq| KvEvent::Stored { seq, hash });
+                }
                 Ok(hash)
             }
-            BlockState::Sealed { .. } => Err(KvError::NotWriting { chip: self.chip, slot: r.slot }),
+            BlockState::Sealed { .. } | BlockState::Cached { .. } => {
+                Err(KvError::NotWriting { chip: self.chip, slot: r.slot })
+            }
         }
     }
 
-    /// One more holder of a sealed block (a sequence reusing that prefix).
+    /// One more holder of a sealed or cached block (a sequence reusing that prefix).
     pub fn share(&mut self, r: BlockRef) -> Result<(), KvError> {
         match self.check(r)? {
             BlockState::Sealed { hash, refs } => {
                 self.blocks[r.slot as usize] = BlockState::Sealed { hash, refs: refs + 1 };
                 Ok(())
             }
+            BlockState::Cached { hash, since } => {
+                self.lru.remove(&since);
+                self.blocks[r.slot as usize] = BlockState::Sealed { hash, refs: 1 };
+                Ok(())
+            }
             BlockState::Writing { .. } => Err(KvError::NotSealed { chip: self.chip, slot: r.slot }),
         }
     }
 
-    /// The oldest sealed block with chained hash `hash`, if one is held.
+    /// The oldest sealed or cached block with chained hash `hash`, if one is here.
     pub fn find(&self, hash: u64) -> Option<BlockRef> {
         let slot = *self.by_hash.get(&hash)?.first()?;
         Some(self.block_ref(slot as usize))
     }
 
-    /// Drops one reference; the block goes back to Free when none is left.
+    /// [`find`](Self::find) and [`share`](Self::share): a reference to a block holding
+    /// the prefix of `hash`, for a sequence that will read it instead of computing it.
+    pub fn acquire(&mut self, hash: u64) -> Option<BlockRef> {
+        let r = self.find(hash)?;
+        self.share(r).ok()?;
+        Some(r)
+    }
+
+    /// Drops one reference. A sealed block's last release caches it; a block being
+    /// written goes back to Free.
     pub fn release(&mut self, r: BlockRef) -> Result<(), KvError> {
         let slot = r.slot as usize;
         match self.check(r)? {
             BlockState::Sealed { hash, refs } if refs > 1 => {
                 self.blocks[slot] = BlockState::Sealed { hash, refs: refs - 1 };
             }
-            state => {
-                if let BlockState::Sealed { hash, .. } = state {
-                    self.unindex(hash, r.slot);
-                }
+            BlockState::Sealed { hash, .. } => {
+                self.clock += 1;
+                self.blocks[slot] = BlockState::Cached { hash, since: self.clock };
+                self.lru.insert(self.clock, r.slot);
+            }
+            BlockState::Cached { .. } => return Err(KvError::NotHeld { chip: self.chip, slot: r.slot }),
+            BlockState::Writing { .. } => {
                 self.blocks.remove(slot);
                 self.generations[slot] = self.generations[slot].wrapping_add(1);
             }
@@ -188,11 +282,50 @@ impl KvPool {
         Ok(())
     }
 
+    /// Frees every cached block (a chip that drops its cache, e.g. on a model change).
+    pub fn drop_cached(&mut self) {
+        while let Some((_, slot)) = self.lru.pop_first() {
+            if let BlockState::Cached { hash, .. } = self.blocks.remove(slot as usize) {
+                self.unindex(hash, slot);
+            }
+            self.generations[slot as usize] = self.generations[slot as usize].wrapping_add(1);
+        }
+    }
+
+    /// How many leading blocks of a prompt whose full blocks hash to `hashes` are here.
+    pub fn prefix_blocks(&self, hashes: &[u64]) -> usize {
+        hashes.iter().take_while(|h| self.by_hash.contains_key(h)).count()
+    }
+
+    /// The events since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Every hash held now and the number of the last event that got it there: a
+    /// resynchronising index starts from this and applies later events only.
+    pub fn snapshot(&self) -> (u64, Vec<u64>) {
+        let mut hashes: Vec<u64> = self.by_hash.keys().copied().collect();
+        hashes.sort_unstable();
+        (self.event_seq, hashes)
+    }
+
+    fn event(&mut self, make: impl FnOnce(u64) -> KvEvent) {
+        self.event_seq += 1;
+        if self.events.len() >= MAX_PENDING_EVENTS {
+            // Nobody is draining them: drop the older half. A reader then sees a gap in
+            // the numbers and resyncs from a snapshot.
+            self.events.drain(..MAX_PENDING_EVENTS / 2);
+        }
+        self.events.push(make(self.event_seq));
+    }
+
     fn unindex(&mut self, hash: u64, slot: u32) {
         if let Some(slots) = self.by_hash.get_mut(&hash) {
             slots.retain(|&s| s != slot);
             if slots.is_empty() {
                 self.by_hash.remove(&hash);
+                self.event(|seq| KvEvent::Removed { seq, hash });
             }
         }
     }
@@ -283,9 +416,49 @@ mod tests {
             assert_eq!((pool.used(), pool.find(hash)), (1, Some(a)), "still held, still found");
         }
         pool.release(a).unwrap();
-        assert_eq!((pool.used(), pool.find(hash)), (0, None), "the last release frees it and forgets its hash");
+        assert_eq!((pool.used(), pool.cached(), pool.free()), (0, 1, 2), "the last release caches it");
+        assert_eq!(pool.find(hash), Some(a), "a cached block is still found");
+        assert_eq!(pool.release(a), Err(KvError::NotHeld { chip: chip(16), slot: a.slot }), "nobody holds it");
+        assert_eq!(pool.acquire(hash), Some(a), "and taken again");
+        assert_eq!(pool.state(a), Ok(BlockState::Sealed { hash, refs: 1 }));
+        pool.release(a).unwrap();
+        pool.drop_cached();
+        assert_eq!((pool.used(), pool.cached(), pool.find(hash)), (0, 0, None));
         assert!(matches!(pool.state(a), Err(KvError::Stale { .. })));
         assert!(matches!(pool.share(a), Err(KvError::Stale { .. })), "a freed block cannot be shared");
+    }
+
+    #[test]
+    fn cached_blocks_are_evicted_least_recently_released_first() {
+        let mut pool = KvPool::new(chip(16), 3, 1);
+        let refs: Vec<BlockRef> = (0..3).map(|i| pool.alloc(i).unwrap()).collect();
+        let hashes: Vec<u64> =
+            refs.iter().zip([10u32, 20, 30]).map(|(&r, t)| pool.seal(r, None, &[t]).unwrap()).collect();
+        // Released in the order 1, 0, 2: block 1 is the first to go.
+        for i in [1, 0, 2] {
+            pool.release(refs[i]).unwrap();
+        }
+        assert_eq!((pool.used(), pool.free(), pool.cached()), (0, 3, 3));
+        let fresh = pool.alloc(9).unwrap();
+        assert_eq!(fresh.slot, refs[1].slot);
+        assert_ne!(fresh.generation, refs[1].generation, "the evicted block's refs go stale");
+        assert_eq!(pool.find(hashes[1]), None);
+        assert_eq!(pool.acquire(hashes[0]), Some(refs[0]), "a revived block leaves the eviction order");
+        let next = pool.alloc(9).unwrap();
+        assert_eq!(next.slot, refs[2].slot);
+        assert_eq!(pool.alloc(9), None, "every block is held");
+        let (seq, held) = pool.snapshot();
+        assert_eq!(held, vec![hashes[0]]);
+        let events = pool.take_events();
+        assert_eq!(events.last().map(KvEvent::seq), Some(seq));
+        let stored: Vec<u64> =
+            events.iter().filter(|&e| matches!(e, KvEvent::Stored { .. })).map(|e| e.seq()).collect();
+        assert_eq!(stored, vec![1, 2, 3]);
+        assert_eq!(
+            events[3..],
+            [KvEvent::Removed { seq: 4, hash: hashes[1] }, KvEvent::Removed { seq: 5, hash: hashes[2] }]
+        );
+        assert!(pool.take_events().is_empty());
     }
 
     #[test]
@@ -296,6 +469,7 @@ mod tests {
         assert_eq!(pool.seal(b, None, &[7, 7]), Ok(h), "equal prefixes, equal hashes");
         assert_eq!(pool.find(h), Some(a));
         pool.release(a).unwrap();
+        pool.drop_cached();
         assert_eq!(pool.find(h), Some(b), "the other block of that prefix is still found");
         // The freed slot's next owner is never mistaken for the old block.
         let c = pool.alloc(3).unwrap();
@@ -304,7 +478,7 @@ mod tests {
         assert_eq!(pool.find(h), Some(b));
         pool.release(b).unwrap();
         pool.release(c).unwrap();
-        assert_eq!((pool.used(), pool.find(h)), (0, None));
+        assert_eq!((pool.used(), pool.find(h)), (0, Some(b)), "cached, still found");
     }
 
     #[test]

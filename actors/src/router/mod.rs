@@ -5,6 +5,8 @@
 //! still to be processed. When a chip goes down it tells every request placed there,
 //! so they re-route and replay.
 
+pub mod index;
+
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic};
 use std::collections::{BTreeMap, BTreeSet};
 use tessera_actor_core::{Addr, HostId};

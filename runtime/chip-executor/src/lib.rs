@@ -354,7 +354,7 @@ fn stage_layer(
     let mut staged = Vec::new();
     for s in plan.seqs.iter().filter(|s| s.stage) {
         let end = s.start_pos + s.tokens.len();
-        let blocks = &s.block_table[s.start_pos / bs..end.div_ceil(bs)];
+        let blocks = &s.block_table[s.stage_from.min(s.start_pos) / bs..end.div_ceil(bs)];
         let mut i = 0;
         while i < blocks.len() {
             let mut j = i + 1;

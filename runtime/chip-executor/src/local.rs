@@ -191,6 +191,8 @@ impl LocalEngine {
         let outcome = self.exec.step(self.steps, &plan, &mut InPlace);
         if let Some(error) = outcome.error {
             self.batcher.evict_all(Some(&mut self.pool));
+            // Blocks sealed for the failed step may never have been written.
+            self.pool.drop_cached();
             self.exec.forget_samplers();
             self.exec.take_logits();
             self.outputs.clear();

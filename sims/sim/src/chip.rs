@@ -217,6 +217,7 @@ mod tests {
             sample: true,
             new_sampler: None,
             stage: false,
+            stage_from: 0,
         }
     }
 

@@ -1,0 +1,321 @@
+//! The router's exact index of where KV lives: for every chip, the chained block hashes
+//! its pool holds, kept from the chips' numbered [`KvEvent`]s. A gap in a chip's
+//! numbers (a lost message), a new incarnation of the chip (a restart numbers from 1
+//! again) or a router that starts with no history marks that chip stale: it counts as
+//! holding nothing until a snapshot of its pool ([`KvPool::snapshot`]) replaces its set,
+//! after which the index is exact again.
+//!
+//! A lookup walks a prompt's block hashes in order, keeping the chips that hold every
+//! block so far: its cost is the matched depth times the chips holding those blocks,
+//! independent of how many blocks the index holds.
+//!
+//! [`KvPool::snapshot`]: crate::kv::KvPool::snapshot
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use tessera_actor_core::Addr;
+
+use crate::kv::KvEvent;
+
+/// One chip's part of the index.
+#[derive(Debug, Default)]
+struct ChipEntry {
+    /// Which run of the chip the events are from (bumped by every restart).
+    incarnation: u64,
+    /// The number of the next event expected.
+    next: u64,
+    /// Waiting for a snapshot: events are ignored, nothing is reported held.
+    stale: bool,
+    hashes: HashSet<u64>,
+}
+
+/// What applying a chip's events did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Every event was the next in order.
+    InOrder,
+    /// The chip's view is stale (a gap, a new incarnation, or never synced): ask it for
+    /// a snapshot.
+    NeedsSnapshot,
+}
+
+#[derive(Debug, Default)]
+pub struct ClusterIndex {
+    chips: BTreeMap<Addr, ChipEntry>,
+    /// Chips holding each hash.
+    holders: HashMap<u64, Vec<Addr>>,
+    resyncs: u64,
+}
+
+impl ClusterIndex {
+    pub fn new() -> ClusterIndex {
+        ClusterIndex::default()
+    }
+
+    /// Applies `events` (in order) from run `incarnation` of `chip`.
+    pub fn apply(&mut self, chip: Addr, incarnation: u64, events: &[KvEvent]) -> Applied {
+        let entry = self.chips.entry(chip).or_insert_with(|| ChipEntry { stale: true, ..ChipEntry::default() });
+        if entry.incarnation != incarnation {
+            entry.incarnation = incarnation;
+            mark_stale(entry, &mut self.holders, chip);
+        }
+        if entry.stale {
+            return Applied::NeedsSnapshot;
+        }
+        for e in events {
+            if e.seq() != entry.next {
+                mark_stale(entry, &mut self.holders, chip);
+                return Applied::NeedsSnapshot;
+            }
+            entry.next += 1;
+            match *e {
+                KvEvent::Stored { hash, .. } => {
+                    if entry.hashes.insert(hash) {
+                        self.holders.entry(hash).or_default().push(chip);
+                    }
+                }
+                KvEvent::Removed { hash, .. } => {
+                    if entry.hashes.remove(&hash) {
+                        unhold(&mut self.holders, hash, chip);
+                    }
+                }
+            }
+        }
+        Applied::InOrder
+    }
+
+    /// A chip's heartbeat says the number of its last event: if events are missing
+    /// (even the last batch, which no later event would expose), the chip is stale.
+    pub fn heartbeat(&mut self, chip: Addr, incarnation: u64, last_seq: u64) -> Applied {
+        if self.apply(chip, incarnation, &[]) == Applied::NeedsSnapshot {
+            return Applied::NeedsSnapshot;
+        }
+        let Some(entry) = self.chips.get_mut(&chip) else { return Applied::NeedsSnapshot };
+        if entry.next != last_seq + 1 {
+            mark_stale(entry, &mut self.holders, chip);
+            return Applied::NeedsSnapshot;
+        }
+        Applied::InOrder
+    }
+
+    /// Replaces `chip`'s set with a snapshot of run `incarnation`: `last_seq` is the
+    /// number of the last event the snapshot includes.
+    pub fn resync(&mut self, chip: Addr, incarnation: u64, last_seq: u64, hashes: &[u64]) {
+        self.forget(chip);
+        self.resyncs += 1;
+        let mut entry = ChipEntry { incarnation, next: last_seq + 1, stale: false, hashes: HashSet::new() };
+        for &h in hashes {
+            if entry.hashes.insert(h) {
+                self.holders.entry(h).or_default().push(chip);
+            }
+        }
+        self.chips.insert(chip, entry);
+    }
+
+    /// Drops everything known of `chip` (it left the cluster).
+    pub fn forget(&mut self, chip: Addr) {
+        if let Some(entry) = self.chips.remove(&chip) {
+            for h in entry.hashes {
+                unhold(&mut self.holders, h, chip);
+            }
+        }
+    }
+
+    /// For a prompt whose full blocks hash to `hashes`, how many leading blocks each
+    /// chip holds (chips holding none are left out).
+    pub fn prefix_blocks(&self, hashes: &[u64]) -> BTreeMap<Addr, usize> {
+        let mut depth = BTreeMap::new();
+        let Some(first) = hashes.first() else { return depth };
+        let mut alive: Vec<Addr> = self.holders.get(first).cloned().unwrap_or_default();
+        for (i, h) in hashes.iter().enumerate() {
+            if i > 0 {
+                let Some(holders) = self.holders.get(h) else { break };
+                alive.retain(|c| holders.contains(c));
+            }
+            if alive.is_empty() {
+                break;
+            }
+            for c in &alive {
+                depth.insert(*c, i + 1);
+            }
+        }
+        depth
+    }
+
+    /// The hashes the index holds for `chip` (empty while stale).
+    pub fn held(&self, chip: Addr) -> Vec<u64> {
+        let mut v: Vec<u64> = self.chips.get(&chip).map(|e| e.hashes.iter().copied().collect()).unwrap_or_default();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn is_stale(&self, chip: Addr) -> bool {
+        self.chips.get(&chip).is_none_or(|e| e.stale)
+    }
+
+    /// Distinct (chip, block) entries indexed.
+    pub fn len(&self) -> usize {
+        self.chips.values().map(|e| e.hashes.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Snapshots applied so far.
+    pub fn resyncs(&self) -> u64 {
+        self.resyncs
+    }
+}
+
+/// The chip's set can no longer be trusted: it holds nothing until a snapshot.
+fn mark_stale(entry: &mut ChipEntry, holders: &mut HashMap<u64, Vec<Addr>>, chip: Addr) {
+    entry.stale = true;
+    for h in entry.hashes.drain() {
+        unhold(holders, h, chip);
+    }
+}
+
+fn unhold(holders: &mut HashMap<u64, Vec<Addr>>, hash: u64, chip: Addr) {
+    if let Some(chips) = holders.get_mut(&hash) {
+        chips.retain(|c| *c != chip);
+        if chips.is_empty() {
+            holders.remove(&hash);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{BlockRef, KvPool, prefix_hashes};
+    use proptest::prelude::*;
+    use tessera_actor_core::HostId;
+
+    fn chip(n: u64) -> Addr {
+        Addr::new(HostId(n as u16), 16)
+    }
+
+    /// What a chip's pool does: requests of prompts drawn from a few shared prefixes
+    /// start (reusing what the pool holds), seal their blocks and end.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A request on chip `c` with prompt family `family` of `blocks` full blocks.
+        Run { c: usize, family: u8, blocks: usize },
+        /// Chip `c`'s next batch of events is lost on the way.
+        Drop { c: usize },
+        /// Chip `c` restarts: a new, empty pool.
+        Restart { c: usize },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0..3usize, 0..4u8, 1..6usize).prop_map(|(c, family, blocks)| Op::Run { c, family, blocks }),
+            1 => (0..3usize).prop_map(|c| Op::Drop { c }),
+            1 => (0..3usize).prop_map(|c| Op::Restart { c }),
+        ]
+    }
+
+    struct Chip {
+        pool: KvPool,
+        incarnation: u64,
+        drop_next: bool,
+    }
+
+    fn run(pool: &mut KvPool, family: u8, blocks: usize) {
+        let bs = pool.block_size();
+        let tokens: Vec<u32> = (0..blocks * bs).map(|i| family as u32 * 1000 + (i as u32 % 7)).collect();
+        let mut held: Vec<BlockRef> = Vec::new();
+        let mut parent = None;
+        for (i, h) in prefix_hashes(&tokens, bs).into_iter().enumerate() {
+            let b = match pool.acquire(h) {
+                Some(b) => b,
+                None => {
+                    let Some(b) = pool.alloc(1) else { break };
+                    pool.seal(b, parent, &tokens[i * bs..(i + 1) * bs]).unwrap();
+                    b
+                }
+            };
+            held.push(b);
+            parent = Some(h);
+        }
+        for b in held {
+            pool.release(b).unwrap();
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Whatever the order of runs, lost batches and restarts, after each round of
+        /// events and heartbeats (and the snapshots they ask for) the index holds
+        /// exactly what each pool holds.
+        #[test]
+        fn the_index_converges_to_the_pools_contents(ops in proptest::collection::vec(op(), 1..60)) {
+            let mut chips: Vec<Chip> = (0..3).map(|i| Chip { pool: KvPool::new(chip(i), 6, 2), incarnation: 0, drop_next: false }).collect();
+            let mut index = ClusterIndex::new();
+            let sync = |index: &mut ClusterIndex, i: usize, c: &mut Chip| {
+                let events = c.pool.take_events();
+                let id = chip(i as u64);
+                let (last, hashes) = c.pool.snapshot();
+                let mut applied = Applied::InOrder;
+                if c.drop_next && !events.is_empty() {
+                    c.drop_next = false; // this batch is lost
+                } else {
+                    applied = index.apply(id, c.incarnation, &events);
+                }
+                // Then the chip's heartbeat, with the number of its last event.
+                if applied == Applied::NeedsSnapshot || index.heartbeat(id, c.incarnation, last) == Applied::NeedsSnapshot {
+                    index.resync(id, c.incarnation, last, &hashes);
+                }
+            };
+            for op in ops {
+                match op {
+                    Op::Run { c, family, blocks } => run(&mut chips[c].pool, family, blocks),
+                    Op::Drop { c } => chips[c].drop_next = true,
+                    Op::Restart { c } => {
+                        chips[c].pool = KvPool::new(chip(c as u64), 6, 2);
+                        chips[c].incarnation += 1;
+                    }
+                }
+                for (i, c) in chips.iter_mut().enumerate() {
+                    sync(&mut index, i, c);
+                }
+            }
+            for (i, c) in chips.iter_mut().enumerate() {
+                let (_, mut truth) = c.pool.snapshot();
+                truth.sort_unstable();
+                prop_assert!(!index.is_stale(chip(i as u64)));
+                prop_assert_eq!(index.held(chip(i as u64)), truth);
+            }
+        }
+    }
+
+    #[test]
+    fn lookups_count_leading_blocks_per_chip() {
+        let mut index = ClusterIndex::new();
+        let (a, b) = (chip(1), chip(2));
+        index.resync(a, 0, 0, &[1, 2, 3]);
+        index.resync(b, 0, 0, &[1, 3]);
+        assert_eq!(index.prefix_blocks(&[1, 2, 3, 4]), BTreeMap::from([(a, 3), (b, 1)]));
+        assert_eq!(index.prefix_blocks(&[9, 1]), BTreeMap::new(), "prefixes only");
+        // In-order events update the sets; a gap empties the chip until a resync.
+        let ev = [KvEvent::Stored { seq: 1, hash: 2 }, KvEvent::Removed { seq: 2, hash: 1 }];
+        assert_eq!(index.apply(b, 0, &ev), Applied::InOrder);
+        assert_eq!(index.prefix_blocks(&[1, 2]), BTreeMap::from([(a, 2)]));
+        assert_eq!(index.apply(b, 0, &[KvEvent::Stored { seq: 4, hash: 7 }]), Applied::NeedsSnapshot);
+        assert!(index.is_stale(b) && index.held(b).is_empty());
+        assert_eq!(index.apply(b, 0, &[]), Applied::NeedsSnapshot, "stays stale until a snapshot");
+        // A lost last batch shows in the next heartbeat.
+        index.resync(b, 0, 4, &[7]);
+        assert_eq!(index.heartbeat(b, 0, 4), Applied::InOrder);
+        assert_eq!(index.heartbeat(b, 0, 6), Applied::NeedsSnapshot);
+        index.resync(b, 0, 6, &[]);
+        // A restarted chip numbers from 1 again: its old set is not trusted.
+        assert_eq!(index.apply(a, 1, &[KvEvent::Stored { seq: 1, hash: 5 }]), Applied::NeedsSnapshot);
+        assert_eq!(index.len(), 0, "neither stale chip counts as holding anything");
+        index.resync(a, 1, 1, &[5]);
+        assert_eq!((index.len(), index.resyncs()), (1, 5));
+        index.forget(a);
+        assert!(index.is_empty());
+    }
+}
