@@ -105,8 +105,9 @@ pub fn build_host<E>(
 
     let admission = is_gateway.then(|| Addr::new(host, well_known::ADMISSION));
     if is_gateway {
-        let routing =
-            Router::new(reports, spec.router.max_queued_requests).with_disaggregation(spec.disagg.min_prompt_tokens);
+        let routing = Router::new(reports, spec.router.max_queued_requests)
+            .with_disaggregation(spec.disagg.min_prompt_tokens)
+            .with_block_size(spec.block_size);
         actors.push((well_known::ROUTER, Box::new(routing)));
         let config = AdmissionConfig {
             max_inflight: spec.gateway.max_inflight_requests,

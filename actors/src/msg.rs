@@ -25,6 +25,8 @@ pub mod topic {
     pub const HEARTBEAT: &str = "heartbeat";
     /// A supervisor's verdicts about other hosts (local subscribers only care).
     pub const MEMBERSHIP: &str = "membership";
+    /// Chips' KV events (blocks stored and removed), for the router's cluster index.
+    pub const KV_EVENTS: &str = "kv-events";
 }
 
 /// What a client may be told when its request cannot be served: the kind alone decides
@@ -172,6 +174,12 @@ pub struct ChipReport {
     /// As a decode chip: seconds from the prefill chip staging its last layer to this
     /// chip's first step for that request, for the latest hand-off.
     pub last_handoff_gap_s: Option<f64>,
+    /// The number of the chip's last KV event, in the run of its pool `kv_incarnation`
+    /// (bumped by every restart): the router's index checks it has seen them all.
+    #[serde(default)]
+    pub kv_last_event: u64,
+    #[serde(default)]
+    pub kv_incarnation: u64,
 }
 
 impl ChipReport {
@@ -196,6 +204,8 @@ impl ChipReport {
             emulated: None,
             compat: None,
             last_handoff_gap_s: None,
+            kv_last_event: 0,
+            kv_incarnation: 0,
         }
     }
 }
@@ -369,6 +379,10 @@ pub enum Msg {
         tokens: usize,
         prompt_tokens: usize,
         exclude: Vec<Addr>,
+        /// The tokens a chip would prefill (prompt and any replayed output), whose
+        /// cached prefix the router looks up.
+        #[serde(default)]
+        prompt: Vec<u32>,
     },
     /// Router -> request: decode (or colocated) on `chip`; prefill on `prefill` first
     /// when the request is disaggregated.
@@ -498,6 +512,23 @@ pub enum Msg {
     },
     /// Supervisor -> chip: start the worker again.
     Restart,
+    /// Chip -> topic KV_EVENTS: blocks its pool started or stopped holding, in order.
+    KvEvents {
+        chip: Addr,
+        incarnation: u64,
+        events: Vec<crate::kv::KvEvent>,
+    },
+    /// Router -> chip: send every hash your pool holds.
+    KvSnapshotRequest {
+        reply_to: Addr,
+    },
+    /// Chip -> router: every hash its pool holds, as of event `last_event`.
+    KvSnapshot {
+        chip: Addr,
+        incarnation: u64,
+        last_event: u64,
+        hashes: Vec<u64>,
+    },
     /// Drill -> chip.
     InjectFault {
         fault: Fault,
@@ -582,6 +613,9 @@ impl Message for Msg {
             Msg::WorkerPanicked { .. } => "worker_panicked",
             Msg::StepDone { .. } => "step_done",
             Msg::Restart => "restart",
+            Msg::KvEvents { .. } => "kv_events",
+            Msg::KvSnapshotRequest { .. } => "kv_snapshot_request",
+            Msg::KvSnapshot { .. } => "kv_snapshot",
             Msg::InjectFault { .. } => "inject_fault",
             Msg::Report { .. } => "report",
             Msg::ChipCrashed { .. } => "chip_crashed",

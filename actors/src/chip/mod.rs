@@ -14,7 +14,7 @@ mod handoff;
 
 use crate::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use crate::kv::KvPool;
-use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, Role, SeqRequest, ServeError};
+use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, Role, SeqRequest, ServeError, topic};
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::time::Duration;
@@ -47,6 +47,8 @@ pub struct Chip {
     steps: u64,
     max_step_seqs: usize,
     restarts: u32,
+    /// Pools this chip has had (a restart starts a new one, numbering events from 1).
+    pool_runs: u64,
     error: Option<String>,
     inject_panic: bool,
     role: Role,
@@ -74,6 +76,7 @@ impl Chip {
             steps: 0,
             max_step_seqs: 0,
             restarts: 0,
+            pool_runs: 0,
             error: None,
             inject_panic: false,
         }
@@ -97,7 +100,18 @@ impl Chip {
         self.report(fx);
     }
 
-    fn report(&self, fx: &mut dyn Effects<Msg>) {
+    fn report(&mut self, fx: &mut dyn Effects<Msg>) {
+        // The KV events first, then the report whose heartbeat says how many there were.
+        let (kv_last_event, kv_incarnation) = match self.pool.as_mut() {
+            Some(pool) => {
+                let events = pool.take_events();
+                if !events.is_empty() {
+                    fx.publish(topic::KV_EVENTS, Msg::KvEvents { chip: fx.me(), incarnation: self.pool_runs, events });
+                }
+                (pool.snapshot_seq(), self.pool_runs)
+            }
+            None => (0, self.pool_runs),
+        };
         let (used, total) = self.pool.as_ref().map_or((0, 0), |p| (p.used(), p.capacity()));
         let report = ChipReport {
             chip: fx.me(),
@@ -118,6 +132,8 @@ impl Chip {
             emulated: self.info.as_ref().and_then(|i| i.emulated.clone()),
             compat: self.info.as_ref().map(|i| i.compat.clone()),
             last_handoff_gap_s: self.handoffs.last_gap_s,
+            kv_last_event,
+            kv_incarnation,
         };
         metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
         metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
@@ -318,6 +334,7 @@ impl Behavior<Msg> for Chip {
                     max_context: info.max_context,
                 };
                 self.pool = Some(KvPool::new(fx.me(), info.num_blocks, info.block_size));
+                self.pool_runs += 1;
                 self.batcher = Some(Batcher::new(limits, info.eos_token_ids.clone()));
                 tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
                 self.info = Some(info);
@@ -353,6 +370,16 @@ impl Behavior<Msg> for Chip {
             Msg::KvStaged { layer, staged, .. } => self.staged(layer, staged, fx),
             Msg::KvInstalled { request_id, layer, upto, error } => self.installed(request_id, layer, upto, error, fx),
             Msg::SetRole { role } => self.set_role(role, fx),
+            Msg::KvSnapshotRequest { reply_to } => {
+                // Pending events go out first: the snapshot includes them, and a reader
+                // that sees them after it skips them by number.
+                self.report(fx);
+                if let Some(pool) = &self.pool {
+                    let (last_event, hashes) = pool.snapshot();
+                    let msg = Msg::KvSnapshot { chip: fx.me(), incarnation: self.pool_runs, last_event, hashes };
+                    let _ = fx.send(reply_to, msg);
+                }
+            }
             Msg::Restart if self.state == ChipState::Down => {
                 self.restarts += 1;
                 self.start_worker(fx);

@@ -297,6 +297,11 @@ impl KvPool {
         hashes.iter().take_while(|h| self.by_hash.contains_key(h)).count()
     }
 
+    /// The number of the last event.
+    pub fn snapshot_seq(&self) -> u64 {
+        self.event_seq
+    }
+
     /// The events since the last call, in order.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)

@@ -126,6 +126,7 @@ impl Request {
             tokens: self.spec.prompt.len() + self.spec.max_tokens,
             prompt_tokens: self.spec.prompt.len() + self.generated.len(),
             exclude: self.avoid.clone(),
+            prompt: self.spec.prompt.iter().chain(&self.generated).copied().collect(),
         };
         if let Err(e) = fx.send(self.router, msg) {
             self.fail(ServeError::new(ErrorKind::Unavailable, format!("the router is unreachable: {e}")), fx);

@@ -63,6 +63,9 @@ impl ClusterIndex {
             return Applied::NeedsSnapshot;
         }
         for e in events {
+            if e.seq() < entry.next {
+                continue; // already in the snapshot the chip was resynced from
+            }
             if e.seq() != entry.next {
                 mark_stale(entry, &mut self.holders, chip);
                 return Applied::NeedsSnapshot;

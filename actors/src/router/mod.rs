@@ -1,9 +1,13 @@
 //! The router: keeps a view of every chip (from heartbeats and its host supervisor's
-//! verdicts) and of the work it has placed, and places each request: a long enough
-//! prompt on the least loaded prefill chip plus the least loaded decode chip
-//! (disaggregated), anything else on the least loaded chip that decodes — by tokens
-//! still to be processed. When a chip goes down it tells every request placed there,
-//! so they re-route and replay.
+//! verdicts), of the work it has placed, and of where KV lives (the [`index`], from the
+//! chips' KV events), and places each request: a long enough prompt on a prefill chip
+//! plus a decode chip (disaggregated), anything else on a chip that decodes. Among the
+//! candidates it takes the one with the least work ahead: the tokens already placed
+//! there plus the prompt tokens it would compute, which are the prompt less the prefix
+//! that chip holds cached — unless that chip is a hot spot (more than twice the mean
+//! load plus one prompt), whose cache then counts for nothing. Ties go to the lowest
+//! address. When a chip goes down it tells every request placed there, so they
+//! re-route and replay.
 
 pub mod index;
 
@@ -25,24 +29,46 @@ fn available(addr: &Addr, c: &ChipView, down_hosts: &BTreeSet<HostId>) -> bool {
     c.report.state == ChipState::Up && !c.report.draining && !down_hosts.contains(&addr.host)
 }
 
-/// The least loaded available chip accepted by `fits` and not in `avoid`; ties go to
+/// The available chip accepted by `fits` and not in `avoid` with the least work ahead
+/// (`load_tokens` less the cached prefix tokens `cached` credits it with); ties go to
 /// the lowest address, so the choice is deterministic.
 fn least_loaded(
     chips: &BTreeMap<Addr, ChipView>,
     down_hosts: &BTreeSet<HostId>,
     avoid: &[Addr],
+    cached: &BTreeMap<Addr, usize>,
     fits: impl Fn(&ChipView) -> bool,
 ) -> Option<Addr> {
     chips
         .iter()
         .filter(|(a, c)| available(a, c, down_hosts) && fits(c) && !avoid.contains(a))
-        .min_by_key(|(a, c)| (c.load_tokens, **a))
+        // The prompt's own tokens are the same on every candidate: less what is cached.
+        .min_by_key(|(a, c)| (c.load_tokens as i64 - cached.get(a).copied().unwrap_or(0) as i64, **a))
         .map(|(a, _)| *a)
+}
+
+/// Cached prefix tokens per chip that count in placement: none for a hot spot, a chip
+/// loaded beyond twice the mean plus one prompt (it would get every request sharing its
+/// prefix while the others idle).
+pub fn cache_credit(
+    chips: &BTreeMap<Addr, ChipView>,
+    cached_blocks: &BTreeMap<Addr, usize>,
+    block_size: usize,
+    prompt_tokens: usize,
+) -> BTreeMap<Addr, usize> {
+    let mean = chips.values().map(|c| c.load_tokens).sum::<usize>() / chips.len().max(1);
+    cached_blocks
+        .iter()
+        .filter(|(a, _)| chips.get(a).is_some_and(|c| c.load_tokens <= 2 * mean + prompt_tokens))
+        .map(|(a, &blocks)| (*a, (blocks * block_size).min(prompt_tokens)))
+        .collect()
 }
 
 /// The least loaded available chip of any role, preferring those not in `exclude`.
 pub fn pick(chips: &BTreeMap<Addr, ChipView>, down_hosts: &BTreeSet<HostId>, exclude: &[Addr]) -> Option<Addr> {
-    least_loaded(chips, down_hosts, exclude, |_| true).or_else(|| least_loaded(chips, down_hosts, &[], |_| true))
+    let none = BTreeMap::new();
+    least_loaded(chips, down_hosts, exclude, &none, |_| true)
+        .or_else(|| least_loaded(chips, down_hosts, &[], &none, |_| true))
 }
 
 /// Where a request runs: `decode` samples every token; `prefill`, when set, computes
@@ -60,19 +86,23 @@ pub struct Placed {
 /// that lost or declined this request) wins over one that uses them: a request whose
 /// only decode chip is restarting runs on the prefill chip instead of waiting. Only
 /// when no chip outside `exclude` is available may an excluded one be chosen again.
+/// `cached`: prefix tokens of this prompt each chip holds, as [`cache_credit`] counts
+/// them (the decode leg of a disaggregated request computes no prompt: it gets none).
 pub fn place(
     chips: &BTreeMap<Addr, ChipView>,
     down_hosts: &BTreeSet<HostId>,
     exclude: &[Addr],
     prompt_tokens: usize,
     min_prompt_tokens: usize,
+    cached: &BTreeMap<Addr, usize>,
 ) -> Option<Placed> {
+    let none = BTreeMap::new();
     let place_avoiding = |avoid: &[Addr]| {
         if prompt_tokens >= min_prompt_tokens
-            && let Some(p) = least_loaded(chips, down_hosts, avoid, |c| c.report.role == Role::Prefill)
+            && let Some(p) = least_loaded(chips, down_hosts, avoid, cached, |c| c.report.role == Role::Prefill)
         {
             let compat = chips.get(&p).and_then(|c| c.report.compat.clone());
-            let decode = least_loaded(chips, down_hosts, avoid, |c| {
+            let decode = least_loaded(chips, down_hosts, avoid, &none, |c| {
                 c.report.role == Role::Decode
                     && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
             });
@@ -80,8 +110,8 @@ pub fn place(
                 return Some(Placed { decode: d, prefill: Some(p) });
             }
         }
-        least_loaded(chips, down_hosts, avoid, |c| c.report.role.decodes())
-            .or_else(|| least_loaded(chips, down_hosts, avoid, |_| true))
+        least_loaded(chips, down_hosts, avoid, cached, |c| c.report.role.decodes())
+            .or_else(|| least_loaded(chips, down_hosts, avoid, cached, |_| true))
             .map(|decode| Placed { decode, prefill: None })
     };
     place_avoiding(exclude).or_else(|| place_avoiding(&[]))
@@ -100,6 +130,12 @@ pub struct Router {
     placements: BTreeMap<u64, Placement>,
     max_queued_requests: usize,
     min_prompt_tokens: usize,
+    /// Where KV lives, and the chips asked for a snapshot and not answered yet.
+    index: index::ClusterIndex,
+    snapshot_asked: BTreeSet<Addr>,
+    /// The block size prompts are hashed at (the cluster's; chips with another size
+    /// are found by no prompt).
+    block_size: usize,
 }
 
 impl Router {
@@ -114,7 +150,27 @@ impl Router {
             placements: BTreeMap::new(),
             max_queued_requests,
             min_prompt_tokens: usize::MAX,
+            index: index::ClusterIndex::new(),
+            snapshot_asked: BTreeSet::new(),
+            block_size: 16,
         }
+    }
+
+    /// Prompts are hashed in blocks of `block_size` tokens (the cluster's block size).
+    pub fn with_block_size(mut self, block_size: usize) -> Router {
+        self.block_size = block_size.max(1);
+        self
+    }
+
+    /// The index went stale for `chip`: ask it for a snapshot (once until answered).
+    fn resync(&mut self, chip: Addr, applied: index::Applied, fx: &mut dyn Effects<Msg>) {
+        if applied == index::Applied::NeedsSnapshot && self.snapshot_asked.insert(chip) {
+            let _ = fx.send(chip, Msg::KvSnapshotRequest { reply_to: fx.me() });
+        }
+    }
+
+    fn index_metrics(&self) {
+        metrics::gauge!("tessera_router_index_blocks").set(self.index.len() as f64);
     }
 
     /// Prompts of at least `min_prompt_tokens` tokens are prefilled on a prefill chip
@@ -194,7 +250,7 @@ impl Router {
     }
 
     fn route(&mut self, route: RouteAsk, fx: &mut dyn Effects<Msg>) {
-        let RouteAsk { request_id, req, tokens, prompt_tokens, exclude } = route;
+        let RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt } = route;
         if !self.placements.contains_key(&request_id) && self.placements.len() >= self.max_queued_requests {
             let error = ServeError::new(
                 ErrorKind::Overloaded,
@@ -203,7 +259,10 @@ impl Router {
             let _ = fx.send(req, Msg::RouteFailed { request_id, error });
             return;
         }
-        let placed = place(&self.chips, &self.down_hosts, &exclude, prompt_tokens, self.min_prompt_tokens);
+        let hashes = crate::kv::prefix_hashes(&prompt, self.block_size);
+        let held = self.index.prefix_blocks(&hashes);
+        let cached = cache_credit(&self.chips, &held, self.block_size, prompt_tokens);
+        let placed = place(&self.chips, &self.down_hosts, &exclude, prompt_tokens, self.min_prompt_tokens, &cached);
         let Some(Placed { decode, prefill }) = placed else {
             let states: Vec<String> =
                 self.chips.values().map(|c| format!("{} {:?}", c.report.id, c.report.state).to_lowercase()).collect();
@@ -230,7 +289,9 @@ impl Router {
         }
         self.placements.insert(request_id, Placement { req, chips: held });
         let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
-        metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);
+        let computing = prefill.unwrap_or(decode);
+        let reason = if cached.get(&computing).is_some_and(|&t| t > 0) { "prefix_hit" } else { "least_work" };
+        metrics::counter!("tessera_router_decisions_total", "placement" => kind, "reason" => reason).increment(1);
         let _ = fx.send(req, Msg::Routed { request_id, chip: decode, prefill });
     }
 
@@ -255,6 +316,7 @@ struct RouteAsk {
     tokens: usize,
     prompt_tokens: usize,
     exclude: Vec<Addr>,
+    prompt: Vec<u32>,
 }
 
 impl Behavior<Msg> for Router {
@@ -264,12 +326,24 @@ impl Behavior<Msg> for Router {
 
     fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
         fx.subscribe(topic::HEARTBEAT);
+        fx.subscribe(topic::KV_EVENTS);
     }
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
-            Msg::Route { request_id, req, tokens, prompt_tokens, exclude } => {
-                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude }, fx)
+            Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt } => {
+                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt }, fx)
+            }
+            Msg::KvEvents { chip, incarnation, events } => {
+                let applied = self.index.apply(chip, incarnation, &events);
+                self.resync(chip, applied, fx);
+                self.index_metrics();
+            }
+            Msg::KvSnapshot { chip, incarnation, last_event, hashes } => {
+                self.snapshot_asked.remove(&chip);
+                self.index.resync(chip, incarnation, last_event, &hashes);
+                metrics::counter!("tessera_router_index_resyncs_total").increment(1);
+                self.index_metrics();
             }
             Msg::Release { request_id, chip } => self.release(request_id, chip),
             Msg::Heartbeat { beat } => {
@@ -280,6 +354,10 @@ impl Behavior<Msg> for Router {
                     self.down_host_names.remove(&beat.host);
                 }
                 for report in beat.chips {
+                    if report.state == ChipState::Up {
+                        let applied = self.index.heartbeat(report.chip, report.kv_incarnation, report.kv_last_event);
+                        self.resync(report.chip, applied, fx);
+                    }
                     self.update(report, fx);
                 }
             }

@@ -44,7 +44,14 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     router.on_start(&mut fx);
     let req = |n| Addr::new(HostId(0), 5000 + n);
-    let route = |id: u64| Msg::Route { request_id: id, req: req(id), tokens: 100, prompt_tokens: 50, exclude: vec![] };
+    let route = |id: u64| Msg::Route {
+        request_id: id,
+        req: req(id),
+        tokens: 100,
+        prompt_tokens: 50,
+        exclude: vec![],
+        prompt: vec![],
+    };
 
     router.handle(route(1), &mut fx);
     assert!(
@@ -113,7 +120,7 @@ fn place_disaggregates_long_prompts_and_colocates_the_rest() {
     ];
     for (i, (chips, prompt, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
-        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32), want, "case {i}");
+        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &BTreeMap::new()), want, "case {i}");
     }
 }
 
@@ -128,11 +135,17 @@ fn place_never_pairs_chips_of_different_models_and_skips_draining_chips() {
     d1v.report.compat = compat(2);
     d2v.report.compat = compat(1);
     let mut chips: BTreeMap<Addr, ChipView> = [(p, pv), (d1, d1v), (d2, d2v)].into_iter().collect();
-    assert_eq!(place(&chips, &BTreeSet::new(), &[], 100, 32), Some(Placed { decode: d2, prefill: Some(p) }));
+    assert_eq!(
+        place(&chips, &BTreeSet::new(), &[], 100, 32, &BTreeMap::new()),
+        Some(Placed { decode: d2, prefill: Some(p) })
+    );
     if let Some(v) = chips.get_mut(&d2) {
         v.report.draining = true;
     }
-    assert_eq!(place(&chips, &BTreeSet::new(), &[], 100, 32), Some(Placed { decode: d1, prefill: None }));
+    assert_eq!(
+        place(&chips, &BTreeSet::new(), &[], 100, 32, &BTreeMap::new()),
+        Some(Placed { decode: d1, prefill: None })
+    );
 }
 
 #[test]
@@ -164,6 +177,108 @@ fn place_avoids_excluded_chips_whole_before_reusing_them() {
     for (i, (chips, exclude, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
         let exclude: Vec<Addr> = exclude.into_iter().map(a).collect();
-        assert_eq!(place(&chips, &BTreeSet::new(), &exclude, 100, 32), want, "case {i}");
+        assert_eq!(place(&chips, &BTreeSet::new(), &exclude, 100, 32, &BTreeMap::new()), want, "case {i}");
     }
+}
+
+/// Work ahead = placed tokens less the prompt prefix a chip holds cached: a cached
+/// chip wins at equal load and even a little above it; a hot spot's cache counts for
+/// nothing; the decode leg of a disaggregated request is placed by load alone.
+#[test]
+fn placement_credits_cached_prefixes_but_not_to_a_hot_spot() {
+    use ChipState::*;
+    let a = |h| Addr::new(HostId(h), 16);
+    let one = |h| Some(Placed { decode: a(h), prefill: None });
+    // (chips, cached blocks per chip (16 tokens each), prompt tokens, want)
+    type Case = (Vec<(Addr, ChipView)>, Vec<(u16, usize)>, usize, Option<Placed>);
+    let table: Vec<Case> = vec![
+        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 100)], vec![(1, 4)], 100, one(1)), // equal load: the cache
+        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 150)], vec![(1, 4)], 100, one(1)), // 150 - 64 < 100
+        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 180)], vec![(1, 4)], 100, one(0)), // 180 - 64 > 100
+        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 150)], vec![(1, 20)], 100, one(1)), // credit capped at the prompt
+        (vec![chip(0, 16, Up, 0), chip(1, 16, Up, 1000), chip(2, 16, Up, 0)], vec![(1, 200)], 1000, one(0)), // hot spot
+        (vec![chip(0, 16, Up, 50), chip(1, 16, Up, 40)], vec![], 100, one(1)),
+        (
+            vec![role_chip(0, Prefill, Up, 10), role_chip(1, Prefill, Up, 0), role_chip(2, Decode, Up, 0)],
+            vec![(0, 2), (2, 8)],
+            100,
+            Some(Placed { decode: a(2), prefill: Some(a(0)) }),
+        ),
+    ];
+    for (i, (chips, held, prompt, want)) in table.into_iter().enumerate() {
+        let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
+        let held: BTreeMap<Addr, usize> = held.into_iter().map(|(h, b)| (a(h), b)).collect();
+        let cached = cache_credit(&chips, &held, 16, prompt);
+        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &cached), want, "case {i}");
+    }
+}
+
+/// The router learns where KV lives from the chips' events, asks a chip it has no
+/// exact view of (first contact, a gap shown by a heartbeat) for a snapshot, and
+/// places a prompt sharing a cached prefix on the chip holding it.
+#[test]
+fn kv_events_and_snapshots_steer_placement() {
+    use crate::kv::{KvEvent, prefix_hashes};
+    use crate::msg::Heartbeat;
+    use crate::test_fx::TestFx;
+    let (c0, c1) = (chip(0, 16, ChipState::Up, 0), chip(1, 16, ChipState::Up, 0));
+    let mut router = Router::new(vec![c0.1.report.clone(), c1.1.report.clone()], 8).with_block_size(4);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    router.on_start(&mut fx);
+    let beat = |host: u16, c: &(Addr, ChipView), last: u64| {
+        let report = ChipReport { kv_last_event: last, kv_incarnation: 1, ..c.1.report.clone() };
+        Msg::Heartbeat {
+            beat: Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![report] },
+        }
+    };
+    // First contact: both chips are asked for a snapshot, once.
+    router.handle(beat(0, &c0, 0), &mut fx);
+    router.handle(beat(1, &c1, 0), &mut fx);
+    router.handle(beat(1, &c1, 0), &mut fx);
+    let asked: Vec<Addr> = fx
+        .take_sent()
+        .into_iter()
+        .filter(|(_, m)| matches!(m, Msg::KvSnapshotRequest { .. }))
+        .map(|(to, _)| to)
+        .collect();
+    assert_eq!(asked, vec![c0.0, c1.0]);
+    for c in [&c0, &c1] {
+        router.handle(Msg::KvSnapshot { chip: c.0, incarnation: 1, last_event: 0, hashes: vec![] }, &mut fx);
+    }
+    // Chip 1 computes a system prompt: its blocks are stored.
+    let system: Vec<u32> = (1..=12).collect();
+    let events: Vec<KvEvent> = prefix_hashes(&system, 4)
+        .into_iter()
+        .enumerate()
+        .map(|(i, hash)| KvEvent::Stored { seq: i as u64 + 1, hash })
+        .collect();
+    router.handle(Msg::KvEvents { chip: c1.0, incarnation: 1, events }, &mut fx);
+    let ask = |id: u64, prompt: Vec<u32>| Msg::Route {
+        request_id: id,
+        req: Addr::new(HostId(0), 5000 + id),
+        tokens: prompt.len() + 8,
+        prompt_tokens: prompt.len(),
+        exclude: vec![],
+        prompt,
+    };
+    let routed = |fx: &mut TestFx| -> Vec<Addr> {
+        fx.take_sent()
+            .into_iter()
+            .filter_map(|(_, m)| if let Msg::Routed { chip, .. } = m { Some(chip) } else { None })
+            .collect()
+    };
+    // A prompt after the system prompt goes to chip 1 (lowest address would be chip 0).
+    router.handle(ask(1, system.iter().copied().chain([50, 51]).collect()), &mut fx);
+    assert_eq!(routed(&mut fx), vec![c1.0]);
+    // Another prompt entirely goes by load: chip 0.
+    router.handle(ask(2, vec![90, 91, 92, 93, 94]), &mut fx);
+    assert_eq!(routed(&mut fx), vec![c0.0]);
+    // Chip 1's heartbeat says 5 events; the router saw 3: a snapshot is asked for, and
+    // until it comes chip 1's cache counts for nothing.
+    router.handle(beat(1, &c1, 5), &mut fx);
+    assert!(fx.take_sent().iter().any(|(to, m)| *to == c1.0 && matches!(m, Msg::KvSnapshotRequest { .. })));
+    assert!(router.index.held(c1.0).is_empty());
+    let hashes = prefix_hashes(&system, 4);
+    router.handle(Msg::KvSnapshot { chip: c1.0, incarnation: 1, last_event: 5, hashes }, &mut fx);
+    assert_eq!(router.index.prefix_blocks(&prefix_hashes(&system, 4)), BTreeMap::from([(c1.0, 3)]));
 }
