@@ -107,7 +107,8 @@ pub fn build_host<E>(
     if is_gateway {
         let routing = Router::new(reports, spec.router.max_queued_requests)
             .with_disaggregation(spec.disagg.min_prompt_tokens)
-            .with_block_size(spec.block_size);
+            .with_block_size(spec.block_size)
+            .with_policy(spec.router.policy);
         actors.push((well_known::ROUTER, Box::new(routing)));
         let config = AdmissionConfig {
             max_inflight: spec.gateway.max_inflight_requests,

@@ -55,6 +55,8 @@ fn report(p: &Parts) -> ChipReport {
         emulated: p.flag.then(|| "ascend-910b x1000".into()),
         compat: Some(compat(p)),
         last_handoff_gap_s: p.flag.then_some(p.f as f64),
+        kv_last_event: p.b,
+        kv_incarnation: p.a,
     }
 }
 
@@ -125,6 +127,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
             tokens: p.n,
             prompt_tokens: p.n / 2,
             exclude: vec![addr(p.a), addr(p.b)],
+            prompt: p.tokens.clone(),
         },
         1 => Msg::Routed { request_id: p.a, chip: addr(p.b), prefill: p.flag.then(|| addr(p.a)) },
         2 => Msg::RouteFailed { request_id: p.a, error: error(p) },
@@ -206,7 +209,17 @@ fn build(kind: usize, p: &Parts) -> Msg {
         42 => Msg::Admitted { request_id: p.a, request: addr(p.b) },
         43 => Msg::RequestEnded { request_id: p.a },
         44 => Msg::QueryAdmission { reply_to: addr(p.a) },
-        _ => Msg::AdmissionView { inflight: p.n, max_inflight: p.n * 2 },
+        45 => Msg::AdmissionView { inflight: p.n, max_inflight: p.n * 2 },
+        46 => Msg::KvEvents {
+            chip: addr(p.a),
+            incarnation: p.b,
+            events: vec![
+                tessera_actors::kv::KvEvent::Stored { seq: p.a, hash: p.b },
+                tessera_actors::kv::KvEvent::Removed { seq: p.a.wrapping_add(1), hash: p.a },
+            ],
+        },
+        47 => Msg::KvSnapshotRequest { reply_to: addr(p.b) },
+        _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
     }
 }
 
@@ -214,7 +227,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 46;
+const KINDS: usize = 49;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -265,6 +278,9 @@ fn kind_index(m: &Msg) -> usize {
         Msg::RequestEnded { .. } => 43,
         Msg::QueryAdmission { .. } => 44,
         Msg::AdmissionView { .. } => 45,
+        Msg::KvEvents { .. } => 46,
+        Msg::KvSnapshotRequest { .. } => 47,
+        Msg::KvSnapshot { .. } => 48,
     }
 }
 

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 pub use catalog::{ChipKind, Confidence};
 pub use error::TopologyError;
-pub use tessera_vocab::{DType, KvLayout, Quantize, Role, TransportChoice, UnknownName};
+pub use tessera_vocab::{DType, KvLayout, Quantize, Role, RouterPolicy, TransportChoice, UnknownName};
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
 /// that prefills and host `h1` with an emulated MetaX C500 that decodes, their KV
@@ -206,26 +206,6 @@ pub struct RouterSpec {
     pub policy: RouterPolicy,
     /// Requests the router holds before it refuses new ones (default 256, 1..=1_048_576).
     pub max_queued_requests: usize,
-}
-
-/// How the router picks a chip. TOML: `"least-loaded"` (default).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RouterPolicy {
-    LeastLoaded,
-}
-
-impl RouterPolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RouterPolicy::LeastLoaded => "least-loaded",
-        }
-    }
-}
-
-impl std::fmt::Display for RouterPolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// Every duration here is at most one day, so that it is a `Duration` that an

@@ -707,21 +707,9 @@ impl Checker<'_> {
 
     fn router(&self, raw: Option<&RawRouter>) -> Result<RouterSpec, TopologyError> {
         let Some(raw) = raw else {
-            return Ok(RouterSpec { policy: RouterPolicy::LeastLoaded, max_queued_requests: 256 });
+            return Ok(RouterSpec { policy: RouterPolicy::default(), max_queued_requests: 256 });
         };
-        let policy = match &raw.policy {
-            None => RouterPolicy::LeastLoaded,
-            Some(policy) => match policy.get_ref().as_str() {
-                "least-loaded" => RouterPolicy::LeastLoaded,
-                other => {
-                    return Err(self.err(
-                        policy.span(),
-                        "router.policy",
-                        format!("unknown router policy `{other}`; expected \"least-loaded\""),
-                    ));
-                }
-            },
-        };
+        let policy = self.named(&raw.policy, "router.policy", RouterPolicy::default())?;
         let max_queued_requests =
             self.field(&raw.max_queued_requests, "router.max_queued_requests", 256, in_range(1, MAX_REQUESTS))?;
         Ok(RouterSpec { policy, max_queued_requests })

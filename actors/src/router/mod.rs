@@ -15,6 +15,7 @@ use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic}
 use std::collections::{BTreeMap, BTreeSet};
 use tessera_actor_core::{Addr, HostId};
 use tessera_actor_core::{Behavior, Effects};
+pub use tessera_vocab::RouterPolicy;
 
 /// A chip as the router knows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,22 +30,46 @@ fn available(addr: &Addr, c: &ChipView, down_hosts: &BTreeSet<HostId>) -> bool {
     c.report.state == ChipState::Up && !c.report.draining && !down_hosts.contains(&addr.host)
 }
 
-/// The available chip accepted by `fits` and not in `avoid` with the least work ahead
-/// (`load_tokens` less the cached prefix tokens `cached` credits it with); ties go to
-/// the lowest address, so the choice is deterministic.
-fn least_loaded(
+/// Which part of a request a chip is scored for: computing the prompt (a prefill chip,
+/// or the one chip of a colocated request), or decoding after a hand-off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leg {
+    Compute,
+    Decode,
+}
+
+/// A placement policy's cost of a candidate chip: lowest wins.
+pub type Scorer<'a> = dyn Fn(Leg, &Addr, &ChipView) -> i64 + 'a;
+
+/// The available chip accepted by `fits` and not in `avoid` of the lowest `score`; ties
+/// go to the lowest address, so the choice is deterministic.
+fn best(
     chips: &BTreeMap<Addr, ChipView>,
     down_hosts: &BTreeSet<HostId>,
     avoid: &[Addr],
-    cached: &BTreeMap<Addr, usize>,
+    leg: Leg,
+    score: &Scorer,
     fits: impl Fn(&ChipView) -> bool,
 ) -> Option<Addr> {
     chips
         .iter()
         .filter(|(a, c)| available(a, c, down_hosts) && fits(c) && !avoid.contains(a))
-        // The prompt's own tokens are the same on every candidate: less what is cached.
-        .min_by_key(|(a, c)| (c.load_tokens as i64 - cached.get(a).copied().unwrap_or(0) as i64, **a))
+        .min_by_key(|(a, c)| (score(leg, a, c), **a))
         .map(|(a, _)| *a)
+}
+
+/// The kv-aware cost: placed tokens less the prompt tokens cached there (the prompt's
+/// own tokens are the same on every candidate). The decode leg computes no prompt.
+pub fn kv_aware<'a>(cached: &'a BTreeMap<Addr, usize>) -> impl Fn(Leg, &Addr, &ChipView) -> i64 + 'a {
+    move |leg, a, c| {
+        let credit = if leg == Leg::Compute { cached.get(a).copied().unwrap_or(0) } else { 0 };
+        c.load_tokens as i64 - credit as i64
+    }
+}
+
+/// Placed tokens alone.
+pub fn by_load(_: Leg, _: &Addr, c: &ChipView) -> i64 {
+    c.load_tokens as i64
 }
 
 /// Cached prefix tokens per chip that count in placement: none for a hot spot, a chip
@@ -66,9 +91,8 @@ pub fn cache_credit(
 
 /// The least loaded available chip of any role, preferring those not in `exclude`.
 pub fn pick(chips: &BTreeMap<Addr, ChipView>, down_hosts: &BTreeSet<HostId>, exclude: &[Addr]) -> Option<Addr> {
-    let none = BTreeMap::new();
-    least_loaded(chips, down_hosts, exclude, &none, |_| true)
-        .or_else(|| least_loaded(chips, down_hosts, &[], &none, |_| true))
+    best(chips, down_hosts, exclude, Leg::Compute, &by_load, |_| true)
+        .or_else(|| best(chips, down_hosts, &[], Leg::Compute, &by_load, |_| true))
 }
 
 /// Where a request runs: `decode` samples every token; `prefill`, when set, computes
@@ -86,23 +110,22 @@ pub struct Placed {
 /// that lost or declined this request) wins over one that uses them: a request whose
 /// only decode chip is restarting runs on the prefill chip instead of waiting. Only
 /// when no chip outside `exclude` is available may an excluded one be chosen again.
-/// `cached`: prefix tokens of this prompt each chip holds, as [`cache_credit`] counts
-/// them (the decode leg of a disaggregated request computes no prompt: it gets none).
+/// Each candidate is scored by `score` (the router's policy; [`by_load`] and
+/// [`kv_aware`] are two).
 pub fn place(
     chips: &BTreeMap<Addr, ChipView>,
     down_hosts: &BTreeSet<HostId>,
     exclude: &[Addr],
     prompt_tokens: usize,
     min_prompt_tokens: usize,
-    cached: &BTreeMap<Addr, usize>,
+    score: &Scorer,
 ) -> Option<Placed> {
-    let none = BTreeMap::new();
     let place_avoiding = |avoid: &[Addr]| {
         if prompt_tokens >= min_prompt_tokens
-            && let Some(p) = least_loaded(chips, down_hosts, avoid, cached, |c| c.report.role == Role::Prefill)
+            && let Some(p) = best(chips, down_hosts, avoid, Leg::Compute, score, |c| c.report.role == Role::Prefill)
         {
             let compat = chips.get(&p).and_then(|c| c.report.compat.clone());
-            let decode = least_loaded(chips, down_hosts, avoid, &none, |c| {
+            let decode = best(chips, down_hosts, avoid, Leg::Decode, score, |c| {
                 c.report.role == Role::Decode
                     && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
             });
@@ -110,8 +133,8 @@ pub fn place(
                 return Some(Placed { decode: d, prefill: Some(p) });
             }
         }
-        least_loaded(chips, down_hosts, avoid, cached, |c| c.report.role.decodes())
-            .or_else(|| least_loaded(chips, down_hosts, avoid, cached, |_| true))
+        best(chips, down_hosts, avoid, Leg::Compute, score, |c| c.report.role.decodes())
+            .or_else(|| best(chips, down_hosts, avoid, Leg::Compute, score, |_| true))
             .map(|decode| Placed { decode, prefill: None })
     };
     place_avoiding(exclude).or_else(|| place_avoiding(&[]))
@@ -136,6 +159,9 @@ pub struct Router {
     /// The block size prompts are hashed at (the cluster's; chips with another size
     /// are found by no prompt).
     block_size: usize,
+    policy: RouterPolicy,
+    /// Routes so far (round-robin's turn).
+    turns: u64,
 }
 
 impl Router {
@@ -153,7 +179,14 @@ impl Router {
             index: index::ClusterIndex::new(),
             snapshot_asked: BTreeSet::new(),
             block_size: 16,
+            policy: RouterPolicy::default(),
+            turns: 0,
         }
+    }
+
+    pub fn with_policy(mut self, policy: RouterPolicy) -> Router {
+        self.policy = policy;
+        self
     }
 
     /// Prompts are hashed in blocks of `block_size` tokens (the cluster's block size).
@@ -259,10 +292,36 @@ impl Router {
             let _ = fx.send(req, Msg::RouteFailed { request_id, error });
             return;
         }
-        let hashes = crate::kv::prefix_hashes(&prompt, self.block_size);
+        let bs = self.block_size;
+        let hashes = crate::kv::prefix_hashes(&prompt, bs);
         let held = self.index.prefix_blocks(&hashes);
-        let cached = cache_credit(&self.chips, &held, self.block_size, prompt_tokens);
-        let placed = place(&self.chips, &self.down_hosts, &exclude, prompt_tokens, self.min_prompt_tokens, &cached);
+        let cached = cache_credit(&self.chips, &held, bs, prompt_tokens);
+        let ranks: BTreeMap<Addr, i64> = self.chips.keys().enumerate().map(|(i, a)| (*a, i as i64)).collect();
+        let (n, turn) = (ranks.len().max(1) as i64, self.turns as i64);
+        self.turns += 1;
+        let prompt_blocks = prompt_tokens.div_ceil(bs) as i64;
+        let score: Box<Scorer> = match self.policy {
+            RouterPolicy::KvAware => Box::new(kv_aware(&cached)),
+            RouterPolicy::LeastLoaded => Box::new(by_load),
+            RouterPolicy::RoundRobin => {
+                Box::new(move |_, a, _| (ranks.get(a).copied().unwrap_or(0) - turn).rem_euclid(n))
+            }
+            RouterPolicy::Random => Box::new(move |_, a, _| {
+                let mut bytes = request_id.to_le_bytes().to_vec();
+                bytes.extend_from_slice(&a.host.0.to_le_bytes());
+                bytes.extend_from_slice(&a.actor.to_le_bytes());
+                (xxhash_rust::xxh3::xxh3_64(&bytes) >> 1) as i64
+            }),
+            // Dynamo: overlap_weight (1) x blocks to prefill + blocks in use.
+            RouterPolicy::Dynamo => Box::new(|leg, a, c| {
+                let new_blocks = match leg {
+                    Leg::Compute => prompt_blocks - held.get(a).copied().unwrap_or(0) as i64,
+                    Leg::Decode => 0,
+                };
+                new_blocks.max(0) + c.report.kv_blocks_used as i64
+            }),
+        };
+        let placed = place(&self.chips, &self.down_hosts, &exclude, prompt_tokens, self.min_prompt_tokens, &*score);
         let Some(Placed { decode, prefill }) = placed else {
             let states: Vec<String> =
                 self.chips.values().map(|c| format!("{} {:?}", c.report.id, c.report.state).to_lowercase()).collect();

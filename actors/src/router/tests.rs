@@ -120,7 +120,7 @@ fn place_disaggregates_long_prompts_and_colocates_the_rest() {
     ];
     for (i, (chips, prompt, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
-        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &BTreeMap::new()), want, "case {i}");
+        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &by_load), want, "case {i}");
     }
 }
 
@@ -135,17 +135,11 @@ fn place_never_pairs_chips_of_different_models_and_skips_draining_chips() {
     d1v.report.compat = compat(2);
     d2v.report.compat = compat(1);
     let mut chips: BTreeMap<Addr, ChipView> = [(p, pv), (d1, d1v), (d2, d2v)].into_iter().collect();
-    assert_eq!(
-        place(&chips, &BTreeSet::new(), &[], 100, 32, &BTreeMap::new()),
-        Some(Placed { decode: d2, prefill: Some(p) })
-    );
+    assert_eq!(place(&chips, &BTreeSet::new(), &[], 100, 32, &by_load), Some(Placed { decode: d2, prefill: Some(p) }));
     if let Some(v) = chips.get_mut(&d2) {
         v.report.draining = true;
     }
-    assert_eq!(
-        place(&chips, &BTreeSet::new(), &[], 100, 32, &BTreeMap::new()),
-        Some(Placed { decode: d1, prefill: None })
-    );
+    assert_eq!(place(&chips, &BTreeSet::new(), &[], 100, 32, &by_load), Some(Placed { decode: d1, prefill: None }));
 }
 
 #[test]
@@ -177,7 +171,7 @@ fn place_avoids_excluded_chips_whole_before_reusing_them() {
     for (i, (chips, exclude, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
         let exclude: Vec<Addr> = exclude.into_iter().map(a).collect();
-        assert_eq!(place(&chips, &BTreeSet::new(), &exclude, 100, 32, &BTreeMap::new()), want, "case {i}");
+        assert_eq!(place(&chips, &BTreeSet::new(), &exclude, 100, 32, &by_load), want, "case {i}");
     }
 }
 
@@ -209,7 +203,7 @@ fn placement_credits_cached_prefixes_but_not_to_a_hot_spot() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
         let held: BTreeMap<Addr, usize> = held.into_iter().map(|(h, b)| (a(h), b)).collect();
         let cached = cache_credit(&chips, &held, 16, prompt);
-        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &cached), want, "case {i}");
+        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &kv_aware(&cached)), want, "case {i}");
     }
 }
 
@@ -281,4 +275,61 @@ fn kv_events_and_snapshots_steer_placement() {
     let hashes = prefix_hashes(&system, 4);
     router.handle(Msg::KvSnapshot { chip: c1.0, incarnation: 1, last_event: 5, hashes }, &mut fx);
     assert_eq!(router.index.prefix_blocks(&prefix_hashes(&system, 4)), BTreeMap::from([(c1.0, 3)]));
+}
+
+/// The baseline policies, through the router: round-robin takes turns, random is the
+/// same for the same request id, dynamo adds blocks to prefill to blocks in use, and
+/// least-loaded ignores caches.
+#[test]
+fn baseline_policies_place_as_documented() {
+    use crate::kv::{KvEvent, prefix_hashes};
+    use crate::test_fx::TestFx;
+    let up = |h: u16, used: usize| {
+        let (_, mut v) = chip(h, 16, ChipState::Up, 0);
+        v.report.kv_blocks_used = used;
+        v.report
+    };
+    let route = |id: u64, prompt: Vec<u32>| Msg::Route {
+        request_id: id,
+        req: Addr::new(HostId(0), 5000 + id),
+        tokens: prompt.len() + 4,
+        prompt_tokens: prompt.len(),
+        exclude: vec![],
+        prompt,
+    };
+    let run = |policy: RouterPolicy, used: [usize; 3], ids: &[u64], prompt: &[u32]| -> Vec<u16> {
+        let reports = vec![up(0, used[0]), up(1, used[1]), up(2, used[2])];
+        let mut router = Router::new(reports, 64).with_block_size(4).with_policy(policy);
+        let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+        // Chip 2 holds the prompt's first two blocks.
+        let c2 = Addr::new(HostId(2), 16);
+        router.index.resync(c2, 0, 0, &prefix_hashes(prompt, 4)[..2]);
+        router.handle(
+            Msg::KvEvents { chip: c2, incarnation: 0, events: vec![KvEvent::Stored { seq: 1, hash: 1 }] },
+            &mut fx,
+        );
+        let mut got = Vec::new();
+        for &id in ids {
+            router.handle(route(id, prompt.to_vec()), &mut fx);
+            router.handle(Msg::Release { request_id: id, chip: Addr::new(HostId(0), 0) }, &mut fx);
+            for (_, m) in fx.take_sent() {
+                if let Msg::Routed { chip, .. } = m {
+                    got.push(chip.host.0);
+                    router.handle(Msg::Release { request_id: id, chip }, &mut fx);
+                }
+            }
+        }
+        got
+    };
+    let prompt: Vec<u32> = (1..=12).collect();
+    assert_eq!(run(RouterPolicy::RoundRobin, [0; 3], &[1, 2, 3, 4], &prompt), vec![0, 1, 2, 0]);
+    let a = run(RouterPolicy::Random, [0; 3], &[1, 2, 3, 4, 5, 6], &prompt);
+    assert_eq!(a, run(RouterPolicy::Random, [0; 3], &[1, 2, 3, 4, 5, 6], &prompt), "seeded by the request id");
+    assert!(a.iter().any(|&c| c != a[0]), "and not always the same chip: {a:?}");
+    // 3 blocks to prefill: chip 2 saves 2 of them; blocks in use 0, 0, 1 -> 3, 3, 2.
+    assert_eq!(run(RouterPolicy::Dynamo, [0, 0, 1], &[1], &prompt), vec![2]);
+    // 3, 3, 1 + 3 = 4: chip 0.
+    assert_eq!(run(RouterPolicy::Dynamo, [0, 0, 3], &[1], &prompt), vec![0]);
+    assert_eq!(run(RouterPolicy::LeastLoaded, [0; 3], &[1], &prompt), vec![0]);
+    assert_eq!(run(RouterPolicy::KvAware, [0; 3], &[1], &prompt), vec![2]);
 }

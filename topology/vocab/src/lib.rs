@@ -128,6 +128,26 @@ vocabulary! {
 }
 
 vocabulary! {
+    /// How the router picks the chips of a request (`[router] policy` in a topology).
+    #[derive(Default)]
+    pub enum RouterPolicy ("router policy") {
+        /// Least work ahead: placed tokens plus the prompt tokens the chip would
+        /// compute, which its cached prefix reduces (a hot spot's cache aside).
+        #[default]
+        KvAware = "kv-aware",
+        /// Least placed tokens, caches ignored.
+        LeastLoaded = "least-loaded",
+        /// In turn, by chip address.
+        RoundRobin = "round-robin",
+        /// Uniformly, seeded by the request id (reproducible).
+        Random = "random",
+        /// Dynamo's KV router cost, as published: blocks to prefill (the prompt's less
+        /// those cached there) plus blocks in use, lowest wins.
+        Dynamo = "dynamo",
+    }
+}
+
+vocabulary! {
     /// A block format a chip quantizes float weights to when it loads them (ggml's
     /// Q8_0: 8.5 bits per weight; Q4_0: 4.5). Weights already quantized in a GGUF file
     /// keep their own formats.
