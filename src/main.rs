@@ -2,6 +2,7 @@
 //! no logic of its own beyond presenting results.
 #![forbid(unsafe_code)]
 
+mod bench_router;
 mod up;
 
 use std::path::PathBuf;
@@ -124,6 +125,9 @@ enum BenchCommand {
     /// Round-trip latency and throughput of the ZeroMQ bus between two host processes
     /// over loopback, against plain TCP ping-pong of the same frame size.
     Bus(BenchBusArgs),
+    /// The router's decision time on a large synthetic cluster (chips x indexed KV
+    /// blocks) and its index's event apply rate.
+    Router(BenchRouterArgs),
     /// The echo peer of `bench bus` (started by it).
     #[command(hide = true)]
     BusPeer(BusPeerArgs),
@@ -180,6 +184,27 @@ struct BenchTransferArgs {
 struct TransferPeerArgs {
     #[arg(long)]
     bytes: usize,
+}
+
+#[derive(Args)]
+struct BenchRouterArgs {
+    /// Chips in the cluster.
+    #[arg(long, default_value_t = 1000)]
+    chips: usize,
+    /// (chip, block) entries in the cluster index.
+    #[arg(long, default_value_t = 1_000_000)]
+    blocks: usize,
+    /// Decisions timed.
+    #[arg(long, default_value_t = 20_000)]
+    decisions: usize,
+    /// Tokens per prompt (about; whole blocks plus one).
+    #[arg(long, default_value_t = 1024)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -402,6 +427,7 @@ fn main() {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve(args),
         Command::Bench(BenchCommand::Bus(args)) => bench_bus(args),
+        Command::Bench(BenchCommand::Router(args)) => bench_router(args),
         Command::Bench(BenchCommand::BusPeer(args)) => bench_bus_peer(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
@@ -568,6 +594,23 @@ fn make_tiny(args: MakeTinyArgs) -> Result<()> {
         summary.bytes_written as f64 / 1e6,
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+fn bench_router(args: BenchRouterArgs) -> Result<()> {
+    let opts = bench_router::RouterBenchOptions {
+        chips: args.chips,
+        blocks: args.blocks,
+        decisions: args.decisions,
+        prompt_tokens: args.prompt_tokens,
+        block_size: args.block_size,
+    };
+    let report = bench_router::run(&opts);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
     Ok(())
 }
 

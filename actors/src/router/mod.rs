@@ -350,7 +350,8 @@ impl Router {
         let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
         let computing = prefill.unwrap_or(decode);
         let reason = if cached.get(&computing).is_some_and(|&t| t > 0) { "prefix_hit" } else { "least_work" };
-        metrics::counter!("tessera_router_decisions_total", "placement" => kind, "reason" => reason).increment(1);
+        metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);
+        metrics::counter!("tessera_router_decision_reasons_total", "reason" => reason).increment(1);
         let _ = fx.send(req, Msg::Routed { request_id, chip: decode, prefill });
     }
 
