@@ -2,15 +2,14 @@
 //! cluster-index lookup, the cache credit and the kv-aware placement over every chip —
 //! timed one decision at a time, and the rate at which the index applies KV events.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use serde::Serialize;
-use tessera_actor_core::{Addr, HostId};
+use tessera_actor_core::testkit::TestFx;
+use tessera_actor_core::{Addr, Behavior, HostId};
 use tessera_actors::kv::{KvEvent, prefix_hashes};
-use tessera_actors::msg::{ChipReport, ChipState, Role};
-use tessera_actors::router::index::ClusterIndex;
-use tessera_actors::router::{ChipView, cache_credit, kv_aware, place};
+use tessera_actors::msg::{ChipReport, ChipState, Msg, Role};
+use tessera_actors::router::{Router, RouterPolicy};
 
 pub struct RouterBenchOptions {
     pub chips: usize,
@@ -30,7 +29,7 @@ pub struct RouterBenchReport {
     pub decision_us_p50: f64,
     pub decision_us_p99: f64,
     pub decision_us_max: f64,
-    /// Decisions that found a cached prefix on some chip.
+    /// Decisions placed on a chip holding a cached prefix of the prompt.
     pub prefix_hits: usize,
     pub events_applied: usize,
     pub events_per_s: f64,
@@ -40,7 +39,7 @@ impl RouterBenchReport {
     pub fn table(&self) -> String {
         format!(
             "{} chips, {} indexed blocks, prompts of {} tokens\n\
-             decision: p50 {:.2} us, p99 {:.2} us, max {:.2} us over {} decisions ({} found a cached prefix)\n\
+             decision: p50 {:.2} us, p99 {:.2} us, max {:.2} us over {} decisions ({} placed on a cached prefix)\n\
              index: {} events applied at {:.2} M events/s\n",
             self.chips,
             self.indexed_blocks,
@@ -90,8 +89,15 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let addr = |i: usize| Addr::new(HostId((i / 64) as u16), 16 + (i % 64) as u64);
 
+    let reports: Vec<ChipReport> = (0..opts.chips)
+        .map(|c| ChipReport {
+            state: ChipState::Up,
+            ..ChipReport::starting(addr(c), format!("c{c}"), format!("h{}", c / 64), Role::Both)
+        })
+        .collect();
+    let mut router = Router::new(reports, usize::MAX).with_block_size(bs).with_policy(RouterPolicy::KvAware);
     // Build the index from events, timing the apply rate.
-    let mut index = ClusterIndex::new();
+    let index = router.index_mut();
     let mut events_applied = 0usize;
     let started = Instant::now();
     for c in 0..opts.chips {
@@ -109,17 +115,22 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
         index.apply(addr(c), 1, &events);
     }
     let apply_s = started.elapsed().as_secs_f64();
+    let indexed_blocks = router.index_mut().len();
 
-    let chips: BTreeMap<Addr, ChipView> = (0..opts.chips)
-        .map(|c| {
-            let report = ChipReport {
-                state: ChipState::Up,
-                ..ChipReport::starting(addr(c), format!("c{c}"), format!("h{}", c / 64), Role::Both)
-            };
-            (addr(c), ChipView { report, load_tokens: rng.below(20_000) })
-        })
-        .collect();
-    let down = BTreeSet::new();
+    // Uneven load: requests placed (and kept) through the router itself.
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    for r in 0..opts.chips * 4 {
+        let tokens = rng.below(4000);
+        let route = Msg::Route {
+            request_id: r as u64,
+            req: Addr::new(HostId(0), 10_000 + r as u64),
+            tokens,
+            prompt_tokens: tokens / 2,
+            exclude: vec![],
+            prompt: vec![],
+        };
+        router.handle(route, &mut fx);
+    }
     let mut times = Vec::with_capacity(opts.decisions);
     let mut prefix_hits = 0;
     for d in 0..opts.decisions {
@@ -132,18 +143,16 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
             (0..(prompt_blocks + 1) * bs).map(|_| rng.below(50_000) as u32).collect()
         };
         let t = Instant::now();
-        let held = index.prefix_blocks(&prefix_hashes(&prompt, bs));
-        let cached = cache_credit(&chips, &held, bs, prompt.len());
-        let placed = place(&chips, &down, &[], prompt.len(), usize::MAX, &kv_aware(&cached));
+        let (placed, hit) = router.decide(d as u64, &prompt, prompt.len(), &[], d as u64);
         times.push(t.elapsed().as_secs_f64() * 1e6);
-        prefix_hits += usize::from(!held.is_empty());
+        prefix_hits += usize::from(hit);
         std::hint::black_box(placed);
     }
     times.sort_by(f64::total_cmp);
     let pct = |q: f64| times.get(((times.len() as f64 * q) as usize).min(times.len().saturating_sub(1))).copied();
     RouterBenchReport {
         chips: opts.chips,
-        indexed_blocks: index.len(),
+        indexed_blocks,
         prompt_tokens: (prompt_blocks + 1) * bs,
         decisions: opts.decisions,
         decision_us_p50: pct(0.5).unwrap_or(f64::NAN),

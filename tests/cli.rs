@@ -379,3 +379,36 @@ fn topology_check_refuses_a_missing_local_plugin_and_says_whose_paths_it_checked
         assert!(stdout.contains(&needle), "{needle} not in:\n{stdout}");
     }
 }
+
+/// Every metric the code records is described in docs/metrics.md.
+#[test]
+fn every_metric_is_documented() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/metrics.md")).expect("docs/metrics.md");
+    let mut missing = Vec::new();
+    let mut seen = 0;
+    let mut dirs: Vec<std::path::PathBuf> =
+        ["actors", "runtime", "src", "sims", "backends"].iter().map(|d| root.join(d)).collect();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("a source directory").flatten() {
+            let path = entry.path();
+            if path.is_dir() && !path.ends_with("vendor") {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                for kind in ["counter!(\"", "gauge!(\"", "histogram!(\""] {
+                    for part in text.split(kind).skip(1) {
+                        let name: String =
+                            part.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                        seen += 1;
+                        if !doc.contains(&name) {
+                            missing.push(format!("{name} ({})", path.display()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(seen > 40, "found only {seen} metrics: the scan is broken");
+    assert!(missing.is_empty(), "not in docs/metrics.md: {missing:?}");
+}

@@ -25,7 +25,12 @@ use tessera_actor_core::Addr;
 /// Hash of a full block given its parent's hash (None for a sequence's first block):
 /// blocks with equal hashes hold the KV of equal token prefixes.
 pub fn chained_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut bytes = Vec::with_capacity(9 + tokens.len() * 4);
+    chained_block_hash_with(&mut Vec::new(), parent, tokens)
+}
+
+/// [`chained_block_hash`] with a scratch buffer the caller keeps across blocks.
+fn chained_block_hash_with(bytes: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64 {
+    bytes.clear();
     match parent {
         Some(p) => {
             bytes.push(1);
@@ -36,16 +41,17 @@ pub fn chained_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
     for t in tokens {
         bytes.extend_from_slice(&t.to_le_bytes());
     }
-    xxhash_rust::xxh3::xxh3_64(&bytes)
+    xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
 /// The chained hashes of the full blocks of `tokens`, in order.
 pub fn prefix_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
     let mut parent = None;
+    let mut bytes = Vec::with_capacity(9 + 4 * block_size);
     tokens
         .chunks_exact(block_size.max(1))
         .map(|block| {
-            let h = chained_block_hash(parent, block);
+            let h = chained_block_hash_with(&mut bytes, parent, block);
             parent = Some(h);
             h
         })

@@ -12,10 +12,58 @@
 //! [`KvPool::snapshot`]: crate::kv::KvPool::snapshot
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{BuildHasher, Hasher};
+use std::sync::OnceLock;
 
 use tessera_actor_core::Addr;
 
 use crate::kv::KvEvent;
+
+/// Hashes the block hashes (already uniform 64-bit values) with one multiply, keyed by a
+/// per-process random seed so that prompts chosen to collide cannot crowd the tables.
+/// SipHash, the default, was most of a decision's time.
+#[derive(Clone, Copy)]
+pub struct BlockHashState(u64);
+
+impl Default for BlockHashState {
+    fn default() -> Self {
+        static SEED: OnceLock<u64> = OnceLock::new();
+        BlockHashState(*SEED.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64) | 1))
+    }
+}
+
+impl BuildHasher for BlockHashState {
+    type Hasher = BlockHasher;
+
+    fn build_hasher(&self) -> BlockHasher {
+        BlockHasher { seed: self.0, state: 0 }
+    }
+}
+
+pub struct BlockHasher {
+    seed: u64,
+    state: u64,
+}
+
+impl Hasher for BlockHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.state = (self.state ^ x ^ self.seed).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+    }
+
+    fn finish(&self) -> u64 {
+        self.state
+    }
+}
+
+type BlockSet = HashSet<u64, BlockHashState>;
 
 /// One chip's part of the index.
 #[derive(Debug, Default)]
@@ -26,7 +74,7 @@ struct ChipEntry {
     next: u64,
     /// Waiting for a snapshot: events are ignored, nothing is reported held.
     stale: bool,
-    hashes: HashSet<u64>,
+    hashes: BlockSet,
 }
 
 /// What applying a chip's events did.
@@ -43,7 +91,7 @@ pub enum Applied {
 pub struct ClusterIndex {
     chips: BTreeMap<Addr, ChipEntry>,
     /// Chips holding each hash.
-    holders: HashMap<u64, Vec<Addr>>,
+    holders: HashMap<u64, Vec<Addr>, BlockHashState>,
     resyncs: u64,
 }
 
@@ -106,7 +154,7 @@ impl ClusterIndex {
     pub fn resync(&mut self, chip: Addr, incarnation: u64, last_seq: u64, hashes: &[u64]) {
         self.forget(chip);
         self.resyncs += 1;
-        let mut entry = ChipEntry { incarnation, next: last_seq + 1, stale: false, hashes: HashSet::new() };
+        let mut entry = ChipEntry { incarnation, next: last_seq + 1, stale: false, hashes: BlockSet::default() };
         for &h in hashes {
             if entry.hashes.insert(h) {
                 self.holders.entry(h).or_default().push(chip);
@@ -129,18 +177,12 @@ impl ClusterIndex {
     pub fn prefix_blocks(&self, hashes: &[u64]) -> BTreeMap<Addr, usize> {
         let mut depth = BTreeMap::new();
         let Some(first) = hashes.first() else { return depth };
-        let mut alive: Vec<Addr> = self.holders.get(first).cloned().unwrap_or_default();
-        for (i, h) in hashes.iter().enumerate() {
-            if i > 0 {
-                let Some(holders) = self.holders.get(h) else { break };
-                alive.retain(|c| holders.contains(c));
-            }
-            if alive.is_empty() {
-                break;
-            }
-            for c in &alive {
-                depth.insert(*c, i + 1);
-            }
+        let Some(holders) = self.holders.get(first) else { return depth };
+        // Each chip that holds the first block: how far its own set goes.
+        for chip in holders {
+            let Some(entry) = self.chips.get(chip) else { continue };
+            let n = hashes.iter().take_while(|h| entry.hashes.contains(h)).count();
+            depth.insert(*chip, n);
         }
         depth
     }
@@ -172,14 +214,14 @@ impl ClusterIndex {
 }
 
 /// The chip's set can no longer be trusted: it holds nothing until a snapshot.
-fn mark_stale(entry: &mut ChipEntry, holders: &mut HashMap<u64, Vec<Addr>>, chip: Addr) {
+fn mark_stale(entry: &mut ChipEntry, holders: &mut HashMap<u64, Vec<Addr>, BlockHashState>, chip: Addr) {
     entry.stale = true;
     for h in entry.hashes.drain() {
         unhold(holders, h, chip);
     }
 }
 
-fn unhold(holders: &mut HashMap<u64, Vec<Addr>>, hash: u64, chip: Addr) {
+fn unhold(holders: &mut HashMap<u64, Vec<Addr>, BlockHashState>, hash: u64, chip: Addr) {
     if let Some(chips) = holders.get_mut(&hash) {
         chips.retain(|c| *c != chip);
         if chips.is_empty() {

@@ -11,6 +11,7 @@
 
 pub mod index;
 
+use crate::kv::prefix_hashes;
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic};
 use std::collections::{BTreeMap, BTreeSet};
 use tessera_actor_core::{Addr, HostId};
@@ -44,7 +45,7 @@ pub type Scorer<'a> = dyn Fn(Leg, &Addr, &ChipView) -> i64 + 'a;
 /// The available chip accepted by `fits` and not in `avoid` of the lowest `score`; ties
 /// go to the lowest address, so the choice is deterministic.
 fn best(
-    chips: &BTreeMap<Addr, ChipView>,
+    chips: &[(&Addr, &ChipView)],
     down_hosts: &BTreeSet<HostId>,
     avoid: &[Addr],
     leg: Leg,
@@ -55,7 +56,7 @@ fn best(
         .iter()
         .filter(|(a, c)| available(a, c, down_hosts) && fits(c) && !avoid.contains(a))
         .min_by_key(|(a, c)| (score(leg, a, c), **a))
-        .map(|(a, _)| *a)
+        .map(|(a, _)| **a)
 }
 
 /// The kv-aware cost: placed tokens less the prompt tokens cached there (the prompt's
@@ -72,16 +73,16 @@ pub fn by_load(_: Leg, _: &Addr, c: &ChipView) -> i64 {
     c.load_tokens as i64
 }
 
-/// Cached prefix tokens per chip that count in placement: none for a hot spot, a chip
-/// loaded beyond twice the mean plus one prompt (it would get every request sharing its
+/// Cached prefix tokens per chip that count in placement (`mean`: the mean placed tokens
+/// per chip): none for a hot spot, a chip loaded beyond twice the mean plus one prompt (it would get every request sharing its
 /// prefix while the others idle).
 pub fn cache_credit(
     chips: &BTreeMap<Addr, ChipView>,
     cached_blocks: &BTreeMap<Addr, usize>,
     block_size: usize,
     prompt_tokens: usize,
+    mean: usize,
 ) -> BTreeMap<Addr, usize> {
-    let mean = chips.values().map(|c| c.load_tokens).sum::<usize>() / chips.len().max(1);
     cached_blocks
         .iter()
         .filter(|(a, _)| chips.get(a).is_some_and(|c| c.load_tokens <= 2 * mean + prompt_tokens))
@@ -91,8 +92,9 @@ pub fn cache_credit(
 
 /// The least loaded available chip of any role, preferring those not in `exclude`.
 pub fn pick(chips: &BTreeMap<Addr, ChipView>, down_hosts: &BTreeSet<HostId>, exclude: &[Addr]) -> Option<Addr> {
-    best(chips, down_hosts, exclude, Leg::Compute, &by_load, |_| true)
-        .or_else(|| best(chips, down_hosts, &[], Leg::Compute, &by_load, |_| true))
+    let all: Vec<(&Addr, &ChipView)> = chips.iter().collect();
+    best(&all, down_hosts, exclude, Leg::Compute, &by_load, |_| true)
+        .or_else(|| best(&all, down_hosts, &[], Leg::Compute, &by_load, |_| true))
 }
 
 /// Where a request runs: `decode` samples every token; `prefill`, when set, computes
@@ -120,11 +122,26 @@ pub fn place(
     min_prompt_tokens: usize,
     score: &Scorer,
 ) -> Option<Placed> {
+    let all: Vec<(&Addr, &ChipView)> = chips.iter().collect();
+    place_among(&all, down_hosts, exclude, prompt_tokens, min_prompt_tokens, score)
+}
+
+/// [`place`] among `chips` only: the same choice as among all chips whenever every chip
+/// left out scores no better than one kept that fits the same leg (see
+/// `Router::candidates`).
+pub fn place_among(
+    chips: &[(&Addr, &ChipView)],
+    down_hosts: &BTreeSet<HostId>,
+    exclude: &[Addr],
+    prompt_tokens: usize,
+    min_prompt_tokens: usize,
+    score: &Scorer,
+) -> Option<Placed> {
     let place_avoiding = |avoid: &[Addr]| {
         if prompt_tokens >= min_prompt_tokens
             && let Some(p) = best(chips, down_hosts, avoid, Leg::Compute, score, |c| c.report.role == Role::Prefill)
         {
-            let compat = chips.get(&p).and_then(|c| c.report.compat.clone());
+            let compat = chips.iter().find(|(a, _)| **a == p).and_then(|(_, c)| c.report.compat.clone());
             let decode = best(chips, down_hosts, avoid, Leg::Decode, score, |c| {
                 c.report.role == Role::Decode
                     && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
@@ -162,13 +179,22 @@ pub struct Router {
     policy: RouterPolicy,
     /// Routes so far (round-robin's turn).
     turns: u64,
+    /// The chips of each role by (placed tokens, address): the least loaded are found
+    /// without a scan.
+    by_load: BTreeMap<Role, BTreeSet<(usize, Addr)>>,
+    total_load: usize,
 }
 
 impl Router {
     /// `chips`: every chip of the topology, reported as Starting until heard from.
     /// Requests run on one chip until `with_disaggregation` says otherwise.
     pub fn new(chips: Vec<ChipReport>, max_queued_requests: usize) -> Router {
-        let chips = chips.into_iter().map(|r| (r.chip, ChipView { report: r, load_tokens: 0 })).collect();
+        let chips: BTreeMap<Addr, ChipView> =
+            chips.into_iter().map(|r| (r.chip, ChipView { report: r, load_tokens: 0 })).collect();
+        let mut by_load: BTreeMap<Role, BTreeSet<(usize, Addr)>> = BTreeMap::new();
+        for (a, c) in &chips {
+            by_load.entry(c.report.role).or_default().insert((0, *a));
+        }
         Router {
             chips,
             down_hosts: BTreeSet::new(),
@@ -181,7 +207,91 @@ impl Router {
             block_size: 16,
             policy: RouterPolicy::default(),
             turns: 0,
+            by_load,
+            total_load: 0,
         }
+    }
+
+    /// Sets `chip`'s placed tokens, keeping `by_load` in step.
+    fn set_load(&mut self, chip: Addr, load: impl FnOnce(usize) -> usize) {
+        if let Some(v) = self.chips.get_mut(&chip) {
+            let set = self.by_load.entry(v.report.role).or_default();
+            set.remove(&(v.load_tokens, chip));
+            self.total_load -= v.load_tokens;
+            v.load_tokens = load(v.load_tokens);
+            self.total_load += v.load_tokens;
+            set.insert((v.load_tokens, chip));
+        }
+    }
+
+    /// The chips a load-monotone policy (kv-aware, least-loaded) can choose: the holders
+    /// of the prompt's cached prefix, and, in load order, enough of the rest that every
+    /// leg has its least-loaded fitting chip both with and without `exclude` — for the
+    /// decode leg, one per compatibility class of the prefill candidates. Any chip left
+    /// out has a cache credit of zero and a load no lower than a kept chip that fits the
+    /// same leg, so it cannot score better.
+    /// Walks the chips of `role` in load order, keeping each that is the first (with
+    /// and without `exclude`) to fit one of `legs`, until every leg has both.
+    fn scan<'a>(
+        &'a self,
+        role: Role,
+        legs: &[&dyn Fn(&ChipView) -> bool],
+        exclude: &[Addr],
+        out: &mut Vec<(&'a Addr, &'a ChipView)>,
+    ) {
+        let Some(set) = self.by_load.get(&role) else { return };
+        let mut found = vec![[false; 2]; legs.len()];
+        for (_, a) in set {
+            if found.iter().all(|f| f[0] && f[1]) {
+                break;
+            }
+            let Some((a, c)) = self.chips.get_key_value(a) else { continue };
+            if !available(a, c, &self.down_hosts) {
+                continue;
+            }
+            let avoided = exclude.contains(a);
+            let mut useful = false;
+            for (leg, f) in legs.iter().zip(found.iter_mut()) {
+                if leg(c) {
+                    useful |= !f[1] || (!avoided && !f[0]);
+                    f[1] = true;
+                    f[0] |= !avoided;
+                }
+            }
+            if useful {
+                out.push((a, c));
+            }
+        }
+    }
+
+    fn candidates(&self, holders: &BTreeMap<Addr, usize>, exclude: &[Addr]) -> Vec<(&Addr, &ChipView)> {
+        let mut out: Vec<(&Addr, &ChipView)> = holders.keys().filter_map(|a| self.chips.get_key_value(a)).collect();
+        let prefill = |c: &ChipView| c.report.role == Role::Prefill;
+        let any = |_: &ChipView| true;
+        // Per role, its least-loaded chips: the prefill leg and the colocated legs
+        // (decoding chips first, then any chip) all draw from these.
+        for role in Role::ALL {
+            self.scan(role, &[&any], exclude, &mut out);
+        }
+        // The decode leg: for each compatibility class among the prefill candidates, the
+        // least-loaded decode chip a hand-off may go to.
+        let mut classes: Vec<Option<crate::msg::KvCompat>> =
+            out.iter().filter(|(_, c)| prefill(c)).map(|(_, c)| c.report.compat.clone()).collect();
+        classes.dedup();
+        let fits: Vec<Box<dyn Fn(&ChipView) -> bool>> = classes
+            .into_iter()
+            .map(|compat| {
+                Box::new(move |c: &ChipView| {
+                    c.report.role == Role::Decode
+                        && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
+                }) as Box<dyn Fn(&ChipView) -> bool>
+            })
+            .collect();
+        let legs: Vec<&dyn Fn(&ChipView) -> bool> = fits.iter().map(|f| f.as_ref()).collect();
+        self.scan(Role::Decode, &legs, exclude, &mut out);
+        out.sort_by_key(|(a, _)| **a);
+        out.dedup_by_key(|(a, _)| **a);
+        out
     }
 
     pub fn with_policy(mut self, policy: RouterPolicy) -> Router {
@@ -230,6 +340,13 @@ impl Router {
             metrics::gauge!("tessera_kv_handoff_gap_last_seconds", "chip" => id).set(gap);
         }
         let view = self.chips.entry(chip).or_insert_with(|| ChipView { report: report.clone(), load_tokens: 0 });
+        // A role change moves the chip between the load orders.
+        for role in Role::ALL {
+            if let Some(set) = self.by_load.get_mut(&role) {
+                set.remove(&(view.load_tokens, chip));
+            }
+        }
+        self.by_load.entry(report.role).or_default().insert((view.load_tokens, chip));
         view.report = report;
         if was_up && !is_up {
             self.lose(chip, fx);
@@ -250,9 +367,7 @@ impl Router {
             }
             self.release(id, chip);
         }
-        if let Some(view) = self.chips.get_mut(&chip) {
-            view.load_tokens = 0;
-        }
+        self.set_load(chip, |_| 0);
     }
 
     fn host_down(&mut self, host: HostId, name: String, fx: &mut dyn Effects<Msg>) {
@@ -282,29 +397,34 @@ impl Router {
         }
     }
 
-    fn route(&mut self, route: RouteAsk, fx: &mut dyn Effects<Msg>) {
-        let RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt } = route;
-        if !self.placements.contains_key(&request_id) && self.placements.len() >= self.max_queued_requests {
-            let error = ServeError::new(
-                ErrorKind::Overloaded,
-                format!("{} requests are already in flight (the router's limit)", self.placements.len()),
-            );
-            let _ = fx.send(req, Msg::RouteFailed { request_id, error });
-            return;
-        }
+    /// Where the policy places a request (`turn`: round-robin's), and whether the chip
+    /// computing its prompt holds a cached prefix of it. Changes nothing.
+    pub fn decide(
+        &self,
+        request_id: u64,
+        prompt: &[u32],
+        prompt_tokens: usize,
+        exclude: &[Addr],
+        turn: u64,
+    ) -> (Option<Placed>, bool) {
         let bs = self.block_size;
-        let hashes = crate::kv::prefix_hashes(&prompt, bs);
-        let held = self.index.prefix_blocks(&hashes);
-        let cached = cache_credit(&self.chips, &held, bs, prompt_tokens);
-        let ranks: BTreeMap<Addr, i64> = self.chips.keys().enumerate().map(|(i, a)| (*a, i as i64)).collect();
-        let (n, turn) = (ranks.len().max(1) as i64, self.turns as i64);
-        self.turns += 1;
+        let held = match self.policy {
+            RouterPolicy::KvAware | RouterPolicy::Dynamo => self.index.prefix_blocks(&prefix_hashes(prompt, bs)),
+            RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random => BTreeMap::new(),
+        };
+        let mean = self.total_load / self.chips.len().max(1);
+        let cached = cache_credit(&self.chips, &held, bs, prompt_tokens, mean);
         let prompt_blocks = prompt_tokens.div_ceil(bs) as i64;
+        let n = self.chips.len().max(1) as i64;
+        let ranks: BTreeMap<Addr, i64> = match self.policy {
+            RouterPolicy::RoundRobin => self.chips.keys().enumerate().map(|(i, a)| (*a, i as i64)).collect(),
+            _ => BTreeMap::new(),
+        };
         let score: Box<Scorer> = match self.policy {
             RouterPolicy::KvAware => Box::new(kv_aware(&cached)),
             RouterPolicy::LeastLoaded => Box::new(by_load),
             RouterPolicy::RoundRobin => {
-                Box::new(move |_, a, _| (ranks.get(a).copied().unwrap_or(0) - turn).rem_euclid(n))
+                Box::new(move |_, a, _| (ranks.get(a).copied().unwrap_or(0) - turn as i64).rem_euclid(n))
             }
             RouterPolicy::Random => Box::new(move |_, a, _| {
                 let mut bytes = request_id.to_le_bytes().to_vec();
@@ -321,7 +441,34 @@ impl Router {
                 new_blocks.max(0) + c.report.kv_blocks_used as i64
             }),
         };
-        let placed = place(&self.chips, &self.down_hosts, &exclude, prompt_tokens, self.min_prompt_tokens, &*score);
+        let candidates: Vec<(&Addr, &ChipView)> = match self.policy {
+            RouterPolicy::KvAware | RouterPolicy::LeastLoaded => self.candidates(&held, exclude),
+            RouterPolicy::RoundRobin | RouterPolicy::Random | RouterPolicy::Dynamo => self.chips.iter().collect(),
+        };
+        let placed =
+            place_among(&candidates, &self.down_hosts, exclude, prompt_tokens, self.min_prompt_tokens, &*score);
+        let prefix_hit = placed.is_some_and(|p| cached.get(&p.prefill.unwrap_or(p.decode)).is_some_and(|&t| t > 0));
+        (placed, prefix_hit)
+    }
+
+    /// The cluster index (for tools that load it directly, e.g. `bench router`).
+    pub fn index_mut(&mut self) -> &mut index::ClusterIndex {
+        &mut self.index
+    }
+
+    fn route(&mut self, route: RouteAsk, fx: &mut dyn Effects<Msg>) {
+        let RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt } = route;
+        if !self.placements.contains_key(&request_id) && self.placements.len() >= self.max_queued_requests {
+            let error = ServeError::new(
+                ErrorKind::Overloaded,
+                format!("{} requests are already in flight (the router's limit)", self.placements.len()),
+            );
+            let _ = fx.send(req, Msg::RouteFailed { request_id, error });
+            return;
+        }
+        let turn = self.turns;
+        self.turns += 1;
+        let (placed, prefix_hit) = self.decide(request_id, &prompt, prompt_tokens, &exclude, turn);
         let Some(Placed { decode, prefill }) = placed else {
             let states: Vec<String> =
                 self.chips.values().map(|c| format!("{} {:?}", c.report.id, c.report.state).to_lowercase()).collect();
@@ -332,9 +479,7 @@ impl Router {
         // A re-route replaces whatever the request held.
         if let Some(old) = self.placements.remove(&request_id) {
             for (chip, t) in old.chips {
-                if let Some(v) = self.chips.get_mut(&chip) {
-                    v.load_tokens = v.load_tokens.saturating_sub(t);
-                }
+                self.set_load(chip, |l| l.saturating_sub(t));
             }
         }
         let mut held = vec![(decode, tokens)];
@@ -342,14 +487,11 @@ impl Router {
             held.push((p, prompt_tokens));
         }
         for &(chip, t) in &held {
-            if let Some(v) = self.chips.get_mut(&chip) {
-                v.load_tokens += t;
-            }
+            self.set_load(chip, |l| l + t);
         }
         self.placements.insert(request_id, Placement { req, chips: held });
         let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
-        let computing = prefill.unwrap_or(decode);
-        let reason = if cached.get(&computing).is_some_and(|&t| t > 0) { "prefix_hit" } else { "least_work" };
+        let reason = if prefix_hit { "prefix_hit" } else { "least_work" };
         metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);
         metrics::counter!("tessera_router_decision_reasons_total", "reason" => reason).increment(1);
         let _ = fx.send(req, Msg::Routed { request_id, chip: decode, prefill });
@@ -359,9 +501,11 @@ impl Router {
         let Some(p) = self.placements.get_mut(&request_id) else { return };
         if let Some(i) = p.chips.iter().position(|(c, _)| *c == chip) {
             let (_, t) = p.chips.remove(i);
-            if let Some(v) = self.chips.get_mut(&chip) {
-                v.load_tokens = v.load_tokens.saturating_sub(t);
+            if p.chips.is_empty() {
+                self.placements.remove(&request_id);
             }
+            self.set_load(chip, |l| l.saturating_sub(t));
+            return;
         }
         if p.chips.is_empty() {
             self.placements.remove(&request_id);

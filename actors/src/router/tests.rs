@@ -202,7 +202,8 @@ fn placement_credits_cached_prefixes_but_not_to_a_hot_spot() {
     for (i, (chips, held, prompt, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
         let held: BTreeMap<Addr, usize> = held.into_iter().map(|(h, b)| (a(h), b)).collect();
-        let cached = cache_credit(&chips, &held, 16, prompt);
+        let mean = chips.values().map(|c| c.load_tokens).sum::<usize>() / chips.len().max(1);
+        let cached = cache_credit(&chips, &held, 16, prompt, mean);
         assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &kv_aware(&cached)), want, "case {i}");
     }
 }
@@ -332,4 +333,77 @@ fn baseline_policies_place_as_documented() {
     assert_eq!(run(RouterPolicy::Dynamo, [0, 0, 3], &[1], &prompt), vec![0]);
     assert_eq!(run(RouterPolicy::LeastLoaded, [0; 3], &[1], &prompt), vec![0]);
     assert_eq!(run(RouterPolicy::KvAware, [0; 3], &[1], &prompt), vec![2]);
+}
+
+mod candidates {
+    use super::*;
+    use crate::msg::KvCompat;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    struct Spec {
+        role: u8,
+        state_up: bool,
+        load: usize,
+        compat: Option<u8>,
+        cached: usize,
+    }
+
+    fn spec() -> impl Strategy<Value = Spec> {
+        (
+            0..3u8,
+            prop::bool::weighted(0.85),
+            0..50usize,
+            prop::option::of(0..2u8),
+            prop_oneof![3 => Just(0usize), 1 => 1..40usize],
+        )
+            .prop_map(|(role, state_up, load, compat, cached)| Spec {
+                role,
+                state_up,
+                load: load * 10,
+                compat,
+                cached,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// The router's shortcut (holders plus the least-loaded chips of each leg) picks
+        /// exactly what scoring every chip picks, for kv-aware and least-loaded.
+        #[test]
+        fn the_shortcut_places_as_a_full_scan(
+            specs in prop::collection::vec(spec(), 1..24),
+            exclude in prop::collection::vec(0..24usize, 0..3),
+            down in prop::collection::vec(0..24u16, 0..2),
+            prompt in 1..400usize,
+        ) {
+            let reports: Vec<ChipReport> = specs.iter().enumerate().map(|(i, s)| {
+                let addr = Addr::new(HostId(i as u16), 16);
+                ChipReport {
+                    state: if s.state_up { ChipState::Up } else { ChipState::Down },
+                    compat: s.compat.map(|c| KvCompat { hash: c as u64, fields: vec![] }),
+                    ..ChipReport::starting(addr, format!("c{i}"), format!("h{i}"), [Prefill, Decode, Both][s.role as usize])
+                }
+            }).collect();
+            let mut router = Router::new(reports, 64);
+            for (i, s) in specs.iter().enumerate() {
+                router.set_load(Addr::new(HostId(i as u16), 16), |_| s.load);
+            }
+            router.down_hosts = down.into_iter().map(HostId).collect();
+            let exclude: Vec<Addr> = exclude.into_iter().map(|i| Addr::new(HostId(i as u16), 16)).collect();
+            let held: BTreeMap<Addr, usize> = specs.iter().enumerate()
+                .filter(|(_, s)| s.cached > 0)
+                .map(|(i, s)| (Addr::new(HostId(i as u16), 16), s.cached))
+                .collect();
+            let cached = cache_credit(&router.chips, &held, 16, prompt, router.total_load / router.chips.len());
+            let kv = kv_aware(&cached);
+            let scorers: [&Scorer; 2] = [&kv, &by_load];
+            for score in scorers {
+                let want = place(&router.chips, &router.down_hosts, &exclude, prompt, 64, score);
+                let few = router.candidates(&held, &exclude);
+                let got = place_among(&few, &router.down_hosts, &exclude, prompt, 64, score);
+                prop_assert_eq!(got, want);
+            }
+        }
+    }
 }
