@@ -278,13 +278,14 @@ impl Router {
         let mut classes: Vec<Option<crate::msg::KvCompat>> =
             out.iter().filter(|(_, c)| prefill(c)).map(|(_, c)| c.report.compat.clone()).collect();
         classes.dedup();
-        let fits: Vec<Box<dyn Fn(&ChipView) -> bool>> = classes
+        type Fits = Box<dyn Fn(&ChipView) -> bool>;
+        let fits: Vec<Fits> = classes
             .into_iter()
             .map(|compat| {
                 Box::new(move |c: &ChipView| {
                     c.report.role == Role::Decode
                         && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
-                }) as Box<dyn Fn(&ChipView) -> bool>
+                }) as Fits
             })
             .collect();
         let legs: Vec<&dyn Fn(&ChipView) -> bool> = fits.iter().map(|f| f.as_ref()).collect();
