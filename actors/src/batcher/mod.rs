@@ -514,8 +514,11 @@ fn fit_chunk(seq: &Seq, want: usize, bs: usize, free: usize) -> usize {
     want.min(room.saturating_sub(seq.cached))
 }
 
+/// Releases last block first: a prefix's first blocks then stay cached longest (a
+/// parent is never evicted before its child), so what survives pressure is still a
+/// usable prefix.
 fn release_blocks(seq: &mut Seq, pool: &mut KvPool) {
-    for b in seq.blocks.drain(..) {
+    for b in seq.blocks.drain(..).rev() {
         if let Err(e) = pool.release(b) {
             // A bookkeeping bug, not an input error: say so loudly, keep serving.
             tracing::error!(error = %e, request_id = seq.request_id, "KV block release failed");

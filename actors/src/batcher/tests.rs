@@ -343,3 +343,21 @@ fn admission_refuses_what_can_never_run_here() {
         "10 prompt tokens + 12 new tokens need 6 KV blocks but the cache holds 5: lower max_tokens"
     );
 }
+
+/// Under pressure the cache gives up a prefix's last blocks first: what is left still
+/// starts at the prompt's beginning and is reused.
+#[test]
+fn eviction_keeps_the_leading_blocks_of_a_cached_prefix() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(4);
+    let system: Vec<u32> = (10..22).collect(); // three full blocks
+    b.enqueue(seq_of(1, system.iter().copied().chain([40]).collect(), 1));
+    run_step(&mut b, &mut p);
+    assert_eq!(p.cached(), 3);
+    // A request of its own takes two blocks: one free, one evicted from the cache.
+    b.enqueue(seq(2, 5, 1));
+    run_step(&mut b, &mut p);
+    assert_eq!(p.cached(), 2 + 1, "two of the prefix's blocks and one of request 2's");
+    b.enqueue(seq_of(3, system.iter().copied().chain([50]).collect(), 1));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(3, 8, 5, true)], "the first two blocks are still reused");
+}
