@@ -122,6 +122,9 @@ enum BenchCommand {
     /// Load an OpenAI-compatible server with streamed requests; report throughput and
     /// TTFT / TPOT / ITL / end-to-end latency percentiles.
     Serve(ServeArgs),
+    /// Write a request trace in Mooncake's JSONL format with a chosen prefix reuse (for
+    /// `bench serve --trace`); prints its oracle hit rate on stderr.
+    TraceGen(TraceGenArgs),
     /// Round-trip latency and throughput of the ZeroMQ bus between two host processes
     /// over loopback, against plain TCP ping-pong of the same frame size.
     Bus(BenchBusArgs),
@@ -405,9 +408,43 @@ struct ServeArgs {
     /// Limit on each request, from connecting to the end of its stream.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
+    /// Requests in this many groups, each sharing a system prompt of --prefix-words.
+    #[arg(long, requires = "prefix_words")]
+    prefix_groups: Option<u32>,
+    /// Words of each group's system prompt (about as many tokens).
+    #[arg(long, requires = "prefix_groups")]
+    prefix_words: Option<u32>,
+    /// Replay a trace in Mooncake's JSONL format (timestamp, input_length, output_length,
+    /// hash_ids) instead of --requests/--isl/--osl/--rate (see `bench trace-gen`).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct TraceGenArgs {
+    /// Requests in the trace.
+    #[arg(long, default_value_t = 1000)]
+    requests: usize,
+    /// Poisson arrival rate, requests per second.
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// Input lengths in tokens (as --isl of bench serve).
+    #[arg(long, default_value = "uniform:2048-8192")]
+    isl: tessera_loadgen::LengthDist,
+    /// Output lengths in tokens.
+    #[arg(long, default_value = "128")]
+    osl: tessera_loadgen::LengthDist,
+    /// Share (0..=1) of each prompt's 512-token blocks taken from an earlier prompt.
+    #[arg(long, default_value_t = 0.5)]
+    reuse: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Where to write the JSONL trace (default: standard output).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 fn main() {
@@ -428,6 +465,7 @@ fn main() {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve(args),
         Command::Bench(BenchCommand::Bus(args)) => bench_bus(args),
         Command::Bench(BenchCommand::Router(args)) => bench_router(args),
+        Command::Bench(BenchCommand::TraceGen(args)) => trace_gen(args),
         Command::Bench(BenchCommand::BusPeer(args)) => bench_bus_peer(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
@@ -597,6 +635,19 @@ fn make_tiny(args: MakeTinyArgs) -> Result<()> {
     Ok(())
 }
 
+fn trace_gen(args: TraceGenArgs) -> Result<()> {
+    use tessera_loadgen::trace;
+    let t = trace::generate(args.requests, args.rate, args.isl, args.osl, args.reuse, args.seed)
+        .map_err(|e| anyhow::anyhow!("{}", e.0))?;
+    let text = trace::to_jsonl(&t);
+    match &args.out {
+        Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?,
+        None => print!("{text}"),
+    }
+    eprintln!("{} requests; oracle hit rate {:.3}", t.len(), trace::oracle_hit_rate(&t));
+    Ok(())
+}
+
 fn bench_router(args: BenchRouterArgs) -> Result<()> {
     let opts = bench_router::RouterBenchOptions {
         chips: args.chips,
@@ -734,6 +785,17 @@ fn bench_serve(args: ServeArgs) -> Result<()> {
         warmup: args.warmup,
         timeout_s: args.timeout_s,
         progress: !args.json,
+        shared: args
+            .prefix_groups
+            .zip(args.prefix_words)
+            .map(|(groups, words)| loadgen::SharedPrefix { groups, words }),
+        trace: match &args.trace {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+                Some(loadgen::trace::parse(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.0))?)
+            }
+            None => None,
+        },
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
     let report = runtime.block_on(loadgen::run(opts))?;

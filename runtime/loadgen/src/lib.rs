@@ -30,7 +30,10 @@ use tokio::sync::{Semaphore, mpsc};
 
 pub use sse::SseParser;
 pub use stats::{LatencySummary, percentile};
-pub use tessera_workload::{DEFAULT_CONCURRENCY, DistParseError, LengthDist, Load, SeededRng, Workload, WorkloadError};
+pub use tessera_workload::trace::{self, TraceRequest};
+pub use tessera_workload::{
+    DEFAULT_CONCURRENCY, DistParseError, LengthDist, Load, SeededRng, SharedPrefix, Workload, WorkloadError,
+};
 
 use request::Sample;
 use tessera_workload::PlannedRequest;
@@ -100,6 +103,11 @@ pub struct ServeBenchOptions {
     pub timeout_s: f64,
     /// Draw a progress bar on stderr (only when stderr is a terminal).
     pub progress: bool,
+    /// Requests in groups sharing a system prompt.
+    pub shared: Option<SharedPrefix>,
+    /// Replay this trace (Mooncake's format) instead: its prompts, lengths and arrival
+    /// times; `requests`, `isl`, `osl` and the load are then ignored.
+    pub trace: Option<Vec<TraceRequest>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -189,7 +197,7 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         timeout,
     });
 
-    let workload = Workload { isl: opts.isl, osl: opts.osl, load: opts.load, seed: opts.seed };
+    let workload = Workload { isl: opts.isl, osl: opts.osl, load: opts.load, seed: opts.seed, shared: opts.shared };
     if opts.warmup > 0 {
         let concurrency = match opts.load {
             Load::Closed { concurrency } => concurrency,
@@ -203,13 +211,22 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         }
     }
 
-    let measured = workload.measured(opts.requests);
-    let arrivals_s = workload.arrivals_s(opts.requests);
-    let concurrency = match opts.load {
-        Load::Poisson { .. } => opts.requests,
-        Load::Closed { concurrency } => concurrency,
+    let (measured, arrivals_s, concurrency) = match &opts.trace {
+        Some(trace) => {
+            let (reqs, arrivals) = trace::replay(trace, trace::TRACE_BLOCK_TOKENS);
+            let n = reqs.len();
+            (reqs, arrivals, n)
+        }
+        None => {
+            let concurrency = match opts.load {
+                Load::Poisson { .. } => opts.requests,
+                Load::Closed { concurrency } => concurrency,
+            };
+            (workload.measured(opts.requests), workload.arrivals_s(opts.requests), concurrency)
+        }
     };
-    let bar = progress_bar(opts.progress, opts.requests);
+    let requests = measured.len();
+    let bar = progress_bar(opts.progress, requests);
     let (outcomes, duration) = drive(&target, measured, &arrivals_s, concurrency, &bar).await;
     bar.finish_and_clear();
 
@@ -244,7 +261,7 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         e2e: None,
         errors: Vec::new(),
     };
-    report.add_outcomes(opts.requests, outcomes);
+    report.add_outcomes(requests, outcomes);
     Ok(report)
 }
 

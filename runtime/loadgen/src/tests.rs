@@ -121,6 +121,8 @@ fn options(url: String) -> ServeBenchOptions {
         warmup: 0,
         timeout_s: 10.0,
         progress: false,
+        shared: None,
+        trace: None,
     }
 }
 

@@ -115,7 +115,8 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
     }
 
     let w = &scenario.workload;
-    let workload = Workload { isl: w.isl, osl: w.osl, load: Load::Poisson { rate_rps: w.rate_rps }, seed };
+    let workload =
+        Workload { isl: w.isl, osl: w.osl, load: Load::Poisson { rate_rps: w.rate_rps }, seed, shared: None };
     let arrivals_s = arrivals(&workload, w);
     let vocab = model.config.vocab_size.max(1) as u64;
     let asks: VecDeque<(u64, AdmitAsk)> = workload

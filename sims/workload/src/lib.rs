@@ -9,6 +9,7 @@
 
 mod dist;
 mod stats;
+pub mod trace;
 
 use std::sync::LazyLock;
 
@@ -57,6 +58,17 @@ pub struct Workload {
     pub osl: LengthDist,
     pub load: Load,
     pub seed: u64,
+    /// Requests in groups that share a system prompt (`None`: every prompt its own).
+    pub shared: Option<SharedPrefix>,
+}
+
+/// `groups` system prompts of `words` words each; every request starts with one of them
+/// (uniformly chosen) before its own `isl` words — what a prefix cache and a KV-aware
+/// router have to find.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedPrefix {
+    pub groups: u32,
+    pub words: u32,
 }
 
 impl Workload {
@@ -86,7 +98,18 @@ impl Workload {
     }
 
     fn plan(&self, n: usize, rng: &mut SeededRng) -> Vec<PlannedRequest> {
-        (0..n).map(|_| PlannedRequest::new(self.isl.sample(rng), self.osl.sample(rng), rng)).collect()
+        (0..n)
+            .map(|_| {
+                let mut req = PlannedRequest::new(self.isl.sample(rng), self.osl.sample(rng), rng);
+                if let Some(shared) = self.shared {
+                    let group = rng.below(shared.groups.max(1) as u64);
+                    let prefix = words_of(shared.words, &mut SeededRng::new(self.seed ^ ((group + 1) * 0x9e37_79b9)));
+                    req.prompt = format!("{prefix} {}", req.prompt);
+                    req.isl += shared.words;
+                }
+                req
+            })
+            .collect()
     }
 }
 
@@ -116,10 +139,15 @@ pub struct PlannedRequest {
 impl PlannedRequest {
     /// A prompt of `isl` words drawn from `rng`, asking for `osl` tokens.
     pub fn new(isl: u32, osl: u32, rng: &mut SeededRng) -> Self {
-        static VOCABULARY: LazyLock<Vec<&str>> = LazyLock::new(|| WORDS.split_whitespace().collect());
-        let words: Vec<&str> = (0..isl).map(|_| VOCABULARY[rng.below(VOCABULARY.len() as u64) as usize]).collect();
-        PlannedRequest { prompt: words.join(" "), isl, osl }
+        PlannedRequest { prompt: words_of(isl, rng), isl, osl }
     }
+}
+
+/// `n` words drawn from `rng`, space-separated.
+pub fn words_of(n: u32, rng: &mut SeededRng) -> String {
+    static VOCABULARY: LazyLock<Vec<&str>> = LazyLock::new(|| WORDS.split_whitespace().collect());
+    let words: Vec<&str> = (0..n).map(|_| VOCABULARY[rng.below(VOCABULARY.len() as u64) as usize]).collect();
+    words.join(" ")
 }
 
 #[cfg(test)]
@@ -134,6 +162,27 @@ mod tests {
         assert_eq!(a.prompt.split(' ').count(), 100);
         assert_ne!(a.prompt, b.prompt);
         assert_eq!((a.isl, a.osl), (100, 5));
+    }
+
+    #[test]
+    fn shared_prefixes_start_the_prompts_of_a_group() {
+        let shared = SharedPrefix { groups: 3, words: 50 };
+        let w = Workload {
+            isl: LengthDist::Fixed(10),
+            osl: LengthDist::Fixed(2),
+            load: Load::Closed { concurrency: 1 },
+            seed: 5,
+            shared: Some(shared),
+        };
+        let plan = w.measured(60);
+        let prefixes: std::collections::BTreeSet<String> =
+            plan.iter().map(|r| r.prompt.split(' ').take(50).collect::<Vec<_>>().join(" ")).collect();
+        assert_eq!(prefixes.len(), 3, "three system prompts");
+        assert!(plan.iter().all(|r| r.isl == 60 && r.prompt.split(' ').count() == 60));
+        let own: std::collections::BTreeSet<String> =
+            plan.iter().map(|r| r.prompt.split(' ').skip(50).collect::<Vec<_>>().join(" ")).collect();
+        assert_eq!(own.len(), 60, "each request's own words differ");
+        assert_eq!(plan, w.measured(60), "reproducible");
     }
 
     #[test]
@@ -154,8 +203,13 @@ mod tests {
 
     #[test]
     fn streams_are_independent_and_reproducible() {
-        let w =
-            |load, seed| Workload { isl: LengthDist::Uniform { lo: 4, hi: 40 }, osl: LengthDist::Fixed(3), load, seed };
+        let w = |load, seed| Workload {
+            isl: LengthDist::Uniform { lo: 4, hi: 40 },
+            osl: LengthDist::Fixed(3),
+            load,
+            seed,
+            shared: None,
+        };
         let open = w(Load::Poisson { rate_rps: 10.0 }, 7);
         let closed = w(Load::Closed { concurrency: 2 }, 7);
         assert_eq!(open.measured(5), closed.measured(5), "the load shape leaves the prompts alone");
