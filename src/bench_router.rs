@@ -10,6 +10,7 @@ use tessera_actor_core::{Addr, Behavior, HostId};
 use tessera_actors::kv::{KvEvent, prefix_hashes};
 use tessera_actors::msg::{ChipReport, ChipState, Msg, Role};
 use tessera_actors::router::{Router, RouterPolicy};
+use tessera_loadgen::SeededRng;
 
 pub struct RouterBenchOptions {
     pub chips: usize,
@@ -55,22 +56,6 @@ impl RouterBenchReport {
     }
 }
 
-/// A deterministic stream of numbers (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// Prompt families: a shared prefix of `blocks` blocks each (a system prompt, a
 /// document), whose chained hashes the chips hold some of.
 fn family_tokens(family: usize, tokens: usize) -> Vec<u32> {
@@ -86,7 +71,8 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
     let families = (opts.chips * families_per_chip / 10).max(1); // each family on ~10 chips
     let hashes: Vec<Vec<u64>> =
         (0..families).map(|f| prefix_hashes(&family_tokens(f, prompt_blocks * bs), bs)).collect();
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = SeededRng::new(0x9e37_79b9_7f4a_7c15);
+    let mut below = |n: usize| rng.below(n.max(1) as u64) as usize;
     let addr = |i: usize| Addr::new(HostId((i / 64) as u16), 16 + (i % 64) as u64);
 
     let reports: Vec<ChipReport> = (0..opts.chips)
@@ -105,7 +91,7 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
         let mut events = Vec::with_capacity(per_chip);
         let mut seq = 0;
         for _ in 0..families_per_chip {
-            let f = rng.below(families);
+            let f = below(families);
             for &hash in &hashes[f] {
                 seq += 1;
                 events.push(KvEvent::Stored { seq, hash });
@@ -120,7 +106,7 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
     // Uneven load: requests placed (and kept) through the router itself.
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     for r in 0..opts.chips * 4 {
-        let tokens = rng.below(4000);
+        let tokens = below(4000);
         let route = Msg::Route {
             request_id: r as u64,
             req: Addr::new(HostId(0), 10_000 + r as u64),
@@ -136,11 +122,11 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
     for d in 0..opts.decisions {
         // Half the prompts extend a known family, half are new.
         let prompt: Vec<u32> = if d % 2 == 0 {
-            let mut p = family_tokens(rng.below(families), prompt_blocks * bs);
-            p.extend((0..bs).map(|_| rng.below(50_000) as u32));
+            let mut p = family_tokens(below(families), prompt_blocks * bs);
+            p.extend((0..bs).map(|_| below(50_000) as u32));
             p
         } else {
-            (0..(prompt_blocks + 1) * bs).map(|_| rng.below(50_000) as u32).collect()
+            (0..(prompt_blocks + 1) * bs).map(|_| below(50_000) as u32).collect()
         };
         let t = Instant::now();
         let (placed, hit) = router.decide(d as u64, &prompt, prompt.len(), &[], d as u64);

@@ -493,11 +493,6 @@ impl Batcher {
         out
     }
 
-    /// Prompt positions of `request_id` whose KV came from the cache (0 if unknown).
-    pub fn reused_tokens(&self, request_id: u64) -> usize {
-        self.running.iter().chain(&self.waiting).find(|s| s.request_id == request_id).map_or(0, |s| s.reused)
-    }
-
     /// Tokens still to be computed across all sequences (the chip's queue depth).
     pub fn queued_tokens(&self) -> usize {
         self.running.iter().chain(&self.waiting).map(|s| s.pending() + s.max_new.saturating_sub(s.new_tokens)).sum()

@@ -115,11 +115,12 @@ fn a_cached_prefix_is_reused_not_recomputed() {
     let with = |tail: &[u32]| system.iter().chain(tail).copied().collect::<Vec<u32>>();
     b.enqueue(seq_of(1, with(&[40, 41]), 1));
     assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 0, 14, true)]);
+    assert_eq!(b.take_prefix_stats(), (14, 0), "nothing cached yet");
     assert_eq!((p.used(), p.cached()), (0, 3), "the three sealed blocks are cached");
     // Same system prompt, another question: 12 of 15 positions come from the cache.
     b.enqueue(seq_of(2, with(&[50, 51, 52]), 2));
     assert_eq!(run_step(&mut b, &mut p).0, vec![(2, 12, 3, true)]);
-    assert_eq!(b.reused_tokens(2), 12);
+    assert_eq!(b.take_prefix_stats(), (15, 12), "12 of its 15 prompt positions reused");
     // While 2 runs, 3 shares its sealed blocks; 3's prompt is exactly the system prompt,
     // so its last block is computed again (its last token needs logits).
     b.enqueue(seq_of(3, system.clone(), 1));

@@ -298,11 +298,6 @@ impl KvPool {
         }
     }
 
-    /// How many leading blocks of a prompt whose full blocks hash to `hashes` are here.
-    pub fn prefix_blocks(&self, hashes: &[u64]) -> usize {
-        hashes.iter().take_while(|h| self.by_hash.contains_key(h)).count()
-    }
-
     /// The number of the last event.
     pub fn snapshot_seq(&self) -> u64 {
         self.event_seq

@@ -126,11 +126,6 @@ impl GgmlType {
         self.name().to_ascii_lowercase()
     }
 
-    /// Parses a name in any case (`Q4_K`, `q8_0`, `bf16`).
-    pub fn from_name(name: &str) -> Option<GgmlType> {
-        GgmlType::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(name))
-    }
-
     /// Dequantizes whole blocks: `out.len()` values from `bytes` (which must hold exactly
     /// `out.len() / block_elements` blocks; both lengths are the caller's to check).
     pub fn dequantize(self, bytes: &[u8], out: &mut [f32]) {
@@ -405,7 +400,6 @@ mod tests {
         assert_eq!(GgmlType::Q4_0.row_bytes(48), None);
         assert_eq!(GgmlType::Q6K.row_bytes(512), Some(420));
         assert_eq!(GgmlType::F16.row_bytes(3), Some(6));
-        assert_eq!(GgmlType::from_name("q4_k"), Some(GgmlType::Q4K));
         assert!(quantize(GgmlType::Q4K, &[0.0; 256], &mut [0u8; 144]).is_err());
         assert!(quantize(GgmlType::Q8_0, &[0.0; 31], &mut [0u8; 34]).is_err());
     }
