@@ -129,10 +129,10 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
             (0..(prompt_blocks + 1) * bs).map(|_| below(50_000) as u32).collect()
         };
         let t = Instant::now();
-        let (placed, hit) = router.decide(d as u64, &prompt, prompt.len(), &[], d as u64);
+        let decision = router.decide(d as u64, &prompt, prompt.len(), prompt.len() + 64, &[], d as u64);
         times.push(t.elapsed().as_secs_f64() * 1e6);
-        prefix_hits += usize::from(hit);
-        std::hint::black_box(placed);
+        prefix_hits += usize::from(decision.cached_tokens > 0);
+        std::hint::black_box(decision);
     }
     times.sort_by(f64::total_cmp);
     let pct = |q: f64| times.get(((times.len() as f64 * q) as usize).min(times.len().saturating_sub(1))).copied();

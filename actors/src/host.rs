@@ -9,16 +9,35 @@ use crate::chip::executor::ExecutorFactory;
 use crate::chip::{Chip, ChipConfig};
 use crate::msg::{ChipReport, Msg, well_known};
 use crate::request::RetryPolicy;
-use crate::router::Router;
+use crate::router::cost::Pace;
+use crate::router::{Limits, Router};
 use crate::supervisor::{Supervisor, SupervisorConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tessera_actor_core::{Addr, Behavior, HostId};
-use tessera_topology::{ChipSpec, ClusterSpec, HostSpec};
+use tessera_topology::{ChipSpec, ClusterSpec, EmulationSpec, HostSpec};
 
 /// The address of chip `i` of host `host` (in topology order).
 pub fn chip_addr(host: usize, i: usize) -> Addr {
     Addr::new(HostId(host as u16), well_known::CHIP_BASE + i as u64)
+}
+
+/// Each chip's pace as its kind's performance model predicts it: paced like its
+/// emulation for an emulated chip, at the emulation's efficiencies and real time for
+/// the others. A kind the catalog does not know is paced as [`Pace::UNKNOWN`].
+pub fn modelled_paces(spec: &ClusterSpec) -> BTreeMap<Addr, Pace> {
+    let chips =
+        spec.hosts.iter().enumerate().flat_map(|(h, host)| host.chips.iter().enumerate().map(move |(i, c)| (h, i, c)));
+    chips
+        .map(|(h, i, chip)| {
+            let emu = match chip.backend.emulated_kind() {
+                Some(_) => spec.emulation,
+                None => EmulationSpec { time_scale: 1.0, ..spec.emulation },
+            };
+            let pace = spec.chip_kind(&chip.kind).map_or(Pace::UNKNOWN, |kind| Pace::modelled(kind, &emu));
+            (chip_addr(h, i), pace)
+        })
+        .collect()
 }
 
 /// Why a host's behaviors could not be built.
@@ -105,10 +124,19 @@ pub fn build_host<E>(
 
     let admission = is_gateway.then(|| Addr::new(host, well_known::ADMISSION));
     if is_gateway {
-        let routing = Router::new(reports, spec.router.max_queued_requests)
+        let r = &spec.router;
+        let limits = Limits {
+            max_queued_requests: r.max_queued_requests,
+            kv_breaker_percent: r.kv_breaker_percent,
+            max_waiting_requests: r.max_waiting_requests,
+            queue_timeout: Duration::from_millis(r.queue_timeout_ms),
+        };
+        let routing = Router::new(reports, r.max_queued_requests)
             .with_disaggregation(spec.disagg.min_prompt_tokens)
             .with_block_size(spec.block_size)
-            .with_policy(spec.router.policy);
+            .with_policy(r.policy)
+            .with_limits(limits)
+            .with_paces(modelled_paces(spec));
         actors.push((well_known::ROUTER, Box::new(routing)));
         let config = AdmissionConfig {
             max_inflight: spec.gateway.max_inflight_requests,

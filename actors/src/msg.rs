@@ -51,22 +51,32 @@ pub struct ServeError {
     /// client's own request (a token id, a length), never about the cluster.
     #[serde(default)]
     pub public: Option<String>,
+    /// For an overloaded cluster: seconds after which a retry may succeed (the gateway
+    /// sends it as `Retry-After`).
+    #[serde(default)]
+    pub retry_after_s: Option<u32>,
 }
 
 impl ServeError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ServeError { kind, message: message.into(), public: None }
+        ServeError { kind, message: message.into(), public: None, retry_after_s: None }
     }
 
     /// An error about the client's own request, which it may read as it is.
     pub fn about_request(kind: ErrorKind, message: impl Into<String>) -> Self {
         let message = message.into();
-        ServeError { kind, public: Some(message.clone()), message }
+        ServeError { kind, public: Some(message.clone()), message, retry_after_s: None }
     }
 
     /// The same error, with `public` for the client and the diagnostic for the log.
     pub fn with_public(mut self, public: impl Into<String>) -> Self {
         self.public = Some(public.into());
+        self
+    }
+
+    /// The same error, telling the client to retry after `seconds` (at least 1).
+    pub fn retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after_s = Some(seconds.max(1));
         self
     }
 }
@@ -180,6 +190,51 @@ pub struct ChipReport {
     pub kv_last_event: u64,
     #[serde(default)]
     pub kv_incarnation: u64,
+    /// How fast the chip's recent steps ran (`None` until it has run one).
+    #[serde(default)]
+    pub speed: Option<StepSpeed>,
+}
+
+/// A chip's observed pace: moving averages over its recent steps, which the router
+/// uses to correct its performance model of the chip.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct StepSpeed {
+    /// Seconds of a step that carried prompt tokens (0: none yet) ...
+    pub prefill_step_s: f64,
+    /// ... and the tokens such a step computed.
+    pub prefill_step_tokens: f64,
+    /// Seconds of a step that only decoded (0: none yet) ...
+    pub decode_step_s: f64,
+    /// ... and how many sequences such a step carried.
+    pub decode_batch: f64,
+}
+
+impl StepSpeed {
+    /// Weight of the newest step in the moving averages.
+    const ALPHA: f64 = 0.2;
+
+    /// Folds in a step of `elapsed_s` seconds that computed `tokens` tokens for `seqs`
+    /// sequences, `prompt_tokens` of them prompt (the rest one decode token each).
+    pub fn observe(&mut self, elapsed_s: f64, tokens: usize, seqs: usize, prompt_tokens: usize) {
+        if !(elapsed_s.is_finite() && elapsed_s > 0.0) || tokens == 0 {
+            return;
+        }
+        let ewma = |old: f64, new: f64| if old > 0.0 { old + Self::ALPHA * (new - old) } else { new };
+        if prompt_tokens > 0 {
+            self.prefill_step_s = ewma(self.prefill_step_s, elapsed_s);
+            self.prefill_step_tokens = ewma(self.prefill_step_tokens, tokens as f64);
+        } else {
+            self.decode_step_s = ewma(self.decode_step_s, elapsed_s);
+            self.decode_batch = ewma(self.decode_batch, seqs as f64);
+        }
+    }
+
+    /// Seconds per token of steps that carried prompt tokens (a ratio of the averages,
+    /// which a short chunk's fixed cost sways less than an average of ratios); 0 when
+    /// none ran yet.
+    pub fn prefill_s_per_token(&self) -> f64 {
+        if self.prefill_step_tokens > 0.0 { self.prefill_step_s / self.prefill_step_tokens } else { 0.0 }
+    }
 }
 
 impl ChipReport {
@@ -206,6 +261,7 @@ impl ChipReport {
             last_handoff_gap_s: None,
             kv_last_event: 0,
             kv_incarnation: 0,
+            speed: None,
         }
     }
 }

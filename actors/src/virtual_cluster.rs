@@ -270,8 +270,13 @@ fn run(seed: u64, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Run {
     let outcomes: Outcomes = Arc::default();
     vh.spawn(HostId(0), Box::new(Arrivals { asks, outcomes: outcomes.clone(), next: 0 }));
 
-    // Host 1 (its chip and supervisor) is lost while requests run on it.
+    // Host 1 (its chip and supervisor) is lost while requests run on it: after 0.7 s,
+    // as soon as a request is placed there.
     vh.run_until(Moment(700_000_000));
+    let placed_on_1 = |vh: &VirtualHost<Msg>| {
+        vh.trace().last().is_some_and(|l| l.contains(" routed ") && l.contains("chip: Addr { host: HostId(1)"))
+    };
+    assert!(vh.run_while(Moment(5_000_000_000), placed_on_1), "no request went to host 1");
     vh.kill_host(HostId(1));
     let all_done = |_: &VirtualHost<Msg>| outcomes.lock().is_ok_and(|o| o.len() == REQUESTS);
     assert!(vh.run_while(Moment(120_000_000_000), all_done), "requests still open after 120 s of virtual time");

@@ -57,6 +57,12 @@ fn report(p: &Parts) -> ChipReport {
         last_handoff_gap_s: p.flag.then_some(p.f as f64),
         kv_last_event: p.b,
         kv_incarnation: p.a,
+        speed: p.flag.then_some(StepSpeed {
+            prefill_step_s: p.f as f64,
+            prefill_step_tokens: p.n as f64,
+            decode_step_s: p.f as f64 / 3.0,
+            decode_batch: 2.0,
+        }),
     }
 }
 

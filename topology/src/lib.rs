@@ -204,8 +204,30 @@ impl Default for DisaggSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouterSpec {
     pub policy: RouterPolicy,
-    /// Requests the router holds before it refuses new ones (default 256, 1..=1_048_576).
+    /// Requests placed on chips and not finished before new ones wait in the router's
+    /// queue (default 256, 1..=1_048_576).
     pub max_queued_requests: usize,
+    /// A chip whose KV pool is this full (percent of its blocks held by running
+    /// requests) takes no new requests (default 90, 1..=100).
+    pub kv_breaker_percent: u32,
+    /// Requests that may wait for a chip; further ones are refused with 429 at once
+    /// (default 256, 0..=1_048_576).
+    pub max_waiting_requests: usize,
+    /// How long a request waits for a chip before a 429 with `Retry-After` (default
+    /// 5000, 1..=86_400_000).
+    pub queue_timeout_ms: u64,
+}
+
+impl Default for RouterSpec {
+    fn default() -> Self {
+        RouterSpec {
+            policy: RouterPolicy::default(),
+            max_queued_requests: 256,
+            kv_breaker_percent: 90,
+            max_waiting_requests: 256,
+            queue_timeout_ms: 5000,
+        }
+    }
 }
 
 /// Every duration here is at most one day, so that it is a `Duration` that an

@@ -23,7 +23,12 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
         spec.kv_dtype,
         spec.block_size
     )?;
-    writeln!(out, "  router: {}, at most {} queued requests", spec.router.policy, spec.router.max_queued_requests)?;
+    let r = &spec.router;
+    writeln!(
+        out,
+        "  router: {}, {} requests placed before more wait; up to {} wait {} ms; a chip past {}% KV takes none",
+        r.policy, r.max_queued_requests, r.max_waiting_requests, r.queue_timeout_ms, r.kv_breaker_percent
+    )?;
     let sup = &spec.supervisor;
     writeln!(
         out,

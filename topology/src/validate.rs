@@ -22,7 +22,7 @@ use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
     BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DType, DisaggSpec, EmulationSpec,
-    GatewaySpec, HostPaths, HostSpec, KvLayout, PathReport, Role, RouterPolicy, RouterSpec, SupervisorSpec, catalog,
+    GatewaySpec, HostPaths, HostSpec, KvLayout, PathReport, Role, RouterSpec, SupervisorSpec, catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -148,6 +148,12 @@ struct RawRouter {
     policy: Option<Spanned<String>>,
     #[serde(default)]
     max_queued_requests: Option<Spanned<usize>>,
+    #[serde(default)]
+    kv_breaker_percent: Option<Spanned<u32>>,
+    #[serde(default)]
+    max_waiting_requests: Option<Spanned<usize>>,
+    #[serde(default)]
+    queue_timeout_ms: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -706,13 +712,35 @@ impl Checker<'_> {
     }
 
     fn router(&self, raw: Option<&RawRouter>) -> Result<RouterSpec, TopologyError> {
-        let Some(raw) = raw else {
-            return Ok(RouterSpec { policy: RouterPolicy::default(), max_queued_requests: 256 });
-        };
-        let policy = self.named(&raw.policy, "router.policy", RouterPolicy::default())?;
-        let max_queued_requests =
-            self.field(&raw.max_queued_requests, "router.max_queued_requests", 256, in_range(1, MAX_REQUESTS))?;
-        Ok(RouterSpec { policy, max_queued_requests })
+        let d = RouterSpec::default();
+        let Some(raw) = raw else { return Ok(d) };
+        Ok(RouterSpec {
+            policy: self.named(&raw.policy, "router.policy", d.policy)?,
+            max_queued_requests: self.field(
+                &raw.max_queued_requests,
+                "router.max_queued_requests",
+                d.max_queued_requests,
+                in_range(1, MAX_REQUESTS),
+            )?,
+            kv_breaker_percent: self.field(
+                &raw.kv_breaker_percent,
+                "router.kv_breaker_percent",
+                d.kv_breaker_percent,
+                in_range(1, 100),
+            )?,
+            max_waiting_requests: self.field(
+                &raw.max_waiting_requests,
+                "router.max_waiting_requests",
+                d.max_waiting_requests,
+                in_range(0, MAX_REQUESTS),
+            )?,
+            queue_timeout_ms: self.field(
+                &raw.queue_timeout_ms,
+                "router.queue_timeout_ms",
+                d.queue_timeout_ms,
+                millis(1),
+            )?,
+        })
     }
 
     fn supervisor(&self, raw: Option<&RawSupervisor>) -> Result<SupervisorSpec, TopologyError> {

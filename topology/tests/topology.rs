@@ -932,6 +932,10 @@ fn hostile_numbers_are_refused_where_they_are_written() {
         ),
         (chip("memory_limit = \"1025TiB\""), 10, 16, "hosts[0].chips[0].memory_limit", "to 1 PiB"),
         (section("router", "max_queued_requests = 1048577"), 11, 23, "router.max_queued_requests", "1..=1048576"),
+        (section("router", "kv_breaker_percent = 0"), 11, 22, "router.kv_breaker_percent", "1..=100"),
+        (section("router", "kv_breaker_percent = 101"), 11, 22, "router.kv_breaker_percent", "1..=100"),
+        (section("router", "max_waiting_requests = 1048577"), 11, 24, "router.max_waiting_requests", "0..=1048576"),
+        (section("router", "queue_timeout_ms = 0"), 11, 20, "router.queue_timeout_ms", "at most one day"),
         (
             section("gateway", "max_inflight_requests = 9007199254740992"),
             11,

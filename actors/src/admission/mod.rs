@@ -39,7 +39,8 @@ impl Admission {
             let error = ServeError::new(
                 ErrorKind::Overloaded,
                 format!("the gateway already serves {} requests; retry later", self.config.max_inflight),
-            );
+            )
+            .retry_after(1);
             // Counted above; logged only at debug, as a flood of refusals would flood the log.
             tracing::debug!(error = %error.message, "request refused");
             let _ = fx.send(client, Msg::Client { event: ClientEvent::Failed { error } });

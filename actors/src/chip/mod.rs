@@ -14,7 +14,9 @@ mod handoff;
 
 use crate::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use crate::kv::KvPool;
-use crate::msg::{ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, Role, SeqRequest, ServeError, topic};
+use crate::msg::{
+    ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, Role, SeqRequest, ServeError, StepSpeed, topic,
+};
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::time::Duration;
@@ -55,6 +57,10 @@ pub struct Chip {
     /// A role to take once drained.
     draining_to: Option<Role>,
     handoffs: Handoffs,
+    /// The observed pace, and the shape (tokens, sequences, prompt tokens) of the step
+    /// in flight that will update it.
+    speed: StepSpeed,
+    step_shape: (usize, usize, usize),
 }
 
 impl Chip {
@@ -79,6 +85,8 @@ impl Chip {
             pool_runs: 0,
             error: None,
             inject_panic: false,
+            speed: StepSpeed::default(),
+            step_shape: (0, 0, 0),
         }
     }
 
@@ -134,6 +142,7 @@ impl Chip {
             last_handoff_gap_s: self.handoffs.last_gap_s,
             kv_last_event,
             kv_incarnation,
+            speed: (self.speed != StepSpeed::default()).then_some(self.speed),
         };
         metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
         metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
@@ -226,6 +235,8 @@ impl Chip {
         self.max_step_seqs = self.max_step_seqs.max(plan.seqs.len());
         metrics::histogram!("tessera_chip_step_seqs", "chip" => self.config.id.clone()).record(plan.seqs.len() as f64);
         metrics::histogram!("tessera_chip_step_tokens", "chip" => self.config.id.clone()).record(plan.tokens() as f64);
+        let prompt_tokens = plan.seqs.iter().filter(|s| s.tokens.len() > 1).map(|s| s.tokens.len()).sum();
+        self.step_shape = (plan.tokens(), plan.seqs.len(), prompt_tokens);
         let step = self.steps;
         let job = Job {
             label: "forward",
@@ -252,6 +263,8 @@ impl Chip {
             return;
         }
         metrics::histogram!("tessera_chip_step_seconds", "chip" => self.config.id.clone()).record(outcome.elapsed_s);
+        let (tokens, seqs, prompt_tokens) = self.step_shape;
+        self.speed.observe(outcome.elapsed_s, tokens, seqs, prompt_tokens);
         self.first_steps_after_handoff(&outcome, fx.now());
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };

@@ -1,20 +1,30 @@
 //! The router: keeps a view of every chip (from heartbeats and its host supervisor's
 //! verdicts), of the work it has placed, and of where KV lives (the [`index`], from the
 //! chips' KV events), and places each request: a long enough prompt on a prefill chip
-//! plus a decode chip (disaggregated), anything else on a chip that decodes. Among the
-//! candidates it takes the one with the least work ahead: the tokens already placed
-//! there plus the prompt tokens it would compute, which are the prompt less the prefix
-//! that chip holds cached — unless that chip is a hot spot (more than twice the mean
-//! load plus one prompt), whose cache then counts for nothing. Ties go to the lowest
-//! address. When a chip goes down it tells every request placed there, so they
-//! re-route and replay.
+//! plus a decode chip (disaggregated), anything else on a chip that decodes.
+//!
+//! Under the default `kv-aware` policy each candidate is scored in predicted seconds
+//! ([`cost`]): the chip's work ahead, the prompt tokens it would compute (the prompt less
+//! the prefix it holds cached) at its pace, and a KV-pressure term — with paces from
+//! the chip kinds' performance model corrected by the chips' observed step times, so a
+//! fast and a slow chip are compared fairly. A hot spot (work ahead above twice the
+//! mean plus this prompt's prefill) gets no credit for its cache. Ties go to the lowest
+//! address. Chips whose [`breaker`] is open take nothing new; when no chip can take a
+//! request, it waits in a bounded queue until one can or its deadline passes (then a
+//! 429 with `Retry-After`). When a chip goes down the router tells every request placed
+//! there, so they re-route and replay.
 
+pub mod breaker;
+pub mod cost;
 pub mod index;
 
 use crate::kv::prefix_hashes;
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic};
-use std::collections::{BTreeMap, BTreeSet};
-use tessera_actor_core::{Addr, HostId};
+use breaker::{ErrorBreaker, kv_full};
+use cost::{Ask, MeanFactor, Pace, Work};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+use tessera_actor_core::{Addr, HostId, Moment};
 use tessera_actor_core::{Behavior, Effects};
 pub use tessera_vocab::RouterPolicy;
 
@@ -24,11 +34,43 @@ pub struct ChipView {
     pub report: ChipReport,
     /// Tokens (prompt + max new) of requests placed there and not yet released.
     pub load_tokens: usize,
+    /// The same requests as work to do (the kv-aware cost's queue).
+    pub work: Work,
+    /// The chip's pace: its kind's model, corrected by what it was seen to do.
+    pub pace: Pace,
+    /// Circuit breakers: the pool past the KV threshold, and repeated errors.
+    pub kv_full: bool,
+    pub errors: ErrorBreaker,
 }
 
-/// A chip that can take new work: up, its host alive, not draining for a role change.
+impl ChipView {
+    /// A chip with nothing placed on it, paced as a chip of no known kind.
+    pub fn new(report: ChipReport) -> ChipView {
+        ChipView {
+            report,
+            load_tokens: 0,
+            work: Work::default(),
+            pace: Pace::UNKNOWN,
+            kv_full: false,
+            errors: ErrorBreaker::default(),
+        }
+    }
+
+    /// Seconds of work placed there.
+    pub fn work_s(&self) -> f64 {
+        self.work.seconds(&self.pace)
+    }
+
+    /// Whether its breakers let it take a new request.
+    pub fn admits(&self) -> bool {
+        !self.kv_full && self.errors.admits()
+    }
+}
+
+/// A chip that can take new work: up, its host alive, not draining for a role change,
+/// its breakers closed (or half-open and waiting for a probe).
 fn available(addr: &Addr, c: &ChipView, down_hosts: &BTreeSet<HostId>) -> bool {
-    c.report.state == ChipState::Up && !c.report.draining && !down_hosts.contains(&addr.host)
+    c.report.state == ChipState::Up && !c.report.draining && !down_hosts.contains(&addr.host) && c.admits()
 }
 
 /// Which part of a request a chip is scored for: computing the prompt (a prefill chip,
@@ -59,12 +101,17 @@ fn best(
         .map(|(a, _)| **a)
 }
 
-/// The kv-aware cost: placed tokens less the prompt tokens cached there (the prompt's
-/// own tokens are the same on every candidate). The decode leg computes no prompt.
-pub fn kv_aware<'a>(cached: &'a BTreeMap<Addr, usize>) -> impl Fn(Leg, &Addr, &ChipView) -> i64 + 'a {
+/// The kv-aware cost in predicted seconds (see [`cost`]), ranked in nanoseconds:
+/// `cached` is the prompt tokens each chip holds that count.
+pub fn kv_aware<'a>(cached: &'a BTreeMap<Addr, usize>, ask: Ask) -> impl Fn(Leg, &Addr, &ChipView) -> i64 + 'a {
     move |leg, a, c| {
-        let credit = if leg == Leg::Compute { cached.get(a).copied().unwrap_or(0) } else { 0 };
-        c.load_tokens as i64 - credit as i64
+        let (used, total) = (c.report.kv_blocks_used, c.report.kv_blocks_total);
+        cost::rank(match leg {
+            Leg::Compute => {
+                cost::compute_cost(&c.pace, &c.work, used, total, &ask, cached.get(a).copied().unwrap_or(0))
+            }
+            Leg::Decode => cost::decode_cost(&c.pace, &c.work, used, total, &ask),
+        })
     }
 }
 
@@ -73,19 +120,24 @@ pub fn by_load(_: Leg, _: &Addr, c: &ChipView) -> i64 {
     c.load_tokens as i64
 }
 
-/// Cached prefix tokens per chip that count in placement (`mean`: the mean placed tokens
-/// per chip): none for a hot spot, a chip loaded beyond twice the mean plus one prompt (it would get every request sharing its
-/// prefix while the others idle).
+/// Cached prefix tokens per chip that count in placement (`mean_work_s`: the mean work
+/// ahead per chip, in seconds): none for a hot spot, a chip whose work ahead passes
+/// twice the mean plus this prompt's prefill there (it would get every request sharing
+/// its prefix while the others idle).
 pub fn cache_credit(
     chips: &BTreeMap<Addr, ChipView>,
     cached_blocks: &BTreeMap<Addr, usize>,
     block_size: usize,
     prompt_tokens: usize,
-    mean: usize,
+    mean_work_s: f64,
 ) -> BTreeMap<Addr, usize> {
     cached_blocks
         .iter()
-        .filter(|(a, _)| chips.get(a).is_some_and(|c| c.load_tokens <= 2 * mean + prompt_tokens))
+        .filter(|(a, _)| {
+            chips
+                .get(a)
+                .is_some_and(|c| c.work_s() <= 2.0 * mean_work_s + prompt_tokens as f64 * c.pace.prefill_s_per_token)
+        })
         .map(|(a, &blocks)| (*a, (blocks * block_size).min(prompt_tokens)))
         .collect()
 }
@@ -159,8 +211,47 @@ pub fn place_among(
 
 struct Placement {
     req: Addr,
-    /// (chip, tokens it was charged) for each chip the request holds.
-    chips: Vec<(Addr, usize)>,
+    /// (chip, tokens it was charged, work it was given) for each chip the request holds.
+    chips: Vec<(Addr, usize, Work)>,
+}
+
+/// How the router meets saturation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Requests placed and not released before new ones wait.
+    pub max_queued_requests: usize,
+    /// A chip whose pool holds this share (percent) of its blocks takes nothing new.
+    pub kv_breaker_percent: u32,
+    /// Requests that may wait for a chip; one more is refused at once (429).
+    pub max_waiting_requests: usize,
+    /// How long a request waits before it is refused (429 with `Retry-After`).
+    pub queue_timeout: Duration,
+}
+
+impl Limits {
+    /// `max_queued_requests` with the defaults of the rest: 90%, 256 waiting, 5 s.
+    pub fn new(max_queued_requests: usize) -> Limits {
+        Limits {
+            max_queued_requests,
+            kv_breaker_percent: 90,
+            max_waiting_requests: 256,
+            queue_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A request waiting for a chip, and when it stops waiting.
+struct Waiting {
+    ask: RouteAsk,
+    deadline: Moment,
+}
+
+/// Where the policy places a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub placed: Option<Placed>,
+    /// Prompt tokens the chip computing the prompt holds cached (that count).
+    pub cached_tokens: usize,
 }
 
 pub struct Router {
@@ -168,7 +259,7 @@ pub struct Router {
     down_hosts: BTreeSet<HostId>,
     down_host_names: BTreeMap<HostId, String>,
     placements: BTreeMap<u64, Placement>,
-    max_queued_requests: usize,
+    limits: Limits,
     min_prompt_tokens: usize,
     /// Where KV lives, and the chips asked for a snapshot and not answered yet.
     index: index::ClusterIndex,
@@ -179,120 +270,59 @@ pub struct Router {
     policy: RouterPolicy,
     /// Routes so far (round-robin's turn).
     turns: u64,
-    /// The chips of each role by (placed tokens, address): the least loaded are found
-    /// without a scan.
-    by_load: BTreeMap<Role, BTreeSet<(usize, Addr)>>,
-    total_load: usize,
+    /// The chips of each role by (work ahead in seconds, as f64 bits, address): the
+    /// kv-aware search walks them cheapest first.
+    by_work: BTreeMap<Role, BTreeSet<(u64, Addr)>>,
+    /// Every chip by (prefill seconds per token, as f64 bits, address): the fastest
+    /// bounds what a chip not yet looked at can cost.
+    by_pace: BTreeSet<(u64, Addr)>,
+    /// Each chip's entries in those orders: (role, work bits, pace bits).
+    keys: BTreeMap<Addr, (Role, u64, u64)>,
+    total_work_s: f64,
+    /// Chips' modelled paces, their observed correction factors (prefill, decode), the
+    /// factors' means, and the means as last applied to chips without factors.
+    modelled: BTreeMap<Addr, Pace>,
+    factors: BTreeMap<Addr, (Option<f64>, Option<f64>)>,
+    means: (MeanFactor, MeanFactor),
+    applied_means: (f64, f64),
+    /// Chips whose error breaker is open (to move to half-open when due).
+    open_breakers: BTreeSet<Addr>,
+    waiting: VecDeque<Waiting>,
 }
 
 impl Router {
     /// `chips`: every chip of the topology, reported as Starting until heard from.
     /// Requests run on one chip until `with_disaggregation` says otherwise.
     pub fn new(chips: Vec<ChipReport>, max_queued_requests: usize) -> Router {
-        let chips: BTreeMap<Addr, ChipView> =
-            chips.into_iter().map(|r| (r.chip, ChipView { report: r, load_tokens: 0 })).collect();
-        let mut by_load: BTreeMap<Role, BTreeSet<(usize, Addr)>> = BTreeMap::new();
-        for (a, c) in &chips {
-            by_load.entry(c.report.role).or_default().insert((0, *a));
-        }
-        Router {
+        let chips: BTreeMap<Addr, ChipView> = chips.into_iter().map(|r| (r.chip, ChipView::new(r))).collect();
+        let addrs: Vec<Addr> = chips.keys().copied().collect();
+        let mut router = Router {
             chips,
             down_hosts: BTreeSet::new(),
             down_host_names: BTreeMap::new(),
             placements: BTreeMap::new(),
-            max_queued_requests,
+            limits: Limits::new(max_queued_requests),
             min_prompt_tokens: usize::MAX,
             index: index::ClusterIndex::new(),
             snapshot_asked: BTreeSet::new(),
             block_size: 16,
             policy: RouterPolicy::default(),
             turns: 0,
-            by_load,
-            total_load: 0,
+            by_work: BTreeMap::new(),
+            by_pace: BTreeSet::new(),
+            keys: BTreeMap::new(),
+            total_work_s: 0.0,
+            modelled: BTreeMap::new(),
+            factors: BTreeMap::new(),
+            means: (MeanFactor::default(), MeanFactor::default()),
+            applied_means: (1.0, 1.0),
+            open_breakers: BTreeSet::new(),
+            waiting: VecDeque::new(),
+        };
+        for a in addrs {
+            router.reindex(a);
         }
-    }
-
-    /// Sets `chip`'s placed tokens, keeping `by_load` in step.
-    fn set_load(&mut self, chip: Addr, load: impl FnOnce(usize) -> usize) {
-        if let Some(v) = self.chips.get_mut(&chip) {
-            let set = self.by_load.entry(v.report.role).or_default();
-            set.remove(&(v.load_tokens, chip));
-            self.total_load -= v.load_tokens;
-            v.load_tokens = load(v.load_tokens);
-            self.total_load += v.load_tokens;
-            set.insert((v.load_tokens, chip));
-        }
-    }
-
-    /// The chips a load-monotone policy (kv-aware, least-loaded) can choose: the holders
-    /// of the prompt's cached prefix, and, in load order, enough of the rest that every
-    /// leg has its least-loaded fitting chip both with and without `exclude` — for the
-    /// decode leg, one per compatibility class of the prefill candidates. Any chip left
-    /// out has a cache credit of zero and a load no lower than a kept chip that fits the
-    /// same leg, so it cannot score better.
-    /// Walks the chips of `role` in load order, keeping each that is the first (with
-    /// and without `exclude`) to fit one of `legs`, until every leg has both.
-    fn scan<'a>(
-        &'a self,
-        role: Role,
-        legs: &[&dyn Fn(&ChipView) -> bool],
-        exclude: &[Addr],
-        out: &mut Vec<(&'a Addr, &'a ChipView)>,
-    ) {
-        let Some(set) = self.by_load.get(&role) else { return };
-        let mut found = vec![[false; 2]; legs.len()];
-        for (_, a) in set {
-            if found.iter().all(|f| f[0] && f[1]) {
-                break;
-            }
-            let Some((a, c)) = self.chips.get_key_value(a) else { continue };
-            if !available(a, c, &self.down_hosts) {
-                continue;
-            }
-            let avoided = exclude.contains(a);
-            let mut useful = false;
-            for (leg, f) in legs.iter().zip(found.iter_mut()) {
-                if leg(c) {
-                    useful |= !f[1] || (!avoided && !f[0]);
-                    f[1] = true;
-                    f[0] |= !avoided;
-                }
-            }
-            if useful {
-                out.push((a, c));
-            }
-        }
-    }
-
-    fn candidates(&self, holders: &BTreeMap<Addr, usize>, exclude: &[Addr]) -> Vec<(&Addr, &ChipView)> {
-        let mut out: Vec<(&Addr, &ChipView)> = holders.keys().filter_map(|a| self.chips.get_key_value(a)).collect();
-        let prefill = |c: &ChipView| c.report.role == Role::Prefill;
-        let any = |_: &ChipView| true;
-        // Per role, its least-loaded chips: the prefill leg and the colocated legs
-        // (decoding chips first, then any chip) all draw from these.
-        for role in Role::ALL {
-            self.scan(role, &[&any], exclude, &mut out);
-        }
-        // The decode leg: for each compatibility class among the prefill candidates, the
-        // least-loaded decode chip a hand-off may go to.
-        let mut classes: Vec<Option<crate::msg::KvCompat>> =
-            out.iter().filter(|(_, c)| prefill(c)).map(|(_, c)| c.report.compat.clone()).collect();
-        classes.dedup();
-        type Fits = Box<dyn Fn(&ChipView) -> bool>;
-        let fits: Vec<Fits> = classes
-            .into_iter()
-            .map(|compat| {
-                Box::new(move |c: &ChipView| {
-                    c.report.role == Role::Decode
-                        && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
-                }) as Fits
-            })
-            .collect();
-        let legs: Vec<&dyn Fn(&ChipView) -> bool> = fits.iter().map(|f| f.as_ref()).collect();
-        self.scan(Role::Decode, &legs, exclude, &mut out);
-        out.sort_by_key(|(a, _)| **a);
-        out.dedup_by_key(|(a, _)| **a);
-        out
+        router
     }
 
     pub fn with_policy(mut self, policy: RouterPolicy) -> Router {
@@ -306,6 +336,183 @@ impl Router {
         self
     }
 
+    /// Prompts of at least `min_prompt_tokens` tokens are prefilled on a prefill chip
+    /// and decoded on a decode chip.
+    pub fn with_disaggregation(mut self, min_prompt_tokens: usize) -> Router {
+        self.min_prompt_tokens = min_prompt_tokens;
+        self
+    }
+
+    pub fn with_limits(mut self, limits: Limits) -> Router {
+        self.limits = limits;
+        self
+    }
+
+    /// Each chip's modelled pace (chips not named keep [`Pace::UNKNOWN`]).
+    pub fn with_paces(mut self, paces: BTreeMap<Addr, Pace>) -> Router {
+        self.modelled = paces;
+        let addrs: Vec<Addr> = self.chips.keys().copied().collect();
+        for a in addrs {
+            self.reindex(a);
+        }
+        self
+    }
+
+    /// Recomputes `chip`'s pace and its places in the cost orders.
+    fn reindex(&mut self, chip: Addr) {
+        let Some(v) = self.chips.get_mut(&chip) else { return };
+        if let Some((role, work, pace)) = self.keys.remove(&chip) {
+            if let Some(set) = self.by_work.get_mut(&role) {
+                set.remove(&(work, chip));
+            }
+            self.by_pace.remove(&(pace, chip));
+            self.total_work_s -= f64::from_bits(work);
+        }
+        let modelled = self.modelled.get(&chip).copied().unwrap_or(Pace::UNKNOWN);
+        let (prefill, decode) = self.factors.get(&chip).copied().unwrap_or((None, None));
+        v.pace = modelled.scaled(prefill.unwrap_or(self.means.0.get()), decode.unwrap_or(self.means.1.get()));
+        let work = v.work_s();
+        let key = (v.report.role, work.to_bits(), v.pace.prefill_s_per_token.to_bits());
+        self.by_work.entry(key.0).or_default().insert((key.1, chip));
+        self.by_pace.insert((key.2, chip));
+        self.keys.insert(chip, key);
+        self.total_work_s = (self.total_work_s + work).max(0.0);
+    }
+
+    /// Adds (or, with `add` false, takes back) a placement's charge on `chip`.
+    fn charge(&mut self, chip: Addr, tokens: usize, work: Work, add: bool) {
+        let Some(v) = self.chips.get_mut(&chip) else { return };
+        if add {
+            v.load_tokens += tokens;
+            v.work.add(work);
+        } else {
+            v.load_tokens = v.load_tokens.saturating_sub(tokens);
+            v.work.remove(work);
+        }
+        self.reindex(chip);
+    }
+
+    /// Folds in `chip`'s observed pace; when the factors' means moved, chips that have
+    /// not been observed follow them.
+    fn observe(&mut self, chip: Addr, speed: &crate::msg::StepSpeed) {
+        let modelled = self.modelled.get(&chip).copied().unwrap_or(Pace::UNKNOWN);
+        let (prefill, decode) = modelled.factors(speed);
+        let (old_prefill, old_decode) = self.factors.get(&chip).copied().unwrap_or((None, None));
+        let (prefill, decode) = (prefill.or(old_prefill), decode.or(old_decode));
+        for (old, new, mean) in [(old_prefill, prefill, &mut self.means.0), (old_decode, decode, &mut self.means.1)] {
+            if let Some(f) = old {
+                mean.remove(f);
+            }
+            if let Some(f) = new {
+                mean.add(f);
+            }
+        }
+        self.factors.insert(chip, (prefill, decode));
+        self.reindex(chip);
+        let means = (self.means.0.get(), self.means.1.get());
+        let moved = |now: f64, then: f64| (now / then - 1.0).abs() > 0.01;
+        if moved(means.0, self.applied_means.0) || moved(means.1, self.applied_means.1) {
+            self.applied_means = means;
+            let followers: Vec<Addr> = self
+                .chips
+                .keys()
+                .filter(|a| self.factors.get(a).is_none_or(|(p, d)| p.is_none() || d.is_none()))
+                .copied()
+                .collect();
+            for a in followers {
+                self.reindex(a);
+            }
+        }
+    }
+
+    /// Walks the available chips of `role` cheapest work first, keeping each that is the
+    /// best so far (with and without `exclude`) for one of `legs`, until no chip further
+    /// on can beat them: its cost is at least its work ahead plus `floor_s`.
+    #[allow(clippy::too_many_arguments)]
+    fn scan<'a>(
+        &'a self,
+        role: Role,
+        legs: &[&dyn Fn(&ChipView) -> bool],
+        exclude: &[Addr],
+        leg: Leg,
+        score: &Scorer,
+        floor_s: f64,
+        out: &mut Vec<(&'a Addr, &'a ChipView)>,
+    ) {
+        let Some(set) = self.by_work.get(&role) else { return };
+        // Per leg, the best score among chips not excluded, and among all.
+        let mut best = vec![[None::<i64>; 2]; legs.len()];
+        for &(work, a) in set {
+            let bound = cost::rank(f64::from_bits(work) + floor_s);
+            if best.iter().flatten().all(|b| b.is_some_and(|b| bound > b.saturating_add(1))) {
+                break;
+            }
+            let Some((a, c)) = self.chips.get_key_value(&a) else { continue };
+            if !available(a, c, &self.down_hosts) {
+                continue;
+            }
+            let avoided = exclude.contains(a);
+            let s = score(leg, a, c);
+            let mut useful = false;
+            for (fits, b) in legs.iter().zip(best.iter_mut()) {
+                if !fits(c) {
+                    continue;
+                }
+                for (slot, counts) in [(0, !avoided), (1, true)] {
+                    if counts && b[slot].is_none_or(|b| s <= b) {
+                        b[slot] = Some(s);
+                        useful = true;
+                    }
+                }
+            }
+            if useful {
+                out.push((a, c));
+            }
+        }
+    }
+
+    /// The chips the kv-aware policy can choose (`score` its cost of `ask`): the holders
+    /// of the prompt's cached prefix, and, per role, the chips that may cost least for
+    /// a leg (see `scan`) — for the decode leg, per compatibility class of the prefill
+    /// candidates. Any chip left out holds no cached prefix and cannot score better
+    /// than a kept chip that fits the same leg.
+    fn candidates(
+        &self,
+        holders: &BTreeMap<Addr, usize>,
+        ask: &Ask,
+        exclude: &[Addr],
+        score: &Scorer,
+    ) -> Vec<(&Addr, &ChipView)> {
+        let mut out: Vec<(&Addr, &ChipView)> = holders.keys().filter_map(|a| self.chips.get_key_value(a)).collect();
+        let prefill = |c: &ChipView| c.report.role == Role::Prefill;
+        let any = |_: &ChipView| true;
+        let fastest = self.by_pace.first().map_or(0.0, |(bits, _)| f64::from_bits(*bits));
+        // Per role, its cheapest chips: the prefill leg and the colocated legs
+        // (decoding chips first, then any chip) all draw from these.
+        for role in Role::ALL {
+            self.scan(role, &[&any], exclude, Leg::Compute, score, ask.prompt_tokens as f64 * fastest, &mut out);
+        }
+        let mut classes: Vec<Option<crate::msg::KvCompat>> =
+            out.iter().filter(|(_, c)| prefill(c)).map(|(_, c)| c.report.compat.clone()).collect();
+        classes.sort_by_key(|c| c.as_ref().map(|c| c.hash));
+        classes.dedup();
+        type Fits = Box<dyn Fn(&ChipView) -> bool>;
+        let fits: Vec<Fits> = classes
+            .into_iter()
+            .map(|compat| {
+                Box::new(move |c: &ChipView| {
+                    c.report.role == Role::Decode
+                        && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
+                }) as Fits
+            })
+            .collect();
+        let legs: Vec<&dyn Fn(&ChipView) -> bool> = fits.iter().map(|f| f.as_ref()).collect();
+        self.scan(Role::Decode, &legs, exclude, Leg::Decode, score, 0.0, &mut out);
+        out.sort_by_key(|(a, _)| **a);
+        out.dedup_by_key(|(a, _)| **a);
+        out
+    }
+
     /// The index went stale for `chip`: ask it for a snapshot (once until answered).
     fn resync(&mut self, chip: Addr, applied: index::Applied, fx: &mut dyn Effects<Msg>) {
         if applied == index::Applied::NeedsSnapshot && self.snapshot_asked.insert(chip) {
@@ -315,13 +522,6 @@ impl Router {
 
     fn index_metrics(&self) {
         metrics::gauge!("tessera_router_index_blocks").set(self.index.len() as f64);
-    }
-
-    /// Prompts of at least `min_prompt_tokens` tokens are prefilled on a prefill chip
-    /// and decoded on a decode chip.
-    pub fn with_disaggregation(mut self, min_prompt_tokens: usize) -> Router {
-        self.min_prompt_tokens = min_prompt_tokens;
-        self
     }
 
     fn update(&mut self, report: ChipReport, fx: &mut dyn Effects<Msg>) {
@@ -338,37 +538,74 @@ impl Router {
             metrics::gauge!("tessera_chip_emulated", "chip" => id.clone(), "emulation" => emulation.clone()).set(1.0);
         }
         if let Some(gap) = report.last_handoff_gap_s {
-            metrics::gauge!("tessera_kv_handoff_gap_last_seconds", "chip" => id).set(gap);
+            metrics::gauge!("tessera_kv_handoff_gap_last_seconds", "chip" => id.clone()).set(gap);
         }
-        let view = self.chips.entry(chip).or_insert_with(|| ChipView { report: report.clone(), load_tokens: 0 });
-        // A role change moves the chip between the load orders.
-        for role in Role::ALL {
-            if let Some(set) = self.by_load.get_mut(&role) {
-                set.remove(&(view.load_tokens, chip));
-            }
-        }
-        self.by_load.entry(report.role).or_default().insert((view.load_tokens, chip));
+        let full = kv_full(report.kv_blocks_used, report.kv_blocks_total, self.limits.kv_breaker_percent);
+        metrics::gauge!("tessera_router_breaker_state", "chip" => id, "breaker" => "kv").set(f64::from(u8::from(full)));
+        let speed = report.speed;
+        let view = self.chips.entry(chip).or_insert_with(|| ChipView::new(report.clone()));
         view.report = report;
+        view.kv_full = full;
+        match speed {
+            Some(speed) => self.observe(chip, &speed),
+            None => self.reindex(chip), // a role change moves it between the orders
+        }
         if was_up && !is_up {
             self.lose(chip, fx);
         }
     }
 
+    /// A request failed on `chip` at `now`: its error breaker counts it.
+    fn failed_on(&mut self, chip: Addr, now: Moment) {
+        let Some(v) = self.chips.get_mut(&chip) else { return };
+        if v.errors.failure(now) {
+            tracing::warn!(chip = %v.report.id, "repeated failures: the chip's breaker opens");
+            self.open_breakers.insert(chip);
+            self.breaker_metric(chip);
+        }
+    }
+
+    fn breaker_metric(&self, chip: Addr) {
+        if let Some(v) = self.chips.get(&chip) {
+            metrics::gauge!("tessera_router_breaker_state", "chip" => v.report.id.clone(), "breaker" => "errors")
+                .set(v.errors.state().gauge());
+        }
+    }
+
+    /// Moves open breakers whose cooldown is over to half-open.
+    fn poll_breakers(&mut self, now: Moment) {
+        let due: Vec<Addr> = self
+            .open_breakers
+            .iter()
+            .filter(|a| self.chips.get(a).is_none_or(|v| v.errors.reopens_at().is_none_or(|t| t <= now)))
+            .copied()
+            .collect();
+        for chip in due {
+            self.open_breakers.remove(&chip);
+            if let Some(v) = self.chips.get_mut(&chip)
+                && v.errors.poll(now)
+            {
+                tracing::info!(chip = %v.report.id, "breaker half-open: one probe request");
+                self.breaker_metric(chip);
+            }
+        }
+    }
+
     /// Every request placed on `chip` (as prefill or decode chip) must go elsewhere.
     fn lose(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
+        self.failed_on(chip, fx.now());
         let lost: Vec<u64> = self
             .placements
             .iter()
-            .filter(|(_, p)| p.chips.iter().any(|(c, _)| *c == chip))
+            .filter(|(_, p)| p.chips.iter().any(|(c, ..)| *c == chip))
             .map(|(id, _)| *id)
             .collect();
         for id in lost {
             if let Some(p) = self.placements.get(&id) {
                 let _ = fx.send(p.req, Msg::ChipLost { chip });
             }
-            self.release(id, chip);
+            self.unplace(id, Some(chip));
         }
-        self.set_load(chip, |_| 0);
     }
 
     fn host_down(&mut self, host: HostId, name: String, fx: &mut dyn Effects<Msg>) {
@@ -398,23 +635,26 @@ impl Router {
         }
     }
 
-    /// Where the policy places a request (`turn`: round-robin's), and whether the chip
-    /// computing its prompt holds a cached prefix of it. Changes nothing.
+    /// Where the policy places a request of `prompt_tokens` prompt tokens (`prompt`,
+    /// hashed for the cache lookup) and `tokens` tokens in all (`turn`: round-robin's).
+    /// Changes nothing.
     pub fn decide(
         &self,
         request_id: u64,
         prompt: &[u32],
         prompt_tokens: usize,
+        tokens: usize,
         exclude: &[Addr],
         turn: u64,
-    ) -> (Option<Placed>, bool) {
+    ) -> Decision {
         let bs = self.block_size;
         let held = match self.policy {
             RouterPolicy::KvAware | RouterPolicy::Dynamo => self.index.prefix_blocks(&prefix_hashes(prompt, bs)),
             RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random => BTreeMap::new(),
         };
-        let mean = self.total_load / self.chips.len().max(1);
-        let cached = cache_credit(&self.chips, &held, bs, prompt_tokens, mean);
+        let mean_work_s = self.total_work_s / self.chips.len().max(1) as f64;
+        let cached = cache_credit(&self.chips, &held, bs, prompt_tokens, mean_work_s);
+        let ask = Ask { prompt_tokens, total_tokens: tokens.max(prompt_tokens), block_size: bs };
         let prompt_blocks = prompt_tokens.div_ceil(bs) as i64;
         let n = self.chips.len().max(1) as i64;
         let ranks: BTreeMap<Addr, i64> = match self.policy {
@@ -422,7 +662,7 @@ impl Router {
             _ => BTreeMap::new(),
         };
         let score: Box<Scorer> = match self.policy {
-            RouterPolicy::KvAware => Box::new(kv_aware(&cached)),
+            RouterPolicy::KvAware => Box::new(kv_aware(&cached, ask)),
             RouterPolicy::LeastLoaded => Box::new(by_load),
             RouterPolicy::RoundRobin => {
                 Box::new(move |_, a, _| (ranks.get(a).copied().unwrap_or(0) - turn as i64).rem_euclid(n))
@@ -443,13 +683,15 @@ impl Router {
             }),
         };
         let candidates: Vec<(&Addr, &ChipView)> = match self.policy {
-            RouterPolicy::KvAware | RouterPolicy::LeastLoaded => self.candidates(&held, exclude),
-            RouterPolicy::RoundRobin | RouterPolicy::Random | RouterPolicy::Dynamo => self.chips.iter().collect(),
+            RouterPolicy::KvAware => self.candidates(&held, &ask, exclude, &*score),
+            RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random | RouterPolicy::Dynamo => {
+                self.chips.iter().collect()
+            }
         };
         let placed =
             place_among(&candidates, &self.down_hosts, exclude, prompt_tokens, self.min_prompt_tokens, &*score);
-        let prefix_hit = placed.is_some_and(|p| cached.get(&p.prefill.unwrap_or(p.decode)).is_some_and(|&t| t > 0));
-        (placed, prefix_hit)
+        let cached_tokens = placed.map_or(0, |p| cached.get(&p.prefill.unwrap_or(p.decode)).copied().unwrap_or(0));
+        Decision { placed, cached_tokens }
     }
 
     /// The cluster index (for tools that load it directly, e.g. `bench router`).
@@ -457,59 +699,158 @@ impl Router {
         &mut self.index
     }
 
-    fn route(&mut self, route: RouteAsk, fx: &mut dyn Effects<Msg>) {
-        let RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt } = route;
-        if !self.placements.contains_key(&request_id) && self.placements.len() >= self.max_queued_requests {
-            let error = ServeError::new(
-                ErrorKind::Overloaded,
-                format!("{} requests are already in flight (the router's limit)", self.placements.len()),
-            );
-            let _ = fx.send(req, Msg::RouteFailed { request_id, error });
+    fn route(&mut self, ask: RouteAsk, fx: &mut dyn Effects<Msg>) {
+        let now = fx.now();
+        self.poll_breakers(now);
+        // A re-route: the chips it left for good are chips it failed on.
+        let left: Vec<Addr> = self
+            .placements
+            .get(&ask.request_id)
+            .map_or(Vec::new(), |p| p.chips.iter().map(|(c, ..)| *c).filter(|c| ask.exclude.contains(c)).collect());
+        for chip in left {
+            self.failed_on(chip, now);
+        }
+        // New requests queue behind those already waiting; re-routes go first.
+        let new = !self.placements.contains_key(&ask.request_id);
+        if new && (!self.waiting.is_empty() || self.placements.len() >= self.limits.max_queued_requests) {
+            self.wait(ask, fx);
             return;
         }
-        let turn = self.turns;
-        self.turns += 1;
-        let (placed, prefix_hit) = self.decide(request_id, &prompt, prompt_tokens, &exclude, turn);
-        let Some(Placed { decode, prefill }) = placed else {
-            let states: Vec<String> =
-                self.chips.values().map(|c| format!("{} {:?}", c.report.id, c.report.state).to_lowercase()).collect();
-            let error = ServeError::new(ErrorKind::Unavailable, format!("no healthy chip ({})", states.join(", ")));
-            let _ = fx.send(req, Msg::RouteFailed { request_id, error });
-            return;
-        };
-        // A re-route replaces whatever the request held.
-        if let Some(old) = self.placements.remove(&request_id) {
-            for (chip, t) in old.chips {
-                self.set_load(chip, |l| l.saturating_sub(t));
+        if let Some(ask) = self.place_now(ask, fx) {
+            if self.any_chip_up() {
+                self.wait(ask, fx); // breakers or load: a chip will take it soon
+            } else {
+                let states: Vec<String> = self
+                    .chips
+                    .values()
+                    .map(|c| format!("{} {:?}", c.report.id, c.report.state).to_lowercase())
+                    .collect();
+                let error = ServeError::new(ErrorKind::Unavailable, format!("no healthy chip ({})", states.join(", ")));
+                self.unplace(ask.request_id, None);
+                let _ = fx.send(ask.req, Msg::RouteFailed { request_id: ask.request_id, error });
             }
         }
-        let mut held = vec![(decode, tokens)];
-        if let Some(p) = prefill {
-            held.push((p, prompt_tokens));
-        }
-        for &(chip, t) in &held {
-            self.set_load(chip, |l| l + t);
-        }
-        self.placements.insert(request_id, Placement { req, chips: held });
-        let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
-        let reason = if prefix_hit { "prefix_hit" } else { "least_work" };
-        metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);
-        metrics::counter!("tessera_router_decision_reasons_total", "reason" => reason).increment(1);
-        let _ = fx.send(req, Msg::Routed { request_id, chip: decode, prefill });
     }
 
-    fn release(&mut self, request_id: u64, chip: Addr) {
-        let Some(p) = self.placements.get_mut(&request_id) else { return };
-        if let Some(i) = p.chips.iter().position(|(c, _)| *c == chip) {
-            let (_, t) = p.chips.remove(i);
-            if p.chips.is_empty() {
-                self.placements.remove(&request_id);
+    /// Whether some chip is up, its host alive and not draining (whatever its breakers).
+    fn any_chip_up(&self) -> bool {
+        self.chips
+            .iter()
+            .any(|(a, c)| c.report.state == ChipState::Up && !c.report.draining && !self.down_hosts.contains(&a.host))
+    }
+
+    /// Places `ask` if a chip can take it now; gives it back otherwise.
+    fn place_now(&mut self, ask: RouteAsk, fx: &mut dyn Effects<Msg>) -> Option<RouteAsk> {
+        let turn = self.turns;
+        let decision = self.decide(ask.request_id, &ask.prompt, ask.prompt_tokens, ask.tokens, &ask.exclude, turn);
+        let Some(Placed { decode, prefill }) = decision.placed else { return Some(ask) };
+        self.turns += 1;
+        // A re-route replaces whatever the request held.
+        self.unplace(ask.request_id, None);
+        let uncached = ask.prompt_tokens.saturating_sub(decision.cached_tokens);
+        let decode_tokens = ask.tokens.saturating_sub(ask.prompt_tokens);
+        let mut held = Vec::new();
+        match prefill {
+            Some(p) => {
+                held.push((decode, ask.tokens, Work { prompt_tokens: 0, decode_tokens, seqs: 1 }));
+                held.push((p, ask.prompt_tokens, Work { prompt_tokens: uncached, decode_tokens: 0, seqs: 0 }));
             }
-            self.set_load(chip, |l| l.saturating_sub(t));
+            None => held.push((decode, ask.tokens, Work { prompt_tokens: uncached, decode_tokens, seqs: 1 })),
+        }
+        for &(chip, tokens, work) in &held {
+            self.charge(chip, tokens, work, true);
+            if let Some(v) = self.chips.get_mut(&chip) {
+                v.errors.placed(ask.request_id);
+            }
+        }
+        self.placements.insert(ask.request_id, Placement { req: ask.req, chips: held });
+        let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
+        let reason = if decision.cached_tokens > 0 { "prefix_hit" } else { "least_work" };
+        metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);
+        metrics::counter!("tessera_router_decision_reasons_total", "reason" => reason).increment(1);
+        if fx.send(ask.req, Msg::Routed { request_id: ask.request_id, chip: decode, prefill }).is_err() {
+            // The request is gone (its client left while it waited): nothing holds the chips.
+            self.unplace(ask.request_id, None);
+        }
+        None
+    }
+
+    /// Queues `ask` until a chip can take it, or refuses it when the queue is full.
+    fn wait(&mut self, ask: RouteAsk, fx: &mut dyn Effects<Msg>) {
+        // While it waits, it holds no chip.
+        self.unplace(ask.request_id, None);
+        if self.waiting.len() >= self.limits.max_waiting_requests {
+            let why = format!("{} requests already wait for a chip (the router's limit)", self.waiting.len());
+            self.refuse(ask, "full", why, fx);
             return;
         }
+        fx.timer(self.limits.queue_timeout, Msg::Tick);
+        self.waiting.push_back(Waiting { ask, deadline: fx.now().after(self.limits.queue_timeout) });
+        metrics::gauge!("tessera_router_waiting_requests").set(self.waiting.len() as f64);
+    }
+
+    /// Refuses `ask` as overloaded, telling its client when to retry.
+    fn refuse(&mut self, ask: RouteAsk, reason: &'static str, why: String, fx: &mut dyn Effects<Msg>) {
+        metrics::counter!("tessera_router_refused_total", "reason" => reason).increment(1);
+        let retry_after = self.limits.queue_timeout.as_secs_f64().ceil() as u32;
+        let error = ServeError::new(ErrorKind::Overloaded, why).retry_after(retry_after);
+        let _ = fx.send(ask.req, Msg::RouteFailed { request_id: ask.request_id, error });
+    }
+
+    /// Refuses the waiting requests whose deadline passed, then places waiting requests
+    /// in arrival order while chips take them.
+    fn drain(&mut self, fx: &mut dyn Effects<Msg>) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        let now = fx.now();
+        self.poll_breakers(now);
+        let (expired, kept): (VecDeque<Waiting>, VecDeque<Waiting>) =
+            std::mem::take(&mut self.waiting).into_iter().partition(|w| w.deadline <= now);
+        self.waiting = kept;
+        for w in expired {
+            let why = format!("no chip could take the request within {:?}", self.limits.queue_timeout);
+            self.refuse(w.ask, "deadline", why, fx);
+        }
+        while let Some(w) = self.waiting.pop_front() {
+            let new = !self.placements.contains_key(&w.ask.request_id);
+            if new && self.placements.len() >= self.limits.max_queued_requests {
+                self.waiting.push_front(w);
+                break;
+            }
+            if let Some(ask) = self.place_now(w.ask, fx) {
+                self.waiting.push_front(Waiting { ask, deadline: w.deadline });
+                break;
+            }
+        }
+        metrics::gauge!("tessera_router_waiting_requests").set(self.waiting.len() as f64);
+    }
+
+    /// Takes back what request `request_id` holds on `chip` (`None`: on every chip).
+    fn unplace(&mut self, request_id: u64, chip: Option<Addr>) {
+        let Some(p) = self.placements.get_mut(&request_id) else { return };
+        let (gone, kept): (Vec<_>, Vec<_>) = p.chips.drain(..).partition(|(c, ..)| chip.is_none_or(|x| x == *c));
+        p.chips = kept;
         if p.chips.is_empty() {
             self.placements.remove(&request_id);
+        }
+        for (c, tokens, work) in gone {
+            self.charge(c, tokens, work, false);
+        }
+    }
+
+    /// The request left `chip` without failing there.
+    fn release(&mut self, request_id: u64, chip: Addr) {
+        let held = self.placements.get(&request_id).is_some_and(|p| p.chips.iter().any(|(c, ..)| *c == chip));
+        if !held {
+            return;
+        }
+        self.unplace(request_id, Some(chip));
+        if let Some(v) = self.chips.get_mut(&chip)
+            && v.errors.success(request_id)
+        {
+            tracing::info!(chip = %v.report.id, "probe succeeded: the chip's breaker closes");
+            self.breaker_metric(chip);
         }
     }
 }
@@ -550,7 +891,10 @@ impl Behavior<Msg> for Router {
                 metrics::counter!("tessera_router_index_resyncs_total").increment(1);
                 self.index_metrics();
             }
-            Msg::Release { request_id, chip } => self.release(request_id, chip),
+            Msg::Release { request_id, chip } => {
+                self.release(request_id, chip);
+                self.drain(fx);
+            }
             Msg::Heartbeat { beat } => {
                 if self.down_hosts.contains(&beat.host) {
                     // The host is back (restarted): its chips report their own state.
@@ -565,7 +909,9 @@ impl Behavior<Msg> for Router {
                     }
                     self.update(report, fx);
                 }
+                self.drain(fx);
             }
+            Msg::Tick => self.drain(fx),
             Msg::HostDown { host, host_name } => self.host_down(host, host_name, fx),
             Msg::QueryCluster { reply_to } => {
                 let chips = self.chips.values().map(|c| c.report.clone()).collect();

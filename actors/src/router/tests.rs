@@ -9,7 +9,7 @@ fn chip(host: u16, n: u64, state: ChipState, load: usize) -> (Addr, ChipView) {
         kv_blocks_total: 8,
         ..ChipReport::starting(addr, format!("h{host}-{n}"), format!("h{host}"), Both)
     };
-    (addr, ChipView { report, load_tokens: load })
+    (addr, ChipView { load_tokens: load, ..ChipView::new(report) })
 }
 
 #[test]
@@ -40,7 +40,9 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     use crate::msg::{ErrorKind, Heartbeat};
     use crate::test_fx::TestFx;
     let (c0, c1) = (chip(0, 16, ChipState::Starting, 0), chip(1, 16, ChipState::Starting, 0));
-    let mut router = Router::new(vec![c0.1.report.clone(), c1.1.report.clone()], 2);
+    // At most two requests placed, and none may wait for more.
+    let limits = Limits { max_waiting_requests: 0, ..Limits::new(2) };
+    let mut router = Router::new(vec![c0.1.report.clone(), c1.1.report.clone()], 2).with_limits(limits);
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     router.on_start(&mut fx);
     let req = |n| Addr::new(HostId(0), 5000 + n);
@@ -76,9 +78,8 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     assert_eq!(placed, vec![c0.0, c1.0], "least loaded: one each");
 
     router.handle(route(3), &mut fx);
-    assert!(
-        matches!(&fx.take_sent()[..], [(_, Msg::RouteFailed { error, .. })] if error.kind == ErrorKind::Overloaded)
-    );
+    assert!(matches!(&fx.take_sent()[..], [(_, Msg::RouteFailed { error, .. })]
+        if error.kind == ErrorKind::Overloaded && error.retry_after_s == Some(5)));
 
     router.handle(Msg::HostDown { host: HostId(1), host_name: "h1".into() }, &mut fx);
     assert_eq!(fx.take_sent(), vec![(req(2), Msg::ChipLost { chip: c1.0 })]);
@@ -175,37 +176,202 @@ fn place_avoids_excluded_chips_whole_before_reusing_them() {
     }
 }
 
-/// Work ahead = placed tokens less the prompt prefix a chip holds cached: a cached
-/// chip wins at equal load and even a little above it; a hot spot's cache counts for
-/// nothing; the decode leg of a disaggregated request is placed by load alone.
+/// The kv-aware cost in predicted seconds: a fast and a slow chip compared by what
+/// each would take, caches, KV pressure, the hot-spot guard, and the decode leg.
 #[test]
-fn placement_credits_cached_prefixes_but_not_to_a_hot_spot() {
+fn kv_aware_cost_compares_unlike_chips_in_seconds() {
     use ChipState::*;
     let a = |h| Addr::new(HostId(h), 16);
+    let fast = Pace { prefill_s_per_token: 1e-4, decode_step_s: 0.01, decode_s_per_seq: 1e-3 };
+    let slow = fast.scaled(4.0, 4.0);
+    let prompt_work = |tokens| Work { prompt_tokens: tokens, decode_tokens: 0, seqs: 0 };
+    let decoding = |seqs, tokens| Work { prompt_tokens: 0, decode_tokens: tokens, seqs };
+    // A chip: (host, role, pace, work ahead, KV blocks used of 1,000).
+    let c = |h: u16, role: Role, pace: Pace, work: Work, used: usize| {
+        let (addr, mut view) = role_chip(h, role, Up, 0);
+        view.report.kv_blocks_used = used;
+        view.report.kv_blocks_total = 1000;
+        (addr, ChipView { pace, work, ..view })
+    };
     let one = |h| Some(Placed { decode: a(h), prefill: None });
     // (chips, cached blocks per chip (16 tokens each), prompt tokens, want)
     type Case = (Vec<(Addr, ChipView)>, Vec<(u16, usize)>, usize, Option<Placed>);
     let table: Vec<Case> = vec![
-        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 100)], vec![(1, 4)], 100, one(1)), // equal load: the cache
-        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 150)], vec![(1, 4)], 100, one(1)), // 150 - 64 < 100
-        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 180)], vec![(1, 4)], 100, one(0)), // 180 - 64 > 100
-        (vec![chip(0, 16, Up, 100), chip(1, 16, Up, 150)], vec![(1, 20)], 100, one(1)), // credit capped at the prompt
-        (vec![chip(0, 16, Up, 0), chip(1, 16, Up, 1000), chip(2, 16, Up, 0)], vec![(1, 200)], 1000, one(0)), // hot spot
-        (vec![chip(0, 16, Up, 50), chip(1, 16, Up, 40)], vec![], 100, one(1)),
+        // Idle: the fast chip computes the prompt in a quarter of the time.
+        (vec![c(0, Both, slow, Work::default(), 0), c(1, Both, fast, Work::default(), 0)], vec![], 1000, one(1)),
+        // The fast chip has 0.45 s of prompts ahead; the slow one takes 0.4 s.
+        (vec![c(0, Both, fast, prompt_work(4500), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, one(1)),
+        // With 0.25 s ahead the fast chip still finishes first: 0.35 s against 0.4 s.
+        (vec![c(0, Both, fast, prompt_work(2500), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, one(0)),
+        // The slow chip holds 896 of the 1,000 tokens: 104 at its pace beat 1,000 at the fast one's.
+        (vec![c(0, Both, fast, Work::default(), 0), c(1, Both, slow, Work::default(), 0)], vec![(1, 56)], 1000, one(1)),
+        // The same, but the slow chip is a hot spot (4 s ahead, mean 1.33 s): its cache counts for nothing.
         (
-            vec![role_chip(0, Prefill, Up, 10), role_chip(1, Prefill, Up, 0), role_chip(2, Decode, Up, 0)],
-            vec![(0, 2), (2, 8)],
-            100,
+            vec![
+                c(0, Both, fast, Work::default(), 0),
+                c(1, Both, slow, prompt_work(10_000), 0),
+                c(2, Both, fast, Work::default(), 0),
+            ],
+            vec![(1, 56)],
+            1000,
+            one(0),
+        ),
+        // KV pressure: the fast chip's pool is 80% held; the empty slow one wins a short prompt.
+        (vec![c(0, Both, fast, Work::default(), 800), c(1, Both, slow, Work::default(), 0)], vec![], 100, one(1)),
+        // At 10% held the fast one wins it back.
+        (vec![c(0, Both, fast, Work::default(), 100), c(1, Both, slow, Work::default(), 0)], vec![], 100, one(0)),
+        // The decode leg: a fast decode chip with 8 sequences and 800 tokens to decode
+        // (1.7 s) loses to an idle slow one.
+        (
+            vec![
+                c(0, Prefill, fast, Work::default(), 0),
+                c(1, Decode, fast, decoding(8, 800), 0),
+                c(2, Decode, slow, Work::default(), 0),
+            ],
+            vec![],
+            1000,
             Some(Placed { decode: a(2), prefill: Some(a(0)) }),
         ),
     ];
     for (i, (chips, held, prompt, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
         let held: BTreeMap<Addr, usize> = held.into_iter().map(|(h, b)| (a(h), b)).collect();
-        let mean = chips.values().map(|c| c.load_tokens).sum::<usize>() / chips.len().max(1);
+        let mean = chips.values().map(ChipView::work_s).sum::<f64>() / chips.len() as f64;
         let cached = cache_credit(&chips, &held, 16, prompt, mean);
-        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &kv_aware(&cached)), want, "case {i}");
+        let ask = Ask { prompt_tokens: prompt, total_tokens: prompt + 100, block_size: 16 };
+        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &kv_aware(&cached, ask)), want, "case {i}");
     }
+}
+
+/// A chip's pace is its modelled pace times what it was seen to do; a chip not seen yet
+/// follows the geometric mean of the others' corrections.
+#[test]
+fn observed_step_times_correct_the_model() {
+    use crate::msg::{Heartbeat, StepSpeed};
+    use crate::test_fx::TestFx;
+    let model = Pace { prefill_s_per_token: 1e-3, decode_step_s: 0.02, decode_s_per_seq: 1e-3 };
+    let reports: Vec<ChipReport> = (0..3).map(|h| chip(h, 16, ChipState::Up, 0).1.report).collect();
+    let paces = reports.iter().map(|r| (r.chip, model)).collect();
+    let mut router = Router::new(reports.clone(), 64).with_paces(paces);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    // Chip 0 prefills as modelled, chip 1 four times slower; chip 1 decodes 9 sequences in 0.1 s.
+    let seen = [(0, 1e-3, 0.0, 0.0), (1, 4e-3, 0.1, 9.0)];
+    for (h, prefill, decode, batch) in seen {
+        let speed = StepSpeed {
+            prefill_step_s: 100.0 * prefill,
+            prefill_step_tokens: 100.0,
+            decode_step_s: decode,
+            decode_batch: batch,
+        };
+        let report = ChipReport { speed: Some(speed), ..reports[h].clone() };
+        let beat = Heartbeat { host: HostId(h as u16), host_name: format!("h{h}"), seq: 1, chips: vec![report] };
+        router.handle(Msg::Heartbeat { beat }, &mut fx);
+    }
+    let pace = |h: u16| router.chips[&Addr::new(HostId(h), 16)].pace;
+    let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
+    assert!(close(pace(0).prefill_s_per_token, 1e-3));
+    assert!(close(pace(1).prefill_s_per_token, 4e-3));
+    assert!(close(pace(2).prefill_s_per_token, 2e-3), "the mean of 1x and 4x: {:?}", pace(2));
+    // Modelled: 0.02 + 8 x 0.001 = 0.028 s for 9 sequences; seen 0.1 s.
+    assert!(close(pace(1).decode_s(9.0), 0.1));
+    assert!(close(pace(0).decode_step_s, 0.02 * 0.1 / 0.028), "chip 0 follows chip 1's decode factor");
+    // Idle and equal: the chip seen fastest gets the prompt.
+    let route = Msg::Route {
+        request_id: 1,
+        req: Addr::new(HostId(0), 5001),
+        tokens: 120,
+        prompt_tokens: 100,
+        exclude: vec![],
+        prompt: vec![],
+    };
+    router.handle(route, &mut fx);
+    let routed: Vec<Addr> = fx
+        .take_sent()
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Routed { chip, .. } = m { Some(chip) } else { None })
+        .collect();
+    assert_eq!(routed, vec![Addr::new(HostId(0), 16)]);
+}
+
+/// Breakers through the router: a chip whose requests keep leaving it opens and takes
+/// nothing for the cooldown, then one probe; a full pool takes nothing until it drains;
+/// when no chip can take a request it waits, and is refused with `Retry-After` only at
+/// its deadline.
+#[test]
+fn breakers_and_the_waiting_queue() {
+    use crate::msg::{ErrorKind, Heartbeat};
+    use crate::test_fx::TestFx;
+    let reports: Vec<ChipReport> = (0..2).map(|h| chip(h, 16, ChipState::Up, 0).1.report).collect();
+    let mut router = Router::new(reports.clone(), 64);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    let (c0, c1) = (Addr::new(HostId(0), 16), Addr::new(HostId(1), 16));
+    let route = |id: u64, exclude: Vec<Addr>| Msg::Route {
+        request_id: id,
+        req: Addr::new(HostId(0), 5000 + id),
+        tokens: 20,
+        prompt_tokens: 10,
+        exclude,
+        prompt: vec![],
+    };
+    let routed = |fx: &mut TestFx| -> Vec<(u64, Addr)> {
+        fx.take_sent()
+            .into_iter()
+            .filter_map(
+                |(_, m)| if let Msg::Routed { request_id, chip, .. } = m { Some((request_id, chip)) } else { None },
+            )
+            .collect()
+    };
+    // Three requests fail on chip 0 (each re-routes away from it): its breaker opens.
+    for id in 1..=3 {
+        router.handle(Msg::Release { request_id: 100, chip: c0 }, &mut fx); // nothing: not placed
+        router.handle(route(id, vec![]), &mut fx);
+        assert_eq!(routed(&mut fx), vec![(id, c0)], "chip 0 is first by address");
+        router.handle(route(id, vec![c0]), &mut fx);
+        assert_eq!(routed(&mut fx), vec![(id, c1)]);
+        router.handle(Msg::Release { request_id: id, chip: c1 }, &mut fx);
+    }
+    assert!(!router.chips[&c0].errors.admits());
+    router.handle(route(4, vec![]), &mut fx);
+    assert_eq!(routed(&mut fx), vec![(4, c1)], "open: chip 0 takes nothing");
+    router.handle(Msg::Release { request_id: 4, chip: c1 }, &mut fx);
+    // After the cooldown, one probe goes to chip 0; until it ends, nothing else.
+    fx.now = fx.now.after(ErrorBreaker::COOLDOWN);
+    router.handle(route(5, vec![]), &mut fx);
+    router.handle(route(6, vec![]), &mut fx);
+    assert_eq!(routed(&mut fx), vec![(5, c0), (6, c1)]);
+    router.handle(Msg::Release { request_id: 5, chip: c0 }, &mut fx);
+    assert_eq!(router.chips[&c0].errors.state(), breaker::BreakerState::Closed, "the probe succeeded");
+    router.handle(Msg::Release { request_id: 6, chip: c1 }, &mut fx);
+
+    // Both pools 90% held: requests wait (no reply yet) ...
+    let beat = |h: usize, used: usize| {
+        let report = ChipReport { kv_blocks_used: used, kv_blocks_total: 100, ..reports[h].clone() };
+        Msg::Heartbeat {
+            beat: Heartbeat { host: HostId(h as u16), host_name: format!("h{h}"), seq: 2, chips: vec![report] },
+        }
+    };
+    router.handle(beat(0, 90), &mut fx);
+    router.handle(beat(1, 95), &mut fx);
+    router.handle(route(7, vec![]), &mut fx);
+    router.handle(route(8, vec![]), &mut fx);
+    let answered = fx.take_sent().into_iter().any(|(_, m)| matches!(m, Msg::Routed { .. } | Msg::RouteFailed { .. }));
+    assert!(!answered, "waiting, not refused");
+    // ... chip 1 drains below the threshold: both go there, in arrival order.
+    router.handle(beat(1, 50), &mut fx);
+    assert_eq!(routed(&mut fx), vec![(7, c1), (8, c1)]);
+    // Full again: a request waits out its deadline and gets a 429 with Retry-After.
+    router.handle(beat(1, 99), &mut fx);
+    router.handle(route(9, vec![]), &mut fx);
+    fx.now = fx.now.after(Limits::new(64).queue_timeout);
+    router.handle(Msg::Tick, &mut fx);
+    let refused: Vec<(ErrorKind, Option<u32>)> =
+        fx.take_sent()
+            .into_iter()
+            .filter_map(|(_, m)| {
+                if let Msg::RouteFailed { error, .. } = m { Some((error.kind, error.retry_after_s)) } else { None }
+            })
+            .collect();
+    assert_eq!(refused, vec![(ErrorKind::Overloaded, Some(5))]);
 }
 
 /// The router learns where KV lives from the chips' events, asks a chip it has no
@@ -347,29 +513,33 @@ mod candidates {
         load: usize,
         compat: Option<u8>,
         cached: usize,
+        /// Prefill seconds per token in tenths of a millisecond; KV blocks used of 100.
+        pace: u8,
+        used: usize,
     }
 
     fn spec() -> impl Strategy<Value = Spec> {
         (
-            0..3u8,
-            prop::bool::weighted(0.85),
-            0..50usize,
-            prop::option::of(0..2u8),
+            (0..3u8, prop::bool::weighted(0.85), 0..50usize, prop::option::of(0..2u8)),
             prop_oneof![3 => Just(0usize), 1 => 1..40usize],
+            1..5u8,
+            0..95usize,
         )
-            .prop_map(|(role, state_up, load, compat, cached)| Spec {
+            .prop_map(|((role, state_up, load, compat), cached, pace, used)| Spec {
                 role,
                 state_up,
                 load: load * 10,
                 compat,
                 cached,
+                pace,
+                used,
             })
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
-        /// The router's shortcut (holders plus the least-loaded chips of each leg) picks
-        /// exactly what scoring every chip picks, for kv-aware and least-loaded.
+        /// The router's shortcut (holders plus the chips each leg's bound keeps) picks
+        /// exactly what scoring every chip picks, over unlike paces, loads and pools.
         #[test]
         fn the_shortcut_places_as_a_full_scan(
             specs in prop::collection::vec(spec(), 1..24),
@@ -385,9 +555,20 @@ mod candidates {
                     ..ChipReport::starting(addr, format!("c{i}"), format!("h{i}"), [Prefill, Decode, Both][s.role as usize])
                 }
             }).collect();
-            let mut router = Router::new(reports, 64);
+            let paces = specs.iter().enumerate().map(|(i, s)| {
+                let p = f64::from(s.pace) * 1e-4;
+                (Addr::new(HostId(i as u16), 16), Pace { prefill_s_per_token: p, decode_step_s: 100.0 * p, decode_s_per_seq: p })
+            }).collect();
+            let mut router = Router::new(reports, 64).with_paces(paces);
             for (i, s) in specs.iter().enumerate() {
-                router.set_load(Addr::new(HostId(i as u16), 16), |_| s.load);
+                let a = Addr::new(HostId(i as u16), 16);
+                if let Some(v) = router.chips.get_mut(&a) {
+                    v.report.kv_blocks_used = s.used;
+                    v.report.kv_blocks_total = 100;
+                }
+                // Half of the load as prompt, the rest as decoding in load/100 sequences.
+                let work = Work { prompt_tokens: s.load / 2, decode_tokens: s.load / 2, seqs: s.load / 100 };
+                router.charge(a, s.load, work, true);
             }
             router.down_hosts = down.into_iter().map(HostId).collect();
             let exclude: Vec<Addr> = exclude.into_iter().map(|i| Addr::new(HostId(i as u16), 16)).collect();
@@ -395,15 +576,14 @@ mod candidates {
                 .filter(|(_, s)| s.cached > 0)
                 .map(|(i, s)| (Addr::new(HostId(i as u16), 16), s.cached))
                 .collect();
-            let cached = cache_credit(&router.chips, &held, 16, prompt, router.total_load / router.chips.len());
-            let kv = kv_aware(&cached);
-            let scorers: [&Scorer; 2] = [&kv, &by_load];
-            for score in scorers {
-                let want = place(&router.chips, &router.down_hosts, &exclude, prompt, 64, score);
-                let few = router.candidates(&held, &exclude);
-                let got = place_among(&few, &router.down_hosts, &exclude, prompt, 64, score);
-                prop_assert_eq!(got, want);
-            }
+            let mean = router.total_work_s / router.chips.len() as f64;
+            let cached = cache_credit(&router.chips, &held, 16, prompt, mean);
+            let ask = Ask { prompt_tokens: prompt, total_tokens: prompt + 50, block_size: 16 };
+            let score = kv_aware(&cached, ask);
+            let want = place(&router.chips, &router.down_hosts, &exclude, prompt, 64, &score);
+            let few = router.candidates(&held, &ask, &exclude, &score);
+            let got = place_among(&few, &router.down_hosts, &exclude, prompt, 64, &score);
+            prop_assert_eq!(got, want);
         }
     }
 }

@@ -161,7 +161,8 @@ fn unix_now() -> u64 {
 fn error_response(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     metrics::counter!("tessera_gateway_errors_total", "status" => e.status.to_string()).increment(1);
-    (status, axum::Json(e.to_json())).into_response()
+    let retry_after = e.retry_after_s.map(|s| [(axum::http::header::RETRY_AFTER, s.to_string())]);
+    (status, retry_after, axum::Json(e.to_json())).into_response()
 }
 
 /// A request the actors could not serve, as its client sees it: the one place an
@@ -181,10 +182,14 @@ fn api_error(e: &ServeError) -> ApiError {
                 Some("prompt"),
             )
         },
-        ErrorKind::Overloaded => ApiError::overloaded(public("The server is overloaded; retry later.")),
-        ErrorKind::Unavailable => {
-            ApiError::unavailable(public("No chip can serve the request right now; retry later."))
-        }
+        ErrorKind::Overloaded => ApiError {
+            retry_after_s: Some(e.retry_after_s.unwrap_or(1)),
+            ..ApiError::overloaded(public("The server is overloaded; retry later."))
+        },
+        ErrorKind::Unavailable => ApiError {
+            retry_after_s: Some(e.retry_after_s.unwrap_or(1)),
+            ..ApiError::unavailable(public("No chip can serve the request right now; retry later."))
+        },
         ErrorKind::Internal => ApiError::internal(public("The server could not complete the request.")),
     }
 }
@@ -776,6 +781,22 @@ mod tests {
             // What is about the client's own request reaches it.
             let e = api_error(&ServeError::new(kind, detail).with_public("token id 99 is outside the vocabulary"));
             assert_eq!(e.message, "token id 99 is outside the vocabulary", "{kind:?}");
+        }
+    }
+
+    /// 429 and 503 say when to retry: what the cluster said, else in a second.
+    #[test]
+    fn refusals_for_load_carry_retry_after() {
+        let cases = [
+            (ServeError::new(ErrorKind::Overloaded, "queue deadline").retry_after(5), Some("5")),
+            (ServeError::new(ErrorKind::Overloaded, "admission full"), Some("1")),
+            (ServeError::new(ErrorKind::Unavailable, "no chip"), Some("1")),
+            (ServeError::new(ErrorKind::BadRequest, "bad"), None),
+        ];
+        for (error, want) in cases {
+            let response = error_response(api_error(&error));
+            let got = response.headers().get(axum::http::header::RETRY_AFTER).and_then(|v| v.to_str().ok());
+            assert_eq!(got, want, "{error:?}");
         }
     }
 }

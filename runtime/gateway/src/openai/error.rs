@@ -14,6 +14,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<String>,
+    /// Seconds after which a retry may succeed, sent as `Retry-After` (429 and 503).
+    pub retry_after_s: Option<u32>,
 }
 
 impl ApiError {
@@ -25,6 +27,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.map(str::to_owned),
             code: None,
+            retry_after_s: None,
         }
     }
 
@@ -41,6 +44,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".to_owned()),
             code: Some("model_not_found".to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -56,6 +60,7 @@ impl ApiError {
             param: None,
             // OpenAI's code for the same condition, which clients already match on.
             code: Some("context_length_exceeded".to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -71,6 +76,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("context_length_exceeded".to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -82,6 +88,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("request_too_large".to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -96,6 +103,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("unknown_url".to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -107,6 +115,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("method_not_allowed".to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -118,6 +127,7 @@ impl ApiError {
             kind: "rate_limit_error",
             param: None,
             code: Some("overloaded".to_owned()),
+            retry_after_s: None,
         }
     }
 
@@ -129,12 +139,20 @@ impl ApiError {
             kind: "service_unavailable",
             param: None,
             code: Some("no_healthy_chip".to_owned()),
+            retry_after_s: None,
         }
     }
 
     /// 500: our fault; the message should be generic, the details go to the log.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self { status: 500, message: message.into(), kind: "server_error", param: None, code: None }
+        Self {
+            status: 500,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+            retry_after_s: None,
+        }
     }
 
     /// `{"error": {"message", "type", "param", "code"}}`, absent fields as `null` as OpenAI sends them.

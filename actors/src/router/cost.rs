@@ -1,0 +1,195 @@
+//! The kv-aware policy's cost of a candidate chip, in predicted seconds (lower wins),
+//! so that a fast and a slow chip are compared by what they would do, not by how much
+//! work each holds:
+//!
+//! ```text
+//! compute leg (the chip that computes the prompt):
+//!   cost = work_ahead + uncached_prompt_tokens × prefill_s_per_token + kv_pressure
+//! decode leg (a decode chip taking a hand-off):
+//!   cost = work_ahead + kv_pressure
+//!
+//! work_ahead  = placed_prompt_tokens × prefill_s_per_token
+//!             + placed_decode_tokens × decode_step_s(placed_seqs) / placed_seqs
+//! kv_pressure = need_tokens × prefill_s_per_token × u² / (1 − u)
+//!               u = (blocks held + blocks the request needs) / blocks total, at most 0.99
+//! ```
+//!
+//! `work_ahead` is the queue wait: the prompts placed on the chip and not yet released,
+//! and their output tokens, which share decode steps of the chip's batch. The KV term is
+//! nothing on an empty pool, a quarter of the request's own prefill time at half full,
+//! 3.2 times it at 80%: what recomputing preempted work risks as the pool fills.
+//!
+//! `prefill_s_per_token` and `decode_step_s(b) = decode_step_s + (b − 1) × decode_s_per_seq`
+//! come from the chip kind's performance model (the roofline of the reference model on
+//! the kind's figures, paced like its emulation), times a correction factor: observed
+//! over modelled for a chip that has run steps, and for one that has not, the geometric
+//! mean of the observed chips' factors (the model's scale, a 7B reference against the
+//! served model, is common to every chip, and so, mostly, is its error).
+
+use crate::msg::StepSpeed;
+use tessera_topology::perf::{self, StepShape};
+use tessera_topology::{ChipKind, EmulationSpec};
+
+/// Context of the decode steps a modelled pace assumes.
+const PACE_CONTEXT: usize = 1024;
+
+/// Correction factors are kept within this range of the model.
+const FACTOR_RANGE: (f64, f64) = (1e-9, 1e9);
+
+/// A chip's pace: what one prompt token and one decode step take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pace {
+    pub prefill_s_per_token: f64,
+    /// A decode step of one sequence ...
+    pub decode_step_s: f64,
+    /// ... and what each further sequence of the batch adds to it.
+    pub decode_s_per_seq: f64,
+}
+
+impl Pace {
+    /// The pace assumed for a chip of no known kind: a modest accelerator's.
+    pub const UNKNOWN: Pace = Pace { prefill_s_per_token: 1e-4, decode_step_s: 1e-2, decode_s_per_seq: 1e-4 };
+
+    /// The roofline pace of the reference model on `kind`, derated and scaled by `emu`
+    /// (an emulated chip's pacing; a real chip passes a time scale of 1).
+    pub fn modelled(kind: &ChipKind, emu: &EmulationSpec) -> Pace {
+        let model = perf::REFERENCE_MODEL;
+        let step = |shape: StepShape| perf::roofline(kind, &model, &shape, emu).time_s;
+        let prefill_tokens = 512;
+        let one = step(StepShape::decode(1, PACE_CONTEXT));
+        let nine = step(StepShape::decode(9, PACE_CONTEXT));
+        Pace {
+            prefill_s_per_token: step(StepShape::prefill(prefill_tokens)) / prefill_tokens as f64,
+            decode_step_s: one,
+            decode_s_per_seq: ((nine - one) / 8.0).max(0.0),
+        }
+    }
+
+    /// A decode step of `batch` sequences.
+    pub fn decode_s(&self, batch: f64) -> f64 {
+        self.decode_step_s + (batch - 1.0).max(0.0) * self.decode_s_per_seq
+    }
+
+    /// This pace with its prefill scaled by `prefill` and its decode by `decode`.
+    pub fn scaled(&self, prefill: f64, decode: f64) -> Pace {
+        Pace {
+            prefill_s_per_token: self.prefill_s_per_token * prefill,
+            decode_step_s: self.decode_step_s * decode,
+            decode_s_per_seq: self.decode_s_per_seq * decode,
+        }
+    }
+
+    /// Correction factors (prefill, decode) that turn this modelled pace into what
+    /// `observed` measured; `None` for a phase not observed yet.
+    pub fn factors(&self, observed: &StepSpeed) -> (Option<f64>, Option<f64>) {
+        let ratio = |seen: f64, model: f64| {
+            (seen > 0.0 && model > 0.0 && (seen / model).is_finite())
+                .then(|| (seen / model).clamp(FACTOR_RANGE.0, FACTOR_RANGE.1))
+        };
+        (
+            ratio(observed.prefill_s_per_token(), self.prefill_s_per_token),
+            ratio(observed.decode_step_s, self.decode_s(observed.decode_batch.max(1.0))),
+        )
+    }
+}
+
+/// The work placed on a chip and not yet released.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Work {
+    /// Prompt tokens the chip computes for requests placed there.
+    pub prompt_tokens: usize,
+    /// Output tokens the chip decodes for them ...
+    pub decode_tokens: usize,
+    /// ... in this many sequences.
+    pub seqs: usize,
+}
+
+impl Work {
+    /// Seconds of work ahead of a new request on a chip of `pace`.
+    pub fn seconds(&self, pace: &Pace) -> f64 {
+        let decode = match self.seqs {
+            0 => 0.0,
+            n => self.decode_tokens as f64 * pace.decode_s(n as f64) / n as f64,
+        };
+        self.prompt_tokens as f64 * pace.prefill_s_per_token + decode
+    }
+
+    pub fn add(&mut self, other: Work) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.decode_tokens += other.decode_tokens;
+        self.seqs += other.seqs;
+    }
+
+    pub fn remove(&mut self, other: Work) {
+        self.prompt_tokens = self.prompt_tokens.saturating_sub(other.prompt_tokens);
+        self.decode_tokens = self.decode_tokens.saturating_sub(other.decode_tokens);
+        self.seqs = self.seqs.saturating_sub(other.seqs);
+    }
+}
+
+/// The KV-pressure term: `need_tokens` of KV (`need_blocks` blocks) on a pool holding
+/// `used` of `total` blocks (see the module doc). A pool of no known size costs nothing.
+pub fn kv_pressure_s(pace: &Pace, need_tokens: usize, need_blocks: usize, used: usize, total: usize) -> f64 {
+    if total == 0 {
+        return 0.0;
+    }
+    let u = ((used + need_blocks) as f64 / total as f64).min(0.99);
+    need_tokens as f64 * pace.prefill_s_per_token * u * u / (1.0 - u)
+}
+
+/// What the kv-aware cost needs of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ask {
+    pub prompt_tokens: usize,
+    /// Prompt and output tokens: the KV it may come to hold.
+    pub total_tokens: usize,
+    pub block_size: usize,
+}
+
+/// The cost of a chip of `pace`, with `work` ahead and `used` of `total` KV blocks held,
+/// for `ask`'s compute leg with `cached` of its prompt tokens already there.
+pub fn compute_cost(pace: &Pace, work: &Work, used: usize, total: usize, ask: &Ask, cached: usize) -> f64 {
+    let uncached = ask.prompt_tokens.saturating_sub(cached);
+    work.seconds(pace)
+        + uncached as f64 * pace.prefill_s_per_token
+        + kv_pressure_s(pace, ask.total_tokens, ask.total_tokens.div_ceil(ask.block_size.max(1)), used, total)
+}
+
+/// The cost of a decode chip of `pace` for `ask`'s decode leg.
+pub fn decode_cost(pace: &Pace, work: &Work, used: usize, total: usize, ask: &Ask) -> f64 {
+    work.seconds(pace)
+        + kv_pressure_s(pace, ask.total_tokens, ask.total_tokens.div_ceil(ask.block_size.max(1)), used, total)
+}
+
+/// Seconds as the comparable integer the placement search ranks by (nanoseconds,
+/// saturating; not-a-number ranks last).
+pub fn rank(seconds: f64) -> i64 {
+    if seconds.is_nan() { i64::MAX } else { (seconds * 1e9).round().clamp(i64::MIN as f64, i64::MAX as f64) as i64 }
+}
+
+/// The geometric mean of correction factors, kept as a running sum of logarithms.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MeanFactor {
+    log_sum: f64,
+    n: usize,
+}
+
+impl MeanFactor {
+    pub fn add(&mut self, factor: f64) {
+        self.log_sum += factor.ln();
+        self.n += 1;
+    }
+
+    pub fn remove(&mut self, factor: f64) {
+        self.log_sum -= factor.ln();
+        self.n = self.n.saturating_sub(1);
+        if self.n == 0 {
+            self.log_sum = 0.0;
+        }
+    }
+
+    /// The mean; 1 (the model as it is) when nothing was observed.
+    pub fn get(&self) -> f64 {
+        if self.n == 0 { 1.0 } else { (self.log_sum / self.n as f64).exp() }
+    }
+}
