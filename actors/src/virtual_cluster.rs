@@ -9,8 +9,8 @@ use crate::batcher::StepPlan;
 use crate::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use crate::host::build_host;
 use crate::msg::{
-    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, DType, Finish, KvCompat, KvFormatDesc, KvLayout, Msg,
-    SamplingSpec, StepOutcome, well_known,
+    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, DType, ErrorKind, Finish, KvCompat, KvFormatDesc, KvLayout,
+    Msg, SamplingSpec, ServeError, StepOutcome, well_known,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use std::collections::BTreeMap;
@@ -76,7 +76,7 @@ fn modelled_chip() -> ExecutorFactory {
 #[derive(Debug, Clone, PartialEq)]
 enum Outcome {
     Done { tokens: Vec<u32>, finish: Finish },
-    Failed(String),
+    Failed(ServeError),
 }
 
 type Outcomes = Arc<Mutex<BTreeMap<usize, Outcome>>>;
@@ -117,7 +117,7 @@ impl Behavior<Msg> for Client {
                 let tokens = std::mem::take(&mut self.tokens);
                 self.record(Outcome::Done { tokens, finish }, fx);
             }
-            Msg::Client { event: ClientEvent::Failed { error } } => self.record(Outcome::Failed(error.message), fx),
+            Msg::Client { event: ClientEvent::Failed { error } } => self.record(Outcome::Failed(error), fx),
             _ => {}
         }
     }
@@ -324,7 +324,7 @@ fn forty_requests_survive_a_lost_host_in_virtual_time_deterministically() {
                 assert_eq!(*finish, Finish::Length, "request {n}");
                 assert_eq!(tokens.len(), first.asked[*n], "request {n} got all its tokens");
             }
-            Outcome::Failed(why) => panic!("request {n} failed: {why}"),
+            Outcome::Failed(why) => panic!("request {n} failed: {why:?}"),
         }
     }
     let survivor = first.view.iter().find(|c| c.id == "c0").expect("c0 in the view");
@@ -350,4 +350,75 @@ fn forty_requests_survive_a_lost_host_in_virtual_time_deterministically() {
     assert!(placed(&first) >= REQUESTS as u64);
     assert_eq!(decisions(&first_metrics), placed(&first));
     assert_eq!(decisions(&other_metrics), placed(&other));
+}
+
+/// The virtual cluster of two chips under an offered load of about three times what it
+/// serves, then a light one: past capacity, requests wait in the router's queue and
+/// are refused with 429 (`Overloaded` with a `Retry-After`) when the queue is full or
+/// their deadline passes — never a timeout, a crash or a partial answer; once the load
+/// drops every request completes, and the pools end all-free.
+#[test]
+fn three_times_capacity_gives_429s_with_retry_after_and_full_recovery() {
+    let topology = TOPOLOGY
+        .replace(
+            "max_queued_requests = 1000",
+            "max_queued_requests = 16\nmax_waiting_requests = 32\nqueue_timeout_ms = 500",
+        )
+        .replace("max_inflight_requests = 64", "max_inflight_requests = 96");
+    let spec = tessera_topology::parse(&topology, "overload.toml").expect("the test topology is valid");
+    let mut vh: VirtualHost<Msg> = VirtualHost::new(Duration::from_micros(200));
+    for host in &spec.hosts {
+        let built = build_host(&spec, &host.name, 1, |_, _| Ok::<_, String>(modelled_chip())).expect("build");
+        for (actor, behavior) in built.actors {
+            vh.spawn_at(Addr::new(built.host, actor), behavior);
+        }
+    }
+    // Each request: 32 prompt tokens, 48 new ones. Two chips of 8 sequences at about
+    // 2.8 ms a step serve some 120 requests/s; 2 s at 360/s, then 2 s at 20/s.
+    let mut asks = Vec::new();
+    let mut at = Duration::from_millis(300);
+    let mut overload = 0;
+    for n in 0..760usize {
+        let heavy = n < 720;
+        at += Duration::from_secs_f64(if heavy { 1.0 / 360.0 } else { 1.0 / 20.0 });
+        overload += usize::from(heavy);
+        let prompt: Vec<u32> = (0..32).map(|i| (i * 13 + n as u32) % VOCAB).collect();
+        asks.push((at, AdmitAsk { prompt, max_tokens: 48, sampling: SamplingSpec::greedy() }));
+    }
+    let total = asks.len();
+    let outcomes: Outcomes = Arc::default();
+    vh.spawn(HostId(0), Box::new(Arrivals { asks, outcomes: outcomes.clone(), next: 0 }));
+    let all_done = |_: &VirtualHost<Msg>| outcomes.lock().is_ok_and(|o| o.len() == total);
+    assert!(vh.run_while(Moment(60_000_000_000), all_done), "requests still open after 60 s of virtual time");
+    let settle = vh.now().after(Duration::from_millis(300));
+    vh.run_until(settle);
+
+    let outcomes = outcomes.lock().map(|o| o.clone()).unwrap_or_default();
+    let mut refused = 0;
+    for (n, outcome) in &outcomes {
+        match outcome {
+            Outcome::Done { tokens, finish } => {
+                assert_eq!((tokens.len(), *finish), (48, Finish::Length), "request {n} answered in full")
+            }
+            Outcome::Failed(error) => {
+                assert_eq!(error.kind, ErrorKind::Overloaded, "request {n}: {error:?}");
+                assert!(error.retry_after_s.is_some_and(|s| s >= 1), "request {n} says when to retry: {error:?}");
+                assert!(*n < overload, "request {n} came after the load dropped, and was refused: {error:?}");
+                refused += 1;
+            }
+        }
+    }
+    assert!(refused > overload / 3, "three times capacity refuses many: {refused} of {overload}");
+    assert!(refused < overload, "and serves some: {refused} of {overload}");
+
+    let view = Arc::new(Mutex::new(None));
+    vh.spawn(HostId(0), Box::new(Probe { view: view.clone() }));
+    let answered = |_: &VirtualHost<Msg>| view.lock().is_ok_and(|v| v.is_some());
+    assert!(vh.run_while(vh.now().after(Duration::from_secs(1)), answered), "the router did not answer");
+    let view = view.lock().ok().and_then(|mut v| v.take()).unwrap_or_default();
+    assert_eq!(view.len(), 2);
+    for chip in &view {
+        assert_eq!(chip.state, ChipState::Up, "{chip:?}");
+        assert_eq!((chip.kv_blocks_used, chip.running, chip.waiting), (0, 0, 0), "pools all-free: {chip:?}");
+    }
 }
