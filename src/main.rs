@@ -418,6 +418,21 @@ struct ServeArgs {
     /// hash_ids) instead of --requests/--isl/--osl/--rate (see `bench trace-gen`).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Multi-turn chats instead of --requests: this many conversations of --turns turns.
+    /// Every user message has --isl words, every answer --osl tokens; a turn is sent once
+    /// the last is answered, its prompt the last prompt, its answer and a new message.
+    /// --concurrency keeps that many conversations under way; --rate starts them.
+    #[arg(
+        long,
+        value_name = "CONVERSATIONS",
+        requires = "turns",
+        conflicts_with_all = ["trace", "prefix_groups", "prefix_words", "requests"],
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    multi_turn: Option<u32>,
+    /// Turns of each --multi-turn conversation.
+    #[arg(long, requires = "multi_turn", value_parser = clap::value_parser!(u32).range(1..))]
+    turns: Option<u32>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -796,6 +811,10 @@ fn bench_serve(args: ServeArgs) -> Result<()> {
             }
             None => None,
         },
+        multi_turn: args
+            .multi_turn
+            .zip(args.turns)
+            .map(|(conversations, turns)| loadgen::MultiTurn { conversations, turns }),
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
     let report = runtime.block_on(loadgen::run(opts))?;

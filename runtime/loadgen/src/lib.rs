@@ -2,6 +2,8 @@
 //! of vLLM's `benchmark_serving.py`. It sends streamed completions (or chat completions)
 //! with synthetic prompts, either as an open-loop Poisson process or with a fixed number in
 //! flight, and reports throughput and TTFT / TPOT / ITL / end-to-end latency percentiles.
+//! A multi-turn run releases conversations instead, whose turns follow each other: each
+//! turn's prompt is the last one's, its answer and a new user message.
 //!
 //! Every request is decided from the seed before the run starts, so two runs with the same
 //! options send the same prompts and lengths whatever the server's speed.
@@ -32,11 +34,15 @@ pub use sse::SseParser;
 pub use stats::{LatencySummary, percentile};
 pub use tessera_workload::trace::{self, TraceRequest};
 pub use tessera_workload::{
-    DEFAULT_CONCURRENCY, DistParseError, LengthDist, Load, SeededRng, SharedPrefix, Workload, WorkloadError,
+    Conversation, DEFAULT_CONCURRENCY, DistParseError, LengthDist, Load, MultiTurn, SeededRng, SharedPrefix, Workload,
+    WorkloadError, multiturn,
 };
 
 use request::Sample;
 use tessera_workload::PlannedRequest;
+
+/// What a turn left unsent by its conversation's failure reports.
+const TURN_NOT_SENT: &str = "not sent: an earlier turn of its conversation failed";
 
 /// Distinct error messages shown by [`ServeBenchReport::table`]; the JSON has them all.
 const ERRORS_SHOWN: usize = 5;
@@ -108,6 +114,11 @@ pub struct ServeBenchOptions {
     /// Replay this trace (Mooncake's format) instead: its prompts, lengths and arrival
     /// times; `requests`, `isl`, `osl` and the load are then ignored.
     pub trace: Option<Vec<TraceRequest>>,
+    /// Multi-turn chats instead of `requests` single ones: every user message has `isl`
+    /// words, every answer `osl` tokens; the load releases conversations (a closed loop
+    /// keeps `concurrency` of them under way, an open loop starts them at `rate_rps`) and
+    /// each sends its next turn as soon as the last is answered.
+    pub multi_turn: Option<MultiTurn>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -169,6 +180,13 @@ pub struct ServeBenchReport {
     pub e2e: Option<LatencySummary>,
     /// Distinct failure messages in order of first appearance.
     pub errors: Vec<ErrorCount>,
+    /// Set for a multi-turn run.
+    pub multi_turn: Option<MultiTurn>,
+    /// Share of the prompts' tokens that a single chip holding everything sent and
+    /// generated before would have found cached, from the plan (multi-turn runs: words
+    /// and asked answer tokens; trace replays: 512-token blocks). `None` for synthetic
+    /// single-turn runs.
+    pub oracle_hit_rate: Option<f64>,
 }
 
 /// Runs the benchmark to its end; failed requests are counted in the report, not returned.
@@ -179,6 +197,8 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
     if !(opts.timeout_s.is_finite() && opts.timeout_s > 0.0) {
         return Err(LoadgenError::InvalidOptions(format!("--timeout-s must be positive, got {}", opts.timeout_s)));
     }
+    let workload = Workload { isl: opts.isl, osl: opts.osl, load: opts.load, seed: opts.seed, shared: opts.shared };
+    let measured = plan_measured(&opts, &workload)?;
     let timeout = Duration::from_secs_f64(opts.timeout_s);
     let base = opts.url.trim_end_matches('/').to_string();
     let client = reqwest::Client::builder()
@@ -197,13 +217,12 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         timeout,
     });
 
-    let workload = Workload { isl: opts.isl, osl: opts.osl, load: opts.load, seed: opts.seed, shared: opts.shared };
     if opts.warmup > 0 {
         let concurrency = match opts.load {
             Load::Closed { concurrency } => concurrency,
             Load::Poisson { .. } => DEFAULT_CONCURRENCY,
         };
-        let plan = workload.warmup(opts.warmup);
+        let plan = workload.warmup(opts.warmup).into_iter().map(Job::Single).collect();
         let (outcomes, _) = drive(&target, plan, &[], concurrency, &ProgressBar::hidden()).await;
         if outcomes.iter().all(|o| o.result.is_err()) {
             let first = outcomes.into_iter().find_map(|o| o.result.err()).unwrap_or_default();
@@ -211,23 +230,9 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         }
     }
 
-    let (measured, arrivals_s, concurrency) = match &opts.trace {
-        Some(trace) => {
-            let (reqs, arrivals) = trace::replay(trace, trace::TRACE_BLOCK_TOKENS);
-            let n = reqs.len();
-            (reqs, arrivals, n)
-        }
-        None => {
-            let concurrency = match opts.load {
-                Load::Poisson { .. } => opts.requests,
-                Load::Closed { concurrency } => concurrency,
-            };
-            (workload.measured(opts.requests), workload.arrivals_s(opts.requests), concurrency)
-        }
-    };
-    let requests = measured.len();
+    let requests = measured.requests;
     let bar = progress_bar(opts.progress, requests);
-    let (outcomes, duration) = drive(&target, measured, &arrivals_s, concurrency, &bar).await;
+    let (outcomes, duration) = drive(&target, measured.jobs, &measured.arrivals_s, measured.concurrency, &bar).await;
     bar.finish_and_clear();
 
     let mut report = ServeBenchReport {
@@ -260,9 +265,62 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         itl: None,
         e2e: None,
         errors: Vec::new(),
+        multi_turn: opts.multi_turn,
+        oracle_hit_rate: measured.oracle_hit_rate,
     };
     report.add_outcomes(requests, outcomes);
     Ok(report)
+}
+
+/// The measured part of a run, decided before anything is sent.
+struct MeasuredPlan {
+    jobs: Vec<Job>,
+    /// Release times of the jobs (open loop); empty for a closed loop.
+    arrivals_s: Vec<f64>,
+    /// Jobs under way at once.
+    concurrency: usize,
+    /// Requests in all the jobs.
+    requests: usize,
+    oracle_hit_rate: Option<f64>,
+}
+
+/// The jobs of a trace replay, a multi-turn run or a run of single requests.
+fn plan_measured(opts: &ServeBenchOptions, workload: &Workload) -> Result<MeasuredPlan, LoadgenError> {
+    // Open loop: the arrivals pace the jobs, so none waits for a slot.
+    let concurrency = |jobs: usize| match opts.load {
+        Load::Poisson { .. } => jobs,
+        Load::Closed { concurrency } => concurrency,
+    };
+    match (&opts.trace, opts.multi_turn) {
+        (Some(_), Some(_)) => Err(LoadgenError::InvalidOptions("give --trace or --multi-turn, not both".into())),
+        (Some(trace), None) => {
+            let (reqs, arrivals_s) = trace::replay(trace, trace::TRACE_BLOCK_TOKENS);
+            Ok(MeasuredPlan {
+                requests: reqs.len(),
+                concurrency: reqs.len(),
+                jobs: reqs.into_iter().map(Job::Single).collect(),
+                arrivals_s,
+                oracle_hit_rate: Some(trace::oracle_hit_rate(trace)),
+            })
+        }
+        (None, Some(shape)) => {
+            let conversations = workload.conversations(shape)?;
+            Ok(MeasuredPlan {
+                requests: conversations.iter().map(Conversation::turns).sum(),
+                concurrency: concurrency(conversations.len()),
+                arrivals_s: workload.arrivals_s(conversations.len()),
+                oracle_hit_rate: Some(multiturn::oracle_hit_rate(&conversations)),
+                jobs: conversations.into_iter().map(Job::Chat).collect(),
+            })
+        }
+        (None, None) => Ok(MeasuredPlan {
+            jobs: workload.measured(opts.requests).into_iter().map(Job::Single).collect(),
+            arrivals_s: workload.arrivals_s(opts.requests),
+            concurrency: concurrency(opts.requests),
+            requests: opts.requests,
+            oracle_hit_rate: None,
+        }),
+    }
 }
 
 /// Where and how every request is sent.
@@ -279,23 +337,38 @@ struct Outcome {
     result: Result<Sample, String>,
 }
 
-/// Sends `plan`, the i-th request at `arrivals_s[i]` seconds after the start when arrivals
-/// are given, with at most `concurrency` in flight; returns the outcomes (in completion
-/// order) and the time from the start to the last completion.
+/// What the load releases: one request, or one conversation whose turns go in order.
+enum Job {
+    Single(PlannedRequest),
+    Chat(Conversation),
+}
+
+impl Job {
+    fn requests(&self) -> usize {
+        match self {
+            Job::Single(_) => 1,
+            Job::Chat(conversation) => conversation.turns(),
+        }
+    }
+}
+
+/// Releases `jobs`, the i-th at `arrivals_s[i]` seconds after the start when arrivals are
+/// given, with at most `concurrency` under way; returns the outcomes of their requests (in
+/// completion order) and the time from the start to the last completion.
 async fn drive(
     target: &Arc<Target>,
-    plan: Vec<PlannedRequest>,
+    jobs: Vec<Job>,
     arrivals_s: &[f64],
     concurrency: usize,
     bar: &ProgressBar,
 ) -> (Vec<Outcome>, Duration) {
-    let total = plan.len();
+    let total = jobs.iter().map(Job::requests).sum();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let started = Instant::now();
     let start = tokio::time::Instant::from_std(started);
     let slots = Arc::new(Semaphore::new(concurrency.max(1)));
     let dispatch = async move {
-        for (i, req) in plan.into_iter().enumerate() {
+        for (i, job) in jobs.into_iter().enumerate() {
             if let Some(&at_s) = arrivals_s.get(i) {
                 tokio::time::sleep_until(start + Duration::from_secs_f64(at_s)).await;
             }
@@ -303,10 +376,8 @@ async fn drive(
             let (target, tx) = (Arc::clone(target), tx.clone());
             // Spawned, so that the runtime's workers read each stream as its bytes arrive.
             tokio::spawn(async move {
-                let body = request::body(&req, target.endpoint, &target.model);
-                let result = request::send(&target.client, &target.url, &body, target.timeout).await;
+                perform(&target, job, &tx).await;
                 drop(slot);
-                let _ = tx.send(Outcome { nominal_isl: req.isl, result });
             });
         }
         // The collector stops once this and every task's sender are gone.
@@ -327,6 +398,40 @@ async fn drive(
     };
     let ((), outcomes) = tokio::join!(dispatch, collect);
     (outcomes, started.elapsed())
+}
+
+/// Sends a job's requests, reporting each one's outcome as it ends.
+async fn perform(target: &Target, job: Job, tx: &mpsc::UnboundedSender<Outcome>) {
+    match job {
+        Job::Single(req) => {
+            let body = request::body(&req, target.endpoint, &target.model);
+            let result = request::send(&target.client, &target.url, &body, target.timeout).await;
+            let _ = tx.send(Outcome { nominal_isl: req.isl, result });
+        }
+        Job::Chat(conversation) => converse(target, conversation, tx).await,
+    }
+}
+
+/// Sends a conversation's turns in order, each once the one before it has been answered
+/// (that answer is part of its prompt); after a failed turn, the turns left cannot be
+/// written and are reported failed without being sent.
+async fn converse(target: &Target, mut conversation: Conversation, tx: &mpsc::UnboundedSender<Outcome>) {
+    while let Some(req) = conversation.next_request() {
+        let body = request::turn_body(&conversation, &req, target.endpoint, &target.model);
+        let mut result = request::send(&target.client, &target.url, &body, target.timeout).await;
+        let answer = result.as_mut().ok().map(|sample| std::mem::take(&mut sample.text));
+        let _ = tx.send(Outcome { nominal_isl: req.isl, result });
+        match answer {
+            Some(text) => conversation.answer(text),
+            None => {
+                let unsent = conversation.turns() - conversation.answered() - 1;
+                for _ in 0..unsent {
+                    let _ = tx.send(Outcome { nominal_isl: 0, result: Err(TURN_NOT_SENT.into()) });
+                }
+                return;
+            }
+        }
+    }
 }
 
 impl ServeBenchReport {
@@ -378,10 +483,16 @@ impl ServeBenchReport {
 
     /// The human-readable report.
     pub fn table(&self) -> String {
-        let load = match (self.rate_rps, self.concurrency) {
-            (Some(r), _) => format!("Poisson arrivals at {r} req/s"),
-            (None, Some(c)) => format!("concurrency {c}"),
-            (None, None) => "unknown load".to_string(),
+        let load = match (self.rate_rps, self.concurrency, self.multi_turn) {
+            (Some(r), _, None) => format!("Poisson arrivals at {r} req/s"),
+            (None, Some(c), None) => format!("concurrency {c}"),
+            (Some(r), _, Some(m)) => {
+                format!("{} conversations of {} turns, started as Poisson arrivals at {r}/s", m.conversations, m.turns)
+            }
+            (None, Some(c), Some(m)) => {
+                format!("{} conversations of {} turns, {c} under way at once", m.conversations, m.turns)
+            }
+            (None, None, _) => "unknown load".to_string(),
         };
         let mut s = format!(
             "{} {} at {}: {load}, ISL {}, OSL {}, seed {}, warm-up {}\n\n",
@@ -406,6 +517,13 @@ impl ServeBenchReport {
                 s,
                 "              ({} requests had no usage chunk: nominal ISL and text chunks counted)",
                 self.requests_without_usage
+            );
+        }
+        if let Some(rate) = self.oracle_hit_rate {
+            let _ = writeln!(
+                s,
+                "prefix reuse  oracle hit rate {rate:.3} (share of prompt tokens a single chip holding \
+                 everything would have cached)"
             );
         }
         s += "\nlatency (ms)       mean        p50        p90        p99\n";

@@ -12,24 +12,52 @@ use super::sse::SseParser;
 use tessera_workload::PlannedRequest;
 #[cfg(test)]
 use tessera_workload::SeededRng;
+#[cfg(test)]
+use tessera_workload::multiturn::PlannedTurn;
+use tessera_workload::multiturn::{Conversation, Speaker};
 
 /// The OpenAI request for a planned one, streaming with usage, and `ignore_eos` (a vLLM
 /// extension) so that every output is exactly `max_tokens` long.
 pub(super) fn body(req: &PlannedRequest, endpoint: Endpoint, model: &str) -> Value {
+    let input = match endpoint {
+        Endpoint::Completions => ("prompt", json!(req.prompt)),
+        Endpoint::Chat => ("messages", json!([{"role": "user", "content": req.prompt}])),
+    };
+    streamed(model, req.osl, input)
+}
+
+/// The request for `conversation`'s next turn `req` (its [`Conversation::next_request`]):
+/// a completion of the whole text so far, or the chat so far as alternating messages,
+/// which the model's chat template renders as an extension of the last turn.
+pub(super) fn turn_body(conversation: &Conversation, req: &PlannedRequest, endpoint: Endpoint, model: &str) -> Value {
+    let input = match endpoint {
+        Endpoint::Completions => ("prompt", json!(req.prompt)),
+        Endpoint::Chat => {
+            let messages = conversation.messages().into_iter().map(|(speaker, content)| {
+                let role = match speaker {
+                    Speaker::User => "user",
+                    Speaker::Assistant => "assistant",
+                };
+                json!({"role": role, "content": content})
+            });
+            ("messages", Value::Array(messages.collect()))
+        }
+    };
+    streamed(model, req.osl, input)
+}
+
+/// A streamed request with usage, asking for exactly `max_tokens`, with its input under `key`.
+fn streamed(model: &str, max_tokens: u32, (key, input): (&str, Value)) -> Value {
     let mut body = json!({
         "model": model,
-        "max_tokens": req.osl,
+        "max_tokens": max_tokens,
         "ignore_eos": true,
         "temperature": 0.0,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let (key, value) = match endpoint {
-        Endpoint::Completions => ("prompt", json!(req.prompt)),
-        Endpoint::Chat => ("messages", json!([{"role": "user", "content": req.prompt}])),
-    };
     if let Some(obj) = body.as_object_mut() {
-        obj.insert(key.to_string(), value);
+        obj.insert(key.to_string(), input);
     }
     body
 }
@@ -45,6 +73,8 @@ pub(super) struct Sample {
     pub output_tokens: u64,
     /// From the usage chunk; `None` when the server sent none.
     pub prompt_tokens: Option<u64>,
+    /// The generated text, for the next turn of a conversation.
+    pub text: String,
 }
 
 /// What one streamed response has said so far.
@@ -55,6 +85,7 @@ pub(super) struct StreamState {
     last_text: Option<Instant>,
     itl_s: Vec<f64>,
     text_chunks: u64,
+    text: String,
     completion_tokens: Option<u64>,
     prompt_tokens: Option<u64>,
     done: bool,
@@ -68,6 +99,7 @@ impl StreamState {
             last_text: None,
             itl_s: Vec::new(),
             text_chunks: 0,
+            text: String::new(),
             completion_tokens: None,
             prompt_tokens: None,
             done: false,
@@ -98,6 +130,7 @@ impl StreamState {
             }
             self.last_text = Some(now);
             self.text_chunks += 1;
+            self.text.push_str(text);
         }
         let usage = &chunk["usage"];
         if let Some(n) = usage["completion_tokens"].as_u64() {
@@ -123,6 +156,7 @@ impl StreamState {
             itl_s: self.itl_s,
             output_tokens: self.completion_tokens.unwrap_or(self.text_chunks),
             prompt_tokens: self.prompt_tokens,
+            text: self.text,
         })
     }
 }
@@ -236,6 +270,7 @@ mod tests {
         assert_eq!(s.itl_s.len(), 2);
         assert!(s.itl_s.iter().all(|g| (g - 0.010).abs() < 1e-9));
         assert_eq!((s.output_tokens, s.prompt_tokens), (4, Some(7)), "usage wins over the chunk count");
+        assert_eq!(s.text, "abc");
     }
 
     #[test]
@@ -250,6 +285,7 @@ mod tests {
         let Ok(s) = s else { panic!("a complete stream succeeds: {s:?}") };
         assert!((s.ttft_s - 0.020).abs() < 1e-9, "the empty role chunk is not the first token");
         assert_eq!((s.output_tokens, s.prompt_tokens), (2, None));
+        assert_eq!(s.text, "hi there");
     }
 
     #[test]
@@ -274,6 +310,26 @@ mod tests {
         assert_eq!(chat["messages"][0]["content"], json!(a.prompt));
         assert_eq!((chat["max_tokens"].clone(), chat["ignore_eos"].clone()), (json!(5), json!(true)));
         assert_eq!(body(&a, Endpoint::Completions, "m")["prompt"], json!(a.prompt));
+    }
+
+    #[test]
+    fn turn_bodies_carry_the_conversation_so_far() {
+        let turn = |user: &str| PlannedTurn { user: user.into(), user_words: 1, osl: 2 };
+        let mut c = Conversation::new(vec![turn("hi"), turn("more")]);
+        c.answer(" there".into());
+        let Some(req) = c.next_request() else { panic!("a second turn is planned") };
+        let completion = turn_body(&c, &req, Endpoint::Completions, "m");
+        assert_eq!(
+            (completion["prompt"].clone(), completion["max_tokens"].clone()),
+            (json!("hi there more"), json!(2))
+        );
+        let chat = turn_body(&c, &req, Endpoint::Chat, "m");
+        assert_eq!(
+            chat["messages"],
+            json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " there"},
+                   {"role": "user", "content": "more"}])
+        );
+        assert_eq!(chat["stream"], json!(true));
     }
 
     #[test]

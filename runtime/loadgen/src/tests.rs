@@ -3,8 +3,8 @@
 //! `reject_every`-th request.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
 use axum::extract::State;
@@ -20,6 +20,8 @@ use super::*;
 struct FakeServer {
     hits: Arc<AtomicUsize>,
     prompt_words: Arc<AtomicU64>,
+    /// Every accepted request's input (`prompt` or `messages`), in order of arrival.
+    inputs: Arc<Mutex<Vec<Value>>>,
     /// Every n-th request (counting from 1) gets a 429; 0 for never.
     reject_every: usize,
     usage: bool,
@@ -57,9 +59,16 @@ async fn complete(State(fake): State<FakeServer>, Json(req): Json<Value>) -> Res
         return error(StatusCode::NOT_FOUND, "no such model");
     }
     let chat = req.get("messages").is_some();
-    let prompt = if chat { req["messages"][0]["content"].as_str() } else { req["prompt"].as_str() };
-    let prompt_tokens = prompt.unwrap_or_default().split_whitespace().count() as u64;
+    let prompt_tokens = if chat {
+        let messages = req["messages"].as_array().map(Vec::as_slice).unwrap_or_default();
+        messages.iter().map(|m| m["content"].as_str().unwrap_or_default().split_whitespace().count() as u64).sum()
+    } else {
+        req["prompt"].as_str().unwrap_or_default().split_whitespace().count() as u64
+    };
     fake.prompt_words.fetch_add(prompt_tokens, Ordering::SeqCst);
+    if let Ok(mut inputs) = fake.inputs.lock() {
+        inputs.push(if chat { req["messages"].clone() } else { req["prompt"].clone() });
+    }
     let max_tokens = req["max_tokens"].as_u64().unwrap_or(16);
 
     let mut events: Vec<Value> = (0..max_tokens)
@@ -123,6 +132,7 @@ fn options(url: String) -> ServeBenchOptions {
         progress: false,
         shared: None,
         trace: None,
+        multi_turn: None,
     }
 }
 
@@ -229,10 +239,112 @@ fn endpoint_names() {
 #[tokio::test]
 async fn invalid_options_are_refused_before_any_request() {
     let url = "http://127.0.0.1:9".to_string();
+    let chats = Some(MultiTurn { conversations: 2, turns: 3 });
+    let trace = trace::generate(2, 1.0, LengthDist::Fixed(8), LengthDist::Fixed(2), 0.0, 0).ok();
     for opts in [
         ServeBenchOptions { requests: 0, ..options(url.clone()) },
-        ServeBenchOptions { timeout_s: 0.0, ..options(url) },
+        ServeBenchOptions { timeout_s: 0.0, ..options(url.clone()) },
+        ServeBenchOptions { multi_turn: chats, trace, ..options(url.clone()) },
     ] {
         assert!(matches!(run(opts).await, Err(LoadgenError::InvalidOptions(_))));
     }
+    for opts in [
+        ServeBenchOptions { multi_turn: Some(MultiTurn { conversations: 0, turns: 3 }), ..options(url.clone()) },
+        ServeBenchOptions { multi_turn: Some(MultiTurn { conversations: 2, turns: 0 }), ..options(url.clone()) },
+        ServeBenchOptions { multi_turn: chats, shared: Some(SharedPrefix { groups: 2, words: 8 }), ..options(url) },
+    ] {
+        assert!(matches!(run(opts).await, Err(LoadgenError::Workload(_))));
+    }
+}
+
+/// The fake's answer to a request for `n` tokens.
+fn fake_answer(n: usize) -> String {
+    (0..n).map(|i| format!(" t{i}")).collect()
+}
+
+#[tokio::test]
+async fn multi_turn_completions_extend_the_last_prompt_and_its_answer() {
+    let fake = FakeServer { usage: true, ..FakeServer::default() };
+    let inputs = Arc::clone(&fake.inputs);
+    let url = serve(fake).await;
+    let shape = MultiTurn { conversations: 2, turns: 3 };
+    let opts = ServeBenchOptions { multi_turn: Some(shape), load: Load::Closed { concurrency: 2 }, ..options(url) };
+    let workload = Workload { isl: opts.isl, osl: opts.osl, load: opts.load, seed: opts.seed, shared: None };
+    let plan = workload.conversations(shape).unwrap_or_default();
+    let report = run_ok(opts).await;
+
+    assert_eq!((report.requests_ok, report.requests_failed), (6, 0), "{:?}", report.errors);
+    // Turns of 16 words with answers of 5: prompts of 16, 16+5+16 and 37+5+16 words.
+    assert_eq!(report.input_tokens, 2 * (16 + 37 + 58));
+    assert_eq!(report.multi_turn, Some(shape));
+    assert_eq!(report.oracle_hit_rate, Some(multiturn::oracle_hit_rate(&plan)));
+    // Of 111 prompt tokens a conversation sends, 21 + 42 were cached before.
+    assert!((multiturn::oracle_hit_rate(&plan) - 63.0 / 111.0).abs() < 1e-12);
+
+    let prompts: Vec<String> = match inputs.lock() {
+        Ok(inputs) => inputs.iter().map(|p| p.as_str().unwrap_or_default().to_string()).collect(),
+        Err(e) => panic!("the fake server panicked: {e}"),
+    };
+    assert_eq!(prompts.len(), 6);
+    let answer = fake_answer(5);
+    let openings = prompts.iter().filter(|p| p.split_whitespace().count() == 16).count();
+    assert_eq!(openings, 2);
+    for (i, prompt) in prompts.iter().enumerate() {
+        if prompt.split_whitespace().count() == 16 {
+            continue;
+        }
+        // The turn before it reached the server earlier, and was answered before it was sent.
+        let extends = prompts[..i].iter().any(|p| prompt.starts_with(&format!("{p}{answer} ")));
+        assert!(extends, "turn {prompt:?} extends no earlier prompt and its answer");
+    }
+    let table = report.table();
+    assert!(table.contains("2 conversations of 3 turns, 2 under way at once"), "{table}");
+    assert!(table.contains("oracle hit rate 0.568"), "{table}");
+}
+
+#[tokio::test]
+async fn multi_turn_chat_sends_the_conversation_as_messages() {
+    let fake = FakeServer { usage: true, ..FakeServer::default() };
+    let inputs = Arc::clone(&fake.inputs);
+    let url = serve(fake).await;
+    let opts = ServeBenchOptions {
+        endpoint: Endpoint::Chat,
+        multi_turn: Some(MultiTurn { conversations: 1, turns: 3 }),
+        load: Load::Poisson { rate_rps: 1000.0 },
+        osl: LengthDist::Fixed(2),
+        ..options(url)
+    };
+    let report = run_ok(opts).await;
+    assert_eq!((report.requests_ok, report.requests_failed), (3, 0), "{:?}", report.errors);
+
+    let sent: Vec<Vec<Value>> = match inputs.lock() {
+        Ok(inputs) => inputs.iter().map(|m| m.as_array().cloned().unwrap_or_default()).collect(),
+        Err(e) => panic!("the fake server panicked: {e}"),
+    };
+    assert_eq!(sent.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 3, 5]);
+    for pair in sent.windows(2) {
+        let (before, after) = (&pair[0], &pair[1]);
+        assert_eq!(after[..before.len()], before[..], "earlier messages are sent again unchanged");
+        assert_eq!(after[before.len()], json!({"role": "assistant", "content": fake_answer(2)}));
+        assert_eq!(after[before.len() + 1]["role"], json!("user"));
+    }
+}
+
+#[tokio::test]
+async fn a_failed_turn_ends_its_conversation() {
+    // The second request of the run is refused: turn 2 fails, turn 3 cannot be written.
+    let fake = FakeServer { usage: true, reject_every: 2, ..FakeServer::default() };
+    let hits = Arc::clone(&fake.hits);
+    let url = serve(fake).await;
+    let opts = ServeBenchOptions { multi_turn: Some(MultiTurn { conversations: 1, turns: 3 }), ..options(url) };
+    let report = run_ok(opts).await;
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    assert_eq!((report.requests_ok, report.requests_failed), (1, 2));
+    assert_eq!(
+        report.errors,
+        vec![
+            ErrorCount { message: format!("HTTP 429: {RATE_LIMITED}"), count: 1 },
+            ErrorCount { message: TURN_NOT_SENT.into(), count: 1 },
+        ]
+    );
 }

@@ -1,6 +1,7 @@
 //! The workload model of a serving benchmark: token-length distributions, arrival
 //! processes (open-loop Poisson or a closed loop of fixed concurrency), synthetic prompts,
-//! and a seeded plan of every request decided before a run starts. `tessera bench serve`
+//! and a seeded plan of every request decided before a run starts (of a multi-turn chat,
+//! every user message and answer length; the answers' text is the server's). `tessera bench serve`
 //! drives it over HTTP; the simulator replays the same plan in virtual time.
 //!
 //! Pure: it must not depend on any I/O, async runtime, HTTP client or clock — a plan is a
@@ -8,12 +9,14 @@
 #![forbid(unsafe_code)]
 
 mod dist;
+pub mod multiturn;
 mod stats;
 pub mod trace;
 
 use std::sync::LazyLock;
 
 pub use dist::{DistParseError, LengthDist, SeededRng};
+pub use multiturn::{Conversation, MultiTurn};
 pub use stats::percentile;
 
 /// Requests in flight when neither a rate nor a concurrency is given.
