@@ -457,6 +457,12 @@ pub enum Msg {
         request_id: u64,
         chip: Addr,
     },
+    /// Request -> router: `chip` sampled the request's first token, so its prompt is
+    /// computed (the router stops counting it as work ahead there).
+    Prefilled {
+        request_id: u64,
+        chip: Addr,
+    },
     /// Request -> chip.
     Enqueue {
         seq: SeqRequest,
@@ -646,6 +652,7 @@ impl Message for Msg {
             Msg::Routed { .. } => "routed",
             Msg::RouteFailed { .. } => "route_failed",
             Msg::Release { .. } => "release",
+            Msg::Prefilled { .. } => "prefilled",
             Msg::Enqueue { .. } => "enqueue",
             Msg::Prefill { .. } => "prefill",
             Msg::Abort { .. } => "abort",

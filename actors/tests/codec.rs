@@ -225,6 +225,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
             ],
         },
         47 => Msg::KvSnapshotRequest { reply_to: addr(p.b) },
+        48 => Msg::Prefilled { request_id: p.a, chip: addr(p.b) },
         _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
     }
 }
@@ -233,7 +234,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 49;
+const KINDS: usize = 50;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -287,6 +288,7 @@ fn kind_index(m: &Msg) -> usize {
         Msg::KvEvents { .. } => 46,
         Msg::KvSnapshotRequest { .. } => 47,
         Msg::KvSnapshot { .. } => 48,
+        Msg::Prefilled { .. } => 49,
     }
 }
 

@@ -69,6 +69,8 @@ pub struct Request {
     chip: Option<Addr>,
     /// The chip prefilling it for `chip`, until `chip` sends the first token.
     prefill: Option<Addr>,
+    /// Whether `chip` sent a token since it was placed (the router was told).
+    prefilled: bool,
     attempts: u32,
     /// Chips that lost or declined this request, oldest first.
     avoid: Vec<Addr>,
@@ -90,6 +92,7 @@ impl Request {
             router,
             policy,
             generated: Vec::new(),
+            prefilled: false,
             chip: None,
             prefill: None,
             attempts: 0,
@@ -136,6 +139,7 @@ impl Request {
     fn enqueue(&mut self, chip: Addr, prefill: Option<Addr>, fx: &mut dyn Effects<Msg>) {
         self.chip = Some(chip);
         self.prefill = prefill;
+        self.prefilled = false;
         self.last_progress = fx.now();
         let mut tokens = self.spec.prompt.clone();
         tokens.extend_from_slice(&self.generated);
@@ -238,6 +242,13 @@ impl Request {
         // The decode chip has the KV: the prefill chip's part is over.
         if let Some(p) = self.prefill.take() {
             let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip: p });
+        }
+        // The prompt (and any replay) is computed: only decoding is left there.
+        if !self.prefilled
+            && let Some(chip) = self.chip
+        {
+            self.prefilled = true;
+            let _ = fx.send(self.router, Msg::Prefilled { request_id: self.spec.request_id, chip });
         }
         self.generated.extend_from_slice(&tokens);
         if fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens } }).is_err() {

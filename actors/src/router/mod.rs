@@ -717,8 +717,8 @@ impl Router {
             return;
         }
         if let Some(ask) = self.place_now(ask, fx) {
-            if self.any_chip_up() {
-                self.wait(ask, fx); // breakers or load: a chip will take it soon
+            if self.a_chip_may_take_it() {
+                self.wait(ask, fx); // starting, breakers or load: a chip will take it soon
             } else {
                 let states: Vec<String> = self
                     .chips
@@ -732,11 +732,14 @@ impl Router {
         }
     }
 
-    /// Whether some chip is up, its host alive and not draining (whatever its breakers).
-    fn any_chip_up(&self) -> bool {
-        self.chips
-            .iter()
-            .any(|(a, c)| c.report.state == ChipState::Up && !c.report.draining && !self.down_hosts.contains(&a.host))
+    /// Whether some chip is up or starting, its host alive and not draining (whatever
+    /// its breakers).
+    fn a_chip_may_take_it(&self) -> bool {
+        self.chips.iter().any(|(a, c)| {
+            matches!(c.report.state, ChipState::Up | ChipState::Starting)
+                && !c.report.draining
+                && !self.down_hosts.contains(&a.host)
+        })
     }
 
     /// Places `ask` if a chip can take it now; gives it back otherwise.
@@ -839,6 +842,14 @@ impl Router {
         }
     }
 
+    /// `chip` computed the request's prompt: what is left there is decoding.
+    fn prefilled(&mut self, request_id: u64, chip: Addr) {
+        let Some(p) = self.placements.get_mut(&request_id) else { return };
+        let Some((_, _, work)) = p.chips.iter_mut().find(|(c, ..)| *c == chip) else { return };
+        let done = Work { prompt_tokens: std::mem::take(&mut work.prompt_tokens), decode_tokens: 0, seqs: 0 };
+        self.charge(chip, 0, done, false);
+    }
+
     /// The request left `chip` without failing there.
     fn release(&mut self, request_id: u64, chip: Addr) {
         let held = self.placements.get(&request_id).is_some_and(|p| p.chips.iter().any(|(c, ..)| *c == chip));
@@ -895,6 +906,7 @@ impl Behavior<Msg> for Router {
                 self.release(request_id, chip);
                 self.drain(fx);
             }
+            Msg::Prefilled { request_id, chip } => self.prefilled(request_id, chip),
             Msg::Heartbeat { beat } => {
                 if self.down_hosts.contains(&beat.host) {
                     // The host is back (restarted): its chips report their own state.

@@ -39,7 +39,7 @@ fn pick_is_least_loaded_healthy_chip() {
 fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     use crate::msg::{ErrorKind, Heartbeat};
     use crate::test_fx::TestFx;
-    let (c0, c1) = (chip(0, 16, ChipState::Starting, 0), chip(1, 16, ChipState::Starting, 0));
+    let (c0, c1) = (chip(0, 16, ChipState::Down, 0), chip(1, 16, ChipState::Down, 0));
     // At most two requests placed, and none may wait for more.
     let limits = Limits { max_waiting_requests: 0, ..Limits::new(2) };
     let mut router = Router::new(vec![c0.1.report.clone(), c1.1.report.clone()], 2).with_limits(limits);
@@ -85,6 +85,34 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     assert_eq!(fx.take_sent(), vec![(req(2), Msg::ChipLost { chip: c1.0 })]);
     router.handle(route(2), &mut fx);
     assert_eq!(fx.take_sent(), vec![(req(2), Msg::Routed { request_id: 2, chip: c0.0, prefill: None })]);
+}
+
+/// A request that finds every chip still starting waits for one, rather than failing.
+#[test]
+fn requests_wait_for_starting_chips() {
+    use crate::msg::Heartbeat;
+    use crate::test_fx::TestFx;
+    let c0 = chip(0, 16, ChipState::Starting, 0);
+    let mut router = Router::new(vec![c0.1.report.clone()], 8);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    let route = Msg::Route {
+        request_id: 1,
+        req: Addr::new(HostId(0), 5001),
+        tokens: 10,
+        prompt_tokens: 5,
+        exclude: vec![],
+        prompt: vec![],
+    };
+    router.handle(route, &mut fx);
+    assert!(fx.take_sent().is_empty(), "it waits");
+    let report = ChipReport { state: ChipState::Up, ..c0.1.report.clone() };
+    router.handle(
+        Msg::Heartbeat { beat: Heartbeat { host: HostId(0), host_name: "h0".into(), seq: 1, chips: vec![report] } },
+        &mut fx,
+    );
+    let routed: Vec<Msg> =
+        fx.take_sent().into_iter().map(|(_, m)| m).filter(|m| matches!(m, Msg::Routed { .. })).collect();
+    assert_eq!(routed, vec![Msg::Routed { request_id: 1, chip: c0.0, prefill: None }]);
 }
 
 fn role_chip(host: u16, role: Role, state: ChipState, load: usize) -> (Addr, ChipView) {

@@ -14,6 +14,7 @@
 
 pub mod handoff;
 mod request;
+pub mod server;
 mod sse;
 mod stats;
 #[cfg(test)]
@@ -182,11 +183,16 @@ pub struct ServeBenchReport {
     pub errors: Vec<ErrorCount>,
     /// Set for a multi-turn run.
     pub multi_turn: Option<MultiTurn>,
+    /// Set for a trace replay: the requests in the trace.
+    pub trace_requests: Option<usize>,
     /// Share of the prompts' tokens that a single chip holding everything sent and
     /// generated before would have found cached, from the plan (multi-turn runs: words
     /// and asked answer tokens; trace replays: 512-token blocks). `None` for synthetic
     /// single-turn runs.
     pub oracle_hit_rate: Option<f64>,
+    /// What a Tessera server counted during the measured part (`None` against another
+    /// server): per chip, prompt tokens computed and reused, and busy seconds.
+    pub server: Option<server::ServerCounters>,
 }
 
 /// Runs the benchmark to its end; failed requests are counted in the report, not returned.
@@ -232,8 +238,10 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
 
     let requests = measured.requests;
     let bar = progress_bar(opts.progress, requests);
+    let before = server::scrape(&target.client, &base, timeout).await;
     let (outcomes, duration) = drive(&target, measured.jobs, &measured.arrivals_s, measured.concurrency, &bar).await;
     bar.finish_and_clear();
+    let counted = server::between(before, server::scrape(&target.client, &base, timeout).await);
 
     let mut report = ServeBenchReport {
         url: base,
@@ -266,7 +274,9 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         e2e: None,
         errors: Vec::new(),
         multi_turn: opts.multi_turn,
+        trace_requests: opts.trace.as_ref().map(Vec::len),
         oracle_hit_rate: measured.oracle_hit_rate,
+        server: counted,
     };
     report.add_outcomes(requests, outcomes);
     Ok(report)
@@ -484,6 +494,10 @@ impl ServeBenchReport {
     /// The human-readable report.
     pub fn table(&self) -> String {
         let load = match (self.rate_rps, self.concurrency, self.multi_turn) {
+            _ if self.trace_requests.is_some() => format!(
+                "replay of a {}-request trace (its arrival times and lengths)",
+                self.trace_requests.unwrap_or(0)
+            ),
             (Some(r), _, None) => format!("Poisson arrivals at {r} req/s"),
             (None, Some(c), None) => format!("concurrency {c}"),
             (Some(r), _, Some(m)) => {
@@ -494,9 +508,13 @@ impl ServeBenchReport {
             }
             (None, None, _) => "unknown load".to_string(),
         };
+        let lengths = match self.trace_requests {
+            Some(_) => String::new(),
+            None => format!(", ISL {}, OSL {}", self.isl, self.osl),
+        };
         let mut s = format!(
-            "{} {} at {}: {load}, ISL {}, OSL {}, seed {}, warm-up {}\n\n",
-            self.model, self.endpoint, self.url, self.isl, self.osl, self.seed, self.warmup
+            "{} {} at {}: {load}{lengths}, seed {}, warm-up {}\n\n",
+            self.model, self.endpoint, self.url, self.seed, self.warmup
         );
         let _ = writeln!(
             s,
@@ -525,6 +543,21 @@ impl ServeBenchReport {
                 "prefix reuse  oracle hit rate {rate:.3} (share of prompt tokens a single chip holding \
                  everything would have cached)"
             );
+        }
+        if let Some(counted) = &self.server {
+            if let Some(hit) = counted.hit_rate() {
+                let of_oracle = match self.oracle_hit_rate {
+                    Some(o) if o > 0.0 => format!(", {:.0}% of the oracle's", 100.0 * hit / o),
+                    _ => String::new(),
+                };
+                let _ = writeln!(
+                    s,
+                    "prefix reuse  cluster hit rate {hit:.3} (the server's reused / prompt tokens){of_oracle}"
+                );
+            }
+            let busy: Vec<String> = counted.chips.iter().map(|c| format!("{} {:.2}", c.chip, c.busy_s)).collect();
+            let imbalance = counted.busy_imbalance().map_or(String::new(), |r| format!("; busiest / mean {r:.2}"));
+            let _ = writeln!(s, "chip load     busy s: {}{imbalance}", busy.join(", "));
         }
         s += "\nlatency (ms)       mean        p50        p90        p99\n";
         for (name, summary) in [("TTFT", &self.ttft), ("TPOT", &self.tpot), ("ITL", &self.itl), ("E2E", &self.e2e)] {
