@@ -506,4 +506,81 @@ mod tests {
         assert!(matches!(pool.release(out_of_range), Err(KvError::Stale { .. })));
         assert_eq!(pool.used(), 1);
     }
+
+    mod prefix_closed {
+        use super::*;
+        use proptest::prelude::*;
+        use std::collections::BTreeSet;
+
+        /// What a sequence does to the pool.
+        #[derive(Debug, Clone)]
+        enum Op {
+            /// Start a sequence of `blocks` full blocks, each token from a 2-letter
+            /// alphabet picked by `bits` (so prompts share prefixes often): it reuses the
+            /// blocks the pool holds, as the batcher does, and writes the rest.
+            Start { blocks: usize, bits: u32 },
+            /// The `n`-th running sequence ends: its blocks are released, last first.
+            End { n: usize },
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (1..5usize, any::<u32>()).prop_map(|(blocks, bits)| Op::Start { blocks, bits }),
+                (0..8usize).prop_map(|n| Op::End { n }),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            /// The hashes a pool holds are closed under prefixes: whenever it holds a
+            /// block's hash it holds the hash of the block before it (a sequence seals its
+            /// blocks in order and releases them last first, so a chain's head is never
+            /// released before, nor evicted before, its tail). The router's index relies
+            /// on it to find a prompt's cached depth by binary search.
+            #[test]
+            fn held_hashes_are_prefix_closed(ops in prop::collection::vec(op(), 1..80)) {
+                const BS: usize = 2;
+                let mut pool = KvPool::new(Addr::new(tessera_actor_core::HostId(0), 16), 12, BS);
+                let mut parent_of: BTreeMap<u64, Option<u64>> = BTreeMap::new();
+                let mut running: Vec<Vec<BlockRef>> = Vec::new();
+                for (owner, op) in ops.into_iter().enumerate() {
+                    match op {
+                        Op::Start { blocks, bits } => {
+                            let tokens: Vec<u32> = (0..blocks * BS).map(|i| (bits >> (i % 32)) & 1).collect();
+                            let hashes = prefix_hashes(&tokens, BS);
+                            let mut held = Vec::new();
+                            let mut ok = true;
+                            for (i, &h) in hashes.iter().enumerate() {
+                                parent_of.insert(h, i.checked_sub(1).map(|p| hashes[p]));
+                                if ok && held.len() == i && let Some(r) = pool.acquire(h) {
+                                    held.push(r);
+                                    continue;
+                                }
+                                ok = false;
+                                let Some(r) = pool.alloc(owner as u64) else { break };
+                                let parent = i.checked_sub(1).map(|p| hashes[p]);
+                                pool.seal(r, parent, &tokens[i * BS..(i + 1) * BS]).expect("a written block seals");
+                                held.push(r);
+                            }
+                            running.push(held);
+                        }
+                        Op::End { n } if !running.is_empty() => {
+                            let held = running.remove(n % running.len());
+                            for r in held.into_iter().rev() {
+                                pool.release(r).expect("a held block releases");
+                            }
+                        }
+                        Op::End { .. } => {}
+                    }
+                    let (_, hashes) = pool.snapshot();
+                    let held: BTreeSet<u64> = hashes.into_iter().collect();
+                    for h in &held {
+                        if let Some(Some(parent)) = parent_of.get(h) {
+                            prop_assert!(held.contains(parent), "{h:x} held without its parent {parent:x}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

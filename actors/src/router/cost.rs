@@ -3,28 +3,34 @@
 //! work each holds:
 //!
 //! ```text
-//! compute leg (the chip that computes the prompt):
-//!   cost = work_ahead + uncached_prompt_tokens × prefill_s_per_token + kv_pressure
-//! decode leg (a decode chip taking a hand-off):
-//!   cost = work_ahead + kv_pressure
+//! compute leg (the chip that computes the prompt): when its first token comes
+//!   cost = (queued + uncached) × prefill_s_per_token
+//!        + running × decode_s_per_seq × ⌈(queued + uncached) / CHUNK_TOKENS⌉ + kv_pressure
+//! decode leg (a decode chip taking a hand-off): how long its output takes there
+//!   cost = queued × prefill_s_per_token + running × decode_s_per_seq
+//!        + new_tokens × decode_step_s(running + 1) + kv_pressure
 //!
-//! work_ahead  = placed_prompt_tokens × prefill_s_per_token
-//!             + placed_decode_tokens × decode_step_s(placed_seqs) / placed_seqs
 //! kv_pressure = need_tokens × prefill_s_per_token × u² / (1 − u)
 //!               u = (blocks held + blocks the request needs) / blocks total, at most 0.99
 //! ```
 //!
-//! `work_ahead` is the queue wait: the prompts placed on the chip and not yet released,
-//! and their output tokens, which share decode steps of the chip's batch. The KV term is
-//! nothing on an empty pool, a quarter of the request's own prefill time at half full,
-//! 3.2 times it at 80%: what recomputing preempted work risks as the pool fills.
+//! `queued` is the prompt tokens placed on the chip and not computed yet, `uncached` the
+//! request's prompt less the prefix the chip holds, `running` the sequences decoding
+//! there. Running sequences do not make a new prompt wait for their end: continuous
+//! batching carries them in the same steps, each adding `decode_s_per_seq` to every step
+//! the prompt's chunks take (`CHUNK_TOKENS` a step, the default batch budget). The KV
+//! term is nothing on an empty pool, a quarter of the request's own prefill time at half
+//! full, 3.2 times it at 80%: what recomputing preempted work risks as the pool fills.
 //!
 //! `prefill_s_per_token` and `decode_step_s(b) = decode_step_s + (b − 1) × decode_s_per_seq`
 //! come from the chip kind's performance model (the roofline of the reference model on
 //! the kind's figures, paced like its emulation), times a correction factor: observed
 //! over modelled for a chip that has run steps, and for one that has not, the geometric
 //! mean of the observed chips' factors (the model's scale, a 7B reference against the
-//! served model, is common to every chip, and so, mostly, is its error).
+//! served model, is common to every chip, and so, mostly, is its error). A chip's own
+//! factor is kept within [`MAX_DEVIATION`] times of that mean either way: the model's
+//! ratios between kinds are trusted that far, so that a stalled step cannot make a chip
+//! look too slow to ever get the work that would show otherwise.
 
 use crate::msg::StepSpeed;
 use tessera_topology::perf::{self, StepShape};
@@ -32,6 +38,9 @@ use tessera_topology::{ChipKind, EmulationSpec};
 
 /// Context of the decode steps a modelled pace assumes.
 const PACE_CONTEXT: usize = 1024;
+
+/// How far (a factor, either way) one chip's correction may stray from the mean of all.
+pub const MAX_DEVIATION: f64 = 3.0;
 
 /// Correction factors are kept within this range of the model.
 const FACTOR_RANGE: (f64, f64) = (1e-9, 1e9);
@@ -93,36 +102,33 @@ impl Pace {
     }
 }
 
-/// The work placed on a chip and not yet released.
+/// Prompt tokens a step computes, as the router assumes it (the default batch budget).
+pub const CHUNK_TOKENS: usize = 512;
+
+/// The work placed on a chip and not yet done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Work {
-    /// Prompt tokens the chip computes for requests placed there.
+    /// Prompt tokens the chip is to compute for requests placed there ...
     pub prompt_tokens: usize,
-    /// Output tokens the chip decodes for them ...
-    pub decode_tokens: usize,
-    /// ... in this many sequences.
+    /// ... and the sequences it decodes (or will).
     pub seqs: usize,
 }
 
 impl Work {
-    /// Seconds of work ahead of a new request on a chip of `pace`.
+    /// Seconds before anything new placed there can start, at the least: the queued
+    /// prompts, and one step's worth of the running sequences. Every cost is at least
+    /// this (the search's order relies on it).
     pub fn seconds(&self, pace: &Pace) -> f64 {
-        let decode = match self.seqs {
-            0 => 0.0,
-            n => self.decode_tokens as f64 * pace.decode_s(n as f64) / n as f64,
-        };
-        self.prompt_tokens as f64 * pace.prefill_s_per_token + decode
+        self.prompt_tokens as f64 * pace.prefill_s_per_token + self.seqs as f64 * pace.decode_s_per_seq
     }
 
     pub fn add(&mut self, other: Work) {
         self.prompt_tokens += other.prompt_tokens;
-        self.decode_tokens += other.decode_tokens;
         self.seqs += other.seqs;
     }
 
     pub fn remove(&mut self, other: Work) {
         self.prompt_tokens = self.prompt_tokens.saturating_sub(other.prompt_tokens);
-        self.decode_tokens = self.decode_tokens.saturating_sub(other.decode_tokens);
         self.seqs = self.seqs.saturating_sub(other.seqs);
     }
 }
@@ -149,16 +155,21 @@ pub struct Ask {
 /// The cost of a chip of `pace`, with `work` ahead and `used` of `total` KV blocks held,
 /// for `ask`'s compute leg with `cached` of its prompt tokens already there.
 pub fn compute_cost(pace: &Pace, work: &Work, used: usize, total: usize, ask: &Ask, cached: usize) -> f64 {
-    let uncached = ask.prompt_tokens.saturating_sub(cached);
-    work.seconds(pace)
-        + uncached as f64 * pace.prefill_s_per_token
-        + kv_pressure_s(pace, ask.total_tokens, ask.total_tokens.div_ceil(ask.block_size.max(1)), used, total)
+    let prompt = work.prompt_tokens + ask.prompt_tokens.saturating_sub(cached);
+    let steps = prompt.div_ceil(CHUNK_TOKENS).max(1);
+    prompt as f64 * pace.prefill_s_per_token
+        + (work.seqs * steps) as f64 * pace.decode_s_per_seq
+        + kv_pressure(pace, used, total, ask)
 }
 
 /// The cost of a decode chip of `pace` for `ask`'s decode leg.
 pub fn decode_cost(pace: &Pace, work: &Work, used: usize, total: usize, ask: &Ask) -> f64 {
-    work.seconds(pace)
-        + kv_pressure_s(pace, ask.total_tokens, ask.total_tokens.div_ceil(ask.block_size.max(1)), used, total)
+    let new_tokens = ask.total_tokens.saturating_sub(ask.prompt_tokens);
+    work.seconds(pace) + new_tokens as f64 * pace.decode_s((work.seqs + 1) as f64) + kv_pressure(pace, used, total, ask)
+}
+
+fn kv_pressure(pace: &Pace, used: usize, total: usize, ask: &Ask) -> f64 {
+    kv_pressure_s(pace, ask.total_tokens, ask.total_tokens.div_ceil(ask.block_size.max(1)), used, total)
 }
 
 /// Seconds as the comparable integer the placement search ranks by (nanoseconds,

@@ -178,10 +178,13 @@ impl ClusterIndex {
         let mut depth = BTreeMap::new();
         let Some(first) = hashes.first() else { return depth };
         let Some(holders) = self.holders.get(first) else { return depth };
-        // Each chip that holds the first block: how far its own set goes.
+        // Each chip that holds the first block: how far its own set goes. A chip's set
+        // is closed under prefixes (a pool never holds a block without the block before
+        // it: see the pool's `held_hashes_are_prefix_closed`), so "holds block i" is
+        // true up to the depth and false after: a binary search finds it.
         for chip in holders {
             let Some(entry) = self.chips.get(chip) else { continue };
-            let n = hashes.iter().take_while(|h| entry.hashes.contains(h)).count();
+            let n = hashes.partition_point(|h| entry.hashes.contains(h));
             depth.insert(*chip, n);
         }
         depth
@@ -284,7 +287,8 @@ mod tests {
             held.push(b);
             parent = Some(h);
         }
-        for b in held {
+        // Last first, as a batcher releases a sequence's blocks.
+        for b in held.into_iter().rev() {
             pool.release(b).unwrap();
         }
     }
@@ -332,6 +336,17 @@ mod tests {
                 prop_assert!(!index.is_stale(chip(i as u64)));
                 prop_assert_eq!(index.held(chip(i as u64)), truth);
             }
+            // Lookups (a binary search per chip) count what a walk block by block counts.
+            for family in 0..4u8 {
+                let tokens: Vec<u32> = (0..8).map(|i| family as u32 * 1000 + (i as u32 % 7)).collect();
+                let hashes = prefix_hashes(&tokens, 2);
+                let walked: BTreeMap<Addr, usize> = chips.iter().enumerate().filter_map(|(i, c)| {
+                    let (_, held) = c.pool.snapshot();
+                    let n = hashes.iter().take_while(|h| held.contains(h)).count();
+                    (n > 0).then_some((chip(i as u64), n))
+                }).collect();
+                prop_assert_eq!(index.prefix_blocks(&hashes), walked);
+            }
         }
     }
 
@@ -340,7 +355,7 @@ mod tests {
         let mut index = ClusterIndex::new();
         let (a, b) = (chip(1), chip(2));
         index.resync(a, 0, 0, &[1, 2, 3]);
-        index.resync(b, 0, 0, &[1, 3]);
+        index.resync(b, 0, 0, &[1, 5]);
         assert_eq!(index.prefix_blocks(&[1, 2, 3, 4]), BTreeMap::from([(a, 3), (b, 1)]));
         assert_eq!(index.prefix_blocks(&[9, 1]), BTreeMap::new(), "prefixes only");
         // In-order events update the sets; a gap empties the chip until a resync.

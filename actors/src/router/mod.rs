@@ -370,7 +370,12 @@ impl Router {
         }
         let modelled = self.modelled.get(&chip).copied().unwrap_or(Pace::UNKNOWN);
         let (prefill, decode) = self.factors.get(&chip).copied().unwrap_or((None, None));
-        v.pace = modelled.scaled(prefill.unwrap_or(self.means.0.get()), decode.unwrap_or(self.means.1.get()));
+        // A chip's own correction stays within MAX_DEVIATION of the others': one stalled
+        // step must not make a chip look so slow that it never gets work to show otherwise.
+        let near = |own: Option<f64>, mean: f64| {
+            own.map_or(mean, |f| f.clamp(mean / cost::MAX_DEVIATION, mean * cost::MAX_DEVIATION))
+        };
+        v.pace = modelled.scaled(near(prefill, self.means.0.get()), near(decode, self.means.1.get()));
         let work = v.work_s();
         let key = (v.report.role, work.to_bits(), v.pace.prefill_s_per_token.to_bits());
         self.by_work.entry(key.0).or_default().insert((key.1, chip));
@@ -751,14 +756,13 @@ impl Router {
         // A re-route replaces whatever the request held.
         self.unplace(ask.request_id, None);
         let uncached = ask.prompt_tokens.saturating_sub(decision.cached_tokens);
-        let decode_tokens = ask.tokens.saturating_sub(ask.prompt_tokens);
         let mut held = Vec::new();
         match prefill {
             Some(p) => {
-                held.push((decode, ask.tokens, Work { prompt_tokens: 0, decode_tokens, seqs: 1 }));
-                held.push((p, ask.prompt_tokens, Work { prompt_tokens: uncached, decode_tokens: 0, seqs: 0 }));
+                held.push((decode, ask.tokens, Work { prompt_tokens: 0, seqs: 1 }));
+                held.push((p, ask.prompt_tokens, Work { prompt_tokens: uncached, seqs: 0 }));
             }
-            None => held.push((decode, ask.tokens, Work { prompt_tokens: uncached, decode_tokens, seqs: 1 })),
+            None => held.push((decode, ask.tokens, Work { prompt_tokens: uncached, seqs: 1 })),
         }
         for &(chip, tokens, work) in &held {
             self.charge(chip, tokens, work, true);
@@ -846,7 +850,7 @@ impl Router {
     fn prefilled(&mut self, request_id: u64, chip: Addr) {
         let Some(p) = self.placements.get_mut(&request_id) else { return };
         let Some((_, _, work)) = p.chips.iter_mut().find(|(c, ..)| *c == chip) else { return };
-        let done = Work { prompt_tokens: std::mem::take(&mut work.prompt_tokens), decode_tokens: 0, seqs: 0 };
+        let done = Work { prompt_tokens: std::mem::take(&mut work.prompt_tokens), seqs: 0 };
         self.charge(chip, 0, done, false);
     }
 

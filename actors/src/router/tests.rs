@@ -212,8 +212,8 @@ fn kv_aware_cost_compares_unlike_chips_in_seconds() {
     let a = |h| Addr::new(HostId(h), 16);
     let fast = Pace { prefill_s_per_token: 1e-4, decode_step_s: 0.01, decode_s_per_seq: 1e-3 };
     let slow = fast.scaled(4.0, 4.0);
-    let prompt_work = |tokens| Work { prompt_tokens: tokens, decode_tokens: 0, seqs: 0 };
-    let decoding = |seqs, tokens| Work { prompt_tokens: 0, decode_tokens: tokens, seqs };
+    let prompt_work = |tokens| Work { prompt_tokens: tokens, seqs: 0 };
+    let decoding = |seqs| Work { prompt_tokens: 0, seqs };
     // A chip: (host, role, pace, work ahead, KV blocks used of 1,000).
     let c = |h: u16, role: Role, pace: Pace, work: Work, used: usize| {
         let (addr, mut view) = role_chip(h, role, Up, 0);
@@ -248,18 +248,33 @@ fn kv_aware_cost_compares_unlike_chips_in_seconds() {
         (vec![c(0, Both, fast, Work::default(), 800), c(1, Both, slow, Work::default(), 0)], vec![], 100, one(1)),
         // At 10% held the fast one wins it back.
         (vec![c(0, Both, fast, Work::default(), 100), c(1, Both, slow, Work::default(), 0)], vec![], 100, one(0)),
-        // The decode leg: a fast decode chip with 8 sequences and 800 tokens to decode
-        // (1.7 s) loses to an idle slow one.
+        // The decode leg: 100 new tokens. A fast decode chip running 8 sequences decodes
+        // them in 1.8 s, an idle slow one in 4 s ...
         (
             vec![
                 c(0, Prefill, fast, Work::default(), 0),
-                c(1, Decode, fast, decoding(8, 800), 0),
+                c(1, Decode, fast, decoding(8), 0),
+                c(2, Decode, slow, Work::default(), 0),
+            ],
+            vec![],
+            1000,
+            Some(Placed { decode: a(1), prefill: Some(a(0)) }),
+        ),
+        // ... but running 40, in 5 s: the slow one gets it.
+        (
+            vec![
+                c(0, Prefill, fast, Work::default(), 0),
+                c(1, Decode, fast, decoding(40), 0),
                 c(2, Decode, slow, Work::default(), 0),
             ],
             vec![],
             1000,
             Some(Placed { decode: a(2), prefill: Some(a(0)) }),
         ),
+        // A chip decoding does not make a prompt wait for its end: 30 running sequences
+        // add 30 ms to each of the prompt's two steps on the fast chip (0.16 s in all),
+        // still ahead of the idle slow one (0.4 s).
+        (vec![c(0, Both, fast, decoding(30), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, one(0)),
     ];
     for (i, (chips, held, prompt, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
@@ -319,6 +334,30 @@ fn observed_step_times_correct_the_model() {
         .filter_map(|(_, m)| if let Msg::Routed { chip, .. } = m { Some(chip) } else { None })
         .collect();
     assert_eq!(routed, vec![Addr::new(HostId(0), 16)]);
+}
+
+/// One stalled step cannot shut a chip out: its correction stays within
+/// `MAX_DEVIATION` of the mean, so a chip seen 100 times slower than modelled (the others
+/// as modelled) is paced at most 3 times the mean correction.
+#[test]
+fn a_chips_correction_stays_near_the_others() {
+    use crate::msg::{Heartbeat, StepSpeed};
+    use crate::test_fx::TestFx;
+    let model = Pace { prefill_s_per_token: 1e-3, decode_step_s: 0.02, decode_s_per_seq: 1e-3 };
+    let reports: Vec<ChipReport> = (0..3).map(|h| chip(h, 16, ChipState::Up, 0).1.report).collect();
+    let mut router = Router::new(reports.clone(), 64).with_paces(reports.iter().map(|r| (r.chip, model)).collect());
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    for (h, slowdown) in [(0usize, 1.0), (1, 1.0), (2, 100.0)] {
+        let speed = StepSpeed { prefill_step_s: 0.1 * slowdown, prefill_step_tokens: 100.0, ..StepSpeed::default() };
+        let report = ChipReport { speed: Some(speed), ..reports[h].clone() };
+        let beat = Heartbeat { host: HostId(h as u16), host_name: format!("h{h}"), seq: 1, chips: vec![report] };
+        router.handle(Msg::Heartbeat { beat }, &mut fx);
+    }
+    let mean = 100f64.powf(1.0 / 3.0);
+    let factor = |h: u16| router.chips[&Addr::new(HostId(h), 16)].pace.prefill_s_per_token / 1e-3;
+    let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
+    assert!(close(factor(2), mean * cost::MAX_DEVIATION), "{}", factor(2));
+    assert!(close(factor(0), mean / cost::MAX_DEVIATION), "{}", factor(0));
 }
 
 /// Breakers through the router: a chip whose requests keep leaving it opens and takes
@@ -595,7 +634,7 @@ mod candidates {
                     v.report.kv_blocks_total = 100;
                 }
                 // Half of the load as prompt, the rest as decoding in load/100 sequences.
-                let work = Work { prompt_tokens: s.load / 2, decode_tokens: s.load / 2, seqs: s.load / 100 };
+                let work = Work { prompt_tokens: s.load / 2, seqs: s.load / 100 };
                 router.charge(a, s.load, work, true);
             }
             router.down_hosts = down.into_iter().map(HostId).collect();
