@@ -38,8 +38,10 @@ fn chained_block_hash_with(bytes: &mut Vec<u8>, parent: Option<u64>, tokens: &[u
         }
         None => bytes.push(0),
     }
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
+    let start = bytes.len();
+    bytes.resize(start + 4 * tokens.len(), 0);
+    for (dst, t) in bytes[start..].chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
     }
     xxhash_rust::xxh3::xxh3_64(bytes)
 }

@@ -172,10 +172,11 @@ fn kv_pressure(pace: &Pace, used: usize, total: usize, ask: &Ask) -> f64 {
     kv_pressure_s(pace, ask.total_tokens, ask.total_tokens.div_ceil(ask.block_size.max(1)), used, total)
 }
 
-/// Seconds as the comparable integer the placement search ranks by (nanoseconds,
+/// Seconds as the comparable integer the placement search ranks by (whole nanoseconds,
 /// saturating; not-a-number ranks last).
 pub fn rank(seconds: f64) -> i64 {
-    if seconds.is_nan() { i64::MAX } else { (seconds * 1e9).round().clamp(i64::MIN as f64, i64::MAX as f64) as i64 }
+    // `as` saturates: no clamp needed.
+    if seconds.is_nan() { i64::MAX } else { (seconds * 1e9) as i64 }
 }
 
 /// The geometric mean of correction factors, kept as a running sum of logarithms.

@@ -445,17 +445,11 @@ impl Router {
         out: &mut Vec<(&'a Addr, &'a ChipView)>,
     ) {
         let Some(set) = self.by_work.get(&role) else { return };
-        // Per leg, the best score among chips not excluded, and among all.
+        // Per leg, the best score among chips not excluded, and among all: first of the
+        // chips of this role already kept (the prompt's cache holders), so that a cheap
+        // holder ends the walk at once.
         let mut best = vec![[None::<i64>; 2]; legs.len()];
-        for &(work, a) in set {
-            let bound = cost::rank(f64::from_bits(work) + floor_s);
-            if best.iter().flatten().all(|b| b.is_some_and(|b| bound > b.saturating_add(1))) {
-                break;
-            }
-            let Some((a, c)) = self.chips.get_key_value(&a) else { continue };
-            if !available(a, c, &self.down_hosts) {
-                continue;
-            }
+        let consider = |a: &Addr, c: &ChipView, best: &mut [[Option<i64>; 2]]| {
             let avoided = exclude.contains(a);
             let s = score(leg, a, c);
             let mut useful = false;
@@ -470,7 +464,20 @@ impl Router {
                     }
                 }
             }
-            if useful {
+            useful
+        };
+        for (a, c) in out.iter() {
+            if c.report.role == role && available(a, c, &self.down_hosts) {
+                consider(a, c, &mut best);
+            }
+        }
+        for &(work, a) in set {
+            let bound = cost::rank(f64::from_bits(work) + floor_s);
+            if best.iter().flatten().all(|b| b.is_some_and(|b| bound > b.saturating_add(1))) {
+                break;
+            }
+            let Some((a, c)) = self.chips.get_key_value(&a) else { continue };
+            if available(a, c, &self.down_hosts) && consider(a, c, &mut best) {
                 out.push((a, c));
             }
         }

@@ -493,20 +493,17 @@ impl ServeBenchReport {
 
     /// The human-readable report.
     pub fn table(&self) -> String {
-        let load = match (self.rate_rps, self.concurrency, self.multi_turn) {
-            _ if self.trace_requests.is_some() => format!(
-                "replay of a {}-request trace (its arrival times and lengths)",
-                self.trace_requests.unwrap_or(0)
-            ),
-            (Some(r), _, None) => format!("Poisson arrivals at {r} req/s"),
-            (None, Some(c), None) => format!("concurrency {c}"),
-            (Some(r), _, Some(m)) => {
+        let load = match (self.trace_requests, self.rate_rps, self.concurrency, self.multi_turn) {
+            (Some(n), ..) => format!("replay of a {n}-request trace (its arrival times and lengths)"),
+            (None, Some(r), _, None) => format!("Poisson arrivals at {r} req/s"),
+            (None, None, Some(c), None) => format!("concurrency {c}"),
+            (None, Some(r), _, Some(m)) => {
                 format!("{} conversations of {} turns, started as Poisson arrivals at {r}/s", m.conversations, m.turns)
             }
-            (None, Some(c), Some(m)) => {
+            (None, None, Some(c), Some(m)) => {
                 format!("{} conversations of {} turns, {c} under way at once", m.conversations, m.turns)
             }
-            (None, None, _) => "unknown load".to_string(),
+            (None, None, None, _) => "unknown load".to_string(),
         };
         let lengths = match self.trace_requests {
             Some(_) => String::new(),
