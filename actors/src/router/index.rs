@@ -182,14 +182,17 @@ impl ClusterIndex {
         // is closed under prefixes (a pool never holds a block without the block before
         // it: see the pool's `held_hashes_are_prefix_closed`), so "holds block i" is
         // true up to the depth and false after: a binary search finds it. So is "some
-        // chip holds block i", up to the deepest chip's depth; a chip that holds that
-        // block (the common case: a shared prefix cached whole) is found in one lookup.
+        // chip holds block i", up to the deepest chip's depth; the chips holding that
+        // block (the common case: a shared prefix cached whole) come from one lookup.
         let deepest = hashes.partition_point(|h| self.holders.contains_key(h));
+        let whole =
+            deepest.checked_sub(1).and_then(|last| self.holders.get(&hashes[last])).map_or(&[][..], Vec::as_slice);
         for chip in holders {
-            let Some(entry) = self.chips.get(chip) else { continue };
-            let n = match deepest.checked_sub(1).map(|last| entry.hashes.contains(&hashes[last])) {
-                Some(true) => deepest,
-                _ => hashes[..deepest].partition_point(|h| entry.hashes.contains(h)),
+            let n = if whole.contains(chip) {
+                deepest
+            } else {
+                let Some(entry) = self.chips.get(chip) else { continue };
+                hashes[..deepest].partition_point(|h| entry.hashes.contains(h))
             };
             depth.insert(*chip, n);
         }

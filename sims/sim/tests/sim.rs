@@ -93,8 +93,9 @@ fn all_served_and_all_free(r: &Report) {
     assert_eq!(r.kv_blocks_used_at_end, 0);
     for c in &r.chips {
         assert_eq!((c.state.as_str(), c.kv_blocks_used, c.handoffs_open), ("up", 0, 0), "{c:?}");
-        assert!(c.kv_blocks_total > 0 && c.steps > 0, "{c:?} did no work");
+        assert!(c.kv_blocks_total > 0, "{c:?}");
     }
+    assert!(r.chips.iter().any(|c| c.steps > 0), "no chip did any work");
     let (Some(ttft), Some(e2e)) = (r.ttft, r.e2e) else { panic!("no latencies") };
     assert_eq!((ttft.samples, e2e.samples), (r.requests, r.requests));
     assert!(ttft.p50_ms > 0.0 && ttft.p50_ms <= ttft.p90_ms && ttft.p90_ms <= ttft.p99_ms);
@@ -113,6 +114,7 @@ fn a_disaggregated_cluster_serves_every_request_deterministically_and_frees_ever
     // Both roles did their part: the prefill chip prefilled, the decode chip decoded.
     let roles: Vec<(&str, &str)> = first.chips.iter().map(|c| (c.id.as_str(), c.role.as_str())).collect();
     assert_eq!(roles, [("h0-ascend0", "prefill"), ("h1-metax0", "decode")]);
+    assert!(first.chips.iter().all(|c| c.steps > 0), "{:?}", first.chips);
 
     let again = simulate(&s, None);
     assert_eq!(first.to_json(), again.to_json(), "same scenario and seed, different reports");
@@ -131,6 +133,11 @@ fn a_colocated_cluster_written_inline_serves_a_timed_workload() {
     // Poisson at 20/s for 5 s: about 100 arrivals.
     assert!((60..140).contains(&r.requests), "{}", r.requests);
     assert_eq!(r.chips.len(), 4);
+    // The router compares chips by predicted seconds: b1, a metax-c500 at its real
+    // pace (backend cpu), is thousands of times faster than the emulations paced x2000,
+    // and computes most of the work.
+    let steps = |id: &str| r.chips.iter().find(|c| c.id == id).map_or(0, |c| c.steps);
+    assert!(steps("b1") > r.chips.iter().map(|c| c.steps).sum::<u64>() / 2, "{:?}", r.chips);
     assert_eq!(r.to_json(), simulate(&s, None).to_json());
 }
 
