@@ -171,12 +171,15 @@ pub struct ServeBenchReport {
     pub input_throughput_tok_s: f64,
     pub output_throughput_tok_s: f64,
     /// Successful requests without a usage chunk: their input is the nominal ISL and their
-    /// output the count of chunks carrying text.
+    /// output the count of chunks carrying tokens.
     pub requests_without_usage: usize,
+    /// Successful requests whose tokens decoded to no visible text (a random-weight
+    /// model's often do): counted as successes, shown apart.
+    pub requests_without_text: usize,
     pub ttft: Option<LatencySummary>,
     /// Time per output token after the first: `(e2e - ttft) / (output_tokens - 1)`.
     pub tpot: Option<LatencySummary>,
-    /// Gaps between chunks carrying text.
+    /// Gaps between chunks carrying tokens.
     pub itl: Option<LatencySummary>,
     pub e2e: Option<LatencySummary>,
     /// Distinct failure messages in order of first appearance.
@@ -268,6 +271,7 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         input_throughput_tok_s: 0.0,
         output_throughput_tok_s: 0.0,
         requests_without_usage: 0,
+        requests_without_text: 0,
         ttft: None,
         tpot: None,
         itl: None,
@@ -457,6 +461,9 @@ impl ServeBenchReport {
                     if s.prompt_tokens.is_none() {
                         self.requests_without_usage += 1;
                     }
+                    if s.text.is_empty() {
+                        self.requests_without_text += 1;
+                    }
                     self.input_tokens += s.prompt_tokens.unwrap_or(u64::from(outcome.nominal_isl));
                     self.output_tokens += s.output_tokens;
                     ttft.push(s.ttft_s);
@@ -530,8 +537,15 @@ impl ServeBenchReport {
         if self.requests_without_usage > 0 {
             let _ = writeln!(
                 s,
-                "              ({} requests had no usage chunk: nominal ISL and text chunks counted)",
+                "              ({} requests had no usage chunk: nominal ISL and token chunks counted)",
                 self.requests_without_usage
+            );
+        }
+        if self.requests_without_text > 0 {
+            let _ = writeln!(
+                s,
+                "              ({} requests streamed tokens that decode to no visible text; counted as ok)",
+                self.requests_without_text
             );
         }
         if let Some(rate) = self.oracle_hit_rate {

@@ -65,11 +65,12 @@ fn streamed(model: &str, max_tokens: u32, (key, input): (&str, Value)) -> Value 
 /// The timings of one successful request.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Sample {
+    /// To the first streamed token, whether or not it decodes to visible text.
     pub ttft_s: f64,
     pub e2e_s: f64,
-    /// Gaps between consecutive chunks carrying text (a chunk may hold several tokens).
+    /// Gaps between consecutive chunks carrying tokens (a chunk may hold several).
     pub itl_s: Vec<f64>,
-    /// From the usage chunk, else the number of chunks carrying text.
+    /// From the usage chunk, else the number of chunks carrying tokens.
     pub output_tokens: u64,
     /// From the usage chunk; `None` when the server sent none.
     pub prompt_tokens: Option<u64>,
@@ -81,10 +82,10 @@ pub(super) struct Sample {
 #[derive(Debug)]
 pub(super) struct StreamState {
     started: Instant,
-    first_text: Option<Instant>,
-    last_text: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
     itl_s: Vec<f64>,
-    text_chunks: u64,
+    token_chunks: u64,
     text: String,
     completion_tokens: Option<u64>,
     prompt_tokens: Option<u64>,
@@ -95,10 +96,10 @@ impl StreamState {
     pub fn new(started: Instant) -> Self {
         StreamState {
             started,
-            first_text: None,
-            last_text: None,
+            first_token: None,
+            last_token: None,
             itl_s: Vec::new(),
-            text_chunks: 0,
+            token_chunks: 0,
             text: String::new(),
             completion_tokens: None,
             prompt_tokens: None,
@@ -121,15 +122,13 @@ impl StreamState {
         if let Some(message) = error_message(&chunk) {
             return Err(message);
         }
-        let choice = &chunk["choices"][0];
-        let text = choice["text"].as_str().or_else(|| choice["delta"]["content"].as_str()).unwrap_or("");
-        if !text.is_empty() {
-            match self.last_text {
-                None => self.first_text = Some(now),
+        if let Some(text) = token_text(&chunk["choices"][0]) {
+            match self.last_token {
+                None => self.first_token = Some(now),
                 Some(last) => self.itl_s.push(now.duration_since(last).as_secs_f64()),
             }
-            self.last_text = Some(now);
-            self.text_chunks += 1;
+            self.last_token = Some(now);
+            self.token_chunks += 1;
             self.text.push_str(text);
         }
         let usage = &chunk["usage"];
@@ -147,18 +146,33 @@ impl StreamState {
         if !self.done {
             return Err("stream ended without `data: [DONE]`".to_string());
         }
-        let Some(first) = self.first_text else {
-            return Err("stream carried no text".to_string());
+        let Some(first) = self.first_token else {
+            return Err("stream carried no tokens".to_string());
         };
         Ok(Sample {
             ttft_s: first.duration_since(self.started).as_secs_f64(),
             e2e_s: now.duration_since(self.started).as_secs_f64(),
             itl_s: self.itl_s,
-            output_tokens: self.completion_tokens.unwrap_or(self.text_chunks),
+            output_tokens: self.completion_tokens.unwrap_or(self.token_chunks),
             prompt_tokens: self.prompt_tokens,
             text: self.text,
         })
     }
+}
+
+/// The text of a chunk's choice when the chunk carries tokens: a completion's `text`, a
+/// chat delta's `content` — possibly empty (a token that decodes to no visible text yet,
+/// e.g. part of a multi-byte character) — but not the opening chat chunk that only
+/// announces the assistant's role, nor a chunk that only ends the choice.
+fn token_text(choice: &Value) -> Option<&str> {
+    if let Some(text) = choice["text"].as_str() {
+        return (!text.is_empty() || choice["finish_reason"].is_null()).then_some(text);
+    }
+    let delta = &choice["delta"];
+    let content = delta["content"].as_str()?;
+    let role_only = content.is_empty() && !delta["role"].is_null();
+    let closing = content.is_empty() && !choice["finish_reason"].is_null();
+    (!role_only && !closing).then_some(content)
 }
 
 /// Sends `body` to `url` and reads the stream to its end, or fails with a message for the report.
@@ -288,6 +302,32 @@ mod tests {
         assert_eq!(s.text, "hi there");
     }
 
+    /// Tokens that decode to no visible text (a random-weight model's, a multi-byte
+    /// character's first bytes) still stream: the request succeeds, its TTFT is its first
+    /// token and its output is the server's count.
+    #[test]
+    fn tokens_without_visible_text_still_count() {
+        let s = feed(&[
+            r#"{"object":"text_completion","choices":[{"index":0,"text":"","finish_reason":null}]}"#,
+            r#"{"object":"text_completion","choices":[{"index":0,"text":"","finish_reason":null}]}"#,
+            r#"{"object":"text_completion","choices":[{"index":0,"text":"","finish_reason":"length"}]}"#,
+            r#"{"object":"text_completion","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}"#,
+            "[DONE]",
+        ]);
+        let Ok(s) = s else { panic!("a stream of tokens succeeds: {s:?}") };
+        assert!((s.ttft_s - 0.010).abs() < 1e-9, "TTFT is the first token, text or not");
+        assert_eq!((s.output_tokens, s.itl_s.len(), s.text.as_str()), (3, 1, ""));
+        let chat = feed(&[
+            r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
+            r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":""}}]}"#,
+            r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":""},"finish_reason":"length"}]}"#,
+            "[DONE]",
+        ]);
+        let Ok(chat) = chat else { panic!("a chat stream of tokens succeeds: {chat:?}") };
+        assert!((chat.ttft_s - 0.020).abs() < 1e-9, "the role chunk is no token");
+        assert_eq!(chat.output_tokens, 1, "no usage: the chunks that carried tokens");
+    }
+
     #[test]
     fn failures_keep_their_message() {
         let text = r#"{"choices":[{"text":"a"}]}"#;
@@ -295,7 +335,7 @@ mod tests {
             (&[text, r#"{"error":{"message":"engine died","code":500}}"#], "engine died"),
             (&[r#"{"error":"plain"}"#], "plain"),
             (&[text], "stream ended without `data: [DONE]`"),
-            (&["[DONE]"], "stream carried no text"),
+            (&["[DONE]"], "stream carried no tokens"),
         ];
         for (events, want) in cases {
             assert_eq!(feed(events).err().as_deref(), Some(*want), "{events:?}");
