@@ -193,6 +193,12 @@ pub struct ChipReport {
     /// How fast the chip's recent steps ran (`None` until it has run one).
     #[serde(default)]
     pub speed: Option<StepSpeed>,
+    /// Prompt positions of sequences that started on the chip, and of those, positions
+    /// whose KV came from its prefix cache, since it first started.
+    #[serde(default)]
+    pub prefix_prompt_tokens: u64,
+    #[serde(default)]
+    pub prefix_reused_tokens: u64,
 }
 
 /// A chip's observed pace: moving averages over its recent steps, which the router
@@ -262,6 +268,8 @@ impl ChipReport {
             kv_last_event: 0,
             kv_incarnation: 0,
             speed: None,
+            prefix_prompt_tokens: 0,
+            prefix_reused_tokens: 0,
         }
     }
 }

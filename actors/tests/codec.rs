@@ -63,6 +63,8 @@ fn report(p: &Parts) -> ChipReport {
             decode_step_s: p.f as f64 / 3.0,
             decode_batch: 2.0,
         }),
+        prefix_prompt_tokens: p.b,
+        prefix_reused_tokens: p.a,
     }
 }
 

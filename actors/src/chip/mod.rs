@@ -61,6 +61,8 @@ pub struct Chip {
     /// in flight that will update it.
     speed: StepSpeed,
     step_shape: (usize, usize, usize),
+    /// Prompt tokens of sequences started here, and of those, tokens reused from cache.
+    prefix_tokens: (u64, u64),
 }
 
 impl Chip {
@@ -87,6 +89,7 @@ impl Chip {
             inject_panic: false,
             speed: StepSpeed::default(),
             step_shape: (0, 0, 0),
+            prefix_tokens: (0, 0),
         }
     }
 
@@ -143,6 +146,8 @@ impl Chip {
             kv_last_event,
             kv_incarnation,
             speed: (self.speed != StepSpeed::default()).then_some(self.speed),
+            prefix_prompt_tokens: self.prefix_tokens.0,
+            prefix_reused_tokens: self.prefix_tokens.1,
         };
         metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
         metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
@@ -219,6 +224,8 @@ impl Chip {
         let plan = batcher.plan(pool);
         let (prompt, reused) = batcher.take_prefix_stats();
         if prompt > 0 {
+            self.prefix_tokens.0 += prompt;
+            self.prefix_tokens.1 += reused;
             let chip = self.config.id.clone();
             metrics::counter!("tessera_prefix_prompt_tokens_total", "chip" => chip.clone()).increment(prompt);
             metrics::counter!("tessera_prefix_reused_tokens_total", "chip" => chip).increment(reused);

@@ -116,7 +116,7 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
 
     let w = &scenario.workload;
     let workload =
-        Workload { isl: w.isl, osl: w.osl, load: Load::Poisson { rate_rps: w.rate_rps }, seed, shared: None };
+        Workload { isl: w.isl, osl: w.osl, load: Load::Poisson { rate_rps: w.rate_rps }, seed, shared: w.shared };
     let arrivals_s = arrivals(&workload, w);
     let vocab = model.config.vocab_size.max(1) as u64;
     let asks: VecDeque<(u64, AdmitAsk)> = workload
@@ -233,6 +233,8 @@ fn report(
             kv_blocks_total: c.kv_blocks_total,
             kv_blocks_used: c.kv_blocks_used,
             handoffs_open: c.handoffs,
+            prefix_prompt_tokens: c.prefix_prompt_tokens,
+            prefix_reused_tokens: c.prefix_reused_tokens,
         })
         .collect();
     Report {
@@ -258,6 +260,7 @@ fn report(
         simulated_s: span_s,
         events,
         kv_blocks_used_at_end: view.iter().map(|c| c.kv_blocks_used).sum(),
+        prefix_hit_rate: report::hit_rate(&chips),
         chips,
     }
 }

@@ -48,6 +48,17 @@ pub struct ChipEnd {
     pub kv_blocks_total: usize,
     pub kv_blocks_used: usize,
     pub handoffs_open: usize,
+    /// Prompt tokens of sequences that started on the chip, and of those, tokens whose KV
+    /// came from its prefix cache.
+    pub prefix_prompt_tokens: u64,
+    pub prefix_reused_tokens: u64,
+}
+
+/// Reused over prompt tokens over every chip (`None` when no prompt was counted).
+pub fn hit_rate(chips: &[ChipEnd]) -> Option<f64> {
+    let prompt: u64 = chips.iter().map(|c| c.prefix_prompt_tokens).sum();
+    let reused: u64 = chips.iter().map(|c| c.prefix_reused_tokens).sum();
+    (prompt > 0).then(|| reused as f64 / prompt as f64)
 }
 
 /// The results of one run.
@@ -82,6 +93,8 @@ pub struct Report {
     pub events: u64,
     /// KV blocks held on all chips after the run drained: 0 unless a block leaked.
     pub kv_blocks_used_at_end: usize,
+    /// The cluster's prefix hit rate: prompt tokens reused from cache over prompt tokens.
+    pub prefix_hit_rate: Option<f64>,
     pub chips: Vec<ChipEnd>,
 }
 
@@ -146,6 +159,9 @@ impl Report {
         );
         let _ = writeln!(t, "output     {} tokens, {:.1} tokens/s", self.output_tokens, self.output_tokens_per_s);
         let _ = writeln!(t, "KV blocks  {} still used at the end", self.kv_blocks_used_at_end);
+        if let Some(hit) = self.prefix_hit_rate {
+            let _ = writeln!(t, "prefix     hit rate {hit:.3} (prompt tokens reused from prefix caches)");
+        }
         let _ = writeln!(
             t,
             "\n{:<12} {:<8} {:<9} {:>8} {:>10} {:>8}  modelled as",

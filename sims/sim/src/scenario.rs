@@ -26,11 +26,13 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tessera_topology::{ClusterSpec, TopologyError};
-use tessera_workload::LengthDist;
+use tessera_workload::{LengthDist, SharedPrefix};
 use toml::Spanned;
 
 /// The most requests one scenario may plan.
 pub const MAX_REQUESTS: u64 = 10_000_000;
+/// Most system prompts, and most words in one, of a shared-prefix workload.
+const MAX_PREFIX: i64 = 1_000_000;
 /// The longest workload, in seconds (a day).
 pub const MAX_DURATION_S: f64 = 86_400.0;
 /// The highest arrival rate, requests per second.
@@ -57,6 +59,9 @@ pub struct WorkloadSpec {
     pub size: WorkloadSize,
     pub isl: LengthDist,
     pub osl: LengthDist,
+    /// Requests in groups sharing a system prompt (`prefix_groups` of `prefix_words`
+    /// words, before each request's own `isl` words), as `bench serve --prefix-groups`.
+    pub shared: Option<SharedPrefix>,
 }
 
 /// How many requests arrive.
@@ -122,6 +127,10 @@ struct RawWorkload {
     duration_s: Option<Spanned<toml::Value>>,
     isl: Spanned<String>,
     osl: Spanned<String>,
+    #[serde(default)]
+    prefix_groups: Option<Spanned<i64>>,
+    #[serde(default)]
+    prefix_words: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -239,8 +248,27 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
     let dist = |s: &Spanned<String>, key: &str| {
         s.get_ref().parse::<LengthDist>().map_err(|e| at(s.span(), key, e.to_string()))
     };
+    let count = |v: &Spanned<i64>, key: &str| {
+        let n = *v.get_ref();
+        if (1..=MAX_PREFIX).contains(&n) {
+            Ok(n as u32)
+        } else {
+            Err(at(v.span(), key, format!("must be 1..={MAX_PREFIX}, got {n}")))
+        }
+    };
+    let shared = match (&w.prefix_groups, &w.prefix_words) {
+        (Some(groups), Some(words)) => Some(SharedPrefix {
+            groups: count(groups, "workload.prefix_groups")?,
+            words: count(words, "workload.prefix_words")?,
+        }),
+        (None, None) => None,
+        (Some(v), None) | (None, Some(v)) => {
+            let why = "give `prefix_groups` and `prefix_words` together".into();
+            return Err(at(v.span(), "workload", why));
+        }
+    };
     let workload =
-        WorkloadSpec { rate_rps, size, isl: dist(&w.isl, "workload.isl")?, osl: dist(&w.osl, "workload.osl")? };
+        WorkloadSpec { rate_rps, size, isl: dist(&w.isl, "workload.isl")?, osl: dist(&w.osl, "workload.osl")?, shared };
 
     let positive_ms = |x: f64| x > 0.0 && x <= 86_400_000.0;
     let slo = Slo {

@@ -152,6 +152,24 @@ fn the_example_scenario_runs() {
 }
 
 /// (what is wrong, the scenario, the line and key the error must name)
+/// Requests in groups sharing a system prompt: the chips reuse the cached prefixes
+/// (the same batchers and pools as a real cluster), deterministically.
+#[test]
+fn shared_prefixes_are_reused_in_the_simulation() {
+    let plain = parse(&COLOCATED.replace("isl = \"normal:100,40\"", "isl = \"fixed:20\""));
+    let shared = parse(
+        &COLOCATED.replace("isl = \"normal:100,40\"", "isl = \"fixed:20\"\nprefix_groups = 3\nprefix_words = 200"),
+    );
+    let (p, r) = (simulate(&plain, None), simulate(&shared, None));
+    all_served_and_all_free(&r);
+    let hit = r.prefix_hit_rate.unwrap_or(0.0);
+    // 200 of 220 prompt tokens are shared, in whole 16-token blocks (192 of them) once
+    // each of the 3 prefixes is cached on the chips that serve it.
+    assert!(hit > 0.6 && hit < 0.9, "hit rate {hit}");
+    assert!(p.prefix_hit_rate.unwrap_or(0.0) < 0.05, "{:?}", p.prefix_hit_rate);
+    assert_eq!(r.to_json(), simulate(&shared, None).to_json());
+}
+
 #[test]
 fn bad_scenarios_name_file_line_and_key() {
     let cases: &[(&str, String, usize, &str)] = &[
@@ -165,6 +183,18 @@ fn bad_scenarios_name_file_line_and_key() {
             DISAGGREGATED.replace("requests = 60", "requests = 60\nduration_s = 3"),
             8,
             "workload.duration_s",
+        ),
+        (
+            "prefix groups alone",
+            DISAGGREGATED.replace("requests = 60", "requests = 60\nprefix_groups = 4"),
+            8,
+            "workload",
+        ),
+        (
+            "no prefix words",
+            DISAGGREGATED.replace("requests = 60", "requests = 60\nprefix_groups = 4\nprefix_words = 0"),
+            9,
+            "workload.prefix_words",
         ),
         // A wrong key inside the embedded topology is found at its line of the scenario.
         (
