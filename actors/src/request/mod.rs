@@ -227,8 +227,10 @@ impl Request {
     /// The router found no placement. A request that has not started fails at once
     /// (the client gets 503/429); one already under way waits for a chip to come back.
     fn route_failed(&mut self, error: ServeError, fx: &mut dyn Effects<Msg>) {
+        // A request under way (it lost its chip) waits for one, the router's queue
+        // deadline included, up to `unavailable_timeout`; a fresh one is refused at once.
         let under_way = self.attempts > 1 || self.declines > 0 || !self.generated.is_empty();
-        if under_way && error.kind == ErrorKind::Unavailable {
+        if under_way && matches!(error.kind, ErrorKind::Unavailable | ErrorKind::Overloaded) {
             self.wait_for_a_chip(error, fx);
         } else {
             self.fail(error, fx);

@@ -260,14 +260,20 @@ fn declines_from_a_chip_that_is_not_up_cost_no_attempt_and_back_off() {
 
 #[test]
 fn a_route_failure_mid_stream_waits_for_a_chip_but_a_fresh_request_fails_at_once() {
+    for kind in [ErrorKind::Unavailable, ErrorKind::Overloaded] {
+        route_failure_mid_stream(kind);
+    }
+}
+
+/// The router answered `kind` (no healthy chip; its queue's deadline passed).
+fn route_failure_mid_stream(kind: ErrorKind) {
     let p = a(1, 16);
-    let no_chip =
-        || Msg::RouteFailed { request_id: 9, error: ServeError::new(ErrorKind::Unavailable, "no healthy chip") };
+    let no_chip = || Msg::RouteFailed { request_id: 9, error: ServeError::new(kind, "no chip took it") };
     let mut fx = TestFx::new(ME);
     let mut r = request(4);
     r.on_start(&mut fx);
     r.handle(no_chip(), &mut fx);
-    assert!(fx.stopped, "nothing started: the client gets 503 at once");
+    assert!(fx.stopped, "nothing started: the client gets the error (503, 429) at once");
 
     let (mut fx, mut r) = routed_to(p, 4);
     r.handle(generated(p, vec![10], None), &mut fx);
