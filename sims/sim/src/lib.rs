@@ -115,12 +115,19 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
     }
 
     let w = &scenario.workload;
-    let workload =
-        Workload { isl: w.isl, osl: w.osl, load: Load::Poisson { rate_rps: w.rate_rps }, seed, shared: w.shared };
-    let arrivals_s = arrivals(&workload, w);
+    let (planned, arrivals_s) = match &w.requests {
+        scenario::WorkloadRequests::Synthetic { size, isl, osl, shared } => {
+            let load = Load::Poisson { rate_rps: w.rate_rps };
+            let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
+            let arrivals_s = arrivals(&workload, *size, w.rate_rps);
+            (workload.measured(arrivals_s.len()), arrivals_s)
+        }
+        scenario::WorkloadRequests::Trace(trace) => {
+            tessera_workload::trace::replay(trace, tessera_workload::trace::TRACE_BLOCK_TOKENS)
+        }
+    };
     let vocab = model.config.vocab_size.max(1) as u64;
-    let asks: VecDeque<(u64, AdmitAsk)> = workload
-        .measured(arrivals_s.len())
+    let asks: VecDeque<(u64, AdmitAsk)> = planned
         .into_iter()
         .zip(&arrivals_s)
         .map(|(planned, at_s)| {
@@ -151,12 +158,12 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
 }
 
 /// Arrival times in seconds: `requests` of them, or every one within `duration_s`.
-fn arrivals(workload: &Workload, w: &scenario::WorkloadSpec) -> Vec<f64> {
-    match w.size {
+fn arrivals(workload: &Workload, size: scenario::WorkloadSize, rate_rps: f64) -> Vec<f64> {
+    match size {
         scenario::WorkloadSize::Requests(n) => workload.arrivals_s(n),
         scenario::WorkloadSize::DurationS(d) => {
             // The plan is a prefix-stable stream: draw more until one falls past the end.
-            let mut n = (w.rate_rps * d * 1.25) as usize + 16;
+            let mut n = (rate_rps * d * 1.25) as usize + 16;
             loop {
                 let mut times = workload.arrivals_s(n);
                 if times.last().is_some_and(|&t| t >= d) || n as u64 >= scenario::MAX_REQUESTS {

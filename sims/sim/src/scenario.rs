@@ -52,16 +52,29 @@ pub struct Scenario {
     pub seed: u64,
 }
 
-/// Open-loop Poisson arrivals and the requests' lengths.
+/// The requests of a run, and their mean arrival rate.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkloadSpec {
     pub rate_rps: f64,
-    pub size: WorkloadSize,
-    pub isl: LengthDist,
-    pub osl: LengthDist,
-    /// Requests in groups sharing a system prompt (`prefix_groups` of `prefix_words`
-    /// words, before each request's own `isl` words), as `bench serve --prefix-groups`.
-    pub shared: Option<SharedPrefix>,
+    pub requests: WorkloadRequests,
+}
+
+/// Where the requests come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkloadRequests {
+    /// Open-loop Poisson arrivals at `rate_rps` of requests of these lengths.
+    Synthetic {
+        size: WorkloadSize,
+        isl: LengthDist,
+        osl: LengthDist,
+        /// Requests in groups sharing a system prompt (`prefix_groups` of
+        /// `prefix_words` words, before each request's own `isl` words), as
+        /// `bench serve --prefix-groups`.
+        shared: Option<SharedPrefix>,
+    },
+    /// A trace in Mooncake's JSONL format (`[workload] trace = "FILE"`), replayed as
+    /// `bench serve --trace` does: its arrival times, lengths and shared blocks.
+    Trace(Vec<tessera_workload::trace::TraceRequest>),
 }
 
 /// How many requests arrive.
@@ -120,13 +133,18 @@ struct RawScenario {
 struct RawWorkload {
     #[serde(default)]
     arrivals: Option<Spanned<String>>,
-    rate_rps: Spanned<toml::Value>,
+    #[serde(default)]
+    rate_rps: Option<Spanned<toml::Value>>,
     #[serde(default)]
     requests: Option<Spanned<i64>>,
     #[serde(default)]
     duration_s: Option<Spanned<toml::Value>>,
-    isl: Spanned<String>,
-    osl: Spanned<String>,
+    #[serde(default)]
+    isl: Option<Spanned<String>>,
+    #[serde(default)]
+    osl: Option<Spanned<String>>,
+    #[serde(default)]
+    trace: Option<Spanned<String>>,
     #[serde(default)]
     prefix_groups: Option<Spanned<i64>>,
     #[serde(default)]
@@ -206,69 +224,7 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
         }
     };
 
-    let w = raw.workload.get_ref();
-    if let Some(arrivals) = &w.arrivals
-        && arrivals.get_ref() != "poisson"
-    {
-        let why = format!("unknown arrival process {:?}; expected \"poisson\"", arrivals.get_ref());
-        return Err(at(arrivals.span(), "workload.arrivals", why));
-    }
-    let rate_rps =
-        number(&w.rate_rps, "workload.rate_rps", |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", &at)?;
-    let size = match (&w.requests, &w.duration_s) {
-        (Some(n), None) => {
-            let v = *n.get_ref();
-            if !(1..=MAX_REQUESTS as i64).contains(&v) {
-                return Err(at(n.span(), "workload.requests", format!("must be 1..={MAX_REQUESTS}, got {v}")));
-            }
-            WorkloadSize::Requests(v as usize)
-        }
-        (None, Some(d)) => {
-            let s = number(
-                d,
-                "workload.duration_s",
-                |x| x > 0.0 && x <= MAX_DURATION_S,
-                "more than 0 and at most 86400",
-                &at,
-            )?;
-            if rate_rps * s > MAX_REQUESTS as f64 {
-                let why = format!("{s} s at {rate_rps} req/s is more than {MAX_REQUESTS} requests");
-                return Err(at(d.span(), "workload.duration_s", why));
-            }
-            WorkloadSize::DurationS(s)
-        }
-        (Some(_), Some(d)) => {
-            return Err(at(d.span(), "workload.duration_s", "give `requests` or `duration_s`, not both".into()));
-        }
-        (None, None) => {
-            let why = "give `requests` (how many) or `duration_s` (arrivals within that many seconds)".into();
-            return Err(at(raw.workload.span(), "workload", why));
-        }
-    };
-    let dist = |s: &Spanned<String>, key: &str| {
-        s.get_ref().parse::<LengthDist>().map_err(|e| at(s.span(), key, e.to_string()))
-    };
-    let count = |v: &Spanned<i64>, key: &str| {
-        let n = *v.get_ref();
-        if (1..=MAX_PREFIX).contains(&n) {
-            Ok(n as u32)
-        } else {
-            Err(at(v.span(), key, format!("must be 1..={MAX_PREFIX}, got {n}")))
-        }
-    };
-    let shared = match (&w.prefix_groups, &w.prefix_words) {
-        (Some(groups), Some(words)) => Some(SharedPrefix {
-            groups: count(groups, "workload.prefix_groups")?,
-            words: count(words, "workload.prefix_words")?,
-        }),
-        (None, None) => None,
-        (Some(v), None) | (None, Some(v)) => {
-            let why = "give `prefix_groups` and `prefix_words` together".into();
-            return Err(at(v.span(), "workload", why));
-        }
-    };
-    let workload =
-        WorkloadSpec { rate_rps, size, isl: dist(&w.isl, "workload.isl")?, osl: dist(&w.osl, "workload.osl")?, shared };
+    let workload = workload(raw.workload.get_ref(), raw.workload.span(), dir, &at)?;
 
     let positive_ms = |x: f64| x > 0.0 && x <= 86_400_000.0;
     let slo = Slo {
@@ -309,6 +265,120 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
 }
 
 /// A number (integer or float) within `ok`, or an error naming `key`.
+/// The `[workload]` table (`span`): a trace file's requests (relative to `dir`), or
+/// Poisson arrivals of synthetic requests.
+fn workload(
+    w: &RawWorkload,
+    span: Range<usize>,
+    dir: &Path,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<WorkloadSpec, TopologyError> {
+    if let Some(path) = &w.trace {
+        return traced(w, path, dir, at);
+    }
+    let missing = |key: &str| at(span.clone(), "workload", format!("missing `{key}` (or give a `trace` file)"));
+    let rate_rps = w.rate_rps.as_ref().ok_or_else(|| missing("rate_rps"))?;
+    let isl = w.isl.as_ref().ok_or_else(|| missing("isl"))?;
+    let osl = w.osl.as_ref().ok_or_else(|| missing("osl"))?;
+    if let Some(arrivals) = &w.arrivals
+        && arrivals.get_ref() != "poisson"
+    {
+        let why = format!("unknown arrival process {:?}; expected \"poisson\"", arrivals.get_ref());
+        return Err(at(arrivals.span(), "workload.arrivals", why));
+    }
+    let rate_rps =
+        number(rate_rps, "workload.rate_rps", |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", &at)?;
+    let size = match (&w.requests, &w.duration_s) {
+        (Some(n), None) => {
+            let v = *n.get_ref();
+            if !(1..=MAX_REQUESTS as i64).contains(&v) {
+                return Err(at(n.span(), "workload.requests", format!("must be 1..={MAX_REQUESTS}, got {v}")));
+            }
+            WorkloadSize::Requests(v as usize)
+        }
+        (None, Some(d)) => {
+            let s = number(
+                d,
+                "workload.duration_s",
+                |x| x > 0.0 && x <= MAX_DURATION_S,
+                "more than 0 and at most 86400",
+                &at,
+            )?;
+            if rate_rps * s > MAX_REQUESTS as f64 {
+                let why = format!("{s} s at {rate_rps} req/s is more than {MAX_REQUESTS} requests");
+                return Err(at(d.span(), "workload.duration_s", why));
+            }
+            WorkloadSize::DurationS(s)
+        }
+        (Some(_), Some(d)) => {
+            return Err(at(d.span(), "workload.duration_s", "give `requests` or `duration_s`, not both".into()));
+        }
+        (None, None) => {
+            let why = "give `requests` (how many) or `duration_s` (arrivals within that many seconds)".into();
+            return Err(at(span.clone(), "workload", why));
+        }
+    };
+    let dist = |s: &Spanned<String>, key: &str| {
+        s.get_ref().parse::<LengthDist>().map_err(|e| at(s.span(), key, e.to_string()))
+    };
+    let count = |v: &Spanned<i64>, key: &str| {
+        let n = *v.get_ref();
+        if (1..=MAX_PREFIX).contains(&n) {
+            Ok(n as u32)
+        } else {
+            Err(at(v.span(), key, format!("must be 1..={MAX_PREFIX}, got {n}")))
+        }
+    };
+    let shared = match (&w.prefix_groups, &w.prefix_words) {
+        (Some(groups), Some(words)) => Some(SharedPrefix {
+            groups: count(groups, "workload.prefix_groups")?,
+            words: count(words, "workload.prefix_words")?,
+        }),
+        (None, None) => None,
+        (Some(v), None) | (None, Some(v)) => {
+            let why = "give `prefix_groups` and `prefix_words` together".into();
+            return Err(at(v.span(), "workload", why));
+        }
+    };
+    let requests =
+        WorkloadRequests::Synthetic { size, isl: dist(isl, "workload.isl")?, osl: dist(osl, "workload.osl")?, shared };
+    Ok(WorkloadSpec { rate_rps, requests })
+}
+
+/// A workload replaying the Mooncake-format trace at `path`: its arrival times, lengths
+/// and shared blocks. Every key that would describe another workload is refused.
+fn traced(
+    w: &RawWorkload,
+    path: &Spanned<String>,
+    dir: &Path,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<WorkloadSpec, TopologyError> {
+    let others = [
+        ("arrivals", w.arrivals.as_ref().map(Spanned::span)),
+        ("rate_rps", w.rate_rps.as_ref().map(Spanned::span)),
+        ("requests", w.requests.as_ref().map(Spanned::span)),
+        ("duration_s", w.duration_s.as_ref().map(Spanned::span)),
+        ("isl", w.isl.as_ref().map(Spanned::span)),
+        ("osl", w.osl.as_ref().map(Spanned::span)),
+        ("prefix_groups", w.prefix_groups.as_ref().map(Spanned::span)),
+        ("prefix_words", w.prefix_words.as_ref().map(Spanned::span)),
+    ];
+    if let Some((key, Some(span))) = others.into_iter().find(|(_, span)| span.is_some()) {
+        let why = "not with `trace`: the trace gives the arrivals and lengths".to_string();
+        return Err(at(span, &format!("workload.{key}"), why));
+    }
+    let file = dir.join(path.get_ref());
+    let fail = |why: String| at(path.span(), "workload.trace", format!("{}: {why}", file.display()));
+    let text = std::fs::read_to_string(&file).map_err(|e| fail(format!("cannot read the trace: {e}")))?;
+    let trace = tessera_workload::trace::parse(&text).map_err(|e| fail(e.0))?;
+    if trace.is_empty() || trace.len() as u64 > MAX_REQUESTS {
+        return Err(fail(format!("{} requests; a trace holds 1..={MAX_REQUESTS}", trace.len())));
+    }
+    let span_s = trace.iter().map(|r| r.timestamp).fold(0.0, f64::max) / 1000.0;
+    let rate_rps = if span_s > 0.0 { trace.len() as f64 / span_s } else { trace.len() as f64 };
+    Ok(WorkloadSpec { rate_rps, requests: WorkloadRequests::Trace(trace) })
+}
+
 fn number(
     v: &Spanned<toml::Value>,
     key: &str,

@@ -170,6 +170,39 @@ fn shared_prefixes_are_reused_in_the_simulation() {
     assert_eq!(r.to_json(), simulate(&shared, None).to_json());
 }
 
+/// A Mooncake-format trace file (relative to the scenario) replays with its own
+/// arrivals and lengths; requests sharing its blocks reuse each other's KV.
+#[test]
+fn a_trace_file_replays_with_its_arrivals_lengths_and_shared_blocks() {
+    use tessera_workload::{LengthDist, trace};
+    let dir = std::env::temp_dir().join(format!("tessera-sim-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let isl = LengthDist::Uniform { lo: 600, hi: 1500 };
+    let t = trace::generate(40, 8.0, isl, LengthDist::Fixed(8), 0.6, 3).expect("a valid trace");
+    std::fs::write(dir.join("t.jsonl"), trace::to_jsonl(&t)).expect("the trace is written");
+    let text = COLOCATED.replace(
+        "rate_rps = 20\nduration_s = 5\nisl = \"normal:100,40\"\nosl = \"uniform:4-40\"",
+        "trace = \"t.jsonl\"",
+    );
+    let s = match scenario::parse(&text, "trace.toml", &dir) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let r = simulate(&s, None);
+    all_served_and_all_free(&r);
+    assert_eq!((r.requests, r.output_tokens), (40, 40 * 8));
+    let hit = r.prefix_hit_rate.unwrap_or(0.0);
+    assert!(hit > 0.2, "the trace shares blocks (oracle {:.3}): hit rate {hit}", trace::oracle_hit_rate(&t));
+    // The trace fixes the workload: other workload keys are refused beside it.
+    let both = text.replace("trace = \"t.jsonl\"", "trace = \"t.jsonl\"\nrate_rps = 3");
+    let e = scenario::parse(&both, "trace.toml", &dir).err().map(|e| e.key);
+    assert_eq!(e.as_deref(), Some("workload.rate_rps"));
+    let missing = text.replace("t.jsonl", "none.jsonl");
+    let e = scenario::parse(&missing, "trace.toml", &dir).err().map(|e| (e.key.clone(), e.to_string()));
+    assert!(e.is_some_and(|(key, shown)| key == "workload.trace" && shown.contains("none.jsonl")));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_scenarios_name_file_line_and_key() {
     let cases: &[(&str, String, usize, &str)] = &[
