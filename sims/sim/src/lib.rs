@@ -26,9 +26,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_actor_core::testkit::VirtualHost;
-use tessera_actor_core::{Addr, Moment};
+use tessera_actor_core::{Addr, Behavior, Effects, HostId, Moment};
 use tessera_actors::host::{HostBuildError, build_host};
-use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Msg, SamplingSpec};
+use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Fault, Msg, SamplingSpec};
 use tessera_topology::TopologyError;
 use tessera_workload::{Load, Workload};
 
@@ -74,7 +74,7 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
     let numbers: BTreeMap<&str, usize> = spec.chips().enumerate().map(|(i, (_, _, c))| (c.id.as_str(), i)).collect();
 
     let mut vh: VirtualHost<Msg> = VirtualHost::new(scenario.network.bus_latency).with_trace(false);
-    let (mut admission, mut router) = (None, None);
+    let (mut admission, mut router, mut chip_addrs) = (None, None, BTreeMap::new());
     for host in &spec.hosts {
         // The very builder the real node uses, with modelled executors.
         let built = build_host(spec, &host.name, 1, |h, c| {
@@ -87,6 +87,7 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
         }
         admission = admission.or(built.admission);
         router = Some(built.router);
+        chip_addrs = built.chips;
     }
     let (Some(admission), Some(router)) = (admission, router) else {
         // A validated topology names a gateway host among its hosts.
@@ -143,8 +144,31 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
     let t0 = vh.now();
     let arrivals = Arrivals { admission, asks, outcomes: outcomes.clone(), next: 0, started: t0 };
     vh.spawn(admission.host, Box::new(arrivals));
+    let at = |s: f64| t0.after(Duration::from_secs_f64(s));
+    let crashes: Vec<(Duration, Addr)> = scenario
+        .faults
+        .iter()
+        .filter_map(|f| match &f.fault {
+            scenario::FaultKind::ChipCrash { chip } => {
+                chip_addrs.get(chip).map(|a| (Duration::from_secs_f64(f.at_s), *a))
+            }
+            scenario::FaultKind::HostDown { .. } => None,
+        })
+        .collect();
+    if !crashes.is_empty() {
+        vh.spawn(admission.host, Box::new(Drill { crashes, next: 0 }));
+    }
     let limit = t0.after(Duration::from_nanos(last_arrival)).after(DRAIN_LIMIT);
-    vh.run_while(limit, |_| outcomes.lock().is_ok_and(|o| o.len() == requests));
+    let all_ended = |_: &VirtualHost<Msg>| outcomes.lock().is_ok_and(|o| o.len() == requests);
+    for f in &scenario.faults {
+        if let scenario::FaultKind::HostDown { host } = &f.fault
+            && let Some(i) = spec.hosts.iter().position(|h| &h.name == host)
+        {
+            vh.run_until(at(f.at_s).min(limit));
+            vh.kill_host(HostId(i as u16));
+        }
+    }
+    vh.run_while(limit, all_ended);
     let end = vh.now();
 
     // A few heartbeats later every chip's last report has reached the router.
@@ -155,6 +179,35 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
     let report = report(scenario, seed, &model, requests, &outcomes, end.since(t0), vh.delivered(), &view);
     let speed = Speed::of(&report, wall.elapsed().as_secs_f64());
     Ok((report, speed))
+}
+
+/// Crashes chips' workers at their times after it starts (a fault drill, as
+/// `POST /admin/faults` does on a real cluster).
+struct Drill {
+    /// (after the start, chip), in time order.
+    crashes: Vec<(Duration, Addr)>,
+    next: usize,
+}
+
+impl Behavior<Msg> for Drill {
+    fn name(&self) -> &'static str {
+        "drill"
+    }
+
+    fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
+        for (after, _) in &self.crashes {
+            fx.timer(*after, Msg::Tick);
+        }
+    }
+
+    fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
+        if msg == Msg::Tick
+            && let Some((_, chip)) = self.crashes.get(self.next)
+        {
+            let _ = fx.send(*chip, Msg::InjectFault { fault: Fault::WorkerPanic });
+            self.next += 1;
+        }
+    }
 }
 
 /// Arrival times in seconds: `requests` of them, or every one within `duration_s`.
@@ -268,6 +321,14 @@ fn report(
         events,
         kv_blocks_used_at_end: view.iter().map(|c| c.kv_blocks_used).sum(),
         prefix_hit_rate: report::hit_rate(&chips),
+        faults: scenario
+            .faults
+            .iter()
+            .map(|f| match &f.fault {
+                scenario::FaultKind::ChipCrash { chip } => format!("{} s: chip {chip} crashed", f.at_s),
+                scenario::FaultKind::HostDown { host } => format!("{} s: host {host} down", f.at_s),
+            })
+            .collect(),
         chips,
     }
 }

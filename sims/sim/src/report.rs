@@ -95,6 +95,8 @@ pub struct Report {
     pub kv_blocks_used_at_end: usize,
     /// The cluster's prefix hit rate: prompt tokens reused from cache over prompt tokens.
     pub prefix_hit_rate: Option<f64>,
+    /// The faults injected, in time order (`"2.5 s: host b down"`).
+    pub faults: Vec<String>,
     pub chips: Vec<ChipEnd>,
 }
 
@@ -136,6 +138,9 @@ impl Report {
         );
         for (why, n) in &self.failures {
             let _ = writeln!(t, "  {n} x {why}");
+        }
+        for fault in &self.faults {
+            let _ = writeln!(t, "fault      {fault}");
         }
         let _ = writeln!(t, "\n{:<8} {:>10} {:>10} {:>10} {:>10}", "ms", "mean", "p50", "p90", "p99");
         for (name, l) in [("TTFT", &self.ttft), ("TPOT", &self.tpot), ("E2E", &self.e2e)] {

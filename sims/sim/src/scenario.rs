@@ -50,6 +50,25 @@ pub struct Scenario {
     pub slo: Slo,
     pub network: Network,
     pub seed: u64,
+    /// Faults to inject, in time order.
+    pub faults: Vec<FaultAt>,
+}
+
+/// A fault at `at_s` seconds after the workload starts (`[[faults]]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FaultAt {
+    pub at_s: f64,
+    pub fault: FaultKind,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum FaultKind {
+    /// The chip's worker dies (`kind = "chip_crash"`, `chip = ID`); its supervisor
+    /// restarts it as it would a real one.
+    ChipCrash { chip: String },
+    /// The host stops (`kind = "host_down"`, `host = NAME`): its chips and supervisor are
+    /// gone for the rest of the run.
+    HostDown { host: String },
 }
 
 /// The requests of a run, and their mean arrival rate.
@@ -126,6 +145,19 @@ struct RawScenario {
     slo: Spanned<RawSlo>,
     #[serde(default)]
     network: Option<Spanned<RawNetwork>>,
+    #[serde(default)]
+    faults: Vec<Spanned<RawFault>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFault {
+    at_s: Spanned<toml::Value>,
+    kind: Spanned<String>,
+    #[serde(default)]
+    chip: Option<Spanned<String>>,
+    #[serde(default)]
+    host: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -261,10 +293,10 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
             network.kv_latency = Duration::from_secs_f64(x / 1e6);
         }
     }
-    Ok(Scenario { source: source.into(), topology, base_dir: dir.to_path_buf(), workload, slo, network, seed })
+    let faults = faults(&raw.faults, &topology, &at)?;
+    Ok(Scenario { source: source.into(), topology, base_dir: dir.to_path_buf(), workload, slo, network, seed, faults })
 }
 
-/// A number (integer or float) within `ok`, or an error naming `key`.
 /// The `[workload]` table (`span`): a trace file's requests (relative to `dir`), or
 /// Poisson arrivals of synthetic requests.
 fn workload(
@@ -379,6 +411,43 @@ fn traced(
     Ok(WorkloadSpec { rate_rps, requests: WorkloadRequests::Trace(trace) })
 }
 
+/// The `[[faults]]`: each at a time after the workload starts, on a chip or host of
+/// `topology`; sorted by time.
+fn faults(
+    raw: &[Spanned<RawFault>],
+    topology: &ClusterSpec,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<Vec<FaultAt>, TopologyError> {
+    let mut out = Vec::with_capacity(raw.len());
+    for (i, f) in raw.iter().enumerate() {
+        let key = |k: &str| format!("faults[{i}].{k}");
+        let f = f.get_ref();
+        let at_s = number(&f.at_s, &key("at_s"), |x| (0.0..=MAX_DURATION_S).contains(&x), "0 to 86400", at)?;
+        let name = |v: &Option<Spanned<String>>, k: &str, known: Vec<&str>| match v {
+            Some(v) if known.contains(&v.get_ref().as_str()) => Ok(v.get_ref().clone()),
+            Some(v) => Err(at(v.span(), &key(k), format!("no {k} `{}`; {k}s: {}", v.get_ref(), known.join(", ")))),
+            None => Err(at(f.kind.span(), &key(k), format!("a `{}` fault names its `{k}`", f.kind.get_ref()))),
+        };
+        let fault = match f.kind.get_ref().as_str() {
+            "chip_crash" => FaultKind::ChipCrash {
+                chip: name(&f.chip, "chip", topology.chips().map(|(_, _, c)| c.id.as_str()).collect())?,
+            },
+            "host_down" => {
+                let hosts = topology.hosts.iter().map(|h| h.name.as_str()).filter(|h| *h != topology.gateway.host);
+                FaultKind::HostDown { host: name(&f.host, "host", hosts.collect())? }
+            }
+            other => {
+                let why = format!("unknown fault {other:?}; expected \"chip_crash\" or \"host_down\"");
+                return Err(at(f.kind.span(), &key("kind"), why));
+            }
+        };
+        out.push(FaultAt { at_s, fault });
+    }
+    out.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+    Ok(out)
+}
+
+/// A number (integer or float) within `ok`, or an error naming `key`.
 fn number(
     v: &Spanned<toml::Value>,
     key: &str,

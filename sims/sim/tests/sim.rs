@@ -203,6 +203,44 @@ fn a_trace_file_replays_with_its_arrivals_lengths_and_shared_blocks() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A fault schedule in virtual time: a chip's worker crashes at 1 s (its supervisor
+/// restarts it) and a whole host goes down at 2.5 s, while requests run. Nothing is
+/// lost: every request completes with its full output, and every surviving pool ends
+/// all-free.
+#[test]
+fn faults_on_schedule_lose_no_request() {
+    let text = format!(
+        "{COLOCATED}\n[[faults]]\nat_s = 1.0\nkind = \"chip_crash\"\nchip = \"a1\"\n\n\
+         [[faults]]\nat_s = 2.5\nkind = \"host_down\"\nhost = \"b\"\n"
+    );
+    let s = parse(&text);
+    let r = simulate(&s, None);
+    assert_eq!((r.completed, r.failed, r.unfinished), (r.requests, 0, 0), "{:?}", r.failures);
+    assert_eq!(r.faults, vec!["1 s: chip a1 crashed".to_string(), "2.5 s: host b down".to_string()]);
+    for c in &r.chips {
+        if c.host == "a" {
+            assert_eq!((c.state.as_str(), c.kv_blocks_used, c.handoffs_open), ("up", 0, 0), "{c:?}");
+        } else {
+            assert_ne!(c.state, "up", "host b is gone: {c:?}");
+        }
+    }
+    assert_eq!(r.to_json(), simulate(&s, None).to_json(), "deterministic");
+    // Faults name what the topology has; the gateway's host cannot go.
+    for (bad, key) in [
+        ("chip = \"a1\"", "faults[0].chip"),
+        ("host = \"a\"", "faults[1].host"),
+        ("kind = \"chip_crash\"", "faults[0].kind"),
+    ] {
+        let wrong = match bad {
+            "chip = \"a1\"" => text.replace(bad, "chip = \"z9\""),
+            "host = \"a\"" => text.replace("host = \"b\"", bad),
+            _ => text.replace(bad, "kind = \"meteor\""),
+        };
+        let e = scenario::parse(&wrong, "f.toml", &here()).err().map(|e| e.key);
+        assert_eq!(e.as_deref(), Some(key), "{bad}");
+    }
+}
+
 #[test]
 fn bad_scenarios_name_file_line_and_key() {
     let cases: &[(&str, String, usize, &str)] = &[
