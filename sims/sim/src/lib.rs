@@ -117,10 +117,10 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
 
     let w = &scenario.workload;
     let (planned, arrivals_s) = match &w.requests {
-        scenario::WorkloadRequests::Synthetic { size, isl, osl, shared } => {
+        scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv } => {
             let load = Load::Poisson { rate_rps: w.rate_rps };
             let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
-            let arrivals_s = arrivals(&workload, *size, w.rate_rps);
+            let arrivals_s = arrivals(&workload, *size, w.rate_rps, *cv);
             (workload.measured(arrivals_s.len()), arrivals_s)
         }
         scenario::WorkloadRequests::Trace(trace) => {
@@ -210,18 +210,23 @@ impl Behavior<Msg> for Drill {
     }
 }
 
-/// Arrival times in seconds: `requests` of them, or every one within `duration_s`.
-fn arrivals(workload: &Workload, size: scenario::WorkloadSize, rate_rps: f64) -> Vec<f64> {
+/// Arrival times in seconds (Poisson, or gamma with gaps of `cv`): `requests` of them,
+/// or every one within `duration_s`.
+fn arrivals(workload: &Workload, size: scenario::WorkloadSize, rate_rps: f64, cv: Option<f64>) -> Vec<f64> {
+    let times = |n: usize| match cv {
+        Some(cv) => workload.gamma_arrivals_s(n, rate_rps, cv),
+        None => workload.arrivals_s(n),
+    };
     match size {
-        scenario::WorkloadSize::Requests(n) => workload.arrivals_s(n),
+        scenario::WorkloadSize::Requests(n) => times(n),
         scenario::WorkloadSize::DurationS(d) => {
             // The plan is a prefix-stable stream: draw more until one falls past the end.
             let mut n = (rate_rps * d * 1.25) as usize + 16;
             loop {
-                let mut times = workload.arrivals_s(n);
-                if times.last().is_some_and(|&t| t >= d) || n as u64 >= scenario::MAX_REQUESTS {
-                    times.retain(|&t| t < d);
-                    return times;
+                let mut drawn = times(n);
+                if drawn.last().is_some_and(|&t| t >= d) || n as u64 >= scenario::MAX_REQUESTS {
+                    drawn.retain(|&t| t < d);
+                    return drawn;
                 }
                 n = n.saturating_mul(2).min(scenario::MAX_REQUESTS as usize);
             }

@@ -84,6 +84,9 @@ pub enum WorkloadRequests {
     /// Open-loop Poisson arrivals at `rate_rps` of requests of these lengths.
     Synthetic {
         size: WorkloadSize,
+        /// Gamma arrivals with gaps of this coefficient of variation (`arrivals =
+        /// "gamma"`, `cv`); `None`: Poisson.
+        cv: Option<f64>,
         isl: LengthDist,
         osl: LengthDist,
         /// Requests in groups sharing a system prompt (`prefix_groups` of
@@ -177,6 +180,8 @@ struct RawWorkload {
     osl: Option<Spanned<String>>,
     #[serde(default)]
     trace: Option<Spanned<String>>,
+    #[serde(default)]
+    cv: Option<Spanned<toml::Value>>,
     #[serde(default)]
     prefix_groups: Option<Spanned<i64>>,
     #[serde(default)]
@@ -312,12 +317,31 @@ fn workload(
     let rate_rps = w.rate_rps.as_ref().ok_or_else(|| missing("rate_rps"))?;
     let isl = w.isl.as_ref().ok_or_else(|| missing("isl"))?;
     let osl = w.osl.as_ref().ok_or_else(|| missing("osl"))?;
-    if let Some(arrivals) = &w.arrivals
-        && arrivals.get_ref() != "poisson"
-    {
-        let why = format!("unknown arrival process {:?}; expected \"poisson\"", arrivals.get_ref());
-        return Err(at(arrivals.span(), "workload.arrivals", why));
-    }
+    let gamma = match (w.arrivals.as_ref().map(|a| (a.get_ref().as_str(), a.span())), &w.cv) {
+        (None | Some(("poisson", _)), None) => false,
+        (Some(("gamma", _)), Some(_)) => true,
+        (Some(("gamma", span)), None) => {
+            return Err(at(
+                span,
+                "workload.cv",
+                "gamma arrivals need `cv`, their gaps' coefficient of variation".into(),
+            ));
+        }
+        (None | Some(("poisson", _)), Some(cv)) => {
+            let why = "`cv` shapes gamma arrivals: give `arrivals = \"gamma\"` with it".into();
+            return Err(at(cv.span(), "workload.cv", why));
+        }
+        (Some((other, span)), _) => {
+            let why = format!("unknown arrival process {other:?}; expected \"poisson\" or \"gamma\"");
+            return Err(at(span, "workload.arrivals", why));
+        }
+    };
+    let cv = match (&w.cv, gamma) {
+        (Some(cv), true) => {
+            Some(number(cv, "workload.cv", |x| x > 0.0 && x <= 10.0, "more than 0 and at most 10", at)?)
+        }
+        _ => None,
+    };
     let rate_rps =
         number(rate_rps, "workload.rate_rps", |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", &at)?;
     let size = match (&w.requests, &w.duration_s) {
@@ -372,8 +396,13 @@ fn workload(
             return Err(at(v.span(), "workload", why));
         }
     };
-    let requests =
-        WorkloadRequests::Synthetic { size, isl: dist(isl, "workload.isl")?, osl: dist(osl, "workload.osl")?, shared };
+    let requests = WorkloadRequests::Synthetic {
+        size,
+        isl: dist(isl, "workload.isl")?,
+        osl: dist(osl, "workload.osl")?,
+        shared,
+        cv,
+    };
     Ok(WorkloadSpec { rate_rps, requests })
 }
 
@@ -387,6 +416,7 @@ fn traced(
 ) -> Result<WorkloadSpec, TopologyError> {
     let others = [
         ("arrivals", w.arrivals.as_ref().map(Spanned::span)),
+        ("cv", w.cv.as_ref().map(Spanned::span)),
         ("rate_rps", w.rate_rps.as_ref().map(Spanned::span)),
         ("requests", w.requests.as_ref().map(Spanned::span)),
         ("duration_s", w.duration_s.as_ref().map(Spanned::span)),

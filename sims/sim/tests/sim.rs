@@ -241,6 +241,18 @@ fn faults_on_schedule_lose_no_request() {
     }
 }
 
+/// Gamma arrivals (bursts, at a coefficient of variation of 3) at the same mean rate
+/// as Poisson: every request is served, and the bursts show in the tail of TTFT.
+#[test]
+fn gamma_arrivals_are_burstier_than_poisson() {
+    let poisson = simulate(&parse(COLOCATED), None);
+    let gamma =
+        simulate(&parse(&COLOCATED.replace("rate_rps = 20", "rate_rps = 20\narrivals = \"gamma\"\ncv = 3")), None);
+    all_served_and_all_free(&gamma);
+    let p99 = |r: &Report| r.ttft.map_or(0.0, |t| t.p99_ms);
+    assert!(p99(&gamma) > p99(&poisson), "gamma p99 {} against poisson {}", p99(&gamma), p99(&poisson));
+}
+
 #[test]
 fn bad_scenarios_name_file_line_and_key() {
     let cases: &[(&str, String, usize, &str)] = &[
@@ -255,6 +267,13 @@ fn bad_scenarios_name_file_line_and_key() {
             8,
             "workload.duration_s",
         ),
+        (
+            "gamma without cv",
+            DISAGGREGATED.replace("rate_rps = 2.0", "rate_rps = 2.0\narrivals = \"gamma\""),
+            7,
+            "workload.cv",
+        ),
+        ("cv without gamma", DISAGGREGATED.replace("rate_rps = 2.0", "rate_rps = 2.0\ncv = 2"), 7, "workload.cv"),
         (
             "prefix groups alone",
             DISAGGREGATED.replace("requests = 60", "requests = 60\nprefix_groups = 4"),

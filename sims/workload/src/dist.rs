@@ -129,6 +129,28 @@ impl SeededRng {
     pub fn exponential(&mut self, rate: f64) -> f64 {
         -self.unit_open0().ln() / rate
     }
+
+    /// Gamma with shape `k` > 0 and scale 1 (Marsaglia and Tsang's method; a shape below
+    /// 1 is drawn at `k + 1` and scaled by `U^(1/k)`).
+    pub fn gamma(&mut self, k: f64) -> f64 {
+        if k < 1.0 {
+            let u = self.unit_open0();
+            return self.gamma(k + 1.0) * u.powf(1.0 / k);
+        }
+        let d = k - 1.0 / 3.0;
+        let c = 1.0 / (9.0 * d).sqrt();
+        loop {
+            let x = self.standard_normal();
+            let v = (1.0 + c * x).powi(3);
+            if v <= 0.0 {
+                continue;
+            }
+            let u = self.unit_open0();
+            if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+                return d * v;
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -100,6 +100,22 @@ impl Workload {
             .collect()
     }
 
+    /// Release times in seconds of `n` requests whose gaps are gamma distributed with mean
+    /// `1 / rate_rps` and coefficient of variation `cv` (1 is Poisson; above 1, bursts), the
+    /// first at 0; from the same stream as [`Self::arrivals_s`], so prefix-stable in `n`.
+    pub fn gamma_arrivals_s(&self, n: usize, rate_rps: f64, cv: f64) -> Vec<f64> {
+        let mut rng = SeededRng::new(self.seed ^ 0x4152_5249_5641_4C53);
+        let shape = 1.0 / (cv * cv);
+        let mut t = 0.0;
+        (0..n)
+            .map(|_| {
+                let at = t;
+                t += rng.gamma(shape) / (shape * rate_rps);
+                at
+            })
+            .collect()
+    }
+
     fn plan(&self, n: usize, rng: &mut SeededRng) -> Vec<PlannedRequest> {
         (0..n)
             .map(|_| {
@@ -186,6 +202,27 @@ mod tests {
             plan.iter().map(|r| r.prompt.split(' ').skip(50).collect::<Vec<_>>().join(" ")).collect();
         assert_eq!(own.len(), 60, "each request's own words differ");
         assert_eq!(plan, w.measured(60), "reproducible");
+    }
+
+    /// Gamma gaps keep the asked mean rate and coefficient of variation.
+    #[test]
+    fn gamma_arrivals_have_the_asked_rate_and_burstiness() {
+        let w = Workload {
+            isl: LengthDist::Fixed(1),
+            osl: LengthDist::Fixed(1),
+            load: Load::Poisson { rate_rps: 1.0 },
+            seed: 4,
+            shared: None,
+        };
+        for (rate, cv) in [(10.0, 0.5), (10.0, 1.0), (4.0, 3.0)] {
+            let times = w.gamma_arrivals_s(40_000, rate, cv);
+            let gaps: Vec<f64> = times.windows(2).map(|p| p[1] - p[0]).collect();
+            let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+            let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64;
+            assert!((mean * rate - 1.0).abs() < 0.05, "rate {rate} cv {cv}: mean gap {mean}");
+            assert!((var.sqrt() / mean / cv - 1.0).abs() < 0.1, "rate {rate} cv {cv}: cv {}", var.sqrt() / mean);
+            assert_eq!(w.gamma_arrivals_s(10, rate, cv), times[..10], "prefix-stable");
+        }
     }
 
     #[test]
