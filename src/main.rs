@@ -371,6 +371,10 @@ struct SimArgs {
     /// simulator's wall-clock speed goes to stderr.
     #[arg(long)]
     json: bool,
+    /// Also draw TTFT and end-to-end p99 over time, with the scenario's faults marked,
+    /// as an SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -496,7 +500,20 @@ fn main() {
 fn sim(args: SimArgs) -> Result<()> {
     // The error already names the file, line, column and key.
     let scenario = tessera_sim::load(&args.scenario)?;
+    if !scenario.faults.is_empty() {
+        // A scheduled chip crash is a worker panic by design: not worth a backtrace.
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let message = info.payload().downcast_ref::<&str>().copied().unwrap_or_default();
+            if !message.starts_with("fault drill") {
+                default(info);
+            }
+        }));
+    }
     let (report, speed) = tessera_sim::run(&scenario, args.seed)?;
+    if let Some(path) = &args.plot {
+        std::fs::write(path, report.svg()).with_context(|| format!("cannot write the plot to {}", path.display()))?;
+    }
     if args.json {
         println!("{}", report.to_json());
         eprintln!(

@@ -176,7 +176,13 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
     vh.run_until(settle);
     let view = probe(&mut vh, router)?;
     let outcomes = outcomes.lock().map(|o| o.clone()).unwrap_or_default();
-    let report = report(scenario, seed, &model, requests, &outcomes, end.since(t0), vh.delivered(), &view);
+    let mut report = report(scenario, seed, &model, requests, &outcomes, end.since(t0), vh.delivered(), &view);
+    report.timeline = report::timeline(outcomes.values().map(|o| {
+        let ok = o.error.is_none();
+        let ttft_s = o.first_token.filter(|_| ok).map(|f| f.since(o.sent).as_secs_f64());
+        let e2e_s = ok.then(|| o.ended.since(o.sent).as_secs_f64());
+        (o.sent.since(t0).as_secs_f64(), ttft_s, e2e_s)
+    }));
     let speed = Speed::of(&report, wall.elapsed().as_secs_f64());
     Ok((report, speed))
 }
@@ -326,12 +332,16 @@ fn report(
         events,
         kv_blocks_used_at_end: view.iter().map(|c| c.kv_blocks_used).sum(),
         prefix_hit_rate: report::hit_rate(&chips),
+        timeline: Vec::new(),
         faults: scenario
             .faults
             .iter()
-            .map(|f| match &f.fault {
-                scenario::FaultKind::ChipCrash { chip } => format!("{} s: chip {chip} crashed", f.at_s),
-                scenario::FaultKind::HostDown { host } => format!("{} s: host {host} down", f.at_s),
+            .map(|f| report::FaultMark {
+                at_s: f.at_s,
+                what: match &f.fault {
+                    scenario::FaultKind::ChipCrash { chip } => format!("chip {chip} crashed"),
+                    scenario::FaultKind::HostDown { host } => format!("host {host} down"),
+                },
             })
             .collect(),
         chips,

@@ -54,6 +54,56 @@ pub struct ChipEnd {
     pub prefix_reused_tokens: u64,
 }
 
+/// One latency of a window (TTFT or end to end).
+type Pick = fn(&Window) -> Option<Latency>;
+
+/// A fault, `at_s` seconds after the workload started.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FaultMark {
+    pub at_s: f64,
+    /// `"chip a1 crashed"`, `"host b down"`.
+    pub what: String,
+}
+
+/// The requests sent within `[start_s, end_s)` seconds of the workload's start.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Window {
+    pub start_s: f64,
+    pub end_s: f64,
+    pub requests: usize,
+    /// Of those that got a first token ...
+    pub ttft: Option<Latency>,
+    /// ... and of those that completed.
+    pub e2e: Option<Latency>,
+}
+
+/// Windows of one second (longer for runs past two minutes: 120 windows in all) over
+/// requests given as (sent after the start, TTFT if any, end to end if completed), all
+/// in seconds.
+pub fn timeline(requests: impl Iterator<Item = (f64, Option<f64>, Option<f64>)>) -> Vec<Window> {
+    let requests: Vec<(f64, Option<f64>, Option<f64>)> = requests.collect();
+    let end = requests.iter().map(|r| r.0).fold(0.0, f64::max);
+    let width = (end / 120.0).max(1.0);
+    let n = (end / width).floor() as usize + 1;
+    let (mut ttfts, mut e2es): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+    let mut counts = vec![0usize; n];
+    for (sent, ttft, e2e) in requests {
+        let i = ((sent / width) as usize).min(n - 1);
+        counts[i] += 1;
+        ttfts[i].extend(ttft);
+        e2es[i].extend(e2e);
+    }
+    (0..n)
+        .map(|i| Window {
+            start_s: i as f64 * width,
+            end_s: (i + 1) as f64 * width,
+            requests: counts[i],
+            ttft: Latency::from_seconds(&ttfts[i]),
+            e2e: Latency::from_seconds(&e2es[i]),
+        })
+        .collect()
+}
+
 /// Reused over prompt tokens over every chip (`None` when no prompt was counted).
 pub fn hit_rate(chips: &[ChipEnd]) -> Option<f64> {
     let prompt: u64 = chips.iter().map(|c| c.prefix_prompt_tokens).sum();
@@ -95,8 +145,10 @@ pub struct Report {
     pub kv_blocks_used_at_end: usize,
     /// The cluster's prefix hit rate: prompt tokens reused from cache over prompt tokens.
     pub prefix_hit_rate: Option<f64>,
-    /// The faults injected, in time order (`"2.5 s: host b down"`).
-    pub faults: Vec<String>,
+    /// The faults injected, in time order.
+    pub faults: Vec<FaultMark>,
+    /// TTFT over time: the requests sent in each window of the run.
+    pub timeline: Vec<Window>,
     pub chips: Vec<ChipEnd>,
 }
 
@@ -140,7 +192,16 @@ impl Report {
             let _ = writeln!(t, "  {n} x {why}");
         }
         for fault in &self.faults {
-            let _ = writeln!(t, "fault      {fault}");
+            let _ = writeln!(t, "fault      {} s: {}", fault.at_s, fault.what);
+        }
+        if !self.faults.is_empty() {
+            let width = self.timeline.first().map_or(1.0, |w| w.end_s - w.start_s);
+            let series: [(&str, Pick); 2] = [("TTFT", |w| w.ttft), ("E2E", |w| w.e2e)];
+            for (name, pick) in series {
+                let p99: Vec<String> =
+                    self.timeline.iter().map(|w| pick(w).map_or("-".into(), |l| format!("{:.0}", l.p99_ms))).collect();
+                let _ = writeln!(t, "{name} p99 per {width:.0} s window (ms): {}", p99.join(" "));
+            }
         }
         let _ = writeln!(t, "\n{:<8} {:>10} {:>10} {:>10} {:>10}", "ms", "mean", "p50", "p90", "p99");
         for (name, l) in [("TTFT", &self.ttft), ("TPOT", &self.tpot), ("E2E", &self.e2e)] {
@@ -192,4 +253,66 @@ impl Report {
         );
         t
     }
+}
+
+impl Report {
+    /// TTFT p99 and end-to-end p99 over the run's windows (by the time requests were
+    /// sent) as an SVG line chart, with each fault marked where it happened.
+    pub fn svg(&self) -> String {
+        const W: f64 = 800.0;
+        const H: f64 = 400.0;
+        const M: f64 = 50.0;
+        let end = self.timeline.last().map_or(1.0, |w| w.end_s).max(1e-9);
+        let top = self.timeline.iter().filter_map(|w| w.e2e.or(w.ttft).map(|l| l.p99_ms)).fold(1.0, f64::max) * 1.1;
+        let x = |s: f64| M + (W - 2.0 * M) * s / end;
+        let y = |ms: f64| H - M - (H - 2.0 * M) * ms / top;
+        let line = |pick: Pick| -> String {
+            let points: Vec<String> = self
+                .timeline
+                .iter()
+                .filter_map(|w| pick(w).map(|l| format!("{:.1},{:.1}", x((w.start_s + w.end_s) / 2.0), y(l.p99_ms))))
+                .collect();
+            points.join(" ")
+        };
+        let mut svg = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" \
+             font-size=\"12\">\n<rect width=\"{W}\" height=\"{H}\" fill=\"white\"/>\n\
+             <text x=\"{M}\" y=\"20\">{} (seed {}): latency over time</text>\n\
+             <line x1=\"{M}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+             <line x1=\"{M}\" y1=\"{M}\" x2=\"{M}\" y2=\"{b}\" stroke=\"black\"/>\n\
+             <text x=\"{r}\" y=\"{t}\" text-anchor=\"end\">{end:.0} s (request sent)</text>\n\
+             <text x=\"5\" y=\"{M}\">{top:.0} ms</text>\n",
+            xml(&self.scenario),
+            self.seed,
+            b = H - M,
+            r = W - M,
+            t = H - M + 20.0,
+        );
+        let series: [(&str, &str, Pick); 2] =
+            [("TTFT p99", "steelblue", |w| w.ttft), ("E2E p99", "darkorange", |w| w.e2e)];
+        for (i, (name, color, pick)) in series.into_iter().enumerate() {
+            svg +=
+                &format!("<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n", line(pick));
+            let ly = 40.0 + 16.0 * i as f64;
+            svg += &format!("<text x=\"{}\" y=\"{ly}\" fill=\"{color}\">{name}</text>\n", W - M - 80.0);
+        }
+        for fault in &self.faults {
+            let at = fault.at_s;
+            svg += &format!(
+                "<line x1=\"{0:.1}\" y1=\"{M}\" x2=\"{0:.1}\" y2=\"{1}\" stroke=\"red\" stroke-dasharray=\"4 3\"/>\n\
+                 <text x=\"{2:.1}\" y=\"{3}\" fill=\"red\">{4}</text>\n",
+                x(at),
+                H - M,
+                x(at) + 3.0,
+                M + 12.0,
+                xml(&fault.what)
+            );
+        }
+        svg + "</svg>\n"
+    }
+}
+
+/// `text` with XML's special characters escaped.
+fn xml(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }

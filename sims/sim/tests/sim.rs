@@ -216,7 +216,17 @@ fn faults_on_schedule_lose_no_request() {
     let s = parse(&text);
     let r = simulate(&s, None);
     assert_eq!((r.completed, r.failed, r.unfinished), (r.requests, 0, 0), "{:?}", r.failures);
-    assert_eq!(r.faults, vec!["1 s: chip a1 crashed".to_string(), "2.5 s: host b down".to_string()]);
+    let marks: Vec<(f64, &str)> = r.faults.iter().map(|f| (f.at_s, f.what.as_str())).collect();
+    assert_eq!(marks, vec![(1.0, "chip a1 crashed"), (2.5, "host b down")]);
+    // The lost host shows in the timeline: host b had the fastest chip, so requests
+    // sent after it went down take far longer end to end than those sent before.
+    let p99 = |w: &&tessera_sim::report::Window| w.e2e.map_or(0.0, |l| l.p99_ms);
+    let worst =
+        |before: bool| r.timeline.iter().filter(|w| (w.end_s <= 2.5) == before).map(|w| p99(&w)).fold(0.0, f64::max);
+    assert!(worst(false) > 2.0 * worst(true), "E2E p99 after the fault {} ms, before {} ms", worst(false), worst(true));
+    let svg = r.svg();
+    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 2, "{svg}");
+    assert_eq!(svg.matches("stroke=\"red\"").count(), 2, "a mark per fault");
     for c in &r.chips {
         if c.host == "a" {
             assert_eq!((c.state.as_str(), c.kv_blocks_used, c.handoffs_open), ("up", 0, 0), "{c:?}");
