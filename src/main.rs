@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use std::io::IsTerminal;
 
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::{DType, Quantize, parse_dtype};
@@ -510,7 +511,19 @@ fn sim(args: SimArgs) -> Result<()> {
             }
         }));
     }
-    let (report, speed) = tessera_sim::run(&scenario, args.seed)?;
+    // A progress bar on a terminal, and not over JSON (it draws on stderr).
+    let bar = if std::io::stderr().is_terminal() && !args.json {
+        let style = indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests ended ({elapsed})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+        indicatif::ProgressBar::new(0).with_style(style)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let (report, speed) = tessera_sim::run_with_progress(&scenario, args.seed, &mut |ended, requests| {
+        bar.set_length(requests as u64);
+        bar.set_position(ended as u64);
+    })?;
+    bar.finish_and_clear();
     if let Some(path) = &args.plot {
         std::fs::write(path, report.svg()).with_context(|| format!("cannot write the plot to {}", path.display()))?;
     }

@@ -66,6 +66,15 @@ pub enum SimError {
 
 /// Runs `scenario` (with `seed`, else the scenario's own).
 pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), SimError> {
+    run_with_progress(scenario, seed, &mut |_, _| {})
+}
+
+/// [`run`], calling `progress(ended, requests)` each time another request ends.
+pub fn run_with_progress(
+    scenario: &Scenario,
+    seed: Option<u64>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Report, Speed), SimError> {
     let wall = Instant::now();
     let spec = &scenario.topology;
     let seed = seed.unwrap_or(scenario.seed);
@@ -159,16 +168,24 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
         vh.spawn(admission.host, Box::new(Drill { crashes, next: 0 }));
     }
     let limit = t0.after(Duration::from_nanos(last_arrival)).after(DRAIN_LIMIT);
-    let all_ended = |_: &VirtualHost<Msg>| outcomes.lock().is_ok_and(|o| o.len() == requests);
+    let mut ended = 0;
+    let mut all_ended = |_: &VirtualHost<Msg>| {
+        let now = outcomes.lock().map_or(0, |o| o.len());
+        if now != ended {
+            ended = now;
+            progress(ended, requests);
+        }
+        ended == requests
+    };
     for f in &scenario.faults {
         if let scenario::FaultKind::HostDown { host } = &f.fault
             && let Some(i) = spec.hosts.iter().position(|h| &h.name == host)
         {
-            vh.run_until(at(f.at_s).min(limit));
+            vh.run_while(at(f.at_s).min(limit), &mut all_ended);
             vh.kill_host(HostId(i as u16));
         }
     }
-    vh.run_while(limit, all_ended);
+    vh.run_while(limit, &mut all_ended);
     let end = vh.now();
 
     // A few heartbeats later every chip's last report has reached the router.
