@@ -199,6 +199,12 @@ pub struct ChipReport {
     pub prefix_prompt_tokens: u64,
     #[serde(default)]
     pub prefix_reused_tokens: u64,
+    /// Model time the chip spent in steps that carried prompt tokens, and in steps that
+    /// only decoded, since it first started (seconds).
+    #[serde(default)]
+    pub busy_prefill_s: f64,
+    #[serde(default)]
+    pub busy_decode_s: f64,
 }
 
 /// A chip's observed pace: moving averages over its recent steps, which the router
@@ -270,6 +276,8 @@ impl ChipReport {
             speed: None,
             prefix_prompt_tokens: 0,
             prefix_reused_tokens: 0,
+            busy_prefill_s: 0.0,
+            busy_decode_s: 0.0,
         }
     }
 }

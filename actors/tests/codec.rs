@@ -65,6 +65,8 @@ fn report(p: &Parts) -> ChipReport {
         }),
         prefix_prompt_tokens: p.b,
         prefix_reused_tokens: p.a,
+        busy_prefill_s: p.f as f64,
+        busy_decode_s: p.f as f64 * 2.0,
     }
 }
 

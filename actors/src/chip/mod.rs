@@ -63,6 +63,8 @@ pub struct Chip {
     step_shape: (usize, usize, usize),
     /// Prompt tokens of sequences started here, and of those, tokens reused from cache.
     prefix_tokens: (u64, u64),
+    /// Model seconds of steps with prompt tokens, and of decode-only steps.
+    busy_s: (f64, f64),
 }
 
 impl Chip {
@@ -90,6 +92,7 @@ impl Chip {
             speed: StepSpeed::default(),
             step_shape: (0, 0, 0),
             prefix_tokens: (0, 0),
+            busy_s: (0.0, 0.0),
         }
     }
 
@@ -148,6 +151,8 @@ impl Chip {
             speed: (self.speed != StepSpeed::default()).then_some(self.speed),
             prefix_prompt_tokens: self.prefix_tokens.0,
             prefix_reused_tokens: self.prefix_tokens.1,
+            busy_prefill_s: self.busy_s.0,
+            busy_decode_s: self.busy_s.1,
         };
         metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
         metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
@@ -272,6 +277,10 @@ impl Chip {
         metrics::histogram!("tessera_chip_step_seconds", "chip" => self.config.id.clone()).record(outcome.elapsed_s);
         let (tokens, seqs, prompt_tokens) = self.step_shape;
         self.speed.observe(outcome.elapsed_s, tokens, seqs, prompt_tokens);
+        if outcome.elapsed_s.is_finite() && outcome.elapsed_s > 0.0 {
+            let phase = if prompt_tokens > 0 { &mut self.busy_s.0 } else { &mut self.busy_s.1 };
+            *phase += outcome.elapsed_s;
+        }
         self.first_steps_after_handoff(&outcome, fx.now());
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };

@@ -309,6 +309,11 @@ fn report(
     let failed = failures.values().sum();
     let span_s = span.as_secs_f64();
     let per_s = |x: f64| if span_s > 0.0 { x / span_s } else { 0.0 };
+    let tdp_w = |id: &str| {
+        let chip = scenario.topology.chips().find(|(_, _, c)| c.id == id).map(|(_, _, c)| c)?;
+        scenario.topology.chip_kind(&chip.kind).map(|k| k.tdp_w)
+    };
+    let share = |s: f64| if span_s > 0.0 { (s / span_s).min(1.0) } else { 0.0 };
     let chips: Vec<report::ChipEnd> = view
         .iter()
         .map(|c| report::ChipEnd {
@@ -323,8 +328,13 @@ fn report(
             handoffs_open: c.handoffs,
             prefix_prompt_tokens: c.prefix_prompt_tokens,
             prefix_reused_tokens: c.prefix_reused_tokens,
+            busy_prefill: share(c.busy_prefill_s),
+            busy_decode: share(c.busy_decode_s),
+            energy_j: tdp_w(&c.id).map(|w| report::POWER.energy_j(w, c.busy_prefill_s, c.busy_decode_s, span_s)),
         })
         .collect();
+    let energy_j: Option<f64> = chips.iter().map(|c| c.energy_j).sum();
+    let kwh_per_10k_requests = energy_j.filter(|_| completed > 0).map(|j| j / 3.6e6 * 1e4 / completed as f64);
     Report {
         scenario: scenario.source.clone(),
         seed,
@@ -349,6 +359,7 @@ fn report(
         events,
         kv_blocks_used_at_end: view.iter().map(|c| c.kv_blocks_used).sum(),
         prefix_hit_rate: report::hit_rate(&chips),
+        kwh_per_10k_requests,
         timeline: Vec::new(),
         faults: scenario
             .faults

@@ -52,6 +52,35 @@ pub struct ChipEnd {
     /// came from its prefix cache.
     pub prefix_prompt_tokens: u64,
     pub prefix_reused_tokens: u64,
+    /// Share of the run the chip spent in steps carrying prompt tokens, and in
+    /// decode-only steps (model time over the run's simulated time).
+    pub busy_prefill: f64,
+    pub busy_decode: f64,
+    /// Energy over the run, from its kind's board power by phase ([`PowerModel`]);
+    /// `None` for a kind of no known power.
+    pub energy_j: Option<f64>,
+}
+
+/// A chip's power by phase as shares of its board power (TDP).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PowerModel {
+    pub prefill: f64,
+    pub decode: f64,
+    pub idle: f64,
+}
+
+/// Prefill at the board power and decode at 0.58 of it: Splitwise's measured per-GPU
+/// power (A100 prompt 400 W / token 250 W, H100 700 W / 380 W; the token phase's share
+/// is their mean). Idle at 0.25 of it is an estimate (no public figure was found).
+pub const POWER: PowerModel = PowerModel { prefill: 1.0, decode: 0.58, idle: 0.25 };
+
+impl PowerModel {
+    /// Joules of a chip of `tdp_w` watts busy `prefill_s` and `decode_s` seconds of a
+    /// run of `span_s` seconds (idle the rest).
+    pub fn energy_j(&self, tdp_w: f64, prefill_s: f64, decode_s: f64, span_s: f64) -> f64 {
+        let idle_s = (span_s - prefill_s - decode_s).max(0.0);
+        tdp_w * (self.prefill * prefill_s + self.decode * decode_s + self.idle * idle_s)
+    }
 }
 
 /// One latency of a window (TTFT or end to end).
@@ -145,6 +174,9 @@ pub struct Report {
     pub kv_blocks_used_at_end: usize,
     /// The cluster's prefix hit rate: prompt tokens reused from cache over prompt tokens.
     pub prefix_hit_rate: Option<f64>,
+    /// Energy of every chip over the run, per 10,000 completed requests (`None` when a
+    /// chip's power is not known or none completed).
+    pub kwh_per_10k_requests: Option<f64>,
     /// The faults injected, in time order.
     pub faults: Vec<FaultMark>,
     /// TTFT over time: the requests sent in each window of the run.
@@ -225,24 +257,29 @@ impl Report {
         );
         let _ = writeln!(t, "output     {} tokens, {:.1} tokens/s", self.output_tokens, self.output_tokens_per_s);
         let _ = writeln!(t, "KV blocks  {} still used at the end", self.kv_blocks_used_at_end);
+        if let Some(kwh) = self.kwh_per_10k_requests {
+            let _ = writeln!(t, "energy     {kwh:.3} kWh per 10,000 requests (board power by phase; idle estimated)");
+        }
         if let Some(hit) = self.prefix_hit_rate {
             let _ = writeln!(t, "prefix     hit rate {hit:.3} (prompt tokens reused from prefix caches)");
         }
         let _ = writeln!(
             t,
-            "\n{:<12} {:<8} {:<9} {:>8} {:>10} {:>8}  modelled as",
-            "chip", "role", "state", "steps", "KV blocks", "used"
+            "\n{:<12} {:<8} {:<9} {:>8} {:>10} {:>8} {:>8} {:>8}  modelled as",
+            "chip", "role", "state", "steps", "KV blocks", "used", "prefill", "decode"
         );
         for c in &self.chips {
             let _ = writeln!(
                 t,
-                "{:<12} {:<8} {:<9} {:>8} {:>10} {:>8}  {}",
+                "{:<12} {:<8} {:<9} {:>8} {:>10} {:>8} {:>7.1}% {:>7.1}%  {}",
                 c.id,
                 c.role,
                 c.state,
                 c.steps,
                 c.kv_blocks_total,
                 c.kv_blocks_used,
+                100.0 * c.busy_prefill,
+                100.0 * c.busy_decode,
                 c.modelled_as.as_deref().unwrap_or("-")
             );
         }

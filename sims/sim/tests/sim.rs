@@ -115,6 +115,25 @@ fn a_disaggregated_cluster_serves_every_request_deterministically_and_frees_ever
     let roles: Vec<(&str, &str)> = first.chips.iter().map(|c| (c.id.as_str(), c.role.as_str())).collect();
     assert_eq!(roles, [("h0-ascend0", "prefill"), ("h1-metax0", "decode")]);
     assert!(first.chips.iter().all(|c| c.steps > 0), "{:?}", first.chips);
+    // Utilisation by phase: the prefill chip's steps carry prompts; the decode chip's
+    // are mostly decode-only (its first step per request computes the last prompt token).
+    let (p, d) = (&first.chips[0], &first.chips[1]);
+    assert!(p.busy_prefill > 0.0 && p.busy_decode == 0.0, "{p:?}");
+    assert!(d.busy_decode > d.busy_prefill && d.busy_prefill + d.busy_decode <= 1.0, "{d:?}");
+    // Energy: board power by phase (910B 400 W, C500 350 W), between all-idle and
+    // all-prefill for the run, and the per-request figure is the chips' sum.
+    let span = first.simulated_s;
+    for (c, tdp) in [(p, 400.0), (d, 350.0)] {
+        let j = c.energy_j.unwrap_or(0.0);
+        assert!(j >= 0.25 * tdp * span * 0.999 && j <= tdp * span * 1.001, "{} J over {span} s: {c:?}", j);
+    }
+    let total: f64 = first.chips.iter().filter_map(|c| c.energy_j).sum();
+    let want = total / 3.6e6 * 1e4 / first.completed as f64;
+    assert!(
+        first.kwh_per_10k_requests.is_some_and(|k| (k - want).abs() < 1e-9 * want),
+        "{:?}",
+        first.kwh_per_10k_requests
+    );
 
     let again = simulate(&s, None);
     assert_eq!(first.to_json(), again.to_json(), "same scenario and seed, different reports");
