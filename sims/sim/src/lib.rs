@@ -126,10 +126,10 @@ pub fn run_with_progress(
 
     let w = &scenario.workload;
     let (planned, arrivals_s) = match &w.requests {
-        scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv } => {
+        scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv, schedule } => {
             let load = Load::Poisson { rate_rps: w.rate_rps };
             let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
-            let arrivals_s = arrivals(&workload, *size, w.rate_rps, *cv);
+            let arrivals_s = arrivals(&workload, *size, w.rate_rps, *cv, schedule.as_deref());
             (workload.measured(arrivals_s.len()), arrivals_s)
         }
         scenario::WorkloadRequests::Trace(trace) => {
@@ -233,12 +233,19 @@ impl Behavior<Msg> for Drill {
     }
 }
 
-/// Arrival times in seconds (Poisson, or gamma with gaps of `cv`): `requests` of them,
-/// or every one within `duration_s`.
-fn arrivals(workload: &Workload, size: scenario::WorkloadSize, rate_rps: f64, cv: Option<f64>) -> Vec<f64> {
-    let times = |n: usize| match cv {
-        Some(cv) => workload.gamma_arrivals_s(n, rate_rps, cv),
-        None => workload.arrivals_s(n),
+/// Arrival times in seconds (Poisson at a rate or a rate schedule, or gamma with gaps of
+/// `cv`): `requests` of them, or every one within `duration_s`.
+fn arrivals(
+    workload: &Workload,
+    size: scenario::WorkloadSize,
+    rate_rps: f64,
+    cv: Option<f64>,
+    schedule: Option<&[(f64, f64)]>,
+) -> Vec<f64> {
+    let times = |n: usize| match (cv, schedule) {
+        (_, Some(steps)) => workload.scheduled_arrivals_s(n, steps),
+        (Some(cv), None) => workload.gamma_arrivals_s(n, rate_rps, cv),
+        (None, None) => workload.arrivals_s(n),
     };
     match size {
         scenario::WorkloadSize::Requests(n) => times(n),

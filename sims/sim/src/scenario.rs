@@ -87,6 +87,9 @@ pub enum WorkloadRequests {
         /// Gamma arrivals with gaps of this coefficient of variation (`arrivals =
         /// "gamma"`, `cv`); `None`: Poisson.
         cv: Option<f64>,
+        /// Poisson arrivals whose rate steps over time (`rate_schedule`); `None`: at
+        /// `rate_rps` throughout.
+        schedule: Option<Vec<(f64, f64)>>,
         isl: LengthDist,
         osl: LengthDist,
         /// Requests in groups sharing a system prompt (`prefix_groups` of
@@ -182,6 +185,8 @@ struct RawWorkload {
     trace: Option<Spanned<String>>,
     #[serde(default)]
     cv: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    rate_schedule: Option<Spanned<toml::Value>>,
     #[serde(default)]
     prefix_groups: Option<Spanned<i64>>,
     #[serde(default)]
@@ -314,7 +319,6 @@ fn workload(
         return traced(w, path, dir, at);
     }
     let missing = |key: &str| at(span.clone(), "workload", format!("missing `{key}` (or give a `trace` file)"));
-    let rate_rps = w.rate_rps.as_ref().ok_or_else(|| missing("rate_rps"))?;
     let isl = w.isl.as_ref().ok_or_else(|| missing("isl"))?;
     let osl = w.osl.as_ref().ok_or_else(|| missing("osl"))?;
     let gamma = match (w.arrivals.as_ref().map(|a| (a.get_ref().as_str(), a.span())), &w.cv) {
@@ -342,8 +346,29 @@ fn workload(
         }
         _ => None,
     };
-    let rate_rps =
-        number(rate_rps, "workload.rate_rps", |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", &at)?;
+    let schedule = match &w.rate_schedule {
+        Some(s) => Some(steps(s, at)?),
+        None => None,
+    };
+    let rate_rps = match (&w.rate_rps, &schedule) {
+        (Some(r), None) => {
+            number(r, "workload.rate_rps", |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", &at)?
+        }
+        // The peak for now (it bounds the requests); the mean over the run below.
+        (None, Some(steps)) => steps.iter().map(|s| s.1).fold(0.0, f64::max),
+        (Some(r), Some(_)) => {
+            let why = "give `rate_rps` or `rate_schedule`, not both".into();
+            return Err(at(r.span(), "workload.rate_rps", why));
+        }
+        (None, None) => return Err(missing("rate_rps")),
+    };
+    if let (Some(s), true) = (&w.rate_schedule, gamma) {
+        return Err(at(s.span(), "workload.rate_schedule", "a rate schedule's arrivals are Poisson".into()));
+    }
+    if let (Some(n), Some(_)) = (&w.requests, &schedule) {
+        let why = "a rate schedule runs for `duration_s`, not a number of requests".into();
+        return Err(at(n.span(), "workload.requests", why));
+    }
     let size = match (&w.requests, &w.duration_s) {
         (Some(n), None) => {
             let v = *n.get_ref();
@@ -396,14 +421,65 @@ fn workload(
             return Err(at(v.span(), "workload", why));
         }
     };
+    let rate_rps = match (&schedule, size) {
+        (Some(steps), WorkloadSize::DurationS(d)) => mean_rate(steps, d),
+        _ => rate_rps,
+    };
     let requests = WorkloadRequests::Synthetic {
         size,
         isl: dist(isl, "workload.isl")?,
         osl: dist(osl, "workload.osl")?,
         shared,
         cv,
+        schedule,
     };
     Ok(WorkloadSpec { rate_rps, requests })
+}
+
+/// `rate_schedule = [[0, R0], [T1, R1], ...]`: (from second, requests per second) steps,
+/// the first from 0, times rising, rates more than 0.
+fn steps(
+    v: &Spanned<toml::Value>,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<Vec<(f64, f64)>, TopologyError> {
+    let bad = |why: String| at(v.span(), "workload.rate_schedule", why);
+    let form = "a list of [from second, requests per second] pairs, e.g. [[0, 2.0], [60, 8.0]]";
+    let Some(items) = v.get_ref().as_array() else { return Err(bad(format!("must be {form}"))) };
+    let number = |x: &toml::Value| x.as_float().or_else(|| x.as_integer().map(|i| i as f64));
+    let mut out: Vec<(f64, f64)> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let pair = item.as_array().filter(|p| p.len() == 2);
+        let Some((from, rate)) = pair.and_then(|p| Some((number(&p[0])?, number(&p[1])?))) else {
+            return Err(bad(format!("entry {i} is not a [second, rate] pair of numbers; expected {form}")));
+        };
+        let previous = out.last().map(|s| s.0);
+        if !(from.is_finite() && previous.map_or(from == 0.0, |p| from > p) && from <= MAX_DURATION_S) {
+            return Err(bad(format!(
+                "entry {i} starts at {from} s: the first at 0, each later than the last, at most 86400"
+            )));
+        }
+        if !(rate > 0.0 && rate <= MAX_RATE_RPS) {
+            return Err(bad(format!("entry {i} has rate {rate}: more than 0 and at most 1e6")));
+        }
+        out.push((from, rate));
+    }
+    if out.is_empty() {
+        return Err(bad(format!("is empty; expected {form}")));
+    }
+    Ok(out)
+}
+
+/// The time-weighted mean rate of `steps` over the first `d` seconds.
+fn mean_rate(steps: &[(f64, f64)], d: f64) -> f64 {
+    let area: f64 = steps
+        .iter()
+        .enumerate()
+        .map(|(i, &(from, rate))| {
+            let to = steps.get(i + 1).map_or(d, |s| s.0).min(d);
+            rate * (to - from).max(0.0)
+        })
+        .sum();
+    area / d
 }
 
 /// A workload replaying the Mooncake-format trace at `path`: its arrival times, lengths
@@ -418,6 +494,7 @@ fn traced(
         ("arrivals", w.arrivals.as_ref().map(Spanned::span)),
         ("cv", w.cv.as_ref().map(Spanned::span)),
         ("rate_rps", w.rate_rps.as_ref().map(Spanned::span)),
+        ("rate_schedule", w.rate_schedule.as_ref().map(Spanned::span)),
         ("requests", w.requests.as_ref().map(Spanned::span)),
         ("duration_s", w.duration_s.as_ref().map(Spanned::span)),
         ("isl", w.isl.as_ref().map(Spanned::span)),

@@ -282,6 +282,22 @@ fn gamma_arrivals_are_burstier_than_poisson() {
     assert!(p99(&gamma) > p99(&poisson), "gamma p99 {} against poisson {}", p99(&gamma), p99(&poisson));
 }
 
+/// A rate schedule steps the load: 5 requests/s for 2.5 s, then 40/s.
+#[test]
+fn a_rate_schedule_steps_the_load() {
+    let s = parse(&COLOCATED.replace("rate_rps = 20", "rate_schedule = [[0, 5], [2.5, 40.0]]"));
+    let r = simulate(&s, None);
+    all_served_and_all_free(&r);
+    assert!((r.rate_rps - 22.5).abs() < 1e-9, "the mean over 5 s: {}", r.rate_rps);
+    // Per second, in the windows wholly before the step and wholly after it.
+    let per_s = |keep: &dyn Fn(&tessera_sim::report::Window) -> bool| {
+        let kept: Vec<_> = r.timeline.iter().filter(|w| keep(w)).collect();
+        kept.iter().map(|w| w.requests).sum::<usize>() as f64 / kept.iter().map(|w| w.end_s - w.start_s).sum::<f64>()
+    };
+    let (before, after) = (per_s(&|w| w.end_s <= 2.5), per_s(&|w| w.start_s >= 2.5));
+    assert!(after > 4.0 * before, "{after}/s after the step, {before}/s before");
+}
+
 #[test]
 fn bad_scenarios_name_file_line_and_key() {
     let cases: &[(&str, String, usize, &str)] = &[
@@ -295,6 +311,18 @@ fn bad_scenarios_name_file_line_and_key() {
             DISAGGREGATED.replace("requests = 60", "requests = 60\nduration_s = 3"),
             8,
             "workload.duration_s",
+        ),
+        (
+            "rate and schedule",
+            DISAGGREGATED.replace("rate_rps = 2.0", "rate_rps = 2.0\nrate_schedule = [[0, 1]]"),
+            6,
+            "workload.rate_rps",
+        ),
+        (
+            "a schedule not from 0",
+            DISAGGREGATED.replace("rate_rps = 2.0", "rate_schedule = [[5, 1]]"),
+            6,
+            "workload.rate_schedule",
         ),
         (
             "gamma without cv",

@@ -116,6 +116,31 @@ impl Workload {
             .collect()
     }
 
+    /// Release times in seconds of `n` requests of a Poisson process whose rate follows
+    /// `schedule`: (from second, requests per second) steps, the first from 0, in time
+    /// order, each held until the next (the last for ever); the first request at 0. Exact:
+    /// unit-rate exponential gaps mapped through the inverse of the cumulative rate.
+    pub fn scheduled_arrivals_s(&self, n: usize, schedule: &[(f64, f64)]) -> Vec<f64> {
+        let mut rng = SeededRng::new(self.seed ^ 0x4152_5249_5641_4C53);
+        let (mut step, mut at_step, mut total) = (0, 0.0, 0.0);
+        (0..n)
+            .map(|_| {
+                // Whole steps the cumulative rate `total` has passed.
+                while let (Some(&(from, rate)), Some(&(to, _))) = (schedule.get(step), schedule.get(step + 1)) {
+                    let capacity = rate * (to - from);
+                    if at_step + capacity > total {
+                        break;
+                    }
+                    at_step += capacity;
+                    step += 1;
+                }
+                let at = schedule.get(step).map_or(0.0, |&(from, rate)| from + (total - at_step) / rate.max(1e-12));
+                total += rng.exponential(1.0);
+                at
+            })
+            .collect()
+    }
+
     fn plan(&self, n: usize, rng: &mut SeededRng) -> Vec<PlannedRequest> {
         (0..n)
             .map(|_| {
@@ -202,6 +227,27 @@ mod tests {
             plan.iter().map(|r| r.prompt.split(' ').skip(50).collect::<Vec<_>>().join(" ")).collect();
         assert_eq!(own.len(), 60, "each request's own words differ");
         assert_eq!(plan, w.measured(60), "reproducible");
+    }
+
+    /// A rate schedule's steps hold their rates: 5/s for 100 s, then 20/s.
+    #[test]
+    fn scheduled_arrivals_follow_their_steps() {
+        let w = Workload {
+            isl: LengthDist::Fixed(1),
+            osl: LengthDist::Fixed(1),
+            load: Load::Poisson { rate_rps: 1.0 },
+            seed: 9,
+            shared: None,
+        };
+        let schedule = [(0.0, 5.0), (100.0, 20.0)];
+        let times = w.scheduled_arrivals_s(4000, &schedule);
+        assert_eq!(times[0], 0.0);
+        assert!(times.windows(2).all(|p| p[0] <= p[1]), "in time order");
+        let first = times.iter().filter(|&&t| t < 100.0).count() as f64;
+        let second = times.iter().filter(|&&t| (100.0..200.0).contains(&t)).count() as f64;
+        assert!((first / 500.0 - 1.0).abs() < 0.1, "{first} in the first 100 s");
+        assert!((second / 2000.0 - 1.0).abs() < 0.1, "{second} in the next 100 s");
+        assert_eq!(w.scheduled_arrivals_s(10, &schedule), times[..10], "prefix-stable");
     }
 
     /// Gamma gaps keep the asked mean rate and coefficient of variation.
