@@ -378,12 +378,16 @@ mod tests {
                 let mut y = vec![0u8; ty.block_bytes() as usize];
                 quantize(ty, &x, &mut y).unwrap();
                 prop_assert_eq!(&y, &reference, "{}", ty);
-                // Round trip: within half a step of the block's scale.
+                // Round trip: within half a step of the block's scale. Q4_0's codes reach
+                // 8 steps on the side of the largest magnitude and only 7 on the other,
+                // so a value beyond 7 steps there saturates (as in ggml).
                 let mut back = vec![0.0f32; 32];
                 ty.dequantize(&y, &mut back);
                 let d = f16::from_le_bytes([y[0], y[1]]).to_f32().abs();
                 for (a, b) in x.iter().zip(&back) {
-                    prop_assert!((a - b).abs() <= d * 0.5 + d * 1e-3 + amax_ulp(&x), "{ty}: {a} vs {b} (d {d})");
+                    let saturated = if ty == GgmlType::Q4_0 { (a.abs() - 7.0 * d).max(0.0) } else { 0.0 };
+                    let bound = d * 0.5 + d * 1e-3 + amax_ulp(&x) + saturated;
+                    prop_assert!((a - b).abs() <= bound, "{ty}: {a} vs {b} (d {d})");
                 }
             }
         }
