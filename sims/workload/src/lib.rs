@@ -89,28 +89,31 @@ impl Workload {
     /// load (the first at 0); empty for a closed loop, whose releases follow completions.
     pub fn arrivals_s(&self, n: usize) -> Vec<f64> {
         let Load::Poisson { rate_rps } = self.load else { return Vec::new() };
-        let mut rng = SeededRng::new(self.seed ^ 0x4152_5249_5641_4C53);
-        let mut t = 0.0;
-        (0..n)
-            .map(|_| {
-                let at = t;
-                t += rng.exponential(rate_rps);
-                at
-            })
-            .collect()
+        self.times_after_gaps(n, |rng| rng.exponential(rate_rps))
     }
 
     /// Release times in seconds of `n` requests whose gaps are gamma distributed with mean
     /// `1 / rate_rps` and coefficient of variation `cv` (1 is Poisson; above 1, bursts), the
     /// first at 0; from the same stream as [`Self::arrivals_s`], so prefix-stable in `n`.
     pub fn gamma_arrivals_s(&self, n: usize, rate_rps: f64, cv: f64) -> Vec<f64> {
-        let mut rng = SeededRng::new(self.seed ^ 0x4152_5249_5641_4C53);
         let shape = 1.0 / (cv * cv);
+        self.times_after_gaps(n, |rng| rng.gamma(shape) / (shape * rate_rps))
+    }
+
+    /// The stream every arrival process draws from: the arrivals' own, so that changing
+    /// lengths or warm-up leaves them alone.
+    fn arrivals_rng(&self) -> SeededRng {
+        SeededRng::new(self.seed ^ 0x4152_5249_5641_4C53)
+    }
+
+    /// `n` times, the first at 0, each the last plus a `gap` drawn from the arrivals' stream.
+    fn times_after_gaps(&self, n: usize, mut gap: impl FnMut(&mut SeededRng) -> f64) -> Vec<f64> {
+        let mut rng = self.arrivals_rng();
         let mut t = 0.0;
         (0..n)
             .map(|_| {
                 let at = t;
-                t += rng.gamma(shape) / (shape * rate_rps);
+                t += gap(&mut rng);
                 at
             })
             .collect()
@@ -121,7 +124,7 @@ impl Workload {
     /// order, each held until the next (the last for ever); the first request at 0. Exact:
     /// unit-rate exponential gaps mapped through the inverse of the cumulative rate.
     pub fn scheduled_arrivals_s(&self, n: usize, schedule: &[(f64, f64)]) -> Vec<f64> {
-        let mut rng = SeededRng::new(self.seed ^ 0x4152_5249_5641_4C53);
+        let mut rng = self.arrivals_rng();
         let (mut step, mut at_step, mut total) = (0, 0.0, 0.0);
         (0..n)
             .map(|_| {
@@ -229,16 +232,21 @@ mod tests {
         assert_eq!(plan, w.measured(60), "reproducible");
     }
 
-    /// A rate schedule's steps hold their rates: 5/s for 100 s, then 20/s.
-    #[test]
-    fn scheduled_arrivals_follow_their_steps() {
-        let w = Workload {
+    /// A workload for its arrival times alone.
+    fn arrivals_of(seed: u64) -> Workload {
+        Workload {
             isl: LengthDist::Fixed(1),
             osl: LengthDist::Fixed(1),
             load: Load::Poisson { rate_rps: 1.0 },
-            seed: 9,
+            seed,
             shared: None,
-        };
+        }
+    }
+
+    /// A rate schedule's steps hold their rates: 5/s for 100 s, then 20/s.
+    #[test]
+    fn scheduled_arrivals_follow_their_steps() {
+        let w = arrivals_of(9);
         let schedule = [(0.0, 5.0), (100.0, 20.0)];
         let times = w.scheduled_arrivals_s(4000, &schedule);
         assert_eq!(times[0], 0.0);
@@ -253,13 +261,7 @@ mod tests {
     /// Gamma gaps keep the asked mean rate and coefficient of variation.
     #[test]
     fn gamma_arrivals_have_the_asked_rate_and_burstiness() {
-        let w = Workload {
-            isl: LengthDist::Fixed(1),
-            osl: LengthDist::Fixed(1),
-            load: Load::Poisson { rate_rps: 1.0 },
-            seed: 4,
-            shared: None,
-        };
+        let w = arrivals_of(4);
         for (rate, cv) in [(10.0, 0.5), (10.0, 1.0), (4.0, 3.0)] {
             let times = w.gamma_arrivals_s(40_000, rate, cv);
             let gaps: Vec<f64> = times.windows(2).map(|p| p[1] - p[0]).collect();
