@@ -2,6 +2,11 @@ use super::*;
 use crate::msg::ChipReport;
 use crate::msg::Role::{self, Both, Decode, Prefill};
 
+/// A `Route` from request `id` (its actor at host 0, 5000 + `id`).
+fn ask(id: u64, tokens: usize, prompt_tokens: usize, exclude: Vec<Addr>, prompt: Vec<u32>) -> Msg {
+    Msg::Route { request_id: id, req: Addr::new(HostId(0), 5000 + id), tokens, prompt_tokens, exclude, prompt }
+}
+
 fn chip(host: u16, n: u64, state: ChipState, load: usize) -> (Addr, ChipView) {
     let addr = Addr::new(HostId(host), n);
     let report = ChipReport {
@@ -45,15 +50,8 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     let mut router = Router::new(vec![c0.1.report.clone(), c1.1.report.clone()], 2).with_limits(limits);
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     router.on_start(&mut fx);
-    let req = |n| Addr::new(HostId(0), 5000 + n);
-    let route = |id: u64| Msg::Route {
-        request_id: id,
-        req: req(id),
-        tokens: 100,
-        prompt_tokens: 50,
-        exclude: vec![],
-        prompt: vec![],
-    };
+    let req = |n: u64| Addr::new(HostId(0), 5000 + n);
+    let route = |id: u64| ask(id, 100, 50, vec![], vec![]);
 
     router.handle(route(1), &mut fx);
     assert!(
@@ -95,15 +93,7 @@ fn requests_wait_for_starting_chips() {
     let c0 = chip(0, 16, ChipState::Starting, 0);
     let mut router = Router::new(vec![c0.1.report.clone()], 8);
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
-    let route = Msg::Route {
-        request_id: 1,
-        req: Addr::new(HostId(0), 5001),
-        tokens: 10,
-        prompt_tokens: 5,
-        exclude: vec![],
-        prompt: vec![],
-    };
-    router.handle(route, &mut fx);
+    router.handle(ask(1, 10, 5, vec![], vec![]), &mut fx);
     assert!(fx.take_sent().is_empty(), "it waits");
     let report = ChipReport { state: ChipState::Up, ..c0.1.report.clone() };
     router.handle(
@@ -319,15 +309,7 @@ fn observed_step_times_correct_the_model() {
     assert!(close(pace(1).decode_s(9.0), 0.1));
     assert!(close(pace(0).decode_step_s, 0.02 * 0.1 / 0.028), "chip 0 follows chip 1's decode factor");
     // Idle and equal: the chip seen fastest gets the prompt.
-    let route = Msg::Route {
-        request_id: 1,
-        req: Addr::new(HostId(0), 5001),
-        tokens: 120,
-        prompt_tokens: 100,
-        exclude: vec![],
-        prompt: vec![],
-    };
-    router.handle(route, &mut fx);
+    router.handle(ask(1, 120, 100, vec![], vec![]), &mut fx);
     let routed: Vec<Addr> = fx
         .take_sent()
         .into_iter()
@@ -372,14 +354,7 @@ fn breakers_and_the_waiting_queue() {
     let mut router = Router::new(reports.clone(), 64);
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     let (c0, c1) = (Addr::new(HostId(0), 16), Addr::new(HostId(1), 16));
-    let route = |id: u64, exclude: Vec<Addr>| Msg::Route {
-        request_id: id,
-        req: Addr::new(HostId(0), 5000 + id),
-        tokens: 20,
-        prompt_tokens: 10,
-        exclude,
-        prompt: vec![],
-    };
+    let route = |id: u64, exclude: Vec<Addr>| ask(id, 20, 10, exclude, vec![]);
     let routed = |fx: &mut TestFx| -> Vec<(u64, Addr)> {
         fx.take_sent()
             .into_iter()
@@ -481,14 +456,7 @@ fn kv_events_and_snapshots_steer_placement() {
         .map(|(i, hash)| KvEvent::Stored { seq: i as u64 + 1, hash })
         .collect();
     router.handle(Msg::KvEvents { chip: c1.0, incarnation: 1, events }, &mut fx);
-    let ask = |id: u64, prompt: Vec<u32>| Msg::Route {
-        request_id: id,
-        req: Addr::new(HostId(0), 5000 + id),
-        tokens: prompt.len() + 8,
-        prompt_tokens: prompt.len(),
-        exclude: vec![],
-        prompt,
-    };
+    let with_prompt = |id: u64, prompt: Vec<u32>| ask(id, prompt.len() + 8, prompt.len(), vec![], prompt);
     let routed = |fx: &mut TestFx| -> Vec<Addr> {
         fx.take_sent()
             .into_iter()
@@ -496,10 +464,10 @@ fn kv_events_and_snapshots_steer_placement() {
             .collect()
     };
     // A prompt after the system prompt goes to chip 1 (lowest address would be chip 0).
-    router.handle(ask(1, system.iter().copied().chain([50, 51]).collect()), &mut fx);
+    router.handle(with_prompt(1, system.iter().copied().chain([50, 51]).collect()), &mut fx);
     assert_eq!(routed(&mut fx), vec![c1.0]);
     // Another prompt entirely goes by load: chip 0.
-    router.handle(ask(2, vec![90, 91, 92, 93, 94]), &mut fx);
+    router.handle(with_prompt(2, vec![90, 91, 92, 93, 94]), &mut fx);
     assert_eq!(routed(&mut fx), vec![c0.0]);
     // Chip 1's heartbeat says 5 events; the router saw 3: a snapshot is asked for, and
     // until it comes chip 1's cache counts for nothing.
@@ -523,14 +491,7 @@ fn baseline_policies_place_as_documented() {
         v.report.kv_blocks_used = used;
         v.report
     };
-    let route = |id: u64, prompt: Vec<u32>| Msg::Route {
-        request_id: id,
-        req: Addr::new(HostId(0), 5000 + id),
-        tokens: prompt.len() + 4,
-        prompt_tokens: prompt.len(),
-        exclude: vec![],
-        prompt,
-    };
+    let route = |id: u64, prompt: Vec<u32>| ask(id, prompt.len() + 4, prompt.len(), vec![], prompt);
     let run = |policy: RouterPolicy, used: [usize; 3], ids: &[u64], prompt: &[u32]| -> Vec<u16> {
         let reports = vec![up(0, used[0]), up(1, used[1]), up(2, used[2])];
         let mut router = Router::new(reports, 64).with_block_size(4).with_policy(policy);
