@@ -335,7 +335,7 @@ fn check_spec(spec: &ClusterSpec) -> Result<(), TestCaseError> {
             prop_assert_eq!(emulated, &chip.kind);
             if let Some(kind) = kind {
                 // What the pacer turns into a Duration and adds to an Instant.
-                let step = perf::reference_step(kind, emu);
+                let step = emu.reference_step(kind);
                 prop_assert!(step.time_s.is_finite() && step.time_s <= perf::MAX_STEP_S);
                 let _ = Duration::from_secs_f64(step.time_s);
             }

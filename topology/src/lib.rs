@@ -10,11 +10,12 @@
 #![forbid(unsafe_code)]
 
 pub mod catalog;
+/// The performance models (`tessera-perf`), which chip kinds and pacing feed.
+pub use tessera_perf as perf;
 mod error;
 #[cfg(test)]
 mod fuzz_tests;
 mod local;
-pub mod perf;
 mod render;
 mod validate;
 
@@ -156,6 +157,24 @@ pub struct EmulationSpec {
     pub compute_efficiency: f64,
     /// Fraction of peak memory bandwidth a step achieves (MBU), 0.01 <= x <= 1 (default 0.8).
     pub memory_efficiency: f64,
+}
+
+impl EmulationSpec {
+    /// The efficiencies as a flat performance model (no curves, no overhead).
+    pub fn perf_model(&self) -> perf::PerfModel {
+        perf::PerfModel::flat(self.compute_efficiency, self.memory_efficiency)
+    }
+
+    /// How an emulated `kind` chip paces `step` of `model`: its roofline at these
+    /// efficiencies, times `time_scale`.
+    pub fn roofline(&self, kind: &ChipKind, model: &perf::ModelShape, step: &perf::StepShape) -> perf::Roofline {
+        perf::roofline(kind.roof(), model, step, &self.perf_model(), self.time_scale)
+    }
+
+    /// [`perf::reference_step`] on an emulated `kind` chip.
+    pub fn reference_step(&self, kind: &ChipKind) -> perf::Roofline {
+        perf::reference_step(kind.roof(), &self.perf_model(), self.time_scale)
+    }
 }
 
 impl Default for EmulationSpec {

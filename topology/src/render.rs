@@ -71,6 +71,9 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
     for kind in &spec.chip_kinds {
         write!(out, "  chip kind {} (from this file): ", kind.name)?;
         write_figures(out, kind)?;
+        if let Some(price) = &kind.price {
+            writeln!(out, "    ${}/h ({}; {})", price.usd_per_hour, price.confidence, price.source)?;
+        }
     }
     for host in &spec.hosts {
         writeln!(out, "  host {}: bus {}, events {}, transfer {}", host.name, host.bus, host.events, host.transfer)?;

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use toml::Spanned;
 
+use crate::catalog::Price;
 use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
@@ -125,6 +126,12 @@ struct RawChipKind {
     #[serde(default)]
     confidence: Option<Spanned<String>>,
     source: Spanned<String>,
+    #[serde(default)]
+    price_per_hour: Option<Spanned<f64>>,
+    #[serde(default)]
+    price_confidence: Option<Spanned<String>>,
+    #[serde(default)]
+    price_source: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -461,7 +468,7 @@ impl Checker<'_> {
         for (h, (raw_host, host)) in raw_hosts.iter().zip(hosts).enumerate() {
             for (c, (raw_chip, chip)) in raw_host.get_ref().chips.iter().zip(&host.chips).enumerate() {
                 let Some(kind) = chip.backend.emulated_kind().and_then(|name| context.kind(name)) else { continue };
-                let step = perf::reference_step(kind, emulation);
+                let step = emulation.reference_step(kind);
                 let paced_s = step.unscaled_s * emulation.time_scale;
                 if paced_s <= perf::MAX_STEP_S {
                     continue;
@@ -666,6 +673,41 @@ impl Checker<'_> {
                 tdp_w: figure(&raw_kind.tdp_w, "tdp_w", catalog::TDP_W_RANGE, "W")?,
                 confidence: self.named(&raw_kind.confidence, &format!("{key}.confidence"), Confidence::Unconfirmed)?,
                 source: text(&Some(raw_kind.source.clone()), "source", "")?,
+                price: match (&raw_kind.price_per_hour, &raw_kind.price_source) {
+                    (None, None) => {
+                        if let Some(confidence) = &raw_kind.price_confidence {
+                            return Err(self.err(
+                                confidence.span(),
+                                format!("{key}.price_confidence"),
+                                "is set without price_per_hour",
+                            ));
+                        }
+                        None
+                    }
+                    (Some(price), Some(source)) => Some(Price {
+                        usd_per_hour: figure(price, "price_per_hour", catalog::PRICE_USD_PER_HOUR_RANGE, "$/h")?,
+                        confidence: self.named(
+                            &raw_kind.price_confidence,
+                            &format!("{key}.price_confidence"),
+                            Confidence::Unconfirmed,
+                        )?,
+                        source: text(&Some(source.clone()), "price_source", "")?,
+                    }),
+                    (Some(price), None) => {
+                        return Err(self.err(
+                            price.span(),
+                            format!("{key}.price_per_hour"),
+                            "needs price_source: where the price comes from (a quote, a contract, or \"estimate\")",
+                        ));
+                    }
+                    (None, Some(source)) => {
+                        return Err(self.err(
+                            source.span(),
+                            format!("{key}.price_source"),
+                            "is set without price_per_hour",
+                        ));
+                    }
+                },
                 name,
             });
             first_lines.push(self.line_of(&raw_kind.name.span()));

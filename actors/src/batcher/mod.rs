@@ -15,6 +15,7 @@ use crate::kv::{BlockRef, KvPool, chained_block_hash};
 use crate::msg::{Finish, SamplingSpec, SeqRequest};
 use std::collections::{HashSet, VecDeque};
 use tessera_actor_core::Addr;
+use tessera_topology::perf::{SeqStep, StepShape};
 
 /// Limits of one chip's steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +140,17 @@ pub struct StepPlan {
 impl StepPlan {
     pub fn tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// The step as the performance models cost it.
+    pub fn shape(&self) -> StepShape {
+        StepShape {
+            seqs: self
+                .seqs
+                .iter()
+                .map(|s| SeqStep { new_tokens: s.tokens.len(), context: s.start_pos + s.tokens.len() })
+                .collect(),
+        }
     }
 }
 

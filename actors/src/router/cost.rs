@@ -62,8 +62,7 @@ impl Pace {
     /// The roofline pace of the reference model on `kind`, derated and scaled by `emu`
     /// (an emulated chip's pacing; a real chip passes a time scale of 1).
     pub fn modelled(kind: &ChipKind, emu: &EmulationSpec) -> Pace {
-        let model = perf::REFERENCE_MODEL;
-        let step = |shape: StepShape| perf::roofline(kind, &model, &shape, emu).time_s;
+        let step = |shape: StepShape| emu.roofline(kind, &perf::REFERENCE_MODEL, &shape).time_s;
         let prefill_tokens = 512;
         let one = step(StepShape::decode(1, PACE_CONTEXT));
         let nine = step(StepShape::decode(9, PACE_CONTEXT));

@@ -39,7 +39,7 @@ use tessera_backends::model::{LoadOptions, LogitsWanted, Model, SeqChunk};
 use tessera_backends::sampling::{Sampler, SamplingParams};
 use tessera_runtime::actor::JobCtx;
 use tessera_runtime::transfer::{Assignment, EndpointDesc, Region, RegionDesc, TransferEngine};
-use tessera_topology::perf::{ModelShape, SeqStep, StepShape, roofline};
+use tessera_topology::perf::ModelShape;
 use tessera_topology::{ChipKind, EmulationSpec};
 
 /// The transfer engine's descriptor of a region as the behaviors carry it in messages.
@@ -312,14 +312,7 @@ impl ModelExecutor {
     /// The roofline time of `plan` on the emulated chip, if this chip emulates one.
     fn paced_time(&self, plan: &StepPlan) -> Option<Duration> {
         let (emu, shape) = self.emulation.as_ref()?;
-        let step = StepShape {
-            seqs: plan
-                .seqs
-                .iter()
-                .map(|s| SeqStep { new_tokens: s.tokens.len(), context: s.start_pos + s.tokens.len() })
-                .collect(),
-        };
-        let r = roofline(&emu.kind, shape, &step, &emu.spec);
+        let r = emu.spec.roofline(&emu.kind, shape, &plan.shape());
         Some(Duration::from_secs_f64(r.time_s))
     }
 }

@@ -1,6 +1,7 @@
 //! A modelled chip: a [`StepExecutor`] that computes nothing and declares, as each job's
-//! model time, what the roofline model (`tessera_topology::perf`, the one emulated chips
-//! are paced by) predicts for the chip's kind and the model's shape. A KV hand-off
+//! model time, what the performance model (`tessera-perf`, the one emulated chips are
+//! paced by) predicts for the chip's kind and the model's shape: the topology's flat
+//! efficiencies, or the kind's calibrated model when the scenario names one. A KV hand-off
 //! installed from another chip takes the link model's time. Sampling is a hash of the
 //! last token and its position, so a request replayed on another chip continues exactly
 //! where it was, and it never yields an end-of-sequence token: every request runs to its
@@ -13,8 +14,8 @@ use tessera_actor_core::JobCtx;
 use tessera_actors::batcher::StepPlan;
 use tessera_actors::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use tessera_actors::msg::{ChipInfo, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome};
-use tessera_topology::perf::{ModelShape, SeqStep, StepShape, roofline};
-use tessera_topology::{Backend, ChipKind, ChipSpec, ClusterSpec, EmulationSpec};
+use tessera_topology::perf::{Link, ModelShape, PerfModel, Roof, roofline};
+use tessera_topology::{Backend, ChipSpec, ClusterSpec};
 
 use crate::model::SimModel;
 use crate::scenario::Network;
@@ -51,15 +52,17 @@ impl Links {
     /// within a host (the slower end's, one direction: half the quoted bidirectional
     /// figure), the scenario's network between hosts, plus the network's latency.
     pub fn transfer_time(&self, from: usize, to: usize, bytes: u64) -> Duration {
-        let (Some(&(from_host, from_gbs)), Some(&(to_host, to_gbs))) = (self.chips.get(from), self.chips.get(to))
-        else {
-            return self.network.kv_latency + secs(bytes as f64 / (self.network.kv_bandwidth_gbs * 1e9));
+        let network =
+            Link { bandwidth_gbs: self.network.kv_bandwidth_gbs, latency_s: self.network.kv_latency.as_secs_f64() };
+        let link = match (self.chips.get(from), self.chips.get(to)) {
+            (Some(&(from_host, from_gbs)), Some(&(to_host, to_gbs)))
+                if from_host == to_host && from_gbs > 0.0 && to_gbs > 0.0 =>
+            {
+                Link { bandwidth_gbs: from_gbs.min(to_gbs) / 2.0, latency_s: 0.0 }
+            }
+            _ => network,
         };
-        if from_host == to_host && from_gbs > 0.0 && to_gbs > 0.0 {
-            secs(bytes as f64 / (from_gbs.min(to_gbs) / 2.0 * 1e9))
-        } else {
-            self.network.kv_latency + secs(bytes as f64 / (self.network.kv_bandwidth_gbs * 1e9))
-        }
+        secs(link.transfer_s(bytes))
     }
 }
 
@@ -72,21 +75,21 @@ fn secs(s: f64) -> Duration {
 pub struct ModelledChip {
     /// This chip's number in topology order.
     index: usize,
-    kind: ChipKind,
-    /// The roofline's efficiencies and time scale (see [`pacing`]).
-    pacing: EmulationSpec,
+    roof: Roof,
+    perf: PerfModel,
+    /// An emulated chip's pacing scale; 1 for any other (see [`time_scale`]).
+    time_scale: f64,
     shape: ModelShape,
     vocab: u64,
     links: Arc<Links>,
 }
 
 /// How a chip of `backend` is timed: an emulated chip (`emu:KIND`) as the real node
-/// paces it, time scale included; any other at its kind's unscaled roofline with the
-/// topology's efficiencies.
-pub fn pacing(spec: &ClusterSpec, backend: &Backend) -> EmulationSpec {
+/// paces it, time scale included; any other at its kind's unscaled model.
+pub fn time_scale(spec: &ClusterSpec, backend: &Backend) -> f64 {
     match backend {
-        Backend::Emu(_) => spec.emulation,
-        Backend::Cpu | Backend::Plugin(_) => EmulationSpec { time_scale: 1.0, ..spec.emulation },
+        Backend::Emu(_) => spec.emulation.time_scale,
+        Backend::Cpu | Backend::Plugin(_) => 1.0,
     }
 }
 
@@ -97,9 +100,10 @@ pub fn modelled_chip(
     index: usize,
     host_name: &str,
     model: &SimModel,
+    perf: PerfModel,
     links: Arc<Links>,
 ) -> Result<(ExecutorFactory, ChipInfo), ChipModelError> {
-    let kind = spec.chip_kind(&chip.kind).ok_or_else(|| ChipModelError::UnknownKind(chip.kind.clone()))?.clone();
+    let kind = spec.chip_kind(&chip.kind).ok_or_else(|| ChipModelError::UnknownKind(chip.kind.clone()))?;
     let shape = model.shape(chip.kv_dtype);
     let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
     let rest = memory
@@ -124,7 +128,7 @@ pub fn modelled_chip(
         layout: chip.kv_layout,
         dtype: chip.kv_dtype,
     };
-    let pacing = pacing(spec, &chip.backend);
+    let time_scale = time_scale(spec, &chip.backend);
     // No memory behind it: it names the chip, so that its decode chips know where the
     // KV comes from.
     let staging = KvRegionDesc {
@@ -137,14 +141,15 @@ pub fn modelled_chip(
         format,
         compat: model.compat(),
         staging: Some(staging),
-        emulated: Some(format!("{} (simulated, x{})", kind.name, pacing.time_scale)),
+        emulated: Some(format!("{} (simulated, x{time_scale})", kind.name)),
         num_blocks,
         block_size: chip.block_size,
         max_context: c.max_context,
         vocab_size: c.vocab_size,
         eos_token_ids: Vec::new(),
     };
-    let exec = ModelledChip { index, kind, pacing, shape, vocab: c.vocab_size.max(1) as u64, links };
+    let exec =
+        ModelledChip { index, roof: kind.roof(), perf, time_scale, shape, vocab: c.vocab_size.max(1) as u64, links };
     let ready = info.clone();
     let factory: ExecutorFactory =
         Arc::new(move || Ok((Box::new(exec.clone()) as Box<dyn StepExecutor>, ready.clone())));
@@ -154,14 +159,7 @@ pub fn modelled_chip(
 impl ModelledChip {
     /// The roofline time of `plan` on this chip.
     pub fn step_time(&self, plan: &StepPlan) -> Duration {
-        let step = StepShape {
-            seqs: plan
-                .seqs
-                .iter()
-                .map(|s| SeqStep { new_tokens: s.tokens.len(), context: s.start_pos + s.tokens.len() })
-                .collect(),
-        };
-        secs(roofline(&self.kind, &self.shape, &step, &self.pacing).time_s)
+        secs(roofline(self.roof, &self.shape, &plan.shape(), &self.perf, self.time_scale).time_s)
     }
 }
 
@@ -227,17 +225,19 @@ mod tests {
         let Ok(model) = SimModel::of(&spec, std::path::Path::new(".")) else { panic!("builtin:tiny") };
         let links = Arc::new(Links::new(&spec, Network::default()));
         let chips: Vec<_> = spec.chips().map(|(_, h, c)| (h.name.clone(), c.clone())).collect();
-        let made = |i: usize| modelled_chip(&spec, &chips[i].1, i, &chips[i].0, &model, links.clone());
+        let flat = spec.emulation.perf_model();
+        let made = |i: usize| modelled_chip(&spec, &chips[i].1, i, &chips[i].0, &model, flat, links.clone());
         let (Ok((_, ascend)), Ok((_, metax))) = (made(0), made(1)) else { panic!("default chips") };
         assert_eq!(ascend.format.block_size, 16);
         assert_eq!(metax.format.block_size, 32);
         assert!(ascend.num_blocks > 0 && ascend.compat == metax.compat);
 
-        let kind = |n: &str| spec.chip_kind(n).cloned().unwrap_or_else(|| panic!("{n}"));
+        let kind = |n: &str| spec.chip_kind(n).unwrap_or_else(|| panic!("{n}"));
         let chip = |k: &str| ModelledChip {
             index: 0,
-            kind: kind(k),
-            pacing: spec.emulation,
+            roof: kind(k).roof(),
+            perf: flat,
+            time_scale: spec.emulation.time_scale,
             shape: model.shape(tessera_topology::DType::F32),
             vocab: 1024,
             links: links.clone(),

@@ -30,6 +30,7 @@ use tessera_actor_core::{Addr, Behavior, Effects, HostId, Moment};
 use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Fault, Msg, SamplingSpec};
 use tessera_topology::TopologyError;
+use tessera_topology::perf::Power;
 use tessera_workload::{Load, Workload};
 
 use chip::{ChipModelError, Links, modelled_chip};
@@ -88,7 +89,8 @@ pub fn run_with_progress(
         // The very builder the real node uses, with modelled executors.
         let built = build_host(spec, &host.name, 1, |h, c| {
             let n = numbers.get(c.id.as_str()).copied().unwrap_or(0);
-            modelled_chip(spec, c, n, &h.name, &model, links.clone()).map(|(factory, _)| factory)
+            let perf = scenario.perf_model(&c.kind);
+            modelled_chip(spec, c, n, &h.name, &model, perf, links.clone()).map(|(factory, _)| factory)
         })
         .map_err(|source| SimError::Build { topology: spec.source.clone(), source })?;
         for (actor, behavior) in built.actors {
@@ -316,10 +318,9 @@ fn report(
     let failed = failures.values().sum();
     let span_s = span.as_secs_f64();
     let per_s = |x: f64| if span_s > 0.0 { x / span_s } else { 0.0 };
-    let tdp_w = |id: &str| {
-        let chip = scenario.topology.chips().find(|(_, _, c)| c.id == id).map(|(_, _, c)| c)?;
-        scenario.topology.chip_kind(&chip.kind).map(|k| k.tdp_w)
-    };
+    let kind_of = |id: &str| scenario.topology.chips().find(|(_, _, c)| c.id == id).map(|(_, _, c)| c.kind.as_str());
+    let power = |id: &str| scenario.topology.chip_kind(kind_of(id)?).map(|k| Power::from_tdp(k.tdp_w));
+    let price = |id: &str| scenario.price(kind_of(id)?);
     let share = |s: f64| if span_s > 0.0 { (s / span_s).min(1.0) } else { 0.0 };
     let chips: Vec<report::ChipEnd> = view
         .iter()
@@ -337,11 +338,15 @@ fn report(
             prefix_reused_tokens: c.prefix_reused_tokens,
             busy_prefill: share(c.busy_prefill_s),
             busy_decode: share(c.busy_decode_s),
-            energy_j: tdp_w(&c.id).map(|w| report::POWER.energy_j(w, c.busy_prefill_s, c.busy_decode_s, span_s)),
+            energy_j: power(&c.id).map(|p| p.energy_j(c.busy_prefill_s, c.busy_decode_s, span_s)),
+            usd: price(&c.id).map(|usd_per_hour| usd_per_hour * span_s / 3600.0),
         })
         .collect();
     let energy_j: Option<f64> = chips.iter().map(|c| c.energy_j).sum();
     let kwh_per_10k_requests = energy_j.filter(|_| completed > 0).map(|j| j / 3.6e6 * 1e4 / completed as f64);
+    // Every chip of the topology is paid for, whether or not the router saw it at the end.
+    let usd_per_hour: Option<f64> = scenario.topology.chips().map(|(_, _, c)| scenario.price(&c.kind)).sum();
+    let usd = usd_per_hour.map(|h| h * span_s / 3600.0).filter(|usd| *usd > 0.0);
     Report {
         scenario: scenario.source.clone(),
         seed,
@@ -367,6 +372,9 @@ fn report(
         kv_blocks_used_at_end: view.iter().map(|c| c.kv_blocks_used).sum(),
         prefix_hit_rate: report::hit_rate(&chips),
         kwh_per_10k_requests,
+        usd_per_hour,
+        usd_per_million_output_tokens: usd.filter(|_| output_tokens > 0).map(|usd| usd / output_tokens as f64 * 1e6),
+        slo_met_per_usd: usd.map(|usd| slo_met as f64 / usd),
         timeline: Vec::new(),
         faults: scenario
             .faults

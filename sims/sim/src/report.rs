@@ -56,31 +56,12 @@ pub struct ChipEnd {
     /// decode-only steps (model time over the run's simulated time).
     pub busy_prefill: f64,
     pub busy_decode: f64,
-    /// Energy over the run, from its kind's board power by phase ([`PowerModel`]);
-    /// `None` for a kind of no known power.
+    /// Energy over the run, from its kind's board power by phase
+    /// ([`tessera_topology::perf::Power::from_tdp`]); `None` for a kind of no known power.
     pub energy_j: Option<f64>,
-}
-
-/// A chip's power by phase as shares of its board power (TDP).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PowerModel {
-    pub prefill: f64,
-    pub decode: f64,
-    pub idle: f64,
-}
-
-/// Prefill at the board power and decode at 0.58 of it: Splitwise's measured per-GPU
-/// power (A100 prompt 400 W / token 250 W, H100 700 W / 380 W; the token phase's share
-/// is their mean). Idle at 0.25 of it is an estimate (no public figure was found).
-pub const POWER: PowerModel = PowerModel { prefill: 1.0, decode: 0.58, idle: 0.25 };
-
-impl PowerModel {
-    /// Joules of a chip of `tdp_w` watts busy `prefill_s` and `decode_s` seconds of a
-    /// run of `span_s` seconds (idle the rest).
-    pub fn energy_j(&self, tdp_w: f64, prefill_s: f64, decode_s: f64, span_s: f64) -> f64 {
-        let idle_s = (span_s - prefill_s - decode_s).max(0.0);
-        tdp_w * (self.prefill * prefill_s + self.decode * decode_s + self.idle * idle_s)
-    }
+    /// What the chip cost over the run at its kind's price; `None` for a kind of no
+    /// known price.
+    pub usd: Option<f64>,
 }
 
 /// One latency of a window (TTFT or end to end).
@@ -177,6 +158,13 @@ pub struct Report {
     /// Energy of every chip over the run, per 10,000 completed requests (`None` when a
     /// chip's power is not known or none completed).
     pub kwh_per_10k_requests: Option<f64>,
+    /// What the cluster costs an hour, at the scenario's or the catalog's prices
+    /// (`None` when a chip's price is not known; the catalog's are estimates).
+    pub usd_per_hour: Option<f64>,
+    /// The cluster's cost over the run per million output tokens.
+    pub usd_per_million_output_tokens: Option<f64>,
+    /// Requests within both SLOs per dollar: goodput per $.
+    pub slo_met_per_usd: Option<f64>,
     /// The faults injected, in time order.
     pub faults: Vec<FaultMark>,
     /// TTFT over time: the requests sent in each window of the run.
@@ -259,6 +247,14 @@ impl Report {
         let _ = writeln!(t, "KV blocks  {} still used at the end", self.kv_blocks_used_at_end);
         if let Some(kwh) = self.kwh_per_10k_requests {
             let _ = writeln!(t, "energy     {kwh:.3} kWh per 10,000 requests (board power by phase; idle estimated)");
+        }
+        if let (Some(hour), Some(per_m), Some(per_usd)) =
+            (self.usd_per_hour, self.usd_per_million_output_tokens, self.slo_met_per_usd)
+        {
+            let _ = writeln!(
+                t,
+                "cost       ${hour:.2}/h: ${per_m:.3} per million output tokens, {per_usd:.1} requests within SLO per $"
+            );
         }
         if let Some(hit) = self.prefix_hit_rate {
             let _ = writeln!(t, "prefix     hit rate {hit:.3} (prompt tokens reused from prefix caches)");

@@ -18,13 +18,19 @@
 //! bus_latency_us = 50     # a bus message between hosts
 //! kv_bandwidth_gbs = 12.5 # a KV hand-off between hosts
 //! kv_latency_us = 20
+//! [perf_models]           # optional: a chip kind's calibrated model (`tessera calibrate`)
+//! cpu = "cpu-calibrated.toml"
+//! [prices]                # optional: $ per chip-hour, instead of the catalog's
+//! ascend-910b = 4.0
 //! ```
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
+use tessera_topology::perf::PerfModel;
 use tessera_topology::{ClusterSpec, TopologyError};
 use tessera_workload::{LengthDist, SharedPrefix};
 use toml::Spanned;
@@ -52,6 +58,28 @@ pub struct Scenario {
     pub seed: u64,
     /// Faults to inject, in time order.
     pub faults: Vec<FaultAt>,
+    /// Calibrated performance models by chip kind (`[perf_models]`): chips of these
+    /// kinds are timed by them instead of the topology's flat efficiencies.
+    pub perf_models: BTreeMap<String, PerfModel>,
+    /// $ per chip-hour by chip kind (`[prices]`), over the catalog's.
+    pub prices: BTreeMap<String, f64>,
+}
+
+impl Scenario {
+    /// How chips of `kind` are timed: its calibrated model, else the topology's flat
+    /// efficiencies.
+    pub fn perf_model(&self, kind: &str) -> PerfModel {
+        self.perf_models.get(kind).copied().unwrap_or_else(|| self.topology.emulation.perf_model())
+    }
+
+    /// $ per hour of a chip of `kind`: the scenario's price, else the catalog's (or the
+    /// topology's `[[chip_kinds]]` entry's); `None` when neither has one.
+    pub fn price(&self, kind: &str) -> Option<f64> {
+        self.prices
+            .get(kind)
+            .copied()
+            .or_else(|| self.topology.chip_kind(kind).and_then(|k| k.price.as_ref()).map(|p| p.usd_per_hour))
+    }
 }
 
 /// A fault at `at_s` seconds after the workload starts (`[[faults]]`).
@@ -153,6 +181,10 @@ struct RawScenario {
     network: Option<Spanned<RawNetwork>>,
     #[serde(default)]
     faults: Vec<Spanned<RawFault>>,
+    #[serde(default)]
+    perf_models: BTreeMap<String, Spanned<String>>,
+    #[serde(default)]
+    prices: BTreeMap<String, Spanned<toml::Value>>,
 }
 
 #[derive(Deserialize)]
@@ -304,7 +336,54 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
         }
     }
     let faults = faults(&raw.faults, &topology, &at)?;
-    Ok(Scenario { source: source.into(), topology, base_dir: dir.to_path_buf(), workload, slo, network, seed, faults })
+    let known_kind = |kind: &str, key: &str, span: Range<usize>| match topology.chip_kind(kind) {
+        Some(_) => Ok(()),
+        None => {
+            let kinds: Vec<&str> = tessera_topology::catalog::kinds()
+                .iter()
+                .chain(&topology.chip_kinds)
+                .map(|k| k.name.as_str())
+                .collect();
+            Err(at(span, key, format!("no chip kind `{kind}`; kinds: {}", kinds.join(", "))))
+        }
+    };
+    let mut perf_models = BTreeMap::new();
+    for (kind, file) in &raw.perf_models {
+        let key = format!("perf_models.{kind}");
+        known_kind(kind, &key, file.span())?;
+        let model = read_perf_model(&dir.join(file.get_ref())).map_err(|why| at(file.span(), &key, why))?;
+        perf_models.insert(kind.clone(), model);
+    }
+    let mut prices = BTreeMap::new();
+    for (kind, price) in &raw.prices {
+        let key = format!("prices.{kind}");
+        known_kind(kind, &key, price.span())?;
+        let range = tessera_topology::catalog::PRICE_USD_PER_HOUR_RANGE;
+        let usd = number(price, &key, |x| range.contains(&x), "a price from 0.0001 to 100000 $/h", &at)?;
+        prices.insert(kind.clone(), usd);
+    }
+    Ok(Scenario {
+        source: source.into(),
+        topology,
+        base_dir: dir.to_path_buf(),
+        workload,
+        slo,
+        network,
+        seed,
+        faults,
+        perf_models,
+        prices,
+    })
+}
+
+/// A performance model file, as `tessera calibrate --out` writes it, checked.
+pub fn read_perf_model(path: &Path) -> Result<PerfModel, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read performance model {}: {e}", path.display()))?;
+    let model: PerfModel =
+        toml::from_str(&text).map_err(|e| format!("{}: not a performance model: {}", path.display(), e.message()))?;
+    model.check().map_err(|why| format!("{}: {why}", path.display()))?;
+    Ok(model)
 }
 
 /// The `[workload]` table (`span`): a trace file's requests (relative to `dir`), or

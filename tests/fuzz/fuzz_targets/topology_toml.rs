@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
             for (_, _, chip) in spec.chips() {
                 let kind = spec.chip_kind(&chip.kind).expect("every chip's kind resolves");
                 if let Backend::Emu(_) = chip.backend {
-                    let step = perf::reference_step(kind, &spec.emulation);
+                    let step = spec.emulation.reference_step(kind);
                     assert!(step.time_s.is_finite() && step.time_s <= perf::MAX_STEP_S);
                     let _ = Duration::from_secs_f64(step.time_s);
                 }
