@@ -363,8 +363,14 @@ struct BenchEngineArgs {
 
 #[derive(Args)]
 struct SimArgs {
-    /// The scenario TOML (see sims/scenarios/).
-    scenario: PathBuf,
+    /// The scenario TOML (see sims/scenarios/). Several (or --rate with several rates)
+    /// run one after another and print one comparison table.
+    #[arg(required = true, value_name = "SCENARIO")]
+    scenarios: Vec<PathBuf>,
+    /// Run at these arrival rates (requests/s, comma-separated) instead of the
+    /// scenario's own `rate_rps`.
+    #[arg(long, value_delimiter = ',', value_name = "RPS")]
+    rate: Vec<f64>,
     /// Seed of the workload (default: the scenario's `seed`).
     #[arg(long)]
     seed: Option<u64>,
@@ -499,9 +505,20 @@ fn main() {
 }
 
 fn sim(args: SimArgs) -> Result<()> {
-    // The error already names the file, line, column and key.
-    let scenario = tessera_sim::load(&args.scenario)?;
-    if !scenario.faults.is_empty() {
+    // Every scenario is read (and every rate applied) before the first runs: a typo in
+    // the last file fails at once. The errors name the file, line, column and key.
+    let mut runs = Vec::new();
+    for path in &args.scenarios {
+        let scenario = tessera_sim::load(path)?;
+        if args.rate.is_empty() {
+            runs.push(scenario);
+        } else {
+            for &rate in &args.rate {
+                runs.push(scenario.at_rate(rate).map_err(anyhow::Error::msg)?);
+            }
+        }
+    }
+    if runs.iter().any(|s| !s.faults.is_empty()) {
         // A scheduled chip crash is a worker panic by design: not worth a backtrace.
         let default = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
@@ -511,6 +528,31 @@ fn sim(args: SimArgs) -> Result<()> {
             }
         }));
     }
+    if let [scenario] = &runs[..] {
+        return sim_one(scenario, &args);
+    }
+    if args.plot.is_some() {
+        bail!("--plot draws one run; give one scenario and at most one rate");
+    }
+    let mut reports = Vec::with_capacity(runs.len());
+    for (i, scenario) in runs.iter().enumerate() {
+        eprintln!("run {}/{}: {} at {} req/s", i + 1, runs.len(), scenario.source, scenario.workload.rate_rps);
+        let (report, speed) = tessera_sim::run(scenario, args.seed)?;
+        eprintln!(
+            "  simulated {:.1} s in {:.1} s of wall time ({:.0} events/s)",
+            report.simulated_s, speed.wall_s, speed.events_per_s
+        );
+        reports.push(report);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+    } else {
+        print!("{}", tessera_sim::report::comparison(&reports));
+    }
+    Ok(())
+}
+
+fn sim_one(scenario: &tessera_sim::Scenario, args: &SimArgs) -> Result<()> {
     // A progress bar on a terminal, and not over JSON (it draws on stderr).
     let bar = if std::io::stderr().is_terminal() && !args.json {
         let style = indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} requests ended ({elapsed})")
@@ -519,7 +561,7 @@ fn sim(args: SimArgs) -> Result<()> {
     } else {
         indicatif::ProgressBar::hidden()
     };
-    let (report, speed) = tessera_sim::run_with_progress(&scenario, args.seed, &mut |ended, requests| {
+    let (report, speed) = tessera_sim::run_with_progress(scenario, args.seed, &mut |ended, requests| {
         bar.set_length(requests as u64);
         bar.set_position(ended as u64);
     })?;

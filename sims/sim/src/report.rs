@@ -288,6 +288,35 @@ impl Report {
     }
 }
 
+/// Runs side by side, one Markdown table row each: chips, cost, rate, goodput, goodput
+/// per dollar, TTFT and TPOT p50/p99, energy, failures.
+pub fn comparison(reports: &[Report]) -> String {
+    let mut t = String::from(
+        "| scenario | chips | $/h | rate req/s | goodput req/s | SLO-met req per $ | TTFT p50 / p99 ms | TPOT p50 / p99 ms \
+         | kWh / 10k req | failed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let or_dash = |x: Option<String>| x.unwrap_or_else(|| "-".into());
+    let pair = |l: Option<Latency>| or_dash(l.map(|l| format!("{:.0} / {:.0}", l.p50_ms, l.p99_ms)));
+    for r in reports {
+        let name =
+            std::path::Path::new(&r.scenario).file_stem().map_or(r.scenario.clone(), |s| s.display().to_string());
+        let _ = writeln!(
+            t,
+            "| {name} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} |",
+            r.chips.len(),
+            or_dash(r.usd_per_hour.map(|h| format!("{h:.2}"))),
+            r.rate_rps,
+            r.goodput_rps,
+            or_dash(r.slo_met_per_usd.map(|x| format!("{x:.0}"))),
+            pair(r.ttft),
+            pair(r.tpot),
+            or_dash(r.kwh_per_10k_requests.map(|k| format!("{k:.3}"))),
+            r.failed + r.unfinished,
+        );
+    }
+    t
+}
+
 impl Report {
     /// TTFT p99 and end-to-end p99 over the run's windows (by the time requests were
     /// sent) as an SVG line chart, with each fault marked where it happened.

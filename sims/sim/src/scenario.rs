@@ -66,6 +66,33 @@ pub struct Scenario {
 }
 
 impl Scenario {
+    /// The scenario with Poisson or gamma arrivals at `rate_rps` instead of its own
+    /// rate (a duration-sized workload then plans that rate's requests). A trace or a
+    /// rate schedule keeps its own timing, so it is refused.
+    pub fn at_rate(&self, rate_rps: f64) -> Result<Scenario, String> {
+        if !(rate_rps > 0.0 && rate_rps <= MAX_RATE_RPS) {
+            return Err(format!("a rate must be more than 0 and at most 1e6 requests/s, not {rate_rps}"));
+        }
+        match &self.workload.requests {
+            WorkloadRequests::Synthetic { schedule: None, size, .. } => {
+                if let WorkloadSize::DurationS(d) = size
+                    && rate_rps * d > MAX_REQUESTS as f64
+                {
+                    return Err(format!("{d} s at {rate_rps} req/s is more than {MAX_REQUESTS} requests"));
+                }
+                let mut at = self.clone();
+                at.workload.rate_rps = rate_rps;
+                Ok(at)
+            }
+            WorkloadRequests::Synthetic { schedule: Some(_), .. } => {
+                Err(format!("{}: its workload follows a rate_schedule; a rate cannot replace it", self.source))
+            }
+            WorkloadRequests::Trace(_) => {
+                Err(format!("{}: its workload replays a trace; a rate cannot replace it", self.source))
+            }
+        }
+    }
+
     /// How chips of `kind` are timed: its calibrated model, else the topology's flat
     /// efficiencies.
     pub fn perf_model(&self, kind: &str) -> PerfModel {
