@@ -6,6 +6,7 @@
 //! ```toml
 //! seed = 7
 //! topology = "../../topology/default.toml"   # relative to this file; or topology_toml = '''...'''
+//! colocated = true        # optional: every chip runs both phases, as `tessera up --colocated`
 //! [workload]
 //! rate_rps = 4.0          # Poisson arrivals
 //! requests = 200          # or duration_s = 60
@@ -202,6 +203,8 @@ struct RawScenario {
     topology: Option<Spanned<String>>,
     #[serde(default)]
     topology_toml: Option<Spanned<String>>,
+    #[serde(default)]
+    colocated: bool,
     workload: Spanned<RawWorkload>,
     slo: Spanned<RawSlo>,
     #[serde(default)]
@@ -324,6 +327,14 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
             ));
         }
     };
+
+    let mut topology = topology;
+    if raw.colocated {
+        // As `tessera up --colocated`: the same chips, every one running both phases.
+        for chip in topology.hosts.iter_mut().flat_map(|h| h.chips.iter_mut()) {
+            chip.role = tessera_topology::Role::Both;
+        }
+    }
 
     let workload = workload(raw.workload.get_ref(), raw.workload.span(), dir, &at)?;
 

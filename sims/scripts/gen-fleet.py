@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Writes the fleet scenarios of sims/scenarios/fleet/ (a topology this size is data,
+not something to write by hand): chips of several kinds, eight of one kind per host,
+each kind in one role, under one open-loop workload on a 7B-class model.
+
+usage: sims/scripts/gen-fleet.py   (rewrites fleet-1000.toml and fleet-32.toml)
+"""
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "..", "scenarios", "fleet")
+
+# (kind, role, chips): compute-rich kinds prefill, bandwidth-rich ones decode, the
+# H200 does both.
+FLEET_1000 = [
+    ("nvidia-h100", "prefill", 160),
+    ("ascend-910b", "prefill", 160),
+    ("nvidia-h200", "both", 120),
+    ("nvidia-a100", "decode", 200),
+    ("metax-c500", "decode", 200),
+    ("cambricon-mlu370", "decode", 160),
+]
+FLEET_32 = [
+    ("nvidia-h100", "prefill", 8),
+    ("ascend-910b", "prefill", 8),
+    ("nvidia-a100", "decode", 8),
+    ("metax-c500", "decode", 8),
+]
+
+
+def scenario(name, fleet, rate, duration_s, about):
+    chips = sum(n for _, _, n in fleet)
+    kinds = len(fleet)
+    lines = [
+        f"# {about}",
+        f"# {chips} chips of {kinds} kinds, 8 per host; written by sims/scripts/gen-fleet.py.",
+        f"# Run it with `tessera sim sims/scenarios/fleet/{name}.toml`.",
+        "seed = 1",
+        "topology_toml = '''",
+        "[cluster]",
+        f'name = "{name}"',
+        "# Llama-2-7B's shape (config.json only), f16 weights and KV.",
+        'model = "../../models/llama-2-7b"',
+        'dtype = "f16"',
+        'kv_dtype = "f16"',
+        "",
+        "[gateway]",
+        'host = "h0"',
+        "max_inflight_requests = 65536",
+        "",
+        "[router]",
+        "max_queued_requests = 65536",
+        "max_waiting_requests = 65536",
+    ]
+    host = 0
+    for kind, role, n in fleet:
+        for first in range(0, n, 8):
+            lines += ["", "[[hosts]]", f'name = "h{host}"', f'bus = "127.0.{host // 200}.{host % 200 + 1}:7000"']
+            for c in range(first, min(first + 8, n)):
+                lines += [
+                    "",
+                    "[[hosts.chips]]",
+                    f'id = "{kind}-{c}"',
+                    f'kind = "{kind}"',
+                    'backend = "cpu"',
+                    f'role = "{role}"',
+                    "max_batch_tokens = 2048",
+                    "max_batch_seqs = 256",
+                ]
+            host += 1
+    lines += [
+        "'''",
+        "",
+        "[workload]",
+        'arrivals = "poisson"',
+        f"rate_rps = {rate}",
+        f"duration_s = {duration_s}",
+        'isl = "normal:1024,256"',
+        'osl = "normal:256,64"',
+        "",
+        "[slo]",
+        "ttft_ms = 1000",
+        "tpot_ms = 50",
+        "",
+        "[network]",
+        "kv_bandwidth_gbs = 25.0",
+        "kv_latency_us = 10",
+        "",
+    ]
+    with open(os.path.join(OUT, f"{name}.toml"), "w") as f:
+        f.write("\n".join(lines))
+
+
+os.makedirs(OUT, exist_ok=True)
+scenario(
+    "fleet-1000",
+    FLEET_1000,
+    200.0,
+    3600,
+    "One simulated hour of 1,000 mixed chips at 200 requests/s (~1,024-token prompts, ~256-token answers): the simulator's speed benchmark.",
+)
+scenario(
+    "fleet-32",
+    FLEET_32,
+    64.0,
+    300,
+    "Five simulated minutes of 32 mixed chips at 64 requests/s: the simulator's small-cluster speed benchmark.",
+)

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The simulator beside the real cluster: runs `tessera up` on a topology (default: the
+# embedded default, an emulated 910B prefilling for an emulated C500) disaggregated and
+# `--colocated`, each under the same seeded open-loop workload with `tessera bench serve`,
+# and simulates both with the matching scenarios; prints TTFT and TPOT p50/p99 measured
+# and simulated, the error of each, and whether the simulator ranks the two setups as
+# the measurements do.
+#
+# usage: sims/scripts/sim-vs-real.sh [OUTDIR] [REPEATS]
+#   env: TESSERA (default target/release/tessera), REQUESTS (per run, default 200),
+#        SCENARIO (disaggregated; default sims/scenarios/default-poisson.toml),
+#        COLOCATED_SCENARIO (default sims/scenarios/default-colocated.toml),
+#        TOPOLOGY (what `up` runs; default: the embedded default, which the scenarios name).
+# The scenario's rate, lengths and seed drive bench serve too. Measured figures are the
+# median over REPEATS (default 3) runs of each setup, alternated.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+out=${1:-$(mktemp -d)}
+repeats=${2:-3}
+bin=${TESSERA:-$here/target/release/tessera}
+requests=${REQUESTS:-200}
+disagg=${SCENARIO:-$here/sims/scenarios/default-poisson.toml}
+colocated=${COLOCATED_SCENARIO:-$here/sims/scenarios/default-colocated.toml}
+topo=${TOPOLOGY:-}
+[ -x "$bin" ] || { echo "no tessera binary at $bin (cargo build --release, or set TESSERA)" >&2; exit 1; }
+mkdir -p "$out"
+key() { sed -n "s/^$1 = \"\{0,1\}\([^\"]*\)\"\{0,1\}.*/\1/p" "$disagg" | head -1; }
+rate=$(key rate_rps); isl=$(key isl); osl=$(key osl); seed=$(key seed)
+url=http://127.0.0.1:8000
+[ -n "$topo" ] && url=http://$(sed -n 's/^listen = "\(.*\)"/\1/p' "$topo" | head -1)
+
+measure() { # setup repeat
+    local setup=$1 r=$2 pid flag=()
+    [ "$setup" = colocated ] && flag=(--colocated)
+    "$bin" up ${topo:+"$topo"} "${flag[@]}" > "$out/up-$setup-$r.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do
+        curl -s "$url/health" | grep -q '"chips_up":2' && break
+        sleep 0.5
+    done
+    "$bin" bench serve --url "$url" --rate "$rate" --requests "$requests" --isl "$isl" --osl "$osl" \
+        --seed "$seed" --json > "$out/real-$setup-$r.json" || true
+    kill -INT "$pid"
+    wait "$pid" || true
+}
+
+for r in $(seq 1 "$repeats"); do
+    for setup in disaggregated colocated; do
+        echo "repeat $r: $setup" >&2
+        measure "$setup" "$r"
+    done
+done
+# The simulated runs: the same requests (count, rate, lengths, seed).
+for setup in disaggregated colocated; do
+    scenario=$disagg
+    [ "$setup" = colocated ] && scenario=$colocated
+    sed "s/^requests = .*/requests = $requests/" "$scenario" > "$(dirname "$scenario")/.sim-vs-real-$setup.toml"
+    "$bin" sim "$(dirname "$scenario")/.sim-vs-real-$setup.toml" --json > "$out/sim-$setup.json" 2> /dev/null
+    rm -f "$(dirname "$scenario")/.sim-vs-real-$setup.toml"
+done
+
+python3 - "$out" "$repeats" <<'EOF'
+import json, os, statistics, sys
+out, repeats = sys.argv[1], int(sys.argv[2])
+rows = {}
+for setup in ["disaggregated", "colocated"]:
+    runs = []
+    for r in range(1, repeats + 1):
+        p = f"{out}/real-{setup}-{r}.json"
+        if os.path.exists(p) and os.path.getsize(p) > 0:
+            runs.append(json.load(open(p)))
+    sim = json.load(open(f"{out}/sim-{setup}.json"))
+    for metric in ["ttft", "tpot"]:
+        for q in ["p50_ms", "p99_ms"]:
+            real = statistics.median(run[metric][q] for run in runs if run.get(metric))
+            rows[(setup, metric, q)] = (real, sim[metric][q])
+    failed = [run["requests_failed"] for run in runs]
+    print(f"{setup}: {len(runs)} real runs, failed {failed}; simulated failed {sim['failed']}")
+print(f"\n| setup | metric | measured ms (median of {repeats}) | simulated ms | error |")
+print("|---|---|---:|---:|---:|")
+for (setup, metric, q), (real, sim) in rows.items():
+    print(f"| {setup} | {metric.upper()} {q[:3]} | {real:.1f} | {sim:.1f} | {(sim / real - 1):+.1%} |")
+print()
+for metric in ["ttft", "tpot"]:
+    for q in ["p50_ms", "p99_ms"]:
+        d, c = rows[("disaggregated", metric, q)], rows[("colocated", metric, q)]
+        real_rank = "disaggregated" if d[0] < c[0] else "colocated"
+        sim_rank = "disaggregated" if d[1] < c[1] else "colocated"
+        same = "same" if real_rank == sim_rank else "DIFFERENT"
+        print(f"{metric.upper()} {q[:3]}: lower measured: {real_rank}; lower simulated: {sim_rank} ({same})")
+print(f"\nraw reports: {out}")
+EOF
