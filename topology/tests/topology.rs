@@ -393,6 +393,59 @@ fn operator_chip_kinds() {
 }
 
 #[test]
+fn operator_chip_kinds_may_carry_a_price_with_its_source() {
+    let priced = |keys: &str| format!("{ONE_CHIP}{ACME}{keys}");
+    assert_eq!(spec_of(&priced("")).chip_kinds[0].price, None);
+    let spec = spec_of(&priced("price_per_hour = 2.5\nprice_source = \"our contract, 2026\"\n"));
+    let price = spec.chip_kinds[0].price.clone();
+    assert_eq!(
+        price.map(|p| (p.usd_per_hour, p.confidence, p.source)),
+        Some((2.5, Confidence::Unconfirmed, "our contract, 2026".to_owned()))
+    );
+    assert!(spec.render().contains("$2.5/h (unconfirmed; our contract, 2026)"), "{}", spec.render());
+    let spec = spec_of(&priced("price_per_hour = 3\nprice_confidence = \"estimate\"\nprice_source = \"estimate\"\n"));
+    assert_eq!(spec.chip_kinds[0].price.as_ref().map(|p| p.confidence), Some(Confidence::Estimate));
+    // Every built-in kind has a price, marked an estimate.
+    assert!(catalog::kinds().iter().all(|k| k.price.as_ref().is_some_and(|p| p.confidence == Confidence::Estimate)));
+    // (text, line, column, key, fragment)
+    let table: &[(String, usize, usize, &str, &str)] = &[
+        (priced("price_per_hour = 2.5\n"), 18, 18, "chip_kinds[0].price_per_hour", "needs price_source"),
+        (priced("price_source = \"x\"\n"), 18, 16, "chip_kinds[0].price_source", "set without price_per_hour"),
+        (
+            priced("price_confidence = \"estimate\"\n"),
+            18,
+            20,
+            "chip_kinds[0].price_confidence",
+            "set without price_per_hour",
+        ),
+        (
+            priced("price_per_hour = 0\nprice_source = \"x\"\n"),
+            18,
+            18,
+            "chip_kinds[0].price_per_hour",
+            "greater than 0",
+        ),
+        (
+            priced("price_per_hour = 1e9\nprice_source = \"x\"\n"),
+            18,
+            18,
+            "chip_kinds[0].price_per_hour",
+            "outside 0.0001..=100000 $/h",
+        ),
+        (
+            priced("price_per_hour = 1\nprice_source = \"\"\n"),
+            19,
+            16,
+            "chip_kinds[0].price_source",
+            "must not be empty",
+        ),
+    ];
+    for (text, line, column, key, fragment) in table {
+        assert_error(text, *line, *column, key, fragment);
+    }
+}
+
+#[test]
 fn the_documented_chip_kind_example_is_valid() {
     // Uncomment the [[chip_kinds]] example of default.toml and use it.
     let mut lines = Vec::new();

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use tessera_topology::perf::PerfModel;
+pub use tessera_topology::perf::PerfModel;
 use tessera_topology::{ClusterSpec, TopologyError};
 use tessera_workload::{LengthDist, SharedPrefix};
 use toml::Spanned;

@@ -299,6 +299,62 @@ fn a_rate_schedule_steps_the_load() {
 }
 
 #[test]
+fn prices_calibrated_models_colocation_and_rates_change_what_is_simulated() {
+    let base = parse(DISAGGREGATED);
+    let r = simulate(&base, None);
+    // The default chips' catalog prices (estimates): the 910B and the C500.
+    let hour = r.usd_per_hour.unwrap_or(0.0);
+    assert!((hour - (4.02 + 4.52)).abs() < 1e-9, "{hour}");
+    let cost = hour * r.simulated_s / 3600.0;
+    let per_m = r.usd_per_million_output_tokens.unwrap_or(0.0);
+    assert!((per_m - cost / r.output_tokens as f64 * 1e6).abs() < 1e-9 * per_m.max(1.0));
+    assert!((r.slo_met_per_usd.unwrap_or(0.0) - r.slo_met as f64 / cost).abs() < 1e-6);
+    assert!(r.chips.iter().all(|c| c.usd.is_some_and(|usd| usd > 0.0)));
+    assert!(r.table(&tessera_sim::Speed::of(&r, 1.0)).contains("per million output tokens"));
+
+    // A scenario's prices replace the catalog's.
+    let priced = parse(&format!("{DISAGGREGATED}\n[prices]\nascend-910b = 1.0\nmetax-c500 = 2\n"));
+    assert_eq!(simulate(&priced, None).usd_per_hour, Some(3.0));
+
+    // A calibrated model twice as slow on every step (half the efficiencies) slows the
+    // chips that use it.
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let slow = tessera_sim::scenario::PerfModel::flat(0.25, 0.4);
+    let file = dir.path().join("slow.toml");
+    std::fs::write(&file, toml::to_string(&slow).unwrap_or_default()).unwrap_or_else(|e| panic!("{e}"));
+    let calibrated = format!("{DISAGGREGATED}\n[perf_models]\nmetax-c500 = \"{}\"\n", file.display());
+    let slowed = simulate(&parse(&calibrated), None);
+    all_served_and_all_free(&slowed);
+    let tpot = |r: &Report| r.tpot.map_or(0.0, |l| l.p50_ms);
+    assert!(tpot(&slowed) > 1.5 * tpot(&r), "{} vs {}", tpot(&slowed), tpot(&r));
+
+    // colocated = true runs every chip as both, as `tessera up --colocated`.
+    let colocated = parse(&DISAGGREGATED.replace("seed = 3", "seed = 3\ncolocated = true"));
+    assert!(colocated.topology.chips().all(|(_, _, c)| c.role == tessera_topology::Role::Both));
+    let c = simulate(&colocated, None);
+    all_served_and_all_free(&c);
+    assert!(c.chips.iter().all(|chip| chip.role == "both"));
+
+    // Another rate: the same requests' count and lengths, arriving faster.
+    let Ok(faster) = base.at_rate(8.0) else { panic!("a synthetic workload takes a rate") };
+    let f = simulate(&faster, None);
+    assert_eq!((f.rate_rps, f.requests), (8.0, r.requests));
+    assert!(f.simulated_s < r.simulated_s);
+    assert!(base.at_rate(0.0).is_err() && base.at_rate(f64::NAN).is_err());
+    let scheduled = parse(
+        &DISAGGREGATED
+            .replace("rate_rps = 2.0", "rate_schedule = [[0, 1.0], [10, 2.0]]")
+            .replace("requests = 60", "duration_s = 20"),
+    );
+    assert!(scheduled.at_rate(3.0).is_err_and(|e| e.contains("rate_schedule")));
+
+    // One comparison row per report.
+    let table = tessera_sim::report::comparison(&[r.clone(), f]);
+    assert_eq!(table.lines().count(), 4, "{table}");
+    assert!(table.lines().nth(2).is_some_and(|row| row.starts_with("| test | 2 | 8.54 | 2 |")), "{table}");
+}
+
+#[test]
 fn bad_scenarios_name_file_line_and_key() {
     let cases: &[(&str, String, usize, &str)] = &[
         ("unknown key", DISAGGREGATED.replace("rate_rps = 2.0", "rate_rps = 2.0\nburst = 3"), 7, "workload.burst"),
@@ -342,6 +398,14 @@ fn bad_scenarios_name_file_line_and_key() {
             DISAGGREGATED.replace("requests = 60", "requests = 60\nprefix_groups = 4\nprefix_words = 0"),
             9,
             "workload.prefix_words",
+        ),
+        ("a price of an unknown kind", format!("{DISAGGREGATED}[prices]\nacme = 1.0\n"), 15, "prices.acme"),
+        ("a price of 0", format!("{DISAGGREGATED}[prices]\ncpu = 0\n"), 15, "prices.cpu"),
+        (
+            "a missing performance model",
+            format!("{DISAGGREGATED}[perf_models]\ncpu = \"missing.toml\"\n"),
+            15,
+            "perf_models.cpu",
         ),
         // A wrong key inside the embedded topology is found at its line of the scenario.
         (
