@@ -6,7 +6,7 @@ mod bench_router;
 mod up;
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
@@ -47,6 +47,9 @@ enum Command {
     /// Simulate a scenario (a topology, a workload, SLOs) in virtual time: the real
     /// behaviors, chips modelled by the roofline.
     Sim(SimArgs),
+    /// Measure a real chip of a topology over a grid of step shapes and fit its
+    /// performance model, for the simulator (a scenario's `[perf_models]`).
+    Calibrate(CalibrateArgs),
     /// Cluster topology files.
     Topology {
         #[command(subcommand)]
@@ -362,6 +365,28 @@ struct BenchEngineArgs {
 }
 
 #[derive(Args)]
+struct CalibrateArgs {
+    /// Topology TOML (default: the embedded two-host topology).
+    #[arg(long)]
+    topology: Option<PathBuf>,
+    /// The chip to measure (its id); its backend must be `cpu` or `plugin:PATH`.
+    #[arg(long)]
+    chip: String,
+    /// Write the fitted model here (TOML, as a scenario's `[perf_models]` reads it).
+    #[arg(long, value_name = "FILE.toml")]
+    out: Option<PathBuf>,
+    /// Stop measuring new shapes after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    budget_s: u64,
+    /// Timed runs of each shape after one warm-up; the median counts.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
+    repeats: u64,
+    /// Kernel library for a `backend = "cpu"` chip (default: the one built with tessera).
+    #[arg(long)]
+    kernel_lib: Option<PathBuf>,
+}
+
+#[derive(Args)]
 struct SimArgs {
     /// The scenario TOML (see sims/scenarios/). Several (or --rate with several rates)
     /// run one after another and print one comparison table.
@@ -497,6 +522,7 @@ fn main() {
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
         Command::Sim(args) => sim(args),
+        Command::Calibrate(args) => calibrate(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -577,6 +603,37 @@ fn sim_one(scenario: &tessera_sim::Scenario, args: &SimArgs) -> Result<()> {
         );
     } else {
         print!("{}", report.table(&speed));
+    }
+    Ok(())
+}
+
+fn calibrate(args: CalibrateArgs) -> Result<()> {
+    use tessera_node::calibrate::{CalibrateOptions, calibrate};
+    let spec = up::load_spec(args.topology.as_deref(), false)?;
+    let opts = CalibrateOptions {
+        chip: args.chip,
+        budget: Duration::from_secs(args.budget_s),
+        repeats: args.repeats as usize,
+        kernel_lib: args.kernel_lib,
+    };
+    eprintln!("measuring chip {} of {} (at most {} s)", opts.chip, spec.source, args.budget_s);
+    let calibration = calibrate(&spec, &opts, &mut |m| eprintln!("  {:<28} {:>10.3} ms", m.what, m.measured_s * 1e3))?;
+    print!("{}", calibration.table());
+    let fit = &calibration.fit;
+    println!(
+        "fit: error median {:.1}%, max {:.1}% over {} shapes{}",
+        fit.median_error * 100.0,
+        fit.max_error * 100.0,
+        calibration.measured.len(),
+        if calibration.cut_short { " (the budget cut the grid short)" } else { "" }
+    );
+    let text = calibration.to_toml();
+    match &args.out {
+        Some(path) => {
+            std::fs::write(path, &text).with_context(|| format!("cannot write {}", path.display()))?;
+            println!("wrote {}", path.display());
+        }
+        None => print!("\n{text}"),
     }
     Ok(())
 }

@@ -92,6 +92,22 @@ fn kv_compat(c: &tessera_backends::compat::CompatInfo) -> KvCompat {
     KvCompat { hash: c.hash(), fields: fields.into_iter().map(|(k, v)| (k.to_string(), v)).collect() }
 }
 
+/// The cost shape of `model` with a KV cache of `kv_dtype`, for the performance models.
+pub fn model_shape(model: &Model, kv_dtype: DType) -> ModelShape {
+    let c = model.config();
+    ModelShape {
+        num_layers: c.num_layers,
+        hidden_size: c.hidden_size,
+        num_heads: c.num_heads,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        intermediate_size: c.intermediate_size,
+        vocab_size: c.vocab_size,
+        weight_bytes: model.weight_bytes(),
+        kv_bytes_per_elem: kv_dtype.size_bytes(),
+    }
+}
+
 /// Roofline pacing of an emulated chip.
 #[derive(Debug, Clone)]
 pub struct Emulation {
@@ -231,17 +247,7 @@ impl ModelExecutor {
             None => None,
         };
         let emulation = emulation.map(|emu| {
-            let shape = ModelShape {
-                num_layers: mc.num_layers,
-                hidden_size: mc.hidden_size,
-                num_heads: mc.num_heads,
-                num_kv_heads: mc.num_kv_heads,
-                head_dim: mc.head_dim,
-                intermediate_size: mc.intermediate_size,
-                vocab_size: mc.vocab_size,
-                weight_bytes: model.weight_bytes(),
-                kv_bytes_per_elem: kv_dtype.size_bytes(),
-            };
+            let shape = model_shape(&model, kv_dtype);
             let labels = [("chip", chip_id.clone()), ("kind", emu.kind.name.clone())];
             metrics::gauge!("tessera_emu_time_scale", &labels).set(emu.spec.time_scale);
             tracing::warn!(

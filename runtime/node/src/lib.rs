@@ -8,9 +8,11 @@
 //! depend on it, and it makes no scheduling decision of its own.
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
+
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +29,7 @@ use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
 use tessera_runtime::transfer::{TransferConfig, TransferEngine};
 use tessera_runtime::{Addr, HostId};
-use tessera_topology::{Backend, ClusterSpec};
+use tessera_topology::{Backend, ChipSpec, ClusterSpec};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -81,6 +83,45 @@ pub struct NodeOptions {
 }
 
 pub use tessera_actors::host::chip_addr;
+
+/// How chip `chip` of `spec` loads its model from `model_dir`: its kernel library (a
+/// plugin's, else `kernel_lib`, else the one built with us), threads, memory, dtypes,
+/// KV layout and batch limits; attached to `transfer` for disaggregation, and paced
+/// when it is emulated.
+pub fn executor_config(
+    spec: &ClusterSpec,
+    chip: &ChipSpec,
+    model_dir: &Path,
+    kernel_lib: Option<PathBuf>,
+    transfer: Option<Arc<TransferEngine>>,
+) -> Result<ModelExecutorConfig, NodeError> {
+    let emulation = match &chip.backend {
+        Backend::Emu(kind) => {
+            let kind =
+                spec.chip_kind(kind).ok_or_else(|| NodeError::Config(format!("unknown chip kind `{kind}`")))?.clone();
+            Some(Emulation { kind, spec: spec.emulation })
+        }
+        Backend::Cpu | Backend::Plugin(_) => None,
+    };
+    Ok(ModelExecutorConfig {
+        model_dir: model_dir.to_path_buf(),
+        kernel_lib: match &chip.backend {
+            Backend::Plugin(path) => Some(path.clone()),
+            Backend::Cpu | Backend::Emu(_) => kernel_lib,
+        },
+        threads: chip.threads as u32,
+        memory_limit_bytes: chip.memory_limit_bytes,
+        dtype: spec.dtype,
+        kv_dtype: chip.kv_dtype,
+        kv_layout: chip.kv_layout,
+        quantize: chip.quantize,
+        block_size: chip.block_size,
+        max_batch_seqs: chip.max_batch_seqs,
+        chip_id: chip.id.clone(),
+        transfer,
+        emulation,
+    })
+}
 
 /// Runs host `host_name` of `spec` until `shutdown` resolves, then drains.
 pub fn run_node(
@@ -141,34 +182,7 @@ pub fn run_node(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64 & 0xffff_ffff_0000);
     let built = build_host(spec, host_name, id_base, |_, chip| {
-        let emulation = match &chip.backend {
-            Backend::Emu(kind) => {
-                let kind = spec
-                    .chip_kind(kind)
-                    .ok_or_else(|| NodeError::Config(format!("unknown chip kind `{kind}`")))?
-                    .clone();
-                Some(Emulation { kind, spec: spec.emulation })
-            }
-            Backend::Cpu | Backend::Plugin(_) => None,
-        };
-        let config = ModelExecutorConfig {
-            model_dir: model_dir.clone(),
-            kernel_lib: match &chip.backend {
-                Backend::Plugin(path) => Some(path.clone()),
-                Backend::Cpu | Backend::Emu(_) => opts.kernel_lib.clone(),
-            },
-            threads: chip.threads as u32,
-            memory_limit_bytes: chip.memory_limit_bytes,
-            dtype: spec.dtype,
-            kv_dtype: chip.kv_dtype,
-            kv_layout: chip.kv_layout,
-            quantize: chip.quantize,
-            block_size: chip.block_size,
-            max_batch_seqs: chip.max_batch_seqs,
-            chip_id: chip.id.clone(),
-            transfer: Some(transfer.clone()),
-            emulation,
-        };
+        let config = executor_config(spec, chip, &model_dir, opts.kernel_lib.clone(), Some(transfer.clone()))?;
         let factory: ExecutorFactory = Arc::new(move || {
             ModelExecutor::load(&config).map(|(exec, info)| (Box::new(exec) as Box<dyn StepExecutor>, info))
         });

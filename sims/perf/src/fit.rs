@@ -3,9 +3,11 @@
 //! efficiency curves that predict them best, by the sum of squared log errors (a step
 //! predicted 10% long weighs as much as one 10% short, whatever its size).
 //!
-//! The search is a deterministic pattern search over the nine figures in log space:
+//! The search is a deterministic pattern search over the eleven figures in log space:
 //! each figure is tried a factor up and down, a move kept when it lowers the error, and
-//! the factor halved when no figure moves. Nine figures and a few hundred samples take
+//! the factor halved when no figure moves. It starts from peaks at the most any sample
+//! shows (each roof binding on its best sample, so that no figure starts on a plateau
+//! where moving it changes nothing). Eleven figures and a few hundred samples take
 //! milliseconds. A roof a chip never hits in the samples (the memory roof of a
 //! compute-bound CPU prefill, say) cannot be told from them; its figures stay at the
 //! starting values, which are the plain roofline's defaults.
@@ -75,9 +77,32 @@ pub fn fit(roof: Roof, model: &ModelShape, samples: &[Sample]) -> Result<Fit, Fi
             })
             .sum()
     };
-    // Start from the plain roofline with a tenth of the fastest step as the overhead.
+    // Start with each roof binding on the sample that achieves the most of it, in each
+    // phase, and a tenth of the fastest step as the overhead.
     let fastest = samples.iter().map(|s| s.seconds).fold(f64::INFINITY, f64::min);
-    let start = PerfModel { overhead_s: (fastest * 0.1).min(OVERHEAD.1), ..PerfModel::flat(0.5, 0.8) };
+    let achieved = |prefill: bool, amount: fn(&ModelShape, &StepShape) -> f64, peak: f64| {
+        let best = samples
+            .iter()
+            .filter(|s| s.step.seqs.iter().any(|q| q.new_tokens > 1) == prefill)
+            .map(|s| amount(model, &s.step) / (peak * s.seconds))
+            .fold(0.0, f64::max);
+        if best > 0.0 { clamp(1, best) } else { 0.5 }
+    };
+    let flops_peak = roof.fp16_tflops * 1e12;
+    let bytes_peak = roof.memory_bw_gbs * 1e9;
+    let start = PerfModel {
+        prefill: Efficiency {
+            compute: Curve::flat(achieved(true, crate::step_flops, flops_peak)),
+            memory: Curve::flat(achieved(true, crate::step_bytes, bytes_peak)),
+        },
+        decode: Efficiency {
+            compute: Curve::flat(achieved(false, crate::step_flops, flops_peak)),
+            memory: Curve::flat(achieved(false, crate::step_bytes, bytes_peak)),
+        },
+        overhead_s: (fastest * 0.1).min(OVERHEAD.1),
+        overlap: 1.0,
+        attention: 1.0,
+    };
     let mut figures = to_figures(&start);
     let mut best = loss(&start);
     // Converged searches restart from factor 2 until a restart finds nothing better:
@@ -119,18 +144,26 @@ pub fn fit(roof: Roof, model: &ModelShape, samples: &[Sample]) -> Result<Fit, Fi
 }
 
 /// The figures in a fixed order: overhead, then (peak, half) of prefill compute,
-/// prefill memory, decode compute, decode memory.
-fn to_figures(p: &PerfModel) -> [f64; 9] {
+/// prefill memory, decode compute, decode memory, then the overlap and attention's
+/// relative efficiency.
+const FIGURES: usize = 11;
+const OVERLAP_AT: usize = 9;
+const ATTENTION_AT: usize = 10;
+
+fn to_figures(p: &PerfModel) -> [f64; FIGURES] {
     let c = [p.prefill.compute, p.prefill.memory, p.decode.compute, p.decode.memory];
-    [p.overhead_s, c[0].peak, c[0].half, c[1].peak, c[1].half, c[2].peak, c[2].half, c[3].peak, c[3].half]
+    let f = p.overhead_s;
+    [f, c[0].peak, c[0].half, c[1].peak, c[1].half, c[2].peak, c[2].half, c[3].peak, c[3].half, p.overlap, p.attention]
 }
 
-fn from_figures(f: &[f64; 9]) -> PerfModel {
+fn from_figures(f: &[f64; FIGURES]) -> PerfModel {
     let curve = |i: usize| Curve { peak: f[i], half: f[i + 1] };
     PerfModel {
         overhead_s: f[0],
         prefill: Efficiency { compute: curve(1), memory: curve(3) },
         decode: Efficiency { compute: curve(5), memory: curve(7) },
+        overlap: f[OVERLAP_AT],
+        attention: f[ATTENTION_AT],
     }
 }
 
@@ -138,17 +171,20 @@ fn from_figures(f: &[f64; 9]) -> PerfModel {
 fn clamp(i: usize, v: f64) -> f64 {
     let (lo, hi) = match i {
         0 => OVERHEAD,
+        OVERLAP_AT => (0.0, 1.0),
+        ATTENTION_AT => (1e-3, 1.0),
         i if i % 2 == 1 => PEAK,
         _ => HALF,
     };
     v.clamp(lo, hi)
 }
 
-/// A figure at 0 cannot move by a factor: halves and the overhead restart from a small
-/// value instead.
+/// A figure at 0 cannot move by a factor: halves, the overhead and the overlap restart
+/// from a small value instead.
 fn seed(i: usize, v: f64) -> f64 {
     match (i, v) {
         (0, 0.0) => 1e-6,
+        (OVERLAP_AT, 0.0) => 0.01,
         (i, 0.0) if i % 2 == 0 => 1.0,
         _ => v,
     }
@@ -192,6 +228,8 @@ mod tests {
             prefill: Efficiency { compute: Curve { peak: 0.4, half: 96.0 }, memory: Curve::flat(0.8) },
             decode: Efficiency { compute: Curve::flat(0.5), memory: Curve { peak: 0.7, half: 3.0 } },
             overhead_s: 0.004,
+            overlap: 1.0,
+            attention: 1.0,
         };
         let samples: Vec<Sample> = grid()
             .into_iter()
@@ -201,14 +239,29 @@ mod tests {
             })
             .collect();
         let Ok(got) = fit(CPU, &SMALL, &samples) else { panic!("fit") };
-        assert!(got.max_error < 0.01, "{got:?}");
+        // Not exact: attention's relative efficiency trades against the compute curves
+        // on shapes this few.
+        assert!(got.median_error < 0.005 && got.max_error < 0.02, "{got:?}");
         // It predicts shapes it never saw as well.
         for step in [StepShape::prefill(384), StepShape::decode(12, 512)] {
             let want = roofline(CPU, &SMALL, &step, &truth, 1.0).unscaled_s;
             let predicted = roofline(CPU, &SMALL, &step, &got.model, 1.0).unscaled_s;
-            assert!((predicted / want - 1.0).abs() < 0.02, "{step:?}: {predicted} vs {want}");
+            assert!((predicted / want - 1.0).abs() < 0.03, "{step:?}: {predicted} vs {want}");
         }
         assert_eq!(got.model.check(), Ok(()));
+    }
+
+    #[test]
+    fn a_chip_that_does_not_overlap_compute_and_memory_is_fitted_as_one() {
+        // A CPU-like chip: low efficiencies, compute and memory one after the other.
+        let truth = PerfModel { overhead_s: 1e-4, overlap: 0.0, attention: 0.2, ..PerfModel::flat(0.003, 0.01) };
+        let samples: Vec<Sample> = grid()
+            .into_iter()
+            .map(|step| Sample { seconds: roofline(CPU, &SMALL, &step, &truth, 1.0).unscaled_s, step })
+            .collect();
+        let Ok(got) = fit(CPU, &SMALL, &samples) else { panic!("fit") };
+        assert!(got.max_error < 0.03, "{got:?}");
+        assert!(got.model.overlap < 0.5, "{got:?}");
     }
 
     #[test]

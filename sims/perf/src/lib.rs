@@ -15,7 +15,9 @@
 //!   written. Activations are left out.
 //!
 //! Time is `overhead + max(FLOPs / (peak x compute efficiency), bytes / (bandwidth x
-//! memory efficiency))`: a fixed cost per step plus whichever roof the step hits. The
+//! memory efficiency))`: a fixed cost per step plus whichever roof the step hits (plus,
+//! for a chip that does not overlap the two, the part of the other that
+//! [`PerfModel::overlap`] leaves exposed). The
 //! efficiencies are [`Curve`]s of the step's size, fitted per chip ([`fit`]): a chip
 //! reaches a smaller fraction of its peak on a small step than on a large one. A step
 //! that carries prompt tokens (a prefill chunk) uses the [`PerfModel::prefill`] curves,
@@ -150,15 +152,18 @@ impl SeqStep {
 
 /// FLOPs of `step` (see the module doc). A step with no sequences costs nothing.
 pub fn step_flops(model: &ModelShape, step: &StepShape) -> f64 {
+    let (matmul, attention) = step_flops_by_kind(model, step);
+    matmul + attention
+}
+
+/// FLOPs of `step` in matrix products (projections, MLP, LM head) and in attention.
+pub fn step_flops_by_kind(model: &ModelShape, step: &StepShape) -> (f64, f64) {
     let per_pair = 4.0 * model.num_heads as f64 * model.head_dim as f64 * model.num_layers as f64;
     let (linear, lm_head) = (model.linear_params() as f64, model.lm_head_params() as f64);
-    step.seqs
-        .iter()
-        .map(|seq| {
-            let head = if seq.new_tokens > 0 { 2.0 * lm_head } else { 0.0 };
-            2.0 * linear * seq.new_tokens as f64 + head + per_pair * seq.attention_pairs()
-        })
-        .sum()
+    step.seqs.iter().fold((0.0, 0.0), |(matmul, attention), seq| {
+        let head = if seq.new_tokens > 0 { 2.0 * lm_head } else { 0.0 };
+        (matmul + 2.0 * linear * seq.new_tokens as f64 + head, attention + per_pair * seq.attention_pairs())
+    })
 }
 
 /// Bytes of memory traffic of `step` (see the module doc). A step with no sequences
@@ -246,13 +251,28 @@ pub struct PerfModel {
     /// scheduling, sampling), `>= 0`.
     #[serde(default)]
     pub overhead_s: f64,
+    /// How much of the shorter roof's time hides under the longer one's, in `[0, 1]`:
+    /// 1 (the default) is the roofline, compute and memory traffic fully overlapped as
+    /// on an accelerator; 0 adds them, as a CPU core that computes and then waits.
+    #[serde(default = "one")]
+    pub overlap: f64,
+    /// Attention's efficiency relative to the matrix products', in `(0, 1]`: an
+    /// attention FLOP costs `1 / attention` of a matmul FLOP. 1 (the default) counts
+    /// them alike; a chip whose attention kernels lag its GEMMs (a CPU at long
+    /// contexts) is fitted lower.
+    #[serde(default = "one")]
+    pub attention: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl PerfModel {
     /// The plain roofline: constant efficiencies, no overhead.
     pub const fn flat(compute_efficiency: f64, memory_efficiency: f64) -> PerfModel {
         let e = Efficiency { compute: Curve::flat(compute_efficiency), memory: Curve::flat(memory_efficiency) };
-        PerfModel { prefill: e, decode: e, overhead_s: 0.0 }
+        PerfModel { prefill: e, decode: e, overhead_s: 0.0, overlap: 1.0, attention: 1.0 }
     }
 
     /// Whether every figure is in range: peaks in `(0, 1]`, halves and the overhead
@@ -264,6 +284,12 @@ impl PerfModel {
         self.decode.memory.check("decode.memory")?;
         if !(0.0..=1.0).contains(&self.overhead_s) {
             return Err(format!("overhead_s must be from 0 to 1 second, not {}", self.overhead_s));
+        }
+        if !(0.0..=1.0).contains(&self.overlap) {
+            return Err(format!("overlap must be from 0 to 1, not {}", self.overlap));
+        }
+        if !(self.attention > 0.0 && self.attention <= 1.0) {
+            return Err(format!("attention must be more than 0 and at most 1, not {}", self.attention));
         }
         Ok(())
     }
@@ -300,10 +326,12 @@ pub struct Roofline {
 /// scaled time past [`MAX_STEP_S`] is paced as [`MAX_STEP_S`]. An empty step takes no time.
 pub fn roofline(roof: Roof, model: &ModelShape, step: &StepShape, perf: &PerfModel, time_scale: f64) -> Roofline {
     let (compute_eff, memory_eff) = perf.efficiency(step);
-    let compute = step_flops(model, step) / (roof.fp16_tflops * 1e12 * compute_eff);
+    let (matmul, attention) = step_flops_by_kind(model, step);
+    let compute = (matmul + attention / perf.attention) / (roof.fp16_tflops * 1e12 * compute_eff);
     let memory = step_bytes(model, step) / (roof.memory_bw_gbs * 1e9 * memory_eff);
     let (roof_s, bound) = if compute > memory { (compute, Bound::Compute) } else { (memory, Bound::Memory) };
-    let unscaled_s = if step.seqs.is_empty() { 0.0 } else { perf.overhead_s + roof_s };
+    let exposed = (1.0 - perf.overlap) * compute.min(memory);
+    let unscaled_s = if step.seqs.is_empty() { 0.0 } else { perf.overhead_s + roof_s + exposed };
     Roofline {
         compute_s: paced(compute * time_scale),
         memory_s: paced(memory * time_scale),
@@ -538,6 +566,8 @@ mod tests {
             prefill: Efficiency { compute: Curve { peak: 0.6, half: 256.0 }, memory: Curve::flat(0.8) },
             decode: Efficiency { compute: Curve::flat(0.5), memory: Curve { peak: 0.9, half: 4.0 } },
             overhead_s: 0.002,
+            overlap: 1.0,
+            attention: 1.0,
         };
         assert_eq!(perf.check(), Ok(()));
         // A 256-token prefill runs at half its peak MFU: 0.3.
@@ -557,6 +587,18 @@ mod tests {
         let bad = PerfModel { decode: Efficiency { memory: Curve::flat(1.5), ..perf.decode }, ..perf };
         assert!(bad.check().is_err_and(|e| e.contains("decode.memory.peak")));
         assert!(PerfModel { overhead_s: -1.0, ..perf }.check().is_err_and(|e| e.contains("overhead_s")));
+        assert!(PerfModel { overlap: 1.5, ..perf }.check().is_err_and(|e| e.contains("overlap")));
+        assert!(PerfModel { attention: 0.0, ..perf }.check().is_err_and(|e| e.contains("attention")));
+        // Attention at a quarter of the matmuls' efficiency.
+        let step = StepShape::prefill(2048);
+        let (matmul, attention) = step_flops_by_kind(&LLAMA_7B, &step);
+        assert_eq!(matmul + attention, step_flops(&LLAMA_7B, &step));
+        let slow = roofline(H100, &LLAMA_7B, &step, &PerfModel { attention: 0.25, ..perf }, 1.0);
+        close(slow.compute_s, (matmul + 4.0 * attention) / (989e12 * perf.prefill.compute.at(2048)));
+        // Without overlap, the shorter roof adds to the longer.
+        let step = StepShape::prefill(256);
+        let serial = roofline(H100, &LLAMA_7B, &step, &PerfModel { overlap: 0.0, ..perf }, 1.0);
+        close(serial.unscaled_s, 0.002 + serial.compute_s + serial.memory_s);
         // A model file reads back what was written, and refuses unknown keys.
         let text = toml::to_string(&perf).unwrap_or_default();
         assert_eq!(toml::from_str::<PerfModel>(&text).ok(), Some(perf));
