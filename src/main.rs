@@ -403,6 +403,10 @@ struct SimArgs {
     /// simulator's wall-clock speed goes to stderr.
     #[arg(long)]
     json: bool,
+    /// Count the events and time their handlers per message kind, and print where the
+    /// wall time went.
+    #[arg(long)]
+    profile: bool,
     /// Also draw TTFT and end-to-end p99 over time, with the scenario's faults marked,
     /// as an SVG file.
     #[arg(long, value_name = "FILE.svg")]
@@ -587,7 +591,8 @@ fn sim_one(scenario: &tessera_sim::Scenario, args: &SimArgs) -> Result<()> {
     } else {
         indicatif::ProgressBar::hidden()
     };
-    let (report, speed) = tessera_sim::run_with_progress(scenario, args.seed, &mut |ended, requests| {
+    let options = tessera_sim::RunOptions { seed: args.seed, profile: args.profile };
+    let (report, speed) = tessera_sim::run_with_progress(scenario, &options, &mut |ended, requests| {
         bar.set_length(requests as u64);
         bar.set_position(ended as u64);
     })?;
@@ -601,6 +606,7 @@ fn sim_one(scenario: &tessera_sim::Scenario, args: &SimArgs) -> Result<()> {
             "simulated {:.3} s in {:.3} s of wall time; {} events, {:.0} events/s",
             report.simulated_s, speed.wall_s, report.events, speed.events_per_s
         );
+        eprint!("{}", speed.profile_table());
     } else {
         print!("{}", report.table(&speed));
     }

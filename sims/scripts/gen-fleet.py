@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Writes the fleet scenarios of sims/scenarios/fleet/ (a topology this size is data,
-not something to write by hand): chips of several kinds, eight of one kind per host,
-each kind in one role, under one open-loop workload on a 7B-class model.
+"""Writes the generated scenarios (a topology this size is data, not something to write
+by hand): chips of several kinds, eight of one kind per host, each kind in one role,
+under one open-loop workload on a 7B-class model.
 
-usage: sims/scripts/gen-fleet.py   (rewrites fleet-1000.toml and fleet-32.toml)
+usage: sims/scripts/gen-fleet.py
+  rewrites sims/scenarios/fleet/fleet-{1000,32}.toml (the speed benchmarks) and
+  sims/scenarios/splitwise/*.toml (Splitwise's iso-cost comparison)
 """
 import os
 
@@ -28,13 +30,13 @@ FLEET_32 = [
 ]
 
 
-def scenario(name, fleet, rate, duration_s, about):
+def scenario(name, fleet, rate, duration_s, about, out=OUT, isl="normal:1024,256", osl="normal:256,64"):
     chips = sum(n for _, _, n in fleet)
     kinds = len(fleet)
     lines = [
         f"# {about}",
         f"# {chips} chips of {kinds} kinds, 8 per host; written by sims/scripts/gen-fleet.py.",
-        f"# Run it with `tessera sim sims/scenarios/fleet/{name}.toml`.",
+        f"# Run it with `tessera sim sims/scenarios/{os.path.basename(out)}/{name}.toml`.",
         "seed = 1",
         "topology_toml = '''",
         "[cluster]",
@@ -87,7 +89,7 @@ def scenario(name, fleet, rate, duration_s, about):
         "kv_latency_us = 10",
         "",
     ]
-    with open(os.path.join(OUT, f"{name}.toml"), "w") as f:
+    with open(os.path.join(out, f"{name}.toml"), "w") as f:
         f.write("\n".join(lines))
 
 
@@ -106,3 +108,30 @@ scenario(
     300,
     "Five simulated minutes of 32 mixed chips at 64 requests/s: the simulator's small-cluster speed benchmark.",
 )
+
+# Splitwise (ISCA'24): H100 prefill + A100 decode against all-H100 and all-A100 at equal
+# cost, on its conversation workload (prompts ~1,020 tokens, answers ~129). Splitwise
+# served Llama-70B and BLOOM-176B with 8-way tensor parallelism per DGX; a chip here
+# holds a whole model, so a 7B-class model stands in (README: "Against Splitwise").
+# Equal cost at the catalog's prices (H100 = 2.15 x A100, Splitwise's own ratio):
+SPLITWISE = os.path.join(HERE, "..", "scenarios", "splitwise")
+os.makedirs(SPLITWISE, exist_ok=True)
+for name, fleet, about in [
+    ("all-a100", [("nvidia-a100", "both", 43)], "All A100: 43 chips, $220.16/h."),
+    ("all-h100", [("nvidia-h100", "both", 20)], "All H100: 20 chips, $220.20/h."),
+    (
+        "h100-prefill-a100-decode",
+        [("nvidia-h100", "prefill", 6), ("nvidia-a100", "decode", 30)],
+        "Splitwise-HA: 6 H100 prefill + 30 A100 decode, $219.66/h.",
+    ),
+]:
+    scenario(
+        name,
+        fleet,
+        160.0,
+        120,
+        "Splitwise's iso-cost comparison. " + about,
+        out=SPLITWISE,
+        isl="normal:1020,400",
+        osl="normal:129,60",
+    )

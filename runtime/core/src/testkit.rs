@@ -377,6 +377,16 @@ pub struct VirtualHost<M: Message> {
     world: World<M>,
     record: bool,
     recorder: Arc<dyn metrics::Recorder + Send + Sync>,
+    /// Per message kind: deliveries and the wall time their handlers took (when kept).
+    profile: Option<BTreeMap<&'static str, KindProfile>>,
+}
+
+/// Deliveries of one message kind and the wall time their handlers took: where a
+/// simulation's time goes. The counts are deterministic; the times are not.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KindProfile {
+    pub delivered: u64,
+    pub wall: Duration,
 }
 
 impl<M: Message> Default for VirtualHost<M> {
@@ -410,6 +420,7 @@ impl<M: Message> VirtualHost<M> {
             },
             record: true,
             recorder: Arc::new(metrics::NoopRecorder),
+            profile: None,
         }
     }
 
@@ -417,6 +428,17 @@ impl<M: Message> VirtualHost<M> {
     pub fn with_recorder(mut self, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Self {
         self.recorder = recorder;
         self
+    }
+
+    /// Count deliveries and time handlers per message kind ([`VirtualHost::profile`]).
+    pub fn with_profile(mut self, profile: bool) -> Self {
+        self.profile = profile.then(BTreeMap::new);
+        self
+    }
+
+    /// Deliveries and handler wall time per message kind, if kept.
+    pub fn profile(&self) -> Option<&BTreeMap<&'static str, KindProfile>> {
+        self.profile.as_ref()
     }
 
     /// Keep (default) or skip the trace of every delivery (long runs skip it).
@@ -514,7 +536,17 @@ impl<M: Message> VirtualHost<M> {
                 if self.record {
                     fx.world.trace.push(format!("{} {} {} {} {:?}", q.at.0, q.seq, to, msg.kind(), msg));
                 }
-                behavior.handle(msg, &mut fx);
+                match self.profile.as_mut() {
+                    Some(profile) => {
+                        let kind = msg.kind();
+                        let started = std::time::Instant::now();
+                        behavior.handle(msg, &mut fx);
+                        let entry = profile.entry(kind).or_default();
+                        entry.delivered += 1;
+                        entry.wall += started.elapsed();
+                    }
+                    None => behavior.handle(msg, &mut fx),
+                }
             }
         }
         let stop = fx.stop;

@@ -3,7 +3,7 @@
 //! first token and its end), and a probe of the router's view. They talk to the
 //! cluster's admission and router by message, like the gateway does.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -79,15 +79,17 @@ impl Behavior<Msg> for Client {
 /// nanoseconds, ascending), one timer at a time; `next` numbers them.
 pub struct Arrivals {
     pub admission: Addr,
-    pub asks: VecDeque<(u64, AdmitAsk)>,
+    /// (arrival in ns after the start, the request), drawn as they come due: a long run
+    /// never holds every prompt at once.
+    pub asks: std::iter::Peekable<Box<dyn Iterator<Item = (u64, AdmitAsk)> + Send>>,
     pub outcomes: Outcomes,
     pub next: usize,
     pub started: Moment,
 }
 
 impl Arrivals {
-    fn arm(&self, fx: &mut dyn Effects<Msg>) {
-        if let Some((at_ns, _)) = self.asks.front() {
+    fn arm(&mut self, fx: &mut dyn Effects<Msg>) {
+        if let Some((at_ns, _)) = self.asks.peek() {
             let due = self.started.0 + at_ns;
             fx.timer(Duration::from_nanos(due.saturating_sub(fx.now().0)), Msg::Tick);
         }
@@ -109,8 +111,8 @@ impl Behavior<Msg> for Arrivals {
             return;
         }
         // Every request due now (equal arrival times) goes at once.
-        while self.asks.front().is_some_and(|(at_ns, _)| self.started.0 + at_ns <= fx.now().0) {
-            let Some((_, ask)) = self.asks.pop_front() else { break };
+        let now = fx.now().0;
+        while let Some((_, ask)) = self.asks.next_if(|(at_ns, _)| self.started.0 + at_ns <= now) {
             let client = Client {
                 n: self.next,
                 admission: self.admission,
@@ -123,7 +125,7 @@ impl Behavior<Msg> for Arrivals {
             fx.spawn(Box::new(client));
             self.next += 1;
         }
-        if !self.asks.is_empty() {
+        if self.asks.peek().is_some() {
             self.arm(fx);
         } else {
             fx.stop();

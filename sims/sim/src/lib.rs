@@ -21,7 +21,7 @@ pub mod model;
 pub mod report;
 pub mod scenario;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,7 +31,7 @@ use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Fault, Msg, SamplingSpec};
 use tessera_topology::TopologyError;
 use tessera_topology::perf::Power;
-use tessera_workload::{Load, Workload};
+use tessera_workload::{Load, PlannedRequest, Workload};
 
 use chip::{ChipModelError, Links, modelled_chip};
 use clients::{Arrivals, Outcomes, Probe, View};
@@ -65,25 +65,36 @@ pub enum SimError {
     NoGateway { topology: String },
 }
 
-/// Runs `scenario` (with `seed`, else the scenario's own).
-pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), SimError> {
-    run_with_progress(scenario, seed, &mut |_, _| {})
+/// How to run a scenario.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// The workload's seed (default: the scenario's).
+    pub seed: Option<u64>,
+    /// Count events and time their handlers per message kind ([`Speed::profile`]).
+    pub profile: bool,
 }
 
-/// [`run`], calling `progress(ended, requests)` each time another request ends.
+/// Runs `scenario` (with `seed`, else the scenario's own).
+pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), SimError> {
+    run_with_progress(scenario, &RunOptions { seed, profile: false }, &mut |_, _| {})
+}
+
+/// [`run`] with `options`, calling `progress(ended, requests)` each time another
+/// request ends.
 pub fn run_with_progress(
     scenario: &Scenario,
-    seed: Option<u64>,
+    options: &RunOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Report, Speed), SimError> {
     let wall = Instant::now();
     let spec = &scenario.topology;
-    let seed = seed.unwrap_or(scenario.seed);
+    let seed = options.seed.unwrap_or(scenario.seed);
     let model = SimModel::of(spec, &scenario.base_dir)?;
     let links = Arc::new(Links::new(spec, scenario.network));
     let numbers: BTreeMap<&str, usize> = spec.chips().enumerate().map(|(i, (_, _, c))| (c.id.as_str(), i)).collect();
 
-    let mut vh: VirtualHost<Msg> = VirtualHost::new(scenario.network.bus_latency).with_trace(false);
+    let mut vh: VirtualHost<Msg> =
+        VirtualHost::new(scenario.network.bus_latency).with_trace(false).with_profile(options.profile);
     let (mut admission, mut router, mut chip_addrs) = (None, None, BTreeMap::new());
     for host in &spec.hosts {
         // The very builder the real node uses, with modelled executors.
@@ -127,33 +138,32 @@ pub fn run_with_progress(
     }
 
     let w = &scenario.workload;
-    let (planned, arrivals_s) = match &w.requests {
+    let (planned, arrivals_s): (Box<dyn Iterator<Item = PlannedRequest> + Send>, Vec<f64>) = match &w.requests {
         scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv, schedule } => {
             let load = Load::Poisson { rate_rps: w.rate_rps };
             let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
             let arrivals_s = arrivals(&workload, *size, w.rate_rps, *cv, schedule.as_deref());
-            (workload.measured(arrivals_s.len()), arrivals_s)
+            (Box::new(workload.stream()), arrivals_s)
         }
         scenario::WorkloadRequests::Trace(trace) => {
-            tessera_workload::trace::replay(trace, tessera_workload::trace::TRACE_BLOCK_TOKENS)
+            let (planned, arrivals_s) =
+                tessera_workload::trace::replay(trace, tessera_workload::trace::TRACE_BLOCK_TOKENS);
+            (Box::new(planned.into_iter()), arrivals_s)
         }
     };
     let vocab = model.config.vocab_size.max(1) as u64;
-    let asks: VecDeque<(u64, AdmitAsk)> = planned
-        .into_iter()
-        .zip(&arrivals_s)
-        .map(|(planned, at_s)| {
+    let requests = arrivals_s.len();
+    let last_arrival = arrivals_s.last().map_or(0, |s| (s * 1e9).round() as u64);
+    let asks: Box<dyn Iterator<Item = (u64, AdmitAsk)> + Send> =
+        Box::new(planned.zip(arrivals_s).map(move |(planned, at_s)| {
             // One token per word, as `bench serve`'s prompts are about one token a word.
             let prompt = planned.prompt.split(' ').map(|word| (fnv1a(word.as_bytes()) % vocab) as u32).collect();
             let ask = AdmitAsk { prompt, max_tokens: planned.osl as usize, sampling: SamplingSpec::greedy() };
             ((at_s * 1e9).round() as u64, ask)
-        })
-        .collect();
-    let requests = asks.len();
-    let last_arrival = asks.back().map_or(0, |(at, _)| *at);
+        }));
     let outcomes: Outcomes = Arc::default();
     let t0 = vh.now();
-    let arrivals = Arrivals { admission, asks, outcomes: outcomes.clone(), next: 0, started: t0 };
+    let arrivals = Arrivals { admission, asks: asks.peekable(), outcomes: outcomes.clone(), next: 0, started: t0 };
     vh.spawn(admission.host, Box::new(arrivals));
     let at = |s: f64| t0.after(Duration::from_secs_f64(s));
     let crashes: Vec<(Duration, Addr)> = scenario
@@ -202,7 +212,19 @@ pub fn run_with_progress(
         let e2e_s = ok.then(|| o.ended.since(o.sent).as_secs_f64());
         (o.sent.since(t0).as_secs_f64(), ttft_s, e2e_s)
     }));
-    let speed = Speed::of(&report, wall.elapsed().as_secs_f64());
+    let mut speed = Speed::of(&report, wall.elapsed().as_secs_f64());
+    if let Some(profile) = vh.profile() {
+        let mut kinds: Vec<report::KindSpeed> = profile
+            .iter()
+            .map(|(kind, p)| report::KindSpeed {
+                kind: (*kind).to_owned(),
+                events: p.delivered,
+                wall_s: p.wall.as_secs_f64(),
+            })
+            .collect();
+        kinds.sort_by(|a, b| b.wall_s.total_cmp(&a.wall_s));
+        speed.profile = kinds;
+    }
     Ok((report, speed))
 }
 

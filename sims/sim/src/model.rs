@@ -55,6 +55,14 @@ impl SimModel {
                 let dir = base_dir.join(&spec.model);
                 let config = ModelConfig::from_dir(&dir)
                     .map_err(|source| ModelError::Config { topology: spec.source.clone(), source })?;
+                if tessera_backends::gguf::is_model_file(&dir) {
+                    // A GGUF file's weights stay in their (quantized) types on a chip:
+                    // its tensors' bytes are what a step reads.
+                    let gguf = tessera_backends::gguf::Gguf::open(&dir)
+                        .map_err(|source| ModelError::Config { topology: spec.source.clone(), source })?;
+                    let weight_bytes = gguf.tensors().iter().map(|t| gguf.tensor_bytes(t).len() as u64).sum();
+                    return Ok(SimModel { name: spec.model.clone(), weight_bytes, config });
+                }
                 let params = checkpoint_params(&config);
                 (config, DType::F16, params)
             }

@@ -173,11 +173,21 @@ pub struct Report {
 }
 
 /// How fast the simulator ran: wall-clock figures, different on every run.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Speed {
     pub wall_s: f64,
     pub events_per_s: f64,
     pub simulated_s_per_wall_s: f64,
+    /// Where the time went, by message kind, most first (when profiled).
+    pub profile: Vec<KindSpeed>,
+}
+
+/// The deliveries of one message kind and the wall time their handlers took.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KindSpeed {
+    pub kind: String,
+    pub events: u64,
+    pub wall_s: f64,
 }
 
 impl Speed {
@@ -187,7 +197,36 @@ impl Speed {
             wall_s,
             events_per_s: per_wall(report.events as f64),
             simulated_s_per_wall_s: per_wall(report.simulated_s),
+            profile: Vec::new(),
         }
+    }
+}
+
+impl Speed {
+    /// Where the wall time went, by message kind (empty unless profiled).
+    pub fn profile_table(&self) -> String {
+        let mut t = String::new();
+        if !self.profile.is_empty() {
+            let handlers: f64 = self.profile.iter().map(|k| k.wall_s).sum();
+            let _ = writeln!(
+                t,
+                "profile    handlers took {:.3} s of the {:.3} s (the rest: the event queue, the harness, the \
+                 workload plan)\n{:<24} {:>12} {:>10} {:>8} {:>10}",
+                handlers, self.wall_s, "message", "events", "wall s", "share", "ns/event"
+            );
+            for k in &self.profile {
+                let _ = writeln!(
+                    t,
+                    "{:<24} {:>12} {:>10.3} {:>7.1}% {:>10.0}",
+                    k.kind,
+                    k.events,
+                    k.wall_s,
+                    100.0 * k.wall_s / self.wall_s.max(1e-9),
+                    k.wall_s * 1e9 / k.events.max(1) as f64
+                );
+            }
+        }
+        t
     }
 }
 
@@ -284,6 +323,7 @@ impl Report {
             "\nsimulated  {:.3} s in {:.3} s of wall time ({:.1} simulated s per wall s); {} events, {:.0} events/s",
             self.simulated_s, speed.wall_s, speed.simulated_s_per_wall_s, self.events, speed.events_per_s
         );
+        t += &speed.profile_table();
         t
     }
 }

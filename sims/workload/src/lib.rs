@@ -144,19 +144,27 @@ impl Workload {
             .collect()
     }
 
+    /// The measured requests one at a time, as [`Self::measured`] plans them (its first
+    /// `n` are `measured(n)`): for runs too long to hold every prompt at once.
+    pub fn stream(&self) -> impl Iterator<Item = PlannedRequest> + Send + 'static {
+        let workload = *self;
+        let mut rng = SeededRng::new(self.seed);
+        std::iter::repeat_with(move || workload.next_request(&mut rng))
+    }
+
     fn plan(&self, n: usize, rng: &mut SeededRng) -> Vec<PlannedRequest> {
-        (0..n)
-            .map(|_| {
-                let mut req = PlannedRequest::new(self.isl.sample(rng), self.osl.sample(rng), rng);
-                if let Some(shared) = self.shared {
-                    let group = rng.below(shared.groups.max(1) as u64);
-                    let prefix = words_of(shared.words, &mut SeededRng::new(self.seed ^ ((group + 1) * 0x9e37_79b9)));
-                    req.prompt = format!("{prefix} {}", req.prompt);
-                    req.isl += shared.words;
-                }
-                req
-            })
-            .collect()
+        (0..n).map(|_| self.next_request(rng)).collect()
+    }
+
+    fn next_request(&self, rng: &mut SeededRng) -> PlannedRequest {
+        let mut req = PlannedRequest::new(self.isl.sample(rng), self.osl.sample(rng), rng);
+        if let Some(shared) = self.shared {
+            let group = rng.below(shared.groups.max(1) as u64);
+            let prefix = words_of(shared.words, &mut SeededRng::new(self.seed ^ ((group + 1) * 0x9e37_79b9)));
+            req.prompt = format!("{prefix} {}", req.prompt);
+            req.isl += shared.words;
+        }
+        req
     }
 }
 
@@ -209,6 +217,18 @@ mod tests {
         assert_eq!(a.prompt.split(' ').count(), 100);
         assert_ne!(a.prompt, b.prompt);
         assert_eq!((a.isl, a.osl), (100, 5));
+    }
+
+    #[test]
+    fn the_stream_is_the_plan_one_request_at_a_time() {
+        let w = Workload {
+            isl: LengthDist::Uniform { lo: 5, hi: 50 },
+            osl: LengthDist::Fixed(3),
+            load: Load::Poisson { rate_rps: 2.0 },
+            seed: 9,
+            shared: Some(SharedPrefix { groups: 2, words: 4 }),
+        };
+        assert_eq!(w.stream().take(40).collect::<Vec<_>>(), w.measured(40));
     }
 
     #[test]
