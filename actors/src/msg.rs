@@ -630,8 +630,9 @@ pub enum Msg {
     GiveUp {
         reason: String,
     },
+    /// Published to every supervisor and the router: shared, not copied, per subscriber.
     Heartbeat {
-        beat: Heartbeat,
+        beat: std::sync::Arc<Heartbeat>,
     },
     HostDown {
         host: HostId,

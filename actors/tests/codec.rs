@@ -183,7 +183,12 @@ fn build(kind: usize, p: &Parts) -> Msg {
         21 => Msg::RestartDue { chip: addr(p.a) },
         22 => Msg::GiveUp { reason: p.text.clone() },
         23 => Msg::Heartbeat {
-            beat: Heartbeat { host: HostId(3), host_name: p.text.clone(), seq: p.b, chips: vec![report(p), report(p)] },
+            beat: std::sync::Arc::new(Heartbeat {
+                host: HostId(3),
+                host_name: p.text.clone(),
+                seq: p.b,
+                chips: vec![report(p), report(p)],
+            }),
         },
         24 => Msg::HostDown { host: HostId(2), host_name: p.text.clone() },
         25 => Msg::HostUp { host: HostId(2), host_name: p.text.clone() },

@@ -919,6 +919,7 @@ impl Behavior<Msg> for Router {
             }
             Msg::Prefilled { request_id, chip } => self.prefilled(request_id, chip),
             Msg::Heartbeat { beat } => {
+                let beat = std::sync::Arc::unwrap_or_clone(beat);
                 if self.down_hosts.contains(&beat.host) {
                     // The host is back (restarted): its chips report their own state.
                     tracing::info!(host = %beat.host_name, "host heartbeating again");

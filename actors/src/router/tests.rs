@@ -61,7 +61,7 @@ fn routes_only_to_heartbeating_chips_and_re_routes_when_a_host_dies() {
     let up = |(addr, view): &(Addr, ChipView)| ChipReport { chip: *addr, state: ChipState::Up, ..view.report.clone() };
     for (host, c) in [(0u16, &c0), (1, &c1)] {
         let beat = Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![up(c)] };
-        router.handle(Msg::Heartbeat { beat }, &mut fx);
+        router.handle(Msg::Heartbeat { beat: std::sync::Arc::new(beat) }, &mut fx);
     }
     router.handle(route(1), &mut fx);
     router.handle(route(2), &mut fx);
@@ -97,7 +97,14 @@ fn requests_wait_for_starting_chips() {
     assert!(fx.take_sent().is_empty(), "it waits");
     let report = ChipReport { state: ChipState::Up, ..c0.1.report.clone() };
     router.handle(
-        Msg::Heartbeat { beat: Heartbeat { host: HostId(0), host_name: "h0".into(), seq: 1, chips: vec![report] } },
+        Msg::Heartbeat {
+            beat: std::sync::Arc::new(Heartbeat {
+                host: HostId(0),
+                host_name: "h0".into(),
+                seq: 1,
+                chips: vec![report],
+            }),
+        },
         &mut fx,
     );
     let routed: Vec<Msg> =
@@ -298,7 +305,7 @@ fn observed_step_times_correct_the_model() {
         };
         let report = ChipReport { speed: Some(speed), ..reports[h].clone() };
         let beat = Heartbeat { host: HostId(h as u16), host_name: format!("h{h}"), seq: 1, chips: vec![report] };
-        router.handle(Msg::Heartbeat { beat }, &mut fx);
+        router.handle(Msg::Heartbeat { beat: std::sync::Arc::new(beat) }, &mut fx);
     }
     let pace = |h: u16| router.chips[&Addr::new(HostId(h), 16)].pace;
     let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
@@ -333,7 +340,7 @@ fn a_chips_correction_stays_near_the_others() {
         let speed = StepSpeed { prefill_step_s: 0.1 * slowdown, prefill_step_tokens: 100.0, ..StepSpeed::default() };
         let report = ChipReport { speed: Some(speed), ..reports[h].clone() };
         let beat = Heartbeat { host: HostId(h as u16), host_name: format!("h{h}"), seq: 1, chips: vec![report] };
-        router.handle(Msg::Heartbeat { beat }, &mut fx);
+        router.handle(Msg::Heartbeat { beat: std::sync::Arc::new(beat) }, &mut fx);
     }
     let mean = 100f64.powf(1.0 / 3.0);
     let factor = |h: u16| router.chips[&Addr::new(HostId(h), 16)].pace.prefill_s_per_token / 1e-3;
@@ -389,7 +396,12 @@ fn breakers_and_the_waiting_queue() {
     let beat = |h: usize, used: usize| {
         let report = ChipReport { kv_blocks_used: used, kv_blocks_total: 100, ..reports[h].clone() };
         Msg::Heartbeat {
-            beat: Heartbeat { host: HostId(h as u16), host_name: format!("h{h}"), seq: 2, chips: vec![report] },
+            beat: std::sync::Arc::new(Heartbeat {
+                host: HostId(h as u16),
+                host_name: format!("h{h}"),
+                seq: 2,
+                chips: vec![report],
+            }),
         }
     };
     router.handle(beat(0, 90), &mut fx);
@@ -431,7 +443,12 @@ fn kv_events_and_snapshots_steer_placement() {
     let beat = |host: u16, c: &(Addr, ChipView), last: u64| {
         let report = ChipReport { kv_last_event: last, kv_incarnation: 1, ..c.1.report.clone() };
         Msg::Heartbeat {
-            beat: Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![report] },
+            beat: std::sync::Arc::new(Heartbeat {
+                host: HostId(host),
+                host_name: format!("h{host}"),
+                seq: 1,
+                chips: vec![report],
+            }),
         }
     };
     // First contact: both chips are asked for a snapshot, once.

@@ -61,7 +61,7 @@ impl Supervisor {
             seq: self.seq,
             chips: self.chips.values().cloned().collect(),
         };
-        fx.publish(topic::HEARTBEAT, Msg::Heartbeat { beat });
+        fx.publish(topic::HEARTBEAT, Msg::Heartbeat { beat: std::sync::Arc::new(beat) });
     }
 
     fn tick(&mut self, fx: &mut dyn Effects<Msg>) {
@@ -171,7 +171,8 @@ mod tests {
     }
 
     fn beat(host: u16) -> Msg {
-        Msg::Heartbeat { beat: Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![] } }
+        let beat = Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![] };
+        Msg::Heartbeat { beat: std::sync::Arc::new(beat) }
     }
 
     #[test]
