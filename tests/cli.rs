@@ -412,3 +412,41 @@ fn every_metric_is_documented() {
     assert!(seen > 40, "found only {seen} metrics: the scan is broken");
     assert!(missing.is_empty(), "not in docs/metrics.md: {missing:?}");
 }
+
+/// `tessera calibrate` measures a real CPU chip and fits its model; a scenario that
+/// names the file times that kind of chip by it. Emulated and unknown chips are refused.
+#[test]
+fn calibrate_fits_a_real_chip_for_the_simulator() {
+    let tmp = tempfile::tempdir().unwrap();
+    let topology = tmp.path().join("cpu.toml");
+    std::fs::write(
+        &topology,
+        "[cluster]\nmodel = \"builtin:tiny\"\n[[hosts]]\nname = \"h0\"\nbus = \"127.0.0.1:7400\"\n\
+         [[hosts.chips]]\nid = \"c0\"\nkind = \"cpu\"\nbackend = \"cpu\"\nmax_batch_tokens = 64\nmax_batch_seqs = 4\n",
+    )
+    .unwrap();
+    let perf = tmp.path().join("perf.toml");
+    let (t, p) = (topology.to_str().unwrap(), perf.to_str().unwrap());
+    let (stdout, _) = ok(run(&["calibrate", "--topology", t, "--chip", "c0", "--repeats", "1", "--out", p]));
+    // Prefills of 16..64 tokens, decodes of 1..4 sequences at contexts from 64 up.
+    for shape in ["prefill 16", "prefill 64", "decode 1 x ctx 64", "decode 4 x ctx 1024"] {
+        assert!(stdout.contains(shape), "{shape} not in:\n{stdout}");
+    }
+    assert!(!stdout.contains("prefill 128") && !stdout.contains("decode 8 x"), "past the batch limits:\n{stdout}");
+    assert!(stdout.contains("fit: error median"), "{stdout}");
+    let model = std::fs::read_to_string(&perf).unwrap();
+    assert!(model.contains("[prefill.compute]") && model.contains("overlap ="), "{model}");
+
+    let scenario = tmp.path().join("s.toml");
+    let body = "topology = \"cpu.toml\"\n[workload]\nrate_rps = 4\nrequests = 12\nisl = \"uniform:8-60\"\n\
+                osl = \"4\"\n[slo]\nttft_ms = 1000\ntpot_ms = 100\n[perf_models]\ncpu = \"perf.toml\"\n";
+    std::fs::write(&scenario, body).unwrap();
+    let (stdout, _) = ok(run(&["sim", scenario.to_str().unwrap()]));
+    assert!(stdout.contains("12 completed, 0 failed") && stdout.contains("cpu (simulated, x1)"), "{stdout}");
+
+    for (chip, why) in [("h0-ascend0", "is emulated"), ("nope", "no chip `nope`; chips: h0-ascend0, h1-metax0")] {
+        let out = run(&["calibrate", "--chip", chip]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(why), "{chip}: {stderr}");
+    }
+}
