@@ -567,11 +567,13 @@ fn sim(args: SimArgs) -> Result<()> {
     let mut reports = Vec::with_capacity(runs.len());
     for (i, scenario) in runs.iter().enumerate() {
         eprintln!("run {}/{}: {} at {} req/s", i + 1, runs.len(), scenario.source, scenario.workload.rate_rps);
-        let (report, speed) = tessera_sim::run(scenario, args.seed)?;
+        let options = tessera_sim::RunOptions { seed: args.seed, profile: args.profile };
+        let (report, speed) = tessera_sim::run_with_progress(scenario, &options, &mut |_, _| {})?;
         eprintln!(
             "  simulated {:.1} s in {:.1} s of wall time ({:.0} events/s)",
             report.simulated_s, speed.wall_s, speed.events_per_s
         );
+        eprint!("{}", speed.profile_table());
         reports.push(report);
     }
     if args.json {

@@ -147,8 +147,9 @@ pub fn calibrate(
             cut_short = true;
             break;
         }
-        let mut times = Vec::with_capacity(opts.repeats);
-        for run in 0..=opts.repeats {
+        let repeats = opts.repeats.max(1);
+        let mut times = Vec::with_capacity(repeats);
+        for run in 0..=repeats {
             let t = Instant::now();
             let outcome = exec.step(run as u64, &plan, &mut Bench);
             if let Some(e) = outcome.error {
