@@ -67,6 +67,7 @@ impl Calibration {
         let mut out = format!(
             "# Performance model of chip kind `{}`, measured on chip {} with model {} by `tessera calibrate`\n\
              # ({} shapes; fit error median {:.1}%, max {:.1}%{}).\n\
+             # Fitted against {} bytes of weights read per step and {} bytes of KV per token.\n\
              # Name it in a scenario: [perf_models] {} = \"THIS FILE\"\n",
             self.kind,
             self.chip,
@@ -75,6 +76,8 @@ impl Calibration {
             self.fit.median_error * 100.0,
             self.fit.max_error * 100.0,
             if self.cut_short { "; the time budget cut the grid short" } else { "" },
+            self.shape.weight_bytes,
+            self.shape.kv_bytes_per_token(),
             self.kind,
         );
         // Plain numbers and tables: serializing cannot fail.

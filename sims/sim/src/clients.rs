@@ -17,6 +17,8 @@ pub struct Outcome {
     pub first_token: Option<Moment>,
     pub ended: Moment,
     pub tokens: usize,
+    /// The prompt's tokens, as the request counted them when it finished.
+    pub prompt_tokens: usize,
     /// Why it failed, if it did.
     pub error: Option<String>,
 }
@@ -36,9 +38,9 @@ struct Client {
 }
 
 impl Client {
-    fn end(&mut self, error: Option<String>, fx: &mut dyn Effects<Msg>) {
-        let outcome =
-            Outcome { sent: self.sent, first_token: self.first_token, ended: fx.now(), tokens: self.tokens, error };
+    fn end(&mut self, error: Option<String>, prompt_tokens: usize, fx: &mut dyn Effects<Msg>) {
+        let (sent, first_token, tokens) = (self.sent, self.first_token, self.tokens);
+        let outcome = Outcome { sent, first_token, ended: fx.now(), tokens, prompt_tokens, error };
         if let Ok(mut o) = self.outcomes.lock() {
             o.insert(self.n, outcome);
         }
@@ -56,7 +58,7 @@ impl Behavior<Msg> for Client {
         if let Some(ask) = self.ask.take()
             && let Err(e) = fx.send(self.admission, Msg::Admit { client: fx.me(), ask })
         {
-            self.end(Some(format!("admission is unreachable: {e}")), fx);
+            self.end(Some(format!("admission is unreachable: {e}")), 0, fx);
         }
     }
 
@@ -68,8 +70,8 @@ impl Behavior<Msg> for Client {
                 }
                 self.tokens += tokens.len();
             }
-            Msg::Client { event: ClientEvent::Finished { .. } } => self.end(None, fx),
-            Msg::Client { event: ClientEvent::Failed { error } } => self.end(Some(error.message), fx),
+            Msg::Client { event: ClientEvent::Finished { prompt_tokens, .. } } => self.end(None, prompt_tokens, fx),
+            Msg::Client { event: ClientEvent::Failed { error } } => self.end(Some(error.message), 0, fx),
             _ => {}
         }
     }

@@ -29,6 +29,7 @@ use tessera_actor_core::testkit::VirtualHost;
 use tessera_actor_core::{Addr, Behavior, Effects, HostId, Moment};
 use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Fault, Msg, SamplingSpec};
+use tessera_backends::tokenizer::TextTokenizer;
 use tessera_topology::TopologyError;
 use tessera_topology::perf::Power;
 use tessera_workload::{Load, PlannedRequest, Workload};
@@ -154,10 +155,10 @@ pub fn run_with_progress(
     let vocab = model.config.vocab_size.max(1) as u64;
     let requests = arrivals_s.len();
     let last_arrival = arrivals_s.last().map_or(0, |s| (s * 1e9).round() as u64);
+    let tokenizer = model::tokenizer(spec, &scenario.base_dir);
     let asks: Box<dyn Iterator<Item = (u64, AdmitAsk)> + Send> =
         Box::new(planned.zip(arrivals_s).map(move |(planned, at_s)| {
-            // One token per word, as `bench serve`'s prompts are about one token a word.
-            let prompt = planned.prompt.split(' ').map(|word| (fnv1a(word.as_bytes()) % vocab) as u32).collect();
+            let prompt = prompt_ids(tokenizer.as_ref(), &planned.prompt, vocab);
             let ask = AdmitAsk { prompt, max_tokens: planned.osl as usize, sampling: SamplingSpec::greedy() };
             ((at_s * 1e9).round() as u64, ask)
         }));
@@ -298,6 +299,17 @@ fn probe(vh: &mut VirtualHost<Msg>, router: Addr) -> Result<Vec<ChipReport>, Sim
     answer.ok_or(SimError::RouterSilent)
 }
 
+/// A completion prompt's token ids as the gateway makes them (the model's tokenizer,
+/// BOS as the model asks); without a tokenizer, one id a word (`bench serve`'s words
+/// are about one token each), hashed into the vocabulary.
+fn prompt_ids(tokenizer: Option<&TextTokenizer>, prompt: &str, vocab: u64) -> Vec<u32> {
+    let words = || prompt.split(' ').map(|word| (fnv1a(word.as_bytes()) % vocab) as u32).collect();
+    match tokenizer {
+        Some(t) => t.encode(prompt, true).unwrap_or_else(|_| words()),
+        None => words(),
+    }
+}
+
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
@@ -315,7 +327,7 @@ fn report(
 ) -> Report {
     let slo = scenario.slo;
     let (mut ttft, mut tpot, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut completed, mut slo_met, mut output_tokens) = (0, 0, 0u64);
+    let (mut completed, mut slo_met, mut output_tokens, mut prompt_tokens) = (0, 0, 0u64, 0u64);
     let mut failures: BTreeMap<String, usize> = BTreeMap::new();
     for o in outcomes.values() {
         if let Some(error) = &o.error {
@@ -324,6 +336,7 @@ fn report(
         }
         completed += 1;
         output_tokens += o.tokens as u64;
+        prompt_tokens += o.prompt_tokens as u64;
         let e2e_s = o.ended.since(o.sent).as_secs_f64();
         e2e.push(e2e_s);
         let Some(first) = o.first_token else { continue };
@@ -387,6 +400,7 @@ fn report(
         slo_tpot_ms: slo.tpot_ms,
         slo_met,
         goodput_rps: per_s(slo_met as f64),
+        prompt_tokens,
         output_tokens,
         output_tokens_per_s: per_s(output_tokens as f64),
         simulated_s: span_s,
@@ -410,5 +424,25 @@ fn report(
             })
             .collect(),
         chips,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_are_the_tokenizers_ids_when_the_model_has_one() {
+        let gguf = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let Ok(tokenizer) = TextTokenizer::from_dir(&gguf) else { panic!("the shared model's tokenizer") };
+        let prompt = "the people of the world";
+        let ids = prompt_ids(Some(&tokenizer), prompt, 49152);
+        assert_eq!(Some(&ids), tokenizer.encode(prompt, true).ok().as_ref());
+        // Without a tokenizer: one id a word, within the vocabulary, the same word the same id.
+        let words = prompt_ids(None, prompt, 1024);
+        assert_eq!(words.len(), 5);
+        assert!(words.iter().all(|&id| id < 1024) && words[0] == words[3]);
+        assert_ne!(ids, words);
     }
 }

@@ -7,6 +7,7 @@ use std::path::Path;
 use tessera_actors::msg::KvCompat;
 use tessera_backends::config::ModelConfig;
 use tessera_backends::synth::{self, Preset, SynthArch, SynthSpec};
+use tessera_backends::tokenizer::TextTokenizer;
 use tessera_topology::perf::ModelShape;
 use tessera_topology::{ClusterSpec, DType};
 
@@ -30,6 +31,18 @@ pub struct SimModel {
     pub config: ModelConfig,
     /// Bytes of all weights in the dtype they are served in.
     pub weight_bytes: u64,
+}
+
+/// The tokenizer a real gateway would use for `spec`'s model, when the checkpoint has
+/// one (a `tokenizer.json` beside its config, or a GGUF file's vocabulary): the
+/// simulator then tokenizes the workload's prompts as the gateway does. Builtin models
+/// (generated on first use, not here) and config-only directories have none; their
+/// prompts count one token a word.
+pub fn tokenizer(spec: &ClusterSpec, base_dir: &Path) -> Option<TextTokenizer> {
+    if spec.model.starts_with("builtin:") {
+        return None;
+    }
+    TextTokenizer::from_dir(&base_dir.join(&spec.model)).ok()
 }
 
 impl SimModel {

@@ -145,6 +145,9 @@ pub struct Report {
     pub slo_met: usize,
     /// `slo_met` per second of `simulated_s`.
     pub goodput_rps: f64,
+    /// Prompt tokens of the completed requests (the model's tokenizer's count when the
+    /// checkpoint has one, else one a word).
+    pub prompt_tokens: u64,
     pub output_tokens: u64,
     pub output_tokens_per_s: f64,
     /// From the first arrival to the last request's end, on the virtual clock.
@@ -282,7 +285,11 @@ impl Report {
             "\ngoodput    {:.3} req/s ({} of {} within TTFT {} ms and TPOT {} ms)",
             self.goodput_rps, self.slo_met, self.requests, self.slo_ttft_ms, self.slo_tpot_ms
         );
-        let _ = writeln!(t, "output     {} tokens, {:.1} tokens/s", self.output_tokens, self.output_tokens_per_s);
+        let _ = writeln!(
+            t,
+            "tokens     {} prompt, {} output ({:.1} output tokens/s)",
+            self.prompt_tokens, self.output_tokens, self.output_tokens_per_s
+        );
         let _ = writeln!(t, "KV blocks  {} still used at the end", self.kv_blocks_used_at_end);
         if let Some(kwh) = self.kwh_per_10k_requests {
             let _ = writeln!(t, "energy     {kwh:.3} kWh per 10,000 requests (board power by phase; idle estimated)");

@@ -101,6 +101,7 @@ fn all_served_and_all_free(r: &Report) {
     assert!(ttft.p50_ms > 0.0 && ttft.p50_ms <= ttft.p90_ms && ttft.p90_ms <= ttft.p99_ms);
     assert!(e2e.p50_ms >= ttft.p50_ms);
     assert!(r.output_tokens > 0 && r.output_tokens_per_s > 0.0 && r.simulated_s > 0.0 && r.events > 0);
+    assert!(r.prompt_tokens >= r.requests as u64);
     assert!(r.slo_met <= r.completed);
 }
 
@@ -352,6 +353,42 @@ fn prices_calibrated_models_colocation_and_rates_change_what_is_simulated() {
     let table = tessera_sim::report::comparison(&[r.clone(), f]);
     assert_eq!(table.lines().count(), 4, "{table}");
     assert!(table.lines().nth(2).is_some_and(|row| row.starts_with("| test | 2 | 8.54 | 2 |")), "{table}");
+}
+
+/// A checkpoint with a tokenizer (the shared SmolLM2 GGUF): prompts are tokenized as
+/// the gateway tokenizes them; without one (builtin models), one token a word.
+#[test]
+fn prompts_are_tokenized_as_the_gateway_does() {
+    let path = here().join("../scenarios/cpu-smollm2.toml");
+    let s = match tessera_sim::load(&path) {
+        Ok(s) => s.at_rate(50.0).unwrap_or_else(|e| panic!("{e}")),
+        Err(e) => panic!("{e}"),
+    };
+    let mut s = s;
+    if let tessera_sim::scenario::WorkloadRequests::Synthetic { size, .. } = &mut s.workload.requests {
+        *size = tessera_sim::scenario::WorkloadSize::Requests(8);
+    }
+    let r = simulate(&s, None);
+    all_served_and_all_free(&r);
+    let Ok(tokenizer) = tessera_backends::tokenizer::TextTokenizer::from_dir(Path::new(&s.topology.model)) else {
+        panic!("the shared model's tokenizer")
+    };
+    let tessera_sim::scenario::WorkloadRequests::Synthetic { isl, osl, .. } = s.workload.requests else {
+        panic!("synthetic")
+    };
+    let load = tessera_workload::Load::Poisson { rate_rps: 50.0 };
+    let plan = tessera_workload::Workload { isl, osl, load, seed: s.seed, shared: None }.measured(8);
+    let want: usize = plan.iter().map(|p| tokenizer.encode(&p.prompt, true).map_or(0, |ids| ids.len())).sum();
+    assert_eq!(r.prompt_tokens, want as u64);
+
+    let words = simulate(&parse(DISAGGREGATED), None);
+    let s = parse(DISAGGREGATED);
+    let tessera_sim::scenario::WorkloadRequests::Synthetic { isl, osl, .. } = s.workload.requests else {
+        panic!("synthetic")
+    };
+    let load = tessera_workload::Load::Poisson { rate_rps: 2.0 };
+    let plan = tessera_workload::Workload { isl, osl, load, seed: s.seed, shared: None }.measured(words.requests);
+    assert_eq!(words.prompt_tokens, plan.iter().map(|p| p.isl as u64).sum::<u64>());
 }
 
 #[test]
