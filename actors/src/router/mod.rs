@@ -504,17 +504,18 @@ impl Router {
         for role in Role::ALL {
             self.scan(role, &[&any], exclude, Leg::Compute, score, ask.prompt_tokens as f64 * fastest, &mut out);
         }
-        let mut classes: Vec<Option<crate::msg::KvCompat>> =
-            out.iter().filter(|(_, c)| prefill(c)).map(|(_, c)| c.report.compat.clone()).collect();
-        classes.sort_by_key(|c| c.as_ref().map(|c| c.hash));
+        // Compatibility classes by their hash (what a class is; the fields only explain
+        // a mismatch), so that hundreds of prefill candidates copy nothing.
+        let class = |c: &ChipView| c.report.compat.as_ref().map(|c| c.hash);
+        let mut classes: Vec<Option<u64>> = out.iter().filter(|(_, c)| prefill(c)).map(|(_, c)| class(c)).collect();
+        classes.sort_unstable();
         classes.dedup();
         type Fits = Box<dyn Fn(&ChipView) -> bool>;
         let fits: Vec<Fits> = classes
             .into_iter()
             .map(|compat| {
                 Box::new(move |c: &ChipView| {
-                    c.report.role == Role::Decode
-                        && (compat.is_none() || c.report.compat.is_none() || c.report.compat == compat)
+                    c.report.role == Role::Decode && (compat.is_none() || class(c).is_none() || class(c) == compat)
                 }) as Fits
             })
             .collect();

@@ -164,6 +164,9 @@ enum Event<M> {
     Start,
     Deliver(M),
     Timer(TimerId, M),
+    /// A published message for each of these subscribers, in order, at one time: one
+    /// queue entry instead of one per subscriber.
+    Fanout(Vec<Addr>, M),
 }
 
 /// An event's place in the queue: small, so that the heap moves 24 bytes per swap
@@ -207,6 +210,9 @@ struct World<M> {
     queue: BinaryHeap<Reverse<Queued>>,
     /// The queued events by slot: (to, event).
     events: slab::Slab<(Addr, Event<M>)>,
+    /// The rest of a fan-out being delivered: (its time and sequence number, subscriber,
+    /// message), delivered before anything else.
+    fanning: std::collections::VecDeque<(Moment, u64, Addr, M)>,
     /// Actors alive (started or about to start).
     alive: BTreeSet<Addr>,
     topics: BTreeMap<String, BTreeSet<Addr>>,
@@ -281,12 +287,21 @@ impl<M: Message> Effects<M> for VirtualFx<'_, M> {
         Ok(())
     }
     fn publish(&mut self, topic: &str, msg: M) {
-        let subscribers: Vec<Addr> = self.world.topics.get(topic).into_iter().flatten().copied().collect();
-        for to in subscribers {
-            if !self.world.down.contains(&to.host) {
-                let at = self.world.now.after(self.world.delay(self.me, to));
-                self.world.push(at, to, Event::Deliver(msg.clone()));
+        // Subscribers on this host hear it now, the others after the bus latency.
+        let (mut here, mut there) = (Vec::new(), Vec::new());
+        for &to in self.world.topics.get(topic).into_iter().flatten() {
+            if self.world.down.contains(&to.host) {
+                continue;
             }
+            if self.world.delay(self.me, to).is_zero() { here.push(to) } else { there.push(to) }
+        }
+        let now = self.world.now;
+        let later = now.after(self.world.latency);
+        if !here.is_empty() {
+            self.world.push(now, self.me, Event::Fanout(here, msg.clone()));
+        }
+        if !there.is_empty() {
+            self.world.push(later, self.me, Event::Fanout(there, msg));
         }
     }
     fn subscribe(&mut self, topic: &str) {
@@ -405,6 +420,7 @@ impl<M: Message> VirtualHost<M> {
                 seq: 0,
                 queue: BinaryHeap::new(),
                 events: slab::Slab::new(),
+                fanning: std::collections::VecDeque::new(),
                 alive: BTreeSet::new(),
                 topics: BTreeMap::new(),
                 cancelled: BTreeSet::new(),
@@ -516,9 +532,26 @@ impl<M: Message> VirtualHost<M> {
     }
 
     fn deliver_next(&mut self) -> bool {
-        let Some(Reverse(q)) = self.world.queue.pop() else { return false };
-        let (to, event) = self.world.events.remove(q.slot);
-        self.world.now = q.at;
+        let (at, seq, to, event) = match self.world.fanning.pop_front() {
+            Some((at, seq, to, msg)) => (at, seq, to, Event::Deliver(msg)),
+            None => {
+                let Some(Reverse(q)) = self.world.queue.pop() else { return false };
+                match self.world.events.remove(q.slot) {
+                    (_, Event::Fanout(subscribers, msg)) => {
+                        if let Some((&last, rest)) = subscribers.split_last() {
+                            for &to in rest {
+                                self.world.fanning.push_back((q.at, q.seq, to, msg.clone()));
+                            }
+                            self.world.fanning.push_back((q.at, q.seq, last, msg));
+                        }
+                        self.world.now = q.at;
+                        return true;
+                    }
+                    (to, event) => (q.at, q.seq, to, event),
+                }
+            }
+        };
+        self.world.now = at;
         let Some(mut behavior) = self.behaviors.get_mut(&to).and_then(Option::take) else {
             return true; // to an actor that is gone: dropped, as on a real host
         };
@@ -526,15 +559,17 @@ impl<M: Message> VirtualHost<M> {
         match event {
             Event::Start => {
                 if self.record {
-                    fx.world.trace.push(format!("{} {} {} start {}", q.at.0, q.seq, to, behavior.name()));
+                    fx.world.trace.push(format!("{} {seq} {to} start {}", at.0, behavior.name()));
                 }
                 behavior.on_start(&mut fx);
             }
             Event::Timer(id, _) if fx.world.cancelled.remove(&id) => {}
+            // Expanded into its deliveries when it left the queue.
+            Event::Fanout(..) => {}
             Event::Deliver(msg) | Event::Timer(_, msg) => {
                 fx.world.delivered += 1;
                 if self.record {
-                    fx.world.trace.push(format!("{} {} {} {} {:?}", q.at.0, q.seq, to, msg.kind(), msg));
+                    fx.world.trace.push(format!("{} {seq} {to} {} {:?}", at.0, msg.kind(), msg));
                 }
                 match self.profile.as_mut() {
                     Some(profile) => {
@@ -567,13 +602,18 @@ impl<M: Message> VirtualHost<M> {
 
     /// Runs events until the queue is empty or the clock passes `until`.
     pub fn run_until(&mut self, until: Moment) {
-        while let Some(Reverse(next)) = self.world.queue.peek() {
-            if next.at > until {
-                break;
-            }
+        while self.next_at().is_some_and(|at| at <= until) {
             self.step();
         }
         self.world.now = self.world.now.max(until);
+    }
+
+    /// When the next event is due: the rest of a fan-out now, else the queue's first.
+    fn next_at(&self) -> Option<Moment> {
+        match self.world.fanning.front() {
+            Some((at, ..)) => Some(*at),
+            None => self.world.queue.peek().map(|Reverse(next)| next.at),
+        }
     }
 
     /// Runs until `done` holds (checked after each event) or the clock passes `limit`;
@@ -583,8 +623,8 @@ impl<M: Message> VirtualHost<M> {
             if done(self) {
                 return true;
             }
-            match self.world.queue.peek() {
-                Some(Reverse(next)) if next.at <= limit => {
+            match self.next_at() {
+                Some(at) if at <= limit => {
                     self.step();
                 }
                 _ => return done(self),
@@ -649,6 +689,56 @@ mod tests {
         let log = log.lock().unwrap().clone();
         // (time ns, message): b's forward reaches a 5 ms later.
         assert_eq!(log, vec![(1_000_000, T::Ping(1)), (1_000_000, T::Ping(10)), (6_000_000, T::Ping(2))]);
+    }
+
+    /// Subscribes to "t"; on a ping, publishes a `Done` on it and sends itself a tick.
+    struct Publisher {
+        log: std::sync::Arc<std::sync::Mutex<Vec<(u64, Addr, T)>>>,
+    }
+
+    impl Behavior<T> for Publisher {
+        fn name(&self) -> &'static str {
+            "publisher"
+        }
+        fn on_start(&mut self, fx: &mut dyn Effects<T>) {
+            fx.subscribe("t");
+        }
+        fn handle(&mut self, msg: T, fx: &mut dyn Effects<T>) {
+            if let T::Ping(n) = msg {
+                fx.publish("t", T::Done(n));
+                let _ = fx.send(fx.me(), T::Tick);
+            }
+            self.log.lock().unwrap().push((fx.now().0, fx.me(), msg));
+        }
+    }
+
+    #[test]
+    fn a_publication_reaches_local_subscribers_now_and_remote_ones_after_the_latency_in_order() {
+        let log = std::sync::Arc::default();
+        let mut vh: VirtualHost<T> = VirtualHost::new(Duration::from_millis(5)).with_profile(true);
+        let mut spawn = |host| vh.spawn(HostId(host), Box::new(Publisher { log: std::sync::Arc::clone(&log) }));
+        let (a0, a1, b0, c0) = (spawn(0), spawn(0), spawn(1), spawn(2));
+        vh.send_at(Moment(1_000_000), a0, T::Ping(7));
+        // Host 2 goes down first: its subscriber hears nothing.
+        vh.run_until(Moment(0));
+        vh.kill_host(HostId(2));
+        vh.run_until(Moment(100_000_000));
+        let got: Vec<(u64, Addr, T)> = log.lock().unwrap().clone();
+        let ms = |m: u64| m * 1_000_000;
+        // The publisher's own host in subscription order, before the tick it sent after
+        // publishing; the other host 5 ms later.
+        let want = vec![
+            (ms(1), a0, T::Ping(7)),
+            (ms(1), a0, T::Done(7)),
+            (ms(1), a1, T::Done(7)),
+            (ms(1), a0, T::Tick),
+            (ms(6), b0, T::Done(7)),
+        ];
+        assert_eq!(got, want);
+        assert!(!got.iter().any(|(_, a, _)| *a == c0));
+        let profile = vh.profile().cloned().unwrap_or_default();
+        assert_eq!(profile.get("done").map(|p| p.delivered), Some(3));
+        assert_eq!(vh.delivered(), 5);
     }
 
     /// Starts a worker, submits two jobs that declare model time, and cancels a timer.
