@@ -5,6 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::dtype::DType;
 use crate::error::{BackendError, Result};
 
 /// Architectures the executor runs. All are pre-norm Llama-style decoders; they differ
@@ -337,6 +338,22 @@ impl ModelConfig {
         let kv = self.num_kv_heads * self.head_dim;
         let per_layer = h * q + 2 * h * kv + q * h + 3 * h * i;
         self.num_layers * per_layer + self.vocab_size * h
+    }
+
+    /// The model as the performance models cost it: its shape, `weight_bytes` of
+    /// weights read per step and `kv_dtype` KV.
+    pub fn cost_shape(&self, weight_bytes: u64, kv_dtype: DType) -> tessera_perf::ModelShape {
+        tessera_perf::ModelShape {
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            weight_bytes,
+            kv_bytes_per_elem: kv_dtype.size_bytes(),
+        }
     }
 }
 

@@ -94,18 +94,7 @@ fn kv_compat(c: &tessera_backends::compat::CompatInfo) -> KvCompat {
 
 /// The cost shape of `model` with a KV cache of `kv_dtype`, for the performance models.
 pub fn model_shape(model: &Model, kv_dtype: DType) -> ModelShape {
-    let c = model.config();
-    ModelShape {
-        num_layers: c.num_layers,
-        hidden_size: c.hidden_size,
-        num_heads: c.num_heads,
-        num_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-        intermediate_size: c.intermediate_size,
-        vocab_size: c.vocab_size,
-        weight_bytes: model.weight_bytes(),
-        kv_bytes_per_elem: kv_dtype.size_bytes(),
-    }
+    model.config().cost_shape(model.weight_bytes(), kv_dtype)
 }
 
 /// Roofline pacing of an emulated chip.

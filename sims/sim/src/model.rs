@@ -86,18 +86,7 @@ impl SimModel {
 
     /// The cost shape of the model with a KV cache of `kv_dtype`.
     pub fn shape(&self, kv_dtype: DType) -> ModelShape {
-        let c = &self.config;
-        ModelShape {
-            num_layers: c.num_layers,
-            hidden_size: c.hidden_size,
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            intermediate_size: c.intermediate_size,
-            vocab_size: c.vocab_size,
-            weight_bytes: self.weight_bytes,
-            kv_bytes_per_elem: kv_dtype.size_bytes(),
-        }
+        self.config.cost_shape(self.weight_bytes, kv_dtype)
     }
 
     /// What two chips must agree on to exchange KV: every chip of a simulated cluster
