@@ -265,8 +265,7 @@ impl ChipContext<'_> {
     }
 
     fn known_kinds(&self) -> String {
-        let names: Vec<&str> = catalog::kinds().iter().chain(self.kinds).map(|kind| kind.name.as_str()).collect();
-        names.join(", ")
+        catalog::names_with(self.kinds)
     }
 }
 

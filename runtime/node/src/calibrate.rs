@@ -19,7 +19,7 @@ use tessera_actors::chip::executor::StepExecutor;
 use tessera_actors::msg::Msg;
 use tessera_chip_executor::{ModelExecutor, model_shape};
 use tessera_topology::perf::fit::{self, Fit, Sample};
-use tessera_topology::perf::{ModelShape, PerfModel, StepShape, roofline};
+use tessera_topology::perf::{ModelShape, StepShape, roofline};
 use tessera_topology::{Backend, ClusterSpec};
 
 use crate::{NodeError, executor_config, resolve_model};
@@ -98,10 +98,6 @@ impl Calibration {
             );
         }
         out
-    }
-
-    pub fn perf_model(&self) -> PerfModel {
-        self.fit.model
     }
 }
 

@@ -377,12 +377,8 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
     let known_kind = |kind: &str, key: &str, span: Range<usize>| match topology.chip_kind(kind) {
         Some(_) => Ok(()),
         None => {
-            let kinds: Vec<&str> = tessera_topology::catalog::kinds()
-                .iter()
-                .chain(&topology.chip_kinds)
-                .map(|k| k.name.as_str())
-                .collect();
-            Err(at(span, key, format!("no chip kind `{kind}`; kinds: {}", kinds.join(", "))))
+            let kinds = tessera_topology::catalog::names_with(&topology.chip_kinds);
+            Err(at(span, key, format!("no chip kind `{kind}`; kinds: {kinds}")))
         }
     };
     let mut perf_models = BTreeMap::new();
@@ -415,7 +411,7 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
 }
 
 /// A performance model file, as `tessera calibrate --out` writes it, checked.
-pub fn read_perf_model(path: &Path) -> Result<PerfModel, String> {
+fn read_perf_model(path: &Path) -> Result<PerfModel, String> {
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("cannot read performance model {}: {e}", path.display()))?;
     let model: PerfModel =
