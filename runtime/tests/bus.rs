@@ -18,8 +18,7 @@ const A: HostId = HostId(0);
 const B: HostId = HostId(1);
 
 fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind an ephemeral port");
-    listener.local_addr().expect("local addr").port()
+    tessera_runtime::bus::free_loopback_ports(1).expect("a free loopback port")[0]
 }
 
 fn loopback(port: u16) -> SocketAddr {
@@ -33,7 +32,8 @@ struct Ports {
 }
 
 fn ports() -> Ports {
-    Ports { direct: loopback(free_port()), events: loopback(free_port()) }
+    let p = tessera_runtime::bus::free_loopback_ports(2).expect("free loopback ports");
+    Ports { direct: loopback(p[0]), events: loopback(p[1]) }
 }
 
 fn config(host: HostId, own: Ports, peer_host: HostId, peer: Ports, capacity: usize) -> BusConfig {

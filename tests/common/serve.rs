@@ -8,7 +8,7 @@
 
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -29,11 +29,10 @@ pub fn tessera() -> Command {
     cmd
 }
 
-/// `n` distinct free loopback ports: all bound at once, then released.
+/// `n` distinct free loopback ports, from below the ephemeral range so that no outgoing
+/// connection takes one before the cluster binds it.
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> =
-        (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("bind a loopback port")).collect();
-    listeners.iter().map(|l| l.local_addr().unwrap().port()).collect()
+    tessera_runtime::bus::free_loopback_ports(n).expect("free loopback ports")
 }
 
 /// A topology of `hosts` (one CPU chip `{host}-cpu0` each) on fresh ports; the gateway on

@@ -148,10 +148,6 @@ fn runtime() -> Result<tokio::runtime::Runtime, BusBenchError> {
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
 }
 
-fn free_port() -> Result<u16, BusBenchError> {
-    Ok(std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
-}
-
 fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, port))
 }
@@ -352,7 +348,7 @@ enum Attempt {
 }
 
 fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusBenchReport, Attempt> {
-    let ports: Vec<u16> = (0..5).map(|_| free_port()).collect::<Result<_, _>>().map_err(Attempt::Setup)?;
+    let ports = tessera_runtime::bus::free_loopback_ports(5).map_err(|e| Attempt::Setup(e.into()))?;
     let peer_args = BusPeerArgs {
         direct: loopback(ports[0]),
         events: loopback(ports[1]),

@@ -40,6 +40,9 @@
 //!   shutdown reaps those.
 
 mod link;
+mod ports;
+
+pub use ports::free_loopback_ports;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
