@@ -260,6 +260,24 @@ fn requests_survive_a_worker_panic_and_the_chip_restarts() {
     // The restarted chip serves again.
     let r = post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false));
     assert_eq!(r.status, 200, "{}", r.body);
+
+    // Offline: left down (no restart) while the other chip serves, until brought online.
+    let r = post_json(gw, "/admin/faults", &json!({"chip": "h1-cpu0", "fault": "chip_offline"}));
+    assert_eq!(r.status, 202, "{}", r.body);
+    wait_health(gw, "h1-cpu0 offline", Duration::from_secs(10), |h| chip(h, "h1-cpu0")["state"] == "failed");
+    for _ in 0..3 {
+        let r = post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let health = try_health(gw).expect("/health answers");
+    assert_eq!(chip(&health, "h1-cpu0")["state"], "failed", "no restart while offline: {health:#}");
+    let r = post_json(gw, "/admin/faults", &json!({"chip": "h1-cpu0", "fault": "chip_online"}));
+    assert_eq!(r.status, 202, "{}", r.body);
+    wait_health(gw, "h1-cpu0 back online", Duration::from_secs(10), |h| {
+        chip(h, "h1-cpu0")["state"] == "up" && h["chips_up"] == 2
+    });
+    let r = post_json(gw, "/admin/faults", &json!({"chip": "h1-cpu0", "fault": "chip_melted"}));
+    assert_eq!(r.status, 400, "{}", r.body);
 }
 
 #[test]

@@ -415,6 +415,12 @@ pub enum Fault {
     /// As a decode chip, ignore the next KV offer: no claim, no decline, so the prefill
     /// chip's lease on that KV runs out.
     DropKvClaim,
+    /// The chip goes offline (a device lost, as a hardware fault or maintenance takes
+    /// one): its requests are handed back to be re-routed, and it stays `Failed`, with
+    /// no restart, until `Online`.
+    Offline,
+    /// An offline chip is back: it starts a fresh worker and pool. No effect otherwise.
+    Online,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -177,7 +177,9 @@ fn build(kind: usize, p: &Parts) -> Msg {
             },
         },
         17 => Msg::Restart,
-        18 => Msg::InjectFault { fault: if p.flag { Fault::WorkerPanic } else { Fault::DropKvClaim } },
+        18 => Msg::InjectFault {
+            fault: [Fault::WorkerPanic, Fault::DropKvClaim, Fault::Offline, Fault::Online][(p.a % 4) as usize],
+        },
         19 => Msg::Report { report: report(p) },
         20 => Msg::ChipCrashed { chip: addr(p.a), error: p.text.clone() },
         21 => Msg::RestartDue { chip: addr(p.a) },

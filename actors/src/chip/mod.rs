@@ -53,6 +53,8 @@ pub struct Chip {
     pool_runs: u64,
     error: Option<String>,
     inject_panic: bool,
+    /// Taken offline by a drill: no restarts until it is brought back.
+    offline: bool,
     role: Role,
     /// A role to take once drained.
     draining_to: Option<Role>,
@@ -89,6 +91,7 @@ impl Chip {
             pool_runs: 0,
             error: None,
             inject_panic: false,
+            offline: false,
             speed: StepSpeed::default(),
             step_shape: (0, 0, 0),
             prefix_tokens: (0, 0),
@@ -314,16 +317,33 @@ impl Chip {
     /// The worker is gone: hand every sequence back, free the pool, tell the supervisor.
     fn crash(&mut self, error: String, fx: &mut dyn Effects<Msg>) {
         tracing::error!(chip = %self.config.id, %error, "chip down");
+        self.halt(ChipState::Down, &error, fx);
+        let _ = fx.send(self.config.supervisor, Msg::ChipCrashed { chip: fx.me(), error });
+        self.report(fx);
+    }
+
+    /// A drill's `Offline`: as a crash, but `Failed` and not told to the supervisor,
+    /// which would restart it; only `Online` brings it back.
+    fn go_offline(&mut self, fx: &mut dyn Effects<Msg>) {
+        if self.offline {
+            return;
+        }
+        tracing::warn!(chip = %self.config.id, "fault drill: chip offline");
+        self.offline = true;
+        self.halt(ChipState::Failed, "offline (fault drill)", fx);
+        self.report(fx);
+    }
+
+    /// Stops the worker and hands every sequence and hand-off back, leaving `state`.
+    fn halt(&mut self, state: ChipState, error: &str, fx: &mut dyn Effects<Msg>) {
         if let Some(w) = self.worker.take() {
             fx.stop_worker(w);
         }
-        self.evict_all(&error, fx);
-        self.handoffs_lost(&error, fx);
-        self.state = ChipState::Down;
-        self.error = Some(error.clone());
+        self.evict_all(error, fx);
+        self.handoffs_lost(error, fx);
+        self.state = state;
+        self.error = Some(error.to_string());
         self.step_in_flight = false;
-        let _ = fx.send(self.config.supervisor, Msg::ChipCrashed { chip: fx.me(), error });
-        self.report(fx);
     }
 
     fn set_role(&mut self, role: Role, fx: &mut dyn Effects<Msg>) {
@@ -409,7 +429,7 @@ impl Behavior<Msg> for Chip {
                     let _ = fx.send(reply_to, msg);
                 }
             }
-            Msg::Restart if self.state == ChipState::Down => {
+            Msg::Restart if self.state == ChipState::Down && !self.offline => {
                 self.restarts += 1;
                 self.start_worker(fx);
             }
@@ -423,6 +443,14 @@ impl Behavior<Msg> for Chip {
                 self.try_step(fx);
             }
             Msg::InjectFault { fault: Fault::DropKvClaim } => self.handoffs.drop_next_claim = true,
+            Msg::InjectFault { fault: Fault::Offline } => self.go_offline(fx),
+            Msg::InjectFault { fault: Fault::Online } if self.offline => {
+                tracing::warn!(chip = %self.config.id, "fault drill: chip back online; starting");
+                self.offline = false;
+                self.error = None;
+                self.restarts += 1;
+                self.start_worker(fx);
+            }
             Msg::Tick => self.report(fx),
             other => tracing::debug!(chip = %self.config.id, kind = ?other, "unexpected message"),
         }

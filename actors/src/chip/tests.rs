@@ -362,3 +362,30 @@ fn a_late_cancel_of_a_hand_off_spares_the_request_s_new_placement() {
     assert_eq!(tokens, vec![7, 7, 7], "the colocated run went on to its end");
     assert_eq!(p.used(), 0);
 }
+
+#[test]
+fn an_offline_chip_hands_its_requests_back_and_restarts_only_when_online() {
+    let mut c = Side::new(D, Role::Both, info(4, KvLayout::HeadMajor, 1));
+    c.chip.handle(Msg::Enqueue { seq: seq(4, 8) }, &mut c.fx);
+    assert!(c.used() > 0);
+    c.fx.take_sent();
+    c.chip.handle(Msg::InjectFault { fault: Fault::Offline }, &mut c.fx);
+    let sent = c.fx.take_sent();
+    let refused = sent.iter().any(|(to, m)| {
+        *to == REQ
+            && matches!(m, Msg::Refused { retry: Retry::Elsewhere, error, .. } if error.message.contains("offline"))
+    });
+    assert!(refused, "the request is handed back to be re-routed: {sent:?}");
+    assert!(!sent.iter().any(|(_, m)| matches!(m, Msg::ChipCrashed { .. })), "no restart is asked for");
+    assert_eq!(c.chip.state, ChipState::Failed);
+    // A restart (a supervisor's, scheduled before) does not bring it back.
+    c.chip.handle(Msg::Restart, &mut c.fx);
+    assert_eq!(c.chip.state, ChipState::Failed);
+    c.chip.handle(Msg::InjectFault { fault: Fault::Online }, &mut c.fx);
+    assert_eq!(c.chip.state, ChipState::Starting, "online: a fresh worker starts");
+    assert_eq!(c.chip.error, None);
+    // Online again on a chip that is not offline changes nothing.
+    c.chip.handle(Msg::InjectFault { fault: Fault::Online }, &mut c.fx);
+    assert_eq!(c.chip.state, ChipState::Starting);
+    assert_eq!(c.chip.restarts, 1);
+}

@@ -695,9 +695,11 @@ async fn inject_fault(State(st): State<Arc<GatewayState>>, body: Bytes) -> Respo
     let fault = match req.fault.as_str() {
         "worker_panic" => Fault::WorkerPanic,
         "drop_kv_claim" => Fault::DropKvClaim,
+        "chip_offline" => Fault::Offline,
+        "chip_online" => Fault::Online,
         other => {
             return error_response(ApiError::bad_request(
-                format!("unknown fault `{other}`; known: worker_panic, drop_kv_claim"),
+                format!("unknown fault `{other}`; known: worker_panic, drop_kv_claim, chip_offline, chip_online"),
                 Some("fault"),
             ));
         }

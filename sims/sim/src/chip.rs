@@ -8,6 +8,7 @@
 //! `max_tokens`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tessera_actor_core::JobCtx;
@@ -34,35 +35,53 @@ pub enum ChipModelError {
 /// Where each chip of the cluster is and how fast its links are, for hand-off times.
 /// Chips are numbered in topology order; a modelled chip's staging region carries its
 /// number, which is how a decode chip knows where KV comes from.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Links {
     /// (host index, scale-up link GB/s) per chip.
     chips: Vec<(usize, f64)>,
     network: Network,
+    /// Per host, how many times slower its network link is than `network` (a
+    /// `link_slow` fault), as f64 bits; 1.0 when healthy.
+    slowdown: Vec<AtomicU64>,
 }
 
 impl Links {
     pub fn new(spec: &ClusterSpec, network: Network) -> Links {
         let chips =
             spec.chips().map(|(h, _, chip)| (h, spec.chip_kind(&chip.kind).map_or(0.0, |k| k.link_bw_gbs))).collect();
-        Links { chips, network }
+        let slowdown = spec.hosts.iter().map(|_| AtomicU64::new(1f64.to_bits())).collect();
+        Links { chips, network, slowdown }
+    }
+
+    /// From now on, network hand-offs into or out of `host` take `factor` times as long.
+    pub fn slow_down(&self, host: usize, factor: f64) {
+        if let Some(s) = self.slowdown.get(host) {
+            s.store(factor.to_bits(), Ordering::Relaxed);
+        }
+    }
+
+    fn slowdown(&self, host: usize) -> f64 {
+        self.slowdown.get(host).map_or(1.0, |s| f64::from_bits(s.load(Ordering::Relaxed)))
     }
 
     /// How long `bytes` of KV take from chip `from` to chip `to`: the scale-up link
     /// within a host (the slower end's, one direction: half the quoted bidirectional
-    /// figure), the scenario's network between hosts, plus the network's latency.
+    /// figure), the scenario's network between hosts, plus the network's latency; a
+    /// slowed host's network link takes that many times as long.
     pub fn transfer_time(&self, from: usize, to: usize, bytes: u64) -> Duration {
         let network =
             Link { bandwidth_gbs: self.network.kv_bandwidth_gbs, latency_s: self.network.kv_latency.as_secs_f64() };
-        let link = match (self.chips.get(from), self.chips.get(to)) {
+        match (self.chips.get(from), self.chips.get(to)) {
             (Some(&(from_host, from_gbs)), Some(&(to_host, to_gbs)))
                 if from_host == to_host && from_gbs > 0.0 && to_gbs > 0.0 =>
             {
-                Link { bandwidth_gbs: from_gbs.min(to_gbs) / 2.0, latency_s: 0.0 }
+                secs(Link { bandwidth_gbs: from_gbs.min(to_gbs) / 2.0, latency_s: 0.0 }.transfer_s(bytes))
             }
-            _ => network,
-        };
-        secs(link.transfer_s(bytes))
+            (from, to) => {
+                let slowdown = |c: Option<&(usize, f64)>| c.map_or(1.0, |&(h, _)| self.slowdown(h));
+                secs(network.transfer_s(bytes) * slowdown(from).max(slowdown(to)))
+            }
+        }
     }
 }
 

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_actor_core::testkit::VirtualHost;
-use tessera_actor_core::{Addr, Behavior, Effects, HostId, Moment};
+use tessera_actor_core::{Addr, HostId, Moment};
 use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Fault, Msg, SamplingSpec};
 use tessera_backends::tokenizer::TextTokenizer;
@@ -167,19 +167,6 @@ pub fn run_with_progress(
     let arrivals = Arrivals { admission, asks: asks.peekable(), outcomes: outcomes.clone(), next: 0, started: t0 };
     vh.spawn(admission.host, Box::new(arrivals));
     let at = |s: f64| t0.after(Duration::from_secs_f64(s));
-    let crashes: Vec<(Duration, Addr)> = scenario
-        .faults
-        .iter()
-        .filter_map(|f| match &f.fault {
-            scenario::FaultKind::ChipCrash { chip } => {
-                chip_addrs.get(chip).map(|a| (Duration::from_secs_f64(f.at_s), *a))
-            }
-            scenario::FaultKind::HostDown { .. } => None,
-        })
-        .collect();
-    if !crashes.is_empty() {
-        vh.spawn(admission.host, Box::new(Drill { crashes, next: 0 }));
-    }
     let limit = t0.after(Duration::from_nanos(last_arrival)).after(DRAIN_LIMIT);
     let mut ended = 0;
     let mut all_ended = |_: &VirtualHost<Msg>| {
@@ -190,12 +177,32 @@ pub fn run_with_progress(
         }
         ended == requests
     };
+    // Each fault at its time, as a drill (`POST /admin/faults`), a dead host process or a
+    // degraded network would strike a real cluster.
+    let host_index = |name: &str| spec.hosts.iter().position(|h| h.name == name);
     for f in &scenario.faults {
-        if let scenario::FaultKind::HostDown { host } = &f.fault
-            && let Some(i) = spec.hosts.iter().position(|h| &h.name == host)
-        {
-            vh.run_while(at(f.at_s).min(limit), &mut all_ended);
-            vh.kill_host(HostId(i as u16));
+        vh.run_while(at(f.at_s).min(limit), &mut all_ended);
+        let drill = |chip: &String, fault: Fault| chip_addrs.get(chip).map(|a| (*a, Msg::InjectFault { fault }));
+        let inject = match &f.fault {
+            scenario::FaultKind::ChipCrash { chip } => drill(chip, Fault::WorkerPanic),
+            scenario::FaultKind::ChipDown { chip } => drill(chip, Fault::Offline),
+            scenario::FaultKind::ChipUp { chip } => drill(chip, Fault::Online),
+            scenario::FaultKind::HostDown { host } => {
+                if let Some(i) = host_index(host) {
+                    vh.kill_host(HostId(i as u16));
+                }
+                None
+            }
+            scenario::FaultKind::LinkSlow { host, factor } => {
+                if let Some(i) = host_index(host) {
+                    links.slow_down(i, *factor);
+                }
+                None
+            }
+        };
+        if let Some((chip, msg)) = inject {
+            let now = vh.now();
+            vh.send_at(now, chip, msg);
         }
     }
     vh.run_while(limit, &mut all_ended);
@@ -227,35 +234,6 @@ pub fn run_with_progress(
         speed.profile = kinds;
     }
     Ok((report, speed))
-}
-
-/// Crashes chips' workers at their times after it starts (a fault drill, as
-/// `POST /admin/faults` does on a real cluster).
-struct Drill {
-    /// (after the start, chip), in time order.
-    crashes: Vec<(Duration, Addr)>,
-    next: usize,
-}
-
-impl Behavior<Msg> for Drill {
-    fn name(&self) -> &'static str {
-        "drill"
-    }
-
-    fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
-        for (after, _) in &self.crashes {
-            fx.timer(*after, Msg::Tick);
-        }
-    }
-
-    fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
-        if msg == Msg::Tick
-            && let Some((_, chip)) = self.crashes.get(self.next)
-        {
-            let _ = fx.send(*chip, Msg::InjectFault { fault: Fault::WorkerPanic });
-            self.next += 1;
-        }
-    }
 }
 
 /// Arrival times in seconds (Poisson at a rate or a rate schedule, or gamma with gaps of
@@ -412,17 +390,7 @@ fn report(
         usd_per_million_output_tokens: usd.filter(|_| output_tokens > 0).map(|usd| usd / output_tokens as f64 * 1e6),
         slo_met_per_usd: usd.map(|usd| slo_met as f64 / usd),
         timeline: Vec::new(),
-        faults: scenario
-            .faults
-            .iter()
-            .map(|f| report::FaultMark {
-                at_s: f.at_s,
-                what: match &f.fault {
-                    scenario::FaultKind::ChipCrash { chip } => format!("chip {chip} crashed"),
-                    scenario::FaultKind::HostDown { host } => format!("host {host} down"),
-                },
-            })
-            .collect(),
+        faults: scenario.faults.iter().map(|f| report::FaultMark { at_s: f.at_s, what: f.fault.describe() }).collect(),
         chips,
     }
 }

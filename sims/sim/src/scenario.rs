@@ -122,9 +122,33 @@ pub enum FaultKind {
     /// The chip's worker dies (`kind = "chip_crash"`, `chip = ID`); its supervisor
     /// restarts it as it would a real one.
     ChipCrash { chip: String },
+    /// The chip goes offline (`kind = "chip_down"`, `chip = ID`): its requests re-route
+    /// and it stays down, with no restart, until a `chip_up`.
+    ChipDown { chip: String },
+    /// A chip taken down by `chip_down` is back (`kind = "chip_up"`, `chip = ID`) and
+    /// starts afresh.
+    ChipUp { chip: String },
     /// The host stops (`kind = "host_down"`, `host = NAME`): its chips and supervisor are
     /// gone for the rest of the run.
     HostDown { host: String },
+    /// KV hand-offs over the network into or out of the host take `factor` times as
+    /// long (`kind = "link_slow"`, `host = NAME`, `factor = F`, from 1 to 10,000; 1
+    /// restores the link). Within a host, chips' own links are unaffected.
+    LinkSlow { host: String, factor: f64 },
+}
+
+impl FaultKind {
+    /// What happened, for the report's fault marks.
+    pub fn describe(&self) -> String {
+        match self {
+            FaultKind::ChipCrash { chip } => format!("chip {chip} crashed"),
+            FaultKind::ChipDown { chip } => format!("chip {chip} down"),
+            FaultKind::ChipUp { chip } => format!("chip {chip} up"),
+            FaultKind::HostDown { host } => format!("host {host} down"),
+            FaultKind::LinkSlow { host, factor } if *factor == 1.0 => format!("host {host}'s link restored"),
+            FaultKind::LinkSlow { host, factor } => format!("host {host}'s link {factor}x slower"),
+        }
+    }
 }
 
 /// The requests of a run, and their mean arrival rate.
@@ -226,6 +250,8 @@ struct RawFault {
     chip: Option<Spanned<String>>,
     #[serde(default)]
     host: Option<Spanned<String>>,
+    #[serde(default)]
+    factor: Option<Spanned<toml::Value>>,
 }
 
 #[derive(Deserialize)]
@@ -648,23 +674,56 @@ fn faults(
             Some(v) => Err(at(v.span(), &key(k), format!("no {k} `{}`; {k}s: {}", v.get_ref(), known.join(", ")))),
             None => Err(at(f.kind.span(), &key(k), format!("a `{}` fault names its `{k}`", f.kind.get_ref()))),
         };
+        let chips = || topology.chips().map(|(_, _, c)| c.id.as_str()).collect();
+        let hosts = || topology.hosts.iter().map(|h| h.name.as_str()).collect::<Vec<_>>();
         let fault = match f.kind.get_ref().as_str() {
-            "chip_crash" => FaultKind::ChipCrash {
-                chip: name(&f.chip, "chip", topology.chips().map(|(_, _, c)| c.id.as_str()).collect())?,
-            },
+            "chip_crash" => FaultKind::ChipCrash { chip: name(&f.chip, "chip", chips())? },
+            "chip_down" => FaultKind::ChipDown { chip: name(&f.chip, "chip", chips())? },
+            "chip_up" => FaultKind::ChipUp { chip: name(&f.chip, "chip", chips())? },
             "host_down" => {
-                let hosts = topology.hosts.iter().map(|h| h.name.as_str()).filter(|h| *h != topology.gateway.host);
-                FaultKind::HostDown { host: name(&f.host, "host", hosts.collect())? }
+                let others = hosts().into_iter().filter(|h| *h != topology.gateway.host).collect();
+                FaultKind::HostDown { host: name(&f.host, "host", others)? }
+            }
+            "link_slow" => {
+                let host = name(&f.host, "host", hosts())?;
+                let factor = match &f.factor {
+                    Some(v) => number(v, &key("factor"), |x| (1.0..=10_000.0).contains(&x), "1 to 10000", at)?,
+                    None => {
+                        return Err(at(f.kind.span(), &key("factor"), "a `link_slow` fault names its `factor`".into()));
+                    }
+                };
+                FaultKind::LinkSlow { host, factor }
             }
             other => {
-                let why = format!("unknown fault {other:?}; expected \"chip_crash\" or \"host_down\"");
+                let why = format!(
+                    "unknown fault {other:?}; expected one of chip_crash, chip_down, chip_up, host_down, link_slow"
+                );
                 return Err(at(f.kind.span(), &key("kind"), why));
             }
         };
-        out.push(FaultAt { at_s, fault });
+        if f.factor.is_some() && !matches!(fault, FaultKind::LinkSlow { .. }) {
+            let span = f.factor.as_ref().map_or(f.kind.span(), |v| v.span());
+            return Err(at(span, &key("factor"), format!("a `{}` fault takes no `factor`", f.kind.get_ref())));
+        }
+        out.push((i, FaultAt { at_s, fault }));
     }
-    out.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
-    Ok(out)
+    out.sort_by(|(_, a), (_, b)| a.at_s.total_cmp(&b.at_s));
+    // A chip comes up only after going down.
+    let mut down: Vec<&str> = Vec::new();
+    for (i, f) in &out {
+        match &f.fault {
+            FaultKind::ChipDown { chip } => down.push(chip),
+            FaultKind::ChipUp { chip } => match down.iter().position(|c| c == chip) {
+                Some(i) => drop(down.swap_remove(i)),
+                None => {
+                    let why = format!("chip `{chip}` comes up at {} s without a `chip_down` before it", f.at_s);
+                    return Err(at(raw[*i].get_ref().kind.span(), &format!("faults[{i}].kind"), why));
+                }
+            },
+            _ => {}
+        }
+    }
+    Ok(out.into_iter().map(|(_, f)| f).collect())
 }
 
 /// A number (integer or float) within `ok`, or an error naming `key`.

@@ -461,3 +461,57 @@ fn bad_scenarios_name_file_line_and_key() {
     let missing = tessera_sim::load(Path::new("/nonexistent/scenario.toml"));
     assert!(missing.is_err_and(|e| e.to_string().contains("/nonexistent/scenario.toml")));
 }
+
+/// A chip taken offline and brought back, and a slowed network link, on the default
+/// disaggregated pair: nothing is lost, the chip serves again once up, and a slower
+/// link shows in TTFT.
+#[test]
+fn a_chip_down_then_up_and_a_slow_link_lose_no_request() {
+    let faults = "[[faults]]\nat_s = 5\nkind = \"chip_down\"\nchip = \"h0-ascend0\"\n\n\
+                  [[faults]]\nat_s = 8\nkind = \"chip_up\"\nchip = \"h0-ascend0\"\n\n\
+                  [[faults]]\nat_s = 12\nkind = \"link_slow\"\nhost = \"h1\"\nfactor = 50\n\n\
+                  [[faults]]\nat_s = 20\nkind = \"link_slow\"\nhost = \"h1\"\nfactor = 1\n";
+    let s = parse(&format!("{DISAGGREGATED}\n{faults}"));
+    let r = simulate(&s, None);
+    all_served_and_all_free(&r);
+    let marks: Vec<(f64, &str)> = r.faults.iter().map(|f| (f.at_s, f.what.as_str())).collect();
+    assert_eq!(
+        marks,
+        vec![
+            (5.0, "chip h0-ascend0 down"),
+            (8.0, "chip h0-ascend0 up"),
+            (12.0, "host h1's link 50x slower"),
+            (20.0, "host h1's link restored"),
+        ]
+    );
+    assert_eq!(r.to_json(), simulate(&s, None).to_json(), "deterministic");
+
+    // The same workload with h1's link slow throughout: every hand-off takes longer.
+    let slow =
+        parse(&format!("{DISAGGREGATED}\n[[faults]]\nat_s = 0\nkind = \"link_slow\"\nhost = \"h1\"\nfactor = 1000\n"));
+    let (fast, slow) = (simulate(&parse(DISAGGREGATED), None), simulate(&slow, None));
+    all_served_and_all_free(&slow);
+    let p50 = |r: &Report| r.ttft.map_or(0.0, |l| l.p50_ms);
+    assert!(p50(&slow) > p50(&fast), "TTFT p50 {} ms with a slow link, {} ms without", p50(&slow), p50(&fast));
+
+    // A chip comes up only after it went down; a factor belongs to link_slow alone.
+    for (bad, key, why) in [
+        (
+            "[[faults]]\nat_s = 1\nkind = \"chip_up\"\nchip = \"h0-ascend0\"\n",
+            "faults[0].kind",
+            "without a `chip_down`",
+        ),
+        ("[[faults]]\nat_s = 1\nkind = \"link_slow\"\nhost = \"h1\"\n", "faults[0].factor", "names its `factor`"),
+        ("[[faults]]\nat_s = 1\nkind = \"link_slow\"\nhost = \"h1\"\nfactor = 0.5\n", "faults[0].factor", "1 to 10000"),
+        (
+            "[[faults]]\nat_s = 1\nkind = \"chip_down\"\nchip = \"h0-ascend0\"\nfactor = 2\n",
+            "faults[0].factor",
+            "no `factor`",
+        ),
+    ] {
+        let e = scenario::parse(&format!("{DISAGGREGATED}\n{bad}"), "f.toml", &here()).err();
+        let e = e.unwrap_or_else(|| panic!("accepted: {bad}"));
+        assert_eq!(e.key, key, "{bad}");
+        assert!(e.to_string().contains(why), "{e}");
+    }
+}
