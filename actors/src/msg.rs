@@ -136,6 +136,8 @@ pub struct SeqRequest {
     pub generated: usize,
     pub max_new_tokens: usize,
     pub sampling: SamplingSpec,
+    #[serde(default)]
+    pub delivery: Delivery,
 }
 
 /// What a client asks admission to serve (checked against the model's context already).
@@ -144,6 +146,28 @@ pub struct AdmitAsk {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingSpec,
+    #[serde(default)]
+    pub delivery: Delivery,
+}
+
+/// How a request's tokens travel to its client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Delivery {
+    /// Every token as soon as it is sampled: a streamed response.
+    #[default]
+    Stream,
+    /// For a response read whole: the first token at once (time to first token still
+    /// shows), the rest when the request ends. The chip sends tokens in groups of up to
+    /// [`Delivery::GROUP`] and the request passes them on when it ends, so a response of
+    /// n tokens is about n / 16 messages instead of 2n.
+    Whole,
+}
+
+impl Delivery {
+    /// Tokens a chip holds back before sending them on, for [`Delivery::Whole`]: at any
+    /// pace under a few seconds per token the request still hears from its chip well
+    /// within its stall timeout.
+    pub const GROUP: usize = 16;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -430,7 +454,7 @@ pub enum Msg {
     /// event, then the request's events.
     Admit {
         client: Addr,
-        ask: AdmitAsk,
+        ask: Box<AdmitAsk>,
     },
     /// Admission -> client: admitted as `request_id`, run by the Request actor `request`.
     Admitted {
@@ -487,11 +511,11 @@ pub enum Msg {
     },
     /// Request -> chip.
     Enqueue {
-        seq: SeqRequest,
+        seq: Box<SeqRequest>,
     },
     /// Request -> prefill chip: prefill `seq` and hand its KV to `decode`.
     Prefill {
-        seq: SeqRequest,
+        seq: Box<SeqRequest>,
         decode: Addr,
     },
     /// Request -> chip: forget this request and free its KV.
@@ -528,7 +552,7 @@ pub enum Msg {
     // KV handoff between a prefill chip P and a decode chip D.
     /// P -> D.
     KvOffer {
-        offer: KvOffer,
+        offer: Box<KvOffer>,
     },
     /// D -> P: blocks are reserved; stream the layers.
     KvClaim {
@@ -583,7 +607,7 @@ pub enum Msg {
 
     // Chip internals.
     WorkerReady {
-        info: ChipInfo,
+        info: Box<ChipInfo>,
     },
     WorkerFailed {
         error: String,
@@ -621,7 +645,7 @@ pub enum Msg {
     // Health.
     /// Chip -> its host's supervisor.
     Report {
-        report: ChipReport,
+        report: Box<ChipReport>,
     },
     /// Chip -> its supervisor: the worker died.
     ChipCrashed {

@@ -9,8 +9,8 @@ use crate::batcher::StepPlan;
 use crate::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use crate::host::build_host;
 use crate::msg::{
-    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, DType, ErrorKind, Finish, KvCompat, KvFormatDesc, KvLayout,
-    Msg, SamplingSpec, ServeError, StepOutcome, well_known,
+    AdmitAsk, ChipInfo, ChipReport, ChipState, ClientEvent, DType, Delivery, ErrorKind, Finish, KvCompat, KvFormatDesc,
+    KvLayout, Msg, SamplingSpec, ServeError, StepOutcome, well_known,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use std::collections::BTreeMap;
@@ -106,7 +106,7 @@ impl Behavior<Msg> for Client {
     fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
         if let Some(ask) = self.ask.take() {
             let admission = Addr::new(HostId(0), well_known::ADMISSION);
-            let _ = fx.send(admission, Msg::Admit { client: fx.me(), ask });
+            let _ = fx.send(admission, Msg::Admit { client: fx.me(), ask: Box::new(ask) });
         }
     }
 
@@ -265,7 +265,7 @@ fn run(seed: u64, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Run {
         let prompt: Vec<u32> = (0..8 + (rng.next_f64() * 56.0) as u32).map(|i| (i * 13 + n as u32) % VOCAB).collect();
         let max_tokens = 16 + (rng.next_f64() * 48.0) as usize;
         asked.push(max_tokens);
-        asks.push((at, AdmitAsk { prompt, max_tokens, sampling: SamplingSpec::greedy() }));
+        asks.push((at, AdmitAsk { prompt, max_tokens, sampling: SamplingSpec::greedy(), delivery: Delivery::Stream }));
     }
     let outcomes: Outcomes = Arc::default();
     vh.spawn(HostId(0), Box::new(Arrivals { asks, outcomes: outcomes.clone(), next: 0 }));
@@ -383,7 +383,10 @@ fn three_times_capacity_gives_429s_with_retry_after_and_full_recovery() {
         at += Duration::from_secs_f64(if heavy { 1.0 / 360.0 } else { 1.0 / 20.0 });
         overload += usize::from(heavy);
         let prompt: Vec<u32> = (0..32).map(|i| (i * 13 + n as u32) % VOCAB).collect();
-        asks.push((at, AdmitAsk { prompt, max_tokens: 48, sampling: SamplingSpec::greedy() }));
+        asks.push((
+            at,
+            AdmitAsk { prompt, max_tokens: 48, sampling: SamplingSpec::greedy(), delivery: Delivery::Stream },
+        ));
     }
     let total = asks.len();
     let outcomes: Outcomes = Arc::default();

@@ -129,6 +129,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         generated: p.n,
         max_new_tokens: p.n + 1,
         sampling: sampling.clone(),
+        delivery: if p.flag { Delivery::Whole } else { Delivery::Stream },
     };
     match kind {
         0 => Msg::Route {
@@ -142,7 +143,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         1 => Msg::Routed { request_id: p.a, chip: addr(p.b), prefill: p.flag.then(|| addr(p.a)) },
         2 => Msg::RouteFailed { request_id: p.a, error: error(p) },
         3 => Msg::Release { request_id: p.a, chip: addr(p.b) },
-        4 => Msg::Enqueue { seq },
+        4 => Msg::Enqueue { seq: Box::new(seq) },
         5 => Msg::Abort { request_id: p.a },
         6 => Msg::Generated { request_id: p.a, chip: addr(p.b), tokens: p.tokens.clone(), finish },
         7 => Msg::Refused { request_id: p.a, chip: addr(p.b), error: error(p), retry: retry(p) },
@@ -154,7 +155,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         },
         12 => Msg::Client { event: ClientEvent::Failed { error: error(p) } },
         13 => Msg::WorkerReady {
-            info: ChipInfo {
+            info: Box::new(ChipInfo {
                 format: format(p),
                 compat: compat(p),
                 staging: p.flag.then(|| region(p)),
@@ -164,7 +165,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 max_context: 2048,
                 vocab_size: 1024,
                 eos_token_ids: p.tokens.clone(),
-            },
+            }),
         },
         14 => Msg::WorkerFailed { error: p.text.clone() },
         15 => Msg::WorkerPanicked { error: p.text.clone() },
@@ -180,7 +181,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         18 => Msg::InjectFault {
             fault: [Fault::WorkerPanic, Fault::DropKvClaim, Fault::Offline, Fault::Online][(p.a % 4) as usize],
         },
-        19 => Msg::Report { report: report(p) },
+        19 => Msg::Report { report: Box::new(report(p)) },
         20 => Msg::ChipCrashed { chip: addr(p.a), error: p.text.clone() },
         21 => Msg::RestartDue { chip: addr(p.a) },
         22 => Msg::GiveUp { reason: p.text.clone() },
@@ -197,9 +198,9 @@ fn build(kind: usize, p: &Parts) -> Msg {
         26 => Msg::Tick,
         27 => Msg::QueryCluster { reply_to: addr(p.a) },
         28 => Msg::ClusterView { chips: vec![report(p)], hosts_down: vec![p.text.clone()] },
-        29 => Msg::Prefill { seq, decode: addr(p.b) },
+        29 => Msg::Prefill { seq: Box::new(seq), decode: addr(p.b) },
         30 => Msg::KvOffer {
-            offer: KvOffer {
+            offer: Box::new(KvOffer {
                 seq,
                 prefill: addr(p.a),
                 prefill_id: p.text.clone(),
@@ -207,7 +208,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 format: format(p),
                 compat: compat(p),
                 region: region(p),
-            },
+            }),
         },
         31 => Msg::KvClaim { request_id: p.a, decode: addr(p.b) },
         32 => Msg::KvDecline { request_id: p.a, decode: addr(p.b), error: error(p), retry: retry(p) },
@@ -221,7 +222,12 @@ fn build(kind: usize, p: &Parts) -> Msg {
         40 => Msg::Reroute,
         41 => Msg::Admit {
             client: addr(p.a),
-            ask: AdmitAsk { prompt: p.tokens.clone(), max_tokens: p.n, sampling: seq.sampling.clone() },
+            ask: Box::new(AdmitAsk {
+                prompt: p.tokens.clone(),
+                max_tokens: p.n,
+                sampling: seq.sampling.clone(),
+                delivery: seq.delivery,
+            }),
         },
         42 => Msg::Admitted { request_id: p.a, request: addr(p.b) },
         43 => Msg::RequestEnded { request_id: p.a },

@@ -48,7 +48,13 @@ impl Admission {
         }
         let request_id = self.next;
         self.next = self.next.wrapping_add(1);
-        let spec = RequestSpec { request_id, prompt: ask.prompt, max_tokens: ask.max_tokens, sampling: ask.sampling };
+        let spec = RequestSpec {
+            request_id,
+            prompt: ask.prompt,
+            max_tokens: ask.max_tokens,
+            sampling: ask.sampling,
+            delivery: ask.delivery,
+        };
         let request = Request::new(spec, client, self.config.router, self.config.retry).reporting_to(fx.me());
         let actor = fx.spawn(Box::new(request));
         self.inflight.insert(request_id);
@@ -67,7 +73,7 @@ impl Behavior<Msg> for Admission {
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
-            Msg::Admit { client, ask } => self.admit(client, ask, fx),
+            Msg::Admit { client, ask } => self.admit(client, *ask, fx),
             Msg::RequestEnded { request_id } => {
                 self.inflight.remove(&request_id);
                 metrics::gauge!("tessera_gateway_inflight_requests").set(self.inflight.len() as f64);
@@ -84,7 +90,7 @@ impl Behavior<Msg> for Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::msg::SamplingSpec;
+    use crate::msg::{Delivery, SamplingSpec};
     use crate::test_fx::TestFx;
     use tessera_actor_core::HostId;
 
@@ -95,7 +101,12 @@ mod tests {
     fn ask() -> Msg {
         Msg::Admit {
             client: CLIENT,
-            ask: AdmitAsk { prompt: vec![1, 2], max_tokens: 4, sampling: SamplingSpec::greedy() },
+            ask: Box::new(AdmitAsk {
+                prompt: vec![1, 2],
+                max_tokens: 4,
+                sampling: SamplingSpec::greedy(),
+                delivery: Delivery::Stream,
+            }),
         }
     }
 

@@ -12,7 +12,7 @@
 
 pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
-use crate::msg::{Finish, SamplingSpec, SeqRequest};
+use crate::msg::{Delivery, Finish, SamplingSpec, SeqRequest};
 use std::collections::{HashSet, VecDeque};
 use tessera_actor_core::Addr;
 use tessera_topology::perf::{SeqStep, StepShape};
@@ -60,6 +60,9 @@ struct Seq {
     /// sequence samples exactly as if it had never been preempted).
     sampler_live: bool,
     mode: Mode,
+    delivery: Delivery,
+    /// Sampled tokens not sent yet ([`Delivery::Whole`]).
+    held: Vec<u32>,
 }
 
 impl Seq {
@@ -79,6 +82,8 @@ impl Seq {
             sampling: seq.sampling,
             sampler_live: false,
             mode,
+            delivery: seq.delivery,
+            held: Vec::new(),
         }
     }
 
@@ -198,12 +203,13 @@ pub fn admissible(
     Ok(())
 }
 
-/// A token a step produced, for its request.
+/// Tokens a step produced for a request, to send it: the one just sampled, after any
+/// held back for a [`Delivery::Whole`] response.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Emitted {
     pub request_id: u64,
     pub req: Addr,
-    pub token: u32,
+    pub tokens: Vec<u32>,
     pub finish: Option<Finish>,
 }
 
@@ -479,10 +485,17 @@ impl Batcher {
     /// and frees their blocks.
     pub fn complete(&mut self, sampled: &[(u64, u32)], pool: &mut KvPool) -> Vec<Emitted> {
         let mut out = Vec::with_capacity(sampled.len());
+        // Sampled in the order the plan took the running sequences: look there first.
+        let mut next = 0;
         for &(request_id, token) in sampled {
-            let Some(i) = self.running.iter().position(|s| s.request_id == request_id) else {
+            let found = match self.running.get(next) {
+                Some(s) if s.request_id == request_id => Some(next),
+                _ => self.running.iter().position(|s| s.request_id == request_id),
+            };
+            let Some(i) = found else {
                 continue; // aborted while the step ran
             };
+            next = i + 1;
             let seq = &mut self.running[i];
             seq.tokens.push(token);
             seq.new_tokens += 1;
@@ -496,11 +509,24 @@ impl Batcher {
                 None
             };
             let req = seq.req;
+            // A whole response's first token here goes at once (time to first token);
+            // the others in groups, and whatever is held when it ends.
+            let send_now = seq.delivery == Delivery::Stream
+                || seq.new_tokens == 1
+                || finish.is_some()
+                || seq.held.len() + 1 >= Delivery::GROUP;
+            if !send_now {
+                seq.held.push(token);
+                continue;
+            }
+            let mut tokens = std::mem::take(&mut seq.held);
+            tokens.push(token);
             if finish.is_some() {
                 let seq = self.running.remove(i);
                 self.retire(seq, pool);
+                next = i;
             }
-            out.push(Emitted { request_id, req, token, finish });
+            out.push(Emitted { request_id, req, tokens, finish });
         }
         out
     }

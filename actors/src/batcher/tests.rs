@@ -1,5 +1,6 @@
 use super::*;
 use crate::kv::BlockState;
+use std::collections::BTreeMap;
 use tessera_actor_core::HostId;
 
 fn limits(max_batch_tokens: usize, max_batch_seqs: usize, block_size: usize) -> BatcherLimits {
@@ -23,6 +24,7 @@ fn seq_of(id: u64, tokens: Vec<u32>, max_new: usize) -> SeqRequest {
         generated: 0,
         max_new_tokens: max_new,
         sampling: SamplingSpec { stop_token_ids: vec![2], ..SamplingSpec::greedy() },
+        delivery: Delivery::Stream,
     }
 }
 
@@ -361,4 +363,28 @@ fn eviction_keeps_the_leading_blocks_of_a_cached_prefix() {
     assert_eq!(p.cached(), 2 + 1, "two of the prefix's blocks and one of request 2's");
     b.enqueue(seq_of(3, system.iter().copied().chain([50]).collect(), 1));
     assert_eq!(run_step(&mut b, &mut p).0, vec![(3, 8, 5, true)], "the first two blocks are still reused");
+}
+
+/// A whole response: its first token goes at once, the rest in groups of
+/// `Delivery::GROUP`, and whatever is held goes with the finish; a streamed one beside
+/// it gets every token as sampled. Together they carry every token, in order.
+#[test]
+fn whole_responses_send_the_first_token_then_groups_then_the_rest_at_the_end() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(64);
+    let n = 2 * Delivery::GROUP + 5;
+    b.enqueue(SeqRequest { delivery: Delivery::Whole, sampling: SamplingSpec::greedy(), ..seq(1, 5, n) });
+    b.enqueue(SeqRequest { sampling: SamplingSpec::greedy(), ..seq(2, 5, n) });
+    let mut sent: BTreeMap<u64, Vec<(usize, bool)>> = BTreeMap::new();
+    for _ in 0..n {
+        let (_, out) = run_step(&mut b, &mut p);
+        for e in out {
+            sent.entry(e.request_id).or_default().push((e.tokens.len(), e.finish.is_some()));
+        }
+    }
+    let g = Delivery::GROUP;
+    assert_eq!(sent[&1], vec![(1, false), (g, false), (g, false), (4, true)]);
+    assert_eq!(sent[&2].len(), n, "a streamed response: one message per token");
+    assert!(sent[&2].iter().all(|&(len, _)| len == 1));
+    assert_eq!(p.used(), 0);
 }

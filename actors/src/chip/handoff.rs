@@ -149,7 +149,7 @@ impl Chip {
             b.enqueue_prefill(seq.clone(), kv_tokens);
         }
         self.renew_lease(request_id, fx);
-        if fx.send(decode, Msg::KvOffer { offer }).is_err() {
+        if fx.send(decode, Msg::KvOffer { offer: Box::new(offer) }).is_err() {
             let why = format!("chip {}: decode chip {decode} is unreachable", self.config.id);
             self.drop_outgoing(request_id, fx);
             // The decode chip is at fault: the request should avoid it, not this chip.

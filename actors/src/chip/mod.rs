@@ -108,7 +108,9 @@ impl Chip {
         let spec = WorkerSpec {
             name: format!("chip-{}", self.config.id),
             init: Box::new(move || match factory() {
-                Ok((exec, info)) => Ok((Box::new(exec) as Box<dyn std::any::Any>, Msg::WorkerReady { info })),
+                Ok((exec, info)) => {
+                    Ok((Box::new(exec) as Box<dyn std::any::Any>, Msg::WorkerReady { info: Box::new(info) }))
+                }
                 Err(error) => Err(Msg::WorkerFailed { error }),
             }),
             on_panic: Box::new(|error| Msg::WorkerPanicked { error }),
@@ -162,7 +164,7 @@ impl Chip {
         let cached = self.pool.as_ref().map_or(0, KvPool::cached);
         metrics::gauge!("tessera_kv_blocks_cached", "chip" => self.config.id.clone()).set(cached as f64);
         // The supervisor is on this host; it is only gone while the host shuts down.
-        let _ = fx.send(self.config.supervisor, Msg::Report { report });
+        let _ = fx.send(self.config.supervisor, Msg::Report { report: Box::new(report) });
     }
 
     /// Why `seq` can never run here, if so.
@@ -289,7 +291,7 @@ impl Chip {
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
         let prefilled = batcher.take_prefilled();
         for e in batcher.complete(&outcome.sampled, pool) {
-            let msg = Msg::Generated { request_id: e.request_id, chip: me, tokens: vec![e.token], finish: e.finish };
+            let msg = Msg::Generated { request_id: e.request_id, chip: me, tokens: e.tokens, finish: e.finish };
             if fx.send(e.req, msg).is_err() && e.finish.is_none() {
                 // Its request is unreachable: stop spending compute on it.
                 batcher.abort(e.request_id, pool);
@@ -386,7 +388,7 @@ impl Behavior<Msg> for Chip {
                 self.pool_runs += 1;
                 self.batcher = Some(Batcher::new(limits, info.eos_token_ids.clone()));
                 tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
-                self.info = Some(info);
+                self.info = Some(*info);
                 self.state = ChipState::Up;
                 self.error = None;
                 self.report(fx);
@@ -400,13 +402,13 @@ impl Behavior<Msg> for Chip {
                 self.crash(format!("worker panicked: {error}"), fx);
             }
             Msg::StepDone { outcome } => self.step_done(outcome, fx),
-            Msg::Enqueue { seq } => self.enqueue(seq, fx),
-            Msg::Prefill { seq, decode } => self.prefill(seq, decode, fx),
+            Msg::Enqueue { seq } => self.enqueue(*seq, fx),
+            Msg::Prefill { seq, decode } => self.prefill(*seq, decode, fx),
             Msg::Abort { request_id } => {
                 self.forget(request_id, "its request aborted it", fx);
                 self.settle(fx);
             }
-            Msg::KvOffer { offer } => self.offered(offer, fx),
+            Msg::KvOffer { offer } => self.offered(*offer, fx),
             Msg::KvClaim { request_id, decode } => self.claimed(request_id, decode, fx),
             Msg::KvDecline { request_id, decode, error, retry } => self.declined(request_id, decode, error, retry, fx),
             Msg::KvReady { request_id, layer, upto, blocks } => self.kv_ready(request_id, layer, upto, blocks, fx),

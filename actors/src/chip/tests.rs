@@ -5,7 +5,7 @@
 use super::executor::{ExecutorFactory, KvInstall, StepExecutor};
 use super::*;
 use crate::batcher::StepPlan;
-use crate::msg::{DType, KvCompat, KvFormatDesc, KvLayout, SamplingSpec, StepOutcome};
+use crate::msg::{DType, Delivery, KvCompat, KvFormatDesc, KvLayout, SamplingSpec, StepOutcome};
 use crate::msg::{KvEndpointDesc, KvRegionDesc};
 use crate::test_fx::TestFx;
 use std::sync::Arc;
@@ -95,7 +95,7 @@ impl Side {
         let mut chip = Chip::new(config, factory);
         let mut fx = TestFx::new(me);
         chip.on_start(&mut fx);
-        chip.handle(Msg::WorkerReady { info }, &mut fx);
+        chip.handle(Msg::WorkerReady { info: Box::new(info) }, &mut fx);
         let exec: Box<dyn StepExecutor> = Box::new(Recorder::default());
         Side { chip, fx, exec }
     }
@@ -143,6 +143,7 @@ fn seq(prompt: usize, max_new: usize) -> SeqRequest {
         generated: 0,
         max_new_tokens: max_new,
         sampling: SamplingSpec { ignore_eos: true, ..SamplingSpec::greedy() },
+        delivery: Delivery::Stream,
     }
 }
 
@@ -163,7 +164,7 @@ fn deliver(from: &mut Side, to: &mut Side) -> Vec<(Addr, Msg)> {
 fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
     let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
     let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
-    p.chip.handle(Msg::Prefill { seq: seq(14, 3), decode: D }, &mut p.fx);
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 3)), decode: D }, &mut p.fx);
     // P offers at once and starts computing; D claims.
     assert!(deliver(&mut p, &mut d).is_empty());
     assert_eq!(d.used(), 2, "D reserved ceil(13 / 8) blocks for the 13 prefilled positions");
@@ -207,7 +208,7 @@ impl Side {
 fn incompatible_decode_chip_refuses_the_offer_naming_both_chips() {
     let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
     let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 2));
-    p.chip.handle(Msg::Prefill { seq: seq(10, 3), decode: D }, &mut p.fx);
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(10, 3)), decode: D }, &mut p.fx);
     assert!(deliver(&mut p, &mut d).is_empty());
     assert_eq!(d.used(), 0);
     assert!(deliver(&mut d, &mut p).is_empty());
@@ -229,7 +230,7 @@ fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
     let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
     let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
     d.chip.handle(Msg::InjectFault { fault: Fault::DropKvClaim }, &mut d.fx);
-    p.chip.handle(Msg::Prefill { seq: seq(10, 3), decode: D }, &mut p.fx);
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(10, 3)), decode: D }, &mut p.fx);
     assert!(deliver(&mut p, &mut d).is_empty());
     assert!(d.sent().is_empty(), "D dropped the offer: no claim");
     p.run_jobs();
@@ -252,7 +253,7 @@ fn malformed_kv_ready_is_refused_and_frees_both_sides() {
         Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: vec![1_000_000] },
     ] {
         let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
-        d.chip.handle(Msg::KvOffer { offer: make_offer() }, &mut d.fx);
+        d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);
         assert_eq!(d.used(), 3);
         d.fx.take_sent();
         d.chip.handle(bad.clone(), &mut d.fx);
@@ -278,7 +279,7 @@ fn offers_with_a_bad_format_are_declined_not_installed() {
         let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
         let mut offer = make_offer();
         break_it(&mut offer);
-        d.chip.handle(Msg::KvOffer { offer }, &mut d.fx);
+        d.chip.handle(Msg::KvOffer { offer: Box::new(offer) }, &mut d.fx);
         assert_eq!(d.used(), 0, "{what}");
         let sent = d.sent();
         assert!(
@@ -305,11 +306,11 @@ fn make_offer() -> crate::msg::KvOffer {
 #[test]
 fn role_change_drains_first() {
     let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
-    d.chip.handle(Msg::KvOffer { offer: make_offer() }, &mut d.fx);
+    d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);
     d.fx.take_sent();
     d.chip.handle(Msg::SetRole { role: Role::Both }, &mut d.fx);
     assert_eq!(d.chip.role, Role::Decode, "a hand-off is in flight");
-    d.chip.handle(Msg::Enqueue { seq: SeqRequest { request_id: 10, ..seq(4, 2) } }, &mut d.fx);
+    d.chip.handle(Msg::Enqueue { seq: Box::new(SeqRequest { request_id: 10, ..seq(4, 2) }) }, &mut d.fx);
     assert!(
         d.sent()
             .iter()
@@ -329,8 +330,8 @@ fn an_offer_waits_for_free_blocks_then_is_claimed() {
     let first = make_offer();
     let mut second = make_offer();
     second.seq.request_id = 10;
-    d.chip.handle(Msg::KvOffer { offer: first }, &mut d.fx);
-    d.chip.handle(Msg::KvOffer { offer: second }, &mut d.fx);
+    d.chip.handle(Msg::KvOffer { offer: Box::new(first) }, &mut d.fx);
+    d.chip.handle(Msg::KvOffer { offer: Box::new(second) }, &mut d.fx);
     let claims = |sent: &[(Addr, Msg)]| -> Vec<u64> {
         sent.iter()
             .filter_map(|(_, m)| match m {
@@ -351,10 +352,10 @@ fn an_offer_waits_for_free_blocks_then_is_claimed() {
 #[test]
 fn a_late_cancel_of_a_hand_off_spares_the_request_s_new_placement() {
     let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
-    p.chip.handle(Msg::Prefill { seq: seq(14, 3), decode: D }, &mut p.fx);
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 3)), decode: D }, &mut p.fx);
     // D went down: its request re-routed to P alone (aborting the hand-off first)...
     p.chip.handle(Msg::Abort { request_id: 9 }, &mut p.fx);
-    p.chip.handle(Msg::Enqueue { seq: seq(14, 3) }, &mut p.fx);
+    p.chip.handle(Msg::Enqueue { seq: Box::new(seq(14, 3)) }, &mut p.fx);
     // ...and only then does D's cancel of the old hand-off arrive.
     p.chip.handle(Msg::KvCancel { request_id: 9, reason: "chip d: worker panicked".into() }, &mut p.fx);
     p.run_jobs();
@@ -366,7 +367,7 @@ fn a_late_cancel_of_a_hand_off_spares_the_request_s_new_placement() {
 #[test]
 fn an_offline_chip_hands_its_requests_back_and_restarts_only_when_online() {
     let mut c = Side::new(D, Role::Both, info(4, KvLayout::HeadMajor, 1));
-    c.chip.handle(Msg::Enqueue { seq: seq(4, 8) }, &mut c.fx);
+    c.chip.handle(Msg::Enqueue { seq: Box::new(seq(4, 8)) }, &mut c.fx);
     assert!(c.used() > 0);
     c.fx.take_sent();
     c.chip.handle(Msg::InjectFault { fault: Fault::Offline }, &mut c.fx);

@@ -19,7 +19,10 @@
 //! tells it to resync from [`KvPool::snapshot`].
 
 use slab::Slab;
+use smallvec::SmallVec;
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasher, Hasher};
+use std::sync::OnceLock;
 use tessera_actor_core::Addr;
 
 /// Hash of a full block given its parent's hash (None for a sequence's first block):
@@ -113,6 +116,50 @@ pub enum KvError {
     NotHeld { chip: Addr, slot: u32 },
 }
 
+/// Hashes the block hashes (already uniform 64-bit values) with one multiply, keyed by a
+/// per-process random seed so that prompts chosen to collide cannot crowd the tables.
+/// SipHash, the default, was most of a decision's time.
+#[derive(Clone, Copy)]
+pub struct BlockHashState(u64);
+
+impl Default for BlockHashState {
+    fn default() -> Self {
+        static SEED: OnceLock<u64> = OnceLock::new();
+        BlockHashState(*SEED.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64) | 1))
+    }
+}
+
+impl BuildHasher for BlockHashState {
+    type Hasher = BlockHasher;
+
+    fn build_hasher(&self) -> BlockHasher {
+        BlockHasher { seed: self.0, state: 0 }
+    }
+}
+
+pub struct BlockHasher {
+    seed: u64,
+    state: u64,
+}
+
+impl Hasher for BlockHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.state = (self.state ^ x ^ self.seed).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+    }
+
+    fn finish(&self) -> u64 {
+        self.state
+    }
+}
+
 /// Events kept for a reader that does not drain them.
 const MAX_PENDING_EVENTS: usize = 1 << 16;
 
@@ -126,7 +173,7 @@ pub struct KvPool {
     generations: Vec<u32>,
     /// Sealed and cached blocks by chained hash, oldest seal first (equal prompts not
     /// yet sharing their prefix seal equal hashes in several blocks).
-    by_hash: HashMap<u64, Vec<u32>>,
+    by_hash: HashMap<u64, SmallVec<[u32; 2]>, BlockHashState>,
     /// Cached blocks by release time: the first is evicted first.
     lru: BTreeMap<u64, u32>,
     clock: u64,
@@ -144,7 +191,7 @@ impl KvPool {
             block_size,
             blocks: Slab::with_capacity(capacity),
             generations: vec![0; capacity],
-            by_hash: HashMap::new(),
+            by_hash: HashMap::default(),
             lru: BTreeMap::new(),
             clock: 0,
             events: Vec::new(),
@@ -330,7 +377,7 @@ impl KvPool {
 
     fn unindex(&mut self, hash: u64, slot: u32) {
         if let Some(slots) = self.by_hash.get_mut(&hash) {
-            slots.retain(|&s| s != slot);
+            slots.retain(|s| *s != slot);
             if slots.is_empty() {
                 self.by_hash.remove(&hash);
                 self.event(|seq| KvEvent::Removed { seq, hash });

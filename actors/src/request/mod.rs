@@ -11,7 +11,7 @@
 //! at once, then, if the router has nothing better, waits with a doubling backoff, for
 //! at most `unavailable_timeout` in all.
 
-use crate::msg::{ClientEvent, ErrorKind, Finish, Msg, Retry, SamplingSpec, SeqRequest, ServeError};
+use crate::msg::{ClientEvent, Delivery, ErrorKind, Finish, Msg, Retry, SamplingSpec, SeqRequest, ServeError};
 use std::time::Duration;
 use tessera_actor_core::Addr;
 use tessera_actor_core::{Behavior, Effects, Moment};
@@ -23,6 +23,7 @@ pub struct RequestSpec {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingSpec,
+    pub delivery: Delivery,
 }
 
 /// How persistent a request is.
@@ -150,10 +151,11 @@ impl Request {
             generated: self.generated.len(),
             max_new_tokens: self.spec.max_tokens - self.generated.len(),
             sampling: self.spec.sampling.clone(),
+            delivery: self.spec.delivery,
         };
         let (to, msg) = match prefill {
-            Some(p) => (p, Msg::Prefill { seq, decode: chip }),
-            None => (chip, Msg::Enqueue { seq }),
+            Some(p) => (p, Msg::Prefill { seq: Box::new(seq), decode: chip }),
+            None => (chip, Msg::Enqueue { seq: Box::new(seq) }),
         };
         if fx.send(to, msg).is_err() {
             self.chip_failed(to, fx);
@@ -252,8 +254,18 @@ impl Request {
             self.prefilled = true;
             let _ = fx.send(self.router, Msg::Prefilled { request_id: self.spec.request_id, chip });
         }
+        let first = self.generated.is_empty();
         self.generated.extend_from_slice(&tokens);
-        if fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens } }).is_err() {
+        // A whole response gets its first token now and the rest at the end.
+        let tokens = match self.spec.delivery {
+            Delivery::Stream => tokens,
+            Delivery::Whole if finish.is_some() => {
+                self.generated.get(usize::from(!first)..).unwrap_or_default().to_vec()
+            }
+            Delivery::Whole if first => self.generated.get(..1).unwrap_or_default().to_vec(),
+            Delivery::Whole => Vec::new(),
+        };
+        if !tokens.is_empty() && fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens } }).is_err() {
             self.cancel(fx);
             return;
         }

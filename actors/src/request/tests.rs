@@ -1,5 +1,5 @@
 use super::*;
-use crate::msg::SamplingSpec;
+use crate::msg::{Delivery, SamplingSpec};
 use crate::test_fx::TestFx;
 use tessera_actor_core::HostId;
 
@@ -12,7 +12,13 @@ const CLIENT: Addr = Addr { host: HostId(0), actor: 4000 };
 const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };
 
 fn request(max_tokens: usize) -> Request {
-    let spec = RequestSpec { request_id: 9, prompt: vec![1, 2, 3], max_tokens, sampling: SamplingSpec::greedy() };
+    let spec = RequestSpec {
+        request_id: 9,
+        prompt: vec![1, 2, 3],
+        max_tokens,
+        sampling: SamplingSpec::greedy(),
+        delivery: Delivery::Stream,
+    };
     Request::new(spec, CLIENT, ROUTER, RetryPolicy::default())
 }
 
@@ -289,5 +295,46 @@ fn route_failure_mid_stream(kind: ErrorKind) {
     assert!(
         sent.iter().any(|(to, m)| *to == p && matches!(m, Msg::Enqueue { seq } if seq.tokens == vec![1, 2, 3, 10])),
         "replays the prompt and the token already sent: {sent:?}"
+    );
+}
+
+/// A whole response passes the first token on at once and the rest when it ends, however
+/// its chip grouped them.
+#[test]
+fn a_whole_response_reaches_the_client_as_its_first_token_then_the_rest() {
+    let chip = a(1, 16);
+    let mut fx = TestFx::new(ME);
+    let spec = RequestSpec {
+        request_id: 9,
+        prompt: vec![1, 2, 3],
+        max_tokens: 6,
+        sampling: SamplingSpec::greedy(),
+        delivery: Delivery::Whole,
+    };
+    let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
+    fx.take_sent();
+    let to_client = |fx: &mut TestFx| -> Vec<ClientEvent> {
+        fx.take_sent()
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Client { event } if to == CLIENT => Some(event),
+                _ => None,
+            })
+            .collect()
+    };
+    r.handle(generated(chip, vec![10], None), &mut fx);
+    assert_eq!(to_client(&mut fx), vec![ClientEvent::Tokens { tokens: vec![10] }]);
+    r.handle(generated(chip, vec![11, 12], None), &mut fx);
+    r.handle(generated(chip, vec![13], None), &mut fx);
+    assert_eq!(to_client(&mut fx), vec![], "held until the end");
+    r.handle(generated(chip, vec![14, 15], Some(Finish::Length)), &mut fx);
+    assert_eq!(
+        to_client(&mut fx),
+        vec![
+            ClientEvent::Tokens { tokens: vec![11, 12, 13, 14, 15] },
+            ClientEvent::Finished { finish: Finish::Length, prompt_tokens: 3, completion_tokens: 6 },
+        ]
     );
 }

@@ -12,58 +12,15 @@
 //! [`KvPool::snapshot`]: crate::kv::KvPool::snapshot
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::hash::{BuildHasher, Hasher};
-use std::sync::OnceLock;
 
+use smallvec::SmallVec;
 use tessera_actor_core::Addr;
 
-use crate::kv::KvEvent;
-
-/// Hashes the block hashes (already uniform 64-bit values) with one multiply, keyed by a
-/// per-process random seed so that prompts chosen to collide cannot crowd the tables.
-/// SipHash, the default, was most of a decision's time.
-#[derive(Clone, Copy)]
-pub struct BlockHashState(u64);
-
-impl Default for BlockHashState {
-    fn default() -> Self {
-        static SEED: OnceLock<u64> = OnceLock::new();
-        BlockHashState(*SEED.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64) | 1))
-    }
-}
-
-impl BuildHasher for BlockHashState {
-    type Hasher = BlockHasher;
-
-    fn build_hasher(&self) -> BlockHasher {
-        BlockHasher { seed: self.0, state: 0 }
-    }
-}
-
-pub struct BlockHasher {
-    seed: u64,
-    state: u64,
-}
-
-impl Hasher for BlockHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(b));
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        self.state = (self.state ^ x ^ self.seed).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-    }
-
-    fn finish(&self) -> u64 {
-        self.state
-    }
-}
+use crate::kv::{BlockHashState, KvEvent};
 
 type BlockSet = HashSet<u64, BlockHashState>;
+/// Chips holding each hash (most hashes are on one or two).
+type Holders = HashMap<u64, SmallVec<[Addr; 2]>, BlockHashState>;
 
 /// One chip's part of the index.
 #[derive(Debug, Default)]
@@ -91,7 +48,7 @@ pub enum Applied {
 pub struct ClusterIndex {
     chips: BTreeMap<Addr, ChipEntry>,
     /// Chips holding each hash.
-    holders: HashMap<u64, Vec<Addr>, BlockHashState>,
+    holders: Holders,
     resyncs: u64,
 }
 
@@ -185,8 +142,10 @@ impl ClusterIndex {
         // chip holds block i", up to the deepest chip's depth; the chips holding that
         // block (the common case: a shared prefix cached whole) come from one lookup.
         let deepest = hashes.partition_point(|h| self.holders.contains_key(h));
-        let whole =
-            deepest.checked_sub(1).and_then(|last| self.holders.get(&hashes[last])).map_or(&[][..], Vec::as_slice);
+        let whole = deepest
+            .checked_sub(1)
+            .and_then(|last| self.holders.get(&hashes[last]))
+            .map_or(&[][..], |chips| chips.as_slice());
         for chip in holders {
             let n = if whole.contains(chip) {
                 deepest
@@ -226,14 +185,14 @@ impl ClusterIndex {
 }
 
 /// The chip's set can no longer be trusted: it holds nothing until a snapshot.
-fn mark_stale(entry: &mut ChipEntry, holders: &mut HashMap<u64, Vec<Addr>, BlockHashState>, chip: Addr) {
+fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: Addr) {
     entry.stale = true;
     for h in entry.hashes.drain() {
         unhold(holders, h, chip);
     }
 }
 
-fn unhold(holders: &mut HashMap<u64, Vec<Addr>, BlockHashState>, hash: u64, chip: Addr) {
+fn unhold(holders: &mut Holders, hash: u64, chip: Addr) {
     if let Some(chips) = holders.get_mut(&hash) {
         chips.retain(|c| *c != chip);
         if chips.is_empty() {

@@ -127,7 +127,7 @@ impl Behavior<Msg> for Supervisor {
                 let changed = self.chips.get(&report.chip).is_some_and(|old| {
                     (old.state, old.draining, old.role) != (report.state, report.draining, report.role)
                 });
-                self.chips.insert(report.chip, report);
+                self.chips.insert(report.chip, *report);
                 if changed {
                     self.beat(fx);
                 }
@@ -237,7 +237,7 @@ mod tests {
         for (i, (r, want)) in table.into_iter().enumerate() {
             fx.published.clear();
             let state = r.state;
-            s.handle(Msg::Report { report: r }, &mut fx);
+            s.handle(Msg::Report { report: Box::new(r) }, &mut fx);
             assert_eq!(fx.published.len(), want, "report {i}");
             if want == 1 {
                 let Msg::Heartbeat { beat } = &fx.published[0].1 else { panic!("not a heartbeat") };

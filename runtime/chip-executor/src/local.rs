@@ -15,7 +15,7 @@ use std::time::Duration;
 use tessera_actors::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use tessera_actors::chip::executor::StepExecutor;
 use tessera_actors::kv::KvPool;
-use tessera_actors::msg::{ChipInfo, Finish, Msg, SamplingSpec, SeqRequest};
+use tessera_actors::msg::{ChipInfo, Delivery, Finish, Msg, SamplingSpec, SeqRequest};
 use tessera_backends::error::BackendError;
 use tessera_backends::kv::KvCacheConfig;
 use tessera_backends::model::Model;
@@ -163,6 +163,7 @@ impl LocalEngine {
             generated: 0,
             max_new_tokens: max_tokens,
             sampling: SamplingSpec { temperature, top_k, top_p, seed, stop_token_ids, ignore_eos },
+            delivery: Delivery::Stream,
         };
         let need = self.batcher.blocks_to_finish(&seq);
         admissible(&seq, self.info.vocab_size, self.info.max_context, need, self.pool.capacity())?;
@@ -205,7 +206,7 @@ impl LocalEngine {
         }
         for e in self.batcher.complete(&outcome.sampled, &mut self.pool) {
             let Some(out) = self.outputs.get_mut(&e.request_id) else { continue };
-            out.tokens.push(e.token);
+            out.tokens.extend_from_slice(&e.tokens);
             if let Some(finish) = e.finish
                 && let Some(out) = self.outputs.remove(&e.request_id)
             {

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tessera_actors::msg::AdmitAsk;
+use tessera_actors::msg::{AdmitAsk, Delivery};
 use tessera_actors::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, Role, SamplingSpec, ServeError};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::Addr;
@@ -334,9 +334,14 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             stop_token_ids,
             ignore_eos: req.ignore_eos,
         },
+        // A response read whole needs its tokens only at the end, unless stop strings
+        // must be matched as the text grows (to stop the generation early).
+        delivery: if req.stream || !req.stop.is_empty() { Delivery::Stream } else { Delivery::Whole },
     };
     let mut mailbox = st.host.mailbox();
-    if let Err(e) = st.host.send_from(&mailbox, st.config.admission, Msg::Admit { client: mailbox.addr(), ask }) {
+    if let Err(e) =
+        st.host.send_from(&mailbox, st.config.admission, Msg::Admit { client: mailbox.addr(), ask: Box::new(ask) })
+    {
         tracing::error!("admission is unreachable: {e}");
         return error_response(ApiError::internal("the request could not be admitted"));
     }

@@ -56,7 +56,7 @@ impl Behavior<Msg> for Client {
     fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
         self.sent = fx.now();
         if let Some(ask) = self.ask.take()
-            && let Err(e) = fx.send(self.admission, Msg::Admit { client: fx.me(), ask })
+            && let Err(e) = fx.send(self.admission, Msg::Admit { client: fx.me(), ask: Box::new(ask) })
         {
             self.end(Some(format!("admission is unreachable: {e}")), 0, fx);
         }

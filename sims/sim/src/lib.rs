@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use tessera_actor_core::testkit::VirtualHost;
 use tessera_actor_core::{Addr, HostId, Moment};
 use tessera_actors::host::{HostBuildError, build_host};
-use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Fault, Msg, SamplingSpec};
+use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Delivery, Fault, Msg, SamplingSpec};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_topology::TopologyError;
 use tessera_topology::perf::Power;
@@ -159,7 +159,14 @@ pub fn run_with_progress(
     let asks: Box<dyn Iterator<Item = (u64, AdmitAsk)> + Send> =
         Box::new(planned.zip(arrivals_s).map(move |(planned, at_s)| {
             let prompt = prompt_ids(tokenizer.as_ref(), &planned.prompt, vocab);
-            let ask = AdmitAsk { prompt, max_tokens: planned.osl as usize, sampling: SamplingSpec::greedy() };
+            let ask = AdmitAsk {
+                prompt,
+                max_tokens: planned.osl as usize,
+                sampling: SamplingSpec::greedy(),
+                // The clients time the first token and the end: the rest need not travel
+                // token by token (TPOT is their mean gap).
+                delivery: Delivery::Whole,
+            };
             ((at_s * 1e9).round() as u64, ask)
         }));
     let outcomes: Outcomes = Arc::default();
