@@ -445,20 +445,22 @@ impl Router {
         out: &mut Vec<(&'a Addr, &'a ChipView)>,
     ) {
         let Some(set) = self.by_work.get(&role) else { return };
-        // Per leg, the best score among chips not excluded, and among all: first of the
-        // chips of this role already kept (the prompt's cache holders), so that a cheap
-        // holder ends the walk at once.
-        let mut best = vec![[None::<i64>; 2]; legs.len()];
-        let consider = |a: &Addr, c: &ChipView, best: &mut [[Option<i64>; 2]]| {
+        // Per leg, the best (score, address) among chips not excluded, and among all:
+        // first of the chips of this role already kept (the prompt's cache holders), so
+        // that a cheap holder ends the walk at once. A chip is kept only if it beats one
+        // of them in the order `best` chooses by (ties to the lower address), so a
+        // thousand idle chips of one kind give one candidate, not a thousand.
+        let mut best = vec![[None::<(i64, Addr)>; 2]; legs.len()];
+        let consider = |a: &Addr, c: &ChipView, best: &mut [[Option<(i64, Addr)>; 2]]| {
             let avoided = exclude.contains(a);
-            let s = score(leg, a, c);
+            let s = (score(leg, a, c), *a);
             let mut useful = false;
             for (fits, b) in legs.iter().zip(best.iter_mut()) {
                 if !fits(c) {
                     continue;
                 }
                 for (slot, counts) in [(0, !avoided), (1, true)] {
-                    if counts && b[slot].is_none_or(|b| s <= b) {
+                    if counts && b[slot].is_none_or(|b| s < b) {
                         b[slot] = Some(s);
                         useful = true;
                     }
@@ -473,7 +475,7 @@ impl Router {
         }
         for &(work, a) in set {
             let bound = cost::rank(f64::from_bits(work) + floor_s);
-            if best.iter().flatten().all(|b| b.is_some_and(|b| bound > b.saturating_add(1))) {
+            if best.iter().flatten().all(|b| b.is_some_and(|(b, _)| bound > b.saturating_add(1))) {
                 break;
             }
             let Some((a, c)) = self.chips.get_key_value(&a) else { continue };

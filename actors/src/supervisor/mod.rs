@@ -1,6 +1,8 @@
 //! A host's supervisor: heartbeats this host's chip states on the bus every interval,
 //! declares another host down when its heartbeats stop for the configured timeout (and
-//! tells the local router, which re-routes that host's requests), and restarts a local
+//! tells the local router, which re-routes that host's requests; only a supervisor
+//! beside a router watches its peers, so a cluster of N hosts handles N heartbeats per
+//! interval per router rather than N²), and restarts a local
 //! chip whose worker died, with exponential backoff and at most `max_restarts` per
 //! window — after that the chip is left down and reported. A local chip whose state
 //! changes (down, up, draining) is heartbeated at once, not at the next interval, so
@@ -67,7 +69,8 @@ impl Supervisor {
     fn tick(&mut self, fx: &mut dyn Effects<Msg>) {
         self.beat(fx);
         let now = fx.now();
-        for (host, name) in &self.config.peers {
+        let watched = if self.config.router.is_some() { &self.config.peers[..] } else { &[] };
+        for (host, name) in watched {
             let seen = self.last_seen.get(host).copied().unwrap_or_default();
             if !self.down.contains(host) && now.since(seen) >= self.config.heartbeat_timeout {
                 self.down.insert(*host);
@@ -111,7 +114,9 @@ impl Behavior<Msg> for Supervisor {
     }
 
     fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
-        fx.subscribe(topic::HEARTBEAT);
+        if self.config.router.is_some() {
+            fx.subscribe(topic::HEARTBEAT);
+        }
         let now = fx.now();
         for (host, _) in &self.config.peers {
             // Every peer gets one full timeout from our start to show up.
@@ -173,6 +178,22 @@ mod tests {
     fn beat(host: u16) -> Msg {
         let beat = Heartbeat { host: HostId(host), host_name: format!("h{host}"), seq: 1, chips: vec![] };
         Msg::Heartbeat { beat: std::sync::Arc::new(beat) }
+    }
+
+    /// Without a router beside it a supervisor only heartbeats: it neither hears its
+    /// peers nor judges them.
+    #[test]
+    fn only_a_supervisor_beside_a_router_watches_its_peers() {
+        let mut fx = TestFx::new(Addr::new(HostId(0), 1));
+        let mut s = Supervisor::new(SupervisorConfig { router: None, ..supervisor().config });
+        s.on_start(&mut fx);
+        assert!(fx.subscribed.is_empty(), "{:?}", fx.subscribed);
+        assert_eq!(fx.published.len(), 1, "it still heartbeats");
+        fx.advance(Duration::from_secs(5), &mut s);
+        assert!(fx.take_sent().is_empty());
+        let mut fx = TestFx::new(Addr::new(HostId(0), 1));
+        supervisor().on_start(&mut fx);
+        assert_eq!(fx.subscribed, vec![topic::HEARTBEAT.to_string()]);
     }
 
     #[test]
