@@ -31,8 +31,8 @@ pub fn modelled_paces(spec: &ClusterSpec) -> BTreeMap<Addr, Pace> {
     chips
         .map(|(h, i, chip)| {
             let emu = match chip.backend.emulated_kind() {
-                Some(_) => spec.emulation,
-                None => EmulationSpec { time_scale: 1.0, ..spec.emulation },
+                Some(_) => spec.emulation.clone(),
+                None => EmulationSpec { time_scale: 1.0, ..spec.emulation.clone() },
             };
             let pace = spec.chip_kind(&chip.kind).map_or(Pace::UNKNOWN, |kind| Pace::modelled(kind, &emu));
             (chip_addr(h, i), pace)

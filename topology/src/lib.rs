@@ -19,6 +19,7 @@ mod local;
 mod render;
 mod validate;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -146,7 +147,7 @@ impl std::fmt::Display for Backend {
 }
 
 /// How emulated chips ([`Backend::Emu`]) are paced; `[emulation]`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EmulationSpec {
     /// Modeled step time is multiplied by this (0 < x <= 1e6, default 1.0), so that a
     /// tiny model computed on a CPU takes as long as a big model would on the real chip.
@@ -157,6 +158,10 @@ pub struct EmulationSpec {
     pub compute_efficiency: f64,
     /// Fraction of peak memory bandwidth a step achieves (MBU), 0.01 <= x <= 1 (default 0.8).
     pub memory_efficiency: f64,
+    /// Calibrated performance models by chip kind (`[emulation.perf_models]`, files
+    /// `tessera calibrate --out` writes): chips of these kinds are paced by them instead
+    /// of the flat efficiencies above. A host loads only those its own chips need.
+    pub perf_models: BTreeMap<String, perf::PerfModel>,
 }
 
 impl EmulationSpec {
@@ -165,22 +170,38 @@ impl EmulationSpec {
         perf::PerfModel::flat(self.compute_efficiency, self.memory_efficiency)
     }
 
-    /// How an emulated `kind` chip paces `step` of `model`: its roofline at these
-    /// efficiencies, times `time_scale`.
+    /// How chips of `kind` are paced: its calibrated model, else [`Self::perf_model`].
+    pub fn perf_model_of(&self, kind: &str) -> perf::PerfModel {
+        self.perf_models.get(kind).copied().unwrap_or_else(|| self.perf_model())
+    }
+
+    /// How an emulated `kind` chip paces `step` of `model`: its roofline under its
+    /// performance model, times `time_scale`.
     pub fn roofline(&self, kind: &ChipKind, model: &perf::ModelShape, step: &perf::StepShape) -> perf::Roofline {
-        perf::roofline(kind.roof(), model, step, &self.perf_model(), self.time_scale)
+        perf::roofline(kind.roof(), model, step, &self.perf_model_of(&kind.name), self.time_scale)
     }
 
     /// [`perf::reference_step`] on an emulated `kind` chip.
     pub fn reference_step(&self, kind: &ChipKind) -> perf::Roofline {
-        perf::reference_step(kind.roof(), &self.perf_model(), self.time_scale)
+        perf::reference_step(kind.roof(), &self.perf_model_of(&kind.name), self.time_scale)
     }
 }
 
 impl Default for EmulationSpec {
     fn default() -> Self {
-        EmulationSpec { time_scale: 1.0, compute_efficiency: 0.5, memory_efficiency: 0.8 }
+        EmulationSpec { time_scale: 1.0, compute_efficiency: 0.5, memory_efficiency: 0.8, perf_models: BTreeMap::new() }
     }
+}
+
+/// A performance model file, as `tessera calibrate --out` writes it, read and checked;
+/// the error names the file.
+pub fn read_perf_model(path: &Path) -> Result<perf::PerfModel, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read performance model {}: {e}", path.display()))?;
+    let model: perf::PerfModel =
+        toml::from_str(&text).map_err(|e| format!("{}: not a performance model: {}", path.display(), e.message()))?;
+    model.check().map_err(|why| format!("{}: {why}", path.display()))?;
+    Ok(model)
 }
 
 /// Prefill/decode disaggregation; `[disagg]`.
@@ -368,13 +389,20 @@ pub fn load_with_report(path: &Path) -> Result<(ClusterSpec, PathReport), Topolo
     let dir = path.parent().unwrap_or(Path::new(""));
     // Absolute, so that the spec means the same thing to a process with another cwd.
     let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    validate::parse(&text, &source, Some(&dir), Some(&local::is_local))
+    validate::parse(&text, &source, Some(&dir), Some(&local::is_local), None)
 }
 
 /// Parses and validates topology `text`; `source` names it in error messages. Relative
-/// model and plugin paths are kept as written, and no path is checked.
+/// model and plugin paths are kept as written, and no path is checked; performance model
+/// files (`[emulation.perf_models]`) are read, relative to the current directory.
 pub fn parse(text: &str, source: &str) -> Result<ClusterSpec, TopologyError> {
-    validate::parse(text, source, None, None).map(|(spec, _)| spec)
+    validate::parse(text, source, None, None, None).map(|(spec, _)| spec)
+}
+
+/// [`parse`] for a topology written inside another file in `dir` (a simulator
+/// scenario): performance model files are read relative to `dir`.
+pub fn parse_in(text: &str, source: &str, dir: &Path) -> Result<ClusterSpec, TopologyError> {
+    validate::parse(text, source, None, None, Some(dir)).map(|(spec, _)| spec)
 }
 
 /// The embedded default topology ([`DEFAULT_TOML`]).

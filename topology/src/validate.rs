@@ -9,7 +9,7 @@
 //! [`crate::perf`]). Given a locality test (`crate::local`), the paths of the hosts
 //! that run on this machine must exist.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Display;
 use std::net::{IpAddr, SocketAddr};
 use std::ops::{Range, RangeInclusive};
@@ -93,6 +93,8 @@ struct RawEmulation {
     compute_efficiency: Option<Spanned<f64>>,
     #[serde(default)]
     memory_efficiency: Option<Spanned<f64>>,
+    #[serde(default)]
+    perf_models: BTreeMap<String, Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -278,6 +280,9 @@ struct Checker<'a> {
     source: &'a str,
     /// Directory relative paths are resolved against; `None` keeps them as written.
     base: Option<&'a Path>,
+    /// Directory relative performance model files are read from when `base` is `None`
+    /// (a topology inside another file); `None`: the current directory.
+    data_dir: Option<&'a Path>,
     /// Tells the hosts that run on this machine, whose paths must exist; `None` checks
     /// no path.
     is_local: Option<&'a IsLocal>,
@@ -390,9 +395,10 @@ pub(crate) fn parse(
     source: &str,
     base: Option<&Path>,
     is_local: Option<&IsLocal>,
+    data_dir: Option<&Path>,
 ) -> Result<(ClusterSpec, PathReport), TopologyError> {
     let raw: RawDoc = toml::from_str(text).map_err(|e| error::from_toml(source, text, &e))?;
-    let checker = Checker { text, source, base, is_local };
+    let checker = Checker { text, source, base, data_dir, is_local };
     checker.cluster(raw)
 }
 
@@ -412,7 +418,7 @@ impl Checker<'_> {
 
         let router = self.router(raw.router.as_ref().map(Spanned::get_ref))?;
         let supervisor = self.supervisor(raw.supervisor.as_ref().map(Spanned::get_ref))?;
-        let emulation = self.emulation(raw.emulation.as_ref().map(Spanned::get_ref))?;
+        let mut emulation = self.emulation(raw.emulation.as_ref().map(Spanned::get_ref))?;
         let disagg = self.disagg(raw.disagg.as_ref().map(Spanned::get_ref))?;
         let chip_kinds = self.chip_kinds(&raw.chip_kinds)?;
 
@@ -425,6 +431,7 @@ impl Checker<'_> {
         }
         let context = ChipContext { kinds: &chip_kinds, block_size, kv_dtype };
         let hosts = self.hosts(&raw.hosts, &context)?;
+        emulation.perf_models = self.perf_models(raw.emulation.as_ref().map(Spanned::get_ref), &context, &hosts)?;
         let gateway = self.gateway(raw.gateway.as_ref().map(Spanned::get_ref), &hosts)?;
         let bus = self.bus(raw.bus.as_ref().map(Spanned::get_ref))?;
         self.sockets_are_distinct(&raw.hosts, &hosts, raw.gateway.as_ref().map(Spanned::get_ref), &gateway)?;
@@ -567,7 +574,42 @@ impl Checker<'_> {
                 defaults.memory_efficiency,
                 fraction,
             )?,
+            perf_models: BTreeMap::new(),
         })
+    }
+
+    /// `[emulation.perf_models]`: each a known chip kind and a performance model file
+    /// (relative to the topology file). A file is read and checked where a chip of its
+    /// kind runs on this machine (always, when there is no telling which hosts run here).
+    fn perf_models(
+        &self,
+        raw: Option<&RawEmulation>,
+        context: &ChipContext,
+        hosts: &[HostSpec],
+    ) -> Result<BTreeMap<String, perf::PerfModel>, TopologyError> {
+        let mut out = BTreeMap::new();
+        let Some(raw) = raw else { return Ok(out) };
+        for (kind, file) in &raw.perf_models {
+            let key = format!("emulation.perf_models.{kind}");
+            if !context.resolves(kind) {
+                let why = format!("no chip kind `{kind}`; known kinds: {}", context.known_kinds());
+                return Err(self.err(file.span(), key, why));
+            }
+            let needed = match self.is_local {
+                None => true,
+                Some(is_local) => hosts.iter().any(|h| is_local(h.bus.ip()) && h.chips.iter().any(|c| &c.kind == kind)),
+            };
+            if !needed {
+                continue;
+            }
+            let path = match (self.base, self.data_dir) {
+                (None, Some(dir)) => dir.join(file.get_ref()),
+                _ => self.resolve(file.get_ref()),
+            };
+            let model = crate::read_perf_model(&path).map_err(|why| self.err(file.span(), key, why))?;
+            out.insert(kind.clone(), model);
+        }
+        Ok(out)
     }
 
     fn disagg(&self, raw: Option<&RawDisagg>) -> Result<DisaggSpec, TopologyError> {

@@ -495,7 +495,12 @@ fn per_chip_kv_format() {
 #[test]
 fn emulation_and_disagg_defaults() {
     let spec = spec_of(ONE_CHIP);
-    assert_eq!(spec.emulation, EmulationSpec { time_scale: 1.0, compute_efficiency: 0.5, memory_efficiency: 0.8 });
+    assert_eq!(spec.emulation, EmulationSpec::default());
+    assert_eq!(
+        (spec.emulation.time_scale, spec.emulation.compute_efficiency, spec.emulation.memory_efficiency),
+        (1.0, 0.5, 0.8)
+    );
+    assert!(spec.emulation.perf_models.is_empty());
     assert_eq!(
         spec.disagg,
         DisaggSpec {
@@ -511,7 +516,7 @@ fn emulation_and_disagg_defaults() {
         "{ONE_CHIP}[emulation]\ntime_scale = 250\nmemory_efficiency = 1.0\n\
          [disagg]\nmin_prompt_tokens = 2\nlease_ms = 1\ntransport = \"tcp\"\ntcp_streams = 64\nchunk_kib = 65536\n"
     ));
-    assert_eq!(spec.emulation, EmulationSpec { time_scale: 250.0, compute_efficiency: 0.5, memory_efficiency: 1.0 });
+    assert_eq!(spec.emulation, EmulationSpec { time_scale: 250.0, memory_efficiency: 1.0, ..EmulationSpec::default() });
     assert_eq!(
         spec.disagg,
         DisaggSpec {
@@ -1109,4 +1114,52 @@ fn a_chip_quantizes_its_weights_and_kv_peers_must_agree() {
         "hosts[0].chips[0].quantize",
         "q8_0 or q4_0",
     );
+}
+
+/// `[emulation.perf_models]` points a chip kind at a calibrated model: its chips are
+/// paced by it (here, decode steps twice as slow at half the memory efficiency), files
+/// are read relative to the topology file, and every mistake names the key.
+#[test]
+fn a_chip_kind_is_paced_by_its_calibrated_model_file() {
+    use tessera_topology::perf::{Curve, Efficiency, PerfModel, REFERENCE_MODEL, StepShape};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let flat = PerfModel::flat(0.5, 0.8);
+    let slow = PerfModel { decode: Efficiency { memory: Curve::flat(0.4), ..flat.decode }, ..flat };
+    std::fs::write(dir.path().join("910b.toml"), toml::to_string(&slow).expect("toml")).expect("write");
+    std::fs::write(dir.path().join("bad.toml"), "overlap = 7\n").expect("write");
+    let topology = |perf: &str| {
+        format!(
+            "[cluster]\nmodel = \"builtin:tiny\"\n[emulation]\ntime_scale = 100.0\n[emulation.perf_models]\n{perf}\n\
+             [[hosts]]\nname = \"h0\"\nbus = \"127.0.0.1:7400\"\n[[hosts.chips]]\nid = \"p\"\nbackend = \"emu:ascend-910b\"\n"
+        )
+    };
+    let path = dir.path().join("t.toml");
+    std::fs::write(&path, topology("ascend-910b = \"910b.toml\"")).expect("write");
+    let spec = tessera_topology::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(spec.emulation.perf_models.get("ascend-910b"), Some(&slow));
+    assert_eq!(spec.emulation.perf_model_of("ascend-910b"), slow);
+    assert_eq!(spec.emulation.perf_model_of("metax-c500"), flat, "other kinds keep the flat efficiencies");
+    let kind = spec.chip_kind("ascend-910b").expect("a catalog kind");
+    let model = REFERENCE_MODEL;
+    let step = StepShape::decode(1, 512);
+    let calibrated = spec.emulation.roofline(kind, &model, &step).time_s;
+    let default = EmulationSpec { time_scale: 100.0, ..EmulationSpec::default() }.roofline(kind, &model, &step).time_s;
+    assert!((calibrated / default - 2.0).abs() < 0.01, "{calibrated} vs {default}");
+    // Read relative to the file a topology is written in, for one inside a scenario.
+    let inline = tessera_topology::parse_in(&topology("ascend-910b = \"910b.toml\""), "s.toml", dir.path());
+    assert_eq!(inline.map(|s| s.emulation.perf_models.len()).ok(), Some(1));
+
+    for (perf, key, fragment) in [
+        ("meteor-9000 = \"910b.toml\"", "emulation.perf_models.meteor-9000", "no chip kind `meteor-9000`"),
+        ("ascend-910b = \"missing.toml\"", "emulation.perf_models.ascend-910b", "cannot read performance model"),
+        ("ascend-910b = \"bad.toml\"", "emulation.perf_models.ascend-910b", "bad.toml"),
+    ] {
+        std::fs::write(&path, topology(perf)).expect("write");
+        let e = tessera_topology::load(&path).err().unwrap_or_else(|| panic!("accepted: {perf}"));
+        assert_eq!((e.line, e.key.as_str()), (6, key), "{e}");
+        assert!(e.message.contains(fragment), "`{fragment}` not in {e}");
+    }
+    // A kind no chip of this machine's hosts has is not read here: its hosts read it.
+    std::fs::write(&path, topology("metax-c500 = \"missing.toml\"")).expect("write");
+    assert!(tessera_topology::load(&path).is_ok());
 }

@@ -61,14 +61,16 @@ pub struct Calibration {
 }
 
 impl Calibration {
-    /// The performance model file a scenario's `[perf_models]` reads: the fitted model,
-    /// after comments saying where it comes from and how well it fits.
+    /// The performance model file a scenario's `[perf_models]` and a topology's
+    /// `[emulation.perf_models]` read: the fitted model, after comments saying where it
+    /// comes from and how well it fits.
     pub fn to_toml(&self) -> String {
         let mut out = format!(
             "# Performance model of chip kind `{}`, measured on chip {} with model {} by `tessera calibrate`\n\
              # ({} shapes; fit error median {:.1}%, max {:.1}%{}).\n\
              # Fitted against {} bytes of weights read per step and {} bytes of KV per token.\n\
-             # Name it in a scenario: [perf_models] {} = \"THIS FILE\"\n",
+             # Name it in a scenario ([perf_models] {} = \"THIS FILE\") or a topology\n\
+             # ([emulation.perf_models] {} = \"THIS FILE\").\n",
             self.kind,
             self.chip,
             self.model,
@@ -78,6 +80,7 @@ impl Calibration {
             if self.cut_short { "; the time budget cut the grid short" } else { "" },
             self.shape.weight_bytes,
             self.shape.kv_bytes_per_token(),
+            self.kind,
             self.kind,
         );
         // Plain numbers and tables: serializing cannot fail.

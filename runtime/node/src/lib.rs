@@ -99,7 +99,7 @@ pub fn executor_config(
         Backend::Emu(kind) => {
             let kind =
                 spec.chip_kind(kind).ok_or_else(|| NodeError::Config(format!("unknown chip kind `{kind}`")))?.clone();
-            Some(Emulation { kind, spec: spec.emulation })
+            Some(Emulation { kind, spec: spec.emulation.clone() })
         }
         Backend::Cpu | Backend::Plugin(_) => None,
     };

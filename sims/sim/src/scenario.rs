@@ -94,10 +94,10 @@ impl Scenario {
         }
     }
 
-    /// How chips of `kind` are timed: its calibrated model, else the topology's flat
-    /// efficiencies.
+    /// How chips of `kind` are timed: the scenario's calibrated model of it, else the
+    /// topology's (`[emulation.perf_models]`), else the topology's flat efficiencies.
     pub fn perf_model(&self, kind: &str) -> PerfModel {
-        self.perf_models.get(kind).copied().unwrap_or_else(|| self.topology.emulation.perf_model())
+        self.perf_models.get(kind).copied().unwrap_or_else(|| self.topology.emulation.perf_model_of(kind))
     }
 
     /// $ per hour of a chip of `kind`: the scenario's price, else the catalog's (or the
@@ -335,7 +335,7 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
                 Err(e) => return Err(e),
             }
         }
-        (None, Some(inline)) => embedded_topology(source, text, inline)?,
+        (None, Some(inline)) => embedded_topology(source, text, inline, dir)?,
         (Some(_), Some(inline)) => {
             return Err(at(
                 inline.span(),
@@ -411,7 +411,8 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
     for (kind, file) in &raw.perf_models {
         let key = format!("perf_models.{kind}");
         known_kind(kind, &key, file.span())?;
-        let model = read_perf_model(&dir.join(file.get_ref())).map_err(|why| at(file.span(), &key, why))?;
+        let model =
+            tessera_topology::read_perf_model(&dir.join(file.get_ref())).map_err(|why| at(file.span(), &key, why))?;
         perf_models.insert(kind.clone(), model);
     }
     let mut prices = BTreeMap::new();
@@ -434,16 +435,6 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
         perf_models,
         prices,
     })
-}
-
-/// A performance model file, as `tessera calibrate --out` writes it, checked.
-fn read_perf_model(path: &Path) -> Result<PerfModel, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("cannot read performance model {}: {e}", path.display()))?;
-    let model: PerfModel =
-        toml::from_str(&text).map_err(|e| format!("{}: not a performance model: {}", path.display(), e.message()))?;
-    model.check().map_err(|why| format!("{}: {why}", path.display()))?;
-    Ok(model)
 }
 
 /// The `[workload]` table (`span`): a trace file's requests (relative to `dir`), or
@@ -748,8 +739,13 @@ fn number(
 /// The topology written inside the scenario as a string. Its errors are moved to the
 /// scenario file's lines (exact for a `'''` literal string, which has no escapes) and
 /// their keys prefixed with `topology_toml.`.
-fn embedded_topology(source: &str, text: &str, inline: &Spanned<String>) -> Result<ClusterSpec, TopologyError> {
-    tessera_topology::parse(inline.get_ref(), source).map_err(|mut e| {
+fn embedded_topology(
+    source: &str,
+    text: &str,
+    inline: &Spanned<String>,
+    dir: &Path,
+) -> Result<ClusterSpec, TopologyError> {
+    tessera_topology::parse_in(inline.get_ref(), source, dir).map_err(|mut e| {
         let span = inline.span();
         let literal = &text[span.clone()];
         let delimiter = if literal.starts_with("'''") || literal.starts_with("\"\"\"") { 3 } else { 1 };

@@ -328,6 +328,23 @@ fn prices_calibrated_models_colocation_and_rates_change_what_is_simulated() {
     all_served_and_all_free(&slowed);
     let tpot = |r: &Report| r.tpot.map_or(0.0, |l| l.p50_ms);
     assert!(tpot(&slowed) > 1.5 * tpot(&r), "{} vs {}", tpot(&slowed), tpot(&r));
+    // The same model named by a topology written inside the scenario, relative to the
+    // scenario's directory, times the chips alike.
+    let inline = format!(
+        "{}
+[slo]
+ttft_ms = 500
+tpot_ms = 50
+",
+        COLOCATED.split("[slo]").next().unwrap_or_default().replace(
+            "[emulation]\ntime_scale = 2000.0",
+            "[emulation]\ntime_scale = 2000.0\n[emulation.perf_models]\nmetax-c500 = \"slow.toml\"",
+        )
+    );
+    std::fs::write(dir.path().join("s.toml"), &inline).unwrap_or_else(|e| panic!("{e}"));
+    let topo = tessera_sim::scenario::load(&dir.path().join("s.toml")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(topo.perf_model("metax-c500"), slow);
+    assert_eq!(topo.perf_model("nvidia-a100"), topo.topology.emulation.perf_model());
 
     // colocated = true runs every chip as both, as `tessera up --colocated`.
     let colocated = parse(&DISAGGREGATED.replace("seed = 3", "seed = 3\ncolocated = true"));
