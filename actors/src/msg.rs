@@ -2,6 +2,7 @@
 //! named fields (MessagePack maps on the wire), so nodes of different versions can
 //! still read what they share.
 
+use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tessera_actor_core::{Addr, HostId, Message};
 /// The vocabulary the messages carry; each travels as its name ("decode", "head-major",
@@ -185,8 +186,8 @@ pub enum ChipState {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChipReport {
     pub chip: Addr,
-    pub id: String,
-    pub host_name: String,
+    pub id: Arc<str>,
+    pub host_name: Arc<str>,
     pub role: Role,
     pub state: ChipState,
     pub kv_blocks_used: usize,
@@ -203,8 +204,8 @@ pub struct ChipReport {
     /// Requests whose KV this chip holds for a decode chip (or is receiving).
     pub handoffs: usize,
     /// Set when the chip is an emulation of another kind (never passes as real).
-    pub emulated: Option<String>,
-    pub compat: Option<KvCompat>,
+    pub emulated: Option<Arc<str>>,
+    pub compat: Option<Arc<KvCompat>>,
     /// As a decode chip: seconds from the prefill chip staging its last layer to this
     /// chip's first step for that request, for the latest hand-off.
     pub last_handoff_gap_s: Option<f64>,
@@ -275,11 +276,11 @@ impl StepSpeed {
 
 impl ChipReport {
     /// A chip nobody has heard from yet.
-    pub fn starting(chip: Addr, id: String, host_name: String, role: Role) -> ChipReport {
+    pub fn starting(chip: Addr, id: impl Into<Arc<str>>, host_name: impl Into<Arc<str>>, role: Role) -> ChipReport {
         ChipReport {
             chip,
-            id,
-            host_name,
+            id: id.into(),
+            host_name: host_name.into(),
             role,
             state: ChipState::Starting,
             kv_blocks_used: 0,

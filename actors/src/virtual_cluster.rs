@@ -327,11 +327,11 @@ fn forty_requests_survive_a_lost_host_in_virtual_time_deterministically() {
             Outcome::Failed(why) => panic!("request {n} failed: {why:?}"),
         }
     }
-    let survivor = first.view.iter().find(|c| c.id == "c0").expect("c0 in the view");
+    let survivor = first.view.iter().find(|c| &*c.id == "c0").expect("c0 in the view");
     assert_eq!(survivor.state, ChipState::Up);
     assert_eq!((survivor.kv_blocks_used, survivor.running, survivor.waiting), (0, 0, 0), "{survivor:?}");
     assert!(survivor.kv_blocks_total > 0);
-    let lost = first.view.iter().find(|c| c.id == "c1").expect("c1 in the view");
+    let lost = first.view.iter().find(|c| &*c.id == "c1").expect("c1 in the view");
     assert_ne!(lost.state, ChipState::Up, "{lost:?}");
     // The lost host really had work: some requests were re-routed from it.
     let rerouted = first.trace.iter().filter(|l| l.contains(" chip_lost ")).count();

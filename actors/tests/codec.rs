@@ -38,7 +38,7 @@ fn addr(x: u64) -> Addr {
 fn report(p: &Parts) -> ChipReport {
     ChipReport {
         chip: addr(p.a),
-        id: p.text.clone(),
+        id: p.text.as_str().into(),
         host_name: "h1".into(),
         role: Role::ALL[p.n % 3],
         state: if p.flag { ChipState::Up } else { ChipState::Failed },
@@ -53,7 +53,7 @@ fn report(p: &Parts) -> ChipReport {
         draining: p.flag,
         handoffs: p.n,
         emulated: p.flag.then(|| "ascend-910b x1000".into()),
-        compat: Some(compat(p)),
+        compat: Some(std::sync::Arc::new(compat(p))),
         last_handoff_gap_s: p.flag.then_some(p.f as f64),
         kv_last_event: p.b,
         kv_incarnation: p.a,

@@ -15,10 +15,11 @@ mod handoff;
 use crate::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use crate::kv::KvPool;
 use crate::msg::{
-    ChipInfo, ChipReport, ChipState, ErrorKind, Fault, Msg, Retry, Role, SeqRequest, ServeError, StepSpeed, topic,
+    ChipInfo, ChipReport, ChipState, ErrorKind, Fault, KvCompat, Msg, Retry, Role, SeqRequest, ServeError, StepSpeed, topic,
 };
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
+use std::sync::Arc;
 use std::time::Duration;
 use tessera_actor_core::Addr;
 use tessera_actor_core::{Behavior, Effects, Job, JobCtx, WorkerId, WorkerSpec};
@@ -67,11 +68,27 @@ pub struct Chip {
     prefix_tokens: (u64, u64),
     /// Model seconds of steps with prompt tokens, and of decode-only steps.
     busy_s: (f64, f64),
+    /// What every report names, shared rather than copied into each.
+    shown: Shown,
+}
+
+/// The parts of a chip's reports that change only when it starts.
+struct Shown {
+    id: Arc<str>,
+    host_name: Arc<str>,
+    emulated: Option<Arc<str>>,
+    compat: Option<Arc<KvCompat>>,
 }
 
 impl Chip {
     pub fn new(config: ChipConfig, factory: ExecutorFactory) -> Chip {
         let role = config.role;
+        let shown = Shown {
+            id: Arc::from(config.id.as_str()),
+            host_name: Arc::from(config.host_name.as_str()),
+            emulated: None,
+            compat: None,
+        };
         Chip {
             role,
             draining_to: None,
@@ -96,6 +113,7 @@ impl Chip {
             step_shape: (0, 0, 0),
             prefix_tokens: (0, 0),
             busy_s: (0.0, 0.0),
+            shown,
         }
     }
 
@@ -134,8 +152,8 @@ impl Chip {
         let (used, total) = self.pool.as_ref().map_or((0, 0), |p| (p.used(), p.capacity()));
         let report = ChipReport {
             chip: fx.me(),
-            id: self.config.id.clone(),
-            host_name: self.config.host_name.clone(),
+            id: self.shown.id.clone(),
+            host_name: self.shown.host_name.clone(),
             role: self.role,
             state: self.state,
             kv_blocks_used: used,
@@ -148,8 +166,8 @@ impl Chip {
             error: self.error.clone(),
             draining: self.draining_to.is_some(),
             handoffs: self.handoffs.len(),
-            emulated: self.info.as_ref().and_then(|i| i.emulated.clone()),
-            compat: self.info.as_ref().map(|i| i.compat.clone()),
+            emulated: self.shown.emulated.clone(),
+            compat: self.shown.compat.clone(),
             last_handoff_gap_s: self.handoffs.last_gap_s,
             kv_last_event,
             kv_incarnation,
@@ -388,6 +406,8 @@ impl Behavior<Msg> for Chip {
                 self.pool_runs += 1;
                 self.batcher = Some(Batcher::new(limits, info.eos_token_ids.clone()));
                 tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
+                self.shown.emulated = info.emulated.as_deref().map(Arc::from);
+                self.shown.compat = Some(Arc::new(info.compat.clone()));
                 self.info = Some(*info);
                 self.state = ChipState::Up;
                 self.error = None;

@@ -153,7 +153,7 @@ fn place_disaggregates_long_prompts_and_colocates_the_rest() {
 #[test]
 fn place_never_pairs_chips_of_different_models_and_skips_draining_chips() {
     use crate::msg::KvCompat;
-    let compat = |h| Some(KvCompat { hash: h, fields: vec![] });
+    let compat = |h| Some(std::sync::Arc::new(KvCompat { hash: h, fields: vec![] }));
     let (p, mut pv) = role_chip(0, Prefill, ChipState::Up, 0);
     let (d1, mut d1v) = role_chip(1, Decode, ChipState::Up, 0);
     let (d2, mut d2v) = role_chip(2, Decode, ChipState::Up, 5);
@@ -596,7 +596,7 @@ mod candidates {
                 let addr = Addr::new(HostId(i as u16), 16);
                 ChipReport {
                     state: if s.state_up { ChipState::Up } else { ChipState::Down },
-                    compat: s.compat.map(|c| KvCompat { hash: c as u64, fields: vec![] }),
+                    compat: s.compat.map(|c| std::sync::Arc::new(KvCompat { hash: c as u64, fields: vec![] })),
                     ..ChipReport::starting(addr, format!("c{i}"), format!("h{i}"), [Prefill, Decode, Both][s.role as usize])
                 }
             }).collect();

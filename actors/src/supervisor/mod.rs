@@ -246,7 +246,7 @@ mod tests {
         let mut fx = TestFx::new(Addr::new(HostId(0), 1));
         let mut s = supervisor();
         s.on_start(&mut fx);
-        let report = |state| ChipReport { state, ..ChipReport::starting(chip, "c".into(), "h0".into(), Role::Both) };
+        let report = |state| ChipReport { state, ..ChipReport::starting(chip, "c", "h0", Role::Both) };
         // (report, heartbeats published at once)
         let table = [
             (report(ChipState::Starting), 0), // first report: the next tick carries it

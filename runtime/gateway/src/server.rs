@@ -651,7 +651,7 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
         "inflight_requests": inflight,
         "chips": chips.iter().map(|c| {
             // A dead host's chips have no figures: null, never its last report's.
-            let live = !hosts_down.contains(&c.host_name);
+            let live = !hosts_down.iter().any(|h| **h == *c.host_name);
             let figure = |v: usize| if live { json!(v) } else { Value::Null };
             json!({
             "id": c.id,

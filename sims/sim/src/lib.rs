@@ -345,11 +345,11 @@ fn report(
     let chips: Vec<report::ChipEnd> = view
         .iter()
         .map(|c| report::ChipEnd {
-            id: c.id.clone(),
-            host: c.host_name.clone(),
+            id: c.id.to_string(),
+            host: c.host_name.to_string(),
             role: c.role.to_string(),
             state: format!("{:?}", c.state).to_lowercase(),
-            modelled_as: c.emulated.clone(),
+            modelled_as: c.emulated.as_deref().map(str::to_owned),
             steps: c.steps,
             kv_blocks_total: c.kv_blocks_total,
             kv_blocks_used: c.kv_blocks_used,
