@@ -43,7 +43,7 @@ fn vocab_size(dir: &Path) -> usize {
 }
 
 /// A minimal `.npy` reader: format 1.0/2.0, little-endian float32, C order.
-fn read_npy(path: &Path) -> (Vec<usize>, Vec<f32>) {
+pub(crate) fn read_npy(path: &Path) -> (Vec<usize>, Vec<f32>) {
     let bytes = std::fs::read(path).unwrap();
     assert_eq!(&bytes[..6], b"\x93NUMPY", "magic");
     let (hlen, hstart) = match bytes[6] {

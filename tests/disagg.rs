@@ -80,6 +80,17 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
         let disaggregated = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
         let colocated = metric(gw, "tessera_router_decisions_total{placement=\"colocated\"} ");
         assert_eq!((disaggregated, colocated), (3.0, 1.0), "{transport}: 3 long prompts split, \"Hi\" not");
+        if transport == "shm" {
+            // Log-probabilities sampled on D after P's prefill: the single chip's.
+            let (_, logprobs) = crate::serve::greedy_logprobs(&prompts[1], 6);
+            let mut body = completion_body(&prompts[1], 6, false, true);
+            body["logprobs"] = json!(1);
+            let r = post_json(gw, "/v1/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            crate::serve::assert_logprobs_near(&r.json()["choices"][0]["logprobs"], &logprobs);
+            let split = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
+            assert_eq!(split, 4.0, "the scored request was split too");
+        }
         // All at once: prefills share steps on P, hand-offs overlap, D batches.
         std::thread::scope(|s| {
             let handles: Vec<_> = prompts
@@ -98,7 +109,8 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
             }
         });
         let done = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"done\"} ");
-        assert_eq!(done, 6.0, "{transport}: every hand-off acknowledged");
+        let scored = if transport == "shm" { 1.0 } else { 0.0 };
+        assert_eq!(done, 6.0 + scored, "{transport}: every hand-off acknowledged");
         wait_health(gw, "both pools free", Duration::from_secs(5), |h| {
             drained(h, &[]) && chip(h, "d-chip")["steps"].as_u64() >= Some(MAX_TOKENS as u64)
         });

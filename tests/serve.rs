@@ -488,3 +488,111 @@ fn a_slow_header_flood_is_shed_and_requests_keep_being_served() {
     let r = post_json(gw, "/v1/completions", &completion_body("Hi", 2, false, false));
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// The greedy completion of `prompt` by `tessera generate` and each of its tokens'
+/// log-probability: the log-softmax of the raw logits it dumps.
+pub(crate) fn greedy_logprobs(prompt: &str, n: usize) -> (Generated, Vec<f64>) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let npy = dir.path().join("logits.npy");
+    let reference = generate_with(prompt, n, true, &["--dump-logits", npy.to_str().expect("utf-8 path")]);
+    let (shape, logits) = crate::cli::read_npy(&npy);
+    let log_softmax = |row: &[f32], i: usize| {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
+        row[i] as f64 - max - sum.ln()
+    };
+    let want: Vec<f64> = logits
+        .chunks(shape[1])
+        .map(|row| log_softmax(row, (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })))
+        .collect();
+    assert_eq!(want.len(), n);
+    (reference, want)
+}
+
+/// A completions `logprobs` object's token log-probabilities, each within 1e-4 of `want`.
+#[track_caller]
+pub(crate) fn assert_logprobs_near(lp: &Value, want: &[f64]) -> Vec<f64> {
+    let got: Vec<f64> =
+        lp["token_logprobs"].as_array().expect("token_logprobs").iter().filter_map(Value::as_f64).collect();
+    assert_eq!(got.len(), want.len(), "{lp}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() < 1e-4, "token {i}: {g} vs the dump's {w}");
+    }
+    got
+}
+
+/// Log-probabilities of generated tokens: the log-softmax of the raw logits that
+/// `tessera generate --dump-logits` writes for the same greedy completion (to 1e-4), in
+/// OpenAI's completions and chat shapes, streamed equal to whole.
+#[test]
+fn logprobs_are_the_dumped_logits_log_softmax_streamed_and_whole() {
+    const N: usize = 8;
+    let prompt = "The quick brown fox";
+    let (reference, want) = greedy_logprobs(prompt, N);
+
+    let topo = topology(&["h0"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0"]);
+    let gw = cluster.gateway;
+    cluster.wait_ready(1);
+
+    let mut body = completion_body(prompt, N, false, true);
+    body["logprobs"] = json!(3);
+    let r = post_json(gw, "/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], reference.text);
+    let lp = &v["choices"][0]["logprobs"];
+    let got = assert_logprobs_near(lp, &want);
+    let tokens: Vec<&str> = lp["tokens"].as_array().expect("tokens").iter().filter_map(Value::as_str).collect();
+    assert_eq!(tokens.concat(), reference.text, "the tokens spell the text");
+    let offsets: Vec<u64> = lp["text_offset"].as_array().expect("offsets").iter().filter_map(Value::as_u64).collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    for (i, top) in lp["top_logprobs"].as_array().expect("top_logprobs").iter().enumerate() {
+        // Three alternatives and the sampled token, fewer where their texts coincide (a
+        // map keyed by text, in OpenAI's shape).
+        let top = top.as_object().expect("a token -> logprob map");
+        assert!((1..=4).contains(&top.len()), "{top:?}");
+        // Greedy: the sampled token is the most likely, and listed.
+        let best = top.values().filter_map(Value::as_f64).fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(top.get(tokens[i]).and_then(Value::as_f64), Some(best), "{top:?}");
+    }
+
+    // Streamed: the same figures, chunk by chunk.
+    body["stream"] = json!(true);
+    let sse = post_stream(gw, "/v1/completions", &body).unwrap_or_else(|r| panic!("{} {}", r.status, r.body));
+    let (_, raw) = read_stream(sse, false);
+    let streamed: Vec<f64> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .flat_map(|c| c["choices"][0]["logprobs"]["token_logprobs"].as_array().cloned().unwrap_or_default())
+        .filter_map(|x| x.as_f64())
+        .collect();
+    assert_eq!(streamed, got, "{raw}");
+
+    // Chat: a list of entries, each with its bytes and exactly top_logprobs alternatives.
+    let mut chat = chat_body(prompt, N, false);
+    chat["logprobs"] = json!(true);
+    chat["top_logprobs"] = json!(2);
+    chat["ignore_eos"] = json!(true);
+    let r = post_json(gw, "/v1/chat/completions", &chat);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().cloned().expect("content");
+    assert_eq!(content.len(), N, "{v}");
+    let mut text = String::new();
+    for e in &content {
+        let token = e["token"].as_str().expect("token");
+        text.push_str(token);
+        let bytes: Vec<u8> =
+            e["bytes"].as_array().expect("bytes").iter().filter_map(|b| b.as_u64()).map(|b| b as u8).collect();
+        assert_eq!(bytes, token.as_bytes());
+        assert_eq!(e["top_logprobs"].as_array().map(Vec::len), Some(2), "{e}");
+        assert_eq!(e["top_logprobs"][0]["logprob"], e["logprob"], "greedy takes the most likely: {e}");
+    }
+    assert_eq!(v["choices"][0]["message"]["content"], text);
+    // Without the flag: no log-probabilities, as before.
+    let r = post_json(gw, "/v1/chat/completions", &chat_body(prompt, N, false));
+    assert_eq!(r.json()["choices"][0]["logprobs"], Value::Null);
+}

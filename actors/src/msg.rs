@@ -2,8 +2,8 @@
 //! named fields (MessagePack maps on the wire), so nodes of different versions can
 //! still read what they share.
 
-use std::sync::Arc;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use tessera_actor_core::{Addr, HostId, Message};
 /// The vocabulary the messages carry; each travels as its name ("decode", "head-major",
 /// "f16"), as it always has.
@@ -111,6 +111,22 @@ pub struct SamplingSpec {
     pub seed: Option<u64>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Report each sampled token's log-probability and this many most likely
+    /// alternatives (0..=[`MAX_TOP_LOGPROBS`]); `None`: none.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives a token's [`TokenLogprob`] lists (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A sampled token's log-probability under the model's raw logits (before temperature,
+/// top-k or top-p), and the most likely tokens' (highest first, ties to the lower id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 impl SamplingSpec {
@@ -123,6 +139,7 @@ impl SamplingSpec {
             seed: None,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -318,9 +335,20 @@ pub struct Heartbeat {
 /// A request's state towards its client.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ClientEvent {
-    Tokens { tokens: Vec<u32> },
-    Finished { finish: Finish, prompt_tokens: usize, completion_tokens: usize },
-    Failed { error: ServeError },
+    Tokens {
+        tokens: Vec<u32>,
+        /// One per token when the request asked for log-probabilities; else empty.
+        #[serde(default)]
+        logprobs: Vec<TokenLogprob>,
+    },
+    Finished {
+        finish: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Failed {
+        error: ServeError,
+    },
 }
 
 /// What a chip's worker did in one forward step.
@@ -329,6 +357,10 @@ pub struct StepOutcome {
     pub step: u64,
     /// (request id, sampled token) per sequence that sampled.
     pub sampled: Vec<(u64, u32)>,
+    /// Each sampled token's log-probabilities, in `sampled`'s order, where its sequence
+    /// asked for them; empty when none did.
+    #[serde(default)]
+    pub logprobs: Vec<Option<TokenLogprob>>,
     pub error: Option<String>,
     /// The step's model time: what an emulated or simulated chip declared, or what a
     /// real one measured. Its start is the moment it was reported, less this.
@@ -529,6 +561,9 @@ pub enum Msg {
         chip: Addr,
         tokens: Vec<u32>,
         finish: Option<Finish>,
+        /// One per token when the request asked for log-probabilities; else empty.
+        #[serde(default)]
+        logprobs: Vec<TokenLogprob>,
     },
     /// Chip -> request: not taken, or handed back; `retry` says whether and how the
     /// request may go on. `chip` is the chip at fault (a prefill chip forwarding its

@@ -39,7 +39,7 @@ impl StepExecutor for ModelledExecutor {
             .collect();
         let model = Duration::from_micros(2_000 + 20 * plan.tokens() as u64);
         ctx.elapse(model);
-        StepOutcome { step, sampled, error: None, elapsed_s: model.as_secs_f64() }
+        StepOutcome { step, sampled, logprobs: vec![], error: None, elapsed_s: model.as_secs_f64() }
     }
 
     fn install(&mut self, _job: &KvInstall, _ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
@@ -112,7 +112,7 @@ impl Behavior<Msg> for Client {
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
-            Msg::Client { event: ClientEvent::Tokens { tokens } } => self.tokens.extend(tokens),
+            Msg::Client { event: ClientEvent::Tokens { tokens, .. } } => self.tokens.extend(tokens),
             Msg::Client { event: ClientEvent::Finished { finish, .. } } => {
                 let tokens = std::mem::take(&mut self.tokens);
                 self.record(Outcome::Done { tokens, finish }, fx);

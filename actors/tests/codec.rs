@@ -111,6 +111,10 @@ fn error(p: &Parts) -> ServeError {
     if p.n.is_multiple_of(2) { error.with_public(p.text.to_uppercase()) } else { error }
 }
 
+fn logprob(token: u32, p: &Parts) -> TokenLogprob {
+    TokenLogprob { token, logprob: -p.f.abs(), top: vec![(token, -p.f.abs()), (p.n as u32, -2.5)] }
+}
+
 /// Message number `kind` built from `p`.
 fn build(kind: usize, p: &Parts) -> Msg {
     let sampling = SamplingSpec {
@@ -120,6 +124,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         seed: p.flag.then_some(p.b),
         stop_token_ids: p.tokens.clone(),
         ignore_eos: p.flag,
+        logprobs: p.flag.then_some(p.n % 21),
     };
     let finish = if p.flag { Some(Finish::Stop) } else { Some(Finish::Length) };
     let seq = SeqRequest {
@@ -145,11 +150,17 @@ fn build(kind: usize, p: &Parts) -> Msg {
         3 => Msg::Release { request_id: p.a, chip: addr(p.b) },
         4 => Msg::Enqueue { seq: Box::new(seq) },
         5 => Msg::Abort { request_id: p.a },
-        6 => Msg::Generated { request_id: p.a, chip: addr(p.b), tokens: p.tokens.clone(), finish },
+        6 => Msg::Generated {
+            request_id: p.a,
+            chip: addr(p.b),
+            tokens: p.tokens.clone(),
+            finish,
+            logprobs: p.tokens.iter().map(|&t| logprob(t, p)).collect(),
+        },
         7 => Msg::Refused { request_id: p.a, chip: addr(p.b), error: error(p), retry: retry(p) },
         8 => Msg::ChipLost { chip: addr(p.a) },
         9 => Msg::Cancel,
-        10 => Msg::Client { event: ClientEvent::Tokens { tokens: p.tokens.clone() } },
+        10 => Msg::Client { event: ClientEvent::Tokens { tokens: p.tokens.clone(), logprobs: vec![] } },
         11 => Msg::Client {
             event: ClientEvent::Finished { finish: Finish::Length, prompt_tokens: p.n, completion_tokens: 2 },
         },
@@ -173,6 +184,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
             outcome: StepOutcome {
                 step: p.a,
                 sampled: p.tokens.iter().map(|&t| (t as u64, t)).collect(),
+                logprobs: p.tokens.iter().map(|&t| p.flag.then(|| logprob(t, p))).collect(),
                 error: p.flag.then(|| p.text.clone()),
                 elapsed_s: p.f as f64,
             },

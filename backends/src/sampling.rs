@@ -117,6 +117,33 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best.map_or(0, |(i, _)| i as u32)
 }
 
+/// Log-probabilities under one row of raw logits (a log-softmax in f64): `token`'s, and
+/// the `k` most likely tokens' (highest first, ties to the lower id). A NaN logit has
+/// probability 0 (log-probability -inf).
+pub fn logprobs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    if !max.is_finite() {
+        return (f32::NEG_INFINITY, Vec::new());
+    }
+    let sum: f64 = logits.iter().filter(|v| !v.is_nan()).map(|&l| (l as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    let lp = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { (l as f64 - lse) as f32 };
+    let own = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
+    // The k best by a bounded insertion: k is at most a few dozen.
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if l.is_nan() || (top.len() == k && top.last().is_some_and(|&(_, worst)| l <= worst)) {
+                continue;
+            }
+            let at = top.partition_point(|&(_, v)| v >= l);
+            top.insert(at, (i as u32, l));
+            top.truncate(k);
+        }
+    }
+    (own, top.into_iter().map(|(i, l)| (i, lp(l))).collect())
+}
+
 /// One request's sampler.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -199,6 +226,26 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_are_a_log_softmax_of_the_raw_logits_with_the_best_first() {
+        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+        let (own, top) = logprobs(&logits, 4, 3);
+        let z: f64 = [1.0f64, 3.0, 3.0, -2.0].iter().map(|l| l.exp()).sum();
+        let lp = |l: f64| (l - z.ln()) as f32;
+        assert!((own - lp(-2.0)).abs() < 1e-6, "{own}");
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 0], "ties to the lower id");
+        for (id, v) in &top {
+            assert!((v - lp(logits[*id as usize] as f64)).abs() < 1e-6);
+        }
+        let total: f64 = [0usize, 1, 3, 4].iter().map(|&i| (lp(logits[i] as f64) as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert_eq!(logprobs(&logits, 2, 0), (f32::NEG_INFINITY, vec![]), "NaN: no mass; k = 0: no list");
+        assert_eq!(logprobs(&logits, 1, 9).1.len(), 4, "at most the tokens with a number");
+        // Large logits stay finite (computed relative to the maximum).
+        let (big, _) = logprobs(&[1e30, 0.0], 0, 1);
+        assert_eq!(big, 0.0);
+    }
 
     fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
         SamplingParams {

@@ -632,7 +632,7 @@ pub fn generate_with(prompt: &str, max_tokens: usize, ignore_eos: bool, flags: &
     let stdout = String::from_utf8(out.stdout).expect("generate prints UTF-8");
     let text = stdout.strip_suffix('\n').unwrap_or_else(|| panic!("no final newline: {stdout:?}")).to_string();
     // "[6 prompt + 20 generated tokens (Length); ..."
-    let summary = &stderr[stderr.rfind("\n[").map_or(0, |i| i + 1)..];
+    let summary = stderr.lines().rev().find(|l| l.contains(" generated tokens (")).unwrap_or_default();
     let nums: Vec<usize> = summary
         .split(|c: char| !c.is_ascii_digit())
         .filter(|s| !s.is_empty())

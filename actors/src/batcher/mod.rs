@@ -12,7 +12,7 @@
 
 pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
-use crate::msg::{Delivery, Finish, SamplingSpec, SeqRequest};
+use crate::msg::{Delivery, Finish, SamplingSpec, SeqRequest, TokenLogprob};
 use std::collections::{HashSet, VecDeque};
 use tessera_actor_core::Addr;
 use tessera_topology::perf::{SeqStep, StepShape};
@@ -61,8 +61,10 @@ struct Seq {
     sampler_live: bool,
     mode: Mode,
     delivery: Delivery,
-    /// Sampled tokens not sent yet ([`Delivery::Whole`]).
+    /// Sampled tokens not sent yet ([`Delivery::Whole`]), and their log-probabilities
+    /// when asked for.
     held: Vec<u32>,
+    held_logprobs: Vec<TokenLogprob>,
 }
 
 impl Seq {
@@ -84,6 +86,7 @@ impl Seq {
             mode,
             delivery: seq.delivery,
             held: Vec::new(),
+            held_logprobs: Vec::new(),
         }
     }
 
@@ -211,6 +214,8 @@ pub struct Emitted {
     pub req: Addr,
     pub tokens: Vec<u32>,
     pub finish: Option<Finish>,
+    /// One per token, when the request asked for log-probabilities.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 #[derive(Debug)]
@@ -483,11 +488,16 @@ impl Batcher {
 
     /// Applies a step's sampled tokens: appends them, decides which requests finished
     /// and frees their blocks.
-    pub fn complete(&mut self, sampled: &[(u64, u32)], pool: &mut KvPool) -> Vec<Emitted> {
+    pub fn complete(
+        &mut self,
+        sampled: &[(u64, u32)],
+        logprobs: &[Option<TokenLogprob>],
+        pool: &mut KvPool,
+    ) -> Vec<Emitted> {
         let mut out = Vec::with_capacity(sampled.len());
         // Sampled in the order the plan took the running sequences: look there first.
         let mut next = 0;
-        for &(request_id, token) in sampled {
+        for (n, &(request_id, token)) in sampled.iter().enumerate() {
             let found = match self.running.get(next) {
                 Some(s) if s.request_id == request_id => Some(next),
                 _ => self.running.iter().position(|s| s.request_id == request_id),
@@ -515,18 +525,22 @@ impl Batcher {
                 || seq.new_tokens == 1
                 || finish.is_some()
                 || seq.held.len() + 1 >= Delivery::GROUP;
+            let logprob = logprobs.get(n).cloned().flatten();
             if !send_now {
                 seq.held.push(token);
+                seq.held_logprobs.extend(logprob);
                 continue;
             }
             let mut tokens = std::mem::take(&mut seq.held);
             tokens.push(token);
+            let mut token_logprobs = std::mem::take(&mut seq.held_logprobs);
+            token_logprobs.extend(logprob);
             if finish.is_some() {
                 let seq = self.running.remove(i);
                 self.retire(seq, pool);
                 next = i;
             }
-            out.push(Emitted { request_id, req, tokens, finish });
+            out.push(Emitted { request_id, req, tokens, finish, logprobs: token_logprobs });
         }
         out
     }

@@ -47,7 +47,7 @@ fn pool_of(blocks: usize, block_size: usize) -> KvPool {
 fn run_step(b: &mut Batcher, p: &mut KvPool) -> (Shape, Vec<Emitted>) {
     let plan = b.plan(p).expect("a step");
     let sampled: Vec<(u64, u32)> = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
-    (shape(&plan), b.complete(&sampled, p))
+    (shape(&plan), b.complete(&sampled, &[], p))
 }
 
 #[test]
@@ -236,7 +236,7 @@ fn prefill_for_a_decode_chip_stages_all_but_the_last_token_and_never_samples() {
     while let Some(plan) = b.plan(&mut p) {
         let s = &plan.seqs[0];
         steps.push((s.start_pos, s.tokens.len(), s.sample, s.stage, s.new_sampler.is_some()));
-        let _ = b.complete(&[], &mut p);
+        let _ = b.complete(&[], &[], &mut p);
         if !b.take_prefilled().is_empty() {
             break;
         }

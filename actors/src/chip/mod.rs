@@ -15,7 +15,8 @@ mod handoff;
 use crate::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use crate::kv::KvPool;
 use crate::msg::{
-    ChipInfo, ChipReport, ChipState, ErrorKind, Fault, KvCompat, Msg, Retry, Role, SeqRequest, ServeError, StepSpeed, topic,
+    ChipInfo, ChipReport, ChipState, ErrorKind, Fault, KvCompat, Msg, Retry, Role, SeqRequest, ServeError, StepSpeed,
+    topic,
 };
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
@@ -308,8 +309,14 @@ impl Chip {
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
         let prefilled = batcher.take_prefilled();
-        for e in batcher.complete(&outcome.sampled, pool) {
-            let msg = Msg::Generated { request_id: e.request_id, chip: me, tokens: e.tokens, finish: e.finish };
+        for e in batcher.complete(&outcome.sampled, &outcome.logprobs, pool) {
+            let msg = Msg::Generated {
+                request_id: e.request_id,
+                chip: me,
+                tokens: e.tokens,
+                finish: e.finish,
+                logprobs: e.logprobs,
+            };
             if fx.send(e.req, msg).is_err() && e.finish.is_none() {
                 // Its request is unreachable: stop spending compute on it.
                 batcher.abort(e.request_id, pool);

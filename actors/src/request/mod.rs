@@ -11,7 +11,9 @@
 //! at once, then, if the router has nothing better, waits with a doubling backoff, for
 //! at most `unavailable_timeout` in all.
 
-use crate::msg::{ClientEvent, Delivery, ErrorKind, Finish, Msg, Retry, SamplingSpec, SeqRequest, ServeError};
+use crate::msg::{
+    ClientEvent, Delivery, ErrorKind, Finish, Msg, Retry, SamplingSpec, SeqRequest, ServeError, TokenLogprob,
+};
 use std::time::Duration;
 use tessera_actor_core::Addr;
 use tessera_actor_core::{Behavior, Effects, Moment};
@@ -66,6 +68,8 @@ pub struct Request {
     router: Addr,
     policy: RetryPolicy,
     generated: Vec<u32>,
+    /// Their log-probabilities, when asked for (one per generated token).
+    logprobs: Vec<TokenLogprob>,
     /// The chip that samples this request's tokens.
     chip: Option<Addr>,
     /// The chip prefilling it for `chip`, until `chip` sends the first token.
@@ -93,6 +97,7 @@ impl Request {
             router,
             policy,
             generated: Vec::new(),
+            logprobs: Vec::new(),
             prefilled: false,
             chip: None,
             prefill: None,
@@ -239,7 +244,13 @@ impl Request {
         }
     }
 
-    fn generated(&mut self, tokens: Vec<u32>, finish: Option<Finish>, fx: &mut dyn Effects<Msg>) {
+    fn generated(
+        &mut self,
+        tokens: Vec<u32>,
+        logprobs: Vec<TokenLogprob>,
+        finish: Option<Finish>,
+        fx: &mut dyn Effects<Msg>,
+    ) {
         self.last_progress = fx.now();
         self.declines = 0;
         self.unavailable_since = None;
@@ -256,16 +267,20 @@ impl Request {
         }
         let first = self.generated.is_empty();
         self.generated.extend_from_slice(&tokens);
+        self.logprobs.extend(logprobs.iter().cloned());
         // A whole response gets its first token now and the rest at the end.
-        let tokens = match self.spec.delivery {
-            Delivery::Stream => tokens,
-            Delivery::Whole if finish.is_some() => {
-                self.generated.get(usize::from(!first)..).unwrap_or_default().to_vec()
-            }
-            Delivery::Whole if first => self.generated.get(..1).unwrap_or_default().to_vec(),
-            Delivery::Whole => Vec::new(),
+        let n = self.generated.len();
+        let part = match self.spec.delivery {
+            Delivery::Stream => n - tokens.len()..n,
+            Delivery::Whole if finish.is_some() => usize::from(!first).min(n)..n,
+            Delivery::Whole if first => 0..n.min(1),
+            Delivery::Whole => n..n,
         };
-        if !tokens.is_empty() && fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens } }).is_err() {
+        let tokens = self.generated[part.clone()].to_vec();
+        let logprobs = self.logprobs.get(part).map(<[TokenLogprob]>::to_vec).unwrap_or_default();
+        if !tokens.is_empty()
+            && fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens, logprobs } }).is_err()
+        {
             self.cancel(fx);
             return;
         }
@@ -340,8 +355,8 @@ impl Behavior<Msg> for Request {
             Msg::RouteFailed { error, .. } => self.route_failed(error, fx),
             // Only while waiting to be placed again.
             Msg::Reroute if self.chip.is_none() => self.ask_router(fx),
-            Msg::Generated { chip, tokens, finish, .. } if self.chip == Some(chip) => {
-                self.generated(tokens, finish, fx)
+            Msg::Generated { chip, tokens, finish, logprobs, .. } if self.chip == Some(chip) => {
+                self.generated(tokens, logprobs, finish, fx)
             }
             Msg::Refused { chip, error, retry, .. } if self.holds(chip) => match retry {
                 Retry::No => self.fail(error, fx),

@@ -33,7 +33,7 @@ fn routed_to(chip: Addr, max_tokens: usize) -> (TestFx, Request) {
 }
 
 fn generated(chip: Addr, tokens: Vec<u32>, finish: Option<Finish>) -> Msg {
-    Msg::Generated { request_id: 9, chip, tokens, finish }
+    Msg::Generated { request_id: 9, chip, tokens, finish, logprobs: vec![] }
 }
 
 #[test]
@@ -83,9 +83,9 @@ fn a_lost_chip_is_replaced_and_the_stream_continues_without_gaps_or_duplicates()
     assert_eq!(
         to_client,
         vec![
-            ClientEvent::Tokens { tokens: vec![12] },
-            ClientEvent::Tokens { tokens: vec![13] },
-            ClientEvent::Tokens { tokens: vec![14] },
+            ClientEvent::Tokens { tokens: vec![12], logprobs: vec![] },
+            ClientEvent::Tokens { tokens: vec![13], logprobs: vec![] },
+            ClientEvent::Tokens { tokens: vec![14], logprobs: vec![] },
             ClientEvent::Finished { finish: Finish::Length, prompt_tokens: 3, completion_tokens: 5 },
         ]
     );
@@ -325,7 +325,7 @@ fn a_whole_response_reaches_the_client_as_its_first_token_then_the_rest() {
             .collect()
     };
     r.handle(generated(chip, vec![10], None), &mut fx);
-    assert_eq!(to_client(&mut fx), vec![ClientEvent::Tokens { tokens: vec![10] }]);
+    assert_eq!(to_client(&mut fx), vec![ClientEvent::Tokens { tokens: vec![10], logprobs: vec![] }]);
     r.handle(generated(chip, vec![11, 12], None), &mut fx);
     r.handle(generated(chip, vec![13], None), &mut fx);
     assert_eq!(to_client(&mut fx), vec![], "held until the end");
@@ -333,7 +333,7 @@ fn a_whole_response_reaches_the_client_as_its_first_token_then_the_rest() {
     assert_eq!(
         to_client(&mut fx),
         vec![
-            ClientEvent::Tokens { tokens: vec![11, 12, 13, 14, 15] },
+            ClientEvent::Tokens { tokens: vec![11, 12, 13, 14, 15], logprobs: vec![] },
             ClientEvent::Finished { finish: Finish::Length, prompt_tokens: 3, completion_tokens: 6 },
         ]
     );

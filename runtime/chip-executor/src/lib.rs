@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use tessera_actors::batcher::StepPlan;
 use tessera_actors::chip::executor::{KvInstall, StepExecutor};
 use tessera_actors::msg::{
-    ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, SamplingSpec, StepOutcome,
+    ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, SamplingSpec, StepOutcome, TokenLogprob,
 };
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::{DType, Quantize};
@@ -133,7 +133,9 @@ const DEFAULT_KV_BYTES: u64 = 256 << 20;
 pub struct ModelExecutor {
     model: Model,
     kv: PagedKvCache,
-    samplers: HashMap<u64, Sampler>,
+    /// Per sequence: its sampler, and how many top alternatives its tokens' log-
+    /// probabilities list, when it asked for them.
+    samplers: HashMap<u64, (Sampler, Option<usize>)>,
     chip_id: String,
     format: KvFormatDesc,
     transfer: Option<Arc<TransferEngine>>,
@@ -395,7 +397,7 @@ impl StepExecutor for ModelExecutor {
         }
         for s in &plan.seqs {
             if let Some((spec, skip)) = &s.new_sampler {
-                self.samplers.insert(s.request_id, sampler(spec, *skip));
+                self.samplers.insert(s.request_id, (sampler(spec, *skip), spec.logprobs));
             }
         }
         let chunks: Vec<SeqChunk<'_>> = plan
@@ -409,7 +411,7 @@ impl StepExecutor for ModelExecutor {
                 logits: if s.sample { LogitsWanted::Last } else { LogitsWanted::None },
             })
             .collect();
-        let mut outcome = StepOutcome { step, sampled: Vec::new(), error: None, elapsed_s: 0.0 };
+        let mut outcome = StepOutcome { step, sampled: Vec::new(), logprobs: Vec::new(), error: None, elapsed_s: 0.0 };
         let layers = self.model.config().num_layers;
         let stage = plan.seqs.iter().any(|s| s.stage);
         let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
@@ -438,15 +440,25 @@ impl StepExecutor for ModelExecutor {
         match forward {
             Ok(logits) => {
                 let vocab = self.model.config().vocab_size;
+                let mut any_logprobs = false;
                 for (s, row) in plan.seqs.iter().filter(|s| s.sample).zip(logits.chunks_exact(vocab)) {
-                    let token = match self.samplers.get_mut(&s.request_id) {
-                        Some(sampler) => sampler.sample(row),
-                        None => tessera_backends::sampling::argmax(row),
+                    let (token, k) = match self.samplers.get_mut(&s.request_id) {
+                        Some((sampler, k)) => (sampler.sample(row), *k),
+                        None => (tessera_backends::sampling::argmax(row), None),
                     };
                     outcome.sampled.push((s.request_id, token));
+                    let logprob = k.map(|k| {
+                        let (logprob, top) = tessera_backends::sampling::logprobs(row, token, k);
+                        TokenLogprob { token, logprob, top }
+                    });
+                    any_logprobs |= logprob.is_some();
+                    outcome.logprobs.push(logprob);
                     if let Some(kept) = self.kept_logits.as_mut() {
                         kept.push((s.request_id, row.to_vec()));
                     }
+                }
+                if !any_logprobs {
+                    outcome.logprobs.clear(); // none asked: nothing to carry
                 }
             }
             Err(e) => outcome.error = Some(e.to_string()),

@@ -162,7 +162,7 @@ impl LocalEngine {
             tokens: prompt.to_vec(),
             generated: 0,
             max_new_tokens: max_tokens,
-            sampling: SamplingSpec { temperature, top_k, top_p, seed, stop_token_ids, ignore_eos },
+            sampling: SamplingSpec { temperature, top_k, top_p, seed, stop_token_ids, ignore_eos, logprobs: None },
             delivery: Delivery::Stream,
         };
         let need = self.batcher.blocks_to_finish(&seq);
@@ -204,7 +204,7 @@ impl LocalEngine {
                 out.logits.extend_from_slice(&row);
             }
         }
-        for e in self.batcher.complete(&outcome.sampled, &mut self.pool) {
+        for e in self.batcher.complete(&outcome.sampled, &outcome.logprobs, &mut self.pool) {
             let Some(out) = self.outputs.get_mut(&e.request_id) else { continue };
             out.tokens.extend_from_slice(&e.tokens);
             if let Some(finish) = e.finish

@@ -6,12 +6,14 @@
 //! is refused with an [`ApiError`] (never a panic), which names the offending field.
 
 mod error;
+mod logprobs;
 mod request;
 mod response;
 mod stop;
 mod template;
 
 pub use error::ApiError;
+pub use logprobs::{TokenEntry, chat_logprobs, completion_logprobs, with_logprobs};
 pub use request::{ChatMessage, GenerationRequest, Prompt, parse_chat, parse_completion};
 pub use response::{
     FinishReason, Usage, chat_chunk, chat_response, completion_chunk, completion_response, models_response, usage_chunk,

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tessera_actors::msg::{AdmitAsk, Delivery};
+use tessera_actors::msg::{AdmitAsk, Delivery, TokenLogprob};
 use tessera_actors::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, Role, SamplingSpec, ServeError};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::Addr;
@@ -333,6 +333,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             seed: req.seed,
             stop_token_ids,
             ignore_eos: req.ignore_eos,
+            logprobs: req.logprobs,
         },
         // A response read whole needs its tokens only at the end, unless stop strings
         // must be matched as the text grows (to stop the generation early).
@@ -377,6 +378,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         stops: req.stop.clone(),
         stop_ids,
         started,
+        logprobs: req.logprobs.is_some(),
     };
     if req.stream {
         stream_response(st, ctx, mailbox, guard, first, req.include_usage)
@@ -395,6 +397,19 @@ struct Completion {
     /// Tokens that end generation (EOS, `stop_token_ids`): counted, never shown as text.
     stop_ids: Vec<u32>,
     started: Instant,
+    /// The client asked for log-probabilities.
+    logprobs: bool,
+}
+
+impl Completion {
+    /// The `logprobs` object of `entries` in this endpoint's shape (`offset`: characters
+    /// of the choice's text before them).
+    fn logprobs(&self, entries: &[openai::TokenEntry], offset: usize) -> Value {
+        match self.endpoint {
+            Endpoint::Completions => openai::completion_logprobs(entries, offset),
+            Endpoint::Chat => openai::chat_logprobs(entries),
+        }
+    }
 }
 
 /// Turns token events into text: detokenizes incrementally and applies stop strings.
@@ -415,6 +430,28 @@ impl<'a> TextAssembler<'a> {
             completion_tokens: 0,
             stopped: false,
         }
+    }
+
+    /// Text that is final after these tokens, and the log-probability entries of the
+    /// tokens it took (all of them, unless a stop ended the text first).
+    fn push_with(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[TokenLogprob],
+        tok: &TextTokenizer,
+    ) -> Result<(String, Vec<openai::TokenEntry>), ApiError> {
+        let before = self.completion_tokens;
+        let text = self.push(tokens)?;
+        let taken = self.completion_tokens - before;
+        let entry = |lp: &TokenLogprob| {
+            let text = |id: u32| tok.decode(&[id]).unwrap_or_default();
+            openai::TokenEntry {
+                text: text(lp.token),
+                logprob: lp.logprob,
+                top: lp.top.iter().map(|&(id, l)| (text(id), l)).collect(),
+            }
+        };
+        Ok((text, logprobs.iter().take(taken).map(entry).collect()))
     }
 
     /// Text that is final after these tokens.
@@ -478,6 +515,7 @@ async fn whole_response(
     let tokenizer = st.tokenizer.clone();
     let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone(), ctx.stop_ids.clone());
     let mut out = String::new();
+    let mut entries = Vec::new();
     let mut event = Some(first);
     let finish = loop {
         let ev = match event.take() {
@@ -488,8 +526,11 @@ async fn whole_response(
             },
         };
         match ev {
-            ClientEvent::Tokens { tokens } => match text.push(&tokens) {
-                Ok(s) => out.push_str(&s),
+            ClientEvent::Tokens { tokens, logprobs } => match text.push_with(&tokens, &logprobs, &tokenizer) {
+                Ok((s, taken)) => {
+                    out.push_str(&s);
+                    entries.extend(taken);
+                }
                 Err(e) => return error_response(e),
             },
             ClientEvent::Finished { finish, .. } => {
@@ -512,10 +553,13 @@ async fn whole_response(
     }
     let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens: text.completion_tokens };
     metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
-    let body = match ctx.endpoint {
+    let mut body = match ctx.endpoint {
         Endpoint::Completions => openai::completion_response(&ctx.id, ctx.created, &ctx.model, &out, finish, usage),
         Endpoint::Chat => openai::chat_response(&ctx.id, ctx.created, &ctx.model, &out, finish, usage),
     };
+    if ctx.logprobs {
+        body = openai::with_logprobs(body, ctx.logprobs(&entries, 0));
+    }
     (StatusCode::OK, axum::Json(body)).into_response()
 }
 
@@ -548,6 +592,8 @@ fn stream_response(
         }
         let _ = sent_role;
         let mut event = Some(first);
+        // Characters of token text streamed so far (completions' `text_offset`).
+        let mut offset = 0;
         let finish = loop {
             let ev = match event.take() {
                 Some(e) => e,
@@ -561,9 +607,14 @@ fn stream_response(
                 },
             };
             match ev {
-                ClientEvent::Tokens { tokens } => match text.push(&tokens) {
-                    Ok(s) if !s.is_empty() => {
-                        if tx.send(data(chunk(&ctx, Some(&s), false, None))).await.is_err() {
+                ClientEvent::Tokens { tokens, logprobs } => match text.push_with(&tokens, &logprobs, &tokenizer) {
+                    Ok((s, taken)) if !s.is_empty() || (ctx.logprobs && !taken.is_empty()) => {
+                        let mut c = chunk(&ctx, Some(&s), false, None);
+                        if ctx.logprobs {
+                            c = openai::with_logprobs(c, ctx.logprobs(&taken, offset));
+                            offset += taken.iter().map(|e| e.text.chars().count()).sum::<usize>();
+                        }
+                        if tx.send(data(c)).await.is_err() {
                             return;
                         }
                     }

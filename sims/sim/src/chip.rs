@@ -207,7 +207,7 @@ impl StepExecutor for ModelledChip {
             })
             .collect();
         ctx.elapse(time);
-        StepOutcome { step, sampled, error: None, elapsed_s: time.as_secs_f64() }
+        StepOutcome { step, sampled, logprobs: vec![], error: None, elapsed_s: time.as_secs_f64() }
     }
 
     fn install(&mut self, job: &KvInstall, ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {

@@ -64,7 +64,7 @@ impl Behavior<Msg> for Client {
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
-            Msg::Client { event: ClientEvent::Tokens { tokens } } => {
+            Msg::Client { event: ClientEvent::Tokens { tokens, .. } } => {
                 if self.first_token.is_none() && !tokens.is_empty() {
                     self.first_token = Some(fx.now());
                 }

@@ -4,7 +4,7 @@
 //! Bodies are read as a `serde_json::Value` and walked by hand rather than derived, so that
 //! every refusal names the field at fault (`param`) and says what was expected. Unknown
 //! fields are ignored, as clients send many; known fields we cannot honour (tools, penalties,
-//! logprobs…) are refused unless they hold their neutral value, rather than silently ignored.
+//! echo…) are refused unless they hold their neutral value, rather than silently ignored.
 
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
@@ -60,7 +60,14 @@ pub struct GenerationRequest {
     pub stop_token_ids: Vec<u32>,
     /// vLLM extension: keep generating past the end-of-sequence token.
     pub ignore_eos: bool,
+    /// Return each generated token's log-probability with this many most likely
+    /// alternatives (completions' `logprobs: k`; chat's `logprobs: true` with
+    /// `top_logprobs: k`); `None`: no log-probabilities.
+    pub logprobs: Option<usize>,
 }
+
+/// OpenAI's limit on the alternatives listed per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// Parses `POST /v1/completions`. One prompt per request: a string, token ids, or an array
 /// holding exactly one of those.
@@ -72,7 +79,11 @@ pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     body.refuse_unsupported(COMMON_UNSUPPORTED)?;
     body.refuse_unsupported(COMPLETION_UNSUPPORTED)?;
     let max_tokens = body.max_tokens("max_tokens")?.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS);
-    parse_sampling(&body, model, prompt, Some(max_tokens))
+    let logprobs = match body.get("logprobs") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(body.top_logprobs("logprobs")?),
+    };
+    Ok(GenerationRequest { logprobs, ..parse_sampling(&body, model, prompt, Some(max_tokens))? })
 }
 
 /// Parses `POST /v1/chat/completions`.
@@ -88,7 +99,18 @@ pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
         Some(n) => Some(n),
         None => body.max_tokens("max_tokens")?,
     };
-    parse_sampling(&body, model, Prompt::Chat(messages), max_tokens)
+    let top = match body.get("top_logprobs") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(body.top_logprobs("top_logprobs")?),
+    };
+    let logprobs = match (body.bool("logprobs")?.unwrap_or(false), top) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, None | Some(0)) => None,
+        (false, Some(_)) => {
+            return Err(ApiError::bad_request("`top_logprobs` needs `logprobs` set to true", Some("top_logprobs")));
+        }
+    };
+    Ok(GenerationRequest { logprobs, ..parse_sampling(&body, model, Prompt::Chat(messages), max_tokens)? })
 }
 
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -182,6 +204,7 @@ fn parse_sampling(
         stop,
         stop_token_ids,
         ignore_eos,
+        logprobs: None,
     })
 }
 
@@ -392,9 +415,6 @@ fn is_empty_object(v: &Value) -> bool {
 fn is_none_choice(v: &Value) -> bool {
     v.as_str() == Some("none")
 }
-fn never(_: &Value) -> bool {
-    false
-}
 
 // Neutral values are accepted because several client libraries send them on every request.
 const COMMON_UNSUPPORTED: &[Unsupported] = &[
@@ -408,14 +428,10 @@ const COMMON_UNSUPPORTED: &[Unsupported] = &[
     Unsupported { key: "logit_bias", neutral: is_empty_object, message: "is not supported" },
 ];
 
-const COMPLETION_UNSUPPORTED: &[Unsupported] = &[
-    Unsupported { key: "logprobs", neutral: never, message: "is not supported" },
-    Unsupported { key: "suffix", neutral: |v| v.as_str() == Some(""), message: "is not supported" },
-];
+const COMPLETION_UNSUPPORTED: &[Unsupported] =
+    &[Unsupported { key: "suffix", neutral: |v| v.as_str() == Some(""), message: "is not supported" }];
 
 const CHAT_UNSUPPORTED: &[Unsupported] = &[
-    Unsupported { key: "logprobs", neutral: is_false, message: "is not supported" },
-    Unsupported { key: "top_logprobs", neutral: is_zero, message: "is not supported" },
     Unsupported {
         key: "tools",
         neutral: is_empty_array,
@@ -483,6 +499,18 @@ impl Body<'_> {
             None => Ok(None),
             Some(Value::Number(n)) => Ok(n.as_f64()),
             Some(other) => Err(wrong_type(key, "a number", other)),
+        }
+    }
+
+    /// A count of alternatives per token, 0..=[`MAX_TOP_LOGPROBS`].
+    fn top_logprobs(&self, key: &str) -> Result<usize, ApiError> {
+        match self.integer(key)? {
+            Some(k) if (0..=MAX_TOP_LOGPROBS as i128).contains(&k) => Ok(k as usize),
+            Some(k) => Err(ApiError::bad_request(
+                format!("`{key}` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+                Some(key),
+            )),
+            None => Ok(0),
         }
     }
 

@@ -154,9 +154,12 @@ fn every_validation_error_names_its_param() {
         (Chat, json!({"n": 3}), Some("n"), "must be 1"),
         (Completion, json!({"best_of": 2}), Some("best_of"), "not supported"),
         (Completion, json!({"echo": true}), Some("echo"), "not supported"),
-        (Completion, json!({"logprobs": 0}), Some("logprobs"), "not supported"),
-        (Chat, json!({"logprobs": true}), Some("logprobs"), "not supported"),
-        (Chat, json!({"top_logprobs": 5}), Some("top_logprobs"), "not supported"),
+        (Completion, json!({"logprobs": 21}), Some("logprobs"), "between 0 and 20, got 21"),
+        (Completion, json!({"logprobs": -1}), Some("logprobs"), "between 0 and 20"),
+        (Completion, json!({"logprobs": true}), Some("logprobs"), "an integer"),
+        (Chat, json!({"logprobs": 1}), Some("logprobs"), "a boolean"),
+        (Chat, json!({"logprobs": true, "top_logprobs": 30}), Some("top_logprobs"), "between 0 and 20"),
+        (Chat, json!({"top_logprobs": 5}), Some("top_logprobs"), "needs `logprobs` set to true"),
         (Completion, json!({"suffix": "end"}), Some("suffix"), "not supported"),
         (Chat, json!({"tools": [{"type": "function"}]}), Some("tools"), "does not support tools"),
         (Chat, json!({"functions": [{"name": "f"}]}), Some("functions"), "does not support tools"),
@@ -218,8 +221,15 @@ fn completion_defaults_follow_openai() {
             stop: vec![],
             stop_token_ids: vec![],
             ignore_eos: false,
+            logprobs: None,
         }
     );
+    // Log-probabilities: completions' count; chat's flag with an optional count.
+    assert_eq!(parse_ok(Completion, json!({"logprobs": 0})).logprobs, Some(0));
+    assert_eq!(parse_ok(Completion, json!({"logprobs": 5})).logprobs, Some(5));
+    assert_eq!(parse_ok(Chat, json!({"logprobs": true})).logprobs, Some(0));
+    assert_eq!(parse_ok(Chat, json!({"logprobs": true, "top_logprobs": 20})).logprobs, Some(20));
+    assert_eq!(parse_ok(Chat, json!({"logprobs": false, "top_logprobs": 0})).logprobs, None);
     // `null` reads as absent, the way many clients send unset fields.
     assert_eq!(parse_ok(Completion, json!({"max_tokens": null, "stop": null, "n": null, "logprobs": null})), r);
 }
