@@ -703,6 +703,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             args.stop_token_ids.iter().copied().chain(tokenizer.eos_ids()).collect()
         },
         ignore_eos: args.ignore_eos,
+        penalties: Default::default(),
     };
     let vocab = model.config().vocab_size;
     let longest = prompt.len().saturating_add(args.max_tokens).min(model.config().max_context);

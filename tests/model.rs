@@ -441,6 +441,7 @@ fn sampled(seed: u64, max_tokens: usize) -> SamplingParams {
         max_tokens,
         stop_token_ids: vec![],
         ignore_eos: true,
+        penalties: Default::default(),
     }
 }
 

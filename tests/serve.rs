@@ -596,3 +596,95 @@ fn logprobs_are_the_dumped_logits_log_softmax_streamed_and_whole() {
     let r = post_json(gw, "/v1/chat/completions", &chat_body(prompt, N, false));
     assert_eq!(r.json()["choices"][0]["logprobs"], Value::Null);
 }
+
+/// Penalties, `logit_bias` and `min_tokens` change the greedy choice exactly as their
+/// definitions say, computed here from the logits `tessera generate --dump-logits`
+/// writes for the same prompt (token ids, so both sides see the same ones). The served
+/// token is recognised by its reported log-probability, which is of the raw logits.
+#[test]
+fn penalties_and_logit_bias_pick_what_the_dumped_logits_say() {
+    let prompt: Vec<u32> = vec![5, 17, 42, 42, 9, 300, 17];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let npy = dir.path().join("logits.npy");
+    let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let out = tessera()
+        .args(["generate", "--model", MODEL, "--prompt-ids", &ids, "--max-tokens", "2", "--ignore-eos"])
+        .args(["--dump-logits", npy.to_str().expect("utf-8 path")])
+        .output()
+        .expect("run generate");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (shape, logits) = crate::cli::read_npy(&npy);
+    let rows: Vec<Vec<f32>> = logits.chunks(shape[1]).map(<[f32]>::to_vec).collect();
+    let argmax = |row: &[f32]| (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });
+    let log_softmax = |row: &[f32], i: usize| {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        row[i] as f64 - max - row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln()
+    };
+    let t0 = argmax(&rows[0]);
+
+    let topo = topology(&["h0"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0"]);
+    let gw = cluster.gateway;
+    cluster.wait_ready(1);
+    // The raw log-probabilities of the tokens served for `extra`.
+    let served = |extra: Value, n: usize| -> Vec<f64> {
+        let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                              "ignore_eos": true, "logprobs": 0});
+        for (k, v) in extra.as_object().expect("fields") {
+            body[k] = v.clone();
+        }
+        let r = post_json(gw, "/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .expect("logprobs")
+            .iter()
+            .filter_map(Value::as_f64)
+            .collect()
+    };
+    let is = |got: f64, row: &[f32], token: usize, what: &str| {
+        assert!((got - log_softmax(row, token)).abs() < 1e-4, "{what}: served {got}, want token {token}");
+    };
+    is(served(json!({}), 1)[0], &rows[0], t0, "no penalty");
+
+    // logit_bias: lifting the runner-up just past the best makes it the choice; -100 on
+    // the best does too.
+    let mut without_best = rows[0].clone();
+    without_best[t0] = f32::NEG_INFINITY;
+    let second = argmax(&without_best);
+    let lift = rows[0][t0] - rows[0][second] + 0.5;
+    is(served(json!({"logit_bias": {second.to_string(): lift}}), 1)[0], &rows[0], second, "bias up");
+    is(served(json!({"logit_bias": {t0.to_string(): -100}}), 1)[0], &rows[0], second, "bias down");
+
+    // repetition_penalty 2 on the prompt's tokens.
+    let mut repeated = rows[0].clone();
+    for &id in &prompt {
+        let l = &mut repeated[id as usize];
+        *l = if *l > 0.0 { *l / 2.0 } else { *l * 2.0 };
+    }
+    is(served(json!({"repetition_penalty": 2.0}), 1)[0], &rows[0], argmax(&repeated), "repetition");
+
+    // Frequency and presence on the output: the first token is unchanged (nothing out
+    // yet); the second is chosen with the first one's logit lowered by 2 + 2.
+    let mut second_row = rows[1].clone();
+    second_row[t0] -= 4.0;
+    let got = served(json!({"frequency_penalty": 2.0, "presence_penalty": 2.0}), 2);
+    is(got[0], &rows[0], t0, "frequency, first token");
+    is(got[1], &rows[1], argmax(&second_row), "frequency, second token");
+
+    // min_tokens: with the best token as a stop token the request ends at once; with
+    // min_tokens 1 the stop token is ruled out for the first token.
+    let stop = json!({"stop_token_ids": [t0], "ignore_eos": false});
+    assert!(served(stop.clone(), 4).len() <= 1, "stopped at once");
+    let mut with_min = stop;
+    with_min["min_tokens"] = json!(1);
+    is(served(with_min, 4)[0], &rows[0], second, "min_tokens");
+
+    // A bias for a token the model does not have is refused.
+    let mut body = completion_body("Hi", 2, false, false);
+    body["logit_bias"] = json!({"99999999": 1});
+    let r = post_json(gw, "/v1/completions", &body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("logit_bias"), "{}", r.body);
+}

@@ -115,6 +115,27 @@ pub struct SamplingSpec {
     /// alternatives (0..=[`MAX_TOP_LOGPROBS`]); `None`: none.
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// OpenAI's presence and frequency penalties (subtracted from the logit of each
+    /// output token seen: `frequency × count + presence`), 0 = off.
+    #[serde(default)]
+    pub presence_penalty: f32,
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// vLLM's repetition penalty on prompt and output tokens (a positive logit divided
+    /// by it, a negative one multiplied), 1 = off.
+    #[serde(default = "one")]
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens before sampling.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The stop tokens (`stop_token_ids`, end of sequence) are ruled out until this many
+    /// tokens are generated.
+    #[serde(default)]
+    pub min_tokens: usize,
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 /// The most alternatives a token's [`TokenLogprob`] lists (OpenAI's limit).
@@ -140,7 +161,17 @@ impl SamplingSpec {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
         }
+    }
+
+    /// Whether any penalty counts the tokens before the one sampled.
+    pub fn penalized(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
     }
 }
 

@@ -125,6 +125,11 @@ fn build(kind: usize, p: &Parts) -> Msg {
         stop_token_ids: p.tokens.clone(),
         ignore_eos: p.flag,
         logprobs: p.flag.then_some(p.n % 21),
+        presence_penalty: p.f,
+        frequency_penalty: -p.f,
+        repetition_penalty: 1.0 + p.f.abs(),
+        logit_bias: p.tokens.iter().map(|&t| (t, p.f)).collect(),
+        min_tokens: p.n,
     };
     let finish = if p.flag { Some(Finish::Stop) } else { Some(Finish::Length) };
     let seq = SeqRequest {

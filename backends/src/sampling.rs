@@ -19,6 +19,8 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past the model's end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Changes to the logits before a token is picked (greedy or not).
+    pub penalties: Penalties,
 }
 
 impl Default for SamplingParams {
@@ -31,8 +33,64 @@ impl Default for SamplingParams {
             max_tokens: 16,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            penalties: Penalties::default(),
         }
     }
+}
+
+/// What a request does to the logits before a token is picked, in this order (as vLLM
+/// applies them): `logit_bias` added; the `suppress` tokens ruled out until `min_tokens`
+/// tokens are generated; the repetition penalty on every token of the prompt and the
+/// output (a positive logit divided by it, a negative one multiplied); then, per output
+/// token seen `c` times, `frequency × c + presence` subtracted (OpenAI's definition).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Penalties {
+    pub presence: f32,
+    pub frequency: f32,
+    /// 1 = off.
+    pub repetition: f32,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub min_tokens: usize,
+    /// Tokens that would end the sequence (stop ids and end-of-sequence).
+    pub suppress: Vec<u32>,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Penalties {
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            suppress: Vec::new(),
+        }
+    }
+}
+
+impl Penalties {
+    /// Changes no logit.
+    pub fn is_neutral(&self) -> bool {
+        self.presence == 0.0
+            && self.frequency == 0.0
+            && self.repetition == 1.0
+            && self.logit_bias.is_empty()
+            && (self.min_tokens == 0 || self.suppress.is_empty())
+    }
+
+    /// Whether a sampler must know the tokens before it (the prompt, the output).
+    pub fn needs_history(&self) -> bool {
+        self.repetition != 1.0 || self.frequency != 0.0 || self.presence != 0.0
+    }
+}
+
+/// The tokens a sampler has seen: counts of each output token, and every prompt token
+/// (for the repetition penalty).
+#[derive(Debug, Clone, Default)]
+struct History {
+    prompt: std::collections::HashSet<u32>,
+    output: std::collections::HashMap<u32, u32>,
+    generated: usize,
 }
 
 impl SamplingParams {
@@ -50,6 +108,13 @@ impl SamplingParams {
         }
         if self.max_tokens == 0 {
             return Err(BackendError::Request("max_tokens must be at least 1".into()));
+        }
+        let p = &self.penalties;
+        if !(p.repetition > 0.0 && p.repetition.is_finite()) {
+            return Err(BackendError::Request(format!("repetition penalty must be > 0, got {}", p.repetition)));
+        }
+        if !(p.presence.is_finite() && p.frequency.is_finite() && p.logit_bias.iter().all(|(_, b)| b.is_finite())) {
+            return Err(BackendError::Request("penalties and logit biases must be finite".into()));
         }
         Ok(())
     }
@@ -149,12 +214,79 @@ pub fn logprobs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) 
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
+    history: History,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let rng = params.seed.map_or_else(Rng::from_entropy, Rng::seeded);
-        Sampler { params, rng }
+        Sampler { params, rng, history: History::default() }
+    }
+
+    /// A sampler whose sequence has `prompt` and generated `output` already (a
+    /// replay), for the penalties to count; [`Sampler::skip`] then says how many tokens
+    /// came before.
+    pub fn with_history(params: SamplingParams, prompt: &[u32], output: &[u32]) -> Self {
+        let mut s = Sampler::new(params);
+        if s.params.penalties.needs_history() {
+            s.history.prompt.extend(prompt);
+            for &t in output {
+                *s.history.output.entry(t).or_default() += 1;
+            }
+        }
+        s
+    }
+
+    /// `logits` after this request's penalties (see [`Penalties`]); `None` when they
+    /// change nothing.
+    pub fn penalized(&self, logits: &[f32]) -> Option<Vec<f32>> {
+        let p = &self.params.penalties;
+        if p.is_neutral() {
+            return None;
+        }
+        let mut out = logits.to_vec();
+        for &(id, bias) in &p.logit_bias {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        if self.history.generated < p.min_tokens {
+            for &id in &p.suppress {
+                if let Some(l) = out.get_mut(id as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        if p.repetition != 1.0 {
+            let output_only = self.history.output.keys().filter(|id| !self.history.prompt.contains(id));
+            for &id in self.history.prompt.iter().chain(output_only) {
+                if let Some(l) = out.get_mut(id as usize) {
+                    *l = if *l > 0.0 { *l / p.repetition } else { *l * p.repetition };
+                }
+            }
+        }
+        if p.frequency != 0.0 || p.presence != 0.0 {
+            for (&id, &count) in &self.history.output {
+                if let Some(l) = out.get_mut(id as usize) {
+                    *l -= p.frequency * count as f32 + p.presence;
+                }
+            }
+        }
+        Some(out)
+    }
+
+    /// Picks the next token from one row of raw logits, after the penalties, and
+    /// counts it.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let token = match self.penalized(logits) {
+            Some(adjusted) => self.pick(&adjusted),
+            None => self.pick(logits),
+        };
+        if self.params.penalties.needs_history() {
+            *self.history.output.entry(token).or_default() += 1;
+        }
+        self.history.generated += 1;
+        token
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -162,8 +294,10 @@ impl Sampler {
     }
 
     /// Advances the generator past `samples` earlier draws, so a request replayed on
-    /// another chip continues the random sequence it had (one draw per sampled token).
+    /// another chip continues the random sequence it had (one draw per sampled token),
+    /// and counts those tokens as generated (`min_tokens`).
     pub fn skip(&mut self, samples: u64) {
+        self.history.generated += samples as usize;
         if !self.params.is_greedy() {
             for _ in 0..samples {
                 self.rng.next_f64();
@@ -171,8 +305,8 @@ impl Sampler {
         }
     }
 
-    /// Picks the next token from one row of logits.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// Picks a token from one row of logits.
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {
             return argmax(logits);
         }
@@ -227,6 +361,41 @@ impl Sampler {
 mod tests {
     use super::*;
 
+    /// Each penalty against its definition on a hand-computed table.
+    #[test]
+    fn penalties_change_the_logits_as_defined() {
+        let logits = [2.0f32, -1.0, 0.5, 3.0, 1.0];
+        let with = |penalties: Penalties, prompt: &[u32], output: &[u32]| {
+            let params = SamplingParams { penalties, ..SamplingParams::greedy(8) };
+            Sampler::with_history(params, prompt, output).penalized(&logits)
+        };
+        assert_eq!(with(Penalties::default(), &[0, 1], &[3]), None, "neutral: unchanged");
+        let bias = Penalties { logit_bias: vec![(1, 5.0), (4, -100.0), (99, 1.0)], ..Penalties::default() };
+        assert_eq!(with(bias, &[], &[]), Some(vec![2.0, 4.0, 0.5, 3.0, -99.0]), "ids past the vocabulary ignored");
+        // Repetition 2 on prompt {0, 1} and output {3}: positives halve, negatives double.
+        let rep = Penalties { repetition: 2.0, ..Penalties::default() };
+        assert_eq!(with(rep, &[0, 1], &[3]), Some(vec![1.0, -2.0, 0.5, 1.5, 1.0]));
+        // Frequency 0.5 and presence 1 on output [3, 3, 2]: 3 seen twice, 2 once; the
+        // prompt does not count.
+        let fp = Penalties { frequency: 0.5, presence: 1.0, ..Penalties::default() };
+        assert_eq!(with(fp, &[0], &[3, 3, 2]), Some(vec![2.0, -1.0, -1.0, 1.0, 1.0]));
+        // min_tokens rules out the stop tokens until that many are generated.
+        let min = Penalties { min_tokens: 2, suppress: vec![3], ..Penalties::default() };
+        let params = SamplingParams { penalties: min, ..SamplingParams::greedy(8) };
+        let mut s = Sampler::with_history(params, &[], &[7]);
+        s.skip(1);
+        assert_eq!(s.sample(&logits), 0, "one generated before: 3 is still ruled out");
+        assert_eq!(s.sample(&logits), 3, "two generated: allowed again");
+        // Greedy sampling follows the penalties; the counts grow with each token.
+        let params = SamplingParams {
+            penalties: Penalties { frequency: 1.5, ..Penalties::default() },
+            ..SamplingParams::greedy(8)
+        };
+        let mut s = Sampler::new(params);
+        let picks: Vec<u32> = (0..3).map(|_| s.sample(&logits)).collect();
+        assert_eq!(picks, vec![3, 0, 3], "3 (3.0), then 0 (2.0 > 1.5), then 3 again (1.5 > 0.5)");
+    }
+
     #[test]
     fn logprobs_are_a_log_softmax_of_the_raw_logits_with_the_best_first() {
         let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
@@ -256,6 +425,7 @@ mod tests {
             max_tokens: 1,
             stop_token_ids: vec![],
             ignore_eos: false,
+            penalties: Penalties::default(),
         }
     }
 

@@ -129,8 +129,8 @@ pub struct PlannedSeq {
     pub slots: Vec<i32>,
     /// Sample a token from the last row (the chunk ends what is pending).
     pub sample: bool,
-    /// Create the sampler first: its spec and how many draws to skip (a replay).
-    pub new_sampler: Option<(SamplingSpec, u64)>,
+    /// Create the sampler first.
+    pub new_sampler: Option<NewSampler>,
     /// A prefill for a decode chip: stage each layer's KV of positions
     /// `stage_from..start_pos + tokens.len()` (from 0 on the first chunk after a reused
     /// prefix, whose blocks the decode chip needs too).
@@ -204,6 +204,18 @@ pub fn admissible(
         return Err(Inadmissible::TooFewBlocks { prompt, new, need: need_blocks, num_blocks });
     }
     Ok(())
+}
+
+/// A sequence's sampler, to create before its first sampled step here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewSampler {
+    pub spec: SamplingSpec,
+    /// Tokens it generated elsewhere (a replay): draws to skip, and what its penalties
+    /// and `min_tokens` count.
+    pub skip: u64,
+    /// Its prompt and those tokens, when its penalties need them; empty otherwise.
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
 }
 
 /// Tokens a step produced for a request, to send it: the one just sampled, after any
@@ -610,8 +622,16 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
     seq.cached = end;
     seal_full_blocks(seq, bs, pool);
     let stage = matches!(seq.mode, Mode::PrefillFor { .. });
-    let new_sampler =
-        (!seq.sampler_live && !stage).then(|| (seq.sampling.clone(), (seq.generated_before + seq.new_tokens) as u64));
+    let new_sampler = (!seq.sampler_live && !stage).then(|| {
+        let generated = seq.generated_before + seq.new_tokens;
+        let (prompt, output) = if seq.sampling.penalized() {
+            let split = seq.tokens.len().saturating_sub(generated);
+            (seq.tokens[..split].to_vec(), seq.tokens[split..].to_vec())
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        NewSampler { spec: seq.sampling.clone(), skip: generated as u64, prompt, output }
+    });
     seq.sampler_live |= !stage;
     PlannedSeq {
         request_id: seq.request_id,

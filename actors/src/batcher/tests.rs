@@ -223,7 +223,7 @@ fn replayed_sequences_skip_earlier_sampler_draws() {
     s.generated = 3;
     b.enqueue(s);
     let plan = b.plan(&mut p).unwrap();
-    assert_eq!(plan.seqs[0].new_sampler.as_ref().map(|(_, skip)| *skip), Some(3));
+    assert_eq!(plan.seqs[0].new_sampler.as_ref().map(|n| n.skip), Some(3));
 }
 
 #[test]

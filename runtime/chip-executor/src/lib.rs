@@ -25,10 +25,10 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_actors::batcher::StepPlan;
+use tessera_actors::batcher::{NewSampler, StepPlan};
 use tessera_actors::chip::executor::{KvInstall, StepExecutor};
 use tessera_actors::msg::{
-    ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, SamplingSpec, StepOutcome, TokenLogprob,
+    ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome, TokenLogprob,
 };
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::{DType, Quantize};
@@ -36,7 +36,7 @@ use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
 use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::{LoadOptions, LogitsWanted, Model, SeqChunk};
-use tessera_backends::sampling::{Sampler, SamplingParams};
+use tessera_backends::sampling::{Penalties, Sampler, SamplingParams};
 use tessera_runtime::actor::JobCtx;
 use tessera_runtime::transfer::{Assignment, EndpointDesc, Region, RegionDesc, TransferEngine};
 use tessera_topology::perf::ModelShape;
@@ -374,8 +374,17 @@ fn busy(e: &tessera_runtime::transfer::TransferError) -> bool {
     matches!(e, TransferError::RangeBusy { .. } | TransferError::Refused { status: RemoteStatus::Busy, .. })
 }
 
-fn sampler(spec: &SamplingSpec, skip: u64) -> Sampler {
-    let mut sampler = Sampler::new(SamplingParams {
+fn sampler(new: &NewSampler) -> Sampler {
+    let spec = &new.spec;
+    let penalties = Penalties {
+        presence: spec.presence_penalty,
+        frequency: spec.frequency_penalty,
+        repetition: spec.repetition_penalty,
+        logit_bias: spec.logit_bias.clone(),
+        min_tokens: spec.min_tokens,
+        suppress: spec.stop_token_ids.clone(),
+    };
+    let params = SamplingParams {
         temperature: spec.temperature,
         top_k: spec.top_k,
         top_p: spec.top_p,
@@ -383,8 +392,10 @@ fn sampler(spec: &SamplingSpec, skip: u64) -> Sampler {
         max_tokens: 1,
         stop_token_ids: Vec::new(),
         ignore_eos: spec.ignore_eos,
-    });
-    sampler.skip(skip);
+        penalties,
+    };
+    let mut sampler = Sampler::with_history(params, &new.prompt, &new.output);
+    sampler.skip(new.skip);
     sampler
 }
 
@@ -396,8 +407,8 @@ impl StepExecutor for ModelExecutor {
             self.samplers.remove(id);
         }
         for s in &plan.seqs {
-            if let Some((spec, skip)) = &s.new_sampler {
-                self.samplers.insert(s.request_id, (sampler(spec, *skip), spec.logprobs));
+            if let Some(new) = &s.new_sampler {
+                self.samplers.insert(s.request_id, (sampler(new), new.spec.logprobs));
             }
         }
         let chunks: Vec<SeqChunk<'_>> = plan

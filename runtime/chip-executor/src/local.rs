@@ -155,14 +155,29 @@ impl LocalEngine {
     /// Admits a request; refuses it (changing nothing) if it can never run here.
     pub fn add_request(&mut self, id: u64, prompt: &[u32], params: SamplingParams) -> Result<(), EngineError> {
         params.validate()?;
-        let SamplingParams { temperature, top_k, top_p, seed, max_tokens, stop_token_ids, ignore_eos } = params;
+        let SamplingParams { temperature, top_k, top_p, seed, max_tokens, stop_token_ids, ignore_eos, penalties } =
+            params;
+        let sampling = SamplingSpec {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            logprobs: None,
+            presence_penalty: penalties.presence,
+            frequency_penalty: penalties.frequency,
+            repetition_penalty: penalties.repetition,
+            logit_bias: penalties.logit_bias,
+            min_tokens: penalties.min_tokens,
+        };
         let seq = SeqRequest {
             request_id: id,
             req: LOCAL,
             tokens: prompt.to_vec(),
             generated: 0,
             max_new_tokens: max_tokens,
-            sampling: SamplingSpec { temperature, top_k, top_p, seed, stop_token_ids, ignore_eos, logprobs: None },
+            sampling,
             delivery: Delivery::Stream,
         };
         let need = self.batcher.blocks_to_finish(&seq);

@@ -318,6 +318,13 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             Some("max_tokens"),
         ));
     }
+    let vocab = st.tokenizer.vocab_size();
+    if let Some(&(id, _)) = req.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+        return error_response(ApiError::bad_request(
+            format!("`logit_bias` names token {id}, but the vocabulary has {vocab} tokens"),
+            Some("logit_bias"),
+        ));
+    }
     let mut stop_token_ids = req.stop_token_ids.clone();
     if !req.ignore_eos {
         stop_token_ids.extend(st.tokenizer.eos_ids());
@@ -334,6 +341,11 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             stop_token_ids,
             ignore_eos: req.ignore_eos,
             logprobs: req.logprobs,
+            presence_penalty: req.presence_penalty,
+            frequency_penalty: req.frequency_penalty,
+            repetition_penalty: req.repetition_penalty,
+            logit_bias: req.logit_bias.clone(),
+            min_tokens: req.min_tokens,
         },
         // A response read whole needs its tokens only at the end, unless stop strings
         // must be matched as the text grows (to stop the generation early).

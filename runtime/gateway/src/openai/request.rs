@@ -64,6 +64,16 @@ pub struct GenerationRequest {
     /// alternatives (completions' `logprobs: k`; chat's `logprobs: true` with
     /// `top_logprobs: k`); `None`: no log-probabilities.
     pub logprobs: Option<usize>,
+    /// OpenAI's penalties, -2..=2 (0 = off).
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// vLLM's repetition penalty, more than 0 and at most 2 (1 = off).
+    pub repetition_penalty: f32,
+    /// Token id -> bias, -100..=100 (the ids are checked against the model's vocabulary
+    /// where it is known).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM extension: generate at least this many tokens before a stop token may end.
+    pub min_tokens: usize,
 }
 
 /// OpenAI's limit on the alternatives listed per token.
@@ -190,6 +200,28 @@ fn parse_sampling(
         Some(other) => return Err(wrong_type("stop_token_ids", "an array of token ids", other)),
     };
     let ignore_eos = body.bool("ignore_eos")?.unwrap_or(false);
+    let penalty = |key: &str, default: f64, ok: fn(f64) -> bool, range: &str| -> Result<f32, ApiError> {
+        match body.number(key)? {
+            None => Ok(default as f32),
+            Some(v) if ok(v) => Ok(v as f32),
+            Some(v) => Err(ApiError::bad_request(format!("`{key}` must be {range}, got {v}"), Some(key))),
+        }
+    };
+    let presence_penalty = penalty("presence_penalty", 0.0, |v| (-2.0..=2.0).contains(&v), "between -2 and 2")?;
+    let frequency_penalty = penalty("frequency_penalty", 0.0, |v| (-2.0..=2.0).contains(&v), "between -2 and 2")?;
+    let repetition_penalty =
+        penalty("repetition_penalty", 1.0, |v| v > 0.0 && v <= 2.0, "greater than 0 and at most 2")?;
+    let logit_bias = parse_logit_bias(body.get("logit_bias"))?;
+    let min_tokens = match body.integer("min_tokens")? {
+        None => 0,
+        Some(n) if n >= 0 && max_tokens.is_none_or(|m| n as usize <= m) => n as usize,
+        Some(n) => {
+            return Err(ApiError::bad_request(
+                format!("`min_tokens` must be between 0 and the request's max_tokens, got {n}"),
+                Some("min_tokens"),
+            ));
+        }
+    };
 
     Ok(GenerationRequest {
         model,
@@ -205,7 +237,34 @@ fn parse_sampling(
         stop_token_ids,
         ignore_eos,
         logprobs: None,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logit_bias,
+        min_tokens,
     })
+}
+
+/// `logit_bias`: an object of token ids (as strings, as JSON keys are) to biases in
+/// -100..=100, sorted by id.
+fn parse_logit_bias(value: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |message: String| ApiError::bad_request(message, Some("logit_bias"));
+    let map = match value {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(other) => return Err(wrong_type("logit_bias", "an object of token ids to biases", other)),
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (id, bias) in map {
+        let id: u32 = id.parse().map_err(|_| bad(format!("`logit_bias` keys must be token ids, got {id:?}")))?;
+        let bias = bias.as_f64().ok_or_else(|| bad(format!("`logit_bias[{id}]` must be a number")))?;
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(bad(format!("`logit_bias[{id}]` must be between -100 and 100, got {bias}")));
+        }
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|(id, _)| *id);
+    Ok(out)
 }
 
 fn parse_prompt(prompt: Option<&Value>) -> Result<Prompt, ApiError> {
@@ -409,9 +468,6 @@ fn is_false(v: &Value) -> bool {
 fn is_empty_array(v: &Value) -> bool {
     v.as_array().is_some_and(Vec::is_empty)
 }
-fn is_empty_object(v: &Value) -> bool {
-    v.as_object().is_some_and(Map::is_empty)
-}
 fn is_none_choice(v: &Value) -> bool {
     v.as_str() == Some("none")
 }
@@ -421,11 +477,7 @@ const COMMON_UNSUPPORTED: &[Unsupported] = &[
     Unsupported { key: "n", neutral: is_one, message: "must be 1: one choice per request is supported" },
     Unsupported { key: "best_of", neutral: is_one, message: "is not supported" },
     Unsupported { key: "echo", neutral: is_false, message: "is not supported: the prompt is not echoed" },
-    Unsupported { key: "presence_penalty", neutral: is_zero, message: "is not supported: it must be 0" },
-    Unsupported { key: "frequency_penalty", neutral: is_zero, message: "is not supported: it must be 0" },
-    Unsupported { key: "repetition_penalty", neutral: is_one, message: "is not supported: it must be 1" },
     Unsupported { key: "min_p", neutral: is_zero, message: "is not supported: it must be 0" },
-    Unsupported { key: "logit_bias", neutral: is_empty_object, message: "is not supported" },
 ];
 
 const COMPLETION_UNSUPPORTED: &[Unsupported] =

@@ -166,11 +166,15 @@ fn every_validation_error_names_its_param() {
         (Chat, json!({"tool_choice": "auto"}), Some("tool_choice"), "does not support tools"),
         (Chat, json!({"function_call": "auto"}), Some("function_call"), "does not support tools"),
         (Chat, json!({"response_format": {"type": "json_object"}}), Some("response_format"), "structured output"),
-        (Completion, json!({"presence_penalty": 0.5}), Some("presence_penalty"), "must be 0"),
-        (Chat, json!({"frequency_penalty": 1}), Some("frequency_penalty"), "must be 0"),
-        (Chat, json!({"repetition_penalty": 1.1}), Some("repetition_penalty"), "must be 1"),
+        (Completion, json!({"presence_penalty": 2.5}), Some("presence_penalty"), "between -2 and 2, got 2.5"),
+        (Chat, json!({"frequency_penalty": "1"}), Some("frequency_penalty"), "a number"),
+        (Chat, json!({"repetition_penalty": 0}), Some("repetition_penalty"), "greater than 0 and at most 2"),
+        (Chat, json!({"min_tokens": 20, "max_tokens": 5}), Some("min_tokens"), "max_tokens, got 20"),
+        (Completion, json!({"min_tokens": -1}), Some("min_tokens"), "between 0"),
+        (Completion, json!({"logit_bias": {"x": 1}}), Some("logit_bias"), "keys must be token ids"),
+        (Completion, json!({"logit_bias": {"5": 101}}), Some("logit_bias"), "between -100 and 100"),
+        (Completion, json!({"logit_bias": [1]}), Some("logit_bias"), "an object of token ids"),
         (Completion, json!({"min_p": 0.1}), Some("min_p"), "must be 0"),
-        (Chat, json!({"logit_bias": {"50256": -100}}), Some("logit_bias"), "not supported"),
     ];
     for (endpoint, fields, param, fragment) in cases {
         let body = body_with(endpoint, fields.clone());
@@ -222,8 +226,21 @@ fn completion_defaults_follow_openai() {
             stop_token_ids: vec![],
             ignore_eos: false,
             logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: vec![],
+            min_tokens: 0,
         }
     );
+    // Penalties, biases and min_tokens, as given.
+    let p = parse_ok(
+        Chat,
+        json!({"presence_penalty": -2, "frequency_penalty": 1.5, "repetition_penalty": 1.2,
+               "logit_bias": {"50": -100, "7": 2.5}, "min_tokens": 3, "max_tokens": 8}),
+    );
+    assert_eq!((p.presence_penalty, p.frequency_penalty, p.repetition_penalty), (-2.0, 1.5, 1.2));
+    assert_eq!((p.logit_bias, p.min_tokens), (vec![(7, 2.5), (50, -100.0)], 3));
     // Log-probabilities: completions' count; chat's flag with an optional count.
     assert_eq!(parse_ok(Completion, json!({"logprobs": 0})).logprobs, Some(0));
     assert_eq!(parse_ok(Completion, json!({"logprobs": 5})).logprobs, Some(5));
