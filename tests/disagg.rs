@@ -89,7 +89,23 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
             assert_eq!(r.status, 200, "{}", r.body);
             crate::serve::assert_logprobs_near(&r.json()["choices"][0]["logprobs"], &logprobs);
             let split = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
-            assert_eq!(split, 4.0, "the scored request was split too");
+            assert_eq!(split, 4.0, "the request with logprobs was split too");
+            // A scoring request of 40 prompt tokens, prefilled on P in chunks: P scores
+            // the prompt, D decodes the one token no one sees.
+            let ids: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
+            let body = json!({"model": MODEL, "prompt": ids, "echo": true, "logprobs": 2, "max_tokens": 0});
+            let r = post_json(gw, "/v1/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let lp = r.json()["choices"][0]["logprobs"].clone();
+            let got = lp["token_logprobs"].as_array().cloned().unwrap_or_default();
+            assert_eq!((got.len(), &got[0]), (40, &Value::Null), "{lp}");
+            for i in [1, 17, 39] {
+                let want = crate::serve::prefix_logprob(&ids, i);
+                let g = got[i].as_f64().unwrap_or(f64::NAN);
+                assert!((g - want).abs() < 1e-4, "prompt token {i}: {g} vs {want}");
+            }
+            let split = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
+            assert_eq!(split, 5.0, "the scoring request was split");
         }
         // All at once: prefills share steps on P, hand-offs overlap, D batches.
         std::thread::scope(|s| {
@@ -109,7 +125,7 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
             }
         });
         let done = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"done\"} ");
-        let scored = if transport == "shm" { 1.0 } else { 0.0 };
+        let scored = if transport == "shm" { 2.0 } else { 0.0 };
         assert_eq!(done, 6.0 + scored, "{transport}: every hand-off acknowledged");
         wait_health(gw, "both pools free", Duration::from_secs(5), |h| {
             drained(h, &[]) && chip(h, "d-chip")["steps"].as_u64() >= Some(MAX_TOKENS as u64)

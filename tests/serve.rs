@@ -688,3 +688,78 @@ fn penalties_and_logit_bias_pick_what_the_dumped_logits_say() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("logit_bias"), "{}", r.body);
 }
+
+/// The log-probability of `prompt[i]` after `prompt[..i]`, from the logits `tessera
+/// generate --dump-logits` writes for that prefix.
+pub(crate) fn prefix_logprob(prompt: &[u32], i: usize) -> f64 {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let npy = dir.path().join("logits.npy");
+    let ids = prompt[..i].iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let out = tessera()
+        .args(["generate", "--model", MODEL, "--prompt-ids", &ids, "--max-tokens", "1", "--ignore-eos"])
+        .args(["--dump-logits", npy.to_str().expect("utf-8 path")])
+        .output()
+        .expect("run generate");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (_, row) = crate::cli::read_npy(&npy);
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    row[prompt[i] as usize] as f64 - max - row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln()
+}
+
+/// A scoring request (`echo`, `logprobs: 1`, `max_tokens: 0`) returns the prompt and,
+/// for every prompt token after the first, the log-probability `generate` computes
+/// after the tokens before it (to 1e-4); with `max_tokens` > 0 the completion follows.
+#[test]
+fn a_scoring_request_returns_each_prompt_token_s_logprob() {
+    let prompt: Vec<u32> = vec![11, 250, 7, 7, 480, 33, 2, 91];
+    let want: Vec<f64> = (1..prompt.len()).map(|i| prefix_logprob(&prompt, i)).collect();
+    let topo = topology(&["h0"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0"]);
+    let gw = cluster.gateway;
+    cluster.wait_ready(1);
+    let body = json!({"model": MODEL, "prompt": prompt, "echo": true, "logprobs": 1, "max_tokens": 0});
+    let r = post_json(gw, "/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["token_logprobs"][0], Value::Null, "{lp}");
+    assert_eq!(lp["top_logprobs"][0], Value::Null, "{lp}");
+    let got: Vec<f64> =
+        lp["token_logprobs"].as_array().expect("logprobs").iter().skip(1).filter_map(Value::as_f64).collect();
+    assert_eq!(got.len(), want.len(), "{lp}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() < 1e-4, "prompt token {}: {g} vs generate's {w}", i + 1);
+    }
+    let tokens: Vec<&str> = lp["tokens"].as_array().expect("tokens").iter().filter_map(Value::as_str).collect();
+    assert_eq!(tokens.len(), prompt.len());
+    assert_eq!(v["choices"][0]["text"], tokens.concat(), "the echoed prompt");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!((v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()), (Some(8), Some(0)));
+
+    // Its prompt is now in the chip's prefix cache; a scoring request recomputes it (the
+    // cache holds KV, not logits) and scores the same.
+    let plain = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
+    assert_eq!(post_json(gw, "/v1/completions", &plain).status, 200);
+    let v = post_json(gw, "/v1/completions", &body).json();
+    let cached: Vec<f64> = v["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .expect("logprobs")
+        .iter()
+        .skip(1)
+        .filter_map(Value::as_f64)
+        .collect();
+    assert_eq!(cached, got);
+
+    // With a completion after the prompt: the same prompt figures, then its tokens.
+    let mut more = body.clone();
+    more["max_tokens"] = json!(3);
+    more["ignore_eos"] = json!(true);
+    let v = post_json(gw, "/v1/completions", &more).json();
+    let lp = &v["choices"][0]["logprobs"];
+    let all: Vec<Value> = lp["token_logprobs"].as_array().cloned().expect("logprobs");
+    assert_eq!(all.len(), prompt.len() + 3, "{lp}");
+    let again: Vec<f64> = all[1..prompt.len()].iter().filter_map(Value::as_f64).collect();
+    assert_eq!(again, got, "the prompt scores the same");
+    let text = v["choices"][0]["text"].as_str().expect("text");
+    assert!(text.starts_with(&tokens.concat()) && v["usage"]["completion_tokens"] == 3, "{v}");
+}

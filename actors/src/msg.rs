@@ -132,6 +132,11 @@ pub struct SamplingSpec {
     /// tokens are generated.
     #[serde(default)]
     pub min_tokens: usize,
+    /// Report the log-probability of every prompt token after the first, with this many
+    /// alternatives (a scoring request: `echo` with `logprobs`). The prompt is then
+    /// computed whole, never taken from a prefix cache.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
 }
 
 fn one() -> f32 {
@@ -166,6 +171,7 @@ impl SamplingSpec {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            prompt_logprobs: None,
         }
     }
 
@@ -372,6 +378,12 @@ pub enum ClientEvent {
         #[serde(default)]
         logprobs: Vec<TokenLogprob>,
     },
+    /// Log-probabilities of the prompt's tokens from position `start` on (a scoring
+    /// request), in order, each part once; all of them come before `Finished`.
+    PromptLogprobs {
+        start: usize,
+        logprobs: Vec<TokenLogprob>,
+    },
     Finished {
         finish: Finish,
         prompt_tokens: usize,
@@ -392,6 +404,10 @@ pub struct StepOutcome {
     /// asked for them; empty when none did.
     #[serde(default)]
     pub logprobs: Vec<Option<TokenLogprob>>,
+    /// (request id, prompt position of the first, log-probabilities) of the prompt
+    /// tokens this step scored, for sequences that asked.
+    #[serde(default)]
+    pub prompt_logprobs: Vec<(u64, usize, Vec<TokenLogprob>)>,
     pub error: Option<String>,
     /// The step's model time: what an emulated or simulated chip declared, or what a
     /// real one measured. Its start is the moment it was reported, less this.
@@ -596,6 +612,13 @@ pub enum Msg {
         #[serde(default)]
         logprobs: Vec<TokenLogprob>,
     },
+    /// Chip -> request: log-probabilities of prompt tokens `start..` (position 1 is the
+    /// first that has one), as the chip computing the prompt scored them.
+    PromptLogprobs {
+        request_id: u64,
+        start: usize,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// Chip -> request: not taken, or handed back; `retry` says whether and how the
     /// request may go on. `chip` is the chip at fault (a prefill chip forwarding its
     /// decode chip's decline names the decode chip).
@@ -771,6 +794,7 @@ impl Message for Msg {
             Msg::Prefill { .. } => "prefill",
             Msg::Abort { .. } => "abort",
             Msg::Generated { .. } => "generated",
+            Msg::PromptLogprobs { .. } => "prompt_logprobs",
             Msg::Refused { .. } => "refused",
             Msg::ChipLost { .. } => "chip_lost",
             Msg::Cancel => "cancel",

@@ -130,6 +130,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         repetition_penalty: 1.0 + p.f.abs(),
         logit_bias: p.tokens.iter().map(|&t| (t, p.f)).collect(),
         min_tokens: p.n,
+        prompt_logprobs: p.flag.then_some(p.n % 3),
     };
     let finish = if p.flag { Some(Finish::Stop) } else { Some(Finish::Length) };
     let seq = SeqRequest {
@@ -190,6 +191,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 step: p.a,
                 sampled: p.tokens.iter().map(|&t| (t as u64, t)).collect(),
                 logprobs: p.tokens.iter().map(|&t| p.flag.then(|| logprob(t, p))).collect(),
+                prompt_logprobs: vec![(p.a, p.n, p.tokens.iter().map(|&t| logprob(t, p)).collect())],
                 error: p.flag.then(|| p.text.clone()),
                 elapsed_s: p.f as f64,
             },
@@ -260,6 +262,17 @@ fn build(kind: usize, p: &Parts) -> Msg {
         },
         47 => Msg::KvSnapshotRequest { reply_to: addr(p.b) },
         48 => Msg::Prefilled { request_id: p.a, chip: addr(p.b) },
+        49 => Msg::PromptLogprobs {
+            request_id: p.a,
+            start: p.n,
+            logprobs: p.tokens.iter().map(|&t| logprob(t, p)).collect(),
+        },
+        50 => Msg::Client {
+            event: ClientEvent::PromptLogprobs {
+                start: p.n,
+                logprobs: p.tokens.iter().map(|&t| logprob(t, p)).collect(),
+            },
+        },
         _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
     }
 }
@@ -268,7 +281,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 50;
+const KINDS: usize = 52;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -323,6 +336,8 @@ fn kind_index(m: &Msg) -> usize {
         Msg::KvSnapshotRequest { .. } => 47,
         Msg::KvSnapshot { .. } => 48,
         Msg::Prefilled { .. } => 49,
+        Msg::PromptLogprobs { .. } => 50,
+        Msg::Client { event: ClientEvent::PromptLogprobs { .. } } => 51,
     }
 }
 

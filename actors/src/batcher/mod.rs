@@ -131,6 +131,9 @@ pub struct PlannedSeq {
     pub sample: bool,
     /// Create the sampler first.
     pub new_sampler: Option<NewSampler>,
+    /// Score prompt tokens: the logits of every row of this chunk are wanted, and the
+    /// first `targets.len()` rows predict these prompt tokens.
+    pub score: Option<Score>,
     /// A prefill for a decode chip: stage each layer's KV of positions
     /// `stage_from..start_pos + tokens.len()` (from 0 on the first chunk after a reused
     /// prefix, whose blocks the decode chip needs too).
@@ -204,6 +207,15 @@ pub fn admissible(
         return Err(Inadmissible::TooFewBlocks { prompt, new, need: need_blocks, num_blocks });
     }
     Ok(())
+}
+
+/// Prompt tokens a chunk's rows predict, for a scoring request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Score {
+    /// Alternatives listed per token.
+    pub k: usize,
+    /// The prompt tokens after rows `0..targets.len()` of the chunk, in order.
+    pub targets: Vec<u32>,
 }
 
 /// A sequence's sampler, to create before its first sampled step here.
@@ -280,6 +292,11 @@ impl Batcher {
 
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// The request actor of a sequence here.
+    pub fn requester(&self, request_id: u64) -> Option<Addr> {
+        self.running.iter().chain(&self.waiting).find(|s| s.request_id == request_id).map(|s| s.req)
     }
 
     pub fn contains(&self, request_id: u64) -> bool {
@@ -590,6 +607,9 @@ fn release_blocks(seq: &mut Seq, pool: &mut KvPool) {
 /// Takes the leading full blocks of `seq`'s prompt that `pool` holds (never the block
 /// of the last position it must compute), and marks their positions cached.
 fn reuse_prefix(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
+    if seq.sampling.prompt_logprobs.is_some() {
+        return; // a scoring request needs every prompt position's logits
+    }
     let compute_to = match seq.mode {
         Mode::Local => seq.tokens.len(),
         Mode::PrefillFor { kv_tokens } => kv_tokens,
@@ -632,6 +652,13 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         };
         NewSampler { spec: seq.sampling.clone(), skip: generated as u64, prompt, output }
     });
+    // Rows start..end predict tokens start+1..=end; those that are prompt tokens (of the
+    // prompt as the client sent it, replayed output aside) are scored.
+    let prompt_len = seq.tokens.len().saturating_sub(seq.generated_before + seq.new_tokens);
+    let score = seq.sampling.prompt_logprobs.and_then(|k| {
+        let last = end.min(prompt_len.saturating_sub(1));
+        (start < last).then(|| Score { k, targets: seq.tokens[start + 1..=last].to_vec() })
+    });
     seq.sampler_live |= !stage;
     PlannedSeq {
         request_id: seq.request_id,
@@ -641,6 +668,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         slots,
         sample: end == seq.tokens.len(),
         new_sampler,
+        score,
         stage,
         stage_from: if start == seq.reused { 0 } else { start },
     }

@@ -70,6 +70,10 @@ pub struct Request {
     generated: Vec<u32>,
     /// Their log-probabilities, when asked for (one per generated token).
     logprobs: Vec<TokenLogprob>,
+    /// Prompt positions whose log-probabilities went to the client (a scoring request).
+    scored: usize,
+    /// The client's `Finished`, held until the prompt is scored, and since when.
+    finished: Option<(ClientEvent, Moment)>,
     /// The chip that samples this request's tokens.
     chip: Option<Addr>,
     /// The chip prefilling it for `chip`, until `chip` sends the first token.
@@ -98,6 +102,8 @@ impl Request {
             policy,
             generated: Vec::new(),
             logprobs: Vec::new(),
+            scored: 0,
+            finished: None,
             prefilled: false,
             chip: None,
             prefill: None,
@@ -290,8 +296,51 @@ impl Request {
                 prompt_tokens: self.spec.prompt.len(),
                 completion_tokens: self.generated.len(),
             };
-            let _ = fx.send(self.client, Msg::Client { event });
             self.release(fx);
+            // A scoring request ends once its prompt's log-probabilities are all out
+            // (the chip that prefilled them may report after the one that decoded).
+            self.finished = Some((event, fx.now()));
+            self.end_when_scored(fx);
+        }
+    }
+
+    /// Prompt positions a scoring request reports (1..prompt length); 0 otherwise.
+    fn prompt_to_score(&self) -> usize {
+        match self.spec.sampling.prompt_logprobs {
+            Some(_) => self.spec.prompt.len().saturating_sub(1),
+            None => 0,
+        }
+    }
+
+    /// Passes on the part of `logprobs` (of prompt positions `start..`) not sent yet.
+    fn prompt_logprobs(&mut self, start: usize, logprobs: Vec<TokenLogprob>, fx: &mut dyn Effects<Msg>) {
+        let next = self.scored + 1;
+        if start > next || self.prompt_to_score() == 0 {
+            return; // a gap (never, in order) or not asked for
+        }
+        let new: Vec<TokenLogprob> = logprobs.into_iter().skip(next - start).collect();
+        if new.is_empty() {
+            return; // a replay's repeat
+        }
+        self.scored += new.len();
+        let event = ClientEvent::PromptLogprobs { start: next, logprobs: new };
+        if fx.send(self.client, Msg::Client { event }).is_err() {
+            self.cancel(fx);
+            return;
+        }
+        self.end_when_scored(fx);
+    }
+
+    /// Sends the held `Finished` and ends, once every prompt log-probability is out
+    /// (or after a stall timeout without them, rather than never).
+    fn end_when_scored(&mut self, fx: &mut dyn Effects<Msg>) {
+        let Some((_, since)) = &self.finished else { return };
+        let waited_out = fx.now().since(*since) >= self.policy.stall_timeout;
+        if self.scored < self.prompt_to_score() && !waited_out {
+            return;
+        }
+        if let Some((event, _)) = self.finished.take() {
+            let _ = fx.send(self.client, Msg::Client { event });
             self.finish(fx);
         }
     }
@@ -358,6 +407,7 @@ impl Behavior<Msg> for Request {
             Msg::Generated { chip, tokens, finish, logprobs, .. } if self.chip == Some(chip) => {
                 self.generated(tokens, logprobs, finish, fx)
             }
+            Msg::PromptLogprobs { start, logprobs, .. } => self.prompt_logprobs(start, logprobs, fx),
             Msg::Refused { chip, error, retry, .. } if self.holds(chip) => match retry {
                 Retry::No => self.fail(error, fx),
                 Retry::Elsewhere => self.chip_failed(chip, fx),
@@ -366,6 +416,10 @@ impl Behavior<Msg> for Request {
             Msg::ChipLost { chip } => self.chip_failed(chip, fx),
             Msg::Cancel => self.cancel(fx),
             Msg::Tick => {
+                self.end_when_scored(fx);
+                if self.done {
+                    return;
+                }
                 if let Some(chip) = self.chip
                     && fx.now().since(self.last_progress) >= self.policy.stall_timeout
                 {

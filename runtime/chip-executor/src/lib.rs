@@ -419,10 +419,21 @@ impl StepExecutor for ModelExecutor {
                 start_pos: s.start_pos,
                 block_table: &s.block_table,
                 slots: &s.slots,
-                logits: if s.sample { LogitsWanted::Last } else { LogitsWanted::None },
+                logits: match (&s.score, s.sample) {
+                    (Some(_), _) => LogitsWanted::All,
+                    (None, true) => LogitsWanted::Last,
+                    (None, false) => LogitsWanted::None,
+                },
             })
             .collect();
-        let mut outcome = StepOutcome { step, sampled: Vec::new(), logprobs: Vec::new(), error: None, elapsed_s: 0.0 };
+        let mut outcome = StepOutcome {
+            step,
+            sampled: Vec::new(),
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            error: None,
+            elapsed_s: 0.0,
+        };
         let layers = self.model.config().num_layers;
         let stage = plan.seqs.iter().any(|s| s.stage);
         let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
@@ -452,7 +463,28 @@ impl StepExecutor for ModelExecutor {
             Ok(logits) => {
                 let vocab = self.model.config().vocab_size;
                 let mut any_logprobs = false;
-                for (s, row) in plan.seqs.iter().filter(|s| s.sample).zip(logits.chunks_exact(vocab)) {
+                let mut rows = logits.chunks_exact(vocab);
+                for s in &plan.seqs {
+                    // A scored chunk has a row per token: its prompt targets' first, the
+                    // sampling row last.
+                    if let Some(score) = &s.score {
+                        let scored = rows.by_ref().take(score.targets.len());
+                        let logprobs = scored
+                            .zip(&score.targets)
+                            .map(|(row, &token)| {
+                                let (logprob, top) = tessera_backends::sampling::logprobs(row, token, score.k);
+                                TokenLogprob { token, logprob, top }
+                            })
+                            .collect();
+                        outcome.prompt_logprobs.push((s.request_id, s.start_pos + 1, logprobs));
+                        let rest = s.tokens.len() - score.targets.len();
+                        let skip = rest.saturating_sub(usize::from(s.sample));
+                        rows.by_ref().take(skip).for_each(drop);
+                    }
+                    if !s.sample {
+                        continue;
+                    }
+                    let Some(row) = rows.next() else { break };
                     let (token, k) = match self.samplers.get_mut(&s.request_id) {
                         Some((sampler, k)) => (sampler.sample(row), *k),
                         None => (tessera_backends::sampling::argmax(row), None),

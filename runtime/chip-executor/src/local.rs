@@ -170,6 +170,7 @@ impl LocalEngine {
             repetition_penalty: penalties.repetition,
             logit_bias: penalties.logit_bias,
             min_tokens: penalties.min_tokens,
+            prompt_logprobs: None,
         };
         let seq = SeqRequest {
             request_id: id,

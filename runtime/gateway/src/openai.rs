@@ -13,7 +13,7 @@ mod stop;
 mod template;
 
 pub use error::ApiError;
-pub use logprobs::{TokenEntry, chat_logprobs, completion_logprobs, with_logprobs};
+pub use logprobs::{TokenEntry, chat_logprobs, completion_logprobs, echo_completion_logprobs, with_logprobs};
 pub use request::{ChatMessage, GenerationRequest, Prompt, parse_chat, parse_completion};
 pub use response::{
     FinishReason, Usage, chat_chunk, chat_response, completion_chunk, completion_response, models_response, usage_chunk,

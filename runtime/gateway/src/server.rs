@@ -330,9 +330,11 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         stop_token_ids.extend(st.tokenizer.eos_ids());
     }
     let stop_ids = stop_token_ids.clone();
+    // A scoring request (`echo` and `max_tokens: 0`) still decodes one token, which no
+    // one sees: the chips' requests always produce one.
     let ask = AdmitAsk {
         prompt: prompt.clone(),
-        max_tokens,
+        max_tokens: max_tokens.max(1),
         sampling: SamplingSpec {
             temperature: req.temperature,
             top_k: req.top_k.unwrap_or(0),
@@ -346,6 +348,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             repetition_penalty: req.repetition_penalty,
             logit_bias: req.logit_bias.clone(),
             min_tokens: req.min_tokens,
+            prompt_logprobs: req.logprobs.filter(|_| req.echo),
         },
         // A response read whole needs its tokens only at the end, unless stop strings
         // must be matched as the text grows (to stop the generation early).
@@ -391,6 +394,14 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         stop_ids,
         started,
         logprobs: req.logprobs.is_some(),
+        echo: req.echo.then(|| {
+            let text = match &req.prompt {
+                openai::Prompt::Text(text) => text.clone(),
+                _ => st.tokenizer.decode(&prompt).unwrap_or_default(),
+            };
+            Echo { text, ids: prompt.clone() }
+        }),
+        output: max_tokens > 0,
     };
     if req.stream {
         stream_response(st, ctx, mailbox, guard, first, req.include_usage)
@@ -411,6 +422,16 @@ struct Completion {
     started: Instant,
     /// The client asked for log-probabilities.
     logprobs: bool,
+    /// The prompt to return before the completion (`echo`).
+    echo: Option<Echo>,
+    /// Whether the generated tokens are shown (not with `max_tokens: 0`).
+    output: bool,
+}
+
+/// A prompt echoed back: its text as the client sent it, and its tokens.
+struct Echo {
+    text: String,
+    ids: Vec<u32>,
 }
 
 impl Completion {
@@ -455,15 +476,7 @@ impl<'a> TextAssembler<'a> {
         let before = self.completion_tokens;
         let text = self.push(tokens)?;
         let taken = self.completion_tokens - before;
-        let entry = |lp: &TokenLogprob| {
-            let text = |id: u32| tok.decode(&[id]).unwrap_or_default();
-            openai::TokenEntry {
-                text: text(lp.token),
-                logprob: lp.logprob,
-                top: lp.top.iter().map(|&(id, l)| (text(id), l)).collect(),
-            }
-        };
-        Ok((text, logprobs.iter().take(taken).map(entry).collect()))
+        Ok((text, logprobs.iter().take(taken).map(|lp| token_entry(tok, lp)).collect()))
     }
 
     /// Text that is final after these tokens.
@@ -505,6 +518,16 @@ impl<'a> TextAssembler<'a> {
     }
 }
 
+/// A token's log-probabilities with the texts of it and its alternatives.
+fn token_entry(tok: &TextTokenizer, lp: &TokenLogprob) -> openai::TokenEntry {
+    let text = |id: u32| tok.decode(&[id]).unwrap_or_default();
+    openai::TokenEntry {
+        text: text(lp.token),
+        logprob: lp.logprob,
+        top: lp.top.iter().map(|&(id, l)| (text(id), l)).collect(),
+    }
+}
+
 fn detokenize_error(e: impl std::fmt::Display) -> ApiError {
     tracing::error!(error = %e, "detokenizing generated tokens failed");
     ApiError::internal("The server could not complete the request.")
@@ -528,6 +551,7 @@ async fn whole_response(
     let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone(), ctx.stop_ids.clone());
     let mut out = String::new();
     let mut entries = Vec::new();
+    let mut prompt_entries = Vec::new();
     let mut event = Some(first);
     let finish = loop {
         let ev = match event.take() {
@@ -545,6 +569,9 @@ async fn whole_response(
                 }
                 Err(e) => return error_response(e),
             },
+            ClientEvent::PromptLogprobs { logprobs, .. } => {
+                prompt_entries.extend(logprobs.iter().map(|lp| token_entry(&tokenizer, lp)));
+            }
             ClientEvent::Finished { finish, .. } => {
                 guard.done = true;
                 break finish_reason(finish);
@@ -563,14 +590,31 @@ async fn whole_response(
         Ok(s) => out.push_str(&s),
         Err(e) => return error_response(e),
     }
-    let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens: text.completion_tokens };
+    let mut completion_tokens = text.completion_tokens;
+    if !ctx.output {
+        // max_tokens 0: the one token decoded is not part of the answer.
+        (out, completion_tokens) = (String::new(), 0);
+        entries.clear();
+    }
+    let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens };
     metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
+    let shown = match &ctx.echo {
+        Some(echo) => format!("{}{out}", echo.text),
+        None => out,
+    };
     let mut body = match ctx.endpoint {
-        Endpoint::Completions => openai::completion_response(&ctx.id, ctx.created, &ctx.model, &out, finish, usage),
-        Endpoint::Chat => openai::chat_response(&ctx.id, ctx.created, &ctx.model, &out, finish, usage),
+        Endpoint::Completions => openai::completion_response(&ctx.id, ctx.created, &ctx.model, &shown, finish, usage),
+        Endpoint::Chat => openai::chat_response(&ctx.id, ctx.created, &ctx.model, &shown, finish, usage),
     };
     if ctx.logprobs {
-        body = openai::with_logprobs(body, ctx.logprobs(&entries, 0));
+        let logprobs = match &ctx.echo {
+            Some(echo) => {
+                let first = echo.ids.first().map(|&id| tokenizer.decode(&[id]).unwrap_or_default()).unwrap_or_default();
+                openai::echo_completion_logprobs(&first, &prompt_entries, &entries)
+            }
+            None => ctx.logprobs(&entries, 0),
+        };
+        body = openai::with_logprobs(body, logprobs);
     }
     (StatusCode::OK, axum::Json(body)).into_response()
 }
@@ -636,6 +680,8 @@ fn stream_response(
                         break None;
                     }
                 },
+                // Echo (the only way to ask for these) is refused on streams.
+                ClientEvent::PromptLogprobs { .. } => {}
                 ClientEvent::Finished { finish, .. } => {
                     guard.done = true;
                     break Some(finish_reason(finish));

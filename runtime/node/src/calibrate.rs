@@ -236,6 +236,7 @@ fn plan(seqs: &[(usize, usize)], block_size: usize) -> StepPlan {
                 slots,
                 sample: true,
                 new_sampler: None,
+                score: None,
                 stage: false,
                 stage_from: 0,
             }

@@ -207,7 +207,14 @@ impl StepExecutor for ModelledChip {
             })
             .collect();
         ctx.elapse(time);
-        StepOutcome { step, sampled, logprobs: vec![], error: None, elapsed_s: time.as_secs_f64() }
+        StepOutcome {
+            step,
+            sampled,
+            logprobs: vec![],
+            prompt_logprobs: vec![],
+            error: None,
+            elapsed_s: time.as_secs_f64(),
+        }
     }
 
     fn install(&mut self, job: &KvInstall, ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
@@ -233,6 +240,7 @@ mod tests {
             slots: Vec::new(),
             sample: true,
             new_sampler: None,
+            score: None,
             stage: false,
             stage_from: 0,
         }

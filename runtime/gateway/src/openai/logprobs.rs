@@ -51,6 +51,19 @@ pub fn completion_logprobs(entries: &[TokenEntry], offset: usize) -> Value {
     })
 }
 
+/// The completions `logprobs` object of an echoed prompt and what followed it: the
+/// prompt's first token has no log-probability (`null`, as OpenAI shows it), every other
+/// token its own.
+pub fn echo_completion_logprobs(first: &str, prompt: &[TokenEntry], generated: &[TokenEntry]) -> Value {
+    let head = TokenEntry { text: first.to_owned(), logprob: 0.0, top: Vec::new() };
+    let all: Vec<TokenEntry> =
+        std::iter::once(head).chain(prompt.iter().cloned()).chain(generated.iter().cloned()).collect();
+    let mut v = completion_logprobs(&all, 0);
+    v["token_logprobs"][0] = Value::Null;
+    v["top_logprobs"][0] = Value::Null;
+    v
+}
+
 /// The chat `logprobs` object of `entries`.
 pub fn chat_logprobs(entries: &[TokenEntry]) -> Value {
     let entry = |text: &str, logprob: f32| json!({"token": text, "logprob": number(logprob), "bytes": text.as_bytes()});
@@ -92,6 +105,16 @@ mod tests {
         assert_eq!(v["text_offset"], json!([3, 5]), "offsets in characters");
         assert_eq!(v["top_logprobs"][0], json!({"Hé": -0.5, "Yo": -1.5}));
         assert_eq!(v["top_logprobs"][1], json!({" you": -0.1f32 as f64, " there": -9999.0}));
+    }
+
+    #[test]
+    fn an_echoed_prompt_leads_with_a_null_then_every_token() {
+        let v = echo_completion_logprobs("<s>", &entries()[..1], &entries()[1..]);
+        assert_eq!(v["tokens"], json!(["<s>", "Hé", " there"]));
+        assert_eq!(v["token_logprobs"], json!([null, -0.5, -9999.0]));
+        assert_eq!(v["top_logprobs"][0], Value::Null);
+        assert_eq!(v["top_logprobs"][1], json!({"Hé": -0.5, "Yo": -1.5}));
+        assert_eq!(v["text_offset"], json!([0, 3, 5]));
     }
 
     #[test]

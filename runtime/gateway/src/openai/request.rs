@@ -74,6 +74,10 @@ pub struct GenerationRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// vLLM extension: generate at least this many tokens before a stop token may end.
     pub min_tokens: usize,
+    /// Completions: the prompt comes back before the completion, and with `logprobs`
+    /// so do its tokens' log-probabilities (the first has none). With `max_tokens: 0`
+    /// nothing is generated: a scoring request.
+    pub echo: bool,
 }
 
 /// OpenAI's limit on the alternatives listed per token.
@@ -88,12 +92,20 @@ pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     let prompt = parse_prompt(body.get("prompt"))?;
     body.refuse_unsupported(COMMON_UNSUPPORTED)?;
     body.refuse_unsupported(COMPLETION_UNSUPPORTED)?;
-    let max_tokens = body.max_tokens("max_tokens")?.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS);
+    let echo = body.bool("echo")?.unwrap_or(false);
+    if echo && body.bool("stream")?.unwrap_or(false) {
+        return Err(ApiError::bad_request("`echo` is supported on non-streamed completions only", Some("echo")));
+    }
+    // Echoing the prompt alone (a scoring request) is asked for with max_tokens 0.
+    let max_tokens = match body.integer("max_tokens")? {
+        Some(0) if echo => 0,
+        _ => body.max_tokens("max_tokens")?.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS),
+    };
     let logprobs = match body.get("logprobs") {
         None | Some(Value::Null) => None,
         Some(_) => Some(body.top_logprobs("logprobs")?),
     };
-    Ok(GenerationRequest { logprobs, ..parse_sampling(&body, model, prompt, Some(max_tokens))? })
+    Ok(GenerationRequest { logprobs, echo, ..parse_sampling(&body, model, prompt, Some(max_tokens))? })
 }
 
 /// Parses `POST /v1/chat/completions`.
@@ -242,6 +254,7 @@ fn parse_sampling(
         repetition_penalty,
         logit_bias,
         min_tokens,
+        echo: false,
     })
 }
 
@@ -462,9 +475,6 @@ fn is_one(v: &Value) -> bool {
 fn is_zero(v: &Value) -> bool {
     v.as_f64() == Some(0.0)
 }
-fn is_false(v: &Value) -> bool {
-    v == &Value::Bool(false)
-}
 fn is_empty_array(v: &Value) -> bool {
     v.as_array().is_some_and(Vec::is_empty)
 }
@@ -476,7 +486,6 @@ fn is_none_choice(v: &Value) -> bool {
 const COMMON_UNSUPPORTED: &[Unsupported] = &[
     Unsupported { key: "n", neutral: is_one, message: "must be 1: one choice per request is supported" },
     Unsupported { key: "best_of", neutral: is_one, message: "is not supported" },
-    Unsupported { key: "echo", neutral: is_false, message: "is not supported: the prompt is not echoed" },
     Unsupported { key: "min_p", neutral: is_zero, message: "is not supported: it must be 0" },
 ];
 

@@ -153,7 +153,8 @@ fn every_validation_error_names_its_param() {
         (Completion, json!({"n": 2}), Some("n"), "must be 1"),
         (Chat, json!({"n": 3}), Some("n"), "must be 1"),
         (Completion, json!({"best_of": 2}), Some("best_of"), "not supported"),
-        (Completion, json!({"echo": true}), Some("echo"), "not supported"),
+        (Completion, json!({"echo": true, "stream": true}), Some("echo"), "non-streamed completions only"),
+        (Completion, json!({"max_tokens": 0}), Some("max_tokens"), "at least 1"),
         (Completion, json!({"logprobs": 21}), Some("logprobs"), "between 0 and 20, got 21"),
         (Completion, json!({"logprobs": -1}), Some("logprobs"), "between 0 and 20"),
         (Completion, json!({"logprobs": true}), Some("logprobs"), "an integer"),
@@ -231,8 +232,12 @@ fn completion_defaults_follow_openai() {
             repetition_penalty: 1.0,
             logit_bias: vec![],
             min_tokens: 0,
+            echo: false,
         }
     );
+    // echo, and max_tokens 0 with it alone (a scoring request).
+    let e = parse_ok(Completion, json!({"echo": true, "max_tokens": 0, "logprobs": 1}));
+    assert_eq!((e.echo, e.max_tokens, e.logprobs), (true, Some(0), Some(1)));
     // Penalties, biases and min_tokens, as given.
     let p = parse_ok(
         Chat,
