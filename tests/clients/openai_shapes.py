@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""The official `openai` Python client against a running Tessera gateway: every
+response shape the gateway sends for log-probabilities, echo, penalties and their
+errors is parsed by the client's own models, and checked field by field.
+
+    python3 -m venv .venv && .venv/bin/pip install openai
+    cargo run --release -- up &          # the default cluster, gateway on :8000
+    .venv/bin/python tests/clients/openai_shapes.py [http://127.0.0.1:8000/v1]
+
+Exits non-zero, naming the check, on the first shape the client cannot read or that
+does not say what it should.
+"""
+import math
+import sys
+
+import openai
+
+BASE = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000/v1"
+client = openai.OpenAI(base_url=BASE, api_key="unused")
+MODEL = client.models.list().data[0].id
+PROMPT = "The capital of France is"
+
+
+def check(what, ok):
+    if not ok:
+        sys.exit(f"FAILED: {what}")
+    print(f"ok  {what}")
+
+
+def number(x):
+    return isinstance(x, float) and math.isfinite(x)
+
+
+# Completions with logprobs: parallel arrays, alternatives as a map.
+r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                              extra_body={"ignore_eos": True})
+lp = r.choices[0].logprobs
+check("completions logprobs parse", lp is not None and len(lp.tokens) == 6)
+check("completions token_logprobs are numbers <= 0", all(number(x) and x <= 0 for x in lp.token_logprobs))
+check("completions top_logprobs are maps with the sampled token",
+      all(isinstance(t, dict) and tok in t for t, tok in zip(lp.top_logprobs, lp.tokens)))
+check("completions text_offset ascends", lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0)
+check("completions tokens spell the text", "".join(lp.tokens) == r.choices[0].text)
+
+# A scoring request: echo, logprobs, max_tokens 0.
+r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+lp = r.choices[0].logprobs
+check("echo returns the prompt", r.choices[0].text == PROMPT)
+check("echo's first prompt token has no logprob", lp.token_logprobs[0] is None and lp.top_logprobs[0] is None)
+check("echo scores every later prompt token", all(number(x) for x in lp.token_logprobs[1:]) and len(lp.tokens) > 1)
+check("a scoring request generates nothing", r.usage.completion_tokens == 0)
+
+# Chat with logprobs and top_logprobs.
+messages = [{"role": "user", "content": "Say hello"}]
+r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                   logprobs=True, top_logprobs=2)
+content = r.choices[0].logprobs.content
+check("chat logprobs parse", content is not None and len(content) == r.usage.completion_tokens)
+check("chat entries have token, logprob and bytes",
+      all(isinstance(e.token, str) and number(e.logprob) and e.bytes == list(e.token.encode()) for e in content))
+check("chat entries list top_logprobs", all(len(e.top_logprobs) == 2 and number(e.top_logprobs[0].logprob)
+                                             for e in content))
+check("chat text is the tokens", "".join(e.token for e in content) == r.choices[0].message.content)
+
+# Streamed: chunks carry their tokens' logprobs; together they equal the whole answer's.
+stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                        logprobs=True, top_logprobs=2, stream=True)
+streamed = [e.logprob for c in stream if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
+            for e in c.choices[0].logprobs.content]
+# (to 1e-4: the second run reads the prompt's KV from the prefix cache, a different sum)
+check("streamed chat logprobs equal whole",
+      len(streamed) == len(content) and all(abs(a - e.logprob) < 1e-4 for a, e in zip(streamed, content)))
+stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                   stream=True, extra_body={"ignore_eos": True})
+streamed = [x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+check("streamed completions carry logprobs", len(streamed) == 6 and all(number(x) for x in streamed))
+
+# Penalties, logit_bias and vLLM's extensions are accepted.
+r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, presence_penalty=1.0,
+                              frequency_penalty=0.5, logit_bias={"13": 5},
+                              extra_body={"repetition_penalty": 1.2, "min_tokens": 2})
+check("penalties accepted", r.usage.completion_tokens >= 2)
+
+# What is refused is refused in OpenAI's error shape, naming the field.
+for what, call in [
+    ("n > 1", lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, n=2)),
+    ("top_logprobs out of range", lambda: client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, logprobs=True, top_logprobs=21)),
+    ("a bias on no token", lambda: client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, logit_bias={"99999999": 1})),
+]:
+    try:
+        call()
+        check(f"{what} refused", False)
+    except openai.BadRequestError as e:
+        check(f"{what} refused with a 400 naming its field", e.status_code == 400 and e.body.get("param"))
+print("all shapes parsed")
