@@ -496,17 +496,36 @@ pub(crate) fn greedy_logprobs(prompt: &str, n: usize) -> (Generated, Vec<f64>) {
     let npy = dir.path().join("logits.npy");
     let reference = generate_with(prompt, n, true, &["--dump-logits", npy.to_str().expect("utf-8 path")]);
     let (shape, logits) = crate::cli::read_npy(&npy);
-    let log_softmax = |row: &[f32], i: usize| {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
-        row[i] as f64 - max - sum.ln()
-    };
-    let want: Vec<f64> = logits
-        .chunks(shape[1])
-        .map(|row| log_softmax(row, (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })))
-        .collect();
+    let want: Vec<f64> = logits.chunks(shape[1]).map(|row| log_softmax(row, argmax(row))).collect();
     assert_eq!(want.len(), n);
     (reference, want)
+}
+
+/// `row`'s log-softmax at `i`, in f64.
+fn log_softmax(row: &[f32], i: usize) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    row[i] as f64 - max - row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln()
+}
+
+/// The first index of `row`'s largest value (the greedy token).
+fn argmax(row: &[f32]) -> usize {
+    (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })
+}
+
+/// The logits rows `tessera generate --dump-logits` writes for `n` greedy tokens after
+/// the token ids `prompt`.
+fn dumped_rows(prompt: &[u32], n: usize) -> Vec<Vec<f32>> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let npy = dir.path().join("logits.npy");
+    let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let out = tessera()
+        .args(["generate", "--model", MODEL, "--prompt-ids", &ids, "--max-tokens", &n.to_string(), "--ignore-eos"])
+        .args(["--dump-logits", npy.to_str().expect("utf-8 path")])
+        .output()
+        .expect("run generate");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (shape, logits) = crate::cli::read_npy(&npy);
+    logits.chunks(shape[1]).map(<[f32]>::to_vec).collect()
 }
 
 /// A completions `logprobs` object's token log-probabilities, each within 1e-4 of `want`.
@@ -604,22 +623,7 @@ fn logprobs_are_the_dumped_logits_log_softmax_streamed_and_whole() {
 #[test]
 fn penalties_and_logit_bias_pick_what_the_dumped_logits_say() {
     let prompt: Vec<u32> = vec![5, 17, 42, 42, 9, 300, 17];
-    let dir = tempfile::tempdir().expect("temp dir");
-    let npy = dir.path().join("logits.npy");
-    let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-    let out = tessera()
-        .args(["generate", "--model", MODEL, "--prompt-ids", &ids, "--max-tokens", "2", "--ignore-eos"])
-        .args(["--dump-logits", npy.to_str().expect("utf-8 path")])
-        .output()
-        .expect("run generate");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let (shape, logits) = crate::cli::read_npy(&npy);
-    let rows: Vec<Vec<f32>> = logits.chunks(shape[1]).map(<[f32]>::to_vec).collect();
-    let argmax = |row: &[f32]| (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });
-    let log_softmax = |row: &[f32], i: usize| {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        row[i] as f64 - max - row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln()
-    };
+    let rows = dumped_rows(&prompt, 2);
     let t0 = argmax(&rows[0]);
 
     let topo = topology(&["h0"], "", "", HEARTBEAT_TIMEOUT_MS);
@@ -692,18 +696,7 @@ fn penalties_and_logit_bias_pick_what_the_dumped_logits_say() {
 /// The log-probability of `prompt[i]` after `prompt[..i]`, from the logits `tessera
 /// generate --dump-logits` writes for that prefix.
 pub(crate) fn prefix_logprob(prompt: &[u32], i: usize) -> f64 {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let npy = dir.path().join("logits.npy");
-    let ids = prompt[..i].iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-    let out = tessera()
-        .args(["generate", "--model", MODEL, "--prompt-ids", &ids, "--max-tokens", "1", "--ignore-eos"])
-        .args(["--dump-logits", npy.to_str().expect("utf-8 path")])
-        .output()
-        .expect("run generate");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let (_, row) = crate::cli::read_npy(&npy);
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    row[prompt[i] as usize] as f64 - max - row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln()
+    log_softmax(&dumped_rows(&prompt[..i], 1)[0], prompt[i] as usize)
 }
 
 /// A scoring request (`echo`, `logprobs: 1`, `max_tokens: 0`) returns the prompt and,

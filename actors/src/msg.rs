@@ -414,6 +414,14 @@ pub struct StepOutcome {
     pub elapsed_s: f64,
 }
 
+impl StepOutcome {
+    /// A step that sampled `sampled` in `elapsed_s` of model time, with no error and no
+    /// log-probabilities (a modelled chip's step).
+    pub fn sampled(step: u64, sampled: Vec<(u64, u32)>, elapsed_s: f64) -> StepOutcome {
+        StepOutcome { step, sampled, logprobs: Vec::new(), prompt_logprobs: Vec::new(), error: None, elapsed_s }
+    }
+}
+
 /// How a chip stores its KV cache, as its peers need to know it to read its blocks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvFormatDesc {

@@ -39,14 +39,7 @@ impl StepExecutor for ModelledExecutor {
             .collect();
         let model = Duration::from_micros(2_000 + 20 * plan.tokens() as u64);
         ctx.elapse(model);
-        StepOutcome {
-            step,
-            sampled,
-            logprobs: vec![],
-            prompt_logprobs: vec![],
-            error: None,
-            elapsed_s: model.as_secs_f64(),
-        }
+        StepOutcome::sampled(step, sampled, model.as_secs_f64())
     }
 
     fn install(&mut self, _job: &KvInstall, _ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {

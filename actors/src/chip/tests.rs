@@ -38,7 +38,7 @@ impl StepExecutor for Recorder {
         }
         ctx.elapse(Duration::from_millis(LAYERS as u64));
         let sampled = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
-        StepOutcome { step, sampled, logprobs: vec![], prompt_logprobs: vec![], error: None, elapsed_s: 0.0 }
+        StepOutcome::sampled(step, sampled, 0.0)
     }
 
     fn install(&mut self, job: &KvInstall, _ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {

@@ -207,14 +207,7 @@ impl StepExecutor for ModelledChip {
             })
             .collect();
         ctx.elapse(time);
-        StepOutcome {
-            step,
-            sampled,
-            logprobs: vec![],
-            prompt_logprobs: vec![],
-            error: None,
-            elapsed_s: time.as_secs_f64(),
-        }
+        StepOutcome::sampled(step, sampled, time.as_secs_f64())
     }
 
     fn install(&mut self, job: &KvInstall, ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
