@@ -360,6 +360,10 @@ struct BenchEngineArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also show where each phase's step time goes: every kernel op's calls and
+    /// milliseconds per step, and the host's time around them.
+    #[arg(long)]
+    profile: bool,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -914,6 +918,7 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
         context: args.context,
         steps: args.steps,
         kv_dtype: args.kv_dtype,
+        profile: args.profile,
     };
     let report = tessera_backends::bench::run_engine_bench(model, &opts)?;
     if args.json {

@@ -322,6 +322,28 @@ fn bench_engine_json() {
         assert!(util > 0.0 && util.is_finite(), "{d}");
         assert!(d["bytes_per_step"].as_f64().unwrap() > 0.0);
     }
+    assert!(report.get("profile").is_none(), "no profile unless asked");
+
+    // --profile: per phase, every kernel op's calls and time per step; they fit in the
+    // step, and the decode phases run paged decode attention, prefill its own.
+    let (stdout, _) = ok(run(&[&args[..], &["--profile"]].concat()));
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}:\n{stdout}"));
+    let phases = report["profile"].as_array().unwrap();
+    assert_eq!(phases.len(), 3, "prefill and two decode batches: {report}");
+    for (phase, attention) in
+        phases.iter().zip(["tk_prefill_attention", "tk_paged_decode_attention", "tk_paged_decode_attention"])
+    {
+        let ops = phase["ops"].as_array().unwrap();
+        let op = |name: &str| ops.iter().find(|o| o["op"] == name);
+        assert!(op(attention).is_some() && op("tk_linear").is_some(), "{phase}");
+        let in_ops: f64 = ops.iter().map(|o| o["ms_per_step"].as_f64().unwrap()).sum();
+        let step = phase["step_ms"].as_f64().unwrap();
+        assert!(in_ops > 0.0 && in_ops <= step * 1.001, "ops {in_ops} ms of a {step} ms step: {phase}");
+        let layers = op(attention).unwrap()["calls_per_step"].as_f64().unwrap();
+        assert!(layers >= 1.0 && layers.fract() == 0.0, "one call per layer: {phase}");
+    }
+    let (table, _) = ok(run(&[&args[..args.len() - 3], &["--threads", "1", "--profile"]].concat()));
+    assert!(table.contains("host (outside the ops)") && table.contains("tk_linear"), "{table}");
 }
 
 #[test]

@@ -20,6 +20,64 @@ pub struct EngineBenchOptions {
     pub context: usize,
     pub steps: usize,
     pub kv_dtype: DType,
+    /// Time every kernel op of the measured steps (see [`crate::profile`]).
+    pub profile: bool,
+}
+
+/// Where one step's time went: per kernel op, its calls and milliseconds per step; the
+/// rest of the step is the host's (batch metadata, the framework around the ops).
+#[derive(Debug, Clone, Serialize)]
+pub struct StepProfile {
+    /// `prefill` or `decode batch N`.
+    pub phase: String,
+    pub step_ms: f64,
+    pub ops: Vec<OpShare>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct OpShare {
+    pub op: String,
+    pub calls_per_step: f64,
+    pub ms_per_step: f64,
+}
+
+impl StepProfile {
+    /// The op times summed over `steps` steps of `step_s` each (their mean).
+    fn of(phase: String, ops: Vec<crate::profile::OpTime>, steps: usize, step_s: f64) -> StepProfile {
+        let n = steps.max(1) as f64;
+        let ops = ops
+            .into_iter()
+            .map(|o| OpShare { op: o.op, calls_per_step: o.calls as f64 / n, ms_per_step: o.seconds * 1e3 / n })
+            .collect();
+        StepProfile { phase, step_ms: step_s * 1e3, ops }
+    }
+
+    fn table(&self) -> String {
+        let mut s = format!(
+            "{}: {:.2} ms per step\n  {:<26} {:>6} {:>10} {:>7}\n",
+            self.phase, self.step_ms, "op", "calls", "ms/step", "share"
+        );
+        let mut in_ops = 0.0;
+        for o in &self.ops {
+            in_ops += o.ms_per_step;
+            s += &format!(
+                "  {:<26} {:>6.1} {:>10.3} {:>6.1}%\n",
+                o.op,
+                o.calls_per_step,
+                o.ms_per_step,
+                100.0 * o.ms_per_step / self.step_ms
+            );
+        }
+        let host = (self.step_ms - in_ops).max(0.0);
+        s += &format!(
+            "  {:<26} {:>6} {:>10.3} {:>6.1}%\n",
+            "host (outside the ops)",
+            "",
+            host,
+            100.0 * host / self.step_ms
+        );
+        s
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -62,6 +120,9 @@ pub struct EngineBenchReport {
     pub gemm_f32_gflop_s: f64,
     pub prefill: PrefillFigures,
     pub decode: Vec<DecodeFigures>,
+    /// With `--profile`: where each phase's step time went.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<StepProfile>,
 }
 
 impl EngineBenchReport {
@@ -99,6 +160,10 @@ impl EngineBenchReport {
                 d.bandwidth_utilisation_vs_nt_copy,
                 d.compute_utilisation
             );
+        }
+        for p in &self.profile {
+            s += "\n";
+            s += &p.table();
         }
         s
     }
@@ -288,13 +353,22 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
 
     // Prefill: one prompt in one step, logits for its last token only.
     let mut prefill_times = Vec::new();
+    let mut profile = Vec::new();
     for i in 0..4 {
         let len = if i == 0 { opts.prompt_len.min(64) } else { opts.prompt_len };
         let mut seqs = vec![BenchSeq::nth(0, per_seq)];
+        crate::profile::enable(opts.profile && i > 0);
         let t = run_step(&mut model, &kv, &mut seqs, &[random_tokens(&mut rng, len, vocab)], LogitsWanted::Last)?;
         if i > 0 {
             prefill_times.push(t);
         }
+    }
+    crate::profile::enable(false);
+    if opts.profile {
+        // Against the mean step (the ops are summed over the same steps).
+        let mean = prefill_times.iter().sum::<f64>() / prefill_times.len() as f64;
+        let ops = crate::profile::take();
+        profile.push(StepProfile::of(format!("prefill {} tokens", opts.prompt_len), ops, prefill_times.len(), mean));
     }
     let p_s = median(prefill_times);
     let p_len = opts.prompt_len;
@@ -321,12 +395,20 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
             let next: Vec<Vec<u32>> = (0..batch).map(|_| random_tokens(&mut rng, 1, vocab)).collect();
             let ctx_total: usize = seqs.iter().map(|s| s.len + 1).sum();
             let attn: f64 = seqs.iter().map(|s| attention_flops(&model, 1, s.len + 1)).sum();
+            crate::profile::enable(opts.profile && i > 0);
             let t = run_step(&mut model, &kv, &mut seqs, &next, LogitsWanted::Last)?;
+            crate::profile::enable(false);
             if i > 0 {
                 times.push(t);
                 bytes.push((weight_read + ctx_total * kv_token_bytes) as f64);
                 flops.push(2.0 * (c.linear_params() * batch) as f64 + attn);
             }
+        }
+        if opts.profile {
+            let mean = times.iter().sum::<f64>() / times.len() as f64;
+            let ops = crate::profile::take();
+            let phase = format!("decode batch {batch} at {} of context", opts.context);
+            profile.push(StepProfile::of(phase, ops, times.len(), mean));
         }
         let step = median(times);
         let (b, f) = (median(bytes), median(flops));
@@ -354,5 +436,6 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
         gemm_f32_gflop_s: gemm,
         prefill,
         decode,
+        profile,
     })
 }

@@ -254,11 +254,13 @@ impl Device {
     }
 
     pub fn write<T: bytemuck::Pod>(&self, dst: View<'_>, data: &[T]) -> Result<()> {
+        let _timed = crate::profile::timed("tk_copy_h2d");
         let status = raw::copy_h2d(&self.raw.lib, self.raw.ptr, self.arg(dst)?, bytemuck::cast_slice(data));
         self.check("tk_copy_h2d", status)
     }
 
     pub fn read<T: bytemuck::Pod>(&self, src: View<'_>, out: &mut [T]) -> Result<()> {
+        let _timed = crate::profile::timed("tk_copy_d2h");
         let status = raw::copy_d2h(&self.raw.lib, self.raw.ptr, bytemuck::cast_slice_mut(out), self.arg(src)?);
         self.check("tk_copy_d2h", status)
     }
@@ -270,6 +272,7 @@ impl Device {
     }
 
     pub fn copy(&self, dst: View<'_>, src: View<'_>, bytes: usize) -> Result<()> {
+        let _timed = crate::profile::timed("tk_copy_d2d");
         let status = raw::copy_d2d(&self.raw.lib, self.raw.ptr, self.arg(dst)?, self.arg(src)?, bytes as u64);
         self.check("tk_copy_d2d", status)
     }
@@ -289,6 +292,7 @@ impl Device {
         hidden: u32,
         vocab: u32,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_embedding");
         let s = raw::embedding(
             &self.raw.lib,
             self.raw.ptr,
@@ -317,6 +321,7 @@ impl Device {
         n: u32,
         k: u32,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_linear");
         let s = raw::linear(
             &self.raw.lib,
             self.raw.ptr,
@@ -343,6 +348,7 @@ impl Device {
         hidden: u32,
         eps: f32,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_rms_norm");
         let s = raw::rms_norm(
             &self.raw.lib,
             self.raw.ptr,
@@ -370,6 +376,7 @@ impl Device {
         hidden: u32,
         eps: f32,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_add_rms_norm");
         let s = raw::add_rms_norm(
             &self.raw.lib,
             self.raw.ptr,
@@ -397,6 +404,7 @@ impl Device {
         head_dim: u32,
         rope: &abi::TkRope,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_apply_rotary_pos_emb");
         let s = raw::apply_rotary_pos_emb(
             &self.raw.lib,
             self.raw.ptr,
@@ -413,6 +421,7 @@ impl Device {
     }
 
     pub fn silu_and_mul(&self, out: View<'_>, gate: View<'_>, up: View<'_>, n: u32, inter: u32) -> Result<()> {
+        let _timed = crate::profile::timed("tk_silu_and_mul");
         let s =
             raw::silu_and_mul(&self.raw.lib, self.raw.ptr, self.arg(out)?, self.arg(gate)?, self.arg(up)?, n, inter);
         self.check("tk_silu_and_mul", s)
@@ -426,6 +435,7 @@ impl Device {
         slots: View<'_>,
         n: u32,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_fill_kv_cache");
         let s = raw::fill_kv_cache(
             &self.raw.lib,
             self.raw.ptr,
@@ -449,6 +459,7 @@ impl Device {
         num_heads: u32,
         scale: f32,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_prefill_attention");
         let b = abi::TkAttnBatch {
             num_seqs: batch.num_seqs,
             max_blocks_per_seq: batch.max_blocks_per_seq,
@@ -483,6 +494,7 @@ impl Device {
         num_heads: u32,
         scale: f32,
     ) -> Result<()> {
+        let _timed = crate::profile::timed("tk_paged_decode_attention");
         let s = raw::paged_decode_attention(
             &self.raw.lib,
             self.raw.ptr,
@@ -500,11 +512,13 @@ impl Device {
     }
 
     pub fn argmax(&self, out: View<'_>, logits: View<'_>, n: u32, vocab: u32) -> Result<()> {
+        let _timed = crate::profile::timed("tk_argmax");
         let s = raw::argmax(&self.raw.lib, self.raw.ptr, self.arg(out)?, self.arg(logits)?, n, vocab);
         self.check("tk_argmax", s)
     }
 
     pub fn log_softmax(&self, out: View<'_>, logits: View<'_>, n: u32, vocab: u32) -> Result<()> {
+        let _timed = crate::profile::timed("tk_log_softmax");
         let s = raw::log_softmax(&self.raw.lib, self.raw.ptr, self.arg(out)?, self.arg(logits)?, n, vocab);
         self.check("tk_log_softmax", s)
     }

@@ -19,6 +19,7 @@ pub mod loader;
 pub mod mmap;
 pub mod model;
 pub mod npy;
+pub mod profile;
 pub mod sampling;
 pub mod synth;
 pub mod tokenizer;
