@@ -1,5 +1,5 @@
 use super::*;
-use crate::msg::{Delivery, SamplingSpec};
+use crate::msg::{Delivery, SamplingSpec, TokenLogprob};
 use crate::test_fx::TestFx;
 use tessera_actor_core::HostId;
 
@@ -337,4 +337,49 @@ fn a_whole_response_reaches_the_client_as_its_first_token_then_the_rest() {
             ClientEvent::Finished { finish: Finish::Length, prompt_tokens: 3, completion_tokens: 6 },
         ]
     );
+}
+
+/// A scoring request passes each prompt log-probability on once (a replay's repeat is
+/// cut), and ends only when all are out, even if its chip finished first.
+#[test]
+fn a_scoring_request_passes_prompt_logprobs_once_and_ends_after_them() {
+    let chip = a(1, 16);
+    let mut fx = TestFx::new(ME);
+    let spec = RequestSpec {
+        request_id: 9,
+        prompt: vec![1, 2, 3],
+        max_tokens: 1,
+        sampling: SamplingSpec { prompt_logprobs: Some(0), ..SamplingSpec::greedy() },
+        delivery: Delivery::Whole,
+    };
+    let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
+    fx.take_sent();
+    let lp = |token| TokenLogprob { token, logprob: -1.0, top: vec![] };
+    let to_client = |fx: &mut TestFx| -> Vec<ClientEvent> {
+        fx.take_sent()
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Client { event } if to == CLIENT => Some(event),
+                _ => None,
+            })
+            .collect()
+    };
+    // The decoding chip finishes before the prompt's scores arrive: held.
+    r.handle(generated(chip, vec![7], Some(Finish::Length)), &mut fx);
+    assert_eq!(to_client(&mut fx), vec![ClientEvent::Tokens { tokens: vec![7], logprobs: vec![] }]);
+    assert!(!fx.stopped, "waits for the prompt's log-probabilities");
+    r.handle(Msg::PromptLogprobs { request_id: 9, start: 1, logprobs: vec![lp(2)] }, &mut fx);
+    assert_eq!(to_client(&mut fx), vec![ClientEvent::PromptLogprobs { start: 1, logprobs: vec![lp(2)] }]);
+    // A replay sends positions 1.. again: only position 2 is new; then it ends.
+    r.handle(Msg::PromptLogprobs { request_id: 9, start: 1, logprobs: vec![lp(2), lp(3)] }, &mut fx);
+    assert_eq!(
+        to_client(&mut fx),
+        vec![
+            ClientEvent::PromptLogprobs { start: 2, logprobs: vec![lp(3)] },
+            ClientEvent::Finished { finish: Finish::Length, prompt_tokens: 3, completion_tokens: 1 },
+        ]
+    );
+    assert!(fx.stopped);
 }
