@@ -404,10 +404,12 @@ pub struct StepOutcome {
     /// asked for them; empty when none did.
     #[serde(default)]
     pub logprobs: Vec<Option<TokenLogprob>>,
-    /// (request id, prompt position of the first, log-probabilities) of the prompt
-    /// tokens this step scored, for sequences that asked.
+    /// (request id, its request actor, prompt position of the first, log-probabilities)
+    /// of the prompt tokens this step scored, for sequences that asked. The actor is
+    /// named here because a prefilled sequence may have left the chip (its decode chip
+    /// acknowledged the hand-off) by the time the step's result is read.
     #[serde(default)]
-    pub prompt_logprobs: Vec<(u64, usize, Vec<TokenLogprob>)>,
+    pub prompt_logprobs: Vec<(u64, Addr, usize, Vec<TokenLogprob>)>,
     pub error: Option<String>,
     /// The step's model time: what an emulated or simulated chip declared, or what a
     /// real one measured. Its start is the moment it was reported, less this.

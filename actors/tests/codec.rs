@@ -191,7 +191,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 step: p.a,
                 sampled: p.tokens.iter().map(|&t| (t as u64, t)).collect(),
                 logprobs: p.tokens.iter().map(|&t| p.flag.then(|| logprob(t, p))).collect(),
-                prompt_logprobs: vec![(p.a, p.n, p.tokens.iter().map(|&t| logprob(t, p)).collect())],
+                prompt_logprobs: vec![(p.a, addr(p.b), p.n, p.tokens.iter().map(|&t| logprob(t, p)).collect())],
                 error: p.flag.then(|| p.text.clone()),
                 elapsed_s: p.f as f64,
             },

@@ -212,6 +212,8 @@ pub fn admissible(
 /// Prompt tokens a chunk's rows predict, for a scoring request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Score {
+    /// Where the scores go: the sequence's request actor.
+    pub req: Addr,
     /// Alternatives listed per token.
     pub k: usize,
     /// The prompt tokens after rows `0..targets.len()` of the chunk, in order.
@@ -292,11 +294,6 @@ impl Batcher {
 
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
-    }
-
-    /// The request actor of a sequence here.
-    pub fn requester(&self, request_id: u64) -> Option<Addr> {
-        self.running.iter().chain(&self.waiting).find(|s| s.request_id == request_id).map(|s| s.req)
     }
 
     pub fn contains(&self, request_id: u64) -> bool {
@@ -657,7 +654,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
     let prompt_len = seq.tokens.len().saturating_sub(seq.generated_before + seq.new_tokens);
     let score = seq.sampling.prompt_logprobs.and_then(|k| {
         let last = end.min(prompt_len.saturating_sub(1));
-        (start < last).then(|| Score { k, targets: seq.tokens[start + 1..=last].to_vec() })
+        (start < last).then(|| Score { req: seq.req, k, targets: seq.tokens[start + 1..=last].to_vec() })
     });
     seq.sampler_live |= !stage;
     PlannedSeq {

@@ -306,14 +306,12 @@ impl Chip {
             *phase += outcome.elapsed_s;
         }
         self.first_steps_after_handoff(&outcome, fx.now());
+        // Scored prompt tokens go first: a colocated request's then precede its tokens.
+        for (request_id, req, start, logprobs) in outcome.prompt_logprobs {
+            let _ = fx.send(req, Msg::PromptLogprobs { request_id, start, logprobs });
+        }
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
-        // Scored prompt tokens go first: a colocated request's then precede its tokens.
-        for (request_id, start, logprobs) in outcome.prompt_logprobs {
-            if let Some(req) = batcher.requester(request_id) {
-                let _ = fx.send(req, Msg::PromptLogprobs { request_id, start, logprobs });
-            }
-        }
         let prefilled = batcher.take_prefilled();
         for e in batcher.complete(&outcome.sampled, &outcome.logprobs, pool) {
             let msg = Msg::Generated {

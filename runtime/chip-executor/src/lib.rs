@@ -476,7 +476,7 @@ impl StepExecutor for ModelExecutor {
                                 TokenLogprob { token, logprob, top }
                             })
                             .collect();
-                        outcome.prompt_logprobs.push((s.request_id, s.start_pos + 1, logprobs));
+                        outcome.prompt_logprobs.push((s.request_id, score.req, s.start_pos + 1, logprobs));
                         let rest = s.tokens.len() - score.targets.len();
                         let skip = rest.saturating_sub(usize::from(s.sample));
                         rows.by_ref().take(skip).for_each(drop);
