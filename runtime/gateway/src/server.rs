@@ -610,7 +610,7 @@ async fn whole_response(
         let logprobs = match &ctx.echo {
             Some(echo) => {
                 let first = echo.ids.first().map(|&id| tokenizer.decode(&[id]).unwrap_or_default()).unwrap_or_default();
-                openai::echo_completion_logprobs(&first, &prompt_entries, &entries)
+                openai::echo_completion_logprobs(&first, echo.text.starts_with(&first), &prompt_entries, &entries)
             }
             None => ctx.logprobs(&entries, 0),
         };

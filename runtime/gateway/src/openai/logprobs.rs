@@ -53,12 +53,21 @@ pub fn completion_logprobs(entries: &[TokenEntry], offset: usize) -> Value {
 
 /// The completions `logprobs` object of an echoed prompt and what followed it: the
 /// prompt's first token has no log-probability (`null`, as OpenAI shows it), every other
-/// token its own.
-pub fn echo_completion_logprobs(first: &str, prompt: &[TokenEntry], generated: &[TokenEntry]) -> Value {
-    let head = TokenEntry { text: first.to_owned(), logprob: 0.0, top: Vec::new() };
+/// token its own. When the first token's text is not in the echoed text (a
+/// beginning-of-sequence token the server added), it takes no characters there: the
+/// offsets of the rest still point into the text the client gets.
+pub fn echo_completion_logprobs(
+    first: &str,
+    first_in_text: bool,
+    prompt: &[TokenEntry],
+    generated: &[TokenEntry],
+) -> Value {
+    let shown = if first_in_text { first } else { "" };
+    let head = TokenEntry { text: shown.to_owned(), logprob: 0.0, top: Vec::new() };
     let all: Vec<TokenEntry> =
         std::iter::once(head).chain(prompt.iter().cloned()).chain(generated.iter().cloned()).collect();
     let mut v = completion_logprobs(&all, 0);
+    v["tokens"][0] = Value::String(first.to_owned());
     v["token_logprobs"][0] = Value::Null;
     v["top_logprobs"][0] = Value::Null;
     v
@@ -109,12 +118,16 @@ mod tests {
 
     #[test]
     fn an_echoed_prompt_leads_with_a_null_then_every_token() {
-        let v = echo_completion_logprobs("<s>", &entries()[..1], &entries()[1..]);
+        let v = echo_completion_logprobs("<s>", true, &entries()[..1], &entries()[1..]);
         assert_eq!(v["tokens"], json!(["<s>", "Hé", " there"]));
         assert_eq!(v["token_logprobs"], json!([null, -0.5, -9999.0]));
         assert_eq!(v["top_logprobs"][0], Value::Null);
         assert_eq!(v["top_logprobs"][1], json!({"Hé": -0.5, "Yo": -1.5}));
         assert_eq!(v["text_offset"], json!([0, 3, 5]));
+        // A server-added first token is listed but takes no place in the echoed text.
+        let v = echo_completion_logprobs("<s>", false, &entries()[..1], &entries()[1..]);
+        assert_eq!(v["tokens"], json!(["<s>", "Hé", " there"]));
+        assert_eq!(v["text_offset"], json!([0, 0, 2]));
     }
 
     #[test]
