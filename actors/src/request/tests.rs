@@ -298,32 +298,35 @@ fn route_failure_mid_stream(kind: ErrorKind) {
     );
 }
 
+/// A request of prompt [1, 2, 3] read whole, placed on `chip`, with the sends so far
+/// cleared.
+fn whole_on(chip: Addr, max_tokens: usize, sampling: SamplingSpec) -> (TestFx, Request) {
+    let mut fx = TestFx::new(ME);
+    let spec = RequestSpec { request_id: 9, prompt: vec![1, 2, 3], max_tokens, sampling, delivery: Delivery::Whole };
+    let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
+    fx.take_sent();
+    (fx, r)
+}
+
+/// What reached the client since the last look at the sends.
+fn to_client(fx: &mut TestFx) -> Vec<ClientEvent> {
+    fx.take_sent()
+        .into_iter()
+        .filter_map(|(to, m)| match m {
+            Msg::Client { event } if to == CLIENT => Some(event),
+            _ => None,
+        })
+        .collect()
+}
+
 /// A whole response passes the first token on at once and the rest when it ends, however
 /// its chip grouped them.
 #[test]
 fn a_whole_response_reaches_the_client_as_its_first_token_then_the_rest() {
     let chip = a(1, 16);
-    let mut fx = TestFx::new(ME);
-    let spec = RequestSpec {
-        request_id: 9,
-        prompt: vec![1, 2, 3],
-        max_tokens: 6,
-        sampling: SamplingSpec::greedy(),
-        delivery: Delivery::Whole,
-    };
-    let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
-    r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
-    fx.take_sent();
-    let to_client = |fx: &mut TestFx| -> Vec<ClientEvent> {
-        fx.take_sent()
-            .into_iter()
-            .filter_map(|(to, m)| match m {
-                Msg::Client { event } if to == CLIENT => Some(event),
-                _ => None,
-            })
-            .collect()
-    };
+    let (mut fx, mut r) = whole_on(chip, 6, SamplingSpec::greedy());
     r.handle(generated(chip, vec![10], None), &mut fx);
     assert_eq!(to_client(&mut fx), vec![ClientEvent::Tokens { tokens: vec![10], logprobs: vec![] }]);
     r.handle(generated(chip, vec![11, 12], None), &mut fx);
@@ -344,28 +347,8 @@ fn a_whole_response_reaches_the_client_as_its_first_token_then_the_rest() {
 #[test]
 fn a_scoring_request_passes_prompt_logprobs_once_and_ends_after_them() {
     let chip = a(1, 16);
-    let mut fx = TestFx::new(ME);
-    let spec = RequestSpec {
-        request_id: 9,
-        prompt: vec![1, 2, 3],
-        max_tokens: 1,
-        sampling: SamplingSpec { prompt_logprobs: Some(0), ..SamplingSpec::greedy() },
-        delivery: Delivery::Whole,
-    };
-    let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
-    r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
-    fx.take_sent();
+    let (mut fx, mut r) = whole_on(chip, 1, SamplingSpec { prompt_logprobs: Some(0), ..SamplingSpec::greedy() });
     let lp = |token| TokenLogprob { token, logprob: -1.0, top: vec![] };
-    let to_client = |fx: &mut TestFx| -> Vec<ClientEvent> {
-        fx.take_sent()
-            .into_iter()
-            .filter_map(|(to, m)| match m {
-                Msg::Client { event } if to == CLIENT => Some(event),
-                _ => None,
-            })
-            .collect()
-    };
     // The decoding chip finishes before the prompt's scores arrive: held.
     r.handle(generated(chip, vec![7], Some(Finish::Length)), &mut fx);
     assert_eq!(to_client(&mut fx), vec![ClientEvent::Tokens { tokens: vec![7], logprobs: vec![] }]);
