@@ -274,16 +274,22 @@ impl Request {
         let first = self.generated.is_empty();
         self.generated.extend_from_slice(&tokens);
         self.logprobs.extend(logprobs.iter().cloned());
-        // A whole response gets its first token now and the rest at the end.
+        // A streamed response gets the tokens as they come; a whole one its first token
+        // now and the rest at the end.
         let n = self.generated.len();
-        let part = match self.spec.delivery {
-            Delivery::Stream => n - tokens.len()..n,
-            Delivery::Whole if finish.is_some() => usize::from(!first).min(n)..n,
-            Delivery::Whole if first => 0..n.min(1),
-            Delivery::Whole => n..n,
+        let whole_part = match (self.spec.delivery, finish.is_some(), first) {
+            (Delivery::Stream, ..) => None,
+            (Delivery::Whole, true, _) => Some(usize::from(!first).min(n)..n),
+            (Delivery::Whole, false, true) => Some(0..n.min(1)),
+            (Delivery::Whole, false, false) => Some(n..n),
         };
-        let tokens = self.generated[part.clone()].to_vec();
-        let logprobs = self.logprobs.get(part).map(<[TokenLogprob]>::to_vec).unwrap_or_default();
+        let (tokens, logprobs) = match whole_part {
+            None => (tokens, logprobs),
+            Some(part) => (
+                self.generated[part.clone()].to_vec(),
+                self.logprobs.get(part).map(<[TokenLogprob]>::to_vec).unwrap_or_default(),
+            ),
+        };
         if !tokens.is_empty()
             && fx.send(self.client, Msg::Client { event: ClientEvent::Tokens { tokens, logprobs } }).is_err()
         {

@@ -437,7 +437,7 @@ struct Echo {
 impl Completion {
     /// The `logprobs` object of `entries` in this endpoint's shape (`offset`: characters
     /// of the choice's text before them).
-    fn logprobs(&self, entries: &[openai::TokenEntry], offset: usize) -> Value {
+    fn logprobs_json(&self, entries: &[openai::TokenEntry], offset: usize) -> Value {
         match self.endpoint {
             Endpoint::Completions => openai::completion_logprobs(entries, offset),
             Endpoint::Chat => openai::chat_logprobs(entries),
@@ -612,7 +612,7 @@ async fn whole_response(
                 let first = echo.ids.first().map(|&id| tokenizer.decode(&[id]).unwrap_or_default()).unwrap_or_default();
                 openai::echo_completion_logprobs(&first, echo.text.starts_with(&first), &prompt_entries, &entries)
             }
-            None => ctx.logprobs(&entries, 0),
+            None => ctx.logprobs_json(&entries, 0),
         };
         body = openai::with_logprobs(body, logprobs);
     }
@@ -667,7 +667,7 @@ fn stream_response(
                     Ok((s, taken)) if !s.is_empty() || (ctx.logprobs && !taken.is_empty()) => {
                         let mut c = chunk(&ctx, Some(&s), false, None);
                         if ctx.logprobs {
-                            c = openai::with_logprobs(c, ctx.logprobs(&taken, offset));
+                            c = openai::with_logprobs(c, ctx.logprobs_json(&taken, offset));
                             offset += taken.iter().map(|e| e.text.chars().count()).sum::<usize>();
                         }
                         if tx.send(data(c)).await.is_err() {
