@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tessera_actor_core::{Addr, HostId, Message};
 /// The vocabulary the messages carry; each travels as its name ("decode", "head-major",
 /// "f16"), as it always has.
-pub use tessera_vocab::{DType, KvLayout, Role};
+pub use tessera_vocab::{DType, GrammarKind, KvLayout, Role};
 
 /// Well-known actor ids, the same on every host.
 pub mod well_known {
@@ -137,6 +137,18 @@ pub struct SamplingSpec {
     /// computed whole, never taken from a prefix cache.
     #[serde(default)]
     pub prompt_logprobs: Option<usize>,
+    /// A grammar every sampled token must keep the output within (structured outputs);
+    /// the chip's worker masks the logits with it before each token is sampled.
+    #[serde(default)]
+    pub grammar: Option<Grammar>,
+}
+
+/// A grammar the output follows, as the client's request gave it (the gateway checked
+/// that it compiles).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Grammar {
+    pub kind: GrammarKind,
+    pub source: Arc<str>,
 }
 
 fn one() -> f32 {
@@ -172,12 +184,19 @@ impl SamplingSpec {
             logit_bias: Vec::new(),
             min_tokens: 0,
             prompt_logprobs: None,
+            grammar: None,
         }
     }
 
     /// Whether any penalty counts the tokens before the one sampled.
     pub fn penalized(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
+
+    /// Whether a sampler must be given the tokens generated before it (a replay): its
+    /// penalties count them, its grammar must move past them.
+    pub fn needs_history(&self) -> bool {
+        self.penalized() || self.grammar.is_some()
     }
 }
 
@@ -410,6 +429,9 @@ pub struct StepOutcome {
     /// acknowledged the hand-off) by the time the step's result is read.
     #[serde(default)]
     pub prompt_logprobs: Vec<(u64, Addr, usize, Vec<TokenLogprob>)>,
+    /// Sequences that could not sample (their grammar failed), and why: they fail.
+    #[serde(default)]
+    pub failed: Vec<(u64, String)>,
     pub error: Option<String>,
     /// The step's model time: what an emulated or simulated chip declared, or what a
     /// real one measured. Its start is the moment it was reported, less this.
@@ -420,7 +442,15 @@ impl StepOutcome {
     /// A step that sampled `sampled` in `elapsed_s` of model time, with no error and no
     /// log-probabilities (a modelled chip's step).
     pub fn sampled(step: u64, sampled: Vec<(u64, u32)>, elapsed_s: f64) -> StepOutcome {
-        StepOutcome { step, sampled, logprobs: Vec::new(), prompt_logprobs: Vec::new(), error: None, elapsed_s }
+        StepOutcome {
+            step,
+            sampled,
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            failed: Vec::new(),
+            error: None,
+            elapsed_s,
+        }
     }
 }
 

@@ -131,6 +131,9 @@ fn build(kind: usize, p: &Parts) -> Msg {
         logit_bias: p.tokens.iter().map(|&t| (t, p.f)).collect(),
         min_tokens: p.n,
         prompt_logprobs: p.flag.then_some(p.n % 3),
+        grammar: p
+            .flag
+            .then(|| Grammar { kind: GrammarKind::ALL[p.n % GrammarKind::ALL.len()], source: p.text.as_str().into() }),
     };
     let finish = if p.flag { Some(Finish::Stop) } else { Some(Finish::Length) };
     let seq = SeqRequest {
@@ -192,6 +195,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 sampled: p.tokens.iter().map(|&t| (t as u64, t)).collect(),
                 logprobs: p.tokens.iter().map(|&t| p.flag.then(|| logprob(t, p))).collect(),
                 prompt_logprobs: vec![(p.a, addr(p.b), p.n, p.tokens.iter().map(|&t| logprob(t, p)).collect())],
+                failed: vec![(p.b, p.text.clone())],
                 error: p.flag.then(|| p.text.clone()),
                 elapsed_s: p.f as f64,
             },

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod builtin;
 pub mod compat;
 pub mod config;
+pub mod constraint;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -324,6 +324,35 @@ impl TextTokenizer {
         spelled.max(raw).max(1)
     }
 
+    /// Every id's bytes as a constrained-decoding library reads a vocabulary: the raw
+    /// bytes of a text token, and for a special token (`<|im_end|>`, a SentencePiece
+    /// control token) its spelling after the marker byte 0xFF, so no grammar can spell
+    /// it out of text. `None` when the vocabulary's tokens have no exact bytes (neither
+    /// byte-level nor SentencePiece).
+    pub fn grammar_vocab(&self) -> Option<Vec<Vec<u8>>> {
+        let table = self.token_bytes.as_ref()?;
+        let special = |id: u32| match &self.inner {
+            Vocab::Hf(t) => t.get_added_vocabulary().get_added_tokens_decoder().get(&id).is_some_and(|a| a.special),
+            Vocab::Spm(v) => v.kind(id) == Some(crate::gguf::spm::TokenKind::Control),
+        };
+        let marked = |id: u32, bytes: &[u8]| {
+            let mut out = Vec::with_capacity(bytes.len() + 1);
+            out.push(0xFF);
+            out.extend_from_slice(self.id_to_token(id).as_deref().map_or(bytes, str::as_bytes));
+            out
+        };
+        Some(
+            table
+                .iter()
+                .enumerate()
+                .map(|(id, bytes)| {
+                    let bytes = bytes.as_deref().unwrap_or_default();
+                    if special(id as u32) { marked(id as u32, bytes) } else { bytes.to_vec() }
+                })
+                .collect(),
+        )
+    }
+
     /// Number of tokens including added/special tokens.
     pub fn vocab_size(&self) -> usize {
         match &self.inner {

@@ -227,7 +227,8 @@ pub struct NewSampler {
     /// Tokens it generated elsewhere (a replay): draws to skip, and what its penalties
     /// and `min_tokens` count.
     pub skip: u64,
-    /// Its prompt and those tokens, when its penalties need them; empty otherwise.
+    /// Its prompt and those tokens, when its penalties or grammar need them; empty
+    /// otherwise.
     pub prompt: Vec<u32>,
     pub output: Vec<u32>,
 }
@@ -641,7 +642,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
     let stage = matches!(seq.mode, Mode::PrefillFor { .. });
     let new_sampler = (!seq.sampler_live && !stage).then(|| {
         let generated = seq.generated_before + seq.new_tokens;
-        let (prompt, output) = if seq.sampling.penalized() {
+        let (prompt, output) = if seq.sampling.needs_history() {
             let split = seq.tokens.len().saturating_sub(generated);
             (seq.tokens[..split].to_vec(), seq.tokens[split..].to_vec())
         } else {

@@ -313,6 +313,13 @@ impl Chip {
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
         let prefilled = batcher.take_prefilled();
+        for (request_id, why) in outcome.failed {
+            if let Some(req) = batcher.abort(request_id, pool) {
+                tracing::error!(chip = %self.config.id, request_id, error = %why, "a sequence could not sample");
+                let error = ServeError::new(ErrorKind::Internal, format!("chip {}: {why}", self.config.id));
+                let _ = fx.send(req, Msg::Refused { request_id, chip: me, error, retry: Retry::No });
+            }
+        }
         for e in batcher.complete(&outcome.sampled, &outcome.logprobs, pool) {
             let msg = Msg::Generated {
                 request_id: e.request_id,

@@ -30,6 +30,7 @@ use tessera_actors::chip::executor::{KvInstall, StepExecutor};
 use tessera_actors::msg::{
     ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome, TokenLogprob,
 };
+use tessera_backends::constraint::{Constraint, Grammars};
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::{DType, Quantize};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
@@ -37,6 +38,7 @@ use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::{LoadOptions, LogitsWanted, Model, SeqChunk};
 use tessera_backends::sampling::{Penalties, Sampler, SamplingParams};
+use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::actor::JobCtx;
 use tessera_runtime::transfer::{Assignment, EndpointDesc, Region, RegionDesc, TransferEngine};
 use tessera_topology::perf::ModelShape;
@@ -133,9 +135,12 @@ const DEFAULT_KV_BYTES: u64 = 256 << 20;
 pub struct ModelExecutor {
     model: Model,
     kv: PagedKvCache,
-    /// Per sequence: its sampler, and how many top alternatives its tokens' log-
-    /// probabilities list, when it asked for them.
-    samplers: HashMap<u64, (Sampler, Option<usize>)>,
+    samplers: HashMap<u64, SeqSampler>,
+    /// The grammars of structured outputs, over the model's tokenizer: loaded when a
+    /// sequence first asks for one.
+    grammars: GrammarVocab,
+    /// A logits row being masked.
+    masked: Vec<f32>,
     chip_id: String,
     format: KvFormatDesc,
     transfer: Option<Arc<TransferEngine>>,
@@ -150,9 +155,63 @@ pub struct ModelExecutor {
     kept_logits: Option<Vec<(u64, Vec<f32>)>>,
 }
 
+/// One sequence's sampling on the worker.
+struct SeqSampler {
+    sampler: Sampler,
+    /// How many top alternatives its tokens' log-probabilities list, when it asked.
+    logprobs: Option<usize>,
+    constraint: Option<Constraint>,
+}
+
+impl SeqSampler {
+    /// Picks the next token from `row` (raw logits), within the grammar if it has one;
+    /// `masked` is scratch space for the masked row.
+    fn sample(&mut self, row: &[f32], masked: &mut Vec<f32>) -> Result<u32, String> {
+        let Some(constraint) = self.constraint.as_mut() else {
+            return Ok(self.sampler.sample(row));
+        };
+        masked.clear();
+        masked.extend_from_slice(row);
+        constraint.mask(masked).map_err(|e| e.to_string())?;
+        let token = self.sampler.sample(masked);
+        constraint.advance(token).map_err(|e| e.to_string())?;
+        let (seconds, _) = constraint.take_mask_time();
+        metrics::histogram!("tessera_grammar_mask_seconds").record(seconds);
+        Ok(token)
+    }
+}
+
+/// Where a worker's grammars come from.
+enum GrammarVocab {
+    /// Not loaded yet: the tokenizer of this model directory (or GGUF file).
+    From(PathBuf),
+    Loaded(Arc<Grammars>),
+    /// Loading failed, or the executor has no tokenizer: why.
+    Unavailable(String),
+}
+
+impl GrammarVocab {
+    fn get(&mut self) -> Result<Arc<Grammars>, String> {
+        if let GrammarVocab::From(dir) = self {
+            let loaded = TextTokenizer::from_dir(dir).and_then(|tok| Grammars::new(&tok));
+            *self = match loaded {
+                Ok(g) => GrammarVocab::Loaded(g),
+                Err(e) => GrammarVocab::Unavailable(e.to_string()),
+            };
+        }
+        match self {
+            GrammarVocab::Loaded(g) => Ok(g.clone()),
+            GrammarVocab::Unavailable(why) => Err(why.clone()),
+            GrammarVocab::From(_) => Err("the grammars were not loaded".into()),
+        }
+    }
+}
+
 /// What a chip's executor is attached to beyond its model and cache.
 struct Attachments {
     chip_id: String,
+    /// The model's tokenizer, for structured outputs.
+    tokenizer: Option<PathBuf>,
     transfer: Option<Arc<TransferEngine>>,
     emulation: Option<Emulation>,
 }
@@ -197,6 +256,7 @@ impl ModelExecutor {
         let kv = KvCacheConfig { block_size: config.block_size, num_blocks, dtype: config.kv_dtype };
         let attach = Attachments {
             chip_id: config.chip_id.clone(),
+            tokenizer: Some(config.model_dir.clone()),
             transfer: config.transfer.clone(),
             emulation: config.emulation.clone(),
         };
@@ -206,7 +266,7 @@ impl ModelExecutor {
     /// An executor over `model`, already loaded, with a head-major cache of `kv`: a chip
     /// of its own, with no transfer engine and no emulation (the local engine's).
     pub fn local(model: Model, kv: KvCacheConfig) -> Result<(ModelExecutor, ChipInfo), String> {
-        let attach = Attachments { chip_id: "local".into(), transfer: None, emulation: None };
+        let attach = Attachments { chip_id: "local".into(), tokenizer: None, transfer: None, emulation: None };
         Self::build(model, kv, KvLayout::HeadMajor, attach)
     }
 
@@ -216,7 +276,7 @@ impl ModelExecutor {
         kv_layout: KvLayout,
         attach: Attachments,
     ) -> Result<(ModelExecutor, ChipInfo), String> {
-        let Attachments { chip_id, transfer, emulation } = attach;
+        let Attachments { chip_id, tokenizer, transfer, emulation } = attach;
         let mc = model.config().clone();
         let KvCacheConfig { block_size, num_blocks, dtype: kv_dtype } = kv_config;
         let kv = PagedKvCache::with_layout(model.device(), &mc, kv_config, kv_layout).map_err(|e| e.to_string())?;
@@ -272,6 +332,11 @@ impl ModelExecutor {
             model,
             kv,
             samplers: HashMap::new(),
+            grammars: match tokenizer {
+                Some(dir) => GrammarVocab::From(dir),
+                None => GrammarVocab::Unavailable("this executor has no tokenizer".into()),
+            },
+            masked: Vec::new(),
             chip_id,
             format,
             transfer,
@@ -374,6 +439,21 @@ fn busy(e: &tessera_runtime::transfer::TransferError) -> bool {
     matches!(e, TransferError::RangeBusy { .. } | TransferError::Refused { status: RemoteStatus::Busy, .. })
 }
 
+/// The sampler `new` describes, its grammar moved past the tokens it generated
+/// elsewhere; or why its grammar cannot be had.
+fn seq_sampler(new: &NewSampler, grammars: &mut GrammarVocab) -> Result<SeqSampler, String> {
+    let constraint = match &new.spec.grammar {
+        Some(g) => {
+            let unavailable = |e: String| format!("structured output: {e}");
+            let mut c = grammars.get().map_err(unavailable)?.compile(g.kind, &g.source).map_err(|e| e.to_string())?;
+            c.replay(&new.output).map_err(|e| e.to_string())?;
+            Some(c)
+        }
+        None => None,
+    };
+    Ok(SeqSampler { sampler: sampler(new), logprobs: new.spec.logprobs, constraint })
+}
+
 fn sampler(new: &NewSampler) -> Sampler {
     let spec = &new.spec;
     let penalties = Penalties {
@@ -406,9 +486,15 @@ impl StepExecutor for ModelExecutor {
         for id in &plan.drop_samplers {
             self.samplers.remove(id);
         }
+        let mut failed = Vec::new();
         for s in &plan.seqs {
             if let Some(new) = &s.new_sampler {
-                self.samplers.insert(s.request_id, (sampler(new), new.spec.logprobs));
+                match seq_sampler(new, &mut self.grammars) {
+                    Ok(sampler) => {
+                        self.samplers.insert(s.request_id, sampler);
+                    }
+                    Err(why) => failed.push((s.request_id, why)),
+                }
             }
         }
         let chunks: Vec<SeqChunk<'_>> = plan
@@ -431,6 +517,7 @@ impl StepExecutor for ModelExecutor {
             sampled: Vec::new(),
             logprobs: Vec::new(),
             prompt_logprobs: Vec::new(),
+            failed,
             error: None,
             elapsed_s: 0.0,
         };
@@ -485,8 +572,18 @@ impl StepExecutor for ModelExecutor {
                         continue;
                     }
                     let Some(row) = rows.next() else { break };
+                    if outcome.failed.iter().any(|(id, _)| *id == s.request_id) {
+                        continue;
+                    }
                     let (token, k) = match self.samplers.get_mut(&s.request_id) {
-                        Some((sampler, k)) => (sampler.sample(row), *k),
+                        Some(sampler) => match sampler.sample(row, &mut self.masked) {
+                            Ok(token) => (token, sampler.logprobs),
+                            Err(why) => {
+                                self.samplers.remove(&s.request_id);
+                                outcome.failed.push((s.request_id, why));
+                                continue;
+                            }
+                        },
                         None => (tessera_backends::sampling::argmax(row), None),
                     };
                     outcome.sampled.push((s.request_id, token));

@@ -171,6 +171,7 @@ impl LocalEngine {
             logit_bias: penalties.logit_bias,
             min_tokens: penalties.min_tokens,
             prompt_logprobs: None,
+            grammar: None,
         };
         let seq = SeqRequest {
             request_id: id,

@@ -10,13 +10,18 @@ mod logprobs;
 mod request;
 mod response;
 mod stop;
+mod structured;
 mod template;
+mod tools;
 
 pub use error::ApiError;
 pub use logprobs::{TokenEntry, chat_logprobs, completion_logprobs, echo_completion_logprobs, with_logprobs};
-pub use request::{ChatMessage, GenerationRequest, Prompt, parse_chat, parse_completion};
+pub use request::{ChatMessage, GenerationRequest, Prompt, Structured, parse_chat, parse_completion};
 pub use response::{
-    FinishReason, Usage, chat_chunk, chat_response, completion_chunk, completion_response, models_response, usage_chunk,
+    FinishReason, Usage, chat_chunk, chat_response, completion_chunk, completion_response, models_response,
+    tool_calls_chunk, usage_chunk, with_tool_calls,
 };
 pub use stop::StopMatcher;
+pub use structured::{GrammarCheck, grammar_of};
 pub use template::ChatTemplate;
+pub use tools::{Parsed, ToolCall, ToolCallParser, Tools, parse_answer};

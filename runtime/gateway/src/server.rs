@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tessera_actors::msg::{AdmitAsk, Delivery, TokenLogprob};
+use tessera_actors::msg::{AdmitAsk, Delivery, Grammar, TokenLogprob};
 use tessera_actors::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, Role, SamplingSpec, ServeError};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::Addr;
@@ -66,6 +66,7 @@ pub struct GatewayState {
     config: GatewayConfig,
     /// Bodies being parsed and prompts tokenized at once, off the async runtime.
     prompt_workers: tokio::sync::Semaphore,
+    grammars: openai::GrammarCheck,
 }
 
 impl GatewayState {
@@ -86,6 +87,7 @@ impl GatewayState {
             prompt_workers: tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             ),
+            grammars: openai::GrammarCheck::default(),
         })
     }
 }
@@ -241,7 +243,14 @@ fn prompt_text_bytes(prompt: &Prompt) -> usize {
 }
 
 /// Parses a body and tokenizes its prompt: CPU work, run on a blocking thread.
-fn prepare(st: &GatewayState, body: &[u8], endpoint: Endpoint) -> Result<(GenerationRequest, Vec<u32>), ApiError> {
+/// A request parsed, its prompt tokenized, its grammar (if any) checked.
+struct Prepared {
+    req: GenerationRequest,
+    prompt: Vec<u32>,
+    grammar: Option<Grammar>,
+}
+
+fn prepare(st: &GatewayState, body: &[u8], endpoint: Endpoint) -> Result<Prepared, ApiError> {
     let req = match endpoint {
         Endpoint::Completions => openai::parse_completion(body)?,
         Endpoint::Chat => openai::parse_chat(body)?,
@@ -254,25 +263,34 @@ fn prepare(st: &GatewayState, body: &[u8], endpoint: Endpoint) -> Result<(Genera
         metrics::counter!("tessera_gateway_prompts_too_long_total").increment(1);
         return Err(ApiError::prompt_text_too_long(bytes, st.config.max_prompt_bytes, st.config.max_context));
     }
-    let ids = prompt_ids(st, &req.prompt)?;
-    Ok((req, ids))
+    let prompt = prompt_ids(st, &req)?;
+    let grammar = match &req.structured {
+        Some((structured, param)) => {
+            let grammar = openai::grammar_of(structured);
+            st.grammars.check(&st.tokenizer, &grammar, param)?;
+            Some(grammar)
+        }
+        None => None,
+    };
+    Ok(Prepared { req, prompt, grammar })
 }
 
-fn prompt_ids(st: &GatewayState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+fn prompt_ids(st: &GatewayState, req: &GenerationRequest) -> Result<Vec<u32>, ApiError> {
     let encode = |text: &str, add_bos: bool| {
         st.tokenizer.encode(text, add_bos).map_err(|e| {
             tracing::warn!(error = %e, "a prompt could not be tokenized");
             ApiError::bad_request("The prompt cannot be tokenized.", Some("prompt"))
         })
     };
-    match prompt {
+    match &req.prompt {
         Prompt::Text(text) => encode(text, true),
         Prompt::TokenIds(ids) => Ok(ids.clone()),
         Prompt::Chat(messages) => {
             let template = st.template.as_ref().ok_or_else(|| {
                 ApiError::bad_request("the model has no chat template; use /v1/completions", Some("messages"))
             })?;
-            let text = template.render(messages, true)?;
+            let tools = if req.tools.active() { req.tools.tools.as_slice() } else { &[] };
+            let text = template.render(messages, true, tools)?;
             // Templates that write the BOS token themselves must not get a second one.
             let bos = st.tokenizer.bos_id().and_then(|id| st.tokenizer.id_to_token(id));
             let add_bos = !bos.is_some_and(|b| text.starts_with(&b));
@@ -291,7 +309,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         let st = st.clone();
         tokio::task::spawn_blocking(move || prepare(&st, &body, endpoint)).await
     };
-    let (req, prompt) = match prepared {
+    let Prepared { req, prompt, grammar } = match prepared {
         Ok(Ok(prepared)) => prepared,
         Ok(Err(e)) => return error_response(e),
         Err(e) => {
@@ -349,6 +367,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             logit_bias: req.logit_bias.clone(),
             min_tokens: req.min_tokens,
             prompt_logprobs: req.logprobs.filter(|_| req.echo),
+            grammar,
         },
         // A response read whole needs its tokens only at the end, unless stop strings
         // must be matched as the text grows (to stop the generation early).
@@ -402,6 +421,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
             Echo { text, ids: prompt.clone() }
         }),
         output: max_tokens > 0,
+        tools: req.tools.active(),
     };
     if req.stream {
         stream_response(st, ctx, mailbox, guard, first, req.include_usage)
@@ -426,6 +446,8 @@ struct Completion {
     echo: Option<Echo>,
     /// Whether the generated tokens are shown (not with `max_tokens: 0`).
     output: bool,
+    /// The answer is parsed for tool calls.
+    tools: bool,
 }
 
 /// A prompt echoed back: its text as the client sent it, and its tokens.
@@ -435,6 +457,11 @@ struct Echo {
 }
 
 impl Completion {
+    /// Tool call ids are `call_<this>_<n>`: the request's id, unique per gateway.
+    fn call_id_prefix(&self) -> &str {
+        self.id.rsplit('-').next().unwrap_or(&self.id)
+    }
+
     /// The `logprobs` object of `entries` in this endpoint's shape (`offset`: characters
     /// of the choice's text before them).
     fn logprobs_json(&self, entries: &[openai::TokenEntry], offset: usize) -> Value {
@@ -606,6 +633,12 @@ async fn whole_response(
         Endpoint::Completions => openai::completion_response(&ctx.id, ctx.created, &ctx.model, &shown, finish, usage),
         Endpoint::Chat => openai::chat_response(&ctx.id, ctx.created, &ctx.model, &shown, finish, usage),
     };
+    if ctx.tools {
+        let (content, calls) = openai::parse_answer(&shown, ctx.call_id_prefix());
+        if !calls.is_empty() {
+            body = openai::with_tool_calls(body, content.as_deref(), &calls);
+        }
+    }
     if ctx.logprobs {
         let logprobs = match &ctx.echo {
             Some(echo) => {
@@ -650,6 +683,7 @@ fn stream_response(
         let mut event = Some(first);
         // Characters of token text streamed so far (completions' `text_offset`).
         let mut offset = 0;
+        let mut calls = ctx.tools.then(|| openai::ToolCallParser::new(ctx.call_id_prefix()));
         let finish = loop {
             let ev = match event.take() {
                 Some(e) => e,
@@ -665,6 +699,16 @@ fn stream_response(
             match ev {
                 ClientEvent::Tokens { tokens, logprobs } => match text.push_with(&tokens, &logprobs, &tokenizer) {
                     Ok((s, taken)) if !s.is_empty() || (ctx.logprobs && !taken.is_empty()) => {
+                        let s = match calls.as_mut() {
+                            Some(parser) => match send_calls(&tx, &ctx, parser.push(&s), parser.calls()).await {
+                                Some(content) => content,
+                                None => return,
+                            },
+                            None => s,
+                        };
+                        if s.is_empty() && (!ctx.logprobs || taken.is_empty()) {
+                            continue;
+                        }
                         let mut c = chunk(&ctx, Some(&s), false, None);
                         if ctx.logprobs {
                             c = openai::with_logprobs(c, ctx.logprobs_json(&taken, offset));
@@ -696,11 +740,22 @@ fn stream_response(
                 break Some(FinishReason::Stop);
             }
         };
-        if let Some(finish) = finish {
-            if let Ok(rest) = text.finish()
-                && !rest.is_empty()
-                && tx.send(data(chunk(&ctx, Some(&rest), false, None))).await.is_err()
-            {
+        if let Some(mut finish) = finish {
+            let mut rest = text.finish().unwrap_or_default();
+            if let Some(parser) = calls.as_mut() {
+                let mut parsed = parser.push(&rest);
+                let end = parser.finish();
+                parsed.content.push_str(&end.content);
+                parsed.calls.extend(end.calls);
+                rest = match send_calls(&tx, &ctx, parsed, parser.calls()).await {
+                    Some(content) => content,
+                    None => return,
+                };
+                if parser.calls() > 0 && finish == FinishReason::Stop {
+                    finish = FinishReason::ToolCalls;
+                }
+            }
+            if !rest.is_empty() && tx.send(data(chunk(&ctx, Some(&rest), false, None))).await.is_err() {
                 return;
             }
             if tx.send(data(chunk(&ctx, None, false, Some(finish)))).await.is_err() {
@@ -720,6 +775,22 @@ fn stream_response(
         drop(guard);
     });
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx)).into_response()
+}
+
+/// Sends the calls `parsed` completed (the last of `total` so far) as one tool-call
+/// chunk; returns its content, or `None` when the client is gone.
+async fn send_calls(
+    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
+    ctx: &Completion,
+    parsed: openai::Parsed,
+    total: usize,
+) -> Option<String> {
+    if !parsed.calls.is_empty() {
+        let first = total - parsed.calls.len();
+        let c = openai::tool_calls_chunk(&ctx.id, ctx.created, &ctx.model, first, &parsed.calls);
+        tx.send(Ok(Event::default().data(c.to_string()))).await.ok()?;
+    }
+    Some(parsed.content)
 }
 
 async fn models(State(st): State<Arc<GatewayState>>) -> Response {

@@ -82,6 +82,19 @@ macro_rules! vocabulary {
 }
 
 vocabulary! {
+    /// The language of a structured output's grammar.
+    pub enum GrammarKind ("grammar kind") {
+        /// A JSON schema, as JSON text.
+        JsonSchema = "json_schema",
+        /// A regular expression the whole output matches (Rust `regex` syntax).
+        Regex = "regex",
+        /// A grammar in llguidance's Lark dialect (`start: ...`), which may embed JSON
+        /// schemas (`%json { ... }`).
+        Lark = "lark",
+    }
+}
+
+vocabulary! {
     /// Which phases of a request a chip runs. A live role change (`SetRole`) moves a
     /// chip between them once it has drained.
     pub enum Role ("role") {

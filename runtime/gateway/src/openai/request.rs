@@ -10,6 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 
 use super::ApiError;
+use super::tools::{ToolCall, Tools, parse_tools};
 
 /// The most tokens a request may ask for: anything larger is a client bug, not a wish.
 const MAX_TOKENS_LIMIT: usize = 1 << 20;
@@ -37,6 +38,19 @@ pub struct ChatMessage {
     /// Accepts a string or an array of `{"type": "text", "text": …}` parts (concatenated).
     #[serde(deserialize_with = "deserialize_content")]
     pub content: String,
+    /// An assistant turn's calls of tools.
+    #[serde(skip)]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` turn: the call it answers.
+    #[serde(skip)]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of text only.
+    pub fn text(role: &str, content: String) -> ChatMessage {
+        ChatMessage { role: role.to_owned(), content, tool_calls: Vec::new(), tool_call_id: None }
+    }
 }
 
 /// A validated generation request, the same for both endpoints.
@@ -78,6 +92,24 @@ pub struct GenerationRequest {
     /// so do its tokens' log-probabilities (the first has none). With `max_tokens: 0`
     /// nothing is generated: a scoring request.
     pub echo: bool,
+    /// What the output must follow (structured outputs), and the field that asked.
+    pub structured: Option<(Structured, &'static str)>,
+    /// Chat: the tools the model may call.
+    pub tools: Tools,
+}
+
+/// A structured output: `response_format` (OpenAI) or vLLM's `guided_*` fields and
+/// their newer `structured_outputs` object.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Structured {
+    /// JSON matching this schema (`{"type": "object"}` for `json_object`).
+    JsonSchema(Value),
+    /// Text the regular expression matches whole.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A Lark grammar (llguidance's dialect).
+    Grammar(String),
 }
 
 /// OpenAI's limit on the alternatives listed per token.
@@ -132,7 +164,20 @@ pub fn parse_chat(body: &[u8]) -> Result<GenerationRequest, ApiError> {
             return Err(ApiError::bad_request("`top_logprobs` needs `logprobs` set to true", Some("top_logprobs")));
         }
     };
-    Ok(GenerationRequest { logprobs, ..parse_sampling(&body, model, Prompt::Chat(messages), max_tokens)? })
+    let tools = parse_tools(&object)?;
+    let mut req = parse_sampling(&body, model, Prompt::Chat(messages), max_tokens)?;
+    if let Some(lark) = tools.grammar() {
+        if let Some((_, param)) = req.structured {
+            return Err(ApiError::bad_request(
+                format!(
+                    "`tool_choice` required or named enforces the calls' format; `{param}` cannot be asked for with it"
+                ),
+                Some(param),
+            ));
+        }
+        req.structured = Some((Structured::Grammar(lark), "tool_choice"));
+    }
+    Ok(GenerationRequest { logprobs, tools, ..req })
 }
 
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -224,6 +269,7 @@ fn parse_sampling(
     let repetition_penalty =
         penalty("repetition_penalty", 1.0, |v| v > 0.0 && v <= 2.0, "greater than 0 and at most 2")?;
     let logit_bias = parse_logit_bias(body.get("logit_bias"))?;
+    let structured = parse_structured(body)?;
     let min_tokens = match body.integer("min_tokens")? {
         None => 0,
         Some(n) if n >= 0 && max_tokens.is_none_or(|m| n as usize <= m) => n as usize,
@@ -255,7 +301,117 @@ fn parse_sampling(
         logit_bias,
         min_tokens,
         echo: false,
+        structured,
+        tools: Tools::none(),
     })
+}
+
+/// At most one structured output, from `response_format`, `structured_outputs` or a
+/// `guided_*` field.
+fn parse_structured(body: &Body) -> Result<Option<(Structured, &'static str)>, ApiError> {
+    let mut found: Vec<(Structured, &'static str)> = Vec::new();
+    if let Some(format) = body.get("response_format")
+        && let Some(s) = parse_response_format(format)?
+    {
+        found.push((s, "response_format"));
+    }
+    for (key, kind) in
+        [("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")]
+    {
+        if let Some(v) = body.get(key) {
+            found.push((structured_of(kind, v, key)?, key));
+        }
+    }
+    match body.get("structured_outputs") {
+        None => {}
+        Some(Value::Object(fields)) => {
+            for (kind, v) in fields.iter().filter(|(_, v)| !v.is_null()) {
+                let param = match kind.as_str() {
+                    "json" => "structured_outputs.json",
+                    "regex" => "structured_outputs.regex",
+                    "choice" => "structured_outputs.choice",
+                    "grammar" => "structured_outputs.grammar",
+                    other => {
+                        return Err(ApiError::bad_request(
+                            format!(
+                                "`structured_outputs.{other}` is not supported; use json, regex, choice or grammar"
+                            ),
+                            Some("structured_outputs"),
+                        ));
+                    }
+                };
+                found.push((structured_of(kind, v, param)?, param));
+            }
+        }
+        Some(other) => return Err(wrong_type("structured_outputs", "an object", other)),
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(_, k)| *k).collect();
+        return Err(ApiError::bad_request(
+            format!("only one structured output may be asked for, got {}", names.join(", ")),
+            Some(found[1].1),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// OpenAI's `response_format`: `text` (no constraint), `json_object`, or
+/// `json_schema` with its `json_schema.schema`.
+fn parse_response_format(format: &Value) -> Result<Option<Structured>, ApiError> {
+    const PARAM: &str = "response_format";
+    let Value::Object(format) = format else {
+        return Err(wrong_type(PARAM, "an object", format));
+    };
+    let body = Body(format);
+    match body.string("type").map_err(|e| rename_param(e, "response_format.type"))? {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Structured::JsonSchema(serde_json::json!({"type": "object"})))),
+        Some("json_schema") => {
+            let Some(Value::Object(spec)) = body.get("json_schema") else {
+                return Err(ApiError::bad_request(
+                    "`response_format.json_schema` is required and must be an object when `type` is `json_schema`",
+                    Some("response_format.json_schema"),
+                ));
+            };
+            match spec.get("schema").filter(|v| !v.is_null()) {
+                // OpenAI lets the schema be left out: any JSON object.
+                None => Ok(Some(Structured::JsonSchema(serde_json::json!({"type": "object"})))),
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) => Ok(Some(Structured::JsonSchema(schema.clone()))),
+                Some(other) => Err(wrong_type("response_format.json_schema.schema", "an object", other)),
+            }
+        }
+        Some(other) => Err(ApiError::bad_request(
+            format!("`response_format.type` must be text, json_object or json_schema, got {other:?}"),
+            Some("response_format.type"),
+        )),
+        None => Err(ApiError::bad_request("`response_format.type` is required", Some("response_format.type"))),
+    }
+}
+
+/// One vLLM-style structured output of `kind` (json, regex, choice, grammar).
+fn structured_of(kind: &str, v: &Value, param: &str) -> Result<Structured, ApiError> {
+    match (kind, v) {
+        // A schema may come as an object or as its JSON text.
+        ("json", Value::Object(_) | Value::Bool(_)) => Ok(Structured::JsonSchema(v.clone())),
+        ("json", Value::String(text)) => serde_json::from_str(text)
+            .map(Structured::JsonSchema)
+            .map_err(|e| ApiError::bad_request(format!("`{param}` is not a JSON schema: {e}"), Some(param))),
+        ("json", other) => Err(wrong_type(param, "a JSON schema", other)),
+        ("regex", Value::String(rx)) => Ok(Structured::Regex(rx.clone())),
+        ("grammar", Value::String(g)) => Ok(Structured::Grammar(g.clone())),
+        ("regex" | "grammar", other) => Err(wrong_type(param, "a string", other)),
+        ("choice", Value::Array(items)) => {
+            let choices = items
+                .iter()
+                .map(|c| c.as_str().map(str::to_owned).ok_or_else(|| wrong_type(param, "an array of strings", c)))
+                .collect::<Result<Vec<_>, _>>()?;
+            if choices.is_empty() {
+                return Err(ApiError::bad_request(format!("`{param}` must hold at least one string"), Some(param)));
+            }
+            Ok(Structured::Choice(choices))
+        }
+        (_, other) => Err(wrong_type(param, "an array of strings", other)),
+    }
 }
 
 /// `logit_bias`: an object of token ids (as strings, as JSON keys are) to biases in
@@ -379,9 +535,10 @@ fn parse_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError>
         "system" | "user" | "assistant" => role,
         // Chat templates predate `developer`, OpenAI's new name for the system prompt.
         "developer" => "system",
-        "tool" | "function" => {
+        "tool" => role,
+        "function" => {
             return Err(ApiError::bad_request(
-                format!("`{role_param}` `{role}` is not supported: this server does not support tools"),
+                format!("`{role_param}` `function` is deprecated and not supported: use `tool`"),
                 Some(&role_param),
             ));
         }
@@ -392,23 +549,67 @@ fn parse_message(index: usize, message: &Value) -> Result<ChatMessage, ApiError>
             ));
         }
     };
-    for key in ["tool_calls", "function_call"] {
-        if body.get(key).is_some_and(|v| v.as_array().is_none_or(|calls| !calls.is_empty())) {
-            let param = format!("{param}.{key}");
+    if body.get("function_call").is_some() {
+        let param = format!("{param}.function_call");
+        return Err(ApiError::bad_request(
+            format!("`{param}` is deprecated and not supported: use `tool_calls`"),
+            Some(&param),
+        ));
+    }
+    let tool_calls = match body.get("tool_calls") {
+        None => Vec::new(),
+        Some(Value::Array(calls)) if role == "assistant" => calls
+            .iter()
+            .enumerate()
+            .map(|(j, c)| parse_past_call(&format!("{param}.tool_calls[{j}]"), c))
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            let param = format!("{param}.tool_calls");
             return Err(ApiError::bad_request(
-                format!("`{param}` is not supported: this server does not support tools"),
+                format!("`{param}` must be an array of calls, on an assistant message"),
                 Some(&param),
             ));
         }
-    }
+    };
+    let tool_call_id = match body.get("tool_call_id") {
+        None if role == "tool" => {
+            let param = format!("{param}.tool_call_id");
+            return Err(ApiError::bad_request(format!("`{param}` is required on a `tool` message"), Some(&param)));
+        }
+        None => None,
+        Some(Value::String(id)) => Some(id.clone()),
+        Some(other) => return Err(wrong_type(&format!("{param}.tool_call_id"), "a string", other)),
+    };
     let content_param = format!("{param}.content");
     let content = match body.get("content") {
         // An assistant turn without content is legal in OpenAI's schema (it then carries tool calls).
         None if role == "assistant" => String::new(),
+        Some(Value::Null) if role == "assistant" => String::new(),
         None => return Err(ApiError::bad_request(format!("`{content_param}` is required"), Some(&content_param))),
         Some(content) => content_text(content, &content_param)?,
     };
-    Ok(ChatMessage { role: role.to_owned(), content })
+    Ok(ChatMessage { role: role.to_owned(), content, tool_calls, tool_call_id })
+}
+
+/// A call an earlier assistant turn made: `{"id", "type": "function", "function":
+/// {"name", "arguments"}}`, the arguments as JSON text (or, leniently, an object).
+fn parse_past_call(param: &str, call: &Value) -> Result<ToolCall, ApiError> {
+    let bad = || {
+        ApiError::bad_request(
+            format!("`{param}` must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"),
+            Some(param),
+        )
+    };
+    let function = call.get("function").ok_or_else(bad)?;
+    let name = function.get("name").and_then(Value::as_str).ok_or_else(bad)?;
+    let arguments = match function.get("arguments") {
+        Some(Value::String(a)) => a.clone(),
+        Some(a @ Value::Object(_)) => a.to_string(),
+        None | Some(Value::Null) => "{}".to_owned(),
+        Some(_) => return Err(bad()),
+    };
+    let id = call.get("id").and_then(Value::as_str).unwrap_or_default().to_owned();
+    Ok(ToolCall { id, name: name.to_owned(), arguments })
 }
 
 /// A message's content as text: a string, or text parts concatenated; anything else refused.
@@ -493,30 +694,11 @@ const COMPLETION_UNSUPPORTED: &[Unsupported] =
     &[Unsupported { key: "suffix", neutral: |v| v.as_str() == Some(""), message: "is not supported" }];
 
 const CHAT_UNSUPPORTED: &[Unsupported] = &[
-    Unsupported {
-        key: "tools",
-        neutral: is_empty_array,
-        message: "are not supported: this server does not support tools",
-    },
-    Unsupported {
-        key: "functions",
-        neutral: is_empty_array,
-        message: "are not supported: this server does not support tools",
-    },
-    Unsupported {
-        key: "tool_choice",
-        neutral: is_none_choice,
-        message: "is not supported: this server does not support tools",
-    },
+    Unsupported { key: "functions", neutral: is_empty_array, message: "are deprecated and not supported: use `tools`" },
     Unsupported {
         key: "function_call",
         neutral: is_none_choice,
-        message: "is not supported: this server does not support tools",
-    },
-    Unsupported {
-        key: "response_format",
-        neutral: |v| v.get("type").and_then(Value::as_str) == Some("text"),
-        message: "is not supported: structured output is not implemented, only `{\"type\": \"text\"}`",
+        message: "is deprecated and not supported: use `tool_choice`",
     },
 ];
 

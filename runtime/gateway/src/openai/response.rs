@@ -31,6 +31,8 @@ impl Usage {
 pub enum FinishReason {
     Stop,
     Length,
+    /// The answer called tools.
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -38,6 +40,7 @@ impl FinishReason {
         match self {
             Self::Stop => "stop",
             Self::Length => "length",
+            Self::ToolCalls => "tool_calls",
         }
     }
 }
@@ -82,6 +85,27 @@ pub fn chat_response(id: &str, created: u64, model: &str, text: &str, finish: Fi
     let mut map = envelope(id, "chat.completion", created, model, choice);
     map.insert("usage".into(), usage.to_json());
     Value::Object(map)
+}
+
+/// A chat body whose answer called tools: the message's `content` (null when only calls
+/// were written) and `tool_calls`, and `finish_reason` `tool_calls` unless the answer
+/// was cut at its length.
+pub fn with_tool_calls(mut body: Value, content: Option<&str>, calls: &[super::ToolCall]) -> Value {
+    if let Some(choice) = body["choices"].get_mut(0) {
+        choice["message"]["content"] = content.map_or(Value::Null, Value::from);
+        choice["message"]["tool_calls"] = calls.iter().map(super::ToolCall::to_json).collect();
+        if choice["finish_reason"] == FinishReason::Stop.as_str() {
+            choice["finish_reason"] = FinishReason::ToolCalls.as_str().into();
+        }
+    }
+    body
+}
+
+/// A streamed chat chunk carrying tool calls `first_index..` whole, as deltas.
+pub fn tool_calls_chunk(id: &str, created: u64, model: &str, first_index: usize, calls: &[super::ToolCall]) -> Value {
+    let deltas: Vec<Value> = calls.iter().enumerate().map(|(i, c)| c.delta_json(first_index + i)).collect();
+    let choice = json!({"index": 0, "delta": {"tool_calls": deltas}, "logprobs": null, "finish_reason": null});
+    Value::Object(envelope(id, "chat.completion.chunk", created, model, choice))
 }
 
 /// One `data:` event of a streamed completion.

@@ -8,6 +8,7 @@ use std::fmt;
 use minijinja::syntax::SyntaxConfig;
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, Value, context};
 
+use super::tools::{self, Tool};
 use super::{ApiError, ChatMessage};
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -15,6 +16,8 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// A compiled chat template with the tokenizer's special tokens.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template reads a `tools` variable (renders tools and calls itself).
+    knows_tools: bool,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -59,16 +62,49 @@ impl ChatTemplate {
         });
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(|e| format!("invalid chat template: {e:#}"))?;
-        Ok(Self { env, bos_token, eos_token })
+        let knows_tools = source.contains("tools");
+        Ok(Self { env, knows_tools, bos_token, eos_token })
     }
 
     /// Renders the conversation; a template that refuses it (`raise_exception`, e.g. roles out
     /// of order) or fails on it is the client's 400, with the template's message.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ApiError> {
-        let messages: Vec<Value> =
-            messages.iter().map(|m| context! { role => m.role.as_str(), content => m.content.as_str() }).collect();
+    /// The prompt of a conversation that may offer `tools`: through the template's
+    /// own `tools` variable when it has one, else as plain messages in the Hermes style
+    /// (see [`tools::plain_messages`]).
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: &[Tool],
+    ) -> Result<String, ApiError> {
+        let has_tool_turns = messages.iter().any(|m| m.role == "tool" || !m.tool_calls.is_empty());
+        if !self.knows_tools && (!tools.is_empty() || has_tool_turns) {
+            return self.render(&tools::plain_messages(messages, tools), add_generation_prompt, &[]);
+        }
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                let calls: Vec<Value> = m
+                    .tool_calls
+                    .iter()
+                    .map(|c| {
+                        let function = context! { name => c.name.as_str(), arguments => Value::from(minijinja::value::Serde(c.arguments_value())) };
+                        context! { id => c.id.as_str(), type => "function", function }
+                    })
+                    .collect();
+                let calls = if calls.is_empty() { Value::UNDEFINED } else { Value::from(calls) };
+                let call_id = m.tool_call_id.as_deref().map_or(Value::UNDEFINED, Value::from);
+                context! { role => m.role.as_str(), content => m.content.as_str(), tool_calls => calls, tool_call_id => call_id }
+            })
+            .collect();
+        let tools: Value = if tools.is_empty() {
+            Value::UNDEFINED
+        } else {
+            Value::from(tools.iter().map(|t| Value::from(minijinja::value::Serde(&t.raw))).collect::<Vec<_>>())
+        };
         let ctx = context! {
             messages,
+            tools,
             add_generation_prompt,
             // Left undefined when the tokenizer has none, as transformers does.
             bos_token => self.bos_token.as_deref().map_or(Value::UNDEFINED, Value::from),
@@ -111,7 +147,7 @@ mod tests {
         {% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage::text(role, content.into())
     }
 
     fn template(source: &str) -> ChatTemplate {
@@ -120,7 +156,7 @@ mod tests {
     }
 
     fn render(t: &ChatTemplate, messages: &[ChatMessage], add_generation_prompt: bool) -> String {
-        t.render(messages, add_generation_prompt).unwrap_or_else(|e| panic!("{e}"))
+        t.render(messages, add_generation_prompt, &[]).unwrap_or_else(|e| panic!("{e}"))
     }
 
     #[test]
@@ -150,7 +186,7 @@ mod tests {
     #[test]
     fn raise_exception_is_the_clients_400_with_the_templates_words() {
         let t = template(LLAMA3);
-        let err = t.render(&[msg("user", "a"), msg("user", "b")], true).err();
+        let err = t.render(&[msg("user", "a"), msg("user", "b")], true, &[]).err();
         assert_eq!(
             err,
             Some(ApiError::bad_request(
@@ -163,7 +199,7 @@ mod tests {
     #[test]
     fn other_render_failures_are_400_too() {
         let t = template("{{ messages[0]['content'] + 1 }}");
-        let err = t.render(&[msg("user", "a")], false).err();
+        let err = t.render(&[msg("user", "a")], false, &[]).err();
         assert!(err.as_ref().is_some_and(|e| e.status == 400 && e.message.contains("could not render")), "{err:?}");
     }
 

@@ -282,7 +282,7 @@ fn check_accepted(request: &GenerationRequest, chat: bool) -> Result<(), TestCas
         (Prompt::Chat(messages), true) => {
             prop_assert!(!messages.is_empty());
             for m in messages {
-                prop_assert!(["system", "user", "assistant"].contains(&m.role.as_str()), "role {}", m.role);
+                prop_assert!(["system", "user", "assistant", "tool"].contains(&m.role.as_str()), "role {}", m.role);
             }
         }
         (Prompt::Text(_), false) => prop_assert!(request.max_tokens.is_some()),
@@ -322,7 +322,7 @@ fn render(messages: &[ChatMessage]) -> Result<(), TestCaseError> {
     for source in [CHATML, LLAMA3] {
         let template =
             ChatTemplate::new(source, Some("<s>".into()), Some("</s>".into())).map_err(TestCaseError::fail)?;
-        match template.render(messages, true) {
+        match template.render(messages, true, &[]) {
             Ok(text) => prop_assert!(messages.iter().all(|m| text.contains(m.content.trim()))),
             Err(error) => check_refused(&error)?,
         }

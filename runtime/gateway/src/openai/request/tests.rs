@@ -76,7 +76,7 @@ fn every_validation_error_names_its_param() {
             Some("messages[1].role"),
             "`wizard` is unknown",
         ),
-        (Chat, json!({"messages": [{"role": "tool", "content": "42"}]}), Some("messages[0].role"), "tools"),
+        (Chat, json!({"messages": [{"role": "tool", "content": "42"}]}), Some("messages[0].tool_call_id"), "required"),
         (Chat, json!({"messages": [{"role": "user"}]}), Some("messages[0].content"), "is required"),
         (Chat, json!({"messages": [{"role": "user", "content": 3}]}), Some("messages[0].content"), "got a number"),
         (
@@ -112,8 +112,8 @@ fn every_validation_error_names_its_param() {
         (
             Chat,
             json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}),
-            Some("messages[0].tool_calls"),
-            "tools",
+            Some("messages[0].tool_calls[0]"),
+            "\"function\"",
         ),
         (Completion, json!({"temperature": 2.5}), Some("temperature"), "between 0 and 2, got 2.5"),
         (Chat, json!({"temperature": -0.1}), Some("temperature"), "between 0 and 2"),
@@ -162,11 +162,29 @@ fn every_validation_error_names_its_param() {
         (Chat, json!({"logprobs": true, "top_logprobs": 30}), Some("top_logprobs"), "between 0 and 20"),
         (Chat, json!({"top_logprobs": 5}), Some("top_logprobs"), "needs `logprobs` set to true"),
         (Completion, json!({"suffix": "end"}), Some("suffix"), "not supported"),
-        (Chat, json!({"tools": [{"type": "function"}]}), Some("tools"), "does not support tools"),
-        (Chat, json!({"functions": [{"name": "f"}]}), Some("functions"), "does not support tools"),
-        (Chat, json!({"tool_choice": "auto"}), Some("tool_choice"), "does not support tools"),
-        (Chat, json!({"function_call": "auto"}), Some("function_call"), "does not support tools"),
-        (Chat, json!({"response_format": {"type": "json_object"}}), Some("response_format"), "structured output"),
+        (Chat, json!({"tools": [{"type": "function"}]}), Some("tools[0]"), "needs a `function` object"),
+        (Chat, json!({"functions": [{"name": "f"}]}), Some("functions"), "deprecated"),
+        (Chat, json!({"tool_choice": "auto"}), Some("tool_choice"), "needs `tools`"),
+        (Chat, json!({"function_call": "auto"}), Some("function_call"), "deprecated"),
+        (Chat, json!({"response_format": {"type": "yaml"}}), Some("response_format.type"), "json_schema"),
+        (Chat, json!({"response_format": {"type": "json_schema"}}), Some("response_format.json_schema"), "required"),
+        (Completion, json!({"guided_choice": []}), Some("guided_choice"), "at least one"),
+        (Completion, json!({"guided_regex": 5}), Some("guided_regex"), "a string"),
+        (Completion, json!({"guided_json": "{"}), Some("guided_json"), "not a JSON schema"),
+        (Completion, json!({"structured_outputs": {"yaml": "x"}}), Some("structured_outputs"), "json, regex"),
+        (
+            Completion,
+            json!({"guided_regex": "a", "response_format": {"type": "json_object"}}),
+            Some("guided_regex"),
+            "only one",
+        ),
+        (
+            Chat,
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                   "guided_regex": "a"}),
+            Some("guided_regex"),
+            "cannot be asked for",
+        ),
         (Completion, json!({"presence_penalty": 2.5}), Some("presence_penalty"), "between -2 and 2, got 2.5"),
         (Chat, json!({"frequency_penalty": "1"}), Some("frequency_penalty"), "a number"),
         (Chat, json!({"repetition_penalty": 0}), Some("repetition_penalty"), "greater than 0 and at most 2"),
@@ -233,6 +251,8 @@ fn completion_defaults_follow_openai() {
             logit_bias: vec![],
             min_tokens: 0,
             echo: false,
+            structured: None,
+            tools: crate::openai::Tools::none(),
         }
     );
     // echo, and max_tokens 0 with it alone (a scoring request).
@@ -260,7 +280,7 @@ fn completion_defaults_follow_openai() {
 fn chat_defaults_leave_max_tokens_to_the_context() {
     let r = parse_ok(Chat, json!({}));
     assert_eq!(r.max_tokens, None);
-    assert_eq!(r.prompt, Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "hi".into() }]));
+    assert_eq!(r.prompt, Prompt::Chat(vec![ChatMessage::text("user", "hi".into())]));
     assert_eq!((r.temperature, r.top_p, r.stream), (1.0, 1.0, false));
 }
 
@@ -335,10 +355,10 @@ fn chat_messages_are_normalized() {
         ]}),
     );
     let expected = vec![
-        ChatMessage { role: "system".into(), content: "be brief".into() },
-        ChatMessage { role: "user".into(), content: "héllo 日本".into() },
-        ChatMessage { role: "assistant".into(), content: String::new() },
-        ChatMessage { role: "assistant".into(), content: "ok".into() },
+        ChatMessage::text("system", "be brief".into()),
+        ChatMessage::text("user", "héllo 日本".into()),
+        ChatMessage::text("assistant", String::new()),
+        ChatMessage::text("assistant", "ok".into()),
     ];
     assert_eq!(r.prompt, Prompt::Chat(expected));
 }
@@ -349,7 +369,7 @@ fn chat_message_deserializes_string_or_text_parts() {
         json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(m, ChatMessage { role: "user".into(), content: "ab".into() });
+    assert_eq!(m, ChatMessage::text("user", "ab".into()));
     let m: ChatMessage =
         serde_json::from_value(json!({"role": "user", "content": "c"})).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(serde_json::to_value(&m).ok(), Some(json!({"role": "user", "content": "c"})));
