@@ -15,3 +15,4 @@ mod kernels_abi;
 mod model;
 mod quantize;
 mod serve;
+mod structured;

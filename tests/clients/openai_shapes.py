@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The official `openai` Python client against a running Tessera gateway: every
-response shape the gateway sends for log-probabilities, echo, penalties and their
-errors is parsed by the client's own models, and checked field by field.
+response shape the gateway sends for log-probabilities, echo, penalties, several
+choices, structured outputs, tool calls and their errors is parsed by the client's own
+models, and checked field by field.
 
     python3 -m venv .venv && .venv/bin/pip install openai
     cargo run --release -- up &          # the default cluster, gateway on :8000
@@ -10,6 +11,7 @@ errors is parsed by the client's own models, and checked field by field.
 Exits non-zero, naming the check, on the first shape the client cannot read or that
 does not say what it should.
 """
+import json
 import math
 import sys
 
@@ -81,9 +83,55 @@ r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperat
                               extra_body={"repetition_penalty": 1.2, "min_tokens": 2})
 check("penalties accepted", r.usage.completion_tokens >= 2)
 
+# Several choices, whole and streamed, each with its index.
+r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=1, seed=5, n=3)
+check("n choices carry their index", sorted(c.index for c in r.choices) == [0, 1, 2])
+r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=1, n=2, stream=True)
+check("streamed choices carry their index", {c.index for chunk in r for c in chunk.choices} == {0, 1})
+r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=1, n=2, best_of=3)
+check("best_of returns n choices", len(r.choices) == 2)
+
+# Structured outputs: the answer follows the schema even from a random model.
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}
+r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50, temperature=1,
+                                   response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}})
+check("json_schema output validates", json.loads(r.choices[0].message.content)["answer"] in ("yes", "no"))
+r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1,
+                              extra_body={"guided_choice": ["Paris", "Rome"]})
+check("guided_choice picks a choice", r.choices[0].text in ("Paris", "Rome"))
+
+# Tool calls, whole and streamed.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                         "required": ["city"], "additionalProperties": False}}}]
+r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=1, tools=TOOLS,
+                                   tool_choice="required", parallel_tool_calls=False)
+call = (r.choices[0].message.tool_calls or [None])[0]
+check("tool_calls parse", call is not None and call.function.name == "get_weather"
+      and json.loads(call.function.arguments)["city"] in ("Paris", "Rome") and call.id.startswith("call_"))
+check("a call ends with finish_reason tool_calls", r.choices[0].finish_reason == "tool_calls")
+follow = messages + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"}]
+r = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=4, temperature=0, tools=TOOLS)
+check("a conversation with a call and its result is accepted", r.choices[0].message is not None)
+stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=1, tools=TOOLS,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        parallel_tool_calls=False, stream=True)
+deltas = [d for chunk in stream for c in chunk.choices for d in (c.delta.tool_calls or [])]
+check("streamed tool-call deltas parse", len(deltas) == 1 and deltas[0].function.name == "get_weather"
+      and json.loads(deltas[0].function.arguments)["city"] in ("Paris", "Rome"))
+
 # What is refused is refused in OpenAI's error shape, naming the field.
 for what, call in [
-    ("n > 1", lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, n=2)),
+    ("n above the limit", lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, n=65)),
+    ("an invalid schema", lambda: client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}})),
+    ("a tool_choice naming no tool", lambda: client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "nope"}})),
     ("top_logprobs out of range", lambda: client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=1, logprobs=True, top_logprobs=21)),
     ("a bias on no token", lambda: client.completions.create(

@@ -373,33 +373,43 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         // must be matched as the text grows (to stop the generation early).
         delivery: if req.stream || !req.stop.is_empty() { Delivery::Stream } else { Delivery::Whole },
     };
-    let mut mailbox = st.host.mailbox();
-    if let Err(e) =
-        st.host.send_from(&mailbox, st.config.admission, Msg::Admit { client: mailbox.addr(), ask: Box::new(ask) })
-    {
-        tracing::error!("admission is unreachable: {e}");
-        return error_response(ApiError::internal("the request could not be admitted"));
+    // `n` choices (or `best_of` candidates), choice i sampled with `seed + i`.
+    let sequences = req.best_of.unwrap_or(req.n);
+    let mut ask = ask;
+    if req.best_of.is_some() && ask.sampling.logprobs.is_none() {
+        ask.sampling.logprobs = Some(0); // best_of ranks by each candidate's log-probability
     }
-    let (request_id, actor) = match mailbox.recv().await {
-        Some(Msg::Admitted { request_id, request }) => (request_id, request),
-        Some(Msg::Client { event: ClientEvent::Failed { error } }) => return error_response(api_error(&error)),
-        _ => return error_response(ApiError::internal("the request could not be admitted")),
+    let ask_for = |i: usize| {
+        let mut a = ask.clone();
+        a.sampling.seed = a.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        a
     };
-    let mut guard = RequestGuard { st: st.clone(), actor, done: false };
-
-    // Wait for the first event, so a request that cannot be served gets its status.
-    let first = match mailbox.recv().await {
-        Some(Msg::Client { event: ClientEvent::Failed { error } }) => {
-            guard.done = true;
-            return error_response(api_error(&error));
-        }
-        Some(Msg::Client { event }) => event,
-        _ => {
-            guard.done = true;
-            return error_response(ApiError::internal("the request ended without a result"));
-        }
-    };
+    // The first sequence computes the prompt. The others are admitted once it has (its
+    // first event came), so each finds the prompt's full blocks in the chip's prefix
+    // cache and computes only the tokens of its last, partial block.
+    let mut admitted = Vec::with_capacity(sequences);
+    match admit(&st, ask_for(0)).await {
+        Ok(a) => admitted.push(a),
+        Err(e) => return error_response(e),
+    }
     metrics::histogram!("tessera_request_ttft_seconds").record(started.elapsed().as_secs_f64());
+    let mut sent = Vec::with_capacity(sequences - 1);
+    for i in 1..sequences {
+        match send_admit(&st, ask_for(i)) {
+            Ok(mailbox) => sent.push(mailbox),
+            Err(e) => return error_response(e),
+        }
+    }
+    for mailbox in sent {
+        match await_admitted(&st, mailbox).await {
+            Ok(a) => admitted.push(a),
+            Err(e) => return error_response(e),
+        }
+    }
+    if sequences > 1 {
+        metrics::counter!("tessera_gateway_forked_sequences_total").increment(sequences as u64 - 1);
+    }
+    let request_id = admitted[0].request_id;
     let ctx = Completion {
         id: match endpoint {
             Endpoint::Completions => format!("cmpl-{request_id:x}"),
@@ -424,10 +434,58 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         tools: req.tools.active(),
     };
     if req.stream {
-        stream_response(st, ctx, mailbox, guard, first, req.include_usage)
+        stream_response(st, ctx, admitted, req.include_usage)
     } else {
-        whole_response(st, ctx, mailbox, guard, first).await
+        whole_response(st, ctx, admitted, req.n, req.best_of.is_some()).await
     }
+}
+
+/// A sequence admission took, with its first event (it is served: its prompt is
+/// computed, or it failed).
+struct Admitted {
+    request_id: u64,
+    mailbox: Mailbox<Msg>,
+    guard: RequestGuard,
+    first: ClientEvent,
+}
+
+async fn admit(st: &Arc<GatewayState>, ask: AdmitAsk) -> Result<Admitted, ApiError> {
+    let mailbox = send_admit(st, ask)?;
+    await_admitted(st, mailbox).await
+}
+
+/// Asks admission to serve `ask`; its answers come to the mailbox returned.
+fn send_admit(st: &Arc<GatewayState>, ask: AdmitAsk) -> Result<Mailbox<Msg>, ApiError> {
+    let mailbox = st.host.mailbox();
+    let admit = Msg::Admit { client: mailbox.addr(), ask: Box::new(ask) };
+    st.host.send_from(&mailbox, st.config.admission, admit).map_err(|e| {
+        tracing::error!("admission is unreachable: {e}");
+        ApiError::internal("the request could not be admitted")
+    })?;
+    Ok(mailbox)
+}
+
+/// Waits for admission's answer and the request's first event, so a request that
+/// cannot be served gets its status.
+async fn await_admitted(st: &Arc<GatewayState>, mut mailbox: Mailbox<Msg>) -> Result<Admitted, ApiError> {
+    let (request_id, actor) = match mailbox.recv().await {
+        Some(Msg::Admitted { request_id, request }) => (request_id, request),
+        Some(Msg::Client { event: ClientEvent::Failed { error } }) => return Err(api_error(&error)),
+        _ => return Err(ApiError::internal("the request could not be admitted")),
+    };
+    let mut guard = RequestGuard { st: st.clone(), actor, done: false };
+    let first = match mailbox.recv().await {
+        Some(Msg::Client { event: ClientEvent::Failed { error } }) => {
+            guard.done = true;
+            return Err(api_error(&error));
+        }
+        Some(Msg::Client { event }) => event,
+        _ => {
+            guard.done = true;
+            return Err(ApiError::internal("the request ended without a result"));
+        }
+    };
+    Ok(Admitted { request_id, mailbox, guard, first })
 }
 
 struct Completion {
@@ -567,13 +625,68 @@ fn finish_reason(f: Finish) -> FinishReason {
     }
 }
 
+/// The body of a response read whole: its `n` choices, or with `best_of` the `n` of the
+/// candidates with the highest log-probability (summed over their tokens).
 async fn whole_response(
     st: Arc<GatewayState>,
     ctx: Completion,
-    mut mailbox: Mailbox<Msg>,
-    mut guard: RequestGuard,
-    first: ClientEvent,
+    admitted: Vec<Admitted>,
+    n: usize,
+    best_of: bool,
 ) -> Response {
+    let ctx = Arc::new(ctx);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, a) in admitted.into_iter().enumerate() {
+        let (st, ctx) = (st.clone(), ctx.clone());
+        tasks.spawn(async move { (i, whole_choice(st, ctx, a).await) });
+    }
+    let mut choices = Vec::new();
+    // Dropping the set (an error) aborts the other choices, whose guards cancel them.
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((i, Ok(choice))) => choices.push((i, choice)),
+            Ok((_, Err(e))) => return error_response(e),
+            Err(e) => {
+                tracing::error!("a choice's task failed: {e}");
+                return error_response(ApiError::internal("The server could not complete the request."));
+            }
+        }
+    }
+    choices.sort_by_key(|(i, _)| *i);
+    let completion_tokens: usize = choices.iter().map(|(_, c)| c.completion_tokens).sum();
+    if best_of {
+        choices.sort_by(|(i, a), (j, b)| b.logprob.total_cmp(&a.logprob).then(i.cmp(j)));
+    }
+    choices.truncate(n);
+    metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
+    let Some(mut body) = choices.first().map(|(_, c)| c.body.clone()) else {
+        return error_response(ApiError::internal("the request ended without a result"));
+    };
+    let indexed: Vec<Value> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, c))| {
+            let mut choice = c.body["choices"][0].clone();
+            choice["index"] = i.into();
+            choice
+        })
+        .collect();
+    body["choices"] = indexed.into();
+    body["usage"]["completion_tokens"] = completion_tokens.into();
+    body["usage"]["total_tokens"] = (ctx.prompt_tokens + completion_tokens).into();
+    (StatusCode::OK, axum::Json(body)).into_response()
+}
+
+/// One choice of a response read whole, in a body of its own.
+struct WholeChoice {
+    body: Value,
+    completion_tokens: usize,
+    /// The sum of its tokens' log-probabilities (when they were asked for).
+    logprob: f64,
+}
+
+async fn whole_choice(st: Arc<GatewayState>, ctx: Arc<Completion>, a: Admitted) -> Result<WholeChoice, ApiError> {
+    let Admitted { mut mailbox, mut guard, first, .. } = a;
     let tokenizer = st.tokenizer.clone();
     let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone(), ctx.stop_ids.clone());
     let mut out = String::new();
@@ -585,7 +698,7 @@ async fn whole_response(
             Some(e) => e,
             None => match mailbox.recv().await {
                 Some(Msg::Client { event }) => event,
-                _ => return error_response(ApiError::internal("the request ended without a result")),
+                _ => return Err(ApiError::internal("the request ended without a result")),
             },
         };
         match ev {
@@ -594,7 +707,7 @@ async fn whole_response(
                     out.push_str(&s);
                     entries.extend(taken);
                 }
-                Err(e) => return error_response(e),
+                Err(e) => return Err(e),
             },
             ClientEvent::PromptLogprobs { logprobs, .. } => {
                 prompt_entries.extend(logprobs.iter().map(|lp| token_entry(&tokenizer, lp)));
@@ -605,7 +718,7 @@ async fn whole_response(
             }
             ClientEvent::Failed { error } => {
                 guard.done = true;
-                return error_response(api_error(&error));
+                return Err(api_error(&error));
             }
         }
         if text.stopped {
@@ -613,10 +726,7 @@ async fn whole_response(
             break FinishReason::Stop;
         }
     };
-    match text.finish() {
-        Ok(s) => out.push_str(&s),
-        Err(e) => return error_response(e),
-    }
+    out.push_str(&text.finish()?);
     let mut completion_tokens = text.completion_tokens;
     if !ctx.output {
         // max_tokens 0: the one token decoded is not part of the answer.
@@ -624,7 +734,7 @@ async fn whole_response(
         entries.clear();
     }
     let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens };
-    metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
+    let logprob = entries.iter().map(|e| f64::from(e.logprob)).sum();
     let shown = match &ctx.echo {
         Some(echo) => format!("{}{out}", echo.text),
         None => out,
@@ -649,7 +759,7 @@ async fn whole_response(
         };
         body = openai::with_logprobs(body, logprobs);
     }
-    (StatusCode::OK, axum::Json(body)).into_response()
+    Ok(WholeChoice { body, completion_tokens, logprob })
 }
 
 fn chunk(ctx: &Completion, text: Option<&str>, first: bool, finish: Option<FinishReason>) -> Value {
@@ -659,135 +769,150 @@ fn chunk(ctx: &Completion, text: Option<&str>, first: bool, finish: Option<Finis
     }
 }
 
-fn stream_response(
-    st: Arc<GatewayState>,
-    ctx: Completion,
-    mut mailbox: Mailbox<Msg>,
-    mut guard: RequestGuard,
-    first: ClientEvent,
-    include_usage: bool,
-) -> Response {
+type EventSender = tokio::sync::mpsc::Sender<Result<Event, Infallible>>;
+
+/// A streamed response: each choice's chunks as they come (each with its `index`),
+/// then the usage chunk if asked for, then `[DONE]`.
+fn stream_response(st: Arc<GatewayState>, ctx: Completion, admitted: Vec<Admitted>, include_usage: bool) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     tokio::spawn(async move {
-        let tokenizer = st.tokenizer.clone();
-        let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone(), ctx.stop_ids.clone());
-        let data = |v: Value| Ok(Event::default().data(v.to_string()));
-        let mut sent_role = false;
-        if ctx.endpoint == Endpoint::Chat {
-            sent_role = true;
-            if tx.send(data(chunk(&ctx, Some(""), true, None))).await.is_err() {
-                return;
-            }
+        let ctx = Arc::new(ctx);
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, a) in admitted.into_iter().enumerate() {
+            tasks.spawn(stream_choice(st.clone(), ctx.clone(), a, i, tx.clone()));
         }
-        let _ = sent_role;
-        let mut event = Some(first);
-        // Characters of token text streamed so far (completions' `text_offset`).
-        let mut offset = 0;
-        let mut calls = ctx.tools.then(|| openai::ToolCallParser::new(ctx.call_id_prefix()));
-        let finish = loop {
-            let ev = match event.take() {
-                Some(e) => e,
-                None => tokio::select! {
-                    m = mailbox.recv() => match m {
-                        Some(Msg::Client { event }) => event,
-                        _ => ClientEvent::Failed { error: ServeError::new(ErrorKind::Internal, "the request ended without a result") },
-                    },
-                    // The client went away: the guard cancels the request.
-                    _ = tx.closed() => return,
-                },
-            };
-            match ev {
-                ClientEvent::Tokens { tokens, logprobs } => match text.push_with(&tokens, &logprobs, &tokenizer) {
-                    Ok((s, taken)) if !s.is_empty() || (ctx.logprobs && !taken.is_empty()) => {
-                        let s = match calls.as_mut() {
-                            Some(parser) => match send_calls(&tx, &ctx, parser.push(&s), parser.calls()).await {
-                                Some(content) => content,
-                                None => return,
-                            },
-                            None => s,
-                        };
-                        if s.is_empty() && (!ctx.logprobs || taken.is_empty()) {
-                            continue;
-                        }
-                        let mut c = chunk(&ctx, Some(&s), false, None);
-                        if ctx.logprobs {
-                            c = openai::with_logprobs(c, ctx.logprobs_json(&taken, offset));
-                            offset += taken.iter().map(|e| e.text.chars().count()).sum::<usize>();
-                        }
-                        if tx.send(data(c)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        let _ = tx.send(data(e.to_json())).await;
-                        break None;
-                    }
-                },
-                // Echo (the only way to ask for these) is refused on streams.
-                ClientEvent::PromptLogprobs { .. } => {}
-                ClientEvent::Finished { finish, .. } => {
-                    guard.done = true;
-                    break Some(finish_reason(finish));
-                }
-                ClientEvent::Failed { error } => {
-                    guard.done = true;
-                    let _ = tx.send(data(api_error(&error).to_json())).await;
-                    break None;
-                }
-            }
-            if text.stopped {
-                break Some(FinishReason::Stop);
-            }
-        };
-        if let Some(mut finish) = finish {
-            let mut rest = text.finish().unwrap_or_default();
-            if let Some(parser) = calls.as_mut() {
-                let mut parsed = parser.push(&rest);
-                let end = parser.finish();
-                parsed.content.push_str(&end.content);
-                parsed.calls.extend(end.calls);
-                rest = match send_calls(&tx, &ctx, parsed, parser.calls()).await {
-                    Some(content) => content,
-                    None => return,
-                };
-                if parser.calls() > 0 && finish == FinishReason::Stop {
-                    finish = FinishReason::ToolCalls;
-                }
-            }
-            if !rest.is_empty() && tx.send(data(chunk(&ctx, Some(&rest), false, None))).await.is_err() {
-                return;
-            }
-            if tx.send(data(chunk(&ctx, None, false, Some(finish)))).await.is_err() {
-                return;
-            }
+        let mut completion_tokens = Some(0);
+        while let Some(joined) = tasks.join_next().await {
+            let tokens = joined.ok().flatten();
+            completion_tokens = completion_tokens.zip(tokens).map(|(a, b)| a + b);
+        }
+        // Every choice ended (none failed or lost its client).
+        if let Some(completion_tokens) = completion_tokens {
             if include_usage {
-                let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens: text.completion_tokens };
+                let usage = Usage { prompt_tokens: ctx.prompt_tokens, completion_tokens };
                 let object = match ctx.endpoint {
                     Endpoint::Completions => "text_completion",
                     Endpoint::Chat => "chat.completion.chunk",
                 };
-                let _ = tx.send(data(openai::usage_chunk(&ctx.id, ctx.created, &ctx.model, object, usage))).await;
+                let chunk = openai::usage_chunk(&ctx.id, ctx.created, &ctx.model, object, usage);
+                let _ = tx.send(Ok(Event::default().data(chunk.to_string()))).await;
             }
             metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-        drop(guard);
     });
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx)).into_response()
+}
+
+/// Streams choice `index`; returns its completion tokens once it ended, or `None` if it
+/// failed or the client went away.
+async fn stream_choice(
+    st: Arc<GatewayState>,
+    ctx: Arc<Completion>,
+    a: Admitted,
+    index: usize,
+    tx: EventSender,
+) -> Option<usize> {
+    let Admitted { mut mailbox, mut guard, first, .. } = a;
+    let chunk = |text: Option<&str>, first: bool, finish: Option<FinishReason>| {
+        let mut c = chunk(&ctx, text, first, finish);
+        c["choices"][0]["index"] = index.into();
+        c
+    };
+    let tokenizer = st.tokenizer.clone();
+    let mut text = TextAssembler::new(&tokenizer, ctx.stops.clone(), ctx.stop_ids.clone());
+    let data = |v: Value| Ok(Event::default().data(v.to_string()));
+    if ctx.endpoint == Endpoint::Chat {
+        tx.send(data(chunk(Some(""), true, None))).await.ok()?;
+    }
+    let mut event = Some(first);
+    // Characters of token text streamed so far (completions' `text_offset`).
+    let mut offset = 0;
+    let mut calls = ctx.tools.then(|| openai::ToolCallParser::new(ctx.call_id_prefix()));
+    let finish = loop {
+        let ev = match event.take() {
+            Some(e) => e,
+            None => tokio::select! {
+                m = mailbox.recv() => match m {
+                    Some(Msg::Client { event }) => event,
+                    _ => ClientEvent::Failed { error: ServeError::new(ErrorKind::Internal, "the request ended without a result") },
+                },
+                // The client went away: the guard cancels the request.
+                _ = tx.closed() => return None,
+            },
+        };
+        match ev {
+            ClientEvent::Tokens { tokens, logprobs } => match text.push_with(&tokens, &logprobs, &tokenizer) {
+                Ok((s, taken)) if !s.is_empty() || (ctx.logprobs && !taken.is_empty()) => {
+                    let s = match calls.as_mut() {
+                        Some(parser) => send_calls(&tx, &ctx, index, parser.push(&s), parser.calls()).await?,
+                        None => s,
+                    };
+                    if s.is_empty() && (!ctx.logprobs || taken.is_empty()) {
+                        continue;
+                    }
+                    let mut c = chunk(Some(&s), false, None);
+                    if ctx.logprobs {
+                        c = openai::with_logprobs(c, ctx.logprobs_json(&taken, offset));
+                        offset += taken.iter().map(|e| e.text.chars().count()).sum::<usize>();
+                    }
+                    tx.send(data(c)).await.ok()?;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    let _ = tx.send(data(e.to_json())).await;
+                    break None;
+                }
+            },
+            // Echo (the only way to ask for these) is refused on streams.
+            ClientEvent::PromptLogprobs { .. } => {}
+            ClientEvent::Finished { finish, .. } => {
+                guard.done = true;
+                break Some(finish_reason(finish));
+            }
+            ClientEvent::Failed { error } => {
+                guard.done = true;
+                let _ = tx.send(data(api_error(&error).to_json())).await;
+                break None;
+            }
+        }
+        if text.stopped {
+            break Some(FinishReason::Stop);
+        }
+    };
+    let mut finish = finish?;
+    let mut rest = text.finish().unwrap_or_default();
+    if let Some(parser) = calls.as_mut() {
+        let mut parsed = parser.push(&rest);
+        let end = parser.finish();
+        parsed.content.push_str(&end.content);
+        parsed.calls.extend(end.calls);
+        rest = send_calls(&tx, &ctx, index, parsed, parser.calls()).await?;
+        if parser.calls() > 0 && finish == FinishReason::Stop {
+            finish = FinishReason::ToolCalls;
+        }
+    }
+    if !rest.is_empty() {
+        tx.send(data(chunk(Some(&rest), false, None))).await.ok()?;
+    }
+    tx.send(data(chunk(None, false, Some(finish)))).await.ok()?;
+    drop(guard);
+    Some(text.completion_tokens)
 }
 
 /// Sends the calls `parsed` completed (the last of `total` so far) as one tool-call
 /// chunk; returns its content, or `None` when the client is gone.
 async fn send_calls(
-    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
+    tx: &EventSender,
     ctx: &Completion,
+    index: usize,
     parsed: openai::Parsed,
     total: usize,
 ) -> Option<String> {
     if !parsed.calls.is_empty() {
         let first = total - parsed.calls.len();
-        let c = openai::tool_calls_chunk(&ctx.id, ctx.created, &ctx.model, first, &parsed.calls);
+        let mut c = openai::tool_calls_chunk(&ctx.id, ctx.created, &ctx.model, first, &parsed.calls);
+        c["choices"][0]["index"] = index.into();
         tx.send(Ok(Event::default().data(c.to_string()))).await.ok()?;
     }
     Some(parsed.content)

@@ -96,7 +96,16 @@ pub struct GenerationRequest {
     pub structured: Option<(Structured, &'static str)>,
     /// Chat: the tools the model may call.
     pub tools: Tools,
+    /// Choices to return, each sampled with its own generator: choice i with `seed + i`
+    /// (so each equals a one-choice request with that seed).
+    pub n: usize,
+    /// Completions: generate this many candidates and return the `n` whose tokens have
+    /// the highest summed log-probability. Not with `stream`.
+    pub best_of: Option<usize>,
 }
+
+/// The most choices (`n`, `best_of`) one request may ask for.
+pub const MAX_CHOICES: usize = 64;
 
 /// A structured output: `response_format` (OpenAI) or vLLM's `guided_*` fields and
 /// their newer `structured_outputs` object.
@@ -137,7 +146,23 @@ pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
         None | Some(Value::Null) => None,
         Some(_) => Some(body.top_logprobs("logprobs")?),
     };
-    Ok(GenerationRequest { logprobs, echo, ..parse_sampling(&body, model, prompt, Some(max_tokens))? })
+    let req = parse_sampling(&body, model, prompt, Some(max_tokens))?;
+    let best_of = match body.choices("best_of")? {
+        None => None,
+        Some(b) if b < req.n => {
+            return Err(ApiError::bad_request(
+                format!("`best_of` must be at least `n` ({}), got {b}", req.n),
+                Some("best_of"),
+            ));
+        }
+        // As many candidates as choices: every one is returned.
+        Some(b) if b == req.n => None,
+        Some(_) if req.stream => {
+            return Err(ApiError::bad_request("`best_of` cannot be used with `stream`", Some("best_of")));
+        }
+        Some(b) => Some(b),
+    };
+    Ok(GenerationRequest { logprobs, echo, best_of, ..req })
 }
 
 /// Parses `POST /v1/chat/completions`.
@@ -303,6 +328,8 @@ fn parse_sampling(
         echo: false,
         structured,
         tools: Tools::none(),
+        n: body.choices("n")?.unwrap_or(1),
+        best_of: None,
     })
 }
 
@@ -684,16 +711,14 @@ fn is_none_choice(v: &Value) -> bool {
 }
 
 // Neutral values are accepted because several client libraries send them on every request.
-const COMMON_UNSUPPORTED: &[Unsupported] = &[
-    Unsupported { key: "n", neutral: is_one, message: "must be 1: one choice per request is supported" },
-    Unsupported { key: "best_of", neutral: is_one, message: "is not supported" },
-    Unsupported { key: "min_p", neutral: is_zero, message: "is not supported: it must be 0" },
-];
+const COMMON_UNSUPPORTED: &[Unsupported] =
+    &[Unsupported { key: "min_p", neutral: is_zero, message: "is not supported: it must be 0" }];
 
 const COMPLETION_UNSUPPORTED: &[Unsupported] =
     &[Unsupported { key: "suffix", neutral: |v| v.as_str() == Some(""), message: "is not supported" }];
 
 const CHAT_UNSUPPORTED: &[Unsupported] = &[
+    Unsupported { key: "best_of", neutral: is_one, message: "is a completions parameter; use `n`" },
     Unsupported { key: "functions", neutral: is_empty_array, message: "are deprecated and not supported: use `tools`" },
     Unsupported {
         key: "function_call",
@@ -765,6 +790,17 @@ impl Body<'_> {
                 Ok(n.as_u64().map(i128::from).or(n.as_i64().map(i128::from)))
             }
             Some(other) => Err(wrong_type(key, "an integer", other)),
+        }
+    }
+
+    /// A count of choices, 1..=[`MAX_CHOICES`].
+    fn choices(&self, key: &str) -> Result<Option<usize>, ApiError> {
+        match self.integer(key)? {
+            None => Ok(None),
+            Some(n) if (1..=MAX_CHOICES as i128).contains(&n) => Ok(Some(n as usize)),
+            Some(n) => {
+                Err(ApiError::bad_request(format!("`{key}` must be between 1 and {MAX_CHOICES}, got {n}"), Some(key)))
+            }
         }
     }
 

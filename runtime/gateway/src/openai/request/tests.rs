@@ -150,9 +150,11 @@ fn every_validation_error_names_its_param() {
         (Completion, json!({"stop_token_ids": [-1]}), Some("stop_token_ids"), "between 0 and"),
         (Completion, json!({"stop_token_ids": 5}), Some("stop_token_ids"), "an array of token ids"),
         (Chat, json!({"ignore_eos": "true"}), Some("ignore_eos"), "must be a boolean"),
-        (Completion, json!({"n": 2}), Some("n"), "must be 1"),
-        (Chat, json!({"n": 3}), Some("n"), "must be 1"),
-        (Completion, json!({"best_of": 2}), Some("best_of"), "not supported"),
+        (Completion, json!({"n": 0}), Some("n"), "between 1 and 64"),
+        (Chat, json!({"n": 65}), Some("n"), "between 1 and 64"),
+        (Completion, json!({"n": 3, "best_of": 2}), Some("best_of"), "at least `n` (3)"),
+        (Completion, json!({"best_of": 2, "stream": true}), Some("best_of"), "`stream`"),
+        (Chat, json!({"best_of": 2}), Some("best_of"), "completions parameter"),
         (Completion, json!({"echo": true, "stream": true}), Some("echo"), "non-streamed completions only"),
         (Completion, json!({"max_tokens": 0}), Some("max_tokens"), "at least 1"),
         (Completion, json!({"logprobs": 21}), Some("logprobs"), "between 0 and 20, got 21"),
@@ -253,6 +255,8 @@ fn completion_defaults_follow_openai() {
             echo: false,
             structured: None,
             tools: crate::openai::Tools::none(),
+            n: 1,
+            best_of: None,
         }
     );
     // echo, and max_tokens 0 with it alone (a scoring request).
