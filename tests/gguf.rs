@@ -58,13 +58,11 @@ fn damaged_gguf_files_exit_non_zero_with_a_clear_message() {
     }
 }
 
-/// The same file served disaggregated (prefill on an emulated Ascend 910B, decode on an
-/// emulated MetaX C500) through the OpenAI gateway: the completion is byte-identical to
-/// `generate`'s, and the chat answer names Paris.
-#[test]
-fn smollm2_gguf_serves_disaggregated_through_the_gateway() {
-    use crate::serve_kit::{ChipDef, Cluster, get, post_json, topology_of};
-    let model = smollm2();
+/// The shared SmolLM2 file served disaggregated: prefill on an emulated Ascend 910B
+/// (host h0), decode on an emulated MetaX C500 (host h1), prompts of 4 tokens or more
+/// split; served as `smollm2`. Returns once both chips are up.
+pub(crate) fn smollm2_disaggregated() -> crate::serve_kit::Cluster {
+    use crate::serve_kit::{ChipDef, Cluster, topology_of};
     let chips = [
         ChipDef {
             host: "h0",
@@ -79,9 +77,20 @@ fn smollm2_gguf_serves_disaggregated_through_the_gateway() {
         },
     ];
     let mut topo = topology_of(&chips, "[disagg]\nmin_prompt_tokens = 4", "served_model_name = \"smollm2\"", 2000);
-    topo.toml = topo.toml.replace("builtin:tiny", &model.display().to_string());
+    topo.toml = topo.toml.replace("builtin:tiny", &smollm2().display().to_string());
     let mut cluster = Cluster::up(&topo);
     cluster.wait_ready(2);
+    cluster
+}
+
+/// The same file served disaggregated (prefill on an emulated Ascend 910B, decode on an
+/// emulated MetaX C500) through the OpenAI gateway: the completion is byte-identical to
+/// `generate`'s, and the chat answer names Paris.
+#[test]
+fn smollm2_gguf_serves_disaggregated_through_the_gateway() {
+    use crate::serve_kit::{get, post_json};
+    let model = smollm2();
+    let cluster = smollm2_disaggregated();
 
     let (expected, _) = generate(&model, "The capital of France is", 8);
     let body = serde_json::json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});

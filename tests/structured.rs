@@ -3,37 +3,14 @@
 //! decode on an emulated MetaX C500): the grammar is enforced on the chip that samples.
 //! Sampled at temperature 1, so the model, left alone, would rarely write valid JSON.
 
-use crate::serve_kit::{ChipDef, Cluster, get, post_json, post_stream, topology_of};
+use crate::serve_kit::{get, post_json, post_stream};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
-use std::path::Path;
 
 /// Requests of each kind the acceptance asks to hold in every case.
 const REQUESTS: usize = 50;
 /// Requests in flight at once.
 const CONCURRENCY: usize = 8;
-
-fn smollm2_cluster() -> Cluster {
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let chips = [
-        ChipDef {
-            host: "h0",
-            id: "h0-ascend0".into(),
-            toml: "kind = \"ascend-910b\"\nbackend = \"emu:ascend-910b\"\nrole = \"prefill\"".into(),
-        },
-        ChipDef {
-            host: "h1",
-            id: "h1-metax0".into(),
-            toml: "kind = \"metax-c500\"\nbackend = \"emu:metax-c500\"\nrole = \"decode\"\nkv_layout = \"token-major\""
-                .into(),
-        },
-    ];
-    let mut topo = topology_of(&chips, "[disagg]\nmin_prompt_tokens = 4", "served_model_name = \"smollm2\"", 2000);
-    topo.toml = topo.toml.replace("builtin:tiny", &model.display().to_string());
-    let mut cluster = Cluster::up(&topo);
-    cluster.wait_ready(2);
-    cluster
-}
 
 /// `bodies` posted to `path`, [`CONCURRENCY`] at a time; the responses in order.
 fn post_all(gateway: SocketAddr, path: &str, bodies: Vec<Value>) -> Vec<Value> {
@@ -153,7 +130,7 @@ fn call_error(call: &Value) -> Option<String> {
 
 #[test]
 fn smollm2_follows_schemas_and_calls_tools_and_samples_several_choices() {
-    let cluster = smollm2_cluster();
+    let cluster = crate::gguf::smollm2_disaggregated();
     let gw = cluster.gateway;
 
     // 1. JSON schemas: every answer validates.
