@@ -75,6 +75,10 @@ impl Grammars {
     }
 }
 
+/// The tokens a grammar allows at one position.
+#[derive(Debug)]
+pub struct Allowed(SimpleVob);
+
 /// One sequence's grammar state.
 pub struct Constraint {
     matcher: Matcher,
@@ -91,14 +95,22 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
-    /// Sets to -inf every logit of a token the grammar does not allow next (ids beyond
-    /// the tokenizer's vocabulary included); once the grammar is complete only the
-    /// end-of-sequence token is left.
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+    /// The tokens the grammar allows next: only the end-of-sequence token once it is
+    /// complete. The costly half of masking, independent of the logits, so it can run
+    /// beside the forward pass that computes them.
+    pub fn allowed(&mut self) -> Result<Allowed> {
         let started = Instant::now();
-        let allowed: SimpleVob = self.matcher.compute_mask_or_eos().map_err(|e| self.failed(e))?;
+        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| self.failed(e))?;
+        self.mask_s += started.elapsed().as_secs_f64();
+        self.masks += 1;
+        Ok(Allowed(allowed))
+    }
+
+    /// Sets to -inf every logit of a token `allowed` rules out (ids beyond the
+    /// tokenizer's vocabulary included).
+    pub fn apply(&self, allowed: &Allowed, logits: &mut [f32]) {
         let known = self.vocab_size.min(logits.len());
-        allowed.iter_unset_entries(|id| {
+        allowed.0.iter_unset_entries(|id| {
             if id < known {
                 logits[id] = f32::NEG_INFINITY;
             }
@@ -106,8 +118,12 @@ impl Constraint {
         for l in &mut logits[known..] {
             *l = f32::NEG_INFINITY;
         }
-        self.mask_s += started.elapsed().as_secs_f64();
-        self.masks += 1;
+    }
+
+    /// [`allowed`](Self::allowed) then [`apply`](Self::apply).
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+        let allowed = self.allowed()?;
+        self.apply(&allowed, logits);
         Ok(())
     }
 

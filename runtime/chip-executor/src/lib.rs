@@ -30,7 +30,7 @@ use tessera_actors::chip::executor::{KvInstall, StepExecutor};
 use tessera_actors::msg::{
     ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome, TokenLogprob,
 };
-use tessera_backends::constraint::{Constraint, Grammars};
+use tessera_backends::constraint::{Allowed, Constraint, Grammars};
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::{DType, Quantize};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
@@ -164,15 +164,20 @@ struct SeqSampler {
 }
 
 impl SeqSampler {
-    /// Picks the next token from `row` (raw logits), within the grammar if it has one;
-    /// `masked` is scratch space for the masked row.
-    fn sample(&mut self, row: &[f32], masked: &mut Vec<f32>) -> Result<u32, String> {
+    /// Picks the next token from `row` (raw logits), within the grammar if it has one
+    /// (`allowed`: its tokens, if computed already); `masked` is scratch space for the
+    /// masked row.
+    fn sample(&mut self, row: &[f32], allowed: Option<Allowed>, masked: &mut Vec<f32>) -> Result<u32, String> {
         let Some(constraint) = self.constraint.as_mut() else {
             return Ok(self.sampler.sample(row));
         };
+        let allowed = match allowed {
+            Some(allowed) => allowed,
+            None => constraint.allowed().map_err(|e| e.to_string())?,
+        };
         masked.clear();
         masked.extend_from_slice(row);
-        constraint.mask(masked).map_err(|e| e.to_string())?;
+        constraint.apply(&allowed, masked);
         let token = self.sampler.sample(masked);
         constraint.advance(token).map_err(|e| e.to_string())?;
         let (seconds, _) = constraint.take_mask_time();
@@ -545,7 +550,32 @@ impl StepExecutor for ModelExecutor {
             }
             Ok(())
         };
-        let forward = self.model.forward_observed(kv, &chunks, &mut on_layer);
+        // The grammars' masks of this step's samples, on a second thread while the
+        // forward pass runs (they depend on the tokens before, not on the logits).
+        let constrained: Vec<u64> = plan
+            .seqs
+            .iter()
+            .filter(|s| s.sample && self.samplers.get(&s.request_id).is_some_and(|x| x.constraint.is_some()))
+            .map(|s| s.request_id)
+            .collect();
+        let samplers = &mut self.samplers;
+        let model = &mut self.model;
+        let (forward, mut masks) = std::thread::scope(|scope| {
+            let masker = (!constrained.is_empty()).then(|| {
+                scope.spawn(|| {
+                    let mut masks = HashMap::new();
+                    for id in &constrained {
+                        if let Some(c) = samplers.get_mut(id).and_then(|s| s.constraint.as_mut()) {
+                            masks.insert(*id, c.allowed().map_err(|e| e.to_string()));
+                        }
+                    }
+                    masks
+                })
+            });
+            let forward = model.forward_observed(kv, &chunks, &mut on_layer);
+            // A panic in the masker leaves the masks to be computed when sampling.
+            (forward, masker.and_then(|h| h.join().ok()).unwrap_or_default())
+        });
         match forward {
             Ok(logits) => {
                 let vocab = self.model.config().vocab_size;
@@ -575,8 +605,17 @@ impl StepExecutor for ModelExecutor {
                     if outcome.failed.iter().any(|(id, _)| *id == s.request_id) {
                         continue;
                     }
+                    let allowed = match masks.remove(&s.request_id) {
+                        Some(Err(why)) => {
+                            self.samplers.remove(&s.request_id);
+                            outcome.failed.push((s.request_id, why));
+                            continue;
+                        }
+                        Some(Ok(allowed)) => Some(allowed),
+                        None => None,
+                    };
                     let (token, k) = match self.samplers.get_mut(&s.request_id) {
-                        Some(sampler) => match sampler.sample(row, &mut self.masked) {
+                        Some(sampler) => match sampler.sample(row, allowed, &mut self.masked) {
                             Ok(token) => (token, sampler.logprobs),
                             Err(why) => {
                                 self.samplers.remove(&s.request_id);
