@@ -701,7 +701,8 @@ pub(crate) fn prefix_logprob(prompt: &[u32], i: usize) -> f64 {
 
 /// A scoring request (`echo`, `logprobs: 1`, `max_tokens: 0`) returns the prompt and,
 /// for every prompt token after the first, the log-probability `generate` computes
-/// after the tokens before it (to 1e-4); with `max_tokens` > 0 the completion follows.
+/// after the tokens before it (to 1e-4); with `max_tokens` > 0 the completion follows;
+/// streamed, the same.
 #[test]
 fn a_scoring_request_returns_each_prompt_token_s_logprob() {
     let prompt: Vec<u32> = vec![11, 250, 7, 7, 480, 33, 2, 91];
@@ -747,6 +748,7 @@ fn a_scoring_request_returns_each_prompt_token_s_logprob() {
     let mut more = body.clone();
     more["max_tokens"] = json!(3);
     more["ignore_eos"] = json!(true);
+    more["temperature"] = json!(0);
     let v = post_json(gw, "/v1/completions", &more).json();
     let lp = &v["choices"][0]["logprobs"];
     let all: Vec<Value> = lp["token_logprobs"].as_array().cloned().expect("logprobs");
@@ -755,4 +757,38 @@ fn a_scoring_request_returns_each_prompt_token_s_logprob() {
     assert_eq!(again, got, "the prompt scores the same");
     let text = v["choices"][0]["text"].as_str().expect("text");
     assert!(text.starts_with(&tokens.concat()) && v["usage"]["completion_tokens"] == 3, "{v}");
+
+    // Streamed, the prompt comes first with its figures, then the tokens: the same text,
+    // tokens, log-probabilities and offsets as the whole response; a streamed scoring
+    // request is the prompt alone.
+    let streamed = |body: &Value| {
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let Ok(mut sse) = post_stream(gw, "/v1/completions", &body) else { panic!("the stream was refused") };
+        let (mut text, mut lp, mut usage) = (String::new(), json!({}), Value::Null);
+        while let Some(data) = sse.next_data().filter(|d| d != "[DONE]") {
+            let chunk: Value = serde_json::from_str(&data).expect("a JSON chunk");
+            if !chunk["usage"].is_null() {
+                usage = chunk["usage"].clone();
+                continue;
+            }
+            text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or_default());
+            for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                let items = chunk["choices"][0]["logprobs"][key].as_array().cloned().unwrap_or_default();
+                let all = lp[key].as_array().cloned().unwrap_or_default();
+                lp[key] = all.into_iter().chain(items).collect();
+            }
+        }
+        (text, lp, usage)
+    };
+    let (s_text, s_lp, s_usage) = streamed(&more);
+    assert_eq!(s_text, text);
+    assert_eq!(s_lp, v["choices"][0]["logprobs"], "streamed vs whole");
+    assert_eq!(s_usage["completion_tokens"], 3);
+    let (s_text, s_lp, s_usage) = streamed(&body);
+    assert_eq!((s_text, s_usage["completion_tokens"].as_u64()), (tokens.concat(), Some(0)));
+    let s_got: Vec<f64> =
+        s_lp["token_logprobs"].as_array().expect("logprobs").iter().skip(1).filter_map(Value::as_f64).collect();
+    assert_eq!(s_got, got);
 }

@@ -51,6 +51,12 @@ check("echo returns the prompt", r.choices[0].text == PROMPT)
 check("echo's first prompt token has no logprob", lp.token_logprobs[0] is None and lp.top_logprobs[0] is None)
 check("echo scores every later prompt token", all(number(x) for x in lp.token_logprobs[1:]) and len(lp.tokens) > 1)
 check("a scoring request generates nothing", r.usage.completion_tokens == 0)
+stream = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0, stream=True)
+chunks = [c for c in stream if c.choices]
+check("a streamed scoring request is the prompt with its figures",
+      "".join(c.choices[0].text for c in chunks) == PROMPT
+      and [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs][1:]
+      == lp.token_logprobs[1:])
 
 # Chat with logprobs and top_logprobs.
 messages = [{"role": "user", "content": "Say hello"}]

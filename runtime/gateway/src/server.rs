@@ -514,6 +514,15 @@ struct Echo {
     ids: Vec<u32>,
 }
 
+impl Echo {
+    /// The completions `logprobs` of the echoed prompt (`prompt`: its tokens after the
+    /// first) and of `generated` after it.
+    fn logprobs(&self, tok: &TextTokenizer, prompt: &[openai::TokenEntry], generated: &[openai::TokenEntry]) -> Value {
+        let first = self.ids.first().map(|&id| tok.decode(&[id]).unwrap_or_default()).unwrap_or_default();
+        openai::echo_completion_logprobs(&first, self.text.starts_with(&first), prompt, generated)
+    }
+}
+
 impl Completion {
     /// Tool call ids are `call_<this>_<n>`: the request's id, unique per gateway.
     fn call_id_prefix(&self) -> &str {
@@ -751,10 +760,7 @@ async fn whole_choice(st: Arc<GatewayState>, ctx: Arc<Completion>, a: Admitted) 
     }
     if ctx.logprobs {
         let logprobs = match &ctx.echo {
-            Some(echo) => {
-                let first = echo.ids.first().map(|&id| tokenizer.decode(&[id]).unwrap_or_default()).unwrap_or_default();
-                openai::echo_completion_logprobs(&first, echo.text.starts_with(&first), &prompt_entries, &entries)
-            }
+            Some(echo) => echo.logprobs(&tokenizer, &prompt_entries, &entries),
             None => ctx.logprobs_json(&entries, 0),
         };
         body = openai::with_logprobs(body, logprobs);
@@ -828,6 +834,10 @@ async fn stream_choice(
     let mut event = Some(first);
     // Characters of token text streamed so far (completions' `text_offset`).
     let mut offset = 0;
+    // An echoed prompt goes first, once its tokens' log-probabilities are in: they all
+    // come before the first generated token.
+    let mut echo = ctx.echo.as_ref();
+    let mut prompt_entries = Vec::new();
     let mut calls = ctx.tools.then(|| openai::ToolCallParser::new(ctx.call_id_prefix()));
     let finish = loop {
         let ev = match event.take() {
@@ -841,7 +851,19 @@ async fn stream_choice(
                 _ = tx.closed() => return None,
             },
         };
+        if matches!(ev, ClientEvent::Tokens { .. } | ClientEvent::Finished { .. })
+            && let Some(e) = echo.take()
+        {
+            let mut c = chunk(Some(&e.text), false, None);
+            if ctx.logprobs {
+                c = openai::with_logprobs(c, e.logprobs(&tokenizer, &prompt_entries, &[]));
+            }
+            offset = e.text.chars().count();
+            tx.send(data(c)).await.ok()?;
+        }
         match ev {
+            // `max_tokens: 0` (scoring): the one token decoded is not part of the answer.
+            ClientEvent::Tokens { .. } if !ctx.output => {}
             ClientEvent::Tokens { tokens, logprobs } => match text.push_with(&tokens, &logprobs, &tokenizer) {
                 Ok((s, taken)) if !s.is_empty() || (ctx.logprobs && !taken.is_empty()) => {
                     let s = match calls.as_mut() {
@@ -864,8 +886,9 @@ async fn stream_choice(
                     break None;
                 }
             },
-            // Echo (the only way to ask for these) is refused on streams.
-            ClientEvent::PromptLogprobs { .. } => {}
+            ClientEvent::PromptLogprobs { logprobs, .. } => {
+                prompt_entries.extend(logprobs.iter().map(|lp| token_entry(&tokenizer, lp)));
+            }
             ClientEvent::Finished { finish, .. } => {
                 guard.done = true;
                 break Some(finish_reason(finish));
@@ -897,7 +920,7 @@ async fn stream_choice(
     }
     tx.send(data(chunk(None, false, Some(finish)))).await.ok()?;
     drop(guard);
-    Some(text.completion_tokens)
+    Some(if ctx.output { text.completion_tokens } else { 0 })
 }
 
 /// Sends the calls `parsed` completed (the last of `total` so far) as one tool-call

@@ -134,9 +134,6 @@ pub fn parse_completion(body: &[u8]) -> Result<GenerationRequest, ApiError> {
     body.refuse_unsupported(COMMON_UNSUPPORTED)?;
     body.refuse_unsupported(COMPLETION_UNSUPPORTED)?;
     let echo = body.bool("echo")?.unwrap_or(false);
-    if echo && body.bool("stream")?.unwrap_or(false) {
-        return Err(ApiError::bad_request("`echo` is supported on non-streamed completions only", Some("echo")));
-    }
     // Echoing the prompt alone (a scoring request) is asked for with max_tokens 0.
     let max_tokens = match body.integer("max_tokens")? {
         Some(0) if echo => 0,

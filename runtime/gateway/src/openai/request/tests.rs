@@ -155,7 +155,6 @@ fn every_validation_error_names_its_param() {
         (Completion, json!({"n": 3, "best_of": 2}), Some("best_of"), "at least `n` (3)"),
         (Completion, json!({"best_of": 2, "stream": true}), Some("best_of"), "`stream`"),
         (Chat, json!({"best_of": 2}), Some("best_of"), "completions parameter"),
-        (Completion, json!({"echo": true, "stream": true}), Some("echo"), "non-streamed completions only"),
         (Completion, json!({"max_tokens": 0}), Some("max_tokens"), "at least 1"),
         (Completion, json!({"logprobs": 21}), Some("logprobs"), "between 0 and 20, got 21"),
         (Completion, json!({"logprobs": -1}), Some("logprobs"), "between 0 and 20"),
