@@ -83,6 +83,22 @@ pub(crate) fn smollm2_disaggregated() -> crate::serve_kit::Cluster {
     cluster
 }
 
+/// The shared SmolLM2 file served colocated: one `cpu` chip (host h0) prefills and
+/// decodes; served as `smollm2`. Returns once the chip is up.
+pub(crate) fn smollm2_colocated() -> crate::serve_kit::Cluster {
+    use crate::serve_kit::{ChipDef, Cluster, topology_of};
+    let chips = [ChipDef {
+        host: "h0",
+        id: "h0-cpu0".into(),
+        toml: "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".into(),
+    }];
+    let mut topo = topology_of(&chips, "", "served_model_name = \"smollm2\"", 2000);
+    topo.toml = topo.toml.replace("builtin:tiny", &smollm2().display().to_string());
+    let mut cluster = Cluster::up(&topo);
+    cluster.wait_ready(1);
+    cluster
+}
+
 /// The same file served disaggregated (prefill on an emulated Ascend 910B, decode on an
 /// emulated MetaX C500) through the OpenAI gateway: the completion is byte-identical to
 /// `generate`'s, and the chat answer names Paris.

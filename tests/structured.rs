@@ -191,30 +191,9 @@ fn smollm2_follows_schemas_and_calls_tools_and_samples_several_choices() {
     assert_eq!((deltas[0]["index"].as_u64(), deltas[0]["function"]["name"].as_str()), (Some(0), Some("get_time")));
     assert_eq!(call_error(&deltas[0]), None);
 
-    // 3. n choices: the prompt is computed once, the others take it from the prefix
-    // cache. (Run to run, the same seed gives the same choices only where the steps that
-    // computed them were batched alike: the kernels' numerics depend on the batch.)
+    // 3. n choices; best_of: the best 2 of 4 candidates, by their tokens' summed
+    // log-probability (the forks themselves: `n_choices_fork_from_one_prefill`).
     let prompt = "Once upon a time, in a land far away, there lived a dragon who loved to read books about ".repeat(3);
-    let forked = |metrics: &str| {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("tessera_gateway_forked_sequences_total "))
-            .map_or(0, |v| v.parse().unwrap_or(0))
-    };
-    let before = forked(&get(gw, "/metrics").body);
-    let body = json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 1, "seed": 7, "n": 4});
-    let a = post_json(gw, "/v1/completions", &body).json();
-    let texts = |r: &Value| -> Vec<String> {
-        let choices = r["choices"].as_array().unwrap_or_else(|| panic!("{r}"));
-        let indices: Vec<u64> = choices.iter().filter_map(|c| c["index"].as_u64()).collect();
-        assert_eq!(indices, [0, 1, 2, 3], "{r}");
-        choices.iter().map(|c| c["text"].as_str().unwrap_or_default().to_owned()).collect()
-    };
-    let distinct: std::collections::HashSet<String> = texts(&a).into_iter().collect();
-    assert!(distinct.len() > 1, "each choice has its own sampler: {a}");
-    assert_eq!(a["usage"]["completion_tokens"], 48, "{a}");
-    assert_eq!(forked(&get(gw, "/metrics").body) - before, 3, "three choices forked from the first");
-    // best_of: the best 2 of 4 candidates, by their tokens' summed log-probability.
     let best = post_json(
         gw,
         "/v1/completions",
@@ -224,4 +203,77 @@ fn smollm2_follows_schemas_and_calls_tools_and_samples_several_choices() {
     .json();
     assert_eq!(best["choices"].as_array().map(Vec::len), Some(2), "{best}");
     assert_eq!(best["usage"]["completion_tokens"], 24, "all four candidates are counted: {best}");
+}
+
+/// The value of the metric line named `name` (labels included), 0 when absent.
+fn metric(metrics: &str, name: &str) -> f64 {
+    metrics.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
+}
+
+/// `n: 4` with a seed: four choices, each the completion a single request with seed
+/// `seed + i` gets, from one prefill: the other three fork from the first on the chip
+/// that samples its first token (the prompt's KV shared, the partial last block
+/// copied), colocated and disaggregated. Echoed prompt scores reach every choice.
+#[test]
+fn n_choices_fork_from_one_prefill() {
+    let prompt = "Once upon a time, in a land far away, there lived a dragon who loved to read books about ".repeat(3)
+        + "the sea";
+    type Up = fn() -> crate::serve_kit::Cluster;
+    let clusters: [(&str, Up, &str); 2] = [
+        ("colocated", crate::gguf::smollm2_colocated, "h0-cpu0"),
+        ("disaggregated", crate::gguf::smollm2_disaggregated, "h0-ascend0"),
+    ];
+    for (placement, up, prefill_chip) in clusters {
+        let cluster = up();
+        let gw = cluster.gateway;
+        let ask = |seed: u64, n: usize| {
+            let body =
+                json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 1, "seed": seed, "n": n});
+            post_json(gw, "/v1/completions", &body).json()
+        };
+        let texts = |r: &Value| -> Vec<String> {
+            let choices = r["choices"].as_array().unwrap_or_else(|| panic!("{r}"));
+            let indices: Vec<u64> = choices.iter().filter_map(|c| c["index"].as_u64()).collect();
+            assert_eq!(indices, (0..choices.len() as u64).collect::<Vec<_>>(), "{r}");
+            choices.iter().map(|c| c["text"].as_str().unwrap_or_default().to_owned()).collect()
+        };
+        // Each seed alone, one after another: decoded at batch 1. A first request fills
+        // the prefix cache, so each computes the same part of the prompt (the kernels'
+        // numerics depend on the chunk: a prompt computed whole differs in the last bits).
+        ask(1, 1);
+        // Prompt positions the chip that prefills started (the gateway's process holds it).
+        let prompt_positions = format!("tessera_prefix_prompt_tokens_total{{chip=\"{prefill_chip}\"}}");
+        let before = get(gw, "/metrics").body;
+        let singles: Vec<String> = (0..4).flat_map(|i| texts(&ask(7 + i, 1))).collect();
+        let after = get(gw, "/metrics").body;
+        let prefilled_singly = metric(&after, &prompt_positions) - metric(&before, &prompt_positions);
+        assert!(prefilled_singly > 0.0, "{placement}: {after}");
+
+        let decisions = format!("tessera_router_decisions_total{{placement=\"{placement}\"}}");
+        let before = get(gw, "/metrics").body;
+        let forked = ask(7, 4);
+        let after = get(gw, "/metrics").body;
+        assert_eq!(texts(&forked), singles, "{placement}: choice i is seed 7 + i's completion");
+        let distinct: std::collections::HashSet<&String> = singles.iter().collect();
+        assert!(distinct.len() > 1, "{placement}: each choice has its own sampler: {singles:?}");
+        assert_eq!(forked["usage"]["completion_tokens"], 48, "{forked}");
+        let prompt_tokens = forked["usage"]["prompt_tokens"].as_u64().unwrap_or_else(|| panic!("{forked}"));
+        assert_ne!(prompt_tokens % 16, 0, "the prompt's last KV block (of 16) is partial: each fork copies it");
+        // One placement, one prefill; three sequences forked from it.
+        assert_eq!(metric(&after, &decisions) - metric(&before, &decisions), 1.0, "{placement}: {after}");
+        let forks = metric(&after, "tessera_request_forked_total") - metric(&before, "tessera_request_forked_total");
+        assert_eq!(forks, 3.0, "{placement}: {after}");
+        let prefilled = metric(&after, &prompt_positions) - metric(&before, &prompt_positions);
+        assert_eq!(prefilled * 4.0, prefilled_singly, "{placement}: the prompt is prefilled once");
+
+        // A scoring request of two choices: both echo the prompt with its scores.
+        let body = json!({"model": "smollm2", "prompt": "The capital of France is Paris", "max_tokens": 0,
+            "echo": true, "logprobs": 1, "n": 2});
+        let scored = post_json(gw, "/v1/completions", &body).json();
+        let choices = scored["choices"].as_array().unwrap_or_else(|| panic!("{scored}"));
+        assert_eq!(choices.len(), 2, "{scored}");
+        let lps: Vec<&Value> = choices.iter().map(|c| &c["logprobs"]["token_logprobs"]).collect();
+        assert!(lps[0].as_array().is_some_and(|l| l.len() > 3 && l[0].is_null() && l[1].is_f64()), "{scored}");
+        assert_eq!(lps[0], lps[1], "{placement}: {scored}");
+    }
 }

@@ -212,6 +212,19 @@ pub struct SeqRequest {
     pub sampling: SamplingSpec,
     #[serde(default)]
     pub delivery: Delivery,
+    /// Sibling sequences (`n` > 1) that fork from this one where it samples its first
+    /// token: they share its prompt's KV and sample from the same logits.
+    #[serde(default)]
+    pub forks: Vec<Fork>,
+}
+
+/// A sequence forked from another after its prompt: its own request actor, and its
+/// sampler's seed (the rest of its sampling is its parent's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fork {
+    pub request_id: u64,
+    pub req: Addr,
+    pub seed: Option<u64>,
 }
 
 /// What a client asks admission to serve (checked against the model's context already).
@@ -222,6 +235,17 @@ pub struct AdmitAsk {
     pub sampling: SamplingSpec,
     #[serde(default)]
     pub delivery: Delivery,
+    /// More sequences of the same prompt (`n` > 1), forked from this one after its
+    /// prompt is computed: each one's client mailbox and seed.
+    #[serde(default)]
+    pub forks: Vec<ForkAsk>,
+}
+
+/// One more sequence of an [`AdmitAsk`]: where its events go and its seed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkAsk {
+    pub client: Addr,
+    pub seed: Option<u64>,
 }
 
 /// How a request's tokens travel to its client.
@@ -629,6 +653,14 @@ pub enum Msg {
         request_id: u64,
         chip: Addr,
     },
+    /// Forked request -> router: it runs on `chip`, forked from its parent there, and
+    /// holds `tokens` of KV (the router counts it as a placement of its own).
+    Forked {
+        request_id: u64,
+        req: Addr,
+        chip: Addr,
+        tokens: usize,
+    },
     /// Request -> chip.
     Enqueue {
         seq: Box<SeqRequest>,
@@ -803,7 +835,8 @@ pub enum Msg {
         host_name: String,
     },
     Tick,
-    /// Request -> itself: route again after a backoff.
+    /// Request -> itself: route again after a backoff. Chip or parent -> a request
+    /// waiting to be forked: the fork will not happen; route on your own.
     Reroute,
 
     // Queries.
@@ -867,6 +900,7 @@ impl Message for Msg {
             Msg::HostUp { .. } => "host_up",
             Msg::Tick => "tick",
             Msg::Reroute => "reroute",
+            Msg::Forked { .. } => "forked",
             Msg::QueryCluster { .. } => "query_cluster",
             Msg::ClusterView { .. } => "cluster_view",
         }

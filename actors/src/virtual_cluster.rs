@@ -30,11 +30,11 @@ impl StepExecutor for ModelledExecutor {
         let sampled = plan
             .seqs
             .iter()
-            .filter(|s| s.sample)
-            .map(|s| {
+            .flat_map(|s| {
                 let last = s.tokens.last().copied().unwrap_or(0) as u64;
                 let pos = (s.start_pos + s.tokens.len()) as u64;
-                (s.request_id, ((last * 7919 + pos * 104_729) % VOCAB as u64) as u32)
+                let token = ((last * 7919 + pos * 104_729) % VOCAB as u64) as u32;
+                s.samplers().map(move |id| (id, token))
             })
             .collect();
         let model = Duration::from_micros(2_000 + 20 * plan.tokens() as u64);
@@ -265,7 +265,16 @@ fn run(seed: u64, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Run {
         let prompt: Vec<u32> = (0..8 + (rng.next_f64() * 56.0) as u32).map(|i| (i * 13 + n as u32) % VOCAB).collect();
         let max_tokens = 16 + (rng.next_f64() * 48.0) as usize;
         asked.push(max_tokens);
-        asks.push((at, AdmitAsk { prompt, max_tokens, sampling: SamplingSpec::greedy(), delivery: Delivery::Stream }));
+        asks.push((
+            at,
+            AdmitAsk {
+                prompt,
+                max_tokens,
+                sampling: SamplingSpec::greedy(),
+                delivery: Delivery::Stream,
+                forks: Vec::new(),
+            },
+        ));
     }
     let outcomes: Outcomes = Arc::default();
     vh.spawn(HostId(0), Box::new(Arrivals { asks, outcomes: outcomes.clone(), next: 0 }));
@@ -385,7 +394,13 @@ fn three_times_capacity_gives_429s_with_retry_after_and_full_recovery() {
         let prompt: Vec<u32> = (0..32).map(|i| (i * 13 + n as u32) % VOCAB).collect();
         asks.push((
             at,
-            AdmitAsk { prompt, max_tokens: 48, sampling: SamplingSpec::greedy(), delivery: Delivery::Stream },
+            AdmitAsk {
+                prompt,
+                max_tokens: 48,
+                sampling: SamplingSpec::greedy(),
+                delivery: Delivery::Stream,
+                forks: Vec::new(),
+            },
         ));
     }
     let total = asks.len();

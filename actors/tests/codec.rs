@@ -144,6 +144,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         max_new_tokens: p.n + 1,
         sampling: sampling.clone(),
         delivery: if p.flag { Delivery::Whole } else { Delivery::Stream },
+        forks: vec![Fork { request_id: p.b, req: addr(p.a), seed: p.flag.then_some(p.n as u64) }],
     };
     match kind {
         0 => Msg::Route {
@@ -250,6 +251,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 max_tokens: p.n,
                 sampling: seq.sampling.clone(),
                 delivery: seq.delivery,
+                forks: vec![ForkAsk { client: addr(p.b), seed: p.flag.then_some(p.a) }],
             }),
         },
         42 => Msg::Admitted { request_id: p.a, request: addr(p.b) },
@@ -277,6 +279,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 logprobs: p.tokens.iter().map(|&t| logprob(t, p)).collect(),
             },
         },
+        51 => Msg::Forked { request_id: p.a, req: addr(p.b), chip: addr(p.a), tokens: p.n },
         _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
     }
 }
@@ -285,7 +288,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 52;
+const KINDS: usize = 53;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -342,6 +345,7 @@ fn kind_index(m: &Msg) -> usize {
         Msg::Prefilled { .. } => 49,
         Msg::PromptLogprobs { .. } => 50,
         Msg::Client { event: ClientEvent::PromptLogprobs { .. } } => 51,
+        Msg::Forked { .. } => 52,
     }
 }
 

@@ -157,7 +157,10 @@ mod tests {
     /// The tiny preset's byte-level tokenizer (its files only, no weights).
     fn tokenizer() -> TextTokenizer {
         use crate::synth::{self, Preset, SynthArch, SynthSpec};
-        let dir = std::env::temp_dir().join(format!("tessera-constraint-{}", std::process::id()));
+        // A directory per call: the tests run in parallel threads of one process.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tessera-constraint-{}-{call}", std::process::id()));
         let spec = SynthSpec { preset: Preset::Tiny, arch: SynthArch::Llama, seed: 1, dtype: None, shards: 1 };
         synth::write_tokenizer_files(&dir, &synth::hf_config(&spec)).expect("tokenizer files");
         let tok = TextTokenizer::from_dir(&dir).expect("the synthetic tokenizer");

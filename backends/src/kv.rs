@@ -217,6 +217,23 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// Copies whole blocks, `(source, destination)` pairs, in every layer: a forked
+    /// sequence's own copy of the block it shares with its parent and writes into
+    /// (copy-on-write). The bytes pass through host memory, one layer at a time.
+    pub fn copy_blocks(&self, device: &Device, pairs: &[(u32, u32)]) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let (src, dst): (Vec<u32>, Vec<u32>) = pairs.iter().copied().unzip();
+        let bytes = pairs.len() * self.format().block_bytes();
+        let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
+        for layer in 0..self.layers.len() {
+            self.read_blocks(device, layer, &src, &mut k, &mut v)?;
+            self.write_blocks(device, layer, &dst, &k, &v)?;
+        }
+        Ok(())
+    }
+
     /// Writes f32 K and V rows (`[slots.len()][num_kv_heads][head_dim]`, e.g. from
     /// `kv_format::decode_tokens`) of layer `layer` at `slots` with the `fill_kv_cache`
     /// kernel, which rounds to this cache's dtype and places them in its layout. A

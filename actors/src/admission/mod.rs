@@ -5,7 +5,7 @@
 //! Invariant: every admitted request is counted until its Request actor ends (it always
 //! reports, whatever the outcome); nothing else frees a slot.
 
-use crate::msg::{AdmitAsk, ClientEvent, ErrorKind, Msg, ServeError};
+use crate::msg::{AdmitAsk, ClientEvent, ErrorKind, Fork, Msg, ServeError};
 use crate::request::{Request, RequestSpec, RetryPolicy};
 use std::collections::BTreeSet;
 use tessera_actor_core::{Addr, Behavior, Effects};
@@ -33,8 +33,11 @@ impl Admission {
         Admission { next: config.id_base, config, inflight: BTreeSet::new() }
     }
 
+    /// Admits `ask` and its forks (all or none): each is a request of its own, the
+    /// forks spawned first so the parent's sequence can name them.
     fn admit(&mut self, client: Addr, ask: AdmitAsk, fx: &mut dyn Effects<Msg>) {
-        if self.inflight.len() >= self.config.max_inflight {
+        let clients = std::iter::once(client).chain(ask.forks.iter().map(|f| f.client));
+        if self.inflight.len() + 1 + ask.forks.len() > self.config.max_inflight {
             metrics::counter!("tessera_admission_refused_total", "reason" => "overloaded").increment(1);
             let error = ServeError::new(
                 ErrorKind::Overloaded,
@@ -43,26 +46,53 @@ impl Admission {
             .retry_after(1);
             // Counted above; logged only at debug, as a flood of refusals would flood the log.
             tracing::debug!(error = %error.message, "request refused");
-            let _ = fx.send(client, Msg::Client { event: ClientEvent::Failed { error } });
+            for client in clients {
+                let _ = fx.send(client, Msg::Client { event: ClientEvent::Failed { error: error.clone() } });
+            }
             return;
         }
-        let request_id = self.next;
-        self.next = self.next.wrapping_add(1);
-        let spec = RequestSpec {
-            request_id,
-            prompt: ask.prompt,
-            max_tokens: ask.max_tokens,
-            sampling: ask.sampling,
-            delivery: ask.delivery,
+        let spec = |request_id, seed, forks| {
+            let mut sampling = ask.sampling.clone();
+            sampling.seed = seed;
+            RequestSpec {
+                request_id,
+                prompt: ask.prompt.clone(),
+                max_tokens: ask.max_tokens,
+                sampling,
+                delivery: ask.delivery,
+                forks,
+            }
         };
-        let request = Request::new(spec, client, self.config.router, self.config.retry).reporting_to(fx.me());
-        let actor = fx.spawn(Box::new(request));
+        let mut forks = Vec::with_capacity(ask.forks.len());
+        for f in &ask.forks {
+            let request_id = self.take_id();
+            let request =
+                Request::forked(spec(request_id, f.seed, Vec::new()), f.client, self.config.router, self.config.retry);
+            let req = self.start(request_id, f.client, request, fx);
+            forks.push(Fork { request_id, req, seed: f.seed });
+        }
+        let request_id = self.take_id();
+        let request =
+            Request::new(spec(request_id, ask.sampling.seed, forks), client, self.config.router, self.config.retry);
+        self.start(request_id, client, request, fx);
+    }
+
+    fn take_id(&mut self) -> u64 {
+        let id = self.next;
+        self.next = self.next.wrapping_add(1);
+        id
+    }
+
+    /// Spawns an admitted request's actor and tells its client.
+    fn start(&mut self, request_id: u64, client: Addr, request: Request, fx: &mut dyn Effects<Msg>) -> Addr {
+        let actor = fx.spawn(Box::new(request.reporting_to(fx.me())));
         self.inflight.insert(request_id);
         metrics::gauge!("tessera_gateway_inflight_requests").set(self.inflight.len() as f64);
         if fx.send(client, Msg::Admitted { request_id, request: actor }).is_err() {
             // The client left already: the request has nobody to serve.
             let _ = fx.send(actor, Msg::Cancel);
         }
+        actor
     }
 }
 
@@ -90,7 +120,7 @@ impl Behavior<Msg> for Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::msg::{Delivery, SamplingSpec};
+    use crate::msg::{Delivery, ForkAsk, SamplingSpec};
     use crate::test_fx::TestFx;
     use tessera_actor_core::HostId;
 
@@ -106,6 +136,7 @@ mod tests {
                 max_tokens: 4,
                 sampling: SamplingSpec::greedy(),
                 delivery: Delivery::Stream,
+                forks: Vec::new(),
             }),
         }
     }
@@ -134,5 +165,41 @@ mod tests {
         assert!(matches!(fx.take_sent().pop(), Some((_, Msg::Admitted { request_id: 102, .. }))));
         a.handle(Msg::QueryAdmission { reply_to: CLIENT }, &mut fx);
         assert_eq!(fx.take_sent(), vec![(CLIENT, Msg::AdmissionView { inflight: 2, max_inflight: 2 })]);
+    }
+
+    /// `n` > 1: the request and its forks are admitted together (each its own request,
+    /// counted in flight), or refused together.
+    #[test]
+    fn a_request_and_its_forks_are_admitted_all_or_none() {
+        let config = AdmissionConfig { max_inflight: 4, router: ROUTER, retry: RetryPolicy::default(), id_base: 100 };
+        let mut a = Admission::new(config);
+        let mut fx = TestFx::new(ME);
+        let fork_clients = [Addr { host: HostId(0), actor: 4001 }, Addr { host: HostId(0), actor: 4002 }];
+        let with_forks = || match ask() {
+            Msg::Admit { client, mut ask } => {
+                ask.forks =
+                    fork_clients.iter().zip(5..).map(|(&client, seed)| ForkAsk { client, seed: Some(seed) }).collect();
+                Msg::Admit { client, ask }
+            }
+            _ => unreachable!(),
+        };
+        a.handle(with_forks(), &mut fx);
+        let admitted: Vec<(Addr, u64)> = fx
+            .take_sent()
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Admitted { request_id, .. } => Some((to, request_id)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(admitted, vec![(fork_clients[0], 100), (fork_clients[1], 101), (CLIENT, 102)]);
+        assert_eq!(fx.spawned.len(), 3, "a Request actor each");
+        // Three in flight of four: another three do not fit, and none of them is admitted.
+        a.handle(with_forks(), &mut fx);
+        let refused = fx.take_sent();
+        assert_eq!(refused.len(), 3);
+        assert!(refused.iter().all(|(_, m)| matches!(m, Msg::Client { event: ClientEvent::Failed { error } }
+            if error.kind == ErrorKind::Overloaded)));
+        assert_eq!(fx.spawned.len(), 3);
     }
 }

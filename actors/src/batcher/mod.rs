@@ -12,7 +12,7 @@
 
 pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
-use crate::msg::{Delivery, Finish, SamplingSpec, SeqRequest, TokenLogprob};
+use crate::msg::{Delivery, Finish, Fork, SamplingSpec, SeqRequest, TokenLogprob};
 use std::collections::{HashSet, VecDeque};
 use tessera_actor_core::Addr;
 use tessera_topology::perf::{SeqStep, StepShape};
@@ -65,6 +65,11 @@ struct Seq {
     /// when asked for.
     held: Vec<u32>,
     held_logprobs: Vec<TokenLogprob>,
+    /// Siblings to fork where it samples its first token here.
+    forks: Vec<Fork>,
+    /// Forks planned in the step being run, each with its copy of the partial last
+    /// block (none when the prompt ends on a block boundary): made in `complete`.
+    forking: Vec<(Fork, Option<BlockRef>)>,
 }
 
 impl Seq {
@@ -87,6 +92,9 @@ impl Seq {
             delivery: seq.delivery,
             held: Vec::new(),
             held_logprobs: Vec::new(),
+            // A replay has sampled already: its siblings forked before.
+            forks: if seq.generated == 0 { seq.forks } else { Vec::new() },
+            forking: Vec::new(),
         }
     }
 
@@ -139,6 +147,24 @@ pub struct PlannedSeq {
     /// prefix, whose blocks the decode chip needs too).
     pub stage: bool,
     pub stage_from: usize,
+    /// Sequences forked from this one at this step: each samples its first token from
+    /// the same logits row, with its own sampler, after this sequence's.
+    pub forks: Vec<PlannedFork>,
+}
+
+impl PlannedSeq {
+    /// The requests that sample from this chunk's last row, in the order their tokens
+    /// are reported: this one, then its forks.
+    pub fn samplers(&self) -> impl Iterator<Item = u64> + '_ {
+        self.sample.then_some(self.request_id).into_iter().chain(self.forks.iter().map(|f| f.request_id))
+    }
+}
+
+/// A sequence forked from a [`PlannedSeq`]: its sampler, created before it samples.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedFork {
+    pub request_id: u64,
+    pub new_sampler: NewSampler,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -146,6 +172,10 @@ pub struct StepPlan {
     pub seqs: Vec<PlannedSeq>,
     /// Samplers of requests that ended: the worker forgets them.
     pub drop_samplers: Vec<u64>,
+    /// (source, destination) device blocks to copy, in every layer, after the forward
+    /// pass: the partial last prompt block of a forking sequence, one copy per fork
+    /// (copy-on-write: each fork writes its own tokens after the prompt there).
+    pub copies: Vec<(u32, u32)>,
 }
 
 impl StepPlan {
@@ -214,6 +244,9 @@ pub fn admissible(
 pub struct Score {
     /// Where the scores go: the sequence's request actor.
     pub req: Addr,
+    /// Siblings still to fork from it (`n` > 1), which echo the same prompt: theirs go
+    /// to them too, (request id, actor).
+    pub forks: Vec<(u64, Addr)>,
     /// Alternatives listed per token.
     pub k: usize,
     /// The prompt tokens after rows `0..targets.len()` of the chunk, in order.
@@ -259,6 +292,9 @@ pub struct Batcher {
     /// Prompt positions of sequences started since `take_prefix_stats`, and how many of
     /// them came from the cache.
     prefix_stats: (u64, u64),
+    /// Forks that cannot happen here (no block for their copy): their request actors
+    /// are told to find a chip of their own.
+    unforked: Vec<(u64, Addr)>,
 }
 
 impl Batcher {
@@ -272,7 +308,13 @@ impl Batcher {
             drop_samplers: Vec::new(),
             dropped: Vec::new(),
             prefix_stats: (0, 0),
+            unforked: Vec::new(),
         }
+    }
+
+    /// Forks that will not happen here, since the last call: (request id, its actor).
+    pub fn take_unforked(&mut self) -> Vec<(u64, Addr)> {
+        std::mem::take(&mut self.unforked)
     }
 
     /// (prompt positions started, positions of those reused from the cache) since the
@@ -510,7 +552,97 @@ impl Batcher {
         if planned.is_empty() {
             return None;
         }
-        Some(StepPlan { seqs: planned, drop_samplers: std::mem::take(&mut self.drop_samplers) })
+        let copies = self.plan_forks(&mut planned, pool);
+        Some(StepPlan { seqs: planned, drop_samplers: std::mem::take(&mut self.drop_samplers), copies })
+    }
+
+    /// Sequences sampling their first token in this step fork their siblings: each
+    /// fork shares the prompt's full blocks and gets a copy of the partial last one
+    /// (when the pool has a block for every fork; otherwise none forks here). Returns
+    /// the block copies to make.
+    fn plan_forks(&mut self, planned: &mut [PlannedSeq], pool: &mut KvPool) -> Vec<(u32, u32)> {
+        let bs = self.limits.block_size;
+        let mut copies = Vec::new();
+        for p in planned.iter_mut().filter(|p| p.sample && !p.stage) {
+            let Some(seq) = self.running.iter_mut().find(|s| s.request_id == p.request_id) else { continue };
+            if seq.forks.is_empty() {
+                continue;
+            }
+            let forks = std::mem::take(&mut seq.forks);
+            let last = match (seq.cached % bs, seq.blocks.last()) {
+                (0, _) => None,
+                (_, Some(last)) => Some(last.slot),
+                (_, None) => {
+                    self.unforked.extend(forks.iter().map(|f| (f.request_id, f.req)));
+                    continue;
+                }
+            };
+            if last.is_some() && pool.free() < forks.len() {
+                self.unforked.extend(forks.iter().map(|f| (f.request_id, f.req)));
+                continue;
+            }
+            let prompt = if seq.sampling.needs_history() { seq.tokens.clone() } else { Vec::new() };
+            for fork in forks {
+                let copy = last.and_then(|src| {
+                    let dst = pool.alloc(fork.request_id)?;
+                    copies.push((src, dst.slot));
+                    Some(dst)
+                });
+                let mut spec = seq.sampling.clone();
+                spec.seed = fork.seed;
+                let new_sampler = NewSampler { spec, skip: 0, prompt: prompt.clone(), output: Vec::new() };
+                p.forks.push(PlannedFork { request_id: fork.request_id, new_sampler });
+                seq.forking.push((fork, copy));
+            }
+        }
+        copies
+    }
+
+    /// The sequences forked from `parent` (its prompt computed, its first token not
+    /// yet appended): each shares its full blocks and owns its copied last block.
+    fn forked(&mut self, parent: &mut Seq, pool: &mut KvPool) -> Vec<Seq> {
+        let mut out = Vec::new();
+        for (fork, copy) in std::mem::take(&mut parent.forking) {
+            let sealed = parent.hashes.len();
+            let mut blocks = Vec::with_capacity(parent.blocks.len());
+            for &b in &parent.blocks[..sealed] {
+                match pool.share(b) {
+                    Ok(()) => blocks.push(b),
+                    Err(e) => {
+                        tracing::error!(error = %e, request_id = fork.request_id, "KV block share failed");
+                        break;
+                    }
+                }
+            }
+            blocks.extend(copy);
+            if blocks.len() != parent.blocks.len() {
+                // Not forkable after all: it finds a chip of its own.
+                for b in blocks.drain(..).rev() {
+                    let _ = pool.release(b);
+                }
+                self.unforked.push((fork.request_id, fork.req));
+                continue;
+            }
+            let mut sampling = parent.sampling.clone();
+            sampling.seed = fork.seed;
+            let request = SeqRequest {
+                request_id: fork.request_id,
+                req: fork.req,
+                tokens: parent.tokens.clone(),
+                generated: 0,
+                max_new_tokens: parent.max_new,
+                sampling,
+                delivery: parent.delivery,
+                forks: Vec::new(),
+            };
+            let mut seq = Seq::new(request, parent.arrival, Mode::Local);
+            seq.cached = parent.cached;
+            seq.blocks = blocks;
+            seq.hashes = parent.hashes.clone();
+            seq.sampler_live = true;
+            out.push(seq);
+        }
+        out
     }
 
     /// Applies a step's sampled tokens: appends them, decides which requests finished
@@ -533,6 +665,14 @@ impl Batcher {
                 continue; // aborted while the step ran
             };
             next = i + 1;
+            if !self.running[i].forking.is_empty() {
+                let mut parent = self.running.remove(i);
+                let forked = self.forked(&mut parent, pool);
+                self.running.insert(i, parent);
+                for (k, f) in forked.into_iter().enumerate() {
+                    self.running.insert(i + 1 + k, f);
+                }
+            }
             let seq = &mut self.running[i];
             seq.tokens.push(token);
             seq.new_tokens += 1;
@@ -592,7 +732,10 @@ fn fit_chunk(seq: &Seq, want: usize, bs: usize, free: usize) -> usize {
 /// parent is never evicted before its child), so what survives pressure is still a
 /// usable prefix.
 fn release_blocks(seq: &mut Seq, pool: &mut KvPool) {
-    for b in seq.blocks.drain(..).rev() {
+    // Forks planned but not made (the sequence left mid-step): their copies go back;
+    // their request actors hear from this one's, which routes them again.
+    let copies = seq.forking.drain(..).filter_map(|(_, copy)| copy);
+    for b in seq.blocks.drain(..).rev().chain(copies) {
         if let Err(e) = pool.release(b) {
             // A bookkeeping bug, not an input error: say so loudly, keep serving.
             tracing::error!(error = %e, request_id = seq.request_id, "KV block release failed");
@@ -655,7 +798,12 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
     let prompt_len = seq.tokens.len().saturating_sub(seq.generated_before + seq.new_tokens);
     let score = seq.sampling.prompt_logprobs.and_then(|k| {
         let last = end.min(prompt_len.saturating_sub(1));
-        (start < last).then(|| Score { req: seq.req, k, targets: seq.tokens[start + 1..=last].to_vec() })
+        (start < last).then(|| Score {
+            req: seq.req,
+            forks: seq.forks.iter().map(|f| (f.request_id, f.req)).collect(),
+            k,
+            targets: seq.tokens[start + 1..=last].to_vec(),
+        })
     });
     seq.sampler_live |= !stage;
     PlannedSeq {
@@ -669,6 +817,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         score,
         stage,
         stage_from: if start == seq.reused { 0 } else { start },
+        forks: Vec::new(),
     }
 }
 

@@ -25,6 +25,7 @@ fn seq_of(id: u64, tokens: Vec<u32>, max_new: usize) -> SeqRequest {
         max_new_tokens: max_new,
         sampling: SamplingSpec { stop_token_ids: vec![2], ..SamplingSpec::greedy() },
         delivery: Delivery::Stream,
+        forks: Vec::new(),
     }
 }
 
@@ -387,4 +388,105 @@ fn whole_responses_send_the_first_token_then_groups_then_the_rest_at_the_end() {
     assert_eq!(sent[&2].len(), n, "a streamed response: one message per token");
     assert!(sent[&2].iter().all(|&(len, _)| len == 1));
     assert_eq!(p.used(), 0);
+}
+
+/// A request of `prompt` tokens with siblings 11, 12 forked after its prompt (seeds 5, 6).
+fn forking(prompt: usize, max_new: usize) -> SeqRequest {
+    let fork =
+        |request_id: u64, seed| Fork { request_id, req: Addr::new(HostId(0), 1000 + request_id), seed: Some(seed) };
+    SeqRequest { forks: vec![fork(11, 5), fork(12, 6)], ..seq(1, prompt, max_new) }
+}
+
+/// Samples a token per sampler: 7 for the sequence itself, 8, 9… for its forks.
+fn sample_all(plan: &StepPlan) -> Vec<(u64, u32)> {
+    plan.seqs.iter().flat_map(|s| s.samplers().zip(7..)).collect()
+}
+
+#[test]
+fn forks_share_the_prompt_blocks_and_copy_the_partial_last_one() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue(forking(10, 3)); // blocks: 2 full, 1 holding 2 prompt tokens
+    let plan = b.plan(&mut p).expect("a step");
+    assert_eq!(shape(&plan), vec![(1, 0, 10, true)], "the prompt is computed once");
+    let forks: Vec<(u64, Option<u64>)> =
+        plan.seqs[0].forks.iter().map(|f| (f.request_id, f.new_sampler.spec.seed)).collect();
+    assert_eq!(forks, vec![(11, Some(5)), (12, Some(6))], "each fork samples with its own seed");
+    let last = plan.seqs[0].block_table[2];
+    assert_eq!(plan.copies.len(), 2);
+    assert!(plan.copies.iter().all(|&(src, dst)| src == last && dst != last), "{:?}", plan.copies);
+    assert_eq!(p.used(), 5, "3 blocks for the prompt, a copy of the last for each fork");
+
+    let emitted = b.complete(&sample_all(&plan), &[], &mut p);
+    let firsts: Vec<(u64, Vec<u32>)> = emitted.iter().map(|e| (e.request_id, e.tokens.clone())).collect();
+    assert_eq!(firsts, vec![(1, vec![7]), (11, vec![8]), (12, vec![9])]);
+    assert_eq!(emitted[1].req, Addr::new(HostId(0), 1011), "a fork's tokens go to its own request");
+
+    // Then three sequences decode, each writing position 10 into its own last block.
+    let plan = b.plan(&mut p).expect("a step");
+    assert_eq!(shape(&plan), vec![(1, 10, 1, true), (11, 10, 1, true), (12, 10, 1, true)]);
+    assert!(plan.copies.is_empty() && plan.seqs.iter().all(|s| s.forks.is_empty() && s.new_sampler.is_none()));
+    let tables: Vec<&[u32]> = plan.seqs.iter().map(|s| &s.block_table[..]).collect();
+    assert!(tables.iter().all(|t| t[..2] == tables[0][..2]), "the full blocks are shared: {tables:?}");
+    let lasts: HashSet<u32> = tables.iter().map(|t| t[2]).collect();
+    assert_eq!(lasts.len(), 3, "the partial block is each one's own: {tables:?}");
+    assert_eq!(plan.seqs[1].tokens, vec![8], "the fork continues from its own first token");
+    b.complete(&sample_all(&plan), &[], &mut p);
+    while b.has_work() {
+        let plan = b.plan(&mut p).expect("a step");
+        b.complete(&sample_all(&plan), &[], &mut p);
+    }
+    assert_eq!(p.used(), 0, "every block is freed once all three end");
+}
+
+#[test]
+fn forks_of_a_prompt_that_fills_its_blocks_copy_nothing() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue(forking(8, 2));
+    let plan = b.plan(&mut p).expect("a step");
+    assert!(plan.copies.is_empty());
+    assert_eq!(plan.seqs[0].forks.len(), 2);
+    b.complete(&sample_all(&plan), &[], &mut p);
+    assert_eq!(p.used(), 2, "the two full blocks, shared");
+    let plan = b.plan(&mut p).expect("a step");
+    let news: HashSet<u32> = plan.seqs.iter().map(|s| s.block_table[2]).collect();
+    assert_eq!((plan.seqs.len(), news.len(), p.used()), (3, 3, 5), "each takes a new block for position 8");
+    b.complete(&sample_all(&plan), &[], &mut p);
+    assert_eq!(p.used(), 0);
+}
+
+#[test]
+fn forks_without_blocks_for_their_copies_route_on_their_own() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(4);
+    b.enqueue(forking(10, 3)); // 3 blocks; 1 left, two forks
+    let plan = b.plan(&mut p).expect("a step");
+    assert!(plan.seqs[0].forks.is_empty() && plan.copies.is_empty());
+    let unforked: Vec<u64> = b.take_unforked().into_iter().map(|(id, _)| id).collect();
+    assert_eq!(unforked, vec![11, 12]);
+    let emitted = b.complete(&sample_all(&plan), &[], &mut p);
+    assert_eq!(emitted.len(), 1, "only the sequence itself samples");
+}
+
+#[test]
+fn a_sequence_aborted_mid_step_frees_its_forks_copies() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue(forking(10, 3));
+    let plan = b.plan(&mut p).expect("a step");
+    assert_eq!(p.used(), 5);
+    assert!(b.abort(1, &mut p).is_some());
+    assert_eq!(p.used(), 0, "the prompt's blocks and both copies are freed");
+    assert!(b.complete(&sample_all(&plan), &[], &mut p).is_empty(), "nobody is left to sample");
+    assert!(!b.has_work());
+}
+
+#[test]
+fn a_replayed_sequence_forks_nothing() {
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue(SeqRequest { generated: 2, ..forking(10, 3) });
+    let plan = b.plan(&mut p).expect("a step");
+    assert!(plan.seqs[0].forks.is_empty() && plan.copies.is_empty() && b.take_unforked().is_empty());
 }

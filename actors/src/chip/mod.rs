@@ -260,7 +260,12 @@ impl Chip {
             metrics::counter!("tessera_prefix_reused_tokens_total", "chip" => chip).increment(reused);
         }
         let dropped = batcher.take_dropped();
+        let unforked = batcher.take_unforked();
         self.prefills_dropped(dropped, fx);
+        for (request_id, req) in unforked {
+            tracing::debug!(chip = %self.config.id, request_id, "no KV block to fork into; the request routes on its own");
+            let _ = fx.send(req, Msg::Reroute);
+        }
         let Some(plan) = plan else {
             if panic_now {
                 self.inject_panic = true; // wait for work, so the drill hits a live step
@@ -313,13 +318,6 @@ impl Chip {
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
         let prefilled = batcher.take_prefilled();
-        for (request_id, why) in outcome.failed {
-            if let Some(req) = batcher.abort(request_id, pool) {
-                tracing::error!(chip = %self.config.id, request_id, error = %why, "a sequence could not sample");
-                let error = ServeError::new(ErrorKind::Internal, format!("chip {}: {why}", self.config.id));
-                let _ = fx.send(req, Msg::Refused { request_id, chip: me, error, retry: Retry::No });
-            }
-        }
         for e in batcher.complete(&outcome.sampled, &outcome.logprobs, pool) {
             let msg = Msg::Generated {
                 request_id: e.request_id,
@@ -331,6 +329,14 @@ impl Chip {
             if fx.send(e.req, msg).is_err() && e.finish.is_none() {
                 // Its request is unreachable: stop spending compute on it.
                 batcher.abort(e.request_id, pool);
+            }
+        }
+        // After `complete`: a fork whose sampler failed exists by then, to be aborted.
+        for (request_id, why) in outcome.failed {
+            if let Some(req) = batcher.abort(request_id, pool) {
+                tracing::error!(chip = %self.config.id, request_id, error = %why, "a sequence could not sample");
+                let error = ServeError::new(ErrorKind::Internal, format!("chip {}: {why}", self.config.id));
+                let _ = fx.send(req, Msg::Refused { request_id, chip: me, error, retry: Retry::No });
             }
         }
         for p in prefilled {

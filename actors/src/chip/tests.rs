@@ -37,7 +37,7 @@ impl StepExecutor for Recorder {
             }
         }
         ctx.elapse(Duration::from_millis(LAYERS as u64));
-        let sampled = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
+        let sampled = plan.seqs.iter().flat_map(|s| s.samplers()).map(|id| (id, 7)).collect();
         StepOutcome::sampled(step, sampled, 0.0)
     }
 
@@ -144,6 +144,7 @@ fn seq(prompt: usize, max_new: usize) -> SeqRequest {
         max_new_tokens: max_new,
         sampling: SamplingSpec { ignore_eos: true, ..SamplingSpec::greedy() },
         delivery: Delivery::Stream,
+        forks: Vec::new(),
     }
 }
 

@@ -12,7 +12,7 @@
 //! at most `unavailable_timeout` in all.
 
 use crate::msg::{
-    ClientEvent, Delivery, ErrorKind, Finish, Msg, Retry, SamplingSpec, SeqRequest, ServeError, TokenLogprob,
+    ClientEvent, Delivery, ErrorKind, Finish, Fork, Msg, Retry, SamplingSpec, SeqRequest, ServeError, TokenLogprob,
 };
 use std::time::Duration;
 use tessera_actor_core::Addr;
@@ -26,6 +26,8 @@ pub struct RequestSpec {
     pub max_tokens: usize,
     pub sampling: SamplingSpec,
     pub delivery: Delivery,
+    /// Its siblings (`n` > 1), forked from it where its first token is sampled.
+    pub forks: Vec<Fork>,
 }
 
 /// How persistent a request is.
@@ -91,6 +93,9 @@ pub struct Request {
     done: bool,
     /// Told when this request ends (its admission slot frees).
     admission: Option<Addr>,
+    /// It waits to be forked from a sibling's sequence, since when; it routes on its
+    /// own if told the fork will not happen, or after `stall_timeout`.
+    awaiting_fork: Option<Moment>,
 }
 
 impl Request {
@@ -114,7 +119,35 @@ impl Request {
             last_progress: Moment::default(),
             done: false,
             admission: None,
+            awaiting_fork: None,
         }
+    }
+
+    /// A request forked from a sibling's sequence: it waits for the chip that samples
+    /// the sibling's first token to sample its own, rather than routing.
+    pub fn forked(spec: RequestSpec, client: Addr, router: Addr, policy: RetryPolicy) -> Request {
+        let mut r = Request::new(spec, client, router, policy);
+        r.awaiting_fork = Some(Moment::default());
+        r
+    }
+
+    /// The fork happened: `chip` runs this request's sequence, sharing its sibling's
+    /// prompt KV. The router is told, so it counts the load and can fail it over.
+    fn adopt(&mut self, chip: Addr, fx: &mut dyn Effects<Msg>) {
+        self.awaiting_fork = None;
+        self.attempts = 1;
+        self.chip = Some(chip);
+        self.prefilled = true;
+        let tokens = self.spec.prompt.len() + self.spec.max_tokens;
+        let msg = Msg::Forked { request_id: self.spec.request_id, req: fx.me(), chip, tokens };
+        let _ = fx.send(self.router, msg);
+        metrics::counter!("tessera_request_forked_total").increment(1);
+    }
+
+    /// The fork will not happen: find a chip of its own.
+    fn unforked(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.awaiting_fork = None;
+        self.route(fx);
     }
 
     /// Tells `admission` when this request ends.
@@ -163,6 +196,8 @@ impl Request {
             max_new_tokens: self.spec.max_tokens - self.generated.len(),
             sampling: self.spec.sampling.clone(),
             delivery: self.spec.delivery,
+            // Once it has sampled, its siblings forked (or went their own way).
+            forks: if self.generated.is_empty() { self.spec.forks.clone() } else { Vec::new() },
         };
         let (to, msg) = match prefill {
             Some(p) => (p, Msg::Prefill { seq: Box::new(seq), decode: chip }),
@@ -383,6 +418,12 @@ impl Request {
 
     fn finish(&mut self, fx: &mut dyn Effects<Msg>) {
         self.done = true;
+        // Ended before its first token: its siblings will not be forked from it.
+        if self.generated.is_empty() {
+            for fork in &self.spec.forks {
+                let _ = fx.send(fork.req, Msg::Reroute);
+            }
+        }
         if let Some(admission) = self.admission {
             let _ = fx.send(admission, Msg::RequestEnded { request_id: self.spec.request_id });
         }
@@ -398,11 +439,36 @@ impl Behavior<Msg> for Request {
     fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
         self.last_progress = fx.now();
         fx.timer(self.policy.stall_timeout / 2, Msg::Tick);
-        self.route(fx);
+        match self.awaiting_fork.as_mut() {
+            Some(since) => *since = fx.now(),
+            None => self.route(fx),
+        }
     }
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         if self.done {
+            return;
+        }
+        if let Some(since) = self.awaiting_fork {
+            match msg {
+                Msg::Generated { chip, tokens, finish, logprobs, .. } => {
+                    self.adopt(chip, fx);
+                    self.generated(tokens, logprobs, finish, fx);
+                }
+                // Its sibling's prompt scores (`echo`), which are its own.
+                Msg::PromptLogprobs { start, logprobs, .. } => self.prompt_logprobs(start, logprobs, fx),
+                Msg::Refused { error, retry: Retry::No, .. } => self.fail(error, fx),
+                Msg::Refused { .. } | Msg::Reroute => self.unforked(fx),
+                Msg::Cancel => self.cancel(fx),
+                Msg::Tick => {
+                    if fx.now().since(since) >= self.policy.stall_timeout {
+                        tracing::warn!(request_id = self.spec.request_id, "not forked in time; routing on its own");
+                        self.unforked(fx);
+                    }
+                    fx.timer(self.policy.stall_timeout / 2, Msg::Tick);
+                }
+                _ => {}
+            }
             return;
         }
         match msg {

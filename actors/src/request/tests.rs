@@ -18,6 +18,7 @@ fn request(max_tokens: usize) -> Request {
         max_tokens,
         sampling: SamplingSpec::greedy(),
         delivery: Delivery::Stream,
+        forks: Vec::new(),
     };
     Request::new(spec, CLIENT, ROUTER, RetryPolicy::default())
 }
@@ -302,7 +303,14 @@ fn route_failure_mid_stream(kind: ErrorKind) {
 /// cleared.
 fn whole_on(chip: Addr, max_tokens: usize, sampling: SamplingSpec) -> (TestFx, Request) {
     let mut fx = TestFx::new(ME);
-    let spec = RequestSpec { request_id: 9, prompt: vec![1, 2, 3], max_tokens, sampling, delivery: Delivery::Whole };
+    let spec = RequestSpec {
+        request_id: 9,
+        prompt: vec![1, 2, 3],
+        max_tokens,
+        sampling,
+        delivery: Delivery::Whole,
+        forks: Vec::new(),
+    };
     let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
     r.on_start(&mut fx);
     r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
@@ -365,4 +373,91 @@ fn a_scoring_request_passes_prompt_logprobs_once_and_ends_after_them() {
         ]
     );
     assert!(fx.stopped);
+}
+
+/// A sibling (`n` > 1) waiting to be forked from request 8's sequence.
+fn fork_of(max_tokens: usize) -> (TestFx, Request) {
+    let spec = RequestSpec {
+        request_id: 9,
+        prompt: vec![1, 2, 3],
+        max_tokens,
+        sampling: SamplingSpec { seed: Some(8), ..SamplingSpec::greedy() },
+        delivery: Delivery::Stream,
+        forks: Vec::new(),
+    };
+    let mut fx = TestFx::new(ME);
+    let mut r = Request::forked(spec, CLIENT, ROUTER, RetryPolicy::default());
+    r.on_start(&mut fx);
+    (fx, r)
+}
+
+#[test]
+fn a_forked_request_waits_for_its_first_token_and_then_is_a_placement_of_its_own() {
+    let chip = a(1, 16);
+    let (mut fx, mut r) = fork_of(3);
+    assert!(fx.take_sent().is_empty(), "it does not route: its sibling's chip will fork it");
+    // Its sibling's prompt scores reach it (echo) before its own first token.
+    let lp = TokenLogprob { token: 2, logprob: -0.5, top: vec![] };
+    r.handle(Msg::PromptLogprobs { request_id: 9, start: 1, logprobs: vec![lp] }, &mut fx);
+    r.handle(generated(chip, vec![10], None), &mut fx);
+    let sent = fx.take_sent();
+    assert!(
+        sent.iter()
+            .any(|(to, m)| *to == ROUTER && matches!(m, Msg::Forked { request_id: 9, chip: c, .. } if *c == chip)),
+        "{sent:?}"
+    );
+    assert!(sent.iter().any(|(to, m)| *to == CLIENT
+        && matches!(m, Msg::Client { event: ClientEvent::Tokens { tokens, .. } } if tokens == &vec![10])));
+    // From then on it is like any placed request: the chip lost, it replays elsewhere.
+    r.handle(Msg::ChipLost { chip }, &mut fx);
+    let sent = fx.take_sent();
+    assert!(
+        sent.iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Route { exclude, .. } if exclude == &vec![chip]))
+    );
+    r.handle(Msg::Routed { request_id: 9, chip: a(2, 16), prefill: None }, &mut fx);
+    match &fx.take_sent()[..] {
+        [(_, Msg::Enqueue { seq })] => {
+            assert_eq!((seq.tokens.clone(), seq.generated, seq.sampling.seed), (vec![1, 2, 3, 10], 1, Some(8)));
+        }
+        other => panic!("expected one Enqueue, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_fork_that_will_not_happen_routes_on_its_own() {
+    // Told so (no block for its copy, or its sibling ended before sampling)…
+    let (mut fx, mut r) = fork_of(3);
+    r.handle(Msg::Reroute, &mut fx);
+    assert!(matches!(&fx.take_sent()[..], [(ROUTER, Msg::Route { .. })]));
+    // …or after the stall timeout without a word.
+    let (mut fx, mut r) = fork_of(3);
+    let stall = RetryPolicy::default().stall_timeout;
+    fx.advance(stall - Duration::from_secs(1), &mut r);
+    assert!(fx.take_sent().is_empty(), "not yet");
+    fx.advance(stall, &mut r);
+    assert!(fx.take_sent().iter().any(|(to, m)| *to == ROUTER && matches!(m, Msg::Route { .. })));
+}
+
+#[test]
+fn a_request_that_ends_before_sampling_releases_its_forks() {
+    let fork = Fork { request_id: 10, req: a(0, 77), seed: Some(1) };
+    let spec = RequestSpec {
+        request_id: 9,
+        prompt: vec![1, 2, 3],
+        max_tokens: 3,
+        sampling: SamplingSpec::greedy(),
+        delivery: Delivery::Stream,
+        forks: vec![fork.clone()],
+    };
+    let mut fx = TestFx::new(ME);
+    let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
+    r.on_start(&mut fx);
+    fx.take_sent();
+    r.handle(Msg::Routed { request_id: 9, chip: a(1, 16), prefill: None }, &mut fx);
+    match &fx.take_sent()[..] {
+        [(_, Msg::Enqueue { seq })] => assert_eq!(seq.forks, vec![fork.clone()], "the chip is told to fork it"),
+        other => panic!("expected one Enqueue, got {other:?}"),
+    }
+    r.handle(Msg::Cancel, &mut fx);
+    assert!(fx.take_sent().iter().any(|(to, m)| *to == fork.req && matches!(m, Msg::Reroute)));
 }

@@ -864,6 +864,17 @@ impl Router {
         self.charge(chip, 0, done, false);
     }
 
+    /// A request forked from another on `chip` runs there: a placement of its own,
+    /// decoding only (its prompt was computed once, for its parent).
+    fn forked(&mut self, request_id: u64, req: Addr, chip: Addr, tokens: usize) {
+        if self.placements.contains_key(&request_id) || !self.chips.contains_key(&chip) {
+            return;
+        }
+        let work = Work { prompt_tokens: 0, seqs: 1 };
+        self.charge(chip, tokens, work, true);
+        self.placements.insert(request_id, Placement { req, chips: vec![(chip, tokens, work)] });
+    }
+
     /// The request left `chip` without failing there.
     fn release(&mut self, request_id: u64, chip: Addr) {
         let held = self.placements.get(&request_id).is_some_and(|p| p.chips.iter().any(|(c, ..)| *c == chip));
@@ -921,6 +932,7 @@ impl Behavior<Msg> for Router {
                 self.drain(fx);
             }
             Msg::Prefilled { request_id, chip } => self.prefilled(request_id, chip),
+            Msg::Forked { request_id, req, chip, tokens } => self.forked(request_id, req, chip, tokens),
             Msg::Heartbeat { beat } => {
                 let beat = std::sync::Arc::unwrap_or_clone(beat);
                 if self.down_hosts.contains(&beat.host) {

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_actors::batcher::{NewSampler, StepPlan};
+use tessera_actors::batcher::{NewSampler, PlannedSeq, StepPlan};
 use tessera_actors::chip::executor::{KvInstall, StepExecutor};
 use tessera_actors::msg::{
     ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome, TokenLogprob,
@@ -492,13 +492,15 @@ impl StepExecutor for ModelExecutor {
             self.samplers.remove(id);
         }
         let mut failed = Vec::new();
-        for s in &plan.seqs {
-            if let Some(new) = &s.new_sampler {
+        let forks = plan.seqs.iter().flat_map(|s| s.forks.iter().map(|f| (f.request_id, Some(&f.new_sampler))));
+        let news = plan.seqs.iter().map(|s| (s.request_id, s.new_sampler.as_ref())).chain(forks);
+        for (id, new) in news {
+            if let Some(new) = new {
                 match seq_sampler(new, &mut self.grammars) {
                     Ok(sampler) => {
-                        self.samplers.insert(s.request_id, sampler);
+                        self.samplers.insert(id, sampler);
                     }
-                    Err(why) => failed.push((s.request_id, why)),
+                    Err(why) => failed.push((id, why)),
                 }
             }
         }
@@ -555,8 +557,8 @@ impl StepExecutor for ModelExecutor {
         let constrained: Vec<u64> = plan
             .seqs
             .iter()
-            .filter(|s| s.sample && self.samplers.get(&s.request_id).is_some_and(|x| x.constraint.is_some()))
-            .map(|s| s.request_id)
+            .flat_map(PlannedSeq::samplers)
+            .filter(|id| self.samplers.get(id).is_some_and(|x| x.constraint.is_some()))
             .collect();
         let samplers = &mut self.samplers;
         let model = &mut self.model;
@@ -576,6 +578,11 @@ impl StepExecutor for ModelExecutor {
             // A panic in the masker leaves the masks to be computed when sampling.
             (forward, masker.and_then(|h| h.join().ok()).unwrap_or_default())
         });
+        // Forks' copies of their parent's partial last block, now that it is written.
+        let forward = forward.and_then(|logits| {
+            self.kv.copy_blocks(self.model.device(), &plan.copies)?;
+            Ok(logits)
+        });
         match forward {
             Ok(logits) => {
                 let vocab = self.model.config().vocab_size;
@@ -586,13 +593,16 @@ impl StepExecutor for ModelExecutor {
                     // sampling row last.
                     if let Some(score) = &s.score {
                         let scored = rows.by_ref().take(score.targets.len());
-                        let logprobs = scored
+                        let logprobs: Vec<TokenLogprob> = scored
                             .zip(&score.targets)
                             .map(|(row, &token)| {
                                 let (logprob, top) = tessera_backends::sampling::logprobs(row, token, score.k);
                                 TokenLogprob { token, logprob, top }
                             })
                             .collect();
+                        for &(id, req) in &score.forks {
+                            outcome.prompt_logprobs.push((id, req, s.start_pos + 1, logprobs.clone()));
+                        }
                         outcome.prompt_logprobs.push((s.request_id, score.req, s.start_pos + 1, logprobs));
                         let rest = s.tokens.len() - score.targets.len();
                         let skip = rest.saturating_sub(usize::from(s.sample));
@@ -602,38 +612,41 @@ impl StepExecutor for ModelExecutor {
                         continue;
                     }
                     let Some(row) = rows.next() else { break };
-                    if outcome.failed.iter().any(|(id, _)| *id == s.request_id) {
-                        continue;
-                    }
-                    let allowed = match masks.remove(&s.request_id) {
-                        Some(Err(why)) => {
-                            self.samplers.remove(&s.request_id);
-                            outcome.failed.push((s.request_id, why));
+                    // The sequence, then its forks: each with its own sampler, one row.
+                    for id in s.samplers() {
+                        if outcome.failed.iter().any(|(failed, _)| *failed == id) {
                             continue;
                         }
-                        Some(Ok(allowed)) => Some(allowed),
-                        None => None,
-                    };
-                    let (token, k) = match self.samplers.get_mut(&s.request_id) {
-                        Some(sampler) => match sampler.sample(row, allowed, &mut self.masked) {
-                            Ok(token) => (token, sampler.logprobs),
-                            Err(why) => {
-                                self.samplers.remove(&s.request_id);
-                                outcome.failed.push((s.request_id, why));
+                        let allowed = match masks.remove(&id) {
+                            Some(Err(why)) => {
+                                self.samplers.remove(&id);
+                                outcome.failed.push((id, why));
                                 continue;
                             }
-                        },
-                        None => (tessera_backends::sampling::argmax(row), None),
-                    };
-                    outcome.sampled.push((s.request_id, token));
-                    let logprob = k.map(|k| {
-                        let (logprob, top) = tessera_backends::sampling::logprobs(row, token, k);
-                        TokenLogprob { token, logprob, top }
-                    });
-                    any_logprobs |= logprob.is_some();
-                    outcome.logprobs.push(logprob);
-                    if let Some(kept) = self.kept_logits.as_mut() {
-                        kept.push((s.request_id, row.to_vec()));
+                            Some(Ok(allowed)) => Some(allowed),
+                            None => None,
+                        };
+                        let (token, k) = match self.samplers.get_mut(&id) {
+                            Some(sampler) => match sampler.sample(row, allowed, &mut self.masked) {
+                                Ok(token) => (token, sampler.logprobs),
+                                Err(why) => {
+                                    self.samplers.remove(&id);
+                                    outcome.failed.push((id, why));
+                                    continue;
+                                }
+                            },
+                            None => (tessera_backends::sampling::argmax(row), None),
+                        };
+                        outcome.sampled.push((id, token));
+                        let logprob = k.map(|k| {
+                            let (logprob, top) = tessera_backends::sampling::logprobs(row, token, k);
+                            TokenLogprob { token, logprob, top }
+                        });
+                        any_logprobs |= logprob.is_some();
+                        outcome.logprobs.push(logprob);
+                        if let Some(kept) = self.kept_logits.as_mut() {
+                            kept.push((id, row.to_vec()));
+                        }
                     }
                 }
                 if !any_logprobs {

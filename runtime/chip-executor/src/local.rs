@@ -181,6 +181,7 @@ impl LocalEngine {
             max_new_tokens: max_tokens,
             sampling,
             delivery: Delivery::Stream,
+            forks: Vec::new(),
         };
         let need = self.batcher.blocks_to_finish(&seq);
         admissible(&seq, self.info.vocab_size, self.info.max_context, need, self.pool.capacity())?;

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tessera_actors::msg::{AdmitAsk, Delivery, Grammar, TokenLogprob};
+use tessera_actors::msg::{AdmitAsk, Delivery, ForkAsk, Grammar, TokenLogprob};
 use tessera_actors::msg::{ChipState, ClientEvent, ErrorKind, Fault, Finish, Msg, Role, SamplingSpec, ServeError};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::Addr;
@@ -350,7 +350,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
     let stop_ids = stop_token_ids.clone();
     // A scoring request (`echo` and `max_tokens: 0`) still decodes one token, which no
     // one sees: the chips' requests always produce one.
-    let ask = AdmitAsk {
+    let mut ask = AdmitAsk {
         prompt: prompt.clone(),
         max_tokens: max_tokens.max(1),
         sampling: SamplingSpec {
@@ -372,35 +372,28 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         // A response read whole needs its tokens only at the end, unless stop strings
         // must be matched as the text grows (to stop the generation early).
         delivery: if req.stream || !req.stop.is_empty() { Delivery::Stream } else { Delivery::Whole },
+        forks: Vec::new(),
     };
-    // `n` choices (or `best_of` candidates), choice i sampled with `seed + i`.
+    // `n` choices (or `best_of` candidates), choice i sampled with `seed + i`. The
+    // others fork from the first where it samples its first token: one prefill, the
+    // prompt's KV shared, each choice with its own sampler from the same logits.
     let sequences = req.best_of.unwrap_or(req.n);
-    let mut ask = ask;
     if req.best_of.is_some() && ask.sampling.logprobs.is_none() {
         ask.sampling.logprobs = Some(0); // best_of ranks by each candidate's log-probability
     }
-    let ask_for = |i: usize| {
-        let mut a = ask.clone();
-        a.sampling.seed = a.sampling.seed.map(|s| s.wrapping_add(i as u64));
-        a
-    };
-    // The first sequence computes the prompt. The others are admitted once it has (its
-    // first event came), so each finds the prompt's full blocks in the chip's prefix
-    // cache and computes only the tokens of its last, partial block.
+    let fork_mailboxes: Vec<Mailbox<Msg>> = (1..sequences).map(|_| st.host.mailbox()).collect();
+    ask.forks = fork_mailboxes
+        .iter()
+        .enumerate()
+        .map(|(i, m)| ForkAsk { client: m.addr(), seed: ask.sampling.seed.map(|s| s.wrapping_add(i as u64 + 1)) })
+        .collect();
     let mut admitted = Vec::with_capacity(sequences);
-    match admit(&st, ask_for(0)).await {
+    match admit(&st, ask).await {
         Ok(a) => admitted.push(a),
         Err(e) => return error_response(e),
     }
     metrics::histogram!("tessera_request_ttft_seconds").record(started.elapsed().as_secs_f64());
-    let mut sent = Vec::with_capacity(sequences - 1);
-    for i in 1..sequences {
-        match send_admit(&st, ask_for(i)) {
-            Ok(mailbox) => sent.push(mailbox),
-            Err(e) => return error_response(e),
-        }
-    }
-    for mailbox in sent {
+    for mailbox in fork_mailboxes {
         match await_admitted(&st, mailbox).await {
             Ok(a) => admitted.push(a),
             Err(e) => return error_response(e),

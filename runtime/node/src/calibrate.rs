@@ -239,10 +239,11 @@ fn plan(seqs: &[(usize, usize)], block_size: usize) -> StepPlan {
                 score: None,
                 stage: false,
                 stage_from: 0,
+                forks: Vec::new(),
             }
         })
         .collect();
-    StepPlan { seqs, drop_samplers: Vec::new() }
+    StepPlan { seqs, drop_samplers: Vec::new(), copies: Vec::new() }
 }
 
 #[cfg(test)]

@@ -199,11 +199,11 @@ impl StepExecutor for ModelledChip {
         let sampled = plan
             .seqs
             .iter()
-            .filter(|s| s.sample)
-            .map(|s| {
+            .flat_map(|s| {
                 let last = s.tokens.last().copied().unwrap_or(0) as u64;
                 let pos = (s.start_pos + s.tokens.len()) as u64;
-                (s.request_id, ((last * 7919 + pos * 104_729) % self.vocab) as u32)
+                let token = ((last * 7919 + pos * 104_729) % self.vocab) as u32;
+                s.samplers().map(move |id| (id, token))
             })
             .collect();
         ctx.elapse(time);
@@ -236,6 +236,7 @@ mod tests {
             score: None,
             stage: false,
             stage_from: 0,
+            forks: Vec::new(),
         }
     }
 
@@ -264,9 +265,16 @@ mod tests {
         };
         // perf.rs's documented default-topology figures: a 512-token prefill on the 910B
         // in ~29 ms, a decode at 128 tokens of context on the C500 in ~14.8 ms.
-        let prefill =
-            chip("ascend-910b").step_time(&StepPlan { seqs: vec![seq(1, 512, 0)], drop_samplers: Vec::new() });
-        let decode = chip("metax-c500").step_time(&StepPlan { seqs: vec![seq(1, 1, 127)], drop_samplers: Vec::new() });
+        let prefill = chip("ascend-910b").step_time(&StepPlan {
+            seqs: vec![seq(1, 512, 0)],
+            drop_samplers: Vec::new(),
+            copies: Vec::new(),
+        });
+        let decode = chip("metax-c500").step_time(&StepPlan {
+            seqs: vec![seq(1, 1, 127)],
+            drop_samplers: Vec::new(),
+            copies: Vec::new(),
+        });
         assert!((0.025..0.035).contains(&prefill.as_secs_f64()), "{prefill:?}");
         assert!((0.010..0.020).contains(&decode.as_secs_f64()), "{decode:?}");
 

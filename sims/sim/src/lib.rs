@@ -166,6 +166,7 @@ pub fn run_with_progress(
                 // The clients time the first token and the end: the rest need not travel
                 // token by token (TPOT is their mean gap).
                 delivery: Delivery::Whole,
+                forks: Vec::new(),
             };
             ((at_s * 1e9).round() as u64, ask)
         }));
