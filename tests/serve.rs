@@ -345,8 +345,9 @@ fn gateway_errors_have_status_and_openai_shape() {
     wait_health(gw, "the stream shows as running", Duration::from_secs(5), |h| chip(h, "h0-cpu0")["running"] == 1);
     drop(sse);
     let health = wait_health(gw, "KV freed after the client left", Duration::from_secs(5), |h| drained(h, &[]));
-    // Generating all 2000 tokens takes 2000 steps: the request was cancelled long before.
-    assert!(chip(&health, "h0-cpu0")["steps"].as_u64() < Some(500), "the request was not cancelled: {health:#}");
+    // Generating all 2000 tokens takes 2000 steps (and the KV would be held until then):
+    // fewer ran, so the request was cancelled. (How many depends on how fast steps are.)
+    assert!(chip(&health, "h0-cpu0")["steps"].as_u64() < Some(2000), "the request was not cancelled: {health:#}");
     // And the slot is free again.
     let r = post_json(gw, "/v1/completions", &completion_body("Hi", 4, false, false));
     assert_eq!(r.status, 200, "{}", r.body);

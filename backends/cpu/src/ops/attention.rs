@@ -102,11 +102,7 @@ const TQ: usize = 64;
 fn softmax_prefix(row: &mut [f32], valid: usize) {
     let (a, b) = row.split_at_mut(valid);
     let max = a.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for x in a.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
+    let sum = exp_shifted(a, max);
     let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
     for x in a.iter_mut() {
         *x *= inv;
@@ -197,28 +193,25 @@ pub fn prefill_attention(
     Ok(())
 }
 
-/// Walks the first `ctx` cached tokens of kv head `kvh` block by block, handing `f`
-/// each block's rows as f32 (in `buf`) with the position of its first token.
-fn for_each_block(
-    src: WSlice,
-    g: &KvGeom,
-    table: &[i32],
-    kvh: usize,
-    ctx: usize,
-    buf: &mut [f32],
-    mut f: impl FnMut(usize, &[f32]),
-) {
-    let mut pos = 0;
-    while pos < ctx {
-        let rows = g.block_size.min(ctx - pos);
-        let b = &mut buf[..rows * g.head_dim];
-        g.read_head_rows(src, table[pos / g.block_size] as usize, kvh, rows, b);
-        f(pos, b);
-        pos += rows;
-    }
+/// Context tokens per part of a decode: each (sequence, kv head)'s context is split
+/// into parts of this many tokens (rounded up to whole blocks), attended in parallel
+/// and merged. Fixed, so a sequence's result never depends on the batch around it.
+const DECODE_PART: usize = 256;
+
+/// A part's softmax state per query head of a group: its max score, its sum of
+/// exponentials, and its unnormalised output (`acc`, `group * head_dim`).
+struct PartState<'a> {
+    max: &'a mut [f32],
+    sum: &'a mut [f32],
+    acc: &'a mut [f32],
 }
 
-/// Decode attention: one query per sequence attending to all its cached tokens.
+/// Decode attention: one query per sequence attending to all its cached tokens. Each
+/// (sequence, kv head)'s context is cut into parts of [`DECODE_PART`] tokens, attended
+/// in parallel (a part reads each of its K and V blocks once, converting them to f32 a
+/// block at a time, with FMA kernels where the CPU has them), and the parts of a head
+/// are merged in order at the end (flash-decoding): a long context keeps every thread
+/// busy even at batch 1.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     out: &mut [f32],
@@ -238,36 +231,289 @@ pub fn paged_decode_attention(
     if num_seqs == 0 {
         return Ok(());
     }
-    // out[s][kvh*group .. (kvh+1)*group][hd] is contiguous: one chunk per (s, kvh).
-    out[..num_seqs * num_heads * hd].par_chunks_mut(group * hd).enumerate().for_each(|(idx, o)| {
-        let (s, kvh) = (idx / g.num_kv_heads, idx % g.num_kv_heads);
-        let ctx = context_lens[s] as usize;
-        let table = &block_tables[s * max_blocks_per_seq..(s + 1) * max_blocks_per_seq];
-        let qh = &q[(s * num_heads + kvh * group) * hd..][..group * hd];
-        let mut scores = vec![0.0f32; group * ctx];
-        let mut buf = vec![0.0f32; g.block_size * hd];
-        for_each_block(kv.k, &g, table, kvh, ctx, &mut buf, |pos, b| {
-            for (gi, qv) in qh.chunks_exact(hd).enumerate() {
-                for (r, krow) in b.chunks_exact(hd).enumerate() {
-                    scores[gi * ctx + pos + r] = crate::simd::dot(qv, krow) * scale;
+    let part_len = DECODE_PART.div_ceil(g.block_size) * g.block_size;
+    // (sequence, kv head, first token, end) of every part, in order.
+    let mut parts = Vec::new();
+    for (s, &ctx) in context_lens[..num_seqs].iter().enumerate() {
+        let ctx = ctx as usize;
+        for kvh in 0..g.num_kv_heads {
+            let mut start = 0;
+            loop {
+                let end = (start + part_len).min(ctx);
+                parts.push((s, kvh, start, end));
+                start = end;
+                if start >= ctx {
+                    break;
                 }
-            }
-        });
-        if ctx > 0 {
-            for row in scores.chunks_exact_mut(ctx) {
-                softmax_prefix(row, ctx);
             }
         }
-        o.fill(0.0);
-        for_each_block(kv.v, &g, table, kvh, ctx, &mut buf, |pos, b| {
-            for (gi, acc) in o.chunks_exact_mut(hd).enumerate() {
-                for (r, vrow) in b.chunks_exact(hd).enumerate() {
-                    crate::simd::axpy(scores[gi * ctx + pos + r], vrow, acc);
-                }
-            }
-        });
-    });
+    }
+    // Each part's state: max and sum per query head, then the accumulators.
+    let stride = group * (hd + 2);
+    let mut states = vec![0.0f32; parts.len() * stride];
+    states.par_chunks_mut(stride).zip(&parts).for_each_init(
+        || (vec![0.0f32; g.block_size * hd], vec![0.0f32; g.block_size * hd], Vec::new()),
+        |(kbuf, vbuf, scores), (chunk, &(s, kvh, start, end))| {
+            let (max, rest) = chunk.split_at_mut(group);
+            let (sum, acc) = rest.split_at_mut(group);
+            let state = PartState { max, sum, acc };
+            let table = &block_tables[s * max_blocks_per_seq..(s + 1) * max_blocks_per_seq];
+            let qh = &q[(s * num_heads + kvh * group) * hd..][..group * hd];
+            attend_part(kv, table, kvh, start, end, qh, scale, (kbuf, vbuf, scores), state);
+        },
+    );
+    // Merge each (sequence, kv head)'s parts into its rows of `out`, in part order.
+    let mut first = 0;
+    while first < parts.len() {
+        let (s, kvh, ..) = parts[first];
+        let n = parts[first..].iter().take_while(|p| (p.0, p.1) == (s, kvh)).count();
+        let o = &mut out[(s * num_heads + kvh * group) * hd..][..group * hd];
+        merge_parts(&states[first * stride..(first + n) * stride], group, hd, o);
+        first += n;
+    }
     Ok(())
+}
+
+/// The rows of `src` for `rows` tokens of kv head `kvh` in `block` as f32: the cache
+/// itself when it is f32 and head-major, else converted into `buf`.
+fn head_rows<'a>(src: WSlice<'a>, g: &KvGeom, block: usize, kvh: usize, rows: usize, buf: &'a mut [f32]) -> &'a [f32] {
+    let n = rows * g.head_dim;
+    if let (WSlice::F32(all), super::misc::KvLayout::HeadMajor) = (src, g.layout) {
+        let at = g.index(block, kvh, 0);
+        return &all[at..at + n];
+    }
+    g.read_head_rows(src, block, kvh, rows, buf);
+    &buf[..n]
+}
+
+/// Attends the `group` query heads `qh` (`[group][head_dim]`) to tokens `start..end` of
+/// kv head `kvh` (`start` on a block boundary), leaving an unnormalised softmax state:
+/// the part's scores first (K blocks), their exponentials, then the weighted V blocks.
+#[allow(clippy::too_many_arguments)]
+fn attend_part(
+    kv: &KvView,
+    table: &[i32],
+    kvh: usize,
+    start: usize,
+    end: usize,
+    qh: &[f32],
+    scale: f32,
+    (kbuf, vbuf, scores): (&mut [f32], &mut [f32], &mut Vec<f32>),
+    st: PartState,
+) {
+    let g = kv.geom;
+    let (hd, bs) = (g.head_dim, g.block_size);
+    let group = st.max.len();
+    let n = end - start;
+    st.acc.fill(0.0);
+    if n == 0 {
+        st.max.fill(f32::NEG_INFINITY);
+        st.sum.fill(0.0);
+        return;
+    }
+    scores.resize(group * n, 0.0);
+    let blocks = (start..end).step_by(bs).map(|pos| (pos - start, bs.min(end - pos), table[pos / bs] as usize));
+    for (off, rows, block) in blocks.clone() {
+        let k = head_rows(kv.k, &g, block, kvh, rows, kbuf);
+        for (gi, qv) in qh.chunks_exact(hd).enumerate() {
+            dots(qv, k, scale, &mut scores[gi * n + off..gi * n + off + rows]);
+        }
+    }
+    for gi in 0..group {
+        let row = &mut scores[gi * n..(gi + 1) * n];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        st.max[gi] = max;
+        st.sum[gi] = exp_shifted(row, max);
+    }
+    for (off, rows, block) in blocks {
+        let v = head_rows(kv.v, &g, block, kvh, rows, vbuf);
+        for (gi, acc) in st.acc.chunks_exact_mut(hd).enumerate() {
+            weighted_sum(&scores[gi * n + off..gi * n + off + rows], v, acc);
+        }
+    }
+}
+
+/// `out[r] = q · k[r] * scale` for each row `r` of `k` (`[out.len()][q.len()]`).
+fn dots(q: &[f32], k: &[f32], scale: f32, out: &mut [f32]) {
+    let hd = q.len();
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && crate::simd::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected; `hd` is a multiple of 8.
+        unsafe { x86::dots(q, k, scale, out) };
+        return;
+    }
+    for (o, krow) in out.iter_mut().zip(k.chunks_exact(hd)) {
+        *o = crate::simd::dot(q, krow) * scale;
+    }
+}
+
+/// `row[i] = exp(row[i] - max)`; returns their sum.
+fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected.
+        return unsafe { x86::exp_shifted(row, max) };
+    }
+    let mut sum = 0.0;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    sum
+}
+
+/// `acc += Σ_r p[r] * v[r]` (`v`: `[p.len()][acc.len()]`).
+fn weighted_sum(p: &[f32], v: &[f32], acc: &mut [f32]) {
+    let hd = acc.len();
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && crate::simd::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected; `hd` is a multiple of 8.
+        unsafe { x86::weighted_sum(p, v, acc) };
+        return;
+    }
+    for (&w, vrow) in p.iter().zip(v.chunks_exact(hd)) {
+        crate::simd::axpy(w, vrow, acc);
+    }
+}
+
+/// Merges the softmax states of a head's parts (`[part][max; sum; acc]`, each
+/// `group * (hd + 2)` long) into its normalised output `o` (`[group][hd]`).
+fn merge_parts(states: &[f32], group: usize, hd: usize, o: &mut [f32]) {
+    let stride = group * (hd + 2);
+    for gi in 0..group {
+        let max = states.chunks_exact(stride).map(|p| p[gi]).fold(f32::NEG_INFINITY, f32::max);
+        let out = &mut o[gi * hd..(gi + 1) * hd];
+        out.fill(0.0);
+        let mut sum = 0.0f32;
+        for p in states.chunks_exact(stride) {
+            if p[gi] == f32::NEG_INFINITY {
+                continue; // an empty part (a sequence without context)
+            }
+            let w = (p[gi] - max).exp();
+            sum += p[group + gi] * w;
+            let acc = &p[2 * group + gi * hd..][..hd];
+            crate::simd::axpy(w, acc, out);
+        }
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        out.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// See `dots`: eight key rows at a time, their sums reduced together.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots(q: &[f32], k: &[f32], scale: f32, out: &mut [f32]) {
+        let hd = q.len();
+        let rows = out.len();
+        assert!(hd.is_multiple_of(8) && k.len() >= rows * hd);
+        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let mut r = 0;
+        // SAFETY: (whole function) every load reads 8 floats at an offset i < hd (a
+        // multiple of 8) of q or of a row r' < rows of k, inside both by the assert.
+        unsafe {
+            while r + 8 <= rows {
+                let mut a = [_mm256_setzero_ps(); 8];
+                let mut i = 0;
+                while i < hd {
+                    let qv = _mm256_loadu_ps(qp.add(i));
+                    for (j, aj) in a.iter_mut().enumerate() {
+                        *aj = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add((r + j) * hd + i)), *aj);
+                    }
+                    i += 8;
+                }
+                let u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                let u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+                let sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+                _mm256_storeu_ps(out.as_mut_ptr().add(r), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+                r += 8;
+            }
+            while r < rows {
+                let mut a = _mm256_setzero_ps();
+                let mut i = 0;
+                while i < hd {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), _mm256_loadu_ps(kp.add(r * hd + i)), a);
+                    i += 8;
+                }
+                out[r] = hsum(a) * scale;
+                r += 1;
+            }
+        }
+    }
+
+    /// See `exp_shifted`. exp by range reduction to 2^n · e^f, |f| <= ln2/2, and a
+    /// degree-5 polynomial (Cephes' expf: relative error about 1e-7).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
+        let n = row.len();
+        let mut total = _mm256_setzero_ps();
+        let m = _mm256_set1_ps(max);
+        let mut i = 0;
+        // SAFETY: i + 8 <= n = row.len().
+        unsafe {
+            while i + 8 <= n {
+                let p = row.as_mut_ptr().add(i);
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+                _mm256_storeu_ps(p, e);
+                total = _mm256_add_ps(total, e);
+                i += 8;
+            }
+        }
+        let mut sum = hsum(total);
+        for x in &mut row[i..] {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.376_26)), _mm256_set1_ps(-87.336_55));
+        let fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5)));
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0));
+        let pow2n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
+    }
+
+    /// See `weighted_sum`: the accumulators stay in registers over a block's rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_sum(p: &[f32], v: &[f32], acc: &mut [f32]) {
+        let hd = acc.len();
+        let rows = p.len();
+        assert!(hd.is_multiple_of(8) && v.len() >= rows * hd);
+        let mut i = 0;
+        while i < hd {
+            // SAFETY: i + 8 <= hd; every row r < rows of v holds hd floats by the assert.
+            unsafe {
+                let ap = acc.as_mut_ptr().add(i);
+                let mut a = _mm256_loadu_ps(ap);
+                for (r, &w) in p.iter().enumerate() {
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(v.as_ptr().add(r * hd + i)), a);
+                }
+                _mm256_storeu_ps(ap, a);
+            }
+            i += 8;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
 }
 
 #[cfg(test)]
@@ -426,6 +672,12 @@ mod tests {
             }
             // A long sequence crossing several query tiles.
             run(&Case { h: 4, kvh: 1, hd: 64, bs: 16, ctx: vec![150], qlen: vec![130], dtype: 0, layout, seed: 5 });
+            // Decodes over several parts of context (the SIMD path at head_dim 64, the
+            // portable one at 12, whose block size does not divide a part).
+            for (hd, bs, dtype) in [(64, 16, 0), (64, 16, 1), (12, 5, 2)] {
+                let ctx = vec![700, 256, 257, 3];
+                run(&Case { h: 6, kvh: 2, hd, bs, ctx, qlen: vec![1, 1, 1, 1], dtype, layout, seed: 9 });
+            }
         }
     }
 
