@@ -144,7 +144,7 @@ pub fn gemv_scalar(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: 
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -165,8 +165,9 @@ mod x86 {
         }
     }
 
+    /// The sum of the eight lanes of `v`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);

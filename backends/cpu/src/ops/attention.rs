@@ -401,6 +401,7 @@ fn merge_parts(states: &[f32], group: usize, hd: usize, o: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use crate::simd::x86::hsum;
     use std::arch::x86_64::*;
 
     /// See `dots`: eight key rows at a time, their sums reduced together.
@@ -461,7 +462,8 @@ mod x86 {
                 i += 8;
             }
         }
-        let mut sum = hsum(total);
+        // SAFETY: AVX2 and FMA are enabled here.
+        let mut sum = unsafe { hsum(total) };
         for x in &mut row[i..] {
             *x = (*x - max).exp();
             sum += *x;
@@ -503,16 +505,6 @@ mod x86 {
             }
             i += 8;
         }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
     }
 }
 
