@@ -96,6 +96,8 @@ pub struct Request {
     /// It waits to be forked from a sibling's sequence, since when; it routes on its
     /// own if told the fork will not happen, or after `stall_timeout`.
     awaiting_fork: Option<Moment>,
+    /// It was admitted as a fork (whether or not the fork happened).
+    fork: bool,
 }
 
 impl Request {
@@ -120,6 +122,7 @@ impl Request {
             done: false,
             admission: None,
             awaiting_fork: None,
+            fork: false,
         }
     }
 
@@ -128,6 +131,7 @@ impl Request {
     pub fn forked(spec: RequestSpec, client: Addr, router: Addr, policy: RetryPolicy) -> Request {
         let mut r = Request::new(spec, client, router, policy);
         r.awaiting_fork = Some(Moment::default());
+        r.fork = true;
         r
     }
 
@@ -500,6 +504,11 @@ impl Behavior<Msg> for Request {
                     self.chip_failed(chip, fx);
                 }
                 fx.timer(self.policy.stall_timeout / 2, Msg::Tick);
+            }
+            // A fork's sequence running on a chip it does not hold: its sibling's chip
+            // forked it after it had routed on its own.
+            Msg::Generated { chip, finish: None, .. } if self.fork && !self.holds(chip) => {
+                let _ = fx.send(chip, Msg::Abort { request_id: self.spec.request_id });
             }
             // Late messages from a chip this request already left.
             _ => {}

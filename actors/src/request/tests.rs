@@ -429,6 +429,11 @@ fn a_fork_that_will_not_happen_routes_on_its_own() {
     let (mut fx, mut r) = fork_of(3);
     r.handle(Msg::Reroute, &mut fx);
     assert!(matches!(&fx.take_sent()[..], [(ROUTER, Msg::Route { .. })]));
+    // Should its sibling's chip fork it after all, that sequence is stopped there.
+    r.handle(Msg::Routed { request_id: 9, chip: a(2, 16), prefill: None }, &mut fx);
+    fx.take_sent();
+    r.handle(generated(a(1, 16), vec![10], None), &mut fx);
+    assert_eq!(fx.take_sent(), vec![(a(1, 16), Msg::Abort { request_id: 9 })]);
     // …or after the stall timeout without a word.
     let (mut fx, mut r) = fork_of(3);
     let stall = RetryPolicy::default().stall_timeout;
