@@ -569,15 +569,10 @@ impl Batcher {
                 continue;
             }
             let forks = std::mem::take(&mut seq.forks);
-            let last = match (seq.cached % bs, seq.blocks.last()) {
-                (0, _) => None,
-                (_, Some(last)) => Some(last.slot),
-                (_, None) => {
-                    self.unforked.extend(forks.iter().map(|f| (f.request_id, f.req)));
-                    continue;
-                }
-            };
-            if last.is_some() && pool.free() < forks.len() {
+            // The partial last block each fork copies (none on a block boundary).
+            let partial = !seq.cached.is_multiple_of(bs);
+            let last = seq.blocks.last().map(|b| b.slot).filter(|_| partial);
+            if partial && (last.is_none() || pool.free() < forks.len()) {
                 self.unforked.extend(forks.iter().map(|f| (f.request_id, f.req)));
                 continue;
             }

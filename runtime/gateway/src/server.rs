@@ -442,20 +442,16 @@ struct Admitted {
     first: ClientEvent,
 }
 
+/// Asks admission to serve `ask` and waits for it to be served (its forks' answers go to
+/// their own mailboxes).
 async fn admit(st: &Arc<GatewayState>, ask: AdmitAsk) -> Result<Admitted, ApiError> {
-    let mailbox = send_admit(st, ask)?;
-    await_admitted(st, mailbox).await
-}
-
-/// Asks admission to serve `ask`; its answers come to the mailbox returned.
-fn send_admit(st: &Arc<GatewayState>, ask: AdmitAsk) -> Result<Mailbox<Msg>, ApiError> {
     let mailbox = st.host.mailbox();
     let admit = Msg::Admit { client: mailbox.addr(), ask: Box::new(ask) };
     st.host.send_from(&mailbox, st.config.admission, admit).map_err(|e| {
         tracing::error!("admission is unreachable: {e}");
         ApiError::internal("the request could not be admitted")
     })?;
-    Ok(mailbox)
+    await_admitted(st, mailbox).await
 }
 
 /// Waits for admission's answer and the request's first event, so a request that
