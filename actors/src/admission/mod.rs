@@ -37,13 +37,20 @@ impl Admission {
     /// forks spawned first so the parent's sequence can name them.
     fn admit(&mut self, client: Addr, ask: AdmitAsk, fx: &mut dyn Effects<Msg>) {
         let clients = std::iter::once(client).chain(ask.forks.iter().map(|f| f.client));
-        if self.inflight.len() + 1 + ask.forks.len() > self.config.max_inflight {
-            metrics::counter!("tessera_admission_refused_total", "reason" => "overloaded").increment(1);
-            let error = ServeError::new(
-                ErrorKind::Overloaded,
-                format!("the gateway already serves {} requests; retry later", self.config.max_inflight),
-            )
-            .retry_after(1);
+        let sequences = 1 + ask.forks.len();
+        if self.inflight.len() + sequences > self.config.max_inflight {
+            let (reason, error) = if sequences > self.config.max_inflight {
+                // It would never fit: retrying cannot help.
+                let why = format!(
+                    "{sequences} sequences (n or best_of) exceed the gateway's max_inflight_requests = {}",
+                    self.config.max_inflight
+                );
+                ("too_many_sequences", ServeError::new(ErrorKind::BadRequest, why.clone()).with_public(why))
+            } else {
+                let why = format!("the gateway already serves {} requests; retry later", self.config.max_inflight);
+                ("overloaded", ServeError::new(ErrorKind::Overloaded, why).retry_after(1))
+            };
+            metrics::counter!("tessera_admission_refused_total", "reason" => reason).increment(1);
             // Counted above; logged only at debug, as a flood of refusals would flood the log.
             tracing::debug!(error = %error.message, "request refused");
             for client in clients {
@@ -201,5 +208,13 @@ mod tests {
         assert!(refused.iter().all(|(_, m)| matches!(m, Msg::Client { event: ClientEvent::Failed { error } }
             if error.kind == ErrorKind::Overloaded)));
         assert_eq!(fx.spawned.len(), 3);
+        // More sequences than could ever be in flight: a bad request, not "retry later".
+        let config = AdmissionConfig { max_inflight: 2, router: ROUTER, retry: RetryPolicy::default(), id_base: 100 };
+        let mut a = Admission::new(config);
+        a.handle(with_forks(), &mut fx);
+        let refused = fx.take_sent();
+        assert!(refused.iter().all(|(_, m)| matches!(m, Msg::Client { event: ClientEvent::Failed { error } }
+            if error.kind == ErrorKind::BadRequest && error.message.contains("max_inflight_requests = 2"))));
+        assert_eq!(refused.len(), 3);
     }
 }
