@@ -10,9 +10,15 @@
 #   env: TESSERA (default target/release/tessera), REQUESTS (per run, default 200),
 #        SCENARIO (disaggregated; default sims/scenarios/default-poisson.toml),
 #        COLOCATED_SCENARIO (default sims/scenarios/default-colocated.toml),
-#        TOPOLOGY (what `up` runs; default: the embedded default, which the scenarios name).
+#        TOPOLOGY (what `up` runs; default: the embedded default, which the scenarios name),
+#        CALIBRATE (a chip id of TOPOLOGY: recalibrate its kind before every repeat, and
+#        simulate each repeat with that repeat's calibration; KIND names the kind,
+#        default `cpu`).
 # The scenario's rate, lengths and seed drive bench serve too. Measured figures are the
-# median over REPEATS (default 3) runs of each setup, alternated.
+# median over REPEATS (default 3) runs of each setup, alternated; simulated figures the
+# median over the repeats' simulations when CALIBRATE recalibrates each repeat (a shared
+# machine's speed drifts by several percent over minutes: a calibration minutes away
+# from the runs it predicts carries that drift into the comparison).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$(mktemp -d)}
@@ -24,6 +30,7 @@ colocated=${COLOCATED_SCENARIO:-$here/sims/scenarios/default-colocated.toml}
 topo=${TOPOLOGY:-}
 [ -x "$bin" ] || { echo "no tessera binary at $bin (cargo build --release, or set TESSERA)" >&2; exit 1; }
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 key() { sed -n "s/^$1 = \"\{0,1\}\([^\"]*\)\"\{0,1\}.*/\1/p" "$disagg" | head -1; }
 rate=$(key rate_rps); isl=$(key isl); osl=$(key osl); seed=$(key seed)
 url=http://127.0.0.1:8000
@@ -44,38 +51,56 @@ measure() { # setup repeat
     wait "$pid" || true
 }
 
+# The simulated runs: the same requests (count, rate, lengths, seed), timed by the
+# scenario's models or, with CALIBRATE, by calibration `cal` (a file in $out).
+simulate() { # repeat cal
+    local r=$1 cal=$2 setup scenario tmp
+    for setup in disaggregated colocated; do
+        scenario=$disagg
+        [ "$setup" = colocated ] && scenario=$colocated
+        tmp="$(dirname "$scenario")/.sim-vs-real-$setup.toml"
+        sed "s/^requests = .*/requests = $requests/" "$scenario" > "$tmp"
+        [ -n "$cal" ] && sed -i "s#^${KIND:-cpu} = .*#${KIND:-cpu} = \"$out/$cal\"#" "$tmp"
+        "$bin" sim "$tmp" --json > "$out/sim-$setup-$r.json" 2> /dev/null
+        rm -f "$tmp"
+    done
+}
+
 for r in $(seq 1 "$repeats"); do
+    if [ -n "${CALIBRATE:-}" ]; then
+        echo "repeat $r: calibrating chip $CALIBRATE" >&2
+        "$bin" calibrate ${topo:+--topology "$topo"} --chip "$CALIBRATE" --out "$out/cal-$r.toml" > "$out/cal-$r.log" 2>&1
+    fi
     for setup in disaggregated colocated; do
         echo "repeat $r: $setup" >&2
         measure "$setup" "$r"
     done
+    if [ -n "${CALIBRATE:-}" ]; then
+        simulate "$r" "cal-$r.toml"
+    fi
 done
-# The simulated runs: the same requests (count, rate, lengths, seed).
-for setup in disaggregated colocated; do
-    scenario=$disagg
-    [ "$setup" = colocated ] && scenario=$colocated
-    sed "s/^requests = .*/requests = $requests/" "$scenario" > "$(dirname "$scenario")/.sim-vs-real-$setup.toml"
-    "$bin" sim "$(dirname "$scenario")/.sim-vs-real-$setup.toml" --json > "$out/sim-$setup.json" 2> /dev/null
-    rm -f "$(dirname "$scenario")/.sim-vs-real-$setup.toml"
-done
+[ -n "${CALIBRATE:-}" ] || simulate 1 ""
 
 python3 - "$out" "$repeats" <<'EOF'
 import json, os, statistics, sys
 out, repeats = sys.argv[1], int(sys.argv[2])
 rows = {}
-for setup in ["disaggregated", "colocated"]:
+def load(kind, setup):
     runs = []
     for r in range(1, repeats + 1):
-        p = f"{out}/real-{setup}-{r}.json"
+        p = f"{out}/{kind}-{setup}-{r}.json"
         if os.path.exists(p) and os.path.getsize(p) > 0:
             runs.append(json.load(open(p)))
-    sim = json.load(open(f"{out}/sim-{setup}.json"))
+    return runs
+for setup in ["disaggregated", "colocated"]:
+    runs, sims = load("real", setup), load("sim", setup)
     for metric in ["ttft", "tpot"]:
         for q in ["p50_ms", "p99_ms"]:
             real = statistics.median(run[metric][q] for run in runs if run.get(metric))
-            rows[(setup, metric, q)] = (real, sim[metric][q])
+            sim = statistics.median(s[metric][q] for s in sims)
+            rows[(setup, metric, q)] = (real, sim)
     failed = [run["requests_failed"] for run in runs]
-    print(f"{setup}: {len(runs)} real runs, failed {failed}; simulated failed {sim['failed']}")
+    print(f"{setup}: {len(runs)} real runs, failed {failed}; {len(sims)} simulated, failed {[s['failed'] for s in sims]}")
 print(f"\n| setup | metric | measured ms (median of {repeats}) | simulated ms | error |")
 print("|---|---|---:|---:|---:|")
 for (setup, metric, q), (real, sim) in rows.items():

@@ -13,7 +13,7 @@
 pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
 use crate::msg::{Delivery, Finish, Fork, SamplingSpec, SeqRequest, TokenLogprob};
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use tessera_actor_core::Addr;
 use tessera_topology::perf::{SeqStep, StepShape};
 
@@ -70,6 +70,8 @@ struct Seq {
     /// Forks planned in the step being run, each with its copy of the partial last
     /// block (none when the prompt ends on a block boundary): made in `complete`.
     forking: Vec<(Fork, Option<BlockRef>)>,
+    /// The number of the last plan that scheduled it.
+    planned_in: u64,
 }
 
 impl Seq {
@@ -95,6 +97,7 @@ impl Seq {
             // A replay has sampled already: its siblings forked before.
             forks: if seq.generated == 0 { seq.forks } else { Vec::new() },
             forking: Vec::new(),
+            planned_in: 0,
         }
     }
 
@@ -295,6 +298,8 @@ pub struct Batcher {
     /// Forks that cannot happen here (no block for their copy): their request actors
     /// are told to find a chip of their own.
     unforked: Vec<(u64, Addr)>,
+    /// Plans made so far (a sequence's `planned_in` names the last that took it).
+    plans: u64,
 }
 
 impl Batcher {
@@ -309,6 +314,7 @@ impl Batcher {
             dropped: Vec::new(),
             prefix_stats: (0, 0),
             unforked: Vec::new(),
+            plans: 0,
         }
     }
 
@@ -467,7 +473,8 @@ impl Batcher {
         let mut budget = self.limits.max_batch_tokens;
         let mut seqs_left = self.limits.max_batch_seqs;
         let mut planned: Vec<PlannedSeq> = Vec::new();
-        let mut scheduled: HashSet<u64> = HashSet::new();
+        self.plans += 1;
+        let this_plan = self.plans;
         let mut preempted = false;
         self.running.sort_by_key(|s| s.arrival);
 
@@ -481,9 +488,9 @@ impl Batcher {
             let need = blocks_needed(&self.running[i], 1, bs);
             while need > pool.free() {
                 // Recompute the latest arrival that is not already in this step.
-                let victim = (0..self.running.len()).rev().find(|&j| {
-                    j > i && self.running[j].preemptible() && !scheduled.contains(&self.running[j].request_id)
-                });
+                let victim = (0..self.running.len())
+                    .rev()
+                    .find(|&j| j > i && self.running[j].preemptible() && self.running[j].planned_in != this_plan);
                 let Some(j) = victim else { break };
                 preempted = true;
                 let mut seq = self.running.remove(j);
@@ -497,9 +504,8 @@ impl Batcher {
                 self.waiting.insert(at, seq);
             }
             if need <= pool.free() {
-                let id = self.running[i].request_id;
+                self.running[i].planned_in = this_plan;
                 planned.push(schedule(&mut self.running[i], 1, bs, pool));
-                scheduled.insert(id);
                 budget -= 1;
                 seqs_left -= 1;
             }
@@ -511,12 +517,12 @@ impl Batcher {
             if seqs_left == 0 || budget == 0 {
                 break;
             }
-            if scheduled.contains(&seq.request_id) || seq.pending() <= 1 || !seq.plannable() {
+            if seq.planned_in == this_plan || seq.pending() <= 1 || !seq.plannable() {
                 continue;
             }
             let chunk = fit_chunk(seq, seq.pending().min(budget), bs, pool.free());
             if chunk > 0 {
-                scheduled.insert(seq.request_id);
+                seq.planned_in = this_plan;
                 planned.push(schedule(seq, chunk, bs, pool));
                 budget -= chunk;
                 seqs_left -= 1;

@@ -1,6 +1,6 @@
 use super::*;
 use crate::kv::BlockState;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use tessera_actor_core::HostId;
 
 fn limits(max_batch_tokens: usize, max_batch_seqs: usize, block_size: usize) -> BatcherLimits {

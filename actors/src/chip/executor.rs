@@ -6,6 +6,7 @@
 use crate::batcher::StepPlan;
 use crate::msg::{ChipInfo, KvFormatDesc, KvRegionDesc, Msg, StepOutcome};
 use std::ops::Range;
+use std::sync::Arc;
 use tessera_actor_core::JobCtx;
 
 /// Runs step plans and KV installs. Lives on a worker thread.
@@ -26,15 +27,24 @@ pub trait StepExecutor {
 pub struct KvInstall {
     pub layer: usize,
     pub positions: Range<usize>,
-    pub region: KvRegionDesc,
+    pub region: Arc<KvRegionDesc>,
     /// How the prefill chip stores its blocks.
-    pub format: KvFormatDesc,
+    pub format: Arc<KvFormatDesc>,
     /// The prefill chip's blocks holding `positions`, in order; the first starts at
     /// position `first_pos`.
     pub src_blocks: Vec<u32>,
     pub first_pos: usize,
-    /// This chip's cache slot for each position.
-    pub dst_slots: Vec<i32>,
+    /// This chip's cache slot for every position of the hand-off (shared by its
+    /// layers' jobs); [`KvInstall::dst_slots`] is this job's part.
+    pub slots: Arc<[i32]>,
+}
+
+impl KvInstall {
+    /// This chip's cache slot for each of `positions`; empty if the slots do not
+    /// cover them.
+    pub fn dst_slots(&self) -> &[i32] {
+        self.slots.get(self.positions.clone()).unwrap_or_default()
+    }
 }
 
 /// Builds a chip's executor on its worker thread.

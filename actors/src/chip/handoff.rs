@@ -24,6 +24,7 @@ use crate::kv::BlockRef;
 use crate::msg::KvRegionDesc;
 use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, Retry, SeqRequest, ServeError, StepOutcome};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use tessera_actor_core::Addr;
 use tessera_actor_core::{Effects, Job, JobCtx, Moment};
 
@@ -38,18 +39,23 @@ struct Outgoing {
     told: Vec<usize>,
     /// Set once the prefill ran to its end (the blocks left the batcher).
     blocks: Option<Vec<BlockRef>>,
+    /// This hand-off's lease: its number (a timer of an earlier hand-off of the same
+    /// request names another), when it runs out, and whether a timer is set for it.
     lease: u64,
+    lease_until: Moment,
+    lease_timer: bool,
 }
 
 /// KV this chip (as D) receives.
 #[derive(Debug)]
 struct Incoming {
     prefill: Addr,
-    region: KvRegionDesc,
-    format: KvFormatDesc,
+    /// Shared with every layer's install job.
+    region: Arc<KvRegionDesc>,
+    format: Arc<KvFormatDesc>,
     kv_tokens: usize,
     /// This chip's cache slot of each position 0..kv_tokens.
-    slots: Vec<i32>,
+    slots: Arc<[i32]>,
     /// Per layer: positions asked of the worker, and installed.
     requested: Vec<usize>,
     installed: Vec<usize>,
@@ -88,12 +94,15 @@ impl Chip {
         let _ = fx.send(seq.req, msg);
     }
 
+    /// The lease runs `kv_lease` from now. One timer per hand-off, not one per renewal
+    /// (a renewal comes with every layer told): when it fires early it is set again for
+    /// the rest.
     fn renew_lease(&mut self, request_id: u64, fx: &mut dyn Effects<Msg>) {
-        self.handoffs.leases += 1;
-        let lease = self.handoffs.leases;
-        if let Some(h) = self.handoffs.outgoing.get_mut(&request_id) {
-            h.lease = lease;
-            fx.timer(self.config.kv_lease, Msg::KvLeaseExpired { request_id, lease });
+        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
+        h.lease_until = fx.now().after(self.config.kv_lease);
+        if !h.lease_timer {
+            h.lease_timer = true;
+            fx.timer(self.config.kv_lease, Msg::KvLeaseExpired { request_id, lease: h.lease });
         }
     }
 
@@ -141,8 +150,11 @@ impl Chip {
             staged: vec![0; layers],
             told: vec![0; layers],
             blocks: None,
-            lease: 0,
+            lease: self.handoffs.leases,
+            lease_until: fx.now(),
+            lease_timer: false,
         };
+        self.handoffs.leases += 1;
         let request_id = seq.request_id;
         self.handoffs.outgoing.insert(request_id, out);
         if let Some(b) = self.batcher.as_mut() {
@@ -251,8 +263,13 @@ impl Chip {
     }
 
     pub(super) fn lease_expired(&mut self, request_id: u64, lease: u64, fx: &mut dyn Effects<Msg>) {
-        let Some(h) = self.handoffs.outgoing.get(&request_id) else { return };
+        let now = fx.now();
+        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
         if h.lease != lease {
+            return; // an earlier hand-off's
+        }
+        if now < h.lease_until {
+            fx.timer(h.lease_until.since(now), Msg::KvLeaseExpired { request_id, lease });
             return; // renewed since
         }
         let what = if h.claimed { "read" } else { "claim" };
@@ -411,10 +428,10 @@ impl Chip {
                 request_id,
                 Incoming {
                     prefill: offer.prefill,
-                    region: offer.region,
-                    format: offer.format,
+                    region: Arc::new(offer.region),
+                    format: Arc::new(offer.format),
                     kv_tokens: offer.kv_tokens,
-                    slots,
+                    slots: slots.into(),
                     requested: vec![0; layers],
                     installed: vec![0; layers],
                     last_ready_at: None,
@@ -471,7 +488,7 @@ impl Chip {
             format: h.format.clone(),
             src_blocks: blocks[first..last].to_vec(),
             first_pos: first * bs,
-            dst_slots: h.slots[from..upto].to_vec(),
+            slots: h.slots.clone(),
         };
         let Some(worker) = self.worker else { return };
         let run = Job {

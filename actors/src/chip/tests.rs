@@ -245,6 +245,32 @@ fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
     assert!(sent.iter().any(|(to, m)| *to == D && matches!(m, Msg::KvCancel { .. })));
 }
 
+/// A lease runs `kv_lease` from its last renewal, on one timer at a time: the timer that
+/// comes due after a renewal is set again for the rest, not taken as the end.
+#[test]
+fn a_renewed_lease_runs_from_its_last_renewal_on_one_timer() {
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
+    d.chip.handle(Msg::InjectFault { fault: Fault::DropKvClaim }, &mut d.fx);
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(10, 3)), decode: D }, &mut p.fx);
+    assert!(deliver(&mut p, &mut d).is_empty());
+    p.run_jobs();
+    let leases = |p: &Side| p.fx.timers.iter().filter(|(_, _, m)| matches!(m, Msg::KvLeaseExpired { .. })).count();
+    assert_eq!(leases(&p), 1, "offer and prefill renew the lease on one timer");
+    // 3 s later D claims (late): a renewal. At 5 s the first timer is not the end.
+    p.fx.advance(Duration::from_secs(3), &mut p.chip);
+    p.chip.handle(Msg::KvClaim { request_id: 9, decode: D }, &mut p.fx);
+    assert_eq!(leases(&p), 1);
+    p.fx.advance(Duration::from_secs(3), &mut p.chip);
+    assert!(p.used() > 0, "renewed at 3 s: held at 6 s");
+    assert_eq!(leases(&p), 1, "set again for the rest");
+    p.fx.take_sent();
+    p.fx.advance(Duration::from_secs(3), &mut p.chip);
+    assert_eq!(p.used(), 0, "ran out 5 s after the renewal");
+    assert!(p.sent().iter().any(|(to, m)| *to == D && matches!(m, Msg::KvCancel { .. })));
+    assert_eq!(leases(&p), 0);
+}
+
 #[test]
 fn malformed_kv_ready_is_refused_and_frees_both_sides() {
     for bad in [

@@ -11,15 +11,17 @@
 //!
 //! [`KvPool::snapshot`]: crate::kv::KvPool::snapshot
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 
 use smallvec::SmallVec;
 use tessera_actor_core::Addr;
 
 use crate::kv::{BlockHashState, KvEvent};
 
-type BlockSet = HashSet<u64, BlockHashState>;
-/// Chips holding each hash (most hashes are on one or two).
+/// Chips holding each hash (most hashes are on one or two): the one table an event
+/// touches. What one chip holds is found by walking it, which only a chip leaving or
+/// going stale (rare) does.
 type Holders = HashMap<u64, SmallVec<[Addr; 2]>, BlockHashState>;
 
 /// One chip's part of the index.
@@ -31,7 +33,8 @@ struct ChipEntry {
     next: u64,
     /// Waiting for a snapshot: events are ignored, nothing is reported held.
     stale: bool,
-    hashes: BlockSet,
+    /// How many hashes it holds.
+    held: usize,
 }
 
 /// What applying a chip's events did.
@@ -77,16 +80,8 @@ impl ClusterIndex {
             }
             entry.next += 1;
             match *e {
-                KvEvent::Stored { hash, .. } => {
-                    if entry.hashes.insert(hash) {
-                        self.holders.entry(hash).or_default().push(chip);
-                    }
-                }
-                KvEvent::Removed { hash, .. } => {
-                    if entry.hashes.remove(&hash) {
-                        unhold(&mut self.holders, hash, chip);
-                    }
-                }
+                KvEvent::Stored { hash, .. } => entry.held += hold(&mut self.holders, hash, chip),
+                KvEvent::Removed { hash, .. } => entry.held -= unhold(&mut self.holders, hash, chip),
             }
         }
         Applied::InOrder
@@ -111,21 +106,17 @@ impl ClusterIndex {
     pub fn resync(&mut self, chip: Addr, incarnation: u64, last_seq: u64, hashes: &[u64]) {
         self.forget(chip);
         self.resyncs += 1;
-        let mut entry = ChipEntry { incarnation, next: last_seq + 1, stale: false, hashes: BlockSet::default() };
+        let mut entry = ChipEntry { incarnation, next: last_seq + 1, stale: false, held: 0 };
         for &h in hashes {
-            if entry.hashes.insert(h) {
-                self.holders.entry(h).or_default().push(chip);
-            }
+            entry.held += hold(&mut self.holders, h, chip);
         }
         self.chips.insert(chip, entry);
     }
 
     /// Drops everything known of `chip` (it left the cluster).
     pub fn forget(&mut self, chip: Addr) {
-        if let Some(entry) = self.chips.remove(&chip) {
-            for h in entry.hashes {
-                unhold(&mut self.holders, h, chip);
-            }
+        if let Some(mut entry) = self.chips.remove(&chip) {
+            mark_stale(&mut entry, &mut self.holders, chip);
         }
     }
 
@@ -150,8 +141,10 @@ impl ClusterIndex {
             let n = if whole.contains(chip) {
                 deepest
             } else {
-                let Some(entry) = self.chips.get(chip) else { continue };
-                hashes[..deepest].partition_point(|h| entry.hashes.contains(h))
+                if !self.chips.contains_key(chip) {
+                    continue;
+                }
+                hashes[..deepest].partition_point(|h| self.holders.get(h).is_some_and(|c| c.contains(chip)))
             };
             depth.insert(*chip, n);
         }
@@ -160,7 +153,7 @@ impl ClusterIndex {
 
     /// The hashes the index holds for `chip` (empty while stale).
     pub fn held(&self, chip: Addr) -> Vec<u64> {
-        let mut v: Vec<u64> = self.chips.get(&chip).map(|e| e.hashes.iter().copied().collect()).unwrap_or_default();
+        let mut v: Vec<u64> = self.holders.iter().filter(|(_, chips)| chips.contains(&chip)).map(|(&h, _)| h).collect();
         v.sort_unstable();
         v
     }
@@ -171,7 +164,7 @@ impl ClusterIndex {
 
     /// Distinct (chip, block) entries indexed.
     pub fn len(&self) -> usize {
-        self.chips.values().map(|e| e.hashes.len()).sum()
+        self.chips.values().map(|e| e.held).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -187,18 +180,34 @@ impl ClusterIndex {
 /// The chip's set can no longer be trusted: it holds nothing until a snapshot.
 fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: Addr) {
     entry.stale = true;
-    for h in entry.hashes.drain() {
-        unhold(holders, h, chip);
+    if entry.held > 0 {
+        holders.retain(|_, chips| {
+            chips.retain(|c| *c != chip);
+            !chips.is_empty()
+        });
+        entry.held = 0;
     }
 }
 
-fn unhold(holders: &mut Holders, hash: u64, chip: Addr) {
-    if let Some(chips) = holders.get_mut(&hash) {
-        chips.retain(|c| *c != chip);
-        if chips.is_empty() {
-            holders.remove(&hash);
-        }
+/// `chip` holds `hash`: 1 if that is news, else 0.
+fn hold(holders: &mut Holders, hash: u64, chip: Addr) -> usize {
+    let chips = holders.entry(hash).or_default();
+    if chips.contains(&chip) {
+        return 0;
     }
+    chips.push(chip);
+    1
+}
+
+/// `chip` no longer holds `hash`: 1 if it did, else 0.
+fn unhold(holders: &mut Holders, hash: u64, chip: Addr) -> usize {
+    let Entry::Occupied(mut held) = holders.entry(hash) else { return 0 };
+    let Some(i) = held.get().iter().position(|c| *c == chip) else { return 0 };
+    held.get_mut().remove(i);
+    if held.get().is_empty() {
+        held.remove();
+    }
+    1
 }
 
 #[cfg(test)]

@@ -679,8 +679,8 @@ impl StepExecutor for ModelExecutor {
         let src = kv_format(&job.format);
         let bb = src.block_bytes();
         let n = job.src_blocks.len();
-        if job.dst_slots.len() != job.positions.len() {
-            return Err(format!("{} slots for {} positions", job.dst_slots.len(), job.positions.len()));
+        if job.dst_slots().len() != job.positions.len() {
+            return Err(format!("the hand-off's {} slots do not cover positions {:?}", job.slots.len(), job.positions));
         }
         let need = 2 * n * bb;
         if self.inbox.as_ref().is_none_or(|r| r.len() < need) {
@@ -731,7 +731,7 @@ impl StepExecutor for ModelExecutor {
             .map_err(|e| e.to_string())?
             .map_err(|e| e.to_string())?;
         self.kv
-            .write_tokens(self.model.device(), job.layer, &self.k_rows, &self.v_rows, &job.dst_slots)
+            .write_tokens(self.model.device(), job.layer, &self.k_rows, &self.v_rows, job.dst_slots())
             .map_err(|e| e.to_string())
     }
 }
