@@ -71,6 +71,37 @@ pub struct Chip {
     busy_s: (f64, f64),
     /// What every report names, shared rather than copied into each.
     shown: Shown,
+    /// Its per-step metrics, registered once when it starts (inside the host, whose
+    /// recorder they report to) rather than looked up by name at every step.
+    metrics: Option<ChipMetrics>,
+}
+
+/// The handles of the chip's per-step metrics, all labelled with its id.
+struct ChipMetrics {
+    step_seqs: metrics::Histogram,
+    step_tokens: metrics::Histogram,
+    step_seconds: metrics::Histogram,
+    blocks_used: metrics::Gauge,
+    blocks_total: metrics::Gauge,
+    blocks_cached: metrics::Gauge,
+    prompt_tokens: metrics::Counter,
+    reused_tokens: metrics::Counter,
+}
+
+impl ChipMetrics {
+    fn register(chip: &str) -> ChipMetrics {
+        let labels = [("chip", chip.to_string())];
+        ChipMetrics {
+            step_seqs: metrics::histogram!("tessera_chip_step_seqs", &labels),
+            step_tokens: metrics::histogram!("tessera_chip_step_tokens", &labels),
+            step_seconds: metrics::histogram!("tessera_chip_step_seconds", &labels),
+            blocks_used: metrics::gauge!("tessera_kv_blocks_used", &labels),
+            blocks_total: metrics::gauge!("tessera_kv_blocks_total", &labels),
+            blocks_cached: metrics::gauge!("tessera_kv_blocks_cached", &labels),
+            prompt_tokens: metrics::counter!("tessera_prefix_prompt_tokens_total", &labels),
+            reused_tokens: metrics::counter!("tessera_prefix_reused_tokens_total", &labels),
+        }
+    }
 }
 
 /// The parts of a chip's reports that change only when it starts.
@@ -115,6 +146,7 @@ impl Chip {
             prefix_tokens: (0, 0),
             busy_s: (0.0, 0.0),
             shown,
+            metrics: None,
         }
     }
 
@@ -178,10 +210,11 @@ impl Chip {
             busy_prefill_s: self.busy_s.0,
             busy_decode_s: self.busy_s.1,
         };
-        metrics::gauge!("tessera_kv_blocks_used", "chip" => self.config.id.clone()).set(used as f64);
-        metrics::gauge!("tessera_kv_blocks_total", "chip" => self.config.id.clone()).set(total as f64);
-        let cached = self.pool.as_ref().map_or(0, KvPool::cached);
-        metrics::gauge!("tessera_kv_blocks_cached", "chip" => self.config.id.clone()).set(cached as f64);
+        if let Some(m) = &self.metrics {
+            m.blocks_used.set(used as f64);
+            m.blocks_total.set(total as f64);
+            m.blocks_cached.set(self.pool.as_ref().map_or(0, KvPool::cached) as f64);
+        }
         // The supervisor is on this host; it is only gone while the host shuts down.
         let _ = fx.send(self.config.supervisor, Msg::Report { report: Box::new(report) });
     }
@@ -255,9 +288,10 @@ impl Chip {
         if prompt > 0 {
             self.prefix_tokens.0 += prompt;
             self.prefix_tokens.1 += reused;
-            let chip = self.config.id.clone();
-            metrics::counter!("tessera_prefix_prompt_tokens_total", "chip" => chip.clone()).increment(prompt);
-            metrics::counter!("tessera_prefix_reused_tokens_total", "chip" => chip).increment(reused);
+            if let Some(m) = &self.metrics {
+                m.prompt_tokens.increment(prompt);
+                m.reused_tokens.increment(reused);
+            }
         }
         let dropped = batcher.take_dropped();
         let unforked = batcher.take_unforked();
@@ -274,8 +308,10 @@ impl Chip {
         };
         self.steps += 1;
         self.max_step_seqs = self.max_step_seqs.max(plan.seqs.len());
-        metrics::histogram!("tessera_chip_step_seqs", "chip" => self.config.id.clone()).record(plan.seqs.len() as f64);
-        metrics::histogram!("tessera_chip_step_tokens", "chip" => self.config.id.clone()).record(plan.tokens() as f64);
+        if let Some(m) = &self.metrics {
+            m.step_seqs.record(plan.seqs.len() as f64);
+            m.step_tokens.record(plan.tokens() as f64);
+        }
         let prompt_tokens = plan.seqs.iter().filter(|s| s.tokens.len() > 1).map(|s| s.tokens.len()).sum();
         self.step_shape = (plan.tokens(), plan.seqs.len(), prompt_tokens);
         let step = self.steps;
@@ -303,7 +339,9 @@ impl Chip {
             self.crash(format!("a forward step failed: {error}"), fx);
             return;
         }
-        metrics::histogram!("tessera_chip_step_seconds", "chip" => self.config.id.clone()).record(outcome.elapsed_s);
+        if let Some(m) = &self.metrics {
+            m.step_seconds.record(outcome.elapsed_s);
+        }
         let (tokens, seqs, prompt_tokens) = self.step_shape;
         self.speed.observe(outcome.elapsed_s, tokens, seqs, prompt_tokens);
         if outcome.elapsed_s.is_finite() && outcome.elapsed_s > 0.0 {
@@ -414,6 +452,7 @@ impl Behavior<Msg> for Chip {
 
     fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
         self.me = Some(fx.me());
+        self.metrics = Some(ChipMetrics::register(&self.config.id));
         self.start_worker(fx);
     }
 

@@ -28,7 +28,28 @@ use tessera_actor_core::Addr;
 /// Hash of a full block given its parent's hash (None for a sequence's first block):
 /// blocks with equal hashes hold the KV of equal token prefixes.
 pub fn chained_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    chained_block_hash_with(&mut Vec::new(), parent, tokens)
+    // The usual block fits a buffer on the stack: no allocation per sealed block.
+    const ON_STACK: usize = 64;
+    if tokens.len() > ON_STACK {
+        return chained_block_hash_with(&mut Vec::new(), parent, tokens);
+    }
+    let mut buf = [0u8; 9 + 4 * ON_STACK];
+    let mut n = 0;
+    let mut put = |bytes: &[u8]| {
+        buf[n..n + bytes.len()].copy_from_slice(bytes);
+        n += bytes.len();
+    };
+    match parent {
+        Some(p) => {
+            put(&[1]);
+            put(&p.to_le_bytes());
+        }
+        None => put(&[0]),
+    }
+    for t in tokens {
+        put(&t.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64(&buf[..n])
 }
 
 /// [`chained_block_hash`] with a scratch buffer the caller keeps across blocks.
@@ -429,6 +450,19 @@ mod tests {
         assert_ne!(a, chained_block_hash(None, &[1, 2, 4]));
         assert_ne!(chained_block_hash(Some(a), &[5]), chained_block_hash(Some(a ^ 1), &[5]));
         assert_ne!(chained_block_hash(None, &[5]), chained_block_hash(Some(0), &[5]));
+    }
+
+    /// A block hashed on the stack and one hashed through a buffer (more than 64
+    /// tokens) hash the same bytes: the hash does not depend on the block's size class.
+    #[test]
+    fn the_stack_and_buffer_paths_hash_alike() {
+        for n in [1, 16, 64, 65, 200] {
+            let tokens: Vec<u32> = (0..n as u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
+            for parent in [None, Some(7), Some(u64::MAX)] {
+                let mut buf = Vec::new();
+                assert_eq!(chained_block_hash(parent, &tokens), chained_block_hash_with(&mut buf, parent, &tokens));
+            }
+        }
     }
 
     /// Sealing chains: the second block's hash is of its tokens and the first block's

@@ -16,7 +16,8 @@ use crate::actor::{Behavior, Effects, Job, JobCtx, Message, Moment, SendError, T
 use crate::addr::{Addr, FIRST_DYNAMIC_ACTOR, HostId};
 use std::any::Any;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
@@ -202,6 +203,33 @@ struct VirtualWorker<M> {
     free_at: Moment,
 }
 
+/// Actors are looked up at every event: a multiply-xor hash of the address (fixed, so
+/// runs are reproducible; nothing iterates these tables in an order that matters).
+type AddrHash = BuildHasherDefault<AddrHasher>;
+
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+
+    fn write_u16(&mut self, n: u16) {
+        self.write_u64(n as u64);
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// Everything but the behaviors themselves (so a behavior can run while the rest is
 /// borrowed as its `Effects`).
 struct World<M> {
@@ -214,7 +242,7 @@ struct World<M> {
     /// message), delivered before anything else.
     fanning: std::collections::VecDeque<(Moment, u64, Addr, M)>,
     /// Actors alive (started or about to start).
-    alive: BTreeSet<Addr>,
+    alive: HashSet<Addr, AddrHash>,
     topics: BTreeMap<String, BTreeSet<Addr>>,
     cancelled: BTreeSet<TimerId>,
     next_timer: u64,
@@ -388,7 +416,7 @@ fn panic_text(panic: &(dyn Any + Send)) -> String {
 pub struct VirtualHost<M: Message> {
     /// `None` while the behavior handles an event (it is taken out to run beside the
     /// world it borrows as its effects).
-    behaviors: BTreeMap<Addr, Option<Box<dyn Behavior<M>>>>,
+    behaviors: HashMap<Addr, Option<Box<dyn Behavior<M>>>, AddrHash>,
     world: World<M>,
     record: bool,
     recorder: Arc<dyn metrics::Recorder + Send + Sync>,
@@ -414,14 +442,14 @@ impl<M: Message> VirtualHost<M> {
     /// A host whose messages between simulated hosts take `latency`.
     pub fn new(latency: Duration) -> VirtualHost<M> {
         VirtualHost {
-            behaviors: BTreeMap::new(),
+            behaviors: HashMap::default(),
             world: World {
                 now: Moment(0),
                 seq: 0,
                 queue: BinaryHeap::new(),
                 events: slab::Slab::new(),
                 fanning: std::collections::VecDeque::new(),
-                alive: BTreeSet::new(),
+                alive: HashSet::default(),
                 topics: BTreeMap::new(),
                 cancelled: BTreeSet::new(),
                 next_timer: 0,
