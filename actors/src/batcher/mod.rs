@@ -14,6 +14,7 @@ pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
 use crate::msg::{Delivery, Finish, Fork, SamplingSpec, SeqRequest, TokenLogprob};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use tessera_actor_core::Addr;
 use tessera_topology::perf::{SeqStep, StepShape};
 
@@ -72,6 +73,9 @@ struct Seq {
     forking: Vec<(Fork, Option<BlockRef>)>,
     /// The number of the last plan that scheduled it.
     planned_in: u64,
+    /// The last block table a plan carried, which the next plan shares while no block
+    /// was added (see `shared_table`).
+    table: Arc<[u32]>,
 }
 
 impl Seq {
@@ -98,6 +102,7 @@ impl Seq {
             forks: if seq.generated == 0 { seq.forks } else { Vec::new() },
             forking: Vec::new(),
             planned_in: 0,
+            table: Arc::from([]),
         }
     }
 
@@ -135,8 +140,9 @@ pub struct PlannedSeq {
     pub request_id: u64,
     pub tokens: Vec<u32>,
     pub start_pos: usize,
-    /// Device block ids of the sequence's blocks, in order.
-    pub block_table: Vec<u32>,
+    /// Device block ids of the sequence's blocks, in order (shared with the steps
+    /// before it while no block was added).
+    pub block_table: Arc<[u32]>,
     pub slots: Vec<i32>,
     /// Sample a token from the last row (the chunk ends what is pending).
     pub sample: bool,
@@ -744,6 +750,7 @@ fn release_blocks(seq: &mut Seq, pool: &mut KvPool) {
     }
     seq.hashes.clear();
     seq.reused = 0;
+    seq.table = Arc::from([]);
 }
 
 /// Takes the leading full blocks of `seq`'s prompt that `pool` holds (never the block
@@ -811,7 +818,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         request_id: seq.request_id,
         tokens: seq.tokens[start..end].to_vec(),
         start_pos: start,
-        block_table: seq.blocks.iter().map(|b| b.slot).collect(),
+        block_table: shared_table(seq),
         slots,
         sample: end == seq.tokens.len(),
         new_sampler,
@@ -820,6 +827,17 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         stage_from: if start == seq.reused { 0 } else { start },
         forks: Vec::new(),
     }
+}
+
+/// `seq`'s block table, shared with the last plan's when no block was added since. A
+/// sequence's blocks only grow at the end or are all released (`release_blocks`, which
+/// drops the table), so an equal length means equal blocks.
+fn shared_table(seq: &mut Seq) -> Arc<[u32]> {
+    if seq.table.len() != seq.blocks.len() {
+        seq.table = seq.blocks.iter().map(|b| b.slot).collect();
+    }
+    debug_assert!(seq.table.iter().zip(&seq.blocks).all(|(t, b)| *t == b.slot), "a stale block table");
+    seq.table.clone()
 }
 
 /// Seals every block the cached tokens fill.

@@ -254,10 +254,10 @@ fn prefilled_blocks_are_handed_over_intact() {
     b.enqueue_prefill(seq(1, 13, 5), 12);
     let plan = b.plan(&mut p).expect("a step");
     assert_eq!(plan.seqs[0].block_table.len(), 3);
-    assert_eq!(b.block_table(1), Some(plan.seqs[0].block_table.clone()));
+    assert_eq!(b.block_table(1), Some(plan.seqs[0].block_table.to_vec()));
     let done = b.take_prefilled();
     assert_eq!(done.len(), 1);
-    assert_eq!(done[0].blocks.iter().map(|b| b.slot).collect::<Vec<_>>(), plan.seqs[0].block_table);
+    assert_eq!(done[0].blocks.iter().map(|b| b.slot).collect::<Vec<_>>(), plan.seqs[0].block_table.to_vec());
     assert_eq!(p.used(), 3, "held until the decode chip acknowledges");
     for blk in done[0].blocks.iter().copied() {
         p.release(blk).expect("release");
@@ -489,4 +489,35 @@ fn a_replayed_sequence_forks_nothing() {
     b.enqueue(SeqRequest { generated: 2, ..forking(10, 3) });
     let plan = b.plan(&mut p).expect("a step");
     assert!(plan.seqs[0].forks.is_empty() && plan.copies.is_empty() && b.take_unforked().is_empty());
+}
+
+/// A decode step shares the block table of the step before it while no block was added,
+/// and carries a new one, equal to the sequence's blocks, when one was; a sequence that
+/// lost its blocks and got others gets its own table, not the old one.
+#[test]
+fn decode_steps_share_the_block_table_until_a_block_is_added() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue(seq(1, 6, 20));
+    let mut tables: Vec<Arc<[u32]>> = Vec::new();
+    for _ in 0..6 {
+        let plan = b.plan(&mut p).expect("a step");
+        let table = plan.seqs[0].block_table.clone();
+        assert_eq!(Some(table.to_vec()), b.block_table(1), "the table is the sequence's blocks");
+        tables.push(table);
+        let _ = b.complete(&sample_all(&plan), &[], &mut p);
+    }
+    // Prompt of 6 in blocks of 4: the prefill (positions 0..6) holds 2 blocks; decode
+    // positions 6 and 7 fit them, position 8 takes a third block.
+    let shared: Vec<bool> = tables.windows(2).map(|w| Arc::ptr_eq(&w[0], &w[1])).collect();
+    assert_eq!(shared, vec![true, true, false, true, true]);
+    assert_eq!(tables[3].len(), 3);
+
+    // Aborted and enqueued again: new blocks, a table built for them.
+    let old = tables[5].clone();
+    assert!(b.abort(1, &mut p).is_some());
+    b.enqueue(seq(1, 6, 20));
+    let plan = b.plan(&mut p).expect("a step");
+    assert!(!Arc::ptr_eq(&plan.seqs[0].block_table, &old));
+    assert_eq!(Some(plan.seqs[0].block_table.to_vec()), b.block_table(1));
 }

@@ -232,7 +232,7 @@ fn plan(seqs: &[(usize, usize)], block_size: usize) -> StepPlan {
                 request_id: i as u64,
                 tokens: (0..new).map(|t| (t % 100 + 1) as u32).collect(),
                 start_pos,
-                block_table,
+                block_table: block_table.into(),
                 slots,
                 sample: true,
                 new_sampler: None,

@@ -229,7 +229,7 @@ mod tests {
             request_id: id,
             tokens: vec![1; new],
             start_pos: start,
-            block_table: Vec::new(),
+            block_table: Arc::from([]),
             slots: Vec::new(),
             sample: true,
             new_sampler: None,
