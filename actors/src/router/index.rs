@@ -52,6 +52,8 @@ pub struct ClusterIndex {
     chips: BTreeMap<Addr, ChipEntry>,
     /// Chips holding each hash.
     holders: Holders,
+    /// (chip, hash) entries in `holders`: the sum of the chips' `held`.
+    pairs: usize,
     resyncs: u64,
 }
 
@@ -65,7 +67,7 @@ impl ClusterIndex {
         let entry = self.chips.entry(chip).or_insert_with(|| ChipEntry { stale: true, ..ChipEntry::default() });
         if entry.incarnation != incarnation {
             entry.incarnation = incarnation;
-            mark_stale(entry, &mut self.holders, chip);
+            self.pairs -= mark_stale(entry, &mut self.holders, chip);
         }
         if entry.stale {
             return Applied::NeedsSnapshot;
@@ -75,13 +77,21 @@ impl ClusterIndex {
                 continue; // already in the snapshot the chip was resynced from
             }
             if e.seq() != entry.next {
-                mark_stale(entry, &mut self.holders, chip);
+                self.pairs -= mark_stale(entry, &mut self.holders, chip);
                 return Applied::NeedsSnapshot;
             }
             entry.next += 1;
             match *e {
-                KvEvent::Stored { hash, .. } => entry.held += hold(&mut self.holders, hash, chip),
-                KvEvent::Removed { hash, .. } => entry.held -= unhold(&mut self.holders, hash, chip),
+                KvEvent::Stored { hash, .. } => {
+                    let n = hold(&mut self.holders, hash, chip);
+                    entry.held += n;
+                    self.pairs += n;
+                }
+                KvEvent::Removed { hash, .. } => {
+                    let n = unhold(&mut self.holders, hash, chip);
+                    entry.held -= n;
+                    self.pairs -= n;
+                }
             }
         }
         Applied::InOrder
@@ -95,7 +105,7 @@ impl ClusterIndex {
         }
         let Some(entry) = self.chips.get_mut(&chip) else { return Applied::NeedsSnapshot };
         if entry.next != last_seq + 1 {
-            mark_stale(entry, &mut self.holders, chip);
+            self.pairs -= mark_stale(entry, &mut self.holders, chip);
             return Applied::NeedsSnapshot;
         }
         Applied::InOrder
@@ -110,13 +120,14 @@ impl ClusterIndex {
         for &h in hashes {
             entry.held += hold(&mut self.holders, h, chip);
         }
+        self.pairs += entry.held;
         self.chips.insert(chip, entry);
     }
 
     /// Drops everything known of `chip` (it left the cluster).
     pub fn forget(&mut self, chip: Addr) {
         if let Some(mut entry) = self.chips.remove(&chip) {
-            mark_stale(&mut entry, &mut self.holders, chip);
+            self.pairs -= mark_stale(&mut entry, &mut self.holders, chip);
         }
     }
 
@@ -164,7 +175,7 @@ impl ClusterIndex {
 
     /// Distinct (chip, block) entries indexed.
     pub fn len(&self) -> usize {
-        self.chips.values().map(|e| e.held).sum()
+        self.pairs
     }
 
     pub fn is_empty(&self) -> bool {
@@ -177,16 +188,19 @@ impl ClusterIndex {
     }
 }
 
-/// The chip's set can no longer be trusted: it holds nothing until a snapshot.
-fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: Addr) {
+/// The chip's set can no longer be trusted: it holds nothing until a snapshot. Returns
+/// how many hashes it held.
+fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: Addr) -> usize {
     entry.stale = true;
-    if entry.held > 0 {
+    let held = entry.held;
+    if held > 0 {
         holders.retain(|_, chips| {
             chips.retain(|c| *c != chip);
             !chips.is_empty()
         });
         entry.held = 0;
     }
+    held
 }
 
 /// `chip` holds `hash`: 1 if that is news, else 0.
@@ -307,12 +321,15 @@ mod tests {
                     sync(&mut index, i, c);
                 }
             }
+            let mut entries = 0;
             for (i, c) in chips.iter_mut().enumerate() {
                 let (_, mut truth) = c.pool.snapshot();
                 truth.sort_unstable();
                 prop_assert!(!index.is_stale(chip(i as u64)));
+                entries += truth.len();
                 prop_assert_eq!(index.held(chip(i as u64)), truth);
             }
+            prop_assert_eq!(index.len(), entries, "the running count of entries");
             // Lookups (a binary search per chip) count what a walk block by block counts.
             for family in 0..4u8 {
                 let tokens: Vec<u32> = (0..8).map(|i| family as u32 * 1000 + (i as u32 % 7)).collect();
