@@ -34,40 +34,34 @@ pub fn chained_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
         return chained_block_hash_with(&mut Vec::new(), parent, tokens);
     }
     let mut buf = [0u8; 9 + 4 * ON_STACK];
-    let mut n = 0;
-    let mut put = |bytes: &[u8]| {
-        buf[n..n + bytes.len()].copy_from_slice(bytes);
-        n += bytes.len();
-    };
-    match parent {
-        Some(p) => {
-            put(&[1]);
-            put(&p.to_le_bytes());
-        }
-        None => put(&[0]),
-    }
-    for t in tokens {
-        put(&t.to_le_bytes());
-    }
+    let n = block_bytes(&mut buf, parent, tokens);
     xxhash_rust::xxh3::xxh3_64(&buf[..n])
 }
 
 /// [`chained_block_hash`] with a scratch buffer the caller keeps across blocks.
 fn chained_block_hash_with(bytes: &mut Vec<u8>, parent: Option<u64>, tokens: &[u32]) -> u64 {
-    bytes.clear();
+    bytes.resize(9 + 4 * tokens.len(), 0);
+    let n = block_bytes(bytes, parent, tokens);
+    xxhash_rust::xxh3::xxh3_64(&bytes[..n])
+}
+
+/// Writes what a block's hash covers into `buf` (at least 9 + 4 bytes a token): a tag
+/// and the parent's hash if there is one, then the tokens, little-endian. Returns the
+/// length written.
+fn block_bytes(buf: &mut [u8], parent: Option<u64>, tokens: &[u32]) -> usize {
+    let mut n = 1;
     match parent {
         Some(p) => {
-            bytes.push(1);
-            bytes.extend_from_slice(&p.to_le_bytes());
+            buf[0] = 1;
+            buf[1..9].copy_from_slice(&p.to_le_bytes());
+            n += 8;
         }
-        None => bytes.push(0),
+        None => buf[0] = 0,
     }
-    let start = bytes.len();
-    bytes.resize(start + 4 * tokens.len(), 0);
-    for (dst, t) in bytes[start..].chunks_exact_mut(4).zip(tokens) {
+    for (dst, t) in buf[n..n + 4 * tokens.len()].chunks_exact_mut(4).zip(tokens) {
         dst.copy_from_slice(&t.to_le_bytes());
     }
-    xxhash_rust::xxh3::xxh3_64(bytes)
+    n + 4 * tokens.len()
 }
 
 /// The chained hashes of the full blocks of `tokens`, in order.
