@@ -69,7 +69,8 @@ simulate() { # repeat cal
 for r in $(seq 1 "$repeats"); do
     if [ -n "${CALIBRATE:-}" ]; then
         echo "repeat $r: calibrating chip $CALIBRATE" >&2
-        "$bin" calibrate ${topo:+--topology "$topo"} --chip "$CALIBRATE" --out "$out/cal-$r.toml" > "$out/cal-$r.log" 2>&1
+        "$bin" calibrate ${topo:+--topology "$topo"} --chip "$CALIBRATE" --out "$out/cal-$r.toml" > "$out/cal-$r.log" 2>&1 ||
+            { cat "$out/cal-$r.log" >&2; exit 1; }
     fi
     for setup in disaggregated colocated; do
         echo "repeat $r: $setup" >&2
