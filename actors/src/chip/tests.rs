@@ -226,8 +226,8 @@ fn incompatible_decode_chip_refuses_the_offer_naming_both_chips() {
     assert!(p.chip.handoffs.is_empty());
 }
 
-#[test]
-fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
+/// P prefills request 9 for D, which drops the offer: P holds the KV, unclaimed.
+fn unclaimed_prefill() -> Side {
     let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
     let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
     d.chip.handle(Msg::InjectFault { fault: Fault::DropKvClaim }, &mut d.fx);
@@ -235,6 +235,12 @@ fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
     assert!(deliver(&mut p, &mut d).is_empty());
     assert!(d.sent().is_empty(), "D dropped the offer: no claim");
     p.run_jobs();
+    p
+}
+
+#[test]
+fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
+    let mut p = unclaimed_prefill();
     assert!(p.used() > 0, "P holds the prefilled blocks for D");
     p.fx.take_sent();
     p.fx.advance(Duration::from_secs(6), &mut p.chip);
@@ -249,12 +255,7 @@ fn unclaimed_kv_is_freed_when_the_lease_runs_out() {
 /// comes due after a renewal is set again for the rest, not taken as the end.
 #[test]
 fn a_renewed_lease_runs_from_its_last_renewal_on_one_timer() {
-    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
-    let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
-    d.chip.handle(Msg::InjectFault { fault: Fault::DropKvClaim }, &mut d.fx);
-    p.chip.handle(Msg::Prefill { seq: Box::new(seq(10, 3)), decode: D }, &mut p.fx);
-    assert!(deliver(&mut p, &mut d).is_empty());
-    p.run_jobs();
+    let mut p = unclaimed_prefill();
     let leases = |p: &Side| p.fx.timers.iter().filter(|(_, _, m)| matches!(m, Msg::KvLeaseExpired { .. })).count();
     assert_eq!(leases(&p), 1, "offer and prefill renew the lease on one timer");
     // 3 s later D claims (late): a renewal. At 5 s the first timer is not the end.
