@@ -32,7 +32,7 @@ use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Delivery, Fault, Msg,
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_topology::TopologyError;
 use tessera_topology::perf::Power;
-use tessera_workload::{Load, PlannedRequest, Workload};
+use tessera_workload::{Load, Workload, vocabulary};
 
 use chip::{ChipModelError, Links, modelled_chip};
 use clients::{Arrivals, Outcomes, Probe, View};
@@ -139,29 +139,41 @@ pub fn run_with_progress(
     }
 
     let w = &scenario.workload;
-    let (planned, arrivals_s): (Box<dyn Iterator<Item = PlannedRequest> + Send>, Vec<f64>) = match &w.requests {
+    let vocab = model.config.vocab_size.max(1) as u64;
+    let tokenizer = model::tokenizer(spec, &scenario.base_dir);
+    // Each request's prompt ids and output length.
+    let (prompts, arrivals_s): (Box<dyn Iterator<Item = (Vec<u32>, u32)> + Send>, Vec<f64>) = match &w.requests {
         scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv, schedule } => {
             let load = Load::Poisson { rate_rps: w.rate_rps };
             let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
             let arrivals_s = arrivals(&workload, *size, w.rate_rps, *cv, schedule.as_deref());
-            (Box::new(workload.stream()), arrivals_s)
+            let prompts: Box<dyn Iterator<Item = (Vec<u32>, u32)> + Send> = match tokenizer {
+                Some(t) => Box::new(workload.stream().map(move |p| (prompt_ids(Some(&t), &p.prompt, vocab), p.osl))),
+                None => {
+                    // The ids `prompt_ids` gives each word, looked up rather than hashed.
+                    let ids: Vec<u32> = vocabulary().iter().map(|w| word_id(w.as_bytes(), vocab)).collect();
+                    let prompts = workload
+                        .stream_words()
+                        .map(move |(words, osl)| (words.iter().map(|&w| ids[usize::from(w)]).collect(), osl));
+                    Box::new(prompts)
+                }
+            };
+            (prompts, arrivals_s)
         }
         scenario::WorkloadRequests::Trace(trace) => {
             let (planned, arrivals_s) =
                 tessera_workload::trace::replay(trace, tessera_workload::trace::TRACE_BLOCK_TOKENS);
-            (Box::new(planned.into_iter()), arrivals_s)
+            let prompts = planned.into_iter().map(move |p| (prompt_ids(tokenizer.as_ref(), &p.prompt, vocab), p.osl));
+            (Box::new(prompts), arrivals_s)
         }
     };
-    let vocab = model.config.vocab_size.max(1) as u64;
     let requests = arrivals_s.len();
     let last_arrival = arrivals_s.last().map_or(0, |s| (s * 1e9).round() as u64);
-    let tokenizer = model::tokenizer(spec, &scenario.base_dir);
     let asks: Box<dyn Iterator<Item = (u64, AdmitAsk)> + Send> =
-        Box::new(planned.zip(arrivals_s).map(move |(planned, at_s)| {
-            let prompt = prompt_ids(tokenizer.as_ref(), &planned.prompt, vocab);
+        Box::new(prompts.zip(arrivals_s).map(move |((prompt, osl), at_s)| {
             let ask = AdmitAsk {
                 prompt,
-                max_tokens: planned.osl as usize,
+                max_tokens: osl as usize,
                 sampling: SamplingSpec::greedy(),
                 // The clients time the first token and the end: the rest need not travel
                 // token by token (TPOT is their mean gap).
@@ -289,25 +301,17 @@ fn probe(vh: &mut VirtualHost<Msg>, router: Addr) -> Result<Vec<ChipReport>, Sim
 /// BOS as the model asks); without a tokenizer, one id a word (`bench serve`'s words
 /// are about one token each), hashed into the vocabulary.
 fn prompt_ids(tokenizer: Option<&TextTokenizer>, prompt: &str, vocab: u64) -> Vec<u32> {
-    // `prompt.split(' ')` with each word's FNV-1a, in one pass over the bytes.
-    let words = || {
-        let mut ids = Vec::with_capacity(prompt.len() / 4 + 1);
-        let mut h = FNV_OFFSET;
-        for &b in prompt.as_bytes() {
-            if b == b' ' {
-                ids.push((h % vocab) as u32);
-                h = FNV_OFFSET;
-            } else {
-                h = (h ^ b as u64).wrapping_mul(FNV_PRIME);
-            }
-        }
-        ids.push((h % vocab) as u32);
-        ids
-    };
+    let words = || prompt.split(' ').map(|w| word_id(w.as_bytes(), vocab)).collect();
     match tokenizer {
         Some(t) => t.encode(prompt, true).unwrap_or_else(|_| words()),
         None => words(),
     }
+}
+
+/// A word's token id without a tokenizer: its FNV-1a hash into the vocabulary.
+fn word_id(word: &[u8], vocab: u64) -> u32 {
+    let h = word.iter().fold(FNV_OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME));
+    (h % vocab) as u32
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;

@@ -152,19 +152,37 @@ impl Workload {
         std::iter::repeat_with(move || workload.next_request(&mut rng))
     }
 
+    /// [`Self::stream`]'s requests as their words' indices into [`vocabulary`] (with
+    /// their output lengths), never made into text: what a simulator that gives each
+    /// word one token id needs, at a fraction of the cost.
+    pub fn stream_words(&self) -> impl Iterator<Item = (Vec<u16>, u32)> + Send + 'static {
+        let workload = *self;
+        let mut rng = SeededRng::new(self.seed);
+        std::iter::repeat_with(move || {
+            let (words, _, osl) = workload.next_words(&mut rng);
+            (words, osl)
+        })
+    }
+
     fn plan(&self, n: usize, rng: &mut SeededRng) -> Vec<PlannedRequest> {
         (0..n).map(|_| self.next_request(rng)).collect()
     }
 
     fn next_request(&self, rng: &mut SeededRng) -> PlannedRequest {
-        let mut req = PlannedRequest::new(self.isl.sample(rng), self.osl.sample(rng), rng);
-        if let Some(shared) = self.shared {
-            let group = rng.below(shared.groups.max(1) as u64);
-            let prefix = words_of(shared.words, &mut SeededRng::new(self.seed ^ ((group + 1) * 0x9e37_79b9)));
-            req.prompt = format!("{prefix} {}", req.prompt);
-            req.isl += shared.words;
-        }
-        req
+        let (words, isl, osl) = self.next_words(rng);
+        PlannedRequest { prompt: text_of(&words), isl, osl }
+    }
+
+    /// The next request's words (its group's shared prefix first, if any), its nominal
+    /// prompt length and its output length.
+    fn next_words(&self, rng: &mut SeededRng) -> (Vec<u16>, u32, u32) {
+        let (isl, osl) = (self.isl.sample(rng), self.osl.sample(rng));
+        let own = word_indices(isl, rng);
+        let Some(shared) = self.shared else { return (own, isl, osl) };
+        let group = rng.below(shared.groups.max(1) as u64);
+        let mut words = word_indices(shared.words, &mut SeededRng::new(self.seed ^ ((group + 1) * 0x9e37_79b9)));
+        words.extend(own);
+        (words, isl + shared.words, osl)
     }
 }
 
@@ -198,11 +216,34 @@ impl PlannedRequest {
     }
 }
 
+static VOCABULARY: LazyLock<Vec<&str>> = LazyLock::new(|| WORDS.split_whitespace().collect());
+
+/// The words prompts are made of.
+pub fn vocabulary() -> &'static [&'static str] {
+    &VOCABULARY
+}
+
 /// `n` words drawn from `rng`, space-separated.
 pub fn words_of(n: u32, rng: &mut SeededRng) -> String {
-    static VOCABULARY: LazyLock<Vec<&str>> = LazyLock::new(|| WORDS.split_whitespace().collect());
-    let words: Vec<&str> = (0..n).map(|_| VOCABULARY[rng.below(VOCABULARY.len() as u64) as usize]).collect();
-    words.join(" ")
+    text_of(&word_indices(n, rng))
+}
+
+/// `n` words drawn from `rng`, as indices into [`vocabulary`] ([`words_of`]'s words).
+fn word_indices(n: u32, rng: &mut SeededRng) -> Vec<u16> {
+    let len = VOCABULARY.len() as u64;
+    (0..n).map(|_| rng.below(len) as u16).collect()
+}
+
+/// The words at `indices` of [`vocabulary`], space-separated.
+fn text_of(indices: &[u16]) -> String {
+    let mut text = String::with_capacity(indices.len() * 8);
+    for (i, &w) in indices.iter().enumerate() {
+        if i > 0 {
+            text.push(' ');
+        }
+        text.push_str(VOCABULARY[usize::from(w)]);
+    }
+    text
 }
 
 #[cfg(test)]
