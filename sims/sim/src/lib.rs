@@ -141,13 +141,12 @@ pub fn run_with_progress(
     let w = &scenario.workload;
     let vocab = model.config.vocab_size.max(1) as u64;
     let tokenizer = model::tokenizer(spec, &scenario.base_dir);
-    // Each request's prompt ids and output length.
-    let (prompts, arrivals_s): (Box<dyn Iterator<Item = (Vec<u32>, u32)> + Send>, Vec<f64>) = match &w.requests {
+    let (prompts, arrivals_s): (Prompts, Vec<f64>) = match &w.requests {
         scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv, schedule } => {
             let load = Load::Poisson { rate_rps: w.rate_rps };
             let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
             let arrivals_s = arrivals(&workload, *size, w.rate_rps, *cv, schedule.as_deref());
-            let prompts: Box<dyn Iterator<Item = (Vec<u32>, u32)> + Send> = match tokenizer {
+            let prompts: Prompts = match tokenizer {
                 Some(t) => Box::new(workload.stream().map(move |p| (prompt_ids(Some(&t), &p.prompt, vocab), p.osl))),
                 None => {
                     // The ids `prompt_ids` gives each word, looked up rather than hashed.
@@ -296,6 +295,9 @@ fn probe(vh: &mut VirtualHost<Msg>, router: Addr) -> Result<Vec<ChipReport>, Sim
     let answer = view.lock().ok().and_then(|mut v| v.take());
     answer.ok_or(SimError::RouterSilent)
 }
+
+/// Each request's prompt ids and output length, in arrival order.
+type Prompts = Box<dyn Iterator<Item = (Vec<u32>, u32)> + Send>;
 
 /// A completion prompt's token ids as the gateway makes them (the model's tokenizer,
 /// BOS as the model asks); without a tokenizer, one id a word (`bench serve`'s words
