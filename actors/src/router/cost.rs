@@ -101,6 +101,53 @@ impl Pace {
     }
 }
 
+/// A pace rounded down to a class: its prefill time per token and its one-sequence
+/// decode step, each in steps of 2^(1/8) (9%). Each of a class's figures is at most that
+/// of any pace in it, so a search that walks chips class by class can end a class's walk
+/// once the work ahead alone, plus the class's own figures, costs more than its best.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PaceClass {
+    prefill: i32,
+    decode: i32,
+}
+
+/// Classes per doubling of a pace.
+const CLASSES_PER_DOUBLING: f64 = 8.0;
+
+impl PaceClass {
+    pub const FASTEST: PaceClass = PaceClass { prefill: i32::MIN, decode: i32::MIN };
+    pub const SLOWEST: PaceClass = PaceClass { prefill: i32::MAX, decode: i32::MAX };
+
+    pub fn of(pace: &Pace) -> PaceClass {
+        PaceClass { prefill: class_step(pace.prefill_s_per_token), decode: class_step(pace.decode_step_s) }
+    }
+
+    /// At most the `prefill_s_per_token` of every pace of the class.
+    pub fn prefill_s_per_token(self) -> f64 {
+        class_floor(self.prefill)
+    }
+
+    /// At most the `decode_step_s` of every pace of the class.
+    pub fn decode_step_s(self) -> f64 {
+        class_floor(self.decode)
+    }
+}
+
+/// The class step of a time: its log2 rounded down to eighths. Zero, negative or
+/// non-finite times take the lowest step, which bounds nothing.
+fn class_step(seconds: f64) -> i32 {
+    if seconds > 0.0 && seconds.is_finite() { (seconds.log2() * CLASSES_PER_DOUBLING).floor() as i32 } else { i32::MIN }
+}
+
+/// The least time of a class step, a hair lower still, so that rounding in `log2` and
+/// `exp2` can never put it above a time of the class.
+fn class_floor(step: i32) -> f64 {
+    if step == i32::MIN {
+        return 0.0;
+    }
+    (f64::from(step) / CLASSES_PER_DOUBLING).exp2() * (1.0 - 1e-9)
+}
+
 /// Prompt tokens a step computes, as the router assumes it (the default batch budget).
 pub const CHUNK_TOKENS: usize = 512;
 
@@ -202,5 +249,33 @@ impl MeanFactor {
     /// The mean; 1 (the model as it is) when nothing was observed.
     pub fn get(&self) -> f64 {
         if self.n == 0 { 1.0 } else { (self.log_sum / self.n as f64).exp() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A class's figures bound every pace in it from below, and closely (one class
+        /// step, 2^(1/8)); a pace that is no time bounds nothing.
+        #[test]
+        fn a_pace_class_bounds_its_paces_from_below(prefill in 1e-12..1e3f64, decode in 1e-12..1e3f64) {
+            let pace = Pace { prefill_s_per_token: prefill, decode_step_s: decode, decode_s_per_seq: 0.0 };
+            let class = PaceClass::of(&pace);
+            for (floor, of) in [(class.prefill_s_per_token(), prefill), (class.decode_step_s(), decode)] {
+                prop_assert!(floor <= of, "{floor} above {of}");
+                prop_assert!(floor * 2f64.powf(1.0 / 8.0) * 1.000_001 > of, "{floor} too far below {of}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_pace_of_no_time_bounds_nothing() {
+        for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let class = PaceClass::of(&Pace { prefill_s_per_token: t, decode_step_s: t, decode_s_per_seq: 0.0 });
+            assert_eq!((class.prefill_s_per_token(), class.decode_step_s()), (0.0, 0.0));
+        }
     }
 }

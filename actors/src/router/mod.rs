@@ -21,7 +21,7 @@ pub mod index;
 use crate::kv::prefix_hashes;
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic};
 use breaker::{ErrorBreaker, kv_full};
-use cost::{Ask, MeanFactor, Pace, Work};
+use cost::{Ask, MeanFactor, Pace, PaceClass, Work};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tessera_actor_core::{Addr, HostId, Moment};
@@ -64,6 +64,32 @@ impl ChipView {
     /// Whether its breakers let it take a new request.
     pub fn admits(&self) -> bool {
         !self.kv_full && self.errors.admits()
+    }
+}
+
+/// A chip's gauges on the router, registered at its first report rather than looked up
+/// by name at every heartbeat.
+struct ChipGauges {
+    up: metrics::Gauge,
+    blocks_used: metrics::Gauge,
+    blocks_total: metrics::Gauge,
+    kv_breaker: metrics::Gauge,
+    /// Registered once the chip has a figure for them.
+    handoff_gap: Option<metrics::Gauge>,
+    emulated: Option<metrics::Gauge>,
+}
+
+impl ChipGauges {
+    fn register(id: &str) -> ChipGauges {
+        let chip = [("chip", id.to_string())];
+        ChipGauges {
+            up: metrics::gauge!("tessera_router_chip_up", &chip),
+            blocks_used: metrics::gauge!("tessera_kv_blocks_used", &chip),
+            blocks_total: metrics::gauge!("tessera_kv_blocks_total", &chip),
+            kv_breaker: metrics::gauge!("tessera_router_breaker_state", "chip" => id.to_string(), "breaker" => "kv"),
+            handoff_gap: None,
+            emulated: None,
+        }
     }
 }
 
@@ -270,14 +296,12 @@ pub struct Router {
     policy: RouterPolicy,
     /// Routes so far (round-robin's turn).
     turns: u64,
-    /// The chips of each role by (work ahead in seconds, as f64 bits, address): the
-    /// kv-aware search walks them cheapest first.
-    by_work: BTreeMap<Role, BTreeSet<(u64, Addr)>>,
-    /// Every chip by (prefill seconds per token, as f64 bits, address): the fastest
-    /// bounds what a chip not yet looked at can cost.
-    by_pace: BTreeSet<(u64, Addr)>,
-    /// Each chip's entries in those orders: (role, work bits, pace bits).
-    keys: BTreeMap<Addr, (Role, u64, u64)>,
+    /// The chips of each role and pace class by (work ahead in seconds, as f64 bits,
+    /// address): the kv-aware search walks each class cheapest first, and the class's
+    /// pace bounds what a chip not yet looked at there can cost.
+    by_work: BTreeMap<(Role, PaceClass), BTreeSet<(u64, Addr)>>,
+    /// Each chip's entry in that order: (role, pace class, work bits).
+    keys: BTreeMap<Addr, (Role, PaceClass, u64)>,
     total_work_s: f64,
     /// Chips' modelled paces, their observed correction factors (prefill, decode), the
     /// factors' means, and the means as last applied to chips without factors.
@@ -288,6 +312,7 @@ pub struct Router {
     /// Chips whose error breaker is open (to move to half-open when due).
     open_breakers: BTreeSet<Addr>,
     waiting: VecDeque<Waiting>,
+    gauges: BTreeMap<Addr, ChipGauges>,
 }
 
 impl Router {
@@ -309,7 +334,6 @@ impl Router {
             policy: RouterPolicy::default(),
             turns: 0,
             by_work: BTreeMap::new(),
-            by_pace: BTreeSet::new(),
             keys: BTreeMap::new(),
             total_work_s: 0.0,
             modelled: BTreeMap::new(),
@@ -318,6 +342,7 @@ impl Router {
             applied_means: (1.0, 1.0),
             open_breakers: BTreeSet::new(),
             waiting: VecDeque::new(),
+            gauges: BTreeMap::new(),
         };
         for a in addrs {
             router.reindex(a);
@@ -361,13 +386,6 @@ impl Router {
     /// Recomputes `chip`'s pace and its places in the cost orders.
     fn reindex(&mut self, chip: Addr) {
         let Some(v) = self.chips.get_mut(&chip) else { return };
-        if let Some((role, work, pace)) = self.keys.remove(&chip) {
-            if let Some(set) = self.by_work.get_mut(&role) {
-                set.remove(&(work, chip));
-            }
-            self.by_pace.remove(&(pace, chip));
-            self.total_work_s -= f64::from_bits(work);
-        }
         let modelled = self.modelled.get(&chip).copied().unwrap_or(Pace::UNKNOWN);
         let (prefill, decode) = self.factors.get(&chip).copied().unwrap_or((None, None));
         // A chip's own correction stays within MAX_DEVIATION of the others': one stalled
@@ -377,10 +395,21 @@ impl Router {
         };
         v.pace = modelled.scaled(near(prefill, self.means.0.get()), near(decode, self.means.1.get()));
         let work = v.work_s();
-        let key = (v.report.role, work.to_bits(), v.pace.prefill_s_per_token.to_bits());
-        self.by_work.entry(key.0).or_default().insert((key.1, chip));
-        self.by_pace.insert((key.2, chip));
-        self.keys.insert(chip, key);
+        let key = (v.report.role, PaceClass::of(&v.pace), work.to_bits());
+        if let Some(old) = self.keys.insert(chip, key) {
+            if old == key {
+                return; // most reports move nothing
+            }
+            let (role, class, work) = old;
+            if let Some(set) = self.by_work.get_mut(&(role, class)) {
+                set.remove(&(work, chip));
+                if set.is_empty() {
+                    self.by_work.remove(&(role, class));
+                }
+            }
+            self.total_work_s -= f64::from_bits(work);
+        }
+        self.by_work.entry((key.0, key.1)).or_default().insert((key.2, chip));
         self.total_work_s = (self.total_work_s + work).max(0.0);
     }
 
@@ -430,9 +459,10 @@ impl Router {
         }
     }
 
-    /// Walks the available chips of `role` cheapest work first, keeping each that is the
-    /// best so far (with and without `exclude`) for one of `legs`, until no chip further
-    /// on can beat them: its cost is at least its work ahead plus `floor_s`.
+    /// Walks the available chips of `role`, each pace class cheapest work first,
+    /// keeping each that is the best so far (with and without `exclude`) for one of
+    /// `legs`, until no chip further on in the class can beat them: its cost is at least
+    /// its work ahead plus `floor(class)`.
     #[allow(clippy::too_many_arguments)]
     fn scan<'a>(
         &'a self,
@@ -441,15 +471,14 @@ impl Router {
         exclude: &[Addr],
         leg: Leg,
         score: &Scorer,
-        floor_s: f64,
+        floor: impl Fn(PaceClass) -> f64,
         out: &mut Vec<(&'a Addr, &'a ChipView)>,
     ) {
-        let Some(set) = self.by_work.get(&role) else { return };
         // Per leg, the best (score, address) among chips not excluded, and among all:
         // first of the chips of this role already kept (the prompt's cache holders), so
         // that a cheap holder ends the walk at once. A chip is kept only if it beats one
         // of them in the order `best` chooses by (ties to the lower address), so a
-        // thousand idle chips of one kind give one candidate, not a thousand.
+        // thousand idle chips of one kind give a few candidates, not a thousand.
         let mut best = vec![[None::<(i64, Addr)>; 2]; legs.len()];
         let consider = |a: &Addr, c: &ChipView, best: &mut [[Option<(i64, Addr)>; 2]]| {
             let avoided = exclude.contains(a);
@@ -473,14 +502,20 @@ impl Router {
                 consider(a, c, &mut best);
             }
         }
-        for &(work, a) in set {
-            let bound = cost::rank(f64::from_bits(work) + floor_s);
-            if best.iter().flatten().all(|b| b.is_some_and(|(b, _)| bound > b.saturating_add(1))) {
-                break;
-            }
-            let Some((a, c)) = self.chips.get_key_value(&a) else { continue };
-            if available(a, c, &self.down_hosts) && consider(a, c, &mut best) {
-                out.push((a, c));
+        let beaten = |best: &[[Option<(i64, Addr)>; 2]], bound: i64| {
+            best.iter().flatten().all(|b| b.is_some_and(|(b, _)| bound > b.saturating_add(1)))
+        };
+        let classes = (role, PaceClass::FASTEST)..=(role, PaceClass::SLOWEST);
+        for (&(_, class), set) in self.by_work.range(classes) {
+            let floor_s = floor(class);
+            for &(work, a) in set {
+                if beaten(&best, cost::rank(f64::from_bits(work) + floor_s)) {
+                    break;
+                }
+                let Some((a, c)) = self.chips.get_key_value(&a) else { continue };
+                if available(a, c, &self.down_hosts) && consider(a, c, &mut best) {
+                    out.push((a, c));
+                }
             }
         }
     }
@@ -500,11 +535,12 @@ impl Router {
         let mut out: Vec<(&Addr, &ChipView)> = holders.keys().filter_map(|a| self.chips.get_key_value(a)).collect();
         let prefill = |c: &ChipView| c.report.role == Role::Prefill;
         let any = |_: &ChipView| true;
-        let fastest = self.by_pace.first().map_or(0.0, |(bits, _)| f64::from_bits(*bits));
         // Per role, its cheapest chips: the prefill leg and the colocated legs
-        // (decoding chips first, then any chip) all draw from these.
+        // (decoding chips first, then any chip) all draw from these. A chip that holds
+        // none of the prompt computes all of it.
+        let compute_floor = |class: PaceClass| ask.prompt_tokens as f64 * class.prefill_s_per_token();
         for role in Role::ALL {
-            self.scan(role, &[&any], exclude, Leg::Compute, score, ask.prompt_tokens as f64 * fastest, &mut out);
+            self.scan(role, &[&any], exclude, Leg::Compute, score, compute_floor, &mut out);
         }
         // Compatibility classes by their hash (what a class is; the fields only explain
         // a mismatch), so that hundreds of prefill candidates copy nothing.
@@ -522,7 +558,10 @@ impl Router {
             })
             .collect();
         let legs: Vec<&dyn Fn(&ChipView) -> bool> = fits.iter().map(|f| f.as_ref()).collect();
-        self.scan(Role::Decode, &legs, exclude, Leg::Decode, score, 0.0, &mut out);
+        // A decode chip takes every new token at its one-sequence step time at least.
+        let new_tokens = ask.total_tokens.saturating_sub(ask.prompt_tokens) as f64;
+        let decode_floor = |class: PaceClass| new_tokens * class.decode_step_s();
+        self.scan(Role::Decode, &legs, exclude, Leg::Decode, score, decode_floor, &mut out);
         out.sort_by_key(|(a, _)| **a);
         out.dedup_by_key(|(a, _)| **a);
         out
@@ -544,19 +583,28 @@ impl Router {
         let was_up = self.chips.get(&chip).is_some_and(|c| c.report.state == ChipState::Up);
         let is_up = report.state == ChipState::Up;
         // The gateway's /metrics shows every chip of the cluster, not only local ones.
-        let id = report.id.clone();
-        metrics::gauge!("tessera_router_chip_up", "chip" => id.clone()).set(if is_up { 1.0 } else { 0.0 });
-        metrics::gauge!("tessera_kv_blocks_used", "chip" => id.clone()).set(report.kv_blocks_used as f64);
-        metrics::gauge!("tessera_kv_blocks_total", "chip" => id.clone()).set(report.kv_blocks_total as f64);
-        if let Some(emulation) = &report.emulated {
+        let gauges = self.gauges.entry(chip).or_insert_with(|| ChipGauges::register(&report.id));
+        gauges.up.set(if is_up { 1.0 } else { 0.0 });
+        gauges.blocks_used.set(report.kv_blocks_used as f64);
+        gauges.blocks_total.set(report.kv_blocks_total as f64);
+        if let Some(emulation) = &report.emulated
+            && gauges.emulated.is_none()
+        {
             // An emulated chip is labelled as such wherever its figures appear.
-            metrics::gauge!("tessera_chip_emulated", "chip" => id.clone(), "emulation" => emulation.clone()).set(1.0);
+            let labels = [("chip", report.id.to_string()), ("emulation", emulation.to_string())];
+            let emulated = metrics::gauge!("tessera_chip_emulated", &labels);
+            emulated.set(1.0);
+            gauges.emulated = Some(emulated);
         }
         if let Some(gap) = report.last_handoff_gap_s {
-            metrics::gauge!("tessera_kv_handoff_gap_last_seconds", "chip" => id.clone()).set(gap);
+            let labels = [("chip", report.id.to_string())];
+            gauges
+                .handoff_gap
+                .get_or_insert_with(|| metrics::gauge!("tessera_kv_handoff_gap_last_seconds", &labels))
+                .set(gap);
         }
         let full = kv_full(report.kv_blocks_used, report.kv_blocks_total, self.limits.kv_breaker_percent);
-        metrics::gauge!("tessera_router_breaker_state", "chip" => id, "breaker" => "kv").set(f64::from(u8::from(full)));
+        gauges.kv_breaker.set(f64::from(u8::from(full)));
         let speed = report.speed;
         let view = self.chips.entry(chip).or_insert_with(|| ChipView::new(report.clone()));
         view.report = report;
