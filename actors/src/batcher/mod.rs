@@ -146,11 +146,12 @@ pub struct PlannedSeq {
     pub slots: Vec<i32>,
     /// Sample a token from the last row (the chunk ends what is pending).
     pub sample: bool,
-    /// Create the sampler first.
-    pub new_sampler: Option<NewSampler>,
+    /// Create the sampler first (boxed, as `score`: most steps of a sequence carry
+    /// neither, and a plan's sequences are moved about whole).
+    pub new_sampler: Option<Box<NewSampler>>,
     /// Score prompt tokens: the logits of every row of this chunk are wanted, and the
     /// first `targets.len()` rows predict these prompt tokens.
-    pub score: Option<Score>,
+    pub score: Option<Box<Score>>,
     /// A prefill for a decode chip: stage each layer's KV of positions
     /// `stage_from..start_pos + tokens.len()` (from 0 on the first chunk after a reused
     /// prefix, whose blocks the decode chip needs too).
@@ -478,7 +479,8 @@ impl Batcher {
         let bs = self.limits.block_size;
         let mut budget = self.limits.max_batch_tokens;
         let mut seqs_left = self.limits.max_batch_seqs;
-        let mut planned: Vec<PlannedSeq> = Vec::new();
+        // Every running sequence, at most: one allocation, no growing.
+        let mut planned: Vec<PlannedSeq> = Vec::with_capacity(self.running.len().min(seqs_left) + 1);
         self.plans += 1;
         let this_plan = self.plans;
         let mut preempted = false;
@@ -799,18 +801,20 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         } else {
             (Vec::new(), Vec::new())
         };
-        NewSampler { spec: seq.sampling.clone(), skip: generated as u64, prompt, output }
+        Box::new(NewSampler { spec: seq.sampling.clone(), skip: generated as u64, prompt, output })
     });
     // Rows start..end predict tokens start+1..=end; those that are prompt tokens (of the
     // prompt as the client sent it, replayed output aside) are scored.
     let prompt_len = seq.tokens.len().saturating_sub(seq.generated_before + seq.new_tokens);
     let score = seq.sampling.prompt_logprobs.and_then(|k| {
         let last = end.min(prompt_len.saturating_sub(1));
-        (start < last).then(|| Score {
-            req: seq.req,
-            forks: seq.forks.iter().map(|f| (f.request_id, f.req)).collect(),
-            k,
-            targets: seq.tokens[start + 1..=last].to_vec(),
+        (start < last).then(|| {
+            Box::new(Score {
+                req: seq.req,
+                forks: seq.forks.iter().map(|f| (f.request_id, f.req)).collect(),
+                k,
+                targets: seq.tokens[start + 1..=last].to_vec(),
+            })
         })
     });
     seq.sampler_live |= !stage;

@@ -493,7 +493,7 @@ impl StepExecutor for ModelExecutor {
         }
         let mut failed = Vec::new();
         let forks = plan.seqs.iter().flat_map(|s| s.forks.iter().map(|f| (f.request_id, Some(&f.new_sampler))));
-        let news = plan.seqs.iter().map(|s| (s.request_id, s.new_sampler.as_ref())).chain(forks);
+        let news = plan.seqs.iter().map(|s| (s.request_id, s.new_sampler.as_deref())).chain(forks);
         for (id, new) in news {
             if let Some(new) = new {
                 match seq_sampler(new, &mut self.grammars) {
