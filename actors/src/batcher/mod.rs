@@ -789,7 +789,16 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
             None => break,
         }
     }
-    let slots = (start..end).map(|pos| (seq.blocks[pos / bs].slot as usize * bs + pos % bs) as i32).collect();
+    // Each block's run of positions at once (a prompt chunk spans many blocks).
+    let mut slots = Vec::with_capacity(n);
+    let mut pos = start;
+    while pos < end {
+        let (block, offset) = (pos / bs, pos % bs);
+        let first = seq.blocks[block].slot as usize * bs + offset;
+        let run = (end - pos).min(bs - offset);
+        slots.extend((first..first + run).map(|slot| slot as i32));
+        pos += run;
+    }
     seq.cached = end;
     seal_full_blocks(seq, bs, pool);
     let stage = matches!(seq.mode, Mode::PrefillFor { .. });
