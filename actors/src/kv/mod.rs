@@ -20,7 +20,7 @@
 
 use slab::Slab;
 use smallvec::SmallVec;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::OnceLock;
 use tessera_actor_core::Addr;
@@ -189,8 +189,13 @@ pub struct KvPool {
     /// Sealed and cached blocks by chained hash, oldest seal first (equal prompts not
     /// yet sharing their prefix seal equal hashes in several blocks).
     by_hash: HashMap<u64, SmallVec<[u32; 2]>, BlockHashState>,
-    /// Cached blocks by release time: the first is evicted first.
-    lru: BTreeMap<u64, u32>,
+    /// Cached blocks by release time, (time, slot): the first is evicted first. An entry
+    /// whose block was taken again since (it is no longer cached at that time) is stale:
+    /// skipped when met and swept out when they outnumber the cached blocks, so a
+    /// release and a reuse cost O(1) instead of a tree's insert and remove.
+    lru: VecDeque<(u64, u32)>,
+    /// Cached blocks (the live entries of `lru`).
+    cached: usize,
     clock: u64,
     /// Events since the last `take_events`, and the number of the last one.
     events: Vec<KvEvent>,
@@ -207,7 +212,8 @@ impl KvPool {
             blocks: Slab::with_capacity(capacity),
             generations: vec![0; capacity],
             by_hash: HashMap::default(),
-            lru: BTreeMap::new(),
+            lru: VecDeque::new(),
+            cached: 0,
             clock: 0,
             events: Vec::new(),
             event_seq: 0,
@@ -224,7 +230,7 @@ impl KvPool {
 
     /// Blocks held by sequences (being written, or sealed and referenced).
     pub fn used(&self) -> usize {
-        self.blocks.len() - self.lru.len()
+        self.blocks.len() - self.cached
     }
 
     /// Blocks a sequence can take: never-used or freed ones, and cached ones.
@@ -234,7 +240,7 @@ impl KvPool {
 
     /// Cached blocks: sealed, held by nobody, kept for reuse.
     pub fn cached(&self) -> usize {
-        self.lru.len()
+        self.cached
     }
 
     /// A free block, now Writing for `owner` (evicting the least recently released
@@ -244,14 +250,38 @@ impl KvPool {
             let slot = self.blocks.insert(BlockState::Writing { owner });
             return Some(self.block_ref(slot));
         }
-        let (_, slot) = self.lru.pop_first()?;
+        let (slot, hash) = self.evict_oldest()?;
+        self.unindex(hash, slot);
         let slot = slot as usize;
-        if let BlockState::Cached { hash, .. } = self.blocks[slot] {
-            self.unindex(hash, slot as u32);
-        }
         self.generations[slot] = self.generations[slot].wrapping_add(1);
         self.blocks[slot] = BlockState::Writing { owner };
         Some(self.block_ref(slot))
+    }
+
+    /// Takes the least recently released cached block out of the LRU order: its slot
+    /// and hash (it stays Cached; the caller reuses or frees it).
+    fn evict_oldest(&mut self) -> Option<(u32, u64)> {
+        while let Some((since, slot)) = self.lru.pop_front() {
+            if let Some(&BlockState::Cached { hash, since: at }) = self.blocks.get(slot as usize)
+                && at == since
+            {
+                self.cached -= 1;
+                return Some((slot, hash));
+            }
+        }
+        None
+    }
+
+    /// Puts `slot`, just cached at `since`, last in the LRU order.
+    fn cache(&mut self, since: u64, slot: u32) {
+        self.lru.push_back((since, slot));
+        self.cached += 1;
+        if self.lru.len() > 2 * self.cached + 64 {
+            let blocks = &self.blocks;
+            self.lru.retain(|&(since, slot)| {
+                matches!(blocks.get(slot as usize), Some(&BlockState::Cached { since: at, .. }) if at == since)
+            });
+        }
     }
 
     fn block_ref(&self, slot: usize) -> BlockRef {
@@ -307,8 +337,9 @@ impl KvPool {
                 self.blocks[r.slot as usize] = BlockState::Sealed { hash, refs: refs + 1 };
                 Ok(())
             }
-            BlockState::Cached { hash, since } => {
-                self.lru.remove(&since);
+            BlockState::Cached { hash, .. } => {
+                // Its LRU entry is stale from now on.
+                self.cached -= 1;
                 self.blocks[r.slot as usize] = BlockState::Sealed { hash, refs: 1 };
                 Ok(())
             }
@@ -341,7 +372,7 @@ impl KvPool {
             BlockState::Sealed { hash, .. } => {
                 self.clock += 1;
                 self.blocks[slot] = BlockState::Cached { hash, since: self.clock };
-                self.lru.insert(self.clock, r.slot);
+                self.cache(self.clock, r.slot);
             }
             BlockState::Cached { .. } => return Err(KvError::NotHeld { chip: self.chip, slot: r.slot }),
             BlockState::Writing { .. } => {
@@ -354,10 +385,9 @@ impl KvPool {
 
     /// Frees every cached block (a chip that drops its cache, e.g. on a model change).
     pub fn drop_cached(&mut self) {
-        while let Some((_, slot)) = self.lru.pop_first() {
-            if let BlockState::Cached { hash, .. } = self.blocks.remove(slot as usize) {
-                self.unindex(hash, slot);
-            }
+        while let Some((slot, hash)) = self.evict_oldest() {
+            self.blocks.remove(slot as usize);
+            self.unindex(hash, slot);
             self.generations[slot as usize] = self.generations[slot as usize].wrapping_add(1);
         }
     }
@@ -404,6 +434,7 @@ impl KvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
     use tessera_actor_core::HostId;
 
     fn chip(n: u64) -> Addr {
@@ -542,6 +573,55 @@ mod tests {
             [KvEvent::Removed { seq: 4, hash: hashes[1] }, KvEvent::Removed { seq: 5, hash: hashes[2] }]
         );
         assert!(pool.take_events().is_empty());
+    }
+
+    proptest::proptest! {
+        /// Under any mix of writes, releases and reuses, eviction takes the cached block
+        /// released longest ago (checked against each block's last release time), and
+        /// the order's stale entries stay bounded.
+        #[test]
+        fn eviction_follows_release_order(ops in proptest::collection::vec((0..3u8, 0..64usize), 1..400)) {
+            let mut pool = KvPool::new(chip(16), 8, 1);
+            let (mut held, mut sealed): (Vec<BlockRef>, Vec<u64>) = (Vec::new(), Vec::new());
+            // Per slot: when it was last released into the cache (None: not cached).
+            let mut released: BTreeMap<u32, u64> = BTreeMap::new();
+            let mut clock = 0u64;
+            for (token, (kind, n)) in ops.into_iter().enumerate() {
+                match kind {
+                    0 => {
+                        let oldest = released.iter().min_by_key(|(_, t)| **t).map(|(s, _)| *s);
+                        let full = pool.blocks.len() == pool.capacity;
+                        let Some(r) = pool.alloc(0) else {
+                            proptest::prop_assert!(released.is_empty());
+                            continue;
+                        };
+                        if full {
+                            proptest::prop_assert_eq!(Some(r.slot), oldest);
+                            released.remove(&r.slot);
+                        }
+                        sealed.push(pool.seal(r, None, &[token as u32]).expect("a written block seals"));
+                        held.push(r);
+                    }
+                    1 if !held.is_empty() => {
+                        let r = held.swap_remove(n % held.len());
+                        pool.release(r).expect("a held block releases");
+                        if matches!(pool.state(r), Ok(BlockState::Cached { .. })) {
+                            clock += 1;
+                            released.insert(r.slot, clock);
+                        }
+                    }
+                    2 if !sealed.is_empty() => {
+                        if let Some(r) = pool.acquire(sealed[n % sealed.len()]) {
+                            released.remove(&r.slot);
+                            held.push(r);
+                        }
+                    }
+                    _ => {}
+                }
+                proptest::prop_assert_eq!(pool.cached(), released.len());
+                proptest::prop_assert!(pool.lru.len() <= 2 * pool.cached() + 64);
+            }
+        }
     }
 
     #[test]
