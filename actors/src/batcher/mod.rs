@@ -13,6 +13,7 @@
 pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
 use crate::msg::{Delivery, Finish, Fork, SamplingSpec, SeqRequest, TokenLogprob};
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tessera_actor_core::Addr;
@@ -134,16 +135,21 @@ pub struct Prefilled {
     pub blocks: Vec<BlockRef>,
 }
 
+/// A step's tokens of one sequence, and their cache slots: one for a decode step, held
+/// inline (most of a plan's sequences are decoding, and a plan is made every step).
+pub type Tokens = SmallVec<[u32; 4]>;
+pub type Slots = SmallVec<[i32; 4]>;
+
 /// One sequence's share of a step, in the form the worker runs it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedSeq {
     pub request_id: u64,
-    pub tokens: Vec<u32>,
+    pub tokens: Tokens,
     pub start_pos: usize,
     /// Device block ids of the sequence's blocks, in order (shared with the steps
     /// before it while no block was added).
     pub block_table: Arc<[u32]>,
-    pub slots: Vec<i32>,
+    pub slots: Slots,
     /// Sample a token from the last row (the chunk ends what is pending).
     pub sample: bool,
     /// Create the sampler first (boxed, as `score`: most steps of a sequence carry
@@ -790,7 +796,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         }
     }
     // Each block's run of positions at once (a prompt chunk spans many blocks).
-    let mut slots = Vec::with_capacity(n);
+    let mut slots = Slots::with_capacity(n);
     let mut pos = start;
     while pos < end {
         let (block, offset) = (pos / bs, pos % bs);
@@ -829,7 +835,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
     seq.sampler_live |= !stage;
     PlannedSeq {
         request_id: seq.request_id,
-        tokens: seq.tokens[start..end].to_vec(),
+        tokens: Tokens::from_slice(&seq.tokens[start..end]),
         start_pos: start,
         block_table: shared_table(seq),
         slots,

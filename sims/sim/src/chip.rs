@@ -227,10 +227,10 @@ mod tests {
     fn seq(id: u64, new: usize, start: usize) -> PlannedSeq {
         PlannedSeq {
             request_id: id,
-            tokens: vec![1; new],
+            tokens: vec![1; new].into(),
             start_pos: start,
             block_table: Arc::from([]),
-            slots: Vec::new(),
+            slots: Default::default(),
             sample: true,
             new_sampler: None,
             score: None,
