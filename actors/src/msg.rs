@@ -733,7 +733,8 @@ pub enum Msg {
         request_id: u64,
         layer: usize,
         upto: usize,
-        blocks: Vec<u32>,
+        /// P's block table for the sequence (shared by every layer's message).
+        blocks: std::sync::Arc<[u32]>,
     },
     /// D -> P: every layer is installed; P frees its blocks.
     KvDone {

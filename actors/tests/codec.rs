@@ -236,7 +236,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         },
         31 => Msg::KvClaim { request_id: p.a, decode: addr(p.b) },
         32 => Msg::KvDecline { request_id: p.a, decode: addr(p.b), error: error(p), retry: retry(p) },
-        33 => Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone() },
+        33 => Msg::KvReady { request_id: p.a, layer: p.n, upto: p.n * 3, blocks: p.tokens.clone().into() },
         34 => Msg::KvDone { request_id: p.a },
         35 => Msg::KvCancel { request_id: p.a, reason: p.text.clone() },
         36 => Msg::KvLeaseExpired { request_id: p.a, lease: p.b },

@@ -424,10 +424,11 @@ impl Batcher {
         std::mem::take(&mut self.dropped)
     }
 
-    /// Device block ids of a sequence here, in order.
-    pub fn block_table(&self, request_id: u64) -> Option<Vec<u32>> {
-        let s = self.running.iter().chain(&self.waiting).find(|s| s.request_id == request_id)?;
-        Some(s.blocks.iter().map(|b| b.slot).collect())
+    /// Device block ids of a sequence here, in order (shared with its last plan while
+    /// no block was added).
+    pub fn block_table(&mut self, request_id: u64) -> Option<Arc<[u32]>> {
+        let s = self.running.iter_mut().chain(&mut self.waiting).find(|s| s.request_id == request_id)?;
+        Some(shared_table(s))
     }
 
     /// Prefills for decode chips that the last step finished: they leave the batcher

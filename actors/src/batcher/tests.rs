@@ -81,7 +81,7 @@ fn full_blocks_are_sealed_with_chained_hashes_as_prefill_chunks_fill_them() {
     let s = seq(1, 10, 3);
     let prompt = s.tokens.clone();
     b.enqueue(s);
-    let states = |b: &Batcher, p: &KvPool| -> Vec<BlockState> {
+    let states = |b: &mut Batcher, p: &KvPool| -> Vec<BlockState> {
         let table = b.block_table(1).unwrap_or_default();
         let refs = table.iter().map(|&slot| BlockRef { chip: Addr::new(HostId(0), 16), slot, generation: 0 });
         refs.map(|r| p.state(r).unwrap()).collect()
@@ -92,9 +92,9 @@ fn full_blocks_are_sealed_with_chained_hashes_as_prefill_chunks_fill_them() {
     let writing = BlockState::Writing { owner: 1 };
     // Chunks of 6 and 4 tokens: block 1 is filled across the chunk boundary.
     run_step(&mut b, &mut p);
-    assert_eq!(states(&b, &p), vec![sealed(h0), writing]);
+    assert_eq!(states(&mut b, &p), vec![sealed(h0), writing]);
     run_step(&mut b, &mut p);
-    assert_eq!(states(&b, &p), vec![sealed(h0), sealed(h1), writing]);
+    assert_eq!(states(&mut b, &p), vec![sealed(h0), sealed(h1), writing]);
     assert_eq!(
         p.find(h1),
         b.block_table(1).map(|t| BlockRef { chip: Addr::new(HostId(0), 16), slot: t[1], generation: 0 })
@@ -254,7 +254,7 @@ fn prefilled_blocks_are_handed_over_intact() {
     b.enqueue_prefill(seq(1, 13, 5), 12);
     let plan = b.plan(&mut p).expect("a step");
     assert_eq!(plan.seqs[0].block_table.len(), 3);
-    assert_eq!(b.block_table(1), Some(plan.seqs[0].block_table.to_vec()));
+    assert_eq!(b.block_table(1), Some(plan.seqs[0].block_table.clone()));
     let done = b.take_prefilled();
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].blocks.iter().map(|b| b.slot).collect::<Vec<_>>(), plan.seqs[0].block_table.to_vec());
@@ -430,7 +430,7 @@ fn forks_share_the_prompt_blocks_and_copy_the_partial_last_one() {
     assert!(tables.iter().all(|t| t[..2] == tables[0][..2]), "the full blocks are shared: {tables:?}");
     let lasts: HashSet<u32> = tables.iter().map(|t| t[2]).collect();
     assert_eq!(lasts.len(), 3, "the partial block is each one's own: {tables:?}");
-    assert_eq!(plan.seqs[1].tokens, vec![8], "the fork continues from its own first token");
+    assert_eq!(plan.seqs[1].tokens[..], [8], "the fork continues from its own first token");
     b.complete(&sample_all(&plan), &[], &mut p);
     while b.has_work() {
         let plan = b.plan(&mut p).expect("a step");
@@ -503,7 +503,7 @@ fn decode_steps_share_the_block_table_until_a_block_is_added() {
     for _ in 0..6 {
         let plan = b.plan(&mut p).expect("a step");
         let table = plan.seqs[0].block_table.clone();
-        assert_eq!(Some(table.to_vec()), b.block_table(1), "the table is the sequence's blocks");
+        assert_eq!(Some(table.clone()), b.block_table(1), "the table is the sequence's blocks");
         tables.push(table);
         let _ = b.complete(&sample_all(&plan), &[], &mut p);
     }
@@ -519,5 +519,5 @@ fn decode_steps_share_the_block_table_until_a_block_is_added() {
     b.enqueue(seq(1, 6, 20));
     let plan = b.plan(&mut p).expect("a step");
     assert!(!Arc::ptr_eq(&plan.seqs[0].block_table, &old));
-    assert_eq!(Some(plan.seqs[0].block_table.to_vec()), b.block_table(1));
+    assert_eq!(Some(plan.seqs[0].block_table.clone()), b.block_table(1));
 }

@@ -30,9 +30,11 @@ pub struct KvInstall {
     pub region: Arc<KvRegionDesc>,
     /// How the prefill chip stores its blocks.
     pub format: Arc<KvFormatDesc>,
-    /// The prefill chip's blocks holding `positions`, in order; the first starts at
-    /// position `first_pos`.
-    pub src_blocks: Vec<u32>,
+    /// The prefill chip's block table (shared by the hand-off's messages and jobs);
+    /// [`KvInstall::src_blocks`] is this job's part.
+    pub src_table: Arc<[u32]>,
+    pub src_range: Range<usize>,
+    /// The position the first of `src_blocks` starts at.
     pub first_pos: usize,
     /// This chip's cache slot for every position of the hand-off (shared by its
     /// layers' jobs); [`KvInstall::dst_slots`] is this job's part.
@@ -40,6 +42,11 @@ pub struct KvInstall {
 }
 
 impl KvInstall {
+    /// The prefill chip's blocks holding `positions`, in order.
+    pub fn src_blocks(&self) -> &[u32] {
+        self.src_table.get(self.src_range.clone()).unwrap_or_default()
+    }
+
     /// This chip's cache slot for each of `positions`; empty if the slots do not
     /// cover them.
     pub fn dst_slots(&self) -> &[i32] {

@@ -37,8 +37,10 @@ struct Outgoing {
     /// Per layer: positions staged so far, and told to D so far.
     staged: Vec<usize>,
     told: Vec<usize>,
-    /// Set once the prefill ran to its end (the blocks left the batcher).
+    /// Set once the prefill ran to its end (the blocks left the batcher), with their
+    /// table as D is told it.
     blocks: Option<Vec<BlockRef>>,
+    table: Option<Arc<[u32]>>,
     /// This hand-off's lease: its number (a timer of an earlier hand-off of the same
     /// request names another), when it runs out, and whether a timer is set for it.
     lease: u64,
@@ -150,6 +152,7 @@ impl Chip {
             staged: vec![0; layers],
             told: vec![0; layers],
             blocks: None,
+            table: None,
             lease: self.handoffs.leases,
             lease_until: fx.now(),
             lease_timer: false,
@@ -222,15 +225,15 @@ impl Chip {
 
     /// Tells D what is staged of `layer`, if D has claimed and there is news.
     fn tell(&mut self, request_id: u64, layer: usize, fx: &mut dyn Effects<Msg>) {
-        let table = self.batcher.as_ref().and_then(|b| b.block_table(request_id));
+        let table = self.batcher.as_mut().and_then(|b| b.block_table(request_id));
         let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
         let (Some(&staged), Some(&told)) = (h.staged.get(layer), h.told.get(layer)) else { return };
         if !h.claimed || staged <= told {
             return;
         }
-        let blocks = match &h.blocks {
-            Some(blocks) => blocks.iter().map(|b| b.slot).collect(),
-            None => table.unwrap_or_default(),
+        let blocks = match (&h.table, table) {
+            (Some(done), _) => done.clone(),
+            (None, running) => running.unwrap_or_else(|| Arc::from([])),
         };
         h.told[layer] = staged;
         let msg = Msg::KvReady { request_id, layer, upto: staged, blocks };
@@ -246,6 +249,7 @@ impl Chip {
     pub(super) fn prefill_finished(&mut self, p: Prefilled, fx: &mut dyn Effects<Msg>) {
         match self.handoffs.outgoing.get_mut(&p.request_id) {
             Some(h) => {
+                h.table = Some(p.blocks.iter().map(|b| b.slot).collect());
                 h.blocks = Some(p.blocks);
                 self.renew_lease(p.request_id, fx);
             }
@@ -448,7 +452,7 @@ impl Chip {
         request_id: u64,
         layer: usize,
         upto: usize,
-        blocks: Vec<u32>,
+        blocks: Arc<[u32]>,
         fx: &mut dyn Effects<Msg>,
     ) {
         let Some(h) = self.handoffs.incoming.get_mut(&request_id) else { return };
@@ -486,7 +490,8 @@ impl Chip {
             positions: from..upto,
             region: h.region.clone(),
             format: h.format.clone(),
-            src_blocks: blocks[first..last].to_vec(),
+            src_table: blocks,
+            src_range: first..last,
             first_pos: first * bs,
             slots: h.slots.clone(),
         };

@@ -275,10 +275,10 @@ fn a_renewed_lease_runs_from_its_last_renewal_on_one_timer() {
 #[test]
 fn malformed_kv_ready_is_refused_and_frees_both_sides() {
     for bad in [
-        Msg::KvReady { request_id: 9, layer: LAYERS, upto: 4, blocks: vec![0] },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 99, blocks: vec![0] },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 8, blocks: vec![0] },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: vec![1_000_000] },
+        Msg::KvReady { request_id: 9, layer: LAYERS, upto: 4, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 99, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 8, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: Arc::from([1_000_000]) },
     ] {
         let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
         d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);

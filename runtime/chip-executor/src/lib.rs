@@ -678,7 +678,7 @@ impl StepExecutor for ModelExecutor {
         let engine = self.transfer.as_ref().ok_or("this chip has no KV transfer engine")?;
         let src = kv_format(&job.format);
         let bb = src.block_bytes();
-        let n = job.src_blocks.len();
+        let n = job.src_blocks().len();
         if job.dst_slots().len() != job.positions.len() {
             return Err(format!("the hand-off's {} slots do not cover positions {:?}", job.slots.len(), job.positions));
         }
@@ -696,7 +696,7 @@ impl StepExecutor for ModelExecutor {
         // blocks become one assignment.
         let mut batch: Vec<Assignment> = Vec::new();
         for (v, base) in [(false, 0), (true, n * bb)] {
-            for (i, &b) in job.src_blocks.iter().enumerate() {
+            for (i, &b) in job.src_blocks().iter().enumerate() {
                 if b as usize >= job.format.num_blocks {
                     return Err(format!("block {b} is outside the source pool of {}", job.format.num_blocks));
                 }
