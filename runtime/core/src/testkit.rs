@@ -203,6 +203,39 @@ struct VirtualWorker<M> {
     free_at: Moment,
 }
 
+/// The events by (time, sequence number): a heap, and beside it a FIFO of the events due
+/// at the moment they were queued (messages between actors of one host, a job's result
+/// that took no time): many of them, kept out of the heap's log-time work. Both hold
+/// their events in (time, sequence) order (the clock never goes back and numbers only
+/// grow), so taking the lesser of their firsts takes the events in the heap's order.
+#[derive(Default)]
+struct EventQueue {
+    heap: BinaryHeap<Reverse<Queued>>,
+    now: std::collections::VecDeque<Queued>,
+}
+
+impl EventQueue {
+    fn push(&mut self, q: Queued, now: Moment) {
+        if q.at == now { self.now.push_back(q) } else { self.heap.push(Reverse(q)) }
+    }
+
+    /// Whether the FIFO's first comes before the heap's.
+    fn now_first(&self) -> bool {
+        match (self.now.front(), self.heap.peek()) {
+            (Some(a), Some(Reverse(b))) => a < b,
+            (first, _) => first.is_some(),
+        }
+    }
+
+    fn peek(&self) -> Option<&Queued> {
+        if self.now_first() { self.now.front() } else { self.heap.peek().map(|Reverse(q)| q) }
+    }
+
+    fn pop(&mut self) -> Option<Queued> {
+        if self.now_first() { self.now.pop_front() } else { self.heap.pop().map(|Reverse(q)| q) }
+    }
+}
+
 /// Actors are looked up at every event: a multiply-xor hash of the address (fixed, so
 /// runs are reproducible; nothing iterates these tables in an order that matters).
 type AddrHash = BuildHasherDefault<AddrHasher>;
@@ -235,7 +268,7 @@ impl Hasher for AddrHasher {
 struct World<M> {
     now: Moment,
     seq: u64,
-    queue: BinaryHeap<Reverse<Queued>>,
+    queue: EventQueue,
     /// The queued events by slot: (to, event).
     events: slab::Slab<(Addr, Event<M>)>,
     /// The rest of a fan-out being delivered: (its time and sequence number, subscriber,
@@ -262,7 +295,7 @@ impl<M: Message> World<M> {
     fn push(&mut self, at: Moment, to: Addr, event: Event<M>) {
         self.seq += 1;
         let slot = self.events.insert((to, event));
-        self.queue.push(Reverse(Queued { at, seq: self.seq, slot }));
+        self.queue.push(Queued { at, seq: self.seq, slot }, self.now);
     }
 
     fn delay(&self, from: Addr, to: Addr) -> Duration {
@@ -446,7 +479,7 @@ impl<M: Message> VirtualHost<M> {
             world: World {
                 now: Moment(0),
                 seq: 0,
-                queue: BinaryHeap::new(),
+                queue: EventQueue::default(),
                 events: slab::Slab::new(),
                 fanning: std::collections::VecDeque::new(),
                 alive: HashSet::default(),
@@ -563,7 +596,7 @@ impl<M: Message> VirtualHost<M> {
         let (at, seq, to, event) = match self.world.fanning.pop_front() {
             Some((at, seq, to, msg)) => (at, seq, to, Event::Deliver(msg)),
             None => {
-                let Some(Reverse(q)) = self.world.queue.pop() else { return false };
+                let Some(q) = self.world.queue.pop() else { return false };
                 match self.world.events.remove(q.slot) {
                     (_, Event::Fanout(subscribers, msg)) => {
                         if let Some((&last, rest)) = subscribers.split_last() {
@@ -640,7 +673,7 @@ impl<M: Message> VirtualHost<M> {
     fn next_at(&self) -> Option<Moment> {
         match self.world.fanning.front() {
             Some((at, ..)) => Some(*at),
-            None => self.world.queue.peek().map(|Reverse(next)| next.at),
+            None => self.world.queue.peek().map(|next| next.at),
         }
     }
 
