@@ -397,10 +397,12 @@ impl Batcher {
         self.arrivals += 1;
         let mut s = Seq::new(seq, self.arrivals, Mode::Receiving { ready: false });
         s.cached = kv_tokens;
+        s.blocks.reserve_exact(kv_tokens.div_ceil(bs));
         for _ in 0..kv_tokens.div_ceil(bs) {
             s.blocks.push(pool.alloc(s.request_id)?);
         }
-        let slots = (0..kv_tokens).map(|pos| (s.blocks[pos / bs].slot as usize * bs + pos % bs) as i32).collect();
+        let mut slots = Vec::with_capacity(kv_tokens);
+        cache_slots(&mut slots, &s.blocks, 0..kv_tokens, bs);
         self.running.push(s);
         Some(slots)
     }
@@ -796,16 +798,8 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
             None => break,
         }
     }
-    // Each block's run of positions at once (a prompt chunk spans many blocks).
     let mut slots = Slots::with_capacity(n);
-    let mut pos = start;
-    while pos < end {
-        let (block, offset) = (pos / bs, pos % bs);
-        let first = seq.blocks[block].slot as usize * bs + offset;
-        let run = (end - pos).min(bs - offset);
-        slots.extend((first..first + run).map(|slot| slot as i32));
-        pos += run;
-    }
+    cache_slots(&mut slots, &seq.blocks, start..end, bs);
     seq.cached = end;
     seal_full_blocks(seq, bs, pool);
     let stage = matches!(seq.mode, Mode::PrefillFor { .. });
@@ -846,6 +840,19 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
         stage,
         stage_from: if start == seq.reused { 0 } else { start },
         forks: Vec::new(),
+    }
+}
+
+/// Appends to `out` the cache slot of each of `positions` of a sequence holding `blocks`
+/// (of `bs` tokens each): each block's run of positions at once, as a prompt spans many.
+fn cache_slots(out: &mut impl Extend<i32>, blocks: &[BlockRef], positions: std::ops::Range<usize>, bs: usize) {
+    let (mut pos, end) = (positions.start, positions.end);
+    while pos < end {
+        let (block, offset) = (pos / bs, pos % bs);
+        let first = blocks[block].slot as usize * bs + offset;
+        let run = (end - pos).min(bs - offset);
+        out.extend((first..first + run).map(|slot| slot as i32));
+        pos += run;
     }
 }
 

@@ -28,12 +28,18 @@ use tessera_actor_core::Addr;
 /// Hash of a full block given its parent's hash (None for a sequence's first block):
 /// blocks with equal hashes hold the KV of equal token prefixes.
 pub fn chained_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    // The usual block fits a buffer on the stack: no allocation per sealed block.
-    const ON_STACK: usize = 64;
-    if tokens.len() > ON_STACK {
-        return chained_block_hash_with(&mut Vec::new(), parent, tokens);
+    // The usual block fits a buffer on the stack (no allocation per sealed block), one
+    // no larger than it needs (it is zeroed first).
+    match tokens.len() {
+        0..=16 => hash_on_stack::<{ 9 + 4 * 16 }>(parent, tokens),
+        17..=64 => hash_on_stack::<{ 9 + 4 * 64 }>(parent, tokens),
+        _ => chained_block_hash_with(&mut Vec::new(), parent, tokens),
     }
-    let mut buf = [0u8; 9 + 4 * ON_STACK];
+}
+
+/// [`chained_block_hash`] of at most `(N - 9) / 4` tokens.
+fn hash_on_stack<const N: usize>(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut buf = [0u8; N];
     let n = block_bytes(&mut buf, parent, tokens);
     xxhash_rust::xxh3::xxh3_64(&buf[..n])
 }
@@ -481,7 +487,7 @@ mod tests {
     /// tokens) hash the same bytes: the hash does not depend on the block's size class.
     #[test]
     fn the_stack_and_buffer_paths_hash_alike() {
-        for n in [1, 16, 64, 65, 200] {
+        for n in [0, 1, 16, 17, 64, 65, 200] {
             let tokens: Vec<u32> = (0..n as u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
             for parent in [None, Some(7), Some(u64::MAX)] {
                 let mut buf = Vec::new();
