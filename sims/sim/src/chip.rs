@@ -196,16 +196,13 @@ impl StepExecutor for ModelledChip {
                 ctx.notify_at(at, Msg::KvStaged { step, layer, staged: staged.clone() });
             }
         }
-        let sampled = plan
-            .seqs
-            .iter()
-            .flat_map(|s| {
-                let last = s.tokens.last().copied().unwrap_or(0) as u64;
-                let pos = (s.start_pos + s.tokens.len()) as u64;
-                let token = ((last * 7919 + pos * 104_729) % self.vocab) as u32;
-                s.samplers().map(move |id| (id, token))
-            })
-            .collect();
+        let mut sampled = Vec::with_capacity(plan.seqs.len());
+        for s in &plan.seqs {
+            let last = s.tokens.last().copied().unwrap_or(0) as u64;
+            let pos = (s.start_pos + s.tokens.len()) as u64;
+            let token = ((last * 7919 + pos * 104_729) % self.vocab) as u32;
+            sampled.extend(s.samplers().map(|id| (id, token)));
+        }
         ctx.elapse(time);
         StepOutcome::sampled(step, sampled, time.as_secs_f64())
     }
