@@ -131,6 +131,15 @@ impl PaceClass {
     pub fn decode_step_s(self) -> f64 {
         class_floor(self.decode)
     }
+
+    /// A pace no slower than any of the class, in both figures (and none per sequence).
+    pub fn floor(self) -> Pace {
+        Pace {
+            prefill_s_per_token: self.prefill_s_per_token(),
+            decode_step_s: self.decode_step_s(),
+            decode_s_per_seq: 0.0,
+        }
+    }
 }
 
 /// The class step of a time: its log2 rounded down to eighths. Zero, negative or

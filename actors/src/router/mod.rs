@@ -299,9 +299,11 @@ pub struct Router {
     /// The chips of each role and pace class by (work ahead in seconds, as f64 bits,
     /// address): the kv-aware search walks each class cheapest first, and the class's
     /// pace bounds what a chip not yet looked at there can cost.
-    by_work: BTreeMap<(Role, PaceClass), BTreeSet<(u64, Addr)>>,
-    /// Each chip's entry in that order: (role, pace class, work bits).
-    keys: BTreeMap<Addr, (Role, PaceClass, u64)>,
+    /// Each entry carries the chip's pace and work, which bound its cost without a
+    /// look at the rest of it.
+    by_work: BTreeMap<(Role, PaceClass), BTreeMap<(u64, Addr), (Pace, Work)>>,
+    /// Each chip's entry in that order, (role, pace class, work bits), its pace and work.
+    keys: BTreeMap<Addr, ((Role, PaceClass, u64), Pace, Work)>,
     total_work_s: f64,
     /// Chips' modelled paces, their observed correction factors (prefill, decode), the
     /// factors' means, and the means as last applied to chips without factors.
@@ -396,11 +398,11 @@ impl Router {
         v.pace = modelled.scaled(near(prefill, self.means.0.get()), near(decode, self.means.1.get()));
         let work = v.work_s();
         let key = (v.report.role, PaceClass::of(&v.pace), work.to_bits());
-        if let Some(old) = self.keys.insert(chip, key) {
-            if old == key {
+        if let Some(old) = self.keys.insert(chip, (key, v.pace, v.work)) {
+            if old == (key, v.pace, v.work) {
                 return; // most reports move nothing
             }
-            let (role, class, work) = old;
+            let ((role, class, work), ..) = old;
             if let Some(set) = self.by_work.get_mut(&(role, class)) {
                 set.remove(&(work, chip));
                 if set.is_empty() {
@@ -409,7 +411,7 @@ impl Router {
             }
             self.total_work_s -= f64::from_bits(work);
         }
-        self.by_work.entry((key.0, key.1)).or_default().insert((key.2, chip));
+        self.by_work.entry((key.0, key.1)).or_default().insert((key.2, chip), (v.pace, v.work));
         self.total_work_s = (self.total_work_s + work).max(0.0);
     }
 
@@ -461,8 +463,11 @@ impl Router {
 
     /// Walks the available chips of `role`, each pace class cheapest work first,
     /// keeping each that is the best so far (with and without `exclude`) for one of
-    /// `legs`, until no chip further on in the class can beat them: its cost is at least
-    /// its work ahead plus `floor(class)`.
+    /// `legs`, until no chip further on in the class can beat them. `bound` is at most
+    /// the cost of a chip of that pace and work that holds none of the prompt (a holder
+    /// is in `out` already); a chip's cost is at least its work ahead plus the bound of
+    /// its class's least pace with no work, which ends a class's walk, and a chip whose
+    /// own bound rules it out is passed over without a look at the rest of it.
     #[allow(clippy::too_many_arguments)]
     fn scan<'a>(
         &'a self,
@@ -471,7 +476,7 @@ impl Router {
         exclude: &[Addr],
         leg: Leg,
         score: &Scorer,
-        floor: impl Fn(PaceClass) -> f64,
+        bound: impl Fn(&Pace, &Work) -> f64,
         out: &mut Vec<(&'a Addr, &'a ChipView)>,
     ) {
         // Per leg, the best (score, address) among chips not excluded, and among all:
@@ -507,10 +512,13 @@ impl Router {
         };
         let classes = (role, PaceClass::FASTEST)..=(role, PaceClass::SLOWEST);
         for (&(_, class), set) in self.by_work.range(classes) {
-            let floor_s = floor(class);
-            for &(work, a) in set {
-                if beaten(&best, cost::rank(f64::from_bits(work) + floor_s)) {
+            let class_floor_s = bound(&class.floor(), &Work::default());
+            for (&(work, a), (pace, chip_work)) in set {
+                if beaten(&best, cost::rank(f64::from_bits(work) + class_floor_s)) {
                     break;
+                }
+                if beaten(&best, cost::rank(bound(pace, chip_work))) {
+                    continue;
                 }
                 let Some((a, c)) = self.chips.get_key_value(&a) else { continue };
                 if available(a, c, &self.down_hosts) && consider(a, c, &mut best) {
@@ -538,9 +546,10 @@ impl Router {
         // Per role, its cheapest chips: the prefill leg and the colocated legs
         // (decoding chips first, then any chip) all draw from these. A chip that holds
         // none of the prompt computes all of it.
-        let compute_floor = |class: PaceClass| ask.prompt_tokens as f64 * class.prefill_s_per_token();
+        // Their costs without the KV-pressure term (never negative).
+        let compute_bound = |pace: &Pace, work: &Work| cost::compute_cost(pace, work, 0, 0, ask, 0);
         for role in Role::ALL {
-            self.scan(role, &[&any], exclude, Leg::Compute, score, compute_floor, &mut out);
+            self.scan(role, &[&any], exclude, Leg::Compute, score, compute_bound, &mut out);
         }
         // Compatibility classes by their hash (what a class is; the fields only explain
         // a mismatch), so that hundreds of prefill candidates copy nothing.
@@ -558,10 +567,8 @@ impl Router {
             })
             .collect();
         let legs: Vec<&dyn Fn(&ChipView) -> bool> = fits.iter().map(|f| f.as_ref()).collect();
-        // A decode chip takes every new token at its one-sequence step time at least.
-        let new_tokens = ask.total_tokens.saturating_sub(ask.prompt_tokens) as f64;
-        let decode_floor = |class: PaceClass| new_tokens * class.decode_step_s();
-        self.scan(Role::Decode, &legs, exclude, Leg::Decode, score, decode_floor, &mut out);
+        let decode_bound = |pace: &Pace, work: &Work| cost::decode_cost(pace, work, 0, 0, ask);
+        self.scan(Role::Decode, &legs, exclude, Leg::Decode, score, decode_bound, &mut out);
         out.sort_by_key(|(a, _)| **a);
         out.dedup_by_key(|(a, _)| **a);
         out
