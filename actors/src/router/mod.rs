@@ -67,6 +67,13 @@ impl ChipView {
     }
 }
 
+/// A role and pace class's chips by (work ahead in seconds, as f64 bits, address), each
+/// with its pace and work.
+type ByWork = BTreeMap<(u64, Addr), (Pace, Work)>;
+
+/// A chip's place in the walk's order: its role, pace class and work bits.
+type WorkKey = (Role, PaceClass, u64);
+
 /// A chip's gauges on the router, registered at its first report rather than looked up
 /// by name at every heartbeat.
 struct ChipGauges {
@@ -301,9 +308,9 @@ pub struct Router {
     /// pace bounds what a chip not yet looked at there can cost.
     /// Each entry carries the chip's pace and work, which bound its cost without a
     /// look at the rest of it.
-    by_work: BTreeMap<(Role, PaceClass), BTreeMap<(u64, Addr), (Pace, Work)>>,
+    by_work: BTreeMap<(Role, PaceClass), ByWork>,
     /// Each chip's entry in that order, (role, pace class, work bits), its pace and work.
-    keys: BTreeMap<Addr, ((Role, PaceClass, u64), Pace, Work)>,
+    keys: BTreeMap<Addr, (WorkKey, Pace, Work)>,
     total_work_s: f64,
     /// Chips' modelled paces, their observed correction factors (prefill, decode), the
     /// factors' means, and the means as last applied to chips without factors.
