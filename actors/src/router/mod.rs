@@ -304,10 +304,9 @@ pub struct Router {
     /// Routes so far (round-robin's turn).
     turns: u64,
     /// The chips of each role and pace class by (work ahead in seconds, as f64 bits,
-    /// address): the kv-aware search walks each class cheapest first, and the class's
-    /// pace bounds what a chip not yet looked at there can cost.
-    /// Each entry carries the chip's pace and work, which bound its cost without a
-    /// look at the rest of it.
+    /// address), with their pace and work: the kv-aware search walks each class
+    /// cheapest first, the class's pace bounding what a chip not yet looked at there can
+    /// cost, and each chip's own pace and work bounding its cost before a look at it.
     by_work: BTreeMap<(Role, PaceClass), ByWork>,
     /// Each chip's entry in that order, (role, pace class, work bits), its pace and work.
     keys: BTreeMap<Addr, (WorkKey, Pace, Work)>,
@@ -551,9 +550,8 @@ impl Router {
         let prefill = |c: &ChipView| c.report.role == Role::Prefill;
         let any = |_: &ChipView| true;
         // Per role, its cheapest chips: the prefill leg and the colocated legs
-        // (decoding chips first, then any chip) all draw from these. A chip that holds
-        // none of the prompt computes all of it.
-        // Their costs without the KV-pressure term (never negative).
+        // (decoding chips first, then any chip) all draw from these. A chip's bound is
+        // its cost holding none of the prompt, less the KV-pressure term (never negative).
         let compute_bound = |pace: &Pace, work: &Work| cost::compute_cost(pace, work, 0, 0, ask, 0);
         for role in Role::ALL {
             self.scan(role, &[&any], exclude, Leg::Compute, score, compute_bound, &mut out);
