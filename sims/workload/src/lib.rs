@@ -250,6 +250,25 @@ fn text_of(indices: &[u16]) -> String {
 mod tests {
     use super::*;
 
+    /// The words a simulator draws are the text a client sends, request for request,
+    /// shared prefixes included.
+    #[test]
+    fn the_word_stream_is_the_text_stream() {
+        for shared in [None, Some(SharedPrefix { groups: 3, words: 40 })] {
+            let workload = Workload {
+                isl: LengthDist::Uniform { lo: 1, hi: 30 },
+                osl: LengthDist::Uniform { lo: 1, hi: 9 },
+                load: Load::Poisson { rate_rps: 1.0 },
+                seed: 11,
+                shared,
+            };
+            for (text, (words, osl)) in workload.stream().zip(workload.stream_words()).take(50) {
+                assert_eq!(text.prompt, text_of(&words));
+                assert_eq!(text.osl, osl);
+            }
+        }
+    }
+
     #[test]
     fn prompts_have_the_asked_word_count_and_differ() {
         let mut rng = SeededRng::new(3);
