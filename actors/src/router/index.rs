@@ -19,14 +19,20 @@ use tessera_actor_core::Addr;
 
 use crate::kv::{BlockHashState, KvEvent};
 
+/// A chip's number in the index (its place in `ClusterIndex::addrs`): 4 bytes where an
+/// address takes 16, so that the holders table, which lists every cached block of every
+/// chip, stays small (at 1,000 chips its cache misses are most of a KV event's cost).
+type ChipNo = u32;
+
 /// Chips holding each hash (most hashes are on one or two): the one table an event
 /// touches. What one chip holds is found by walking it, which only a chip leaving or
 /// going stale (rare) does.
-type Holders = HashMap<u64, SmallVec<[Addr; 2]>, BlockHashState>;
+type Holders = HashMap<u64, SmallVec<[ChipNo; 4]>, BlockHashState>;
 
 /// One chip's part of the index.
 #[derive(Debug, Default)]
 struct ChipEntry {
+    number: ChipNo,
     /// Which run of the chip the events are from (bumped by every restart).
     incarnation: u64,
     /// The number of the next event expected.
@@ -50,6 +56,9 @@ pub enum Applied {
 #[derive(Debug, Default)]
 pub struct ClusterIndex {
     chips: BTreeMap<Addr, ChipEntry>,
+    /// Each chip's number, given at first sight and kept, and each number's chip.
+    numbers: BTreeMap<Addr, ChipNo>,
+    addrs: Vec<Addr>,
     /// Chips holding each hash.
     holders: Holders,
     /// (chip, hash) entries in `holders`: the sum of the chips' `held`.
@@ -62,12 +71,27 @@ impl ClusterIndex {
         ClusterIndex::default()
     }
 
+    /// `chip`'s number, given now if it has none.
+    fn number(&mut self, chip: Addr) -> ChipNo {
+        let next = self.addrs.len() as ChipNo;
+        let number = *self.numbers.entry(chip).or_insert(next);
+        if number == next {
+            self.addrs.push(chip);
+        }
+        number
+    }
+
     /// Applies `events` (in order) from run `incarnation` of `chip`.
     pub fn apply(&mut self, chip: Addr, incarnation: u64, events: &[KvEvent]) -> Applied {
-        let entry = self.chips.entry(chip).or_insert_with(|| ChipEntry { stale: true, ..ChipEntry::default() });
+        if !self.chips.contains_key(&chip) {
+            let number = self.number(chip);
+            self.chips.insert(chip, ChipEntry { number, stale: true, ..ChipEntry::default() });
+        }
+        let Some(entry) = self.chips.get_mut(&chip) else { return Applied::NeedsSnapshot };
+        let number = entry.number;
         if entry.incarnation != incarnation {
             entry.incarnation = incarnation;
-            self.pairs -= mark_stale(entry, &mut self.holders, chip);
+            self.pairs -= mark_stale(entry, &mut self.holders, number);
         }
         if entry.stale {
             return Applied::NeedsSnapshot;
@@ -77,18 +101,18 @@ impl ClusterIndex {
                 continue; // already in the snapshot the chip was resynced from
             }
             if e.seq() != entry.next {
-                self.pairs -= mark_stale(entry, &mut self.holders, chip);
+                self.pairs -= mark_stale(entry, &mut self.holders, number);
                 return Applied::NeedsSnapshot;
             }
             entry.next += 1;
             match *e {
                 KvEvent::Stored { hash, .. } => {
-                    let n = hold(&mut self.holders, hash, chip);
+                    let n = hold(&mut self.holders, hash, number);
                     entry.held += n;
                     self.pairs += n;
                 }
                 KvEvent::Removed { hash, .. } => {
-                    let n = unhold(&mut self.holders, hash, chip);
+                    let n = unhold(&mut self.holders, hash, number);
                     entry.held -= n;
                     self.pairs -= n;
                 }
@@ -105,7 +129,8 @@ impl ClusterIndex {
         }
         let Some(entry) = self.chips.get_mut(&chip) else { return Applied::NeedsSnapshot };
         if entry.next != last_seq + 1 {
-            self.pairs -= mark_stale(entry, &mut self.holders, chip);
+            let number = entry.number;
+            self.pairs -= mark_stale(entry, &mut self.holders, number);
             return Applied::NeedsSnapshot;
         }
         Applied::InOrder
@@ -116,9 +141,10 @@ impl ClusterIndex {
     pub fn resync(&mut self, chip: Addr, incarnation: u64, last_seq: u64, hashes: &[u64]) {
         self.forget(chip);
         self.resyncs += 1;
-        let mut entry = ChipEntry { incarnation, next: last_seq + 1, stale: false, held: 0 };
+        let number = self.number(chip);
+        let mut entry = ChipEntry { number, incarnation, next: last_seq + 1, stale: false, held: 0 };
         for &h in hashes {
-            entry.held += hold(&mut self.holders, h, chip);
+            entry.held += hold(&mut self.holders, h, number);
         }
         self.pairs += entry.held;
         self.chips.insert(chip, entry);
@@ -127,7 +153,8 @@ impl ClusterIndex {
     /// Drops everything known of `chip` (it left the cluster).
     pub fn forget(&mut self, chip: Addr) {
         if let Some(mut entry) = self.chips.remove(&chip) {
-            self.pairs -= mark_stale(&mut entry, &mut self.holders, chip);
+            let number = entry.number;
+            self.pairs -= mark_stale(&mut entry, &mut self.holders, number);
         }
     }
 
@@ -148,23 +175,26 @@ impl ClusterIndex {
             .checked_sub(1)
             .and_then(|last| self.holders.get(&hashes[last]))
             .map_or(&[][..], |chips| chips.as_slice());
-        for chip in holders {
-            let n = if whole.contains(chip) {
+        for number in holders {
+            let Some(&chip) = self.addrs.get(*number as usize) else { continue };
+            let n = if whole.contains(number) {
                 deepest
             } else {
-                if !self.chips.contains_key(chip) {
+                if !self.chips.contains_key(&chip) {
                     continue;
                 }
-                hashes[..deepest].partition_point(|h| self.holders.get(h).is_some_and(|c| c.contains(chip)))
+                hashes[..deepest].partition_point(|h| self.holders.get(h).is_some_and(|c| c.contains(number)))
             };
-            depth.insert(*chip, n);
+            depth.insert(chip, n);
         }
         depth
     }
 
     /// The hashes the index holds for `chip` (empty while stale).
     pub fn held(&self, chip: Addr) -> Vec<u64> {
-        let mut v: Vec<u64> = self.holders.iter().filter(|(_, chips)| chips.contains(&chip)).map(|(&h, _)| h).collect();
+        let Some(number) = self.chips.get(&chip).map(|e| e.number) else { return Vec::new() };
+        let mut v: Vec<u64> =
+            self.holders.iter().filter(|(_, chips)| chips.contains(&number)).map(|(&h, _)| h).collect();
         v.sort_unstable();
         v
     }
@@ -190,7 +220,7 @@ impl ClusterIndex {
 
 /// The chip's set can no longer be trusted: it holds nothing until a snapshot. Returns
 /// how many hashes it held.
-fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: Addr) -> usize {
+fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: ChipNo) -> usize {
     entry.stale = true;
     let held = entry.held;
     if held > 0 {
@@ -204,7 +234,7 @@ fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: Addr) -> usize
 }
 
 /// `chip` holds `hash`: 1 if that is news, else 0.
-fn hold(holders: &mut Holders, hash: u64, chip: Addr) -> usize {
+fn hold(holders: &mut Holders, hash: u64, chip: ChipNo) -> usize {
     let chips = holders.entry(hash).or_default();
     if chips.contains(&chip) {
         return 0;
@@ -214,7 +244,7 @@ fn hold(holders: &mut Holders, hash: u64, chip: Addr) -> usize {
 }
 
 /// `chip` no longer holds `hash`: 1 if it did, else 0.
-fn unhold(holders: &mut Holders, hash: u64, chip: Addr) -> usize {
+fn unhold(holders: &mut Holders, hash: u64, chip: ChipNo) -> usize {
     let Entry::Occupied(mut held) = holders.entry(hash) else { return 0 };
     let Some(i) = held.get().iter().position(|c| *c == chip) else { return 0 };
     held.get_mut().remove(i);
