@@ -225,16 +225,17 @@ impl Chip {
 
     /// Tells D what is staged of `layer`, if D has claimed and there is news.
     fn tell(&mut self, request_id: u64, layer: usize, fx: &mut dyn Effects<Msg>) {
-        let table = self.batcher.as_mut().and_then(|b| b.block_table(request_id));
-        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
+        let Some(h) = self.handoffs.outgoing.get(&request_id) else { return };
         let (Some(&staged), Some(&told)) = (h.staged.get(layer), h.told.get(layer)) else { return };
         if !h.claimed || staged <= told {
             return;
         }
-        let blocks = match (&h.table, table) {
-            (Some(done), _) => done.clone(),
-            (None, running) => running.unwrap_or_else(|| Arc::from([])),
+        // The finished prefill's table, or the running sequence's.
+        let blocks = match h.table.clone() {
+            Some(done) => done,
+            None => self.batcher.as_mut().and_then(|b| b.block_table(request_id)).unwrap_or_else(|| Arc::from([])),
         };
+        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
         h.told[layer] = staged;
         let msg = Msg::KvReady { request_id, layer, upto: staged, blocks };
         let decode = h.decode;

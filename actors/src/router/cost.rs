@@ -122,21 +122,11 @@ impl PaceClass {
         PaceClass { prefill: class_step(pace.prefill_s_per_token), decode: class_step(pace.decode_step_s) }
     }
 
-    /// At most the `prefill_s_per_token` of every pace of the class.
-    pub fn prefill_s_per_token(self) -> f64 {
-        class_floor(self.prefill)
-    }
-
-    /// At most the `decode_step_s` of every pace of the class.
-    pub fn decode_step_s(self) -> f64 {
-        class_floor(self.decode)
-    }
-
     /// A pace no slower than any of the class, in both figures (and none per sequence).
     pub fn floor(self) -> Pace {
         Pace {
-            prefill_s_per_token: self.prefill_s_per_token(),
-            decode_step_s: self.decode_step_s(),
+            prefill_s_per_token: class_floor(self.prefill),
+            decode_step_s: class_floor(self.decode),
             decode_s_per_seq: 0.0,
         }
     }
@@ -272,8 +262,8 @@ mod tests {
         #[test]
         fn a_pace_class_bounds_its_paces_from_below(prefill in 1e-12..1e3f64, decode in 1e-12..1e3f64) {
             let pace = Pace { prefill_s_per_token: prefill, decode_step_s: decode, decode_s_per_seq: 0.0 };
-            let class = PaceClass::of(&pace);
-            for (floor, of) in [(class.prefill_s_per_token(), prefill), (class.decode_step_s(), decode)] {
+            let floor = PaceClass::of(&pace).floor();
+            for (floor, of) in [(floor.prefill_s_per_token, prefill), (floor.decode_step_s, decode)] {
                 prop_assert!(floor <= of, "{floor} above {of}");
                 prop_assert!(floor * 2f64.powf(1.0 / 8.0) * 1.000_001 > of, "{floor} too far below {of}");
             }
@@ -283,8 +273,9 @@ mod tests {
     #[test]
     fn a_pace_of_no_time_bounds_nothing() {
         for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            let class = PaceClass::of(&Pace { prefill_s_per_token: t, decode_step_s: t, decode_s_per_seq: 0.0 });
-            assert_eq!((class.prefill_s_per_token(), class.decode_step_s()), (0.0, 0.0));
+            let floor =
+                PaceClass::of(&Pace { prefill_s_per_token: t, decode_step_s: t, decode_s_per_seq: 0.0 }).floor();
+            assert_eq!((floor.prefill_s_per_token, floor.decode_step_s), (0.0, 0.0));
         }
     }
 }

@@ -12,7 +12,7 @@
 //! [`KvPool::snapshot`]: crate::kv::KvPool::snapshot
 
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, btree_map};
 
 use smallvec::SmallVec;
 use tessera_actor_core::Addr;
@@ -71,23 +71,15 @@ impl ClusterIndex {
         ClusterIndex::default()
     }
 
-    /// `chip`'s number, given now if it has none.
-    fn number(&mut self, chip: Addr) -> ChipNo {
-        let next = self.addrs.len() as ChipNo;
-        let number = *self.numbers.entry(chip).or_insert(next);
-        if number == next {
-            self.addrs.push(chip);
-        }
-        number
-    }
-
     /// Applies `events` (in order) from run `incarnation` of `chip`.
     pub fn apply(&mut self, chip: Addr, incarnation: u64, events: &[KvEvent]) -> Applied {
-        if !self.chips.contains_key(&chip) {
-            let number = self.number(chip);
-            self.chips.insert(chip, ChipEntry { number, stale: true, ..ChipEntry::default() });
-        }
-        let Some(entry) = self.chips.get_mut(&chip) else { return Applied::NeedsSnapshot };
+        let entry = match self.chips.entry(chip) {
+            btree_map::Entry::Occupied(e) => e.into_mut(),
+            btree_map::Entry::Vacant(e) => {
+                let number = number_of(&mut self.numbers, &mut self.addrs, chip);
+                e.insert(ChipEntry { number, stale: true, ..ChipEntry::default() })
+            }
+        };
         let number = entry.number;
         if entry.incarnation != incarnation {
             entry.incarnation = incarnation;
@@ -141,7 +133,7 @@ impl ClusterIndex {
     pub fn resync(&mut self, chip: Addr, incarnation: u64, last_seq: u64, hashes: &[u64]) {
         self.forget(chip);
         self.resyncs += 1;
-        let number = self.number(chip);
+        let number = number_of(&mut self.numbers, &mut self.addrs, chip);
         let mut entry = ChipEntry { number, incarnation, next: last_seq + 1, stale: false, held: 0 };
         for &h in hashes {
             entry.held += hold(&mut self.holders, h, number);
@@ -216,6 +208,14 @@ impl ClusterIndex {
     pub fn resyncs(&self) -> u64 {
         self.resyncs
     }
+}
+
+/// `chip`'s number, given now (the next free one) if it has none.
+fn number_of(numbers: &mut BTreeMap<Addr, ChipNo>, addrs: &mut Vec<Addr>, chip: Addr) -> ChipNo {
+    *numbers.entry(chip).or_insert_with(|| {
+        addrs.push(chip);
+        (addrs.len() - 1) as ChipNo
+    })
 }
 
 /// The chip's set can no longer be trusted: it holds nothing until a snapshot. Returns

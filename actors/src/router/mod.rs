@@ -308,8 +308,8 @@ pub struct Router {
     /// cheapest first, the class's pace bounding what a chip not yet looked at there can
     /// cost, and each chip's own pace and work bounding its cost before a look at it.
     by_work: BTreeMap<(Role, PaceClass), ByWork>,
-    /// Each chip's entry in that order, (role, pace class, work bits), its pace and work.
-    keys: BTreeMap<Addr, (WorkKey, Pace, Work)>,
+    /// Each chip's place in that order: (role, pace class, work bits).
+    keys: BTreeMap<Addr, WorkKey>,
     total_work_s: f64,
     /// Chips' modelled paces, their observed correction factors (prefill, decode), the
     /// factors' means, and the means as last applied to chips without factors.
@@ -404,20 +404,22 @@ impl Router {
         v.pace = modelled.scaled(near(prefill, self.means.0.get()), near(decode, self.means.1.get()));
         let work = v.work_s();
         let key = (v.report.role, PaceClass::of(&v.pace), work.to_bits());
-        if let Some(old) = self.keys.insert(chip, (key, v.pace, v.work)) {
-            if old == (key, v.pace, v.work) {
+        let entry = (v.pace, v.work);
+        if let Some(old) = self.keys.insert(chip, key) {
+            let (role, class, old_work) = old;
+            let set = self.by_work.get_mut(&(role, class));
+            if old == key && set.as_ref().and_then(|s| s.get(&(old_work, chip))) == Some(&entry) {
                 return; // most reports move nothing
             }
-            let ((role, class, work), ..) = old;
-            if let Some(set) = self.by_work.get_mut(&(role, class)) {
-                set.remove(&(work, chip));
+            if let Some(set) = set {
+                set.remove(&(old_work, chip));
                 if set.is_empty() {
                     self.by_work.remove(&(role, class));
                 }
             }
-            self.total_work_s -= f64::from_bits(work);
+            self.total_work_s -= f64::from_bits(old_work);
         }
-        self.by_work.entry((key.0, key.1)).or_default().insert((key.2, chip), (v.pace, v.work));
+        self.by_work.entry((key.0, key.1)).or_default().insert((key.2, chip), entry);
         self.total_work_s = (self.total_work_s + work).max(0.0);
     }
 
