@@ -131,60 +131,70 @@ fn main() {
         }
     }
 
-    // Prefill attention: 512 tokens, 32 heads, 8 kv heads, hd 64, block 16, f16/f32 cache.
-    for &(dt, name, es) in &[(TK_DTYPE_F32, "f32", 4usize), (TK_DTYPE_F16, "f16", 2)] {
-        if !run("attention") {
-            break;
+    // Prefill attention of one whole prompt at several lengths, with SmolLM2's heads
+    // (9 query heads over 3 KV heads) and a Llama-3-8B-like 32/8, head_dim 64, block 16.
+    for &(tq, h, kvh) in &[(512usize, 32usize, 8usize), (512, 9, 3), (2048, 9, 3), (8192, 9, 3)] {
+        for &(dt, name, es) in &[(TK_DTYPE_F32, "f32", 4usize), (TK_DTYPE_F16, "f16", 2)] {
+            if !run("attention") {
+                break;
+            }
+            let (hd, bs) = (64usize, 16usize);
+            let nb = tq / bs;
+            let kc = alloc(dev, nb * kvh * bs * hd * es);
+            let vc = alloc(dev, nb * kvh * bs * hd * es);
+            let cache = TkKvCache {
+                k: kc,
+                v: vc,
+                dtype: dt,
+                num_blocks: nb as u32,
+                block_size: bs as u32,
+                num_kv_heads: kvh as u32,
+                head_dim: hd as u32,
+                layout: TK_KV_LAYOUT_HEAD_MAJOR,
+            };
+            let qs = alloc(dev, 8);
+            let cl = alloc(dev, 4);
+            let bt = alloc(dev, nb * 4);
+            let table: Vec<i32> = (0..nb as i32).collect();
+            // SAFETY: valid buffers and host sources.
+            unsafe {
+                assert_eq!(tk_copy_h2d(dev, qs, [0i32, tq as i32].as_ptr().cast(), 8), TK_OK);
+                assert_eq!(tk_copy_h2d(dev, cl, [tq as i32].as_ptr().cast(), 4), TK_OK);
+                assert_eq!(tk_copy_h2d(dev, bt, table.as_ptr().cast(), (nb * 4) as u64), TK_OK);
+            }
+            let batch = TkAttnBatch {
+                num_seqs: 1,
+                max_blocks_per_seq: nb as u32,
+                query_start: qs,
+                context_lens: cl,
+                block_tables: bt,
+            };
+            let (o, q) = (alloc(dev, tq * h * hd * 4), alloc(dev, tq * h * hd * 4));
+            let pairs = (tq * (tq + 1) / 2) as f64;
+            let flop = 4.0 * hd as f64 * pairs * h as f64;
+            // About a second of work at 50 GFLOP/s, at least twice.
+            let iters = ((50e9 / flop) as usize).max(2);
+            let t = time(
+                || {
+                    assert_eq!(
+                        // SAFETY: valid device, buffers of the right size, a cache and batch built above.
+                        unsafe { tk_prefill_attention(dev, o, q, &cache, &batch, tq as u32, h as u32, 0.125) },
+                        TK_OK
+                    )
+                },
+                iters,
+            );
+            let gf = flop / t / 1e9;
+            println!(
+                "prefill attention {name} cache {tq} tok {h}/{kvh} heads hd {hd}: {:.2} ms, {gf:.1} GFLOP/s ({:.0}% of big f32 GEMM)",
+                t * 1e3,
+                gf / big * 100.0
+            );
+            for b in [kc, vc, qs, cl, bt, o, q] {
+                // SAFETY: allocated above, freed once.
+                unsafe { tk_free(dev, b.buf) };
+            }
         }
-        let (tq, h, kvh, hd, bs) = (512usize, 32usize, 8usize, 64usize, 16usize);
-        let nb = tq / bs;
-        let kc = alloc(dev, nb * kvh * bs * hd * es);
-        let vc = alloc(dev, nb * kvh * bs * hd * es);
-        let cache = TkKvCache {
-            k: kc,
-            v: vc,
-            dtype: dt,
-            num_blocks: nb as u32,
-            block_size: bs as u32,
-            num_kv_heads: kvh as u32,
-            head_dim: hd as u32,
-            layout: TK_KV_LAYOUT_HEAD_MAJOR,
-        };
-        let qs = alloc(dev, 8);
-        let cl = alloc(dev, 4);
-        let bt = alloc(dev, nb * 4);
-        let table: Vec<i32> = (0..nb as i32).collect();
-        // SAFETY: valid buffers and host sources.
-        unsafe {
-            assert_eq!(tk_copy_h2d(dev, qs, [0i32, tq as i32].as_ptr().cast(), 8), TK_OK);
-            assert_eq!(tk_copy_h2d(dev, cl, [tq as i32].as_ptr().cast(), 4), TK_OK);
-            assert_eq!(tk_copy_h2d(dev, bt, table.as_ptr().cast(), (nb * 4) as u64), TK_OK);
-        }
-        let batch = TkAttnBatch {
-            num_seqs: 1,
-            max_blocks_per_seq: nb as u32,
-            query_start: qs,
-            context_lens: cl,
-            block_tables: bt,
-        };
-        let (o, q) = (alloc(dev, tq * h * hd * 4), alloc(dev, tq * h * hd * 4));
-        let t = time(
-            || {
-                assert_eq!(
-                    // SAFETY: valid device, buffers of the right size, a cache and batch built above.
-                    unsafe { tk_prefill_attention(dev, o, q, &cache, &batch, tq as u32, h as u32, 0.125) },
-                    TK_OK
-                )
-            },
-            10,
-        );
-        let pairs = (tq * (tq + 1) / 2) as f64;
-        let gf = 4.0 * hd as f64 * pairs * h as f64 / t / 1e9;
-        println!(
-            "prefill attention {name} cache 512 tok 32/8 heads hd 64: {:.2} ms, {gf:.1} GFLOP/s ({:.0}% of big f32 GEMM)",
-            t * 1e3,
-            gf / big * 100.0
-        );
     }
     // SAFETY: valid device.
     unsafe { tk_device_destroy(dev) };

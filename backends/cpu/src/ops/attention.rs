@@ -5,7 +5,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::misc::KvGeom;
-use super::{SendPtr, Strided, matmul};
+use super::{SendPtr, Strided, matmul, matmul_add};
 use crate::dtype::WSlice;
 use crate::error::Result;
 use crate::invalid;
@@ -95,22 +95,31 @@ fn gather(cache: WSlice, g: &KvGeom, table: &[i32], kvh: usize, ctx: usize, dst:
     }
 }
 
-/// Query rows per score tile.
-const TQ: usize = 64;
+/// Query tokens per tile of a prefill: a tile attends its tokens for every query head
+/// of one KV head's group together, so each key block is read once per tile.
+const TQ: usize = 32;
+/// Keys per step of a tile's sweep: the tile's scores for one step stay in cache.
+const TK: usize = 256;
 
-/// Softmax of `row[..valid]` in place (max-subtracted), zeroing `row[valid..]`.
-fn softmax_prefix(row: &mut [f32], valid: usize) {
-    let (a, b) = row.split_at_mut(valid);
-    let max = a.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum = exp_shifted(a, max);
-    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-    for x in a.iter_mut() {
-        *x *= inv;
-    }
-    b.fill(0.0);
+/// A tile's working state: its queries (`[row][head_dim]`, row = token * group + head
+/// in the group), one step's scores (`[row][TK]`), and per row the running output,
+/// maximum score and sum of exponentials (online softmax).
+#[derive(Default)]
+struct Tile {
+    q: Vec<f32>,
+    s: Vec<f32>,
+    o: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
 }
 
 /// Prefill attention; see `tk_prefill_attention`. The batch must have been validated.
+///
+/// Flash-attention style: each (sequence, KV head)'s visible K and V are gathered once
+/// as f32; its queries are cut into tiles of [`TQ`] tokens (all `group` query heads of
+/// the KV head together), and each tile sweeps its keys in steps of [`TK`], keeping a
+/// running softmax, so no score row longer than a step is ever written out. A
+/// sequence's result never depends on the batch around it.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill_attention(
     out: &mut [f32],
@@ -146,51 +155,114 @@ pub fn prefill_attention(
         gather(kv.k, &g, table, kvh, ctx, &mut kbuf);
         gather(kv.v, &g, table, kvh, ctx, &mut vbuf);
         let (kbuf, vbuf) = (&kbuf, &vbuf);
+        // The last tiles see the most keys: hand them out first.
         let tiles = ql.div_ceil(TQ);
-        (0..group * tiles).into_par_iter().for_each_init(Vec::new, |scores, item| {
-            let h = kvh * group + item / tiles;
-            let t0 = (item % tiles) * TQ;
+        (0..tiles).into_par_iter().rev().for_each_init(Tile::default, |tile, ti| {
+            let t0 = ti * TQ;
             let tq = TQ.min(ql - t0);
-            // Keys visible to the last query of the tile.
-            let kv_len = ctx - ql + t0 + tq;
-            scores.resize(tq * kv_len, 0.0);
-            let qp = q[(q0 + t0) * row_stride + h * hd..].as_ptr();
-            // SAFETY: lhs is tq query rows of head h (row stride num_heads*hd, each hd
-            // long, inside q by the assert above); rhs(kk, j) = kbuf[j*hd + kk] for
-            // j < kv_len <= ctx; dst is the tq x kv_len scores buffer.
-            unsafe {
-                matmul(
-                    tq,
-                    kv_len,
-                    hd,
-                    Strided { ptr: scores.as_mut_ptr(), rs: kv_len as isize, cs: 1 },
-                    Strided { ptr: qp, rs: row_stride as isize, cs: 1 },
-                    Strided { ptr: kbuf.as_ptr(), rs: 1, cs: hd as isize },
-                    scale,
-                    Parallelism::None,
-                )
-            };
-            for r in 0..tq {
-                let valid = ctx - ql + t0 + r + 1;
-                softmax_prefix(&mut scores[r * kv_len..(r + 1) * kv_len], valid);
+            let rows = tq * group;
+            tile.q.clear();
+            for t in 0..tq {
+                let at = (q0 + t0 + t) * row_stride + kvh * group * hd;
+                tile.q.extend_from_slice(&q[at..at + group * hd]);
             }
-            // SAFETY: dst is rows q0+t0 .. q0+t0+tq, head h of out: written only by
-            // this task (each (seq, head, tile) is one task); rhs(j, d) = vbuf[j*hd + d].
-            unsafe {
-                matmul(
-                    tq,
-                    hd,
-                    kv_len,
-                    Strided { ptr: optr.get().add((q0 + t0) * row_stride + h * hd), rs: row_stride as isize, cs: 1 },
-                    Strided { ptr: scores.as_ptr(), rs: kv_len as isize, cs: 1 },
-                    Strided { ptr: vbuf.as_ptr(), rs: hd as isize, cs: 1 },
-                    1.0,
-                    Parallelism::None,
-                )
-            };
+            // The tile's first token sits at this position of the context.
+            let first = ctx - ql + t0;
+            attend_tile(tile, rows, group, hd, first, (kbuf, vbuf), scale);
+            for t in 0..tq {
+                let src = &tile.o[t * group * hd..(t + 1) * group * hd];
+                // SAFETY: these are token q0+t0+t's heads kvh*group.. of out, inside it by
+                // the assert above, written only by this tile (each (sequence, KV head,
+                // tile) is one task, and a task's tokens are its own).
+                unsafe {
+                    let dst = optr.get().add((q0 + t0 + t) * row_stride + kvh * group * hd);
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), dst, group * hd);
+                }
+            }
         });
     });
     Ok(())
+}
+
+/// Attends a tile's `rows` queries (`tile.q`; row r is token `r / group`, at context
+/// position `first + r / group`) causally to the keys and values `k`, `v`
+/// (`[token][head_dim]`), leaving the normalised output in `tile.o`.
+fn attend_tile(
+    tile: &mut Tile,
+    rows: usize,
+    group: usize,
+    hd: usize,
+    first: usize,
+    (k, v): (&[f32], &[f32]),
+    scale: f32,
+) {
+    let end = first + rows / group; // keys the tile's last token sees
+    tile.o.clear();
+    tile.o.resize(rows * hd, 0.0);
+    tile.max.clear();
+    tile.max.resize(rows, f32::NEG_INFINITY);
+    tile.sum.clear();
+    tile.sum.resize(rows, 0.0);
+    tile.s.resize(rows * TK, 0.0);
+    let mut j0 = 0;
+    while j0 < end {
+        let kb = TK.min(end - j0);
+        // SAFETY: lhs is the tile's rows x hd queries; rhs(d, j) = k[(j0 + j) * hd + d]
+        // for j < kb, inside k as j0 + kb <= end <= its tokens; dst is rows x kb of s.
+        unsafe {
+            matmul(
+                rows,
+                kb,
+                hd,
+                Strided { ptr: tile.s.as_mut_ptr(), rs: kb as isize, cs: 1 },
+                Strided { ptr: tile.q.as_ptr(), rs: hd as isize, cs: 1 },
+                Strided { ptr: k[j0 * hd..].as_ptr(), rs: 1, cs: hd as isize },
+                scale,
+                Parallelism::None,
+            )
+        };
+        for r in 0..rows {
+            // Keys of this step the row's token sees (its own position included).
+            let seen = (first + r / group + 1).saturating_sub(j0).min(kb);
+            let row = &mut tile.s[r * kb..(r + 1) * kb];
+            let (live, masked) = row.split_at_mut(seen);
+            masked.fill(0.0);
+            if seen == 0 {
+                continue;
+            }
+            let step_max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let max = tile.max[r].max(step_max);
+            let sum = exp_shifted(live, max);
+            if tile.max[r] != max {
+                // Rescale what the row gathered under its old maximum (nothing yet on
+                // its first step: exp(-inf) = 0).
+                let c = (tile.max[r] - max).exp();
+                tile.sum[r] *= c;
+                tile.o[r * hd..(r + 1) * hd].iter_mut().for_each(|x| *x *= c);
+                tile.max[r] = max;
+            }
+            tile.sum[r] += sum;
+        }
+        // SAFETY: o (rows x hd) += s (rows x kb) · v[j0..j0 + kb] (kb x hd), all inside
+        // their buffers as above; o is initialised.
+        unsafe {
+            matmul_add(
+                rows,
+                hd,
+                kb,
+                Strided { ptr: tile.o.as_mut_ptr(), rs: hd as isize, cs: 1 },
+                Strided { ptr: tile.s.as_ptr(), rs: kb as isize, cs: 1 },
+                Strided { ptr: v[j0 * hd..].as_ptr(), rs: hd as isize, cs: 1 },
+                1.0,
+                Parallelism::None,
+            )
+        };
+        j0 += kb;
+    }
+    for (o, &sum) in tile.o.chunks_exact_mut(hd).zip(&tile.sum) {
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
 }
 
 /// Context tokens per part of a decode: each (sequence, kv head)'s context is split
@@ -664,6 +736,13 @@ mod tests {
             }
             // A long sequence crossing several query tiles.
             run(&Case { h: 4, kvh: 1, hd: 64, bs: 16, ctx: vec![150], qlen: vec![130], dtype: 0, layout, seed: 5 });
+            // Prompts whose tiles sweep their keys in several steps (the running softmax
+            // rescaled as later steps raise a row's maximum), one a chunk after cached
+            // context, one whole; the portable path (head_dim 12) and the SIMD one.
+            for (hd, dtype) in [(64, 0), (12, 1)] {
+                let (ctx, qlen) = (vec![700, 530], vec![300, 530]);
+                run(&Case { h: 6, kvh: 2, hd, bs: 16, ctx, qlen, dtype, layout, seed: 11 });
+            }
             // Decodes over several parts of context (the SIMD path at head_dim 64, the
             // portable one at 12, whose block size does not divide a part).
             for (hd, bs, dtype) in [(64, 16, 0), (64, 16, 1), (12, 5, 2)] {

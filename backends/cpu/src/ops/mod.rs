@@ -49,7 +49,45 @@ pub(crate) unsafe fn matmul(
     scale: f32,
     parallelism: gemm::Parallelism,
 ) {
-    // SAFETY: forwarded caller contract; alpha = 0 with read_dst = false overwrites dst.
+    // SAFETY: forwarded caller contract.
+    unsafe { gemm_into(m, n, k, dst, false, lhs, rhs, scale, parallelism) }
+}
+
+/// `dst += scale * lhs · rhs`; otherwise as [`matmul`].
+///
+/// # Safety
+/// As [`matmul`]; `dst` must also hold initialised values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_add(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Strided<*mut f32>,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    scale: f32,
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: forwarded caller contract.
+    unsafe { gemm_into(m, n, k, dst, true, lhs, rhs, scale, parallelism) }
+}
+
+/// # Safety
+/// As [`matmul`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_into(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Strided<*mut f32>,
+    add: bool,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    scale: f32,
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: forwarded caller contract. alpha = 1 with read_dst adds to dst; with
+    // read_dst = false, dst is overwritten.
     unsafe {
         gemm::gemm(
             m,
@@ -58,14 +96,14 @@ pub(crate) unsafe fn matmul(
             dst.ptr,
             dst.cs,
             dst.rs,
-            false,
+            add,
             lhs.ptr,
             lhs.cs,
             lhs.rs,
             rhs.ptr,
             rhs.cs,
             rhs.rs,
-            0.0,
+            if add { 1.0 } else { 0.0 },
             scale,
             false,
             false,
