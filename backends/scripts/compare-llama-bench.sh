@@ -1,43 +1,82 @@
 #!/usr/bin/env bash
-# Tessera's engine against llama.cpp's on the same GGUF files and thread counts, in one
-# run: for each file and thread count, `tessera bench engine` and `llama-bench` take
-# turns (-r rounds), and the medians and their ratios are printed.
+# Tessera's engine against llama.cpp's on the same GGUF files, thread counts and KV cache
+# dtype, in one run: for each file, thread count and length, `tessera bench engine` and
+# llama.cpp take turns (-r rounds), and the medians and their ratios are printed.
 #
-#   backends/scripts/compare-llama-bench.sh [-t "1 2"] [-r 3] [-p 128] [-n 32] FILE.gguf...
+#   backends/scripts/compare-llama-bench.sh [-t "1 2"] [-r 3] [-p "128"] [-n 32] [-b 8] [-k f16] FILE.gguf...
+#
+# For each length P of -p: prefill of a P-token prompt (llama-bench -p P), and decode of
+# n tokens at batch 1 after P tokens of context (llama-bench -n n -d P; tessera
+# `--context P --steps n`). With -b B, also decode at batch B after the first length's
+# context (llama-batched-bench -npp P -ntg n -npl B, its S_TG; tessera `--batch B`),
+# tokens/s summed over the batch. -k sets both engines' KV cache dtype (llama.cpp's
+# default is f16).
 #
 # TESSERA: the tessera binary (default target/debug/tessera: kernels are built at
-# opt-level 3 in every profile). LLAMA_BENCH: llama.cpp's llama-bench (default: on PATH;
-# shared/tools/build-llama-server.sh builds it). Prefill is a p-token prompt; decode is
-# n tokens at batch 1 (tessera: `--steps n` after a p-token context).
+# opt-level 3 in every profile). LLAMA_BIN: the directory holding llama-bench and
+# llama-batched-bench (default: on PATH; shared/tools/build-llama-server.sh builds them
+# into ~/.cache/tessera-ref/bin, run with LD_LIBRARY_PATH set to it).
 set -euo pipefail
-threads="1 2"; rounds=3; prompt=128; gen=32
-while getopts "t:r:p:n:" o; do
-  case $o in t) threads=$OPTARG;; r) rounds=$OPTARG;; p) prompt=$OPTARG;; n) gen=$OPTARG;; *) exit 2;; esac
+threads="1 2"; rounds=3; lengths=128; gen=32; batch=""; kv=f16
+while getopts "t:r:p:n:b:k:" o; do
+  case $o in
+    t) threads=$OPTARG;; r) rounds=$OPTARG;; p) lengths=$OPTARG;; n) gen=$OPTARG;;
+    b) batch=$OPTARG;; k) kv=$OPTARG;; *) exit 2;;
+  esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { echo "usage: $0 [-t \"1 2\"] [-r 3] [-p 128] [-n 32] FILE.gguf..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [-t \"1 2\"] [-r 3] [-p \"128\"] [-n 32] [-b 8] [-k f16] FILE.gguf..." >&2; exit 2; }
 tessera=${TESSERA:-target/debug/tessera}
-llama=${LLAMA_BENCH:-llama-bench}
+bin=${LLAMA_BIN:+$LLAMA_BIN/}
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
+# One line per measurement: file threads metric engine tokens/s
 for f in "$@"; do
   for t in $threads; do
     for _ in $(seq "$rounds"); do
-      "$tessera" bench engine --model "$f" --threads "$t" --batch 1 --prompt-len "$prompt" \
-        --context "$prompt" --steps "$gen" --json 2>/dev/null |
-        python3 -c 'import json,sys; r=json.load(sys.stdin); print(sys.argv[1], sys.argv[2], "tessera", r["prefill"]["tokens_per_s"], r["decode"][0]["tokens_per_s"])' "$f" "$t" >>"$out"
-      "$llama" -m "$f" -t "$t" -p "$prompt" -n "$gen" -r 1 -o json 2>/dev/null |
-        python3 -c 'import json,sys; rs=json.load(sys.stdin); pp=[r["avg_ts"] for r in rs if r["n_prompt"]>0]; tg=[r["avg_ts"] for r in rs if r["n_gen"]>0]; print(sys.argv[1], sys.argv[2], "llama.cpp", pp[0], tg[0])' "$f" "$t" >>"$out"
+      first=1
+      for p in $lengths; do
+        batches=1
+        if [ -n "$batch" ] && [ $first = 1 ]; then batches="1,$batch"; fi
+        "$tessera" bench engine --model "$f" --threads "$t" --batch "$batches" --prompt-len "$p" \
+          --context "$p" --steps "$gen" --kv-dtype "$kv" --json 2>/dev/null |
+          python3 -c '
+import json, sys
+r = json.load(sys.stdin); f, t, p = sys.argv[1:4]
+print(f, t, "prefill" + p, "tessera", r["prefill"]["tokens_per_s"])
+for d in r["decode"]:
+    print(f, t, ("decode@" if d["batch"] == 1 else "batch%d@" % d["batch"]) + p, "tessera", d["tokens_per_s"])
+' "$f" "$t" "$p" >>"$out" || echo "tessera bench engine failed at $p tokens (run it alone to see why)" >&2
+        "${bin}llama-bench" -m "$f" -t "$t" -p "$p" -n 0 -ctk "$kv" -ctv "$kv" -r 1 -o json 2>/dev/null |
+          python3 -c 'import json,sys; r=json.load(sys.stdin)[0]; print(sys.argv[1], sys.argv[2], "prefill"+sys.argv[3], "llama.cpp", r["avg_ts"])' "$f" "$t" "$p" >>"$out" || echo "llama-bench failed at $p prompt tokens" >&2
+        "${bin}llama-bench" -m "$f" -t "$t" -p 0 -n "$gen" -d "$p" -ctk "$kv" -ctv "$kv" -r 1 -o json 2>/dev/null |
+          python3 -c 'import json,sys; r=json.load(sys.stdin)[0]; print(sys.argv[1], sys.argv[2], "decode@"+sys.argv[3], "llama.cpp", r["avg_ts"])' "$f" "$t" "$p" >>"$out" || echo "llama-bench failed at depth $p" >&2
+        if [ -n "$batch" ] && [ $first = 1 ]; then
+          ctx=$(( batch * (p + gen) + 64 ))
+          "${bin}llama-batched-bench" -m "$f" -t "$t" -c "$ctx" -npp "$p" -ntg "$gen" -npl "$batch" \
+            -ctk "$kv" -ctv "$kv" --output-format jsonl 2>/dev/null |
+            python3 -c '
+import json, sys
+for line in sys.stdin:
+    if line.startswith("{") and "speed_tg" in line:
+        print(sys.argv[1], sys.argv[2], "batch%s@%s" % (sys.argv[4], sys.argv[3]), "llama.cpp", json.loads(line)["speed_tg"])
+' "$f" "$t" "$p" "$batch" >>"$out" || echo "llama-batched-bench failed" >&2
+        fi
+        first=0
+      done
     done
   done
 done
-python3 - "$out" "$prompt" "$gen" <<'PY'
+python3 - "$out" "$gen" "$kv" <<'PY'
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1])]
-print(f"prefill {sys.argv[2]} tokens, decode {sys.argv[3]} tokens at batch 1; medians of the rounds, tokens/s")
-print(f"{'model':40} {'threads':>7} {'prefill':>9} {'llama.cpp':>9} {'ratio':>6} {'decode':>8} {'llama.cpp':>9} {'ratio':>6}")
-for key in dict.fromkeys((r[0], r[1]) for r in rows):
-    med = lambda eng, col: statistics.median(float(r[col]) for r in rows if (r[0], r[1]) == key and r[2] == eng)
-    tp, lp, td, ld = med("tessera", 3), med("llama.cpp", 3), med("tessera", 4), med("llama.cpp", 4)
-    print(f"{key[0].split('/')[-1]:40} {key[1]:>7} {tp:9.1f} {lp:9.1f} {tp/lp:6.2f} {td:8.1f} {ld:9.1f} {td/ld:6.2f}")
+print(f"tokens/s, medians of the rounds; decode: {sys.argv[2]} tokens after the context; KV cache {sys.argv[3]}")
+print(f"{'model':36} {'threads':>7} {'measure':>14} {'tessera':>9} {'llama.cpp':>9} {'ratio':>6}")
+for key in dict.fromkeys((r[0], r[1], r[2]) for r in rows):
+    got = {e: [float(r[4]) for r in rows if (r[0], r[1], r[2]) == key and r[3] == e] for e in ("tessera", "llama.cpp")}
+    if not all(got.values()):
+        print(f"{key[0].split('/')[-1]:36} {key[1]:>7} {key[2]:>14}  (one engine gave no figure)")
+        continue
+    t, l = statistics.median(got["tessera"]), statistics.median(got["llama.cpp"])
+    print(f"{key[0].split('/')[-1]:36} {key[1]:>7} {key[2]:>14} {t:9.1f} {l:9.1f} {t / l:6.2f}")
 PY

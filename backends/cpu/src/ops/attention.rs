@@ -385,12 +385,22 @@ fn attend_part(
     }
     scores.resize(group * n, 0.0);
     let blocks = (start..end).step_by(bs).map(|pos| (pos - start, bs.min(end - pos), table[pos / bs] as usize));
+    // Each block's rows are asked for one block ahead (K, then V from the first block).
+    let ahead = |src: WSlice, from: usize| {
+        let pos = start + from;
+        if pos < end {
+            g.prefetch_head_rows(src, table[pos / bs] as usize, kvh, bs.min(end - pos));
+        }
+    };
+    ahead(kv.k, 0);
     for (off, rows, block) in blocks.clone() {
+        ahead(kv.k, off + bs);
         let k = head_rows(kv.k, &g, block, kvh, rows, kbuf);
         for (gi, qv) in qh.chunks_exact(hd).enumerate() {
             dots(qv, k, scale, &mut scores[gi * n + off..gi * n + off + rows]);
         }
     }
+    ahead(kv.v, 0);
     for gi in 0..group {
         let row = &mut scores[gi * n..(gi + 1) * n];
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -398,6 +408,7 @@ fn attend_part(
         st.sum[gi] = exp_shifted(row, max);
     }
     for (off, rows, block) in blocks {
+        ahead(kv.v, off + bs);
         let v = head_rows(kv.v, &g, block, kvh, rows, vbuf);
         for (gi, acc) in st.acc.chunks_exact_mut(hd).enumerate() {
             weighted_sum(&scores[gi * n + off..gi * n + off + rows], v, acc);

@@ -78,6 +78,38 @@ impl KvGeom {
         }
     }
 
+    /// Asks the CPU to start loading `rows` tokens of kv head `head` of `block` (from
+    /// offset 0) into its caches: a paged cache's blocks lie apart, so the hardware
+    /// prefetcher, which follows one run at a time, stalls at every block boundary.
+    /// Only a hint: it changes no result.
+    #[inline]
+    pub fn prefetch_head_rows(&self, src: WSlice, block: usize, head: usize, rows: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let (base, es) = match src {
+                WSlice::F32(s) => (s.as_ptr().cast::<u8>(), 4),
+                WSlice::F16(s) => (s.as_ptr().cast::<u8>(), 2),
+                WSlice::Bf16(s) => (s.as_ptr().cast::<u8>(), 2),
+                WSlice::Quant(..) => return,
+            };
+            let row_bytes = self.head_dim * es;
+            let (runs, run_bytes) = match self.layout {
+                KvLayout::HeadMajor => (1, rows * row_bytes),
+                KvLayout::TokenMajor => (rows, row_bytes),
+            };
+            for r in 0..runs {
+                let start = base.wrapping_add(self.index(block, head, r) * es);
+                for at in (0..run_bytes).step_by(64) {
+                    // SAFETY: a prefetch only hints; it never faults, whatever the address.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(at).cast::<i8>()) };
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (src, block, head, rows);
+    }
+
     /// Converts `rows` consecutive tokens of kv head `head`, from offset 0 of `block`,
     /// to f32 `[rows][head_dim]` in `dst`: one run when head-major, row by row when
     /// token-major (a head's rows are `num_kv_heads * head_dim` apart there).
