@@ -156,6 +156,7 @@ pub fn build_host<E>(
             role: chip.role,
             max_batch_tokens: chip.max_batch_tokens,
             max_batch_seqs: chip.max_batch_seqs,
+            max_mixed_step: chip.max_mixed_step_ms.map(Duration::from_millis),
             supervisor,
             kv_lease: Duration::from_millis(spec.disagg.lease_ms),
         };

@@ -56,6 +56,7 @@ backend = "plugin:lib/kernels.so"
 memory_limit = "512MiB"
 max_batch_tokens = 1048576
 max_batch_seqs = 65536
+max_mixed_step_ms = 3600000
 
 [[hosts.chips]]
 id = "a1"
@@ -329,6 +330,7 @@ fn check_spec(spec: &ClusterSpec) -> Result<(), TestCaseError> {
         prop_assert!((1..=1024).contains(&chip.threads));
         prop_assert!((1..=1 << 20).contains(&chip.max_batch_tokens));
         prop_assert!((1..=1 << 16).contains(&chip.max_batch_seqs));
+        prop_assert!(chip.max_mixed_step_ms.is_none_or(|ms| (1..=3_600_000).contains(&ms)));
         prop_assert!((1..=4096).contains(&chip.block_size));
         prop_assert!(chip.memory_limit_bytes.is_none_or(|b| (1..=1 << 50).contains(&b)));
         if let Backend::Emu(emulated) = &chip.backend {

@@ -99,6 +99,11 @@ pub struct ChipSpec {
     pub max_batch_tokens: usize,
     /// Most sequences in one batch (default 64, 1..=65_536).
     pub max_batch_seqs: usize,
+    /// Stall-free batching: a step that carries decode tokens is planned to take at most
+    /// this many milliseconds (1..=3_600_000), the prompt chunks in it cut to fit at the
+    /// chip's observed pace, so prompts arriving do not stretch the running streams'
+    /// time per token (`None`, the default: the token budget alone decides).
+    pub max_mixed_step_ms: Option<u64>,
     /// KV block size in tokens (default: [`ClusterSpec::block_size`]).
     pub block_size: usize,
     /// KV cache dtype (default: [`ClusterSpec::kv_dtype`]).

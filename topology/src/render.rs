@@ -91,6 +91,12 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
                 chip.max_batch_tokens,
                 chip.max_batch_seqs
             )?;
+            if let Some(ms) = chip.max_mixed_step_ms {
+                writeln!(
+                    out,
+                    "      stall-free: a step that decodes takes at most {ms} ms (its prompt chunks cut to fit)"
+                )?;
+            }
             writeln!(
                 out,
                 "      kv cache: blocks of {} tokens, {}, {}",

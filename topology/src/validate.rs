@@ -42,6 +42,8 @@ const MAX_BATCH_TOKENS: usize = 1 << 20;
 /// Sequences of one batch: 2^16, so that sequences x context fits in 2^40 and a
 /// chip's KV blocks stay countable.
 const MAX_BATCH_SEQS: usize = 1 << 16;
+/// An hour, in milliseconds.
+const MAX_STEP_MS: u64 = 3_600_000;
 /// The longest context a checkpoint may declare (`max_position_embeddings`).
 const MAX_CONTEXT: usize = 1 << 24;
 /// Requests queued by the router or in flight at the gateway.
@@ -239,6 +241,8 @@ struct RawChip {
     max_batch_tokens: Option<Spanned<usize>>,
     #[serde(default)]
     max_batch_seqs: Option<Spanned<usize>>,
+    #[serde(default)]
+    max_mixed_step_ms: Option<Spanned<u64>>,
     #[serde(default)]
     block_size: Option<Spanned<usize>>,
     #[serde(default)]
@@ -1025,6 +1029,14 @@ impl Checker<'_> {
                 64,
                 in_range(1, MAX_BATCH_SEQS),
             )?,
+            max_mixed_step_ms: raw
+                .max_mixed_step_ms
+                .as_ref()
+                .map(|ms| {
+                    let key = format!("{key}.max_mixed_step_ms");
+                    self.field(&Some(ms.clone()), &key, 0, in_range(1, MAX_STEP_MS))
+                })
+                .transpose()?,
             block_size: self.field(
                 &raw.block_size,
                 &format!("{key}.block_size"),

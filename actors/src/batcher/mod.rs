@@ -313,6 +313,9 @@ pub struct Batcher {
     unforked: Vec<(u64, Addr)>,
     /// Plans made so far (a sequence's `planned_in` names the last that took it).
     plans: u64,
+    /// Most prompt tokens a step that carries decode tokens may add (stall-free
+    /// batching); `None`: only the token budget.
+    mixed_prefill_cap: Option<usize>,
 }
 
 impl Batcher {
@@ -328,7 +331,15 @@ impl Batcher {
             prefix_stats: (0, 0),
             unforked: Vec::new(),
             plans: 0,
+            mixed_prefill_cap: None,
         }
+    }
+
+    /// Caps the prompt tokens of the steps that carry decode tokens (stall-free
+    /// batching: the running streams' steps stay short while prompts arrive), or lifts
+    /// the cap. Steps without decode tokens keep the whole token budget.
+    pub fn set_mixed_prefill_cap(&mut self, cap: Option<usize>) {
+        self.mixed_prefill_cap = cap;
     }
 
     /// Forks that will not happen here, since the last call: (request id, its actor).
@@ -527,6 +538,11 @@ impl Batcher {
                 seqs_left -= 1;
             }
             i += 1;
+        }
+
+        // A step that decodes adds only as many prompt tokens as keep it short.
+        if let (Some(cap), false) = (self.mixed_prefill_cap, planned.is_empty()) {
+            budget = budget.min(cap);
         }
 
         // 2. Prompts part-way through their prefill.

@@ -162,6 +162,36 @@ fn new_requests_join_a_running_batch_after_decode_tokens() {
     assert_eq!(got, vec![(1, 4, 1, true), (2, 0, 5, false)], "decode first, then a 5-token chunk of the new prompt");
 }
 
+/// Stall-free batching: while sequences decode, a step adds at most the cap's prompt
+/// tokens; a step with nothing to decode takes the whole token budget again.
+#[test]
+fn a_mixed_prefill_cap_keeps_decoding_steps_short() {
+    let mut b = Batcher::new(limits(16, 4, 4), vec![]);
+    let mut p = pool(32);
+    b.set_mixed_prefill_cap(Some(3));
+    b.enqueue(seq(1, 4, 6));
+    let expected: Vec<Shape> = vec![
+        vec![(1, 0, 4, true)], // nothing decodes yet: the whole prompt
+    ];
+    for (i, want) in expected.iter().enumerate() {
+        assert_eq!(&run_step(&mut b, &mut p).0, want, "step {i}");
+    }
+    b.enqueue(seq(2, 8, 2));
+    let expected: Vec<Shape> = vec![
+        vec![(1, 4, 1, true), (2, 0, 3, false)], // one decode, 3 prompt tokens
+        vec![(1, 5, 1, true), (2, 3, 3, false)],
+        vec![(1, 6, 1, true), (2, 6, 2, true)],
+        vec![(1, 7, 1, true), (2, 8, 1, true)],
+    ];
+    for (i, want) in expected.iter().enumerate() {
+        assert_eq!(&run_step(&mut b, &mut p).0, want, "mixed step {i}");
+    }
+    // Without the cap the same arrival takes the whole budget at once.
+    b.set_mixed_prefill_cap(None);
+    b.enqueue(seq(3, 8, 1));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 8, 1, true), (3, 0, 8, true)]);
+}
+
 #[test]
 fn stop_tokens_eos_and_length_finish() {
     let mut b = Batcher::new(limits(64, 8, 4), vec![7]);

@@ -36,6 +36,9 @@ pub struct ChipConfig {
     pub supervisor: Addr,
     /// How long KV this chip prefilled waits for its decode chip to claim and read it.
     pub kv_lease: Duration,
+    /// Stall-free batching: how long a step that carries decode tokens may take (the
+    /// topology's `max_mixed_step_ms`); `None`: no limit but the token budget.
+    pub max_mixed_step: Option<Duration>,
 }
 
 pub struct Chip {
@@ -283,6 +286,9 @@ impl Chip {
             return;
         };
         let panic_now = std::mem::take(&mut self.inject_panic);
+        if let Some(limit) = self.config.max_mixed_step {
+            batcher.set_mixed_prefill_cap(mixed_prefill_tokens(limit, &self.speed, pool.block_size()));
+        }
         let plan = batcher.plan(pool);
         let (prompt, reused) = batcher.take_prefix_stats();
         if prompt > 0 {
@@ -443,6 +449,19 @@ impl Chip {
             }
         }
     }
+}
+
+/// Prompt tokens a step that also decodes may carry to take at most `limit`, at the
+/// chip's observed pace: what the limit leaves after a decode-only step, at the time per
+/// token of its steps with prompt tokens. At least one block's worth, so prompts always
+/// progress; `None` (no cap) until a step with prompt tokens has been timed.
+fn mixed_prefill_tokens(limit: Duration, speed: &StepSpeed, block_size: usize) -> Option<usize> {
+    let per_token = speed.prefill_s_per_token();
+    if per_token <= 0.0 {
+        return None;
+    }
+    let left = (limit.as_secs_f64() - speed.decode_step_s).max(0.0);
+    Some(((left / per_token) as usize).max(block_size.max(1)))
 }
 
 impl Behavior<Msg> for Chip {

@@ -91,6 +91,7 @@ impl Side {
             max_batch_seqs: 8,
             supervisor: SUP,
             kv_lease: Duration::from_secs(5),
+            max_mixed_step: None,
         };
         let mut chip = Chip::new(config, factory);
         let mut fx = TestFx::new(me);
@@ -417,4 +418,17 @@ fn an_offline_chip_hands_its_requests_back_and_restarts_only_when_online() {
     c.chip.handle(Msg::InjectFault { fault: Fault::Online }, &mut c.fx);
     assert_eq!(c.chip.state, ChipState::Starting);
     assert_eq!(c.chip.restarts, 1);
+}
+
+#[test]
+fn the_mixed_step_cap_follows_the_observed_pace() {
+    let cap = |ms: u64, speed: &StepSpeed| super::mixed_prefill_tokens(Duration::from_millis(ms), speed, 16);
+    let mut speed = StepSpeed::default();
+    assert_eq!(cap(100, &speed), None, "no step with prompt tokens timed yet");
+    speed.observe(0.5, 100, 1, 100); // 5 ms per prompt token
+    assert_eq!(cap(200, &speed), Some(40));
+    speed.observe(0.04, 4, 4, 0); // a decode-only step of 40 ms
+    assert_eq!(cap(200, &speed), Some(32), "what 200 ms leaves after 40 ms of decoding, at 5 ms a token");
+    assert_eq!(cap(100, &speed), Some(16), "at least a block, so prompts progress");
+    assert_eq!(cap(30, &speed), Some(16), "even when decoding alone overruns the limit");
 }
