@@ -210,8 +210,13 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
     let measured = plan_measured(&opts, &workload)?;
     let timeout = Duration::from_secs_f64(opts.timeout_s);
     let base = opts.url.trim_end_matches('/').to_string();
+    // A connection per request: a server may end a kept-alive connection (its idle
+    // timeout, or a limit of requests per connection as llama.cpp's server has) just
+    // as the next request goes out on it, which would count as a failure that never
+    // reached it. A connect on the loopback is a fraction of a millisecond of TTFT.
     let client = reqwest::Client::builder()
         .connect_timeout(timeout.min(Duration::from_secs(10)))
+        .pool_max_idle_per_host(0)
         .build()
         .map_err(LoadgenError::Client)?;
     let model = match opts.model.clone() {

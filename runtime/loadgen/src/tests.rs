@@ -229,6 +229,87 @@ async fn no_server_no_model() {
     assert!(matches!(result, Err(LoadgenError::ModelDiscovery { .. })), "{result:?}");
 }
 
+/// A server that answers one request per connection and drops the next one a client
+/// sends on it unanswered, without having said `Connection: close` (as a server does
+/// whose keep-alive limit or idle timeout ends a connection as a request arrives):
+/// each request on a connection of its own.
+async fn one_request_per_connection() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+        Ok(l) => l,
+        Err(e) => panic!("cannot bind the test server: {e}"),
+    };
+    let addr = match listener.local_addr() {
+        Ok(a) => a,
+        Err(e) => panic!("test server has no address: {e}"),
+    };
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                // The whole first request (headers and a body well under 64 KiB).
+                let mut request = Vec::new();
+                let mut buf = [0u8; 65536];
+                loop {
+                    let Ok(n) = socket.read(&mut buf).await else { return };
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&request);
+                    let Some(end) = text.find("\r\n\r\n") else { continue };
+                    let length = text[..end]
+                        .lines()
+                        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(str::to_owned))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if request.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+                let chunk = |text: &str, finish: Value| {
+                    json!({"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
+                };
+                let usage = json!({"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}});
+                let body = format!(
+                    "data: {}\n\ndata: {}\n\ndata: {usage}\n\ndata: [DONE]\n\n",
+                    chunk(" a", Value::Null),
+                    chunk(" b", json!("length"))
+                );
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                if socket.write_all(head.as_bytes()).await.is_err() || socket.write_all(body.as_bytes()).await.is_err()
+                {
+                    return;
+                }
+                // Whatever comes next on this connection goes unanswered.
+                let _ = socket.read(&mut buf).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// A server may end a kept-alive connection just as the next request goes out on it;
+/// that request never reached it, and must not be counted a failure of the server.
+#[tokio::test]
+async fn a_server_that_ends_kept_alive_connections_loses_no_request() {
+    let url = one_request_per_connection().await;
+    let opts = ServeBenchOptions {
+        model: Some("m".into()),
+        load: Load::Closed { concurrency: 1 },
+        requests: 6,
+        osl: LengthDist::Fixed(2),
+        ..options(url)
+    };
+    let report = run_ok(opts).await;
+    assert_eq!((report.requests_ok, report.requests_failed), (6, 0), "{:?}", report.errors);
+    assert_eq!(report.output_tokens, 12);
+}
+
 #[test]
 fn endpoint_names() {
     assert_eq!("chat".parse::<Endpoint>().ok(), Some(Endpoint::Chat));
