@@ -105,16 +105,21 @@ async fn serve(fake: FakeServer) -> String {
         .route("/v1/completions", post(complete))
         .route("/v1/chat/completions", post(complete))
         .with_state(fake);
+    let (listener, url) = listen().await;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("{url}/")
+}
+
+/// A listener on an ephemeral loopback port, and its base URL (no trailing slash).
+async fn listen() -> (tokio::net::TcpListener, String) {
     let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
         Ok(l) => l,
         Err(e) => panic!("cannot bind the test server: {e}"),
     };
-    let addr = match listener.local_addr() {
-        Ok(a) => a,
+    match listener.local_addr() {
+        Ok(addr) => (listener, format!("http://{addr}")),
         Err(e) => panic!("test server has no address: {e}"),
-    };
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    format!("http://{addr}/")
+    }
 }
 
 fn options(url: String) -> ServeBenchOptions {
@@ -235,14 +240,7 @@ async fn no_server_no_model() {
 /// each request on a connection of its own.
 async fn one_request_per_connection() -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
-        Ok(l) => l,
-        Err(e) => panic!("cannot bind the test server: {e}"),
-    };
-    let addr = match listener.local_addr() {
-        Ok(a) => a,
-        Err(e) => panic!("test server has no address: {e}"),
-    };
+    let (listener, url) = listen().await;
     tokio::spawn(async move {
         while let Ok((mut socket, _)) = listener.accept().await {
             tokio::spawn(async move {
@@ -290,7 +288,7 @@ async fn one_request_per_connection() -> String {
             });
         }
     });
-    format!("http://{addr}")
+    url
 }
 
 /// A server may end a kept-alive connection just as the next request goes out on it;

@@ -5,7 +5,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::misc::KvGeom;
-use super::{SendPtr, Strided, matmul, matmul_add};
+use super::{SendPtr, Strided, matmul, matmul_into};
 use crate::dtype::WSlice;
 use crate::error::Result;
 use crate::invalid;
@@ -246,11 +246,12 @@ fn attend_tile(
         // SAFETY: o (rows x hd) += s (rows x kb) · v[j0..j0 + kb] (kb x hd), all inside
         // their buffers as above; o is initialised.
         unsafe {
-            matmul_add(
+            matmul_into(
                 rows,
                 hd,
                 kb,
                 Strided { ptr: tile.o.as_mut_ptr(), rs: hd as isize, cs: 1 },
+                true,
                 Strided { ptr: tile.s.as_ptr(), rs: kb as isize, cs: 1 },
                 Strided { ptr: v[j0 * hd..].as_ptr(), rs: hd as isize, cs: 1 },
                 1.0,

@@ -50,32 +50,15 @@ pub(crate) unsafe fn matmul(
     parallelism: gemm::Parallelism,
 ) {
     // SAFETY: forwarded caller contract.
-    unsafe { gemm_into(m, n, k, dst, false, lhs, rhs, scale, parallelism) }
+    unsafe { matmul_into(m, n, k, dst, false, lhs, rhs, scale, parallelism) }
 }
 
-/// `dst += scale * lhs · rhs`; otherwise as [`matmul`].
+/// `dst = scale * lhs · rhs`, or with `add`, `dst += scale * lhs · rhs`.
 ///
 /// # Safety
-/// As [`matmul`]; `dst` must also hold initialised values.
+/// As [`matmul`]; with `add`, `dst` must also hold initialised values.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn matmul_add(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: Strided<*mut f32>,
-    lhs: Strided<*const f32>,
-    rhs: Strided<*const f32>,
-    scale: f32,
-    parallelism: gemm::Parallelism,
-) {
-    // SAFETY: forwarded caller contract.
-    unsafe { gemm_into(m, n, k, dst, true, lhs, rhs, scale, parallelism) }
-}
-
-/// # Safety
-/// As [`matmul`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_into(
+pub(crate) unsafe fn matmul_into(
     m: usize,
     n: usize,
     k: usize,

@@ -269,6 +269,29 @@ pub struct ToolCallParser {
     id_prefix: String,
 }
 
+/// Where the `</tool_call>` that closes a block starts in `inner`, the text after its
+/// `<tool_call>`: the first one outside a JSON string, since an argument's text may
+/// hold the tag itself (a sampled model writes it there now and then). `"`, `\` and
+/// `<` are ASCII, never inside another character's UTF-8 bytes.
+fn close_at(inner: &str) -> Option<usize> {
+    let (mut in_string, mut escaped) = (false, false);
+    for (i, b) in inner.bytes().enumerate() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else if b == b'"' {
+            in_string = true;
+        } else if b == b'<' && inner[i..].starts_with(CLOSE) {
+            return Some(i);
+        }
+    }
+    None
+}
+
 /// What one push returned: content to show, and calls completed.
 #[derive(Debug, Default, PartialEq)]
 pub struct Parsed {
@@ -299,7 +322,7 @@ impl ToolCallParser {
             }
             match self.pending.find(OPEN) {
                 Some(0) => {
-                    let Some(end) = self.pending.find(CLOSE) else { break };
+                    let Some(end) = close_at(&self.pending[OPEN.len()..]).map(|at| OPEN.len() + at) else { break };
                     let block: String = self.pending.drain(..end + CLOSE.len()).collect();
                     match self.call(&block[OPEN.len()..end]) {
                         Some(call) => {
@@ -436,6 +459,31 @@ mod tests {
             content.push_str(&end.content);
             streamed.extend(end.calls);
             assert_eq!((content.as_str(), &streamed), ("Let me check.", &calls), "step {step}");
+        }
+    }
+
+    /// An argument that holds the closing tag (and escaped quotes before it) is text
+    /// of the call, which ends at the tag after the JSON, whole or streamed.
+    #[test]
+    fn a_closing_tag_inside_an_argument_does_not_end_the_call() {
+        let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Fr\\\"ance</tool_call> x\"}}\n</tool_call>";
+        let (content, calls) = parse_answer(text, "x");
+        assert_eq!((content, calls.len()), (None, 1), "{text}");
+        assert_eq!(calls[0].arguments, "{\"city\":\"Fr\\\"ance</tool_call> x\"}");
+        for step in 1..5 {
+            let mut p = ToolCallParser::new("x");
+            let chars: Vec<char> = text.chars().collect();
+            let mut streamed: Vec<ToolCall> = Vec::new();
+            let mut content = String::new();
+            for piece in chars.chunks(step) {
+                let got = p.push(&piece.iter().collect::<String>());
+                content.push_str(&got.content);
+                streamed.extend(got.calls);
+            }
+            let end = p.finish();
+            content.push_str(&end.content);
+            streamed.extend(end.calls);
+            assert_eq!((content.as_str(), &streamed), ("", &calls), "step {step}");
         }
     }
 
