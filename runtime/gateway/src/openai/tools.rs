@@ -447,19 +447,25 @@ mod tests {
         assert_eq!((calls[0].id.as_str(), calls[1].id.as_str()), ("call_x_0", "call_x_1"));
         // Any split of the text gives the same content and calls.
         for step in 1..7 {
-            let mut p = ToolCallParser::new("x");
-            let (mut content, mut streamed) = (String::new(), Vec::new());
-            let chars: Vec<char> = text.chars().collect();
-            for piece in chars.chunks(step) {
-                let got = p.push(&piece.iter().collect::<String>());
-                content.push_str(&got.content);
-                streamed.extend(got.calls);
-            }
-            let end = p.finish();
-            content.push_str(&end.content);
-            streamed.extend(end.calls);
+            let (content, streamed) = streamed(text, step);
             assert_eq!((content.as_str(), &streamed), ("Let me check.", &calls), "step {step}");
         }
+    }
+
+    /// `text` pushed `step` characters at a time: the content and calls, finish included.
+    fn streamed(text: &str, step: usize) -> (String, Vec<ToolCall>) {
+        let mut p = ToolCallParser::new("x");
+        let (mut content, mut calls) = (String::new(), Vec::new());
+        let chars: Vec<char> = text.chars().collect();
+        for piece in chars.chunks(step) {
+            let got = p.push(&piece.iter().collect::<String>());
+            content.push_str(&got.content);
+            calls.extend(got.calls);
+        }
+        let end = p.finish();
+        content.push_str(&end.content);
+        calls.extend(end.calls);
+        (content, calls)
     }
 
     /// An argument that holds the closing tag (and escaped quotes before it) is text
@@ -471,18 +477,7 @@ mod tests {
         assert_eq!((content, calls.len()), (None, 1), "{text}");
         assert_eq!(calls[0].arguments, "{\"city\":\"Fr\\\"ance</tool_call> x\"}");
         for step in 1..5 {
-            let mut p = ToolCallParser::new("x");
-            let chars: Vec<char> = text.chars().collect();
-            let mut streamed: Vec<ToolCall> = Vec::new();
-            let mut content = String::new();
-            for piece in chars.chunks(step) {
-                let got = p.push(&piece.iter().collect::<String>());
-                content.push_str(&got.content);
-                streamed.extend(got.calls);
-            }
-            let end = p.finish();
-            content.push_str(&end.content);
-            streamed.extend(end.calls);
+            let (content, streamed) = streamed(text, step);
             assert_eq!((content.as_str(), &streamed), ("", &calls), "step {step}");
         }
     }
