@@ -1,15 +1,15 @@
 //! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (one or two passes, each up to
 //! 4 rows, 8 with AVX-512), an AVX-512 register-blocked kernel for decode batches up to
-//! 64 rows, otherwise the
-//! `gemm` crate (directly for f32 weights; on f32 tiles of converted weight rows for
-//! f16/bf16 weights). Quantized weights take [`quant`]'s integer kernels up to
-//! `QUANT_MAX_M` rows (decode), and dequantized tiles through the float paths beyond
-//! (prefill, where the tile's conversion is shared by every row).
+//! 64 rows, and an AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). Without
+//! AVX-512, the `gemm` crate beyond the GEMV (directly for f32 weights; on f32 tiles of
+//! converted weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s
+//! integer kernels up to `QUANT_MAX_M` rows (decode), and dequantized tiles through the
+//! float paths beyond (prefill, where the tile's conversion is shared by every row).
 
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::{SendPtr, Strided, matmul, quant, small_batch};
+use super::{SendPtr, Strided, matmul, prefill_gemm, quant, small_batch};
 use crate::dtype::WSlice;
 use crate::simd;
 
@@ -42,13 +42,10 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, bias: Option<WSlice>, m: us
         }
     } else if m <= small_batch::MAX_M && small_batch::available() {
         small_batch::linear(out, x, w, m, n, k);
-    } else if matches!(w, WSlice::Quant(..)) && small_batch::available() {
-        // Prefill on quantized weights: the AVX-512 kernel in slabs of 64 rows (the
-        // `gemm` crate runs AVX2 kernels only), each weight group dequantized once per
-        // slab.
-        for (o, xs) in out.chunks_mut(small_batch::MAX_M * n).zip(x[..m * k].chunks(small_batch::MAX_M * k)) {
-            small_batch::linear(o, xs, w, xs.len() / k, n, k);
-        }
+    } else if prefill_gemm::available() {
+        // Prompts: the cache-blocked AVX-512 GEMM (the `gemm` crate runs AVX2 kernels
+        // only), each weight converted or dequantized once per call.
+        prefill_gemm::linear(out, x, w, m, n, k);
     } else {
         match w {
             WSlice::F32(w) => gemm_f32(out, x, w, m, n, k),

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod linear;
 pub mod misc;
 pub mod norm;
+pub mod prefill_gemm;
 pub mod quant;
 pub mod rope;
 pub mod small_batch;

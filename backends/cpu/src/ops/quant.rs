@@ -818,11 +818,22 @@ mod tests {
     #[test]
     fn the_linear_op_serves_every_format_in_every_regime() {
         // Integer kernels (m <= 16, one or two passes), then dequantized tiles through
-        // the decode-batch kernel and gemm; Q6_K always dequantizes.
+        // the decode-batch kernel and the prompt GEMM (or gemm); Q6_K always dequantizes.
+        // The prompt GEMM dequantizes in blocks of 256 columns: rows of 10 blocks of 32
+        // span a second, short column block.
         let all = FORMATS.into_iter().chain([GgmlType::Q6K]);
         for ty in all {
-            let k = 2 * ty.block_elements() as usize;
-            for &m in &[1, 5, 8, 16, 17, 40, 70] {
+            let kb = ty.block_elements() as usize;
+            for &(m, k) in &[
+                (1, 2 * kb),
+                (5, 2 * kb),
+                (8, 2 * kb),
+                (16, 2 * kb),
+                (17, 2 * kb),
+                (40, 2 * kb),
+                (70, 2 * kb),
+                (70, 10 * kb),
+            ] {
                 check_with(ty, m, 13, k, m as u64 * 7 + 1, &|out, x, w| {
                     crate::ops::linear::linear(out, x, WSlice::Quant(ty, w), None, m, 13, k)
                 });
