@@ -176,6 +176,44 @@ pub(crate) mod x86 {
         _mm_cvtss_f32(s)
     }
 
+    /// e^x for 8 lanes (x clamped to f32's range): range reduction to 2^n · e^f,
+    /// |f| <= ln2/2, and a degree-5 polynomial (Cephes' expf: relative error about 1e-7).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.376_26)), _mm256_set1_ps(-87.336_55));
+        let fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5)));
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0));
+        let pow2n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
+    }
+
+    /// `out = silu(g) * u = g / (1 + e^-g) * u`, elementwise.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_and_mul(out: &mut [f32], g: &[f32], u: &[f32]) {
+        let n = out.len().min(g.len()).min(u.len());
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        // SAFETY: i + 8 <= n, within all three slices.
+        unsafe {
+            while i + 8 <= n {
+                let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+                let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr().add(i))));
+                i += 8;
+            }
+        }
+        for j in i..n {
+            out[j] = g[j] / (1.0 + (-g[j]).exp()) * u[j];
+        }
+    }
+
     /// Generates a GEMV kernel for one weight type: `$load` turns a pointer to 8
     /// weights into a __m256, `$scalar` converts one weight.
     macro_rules! gemv_kernel {

@@ -485,7 +485,7 @@ fn merge_parts(states: &[f32], group: usize, hd: usize, o: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use crate::simd::x86::hsum;
+    use crate::simd::x86::{exp8, hsum};
     use std::arch::x86_64::*;
 
     /// See `dots`: eight key rows at a time, their sums reduced together.
@@ -553,21 +553,6 @@ mod x86 {
             sum += *x;
         }
         sum
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    fn exp8(x: __m256) -> __m256 {
-        let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.376_26)), _mm256_set1_ps(-87.336_55));
-        let fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5)));
-        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
-        let mut y = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-        }
-        let y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0));
-        let pow2n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)));
-        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n))
     }
 
     /// See `weighted_sum`: the accumulators stay in registers over a block's rows.

@@ -27,6 +27,12 @@ pub fn embedding(out: &mut [f32], table: WSlice, ids: &[i32], n: usize, hidden: 
 pub fn silu_and_mul(out: &mut [f32], gate: &[f32], up: &[f32]) {
     const CHUNK: usize = 16384;
     out.par_chunks_mut(CHUNK).zip(gate.par_chunks(CHUNK)).zip(up.par_chunks(CHUNK)).for_each(|((o, g), u)| {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx2() {
+            // SAFETY: AVX2 and FMA were detected.
+            unsafe { crate::simd::x86::silu_and_mul(o, g, u) };
+            return;
+        }
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + (-g).exp()) * u;
         }
@@ -259,13 +265,20 @@ mod tests {
     #[test]
     fn silu_matches_naive() {
         let mut rng = Rng(5);
-        let n = 40000;
-        let (g, u) = (rng.vec(n), rng.vec(n));
+        // Several chunks and a tail shorter than a vector; gates far into both saturated
+        // ends, and NaN passed through.
+        let n = 40003;
+        let mut g: Vec<f32> = rng.vec(n).iter().map(|v| v * 30.0).collect();
+        g[..4].copy_from_slice(&[-120.0, 120.0, 0.0, -0.0]);
+        let u = rng.vec(n);
         let mut out = vec![0.0; n];
         silu_and_mul(&mut out, &g, &u);
         let want: Vec<f32> =
             g.iter().zip(&u).map(|(&g, &u)| ((g as f64) / (1.0 + (-g as f64).exp()) * u as f64) as f32).collect();
         assert_close(&out, &want, 1e-5, "silu");
+        g[7] = f32::NAN;
+        silu_and_mul(&mut out, &g, &u);
+        assert!(out[7].is_nan());
     }
 
     #[test]

@@ -5,8 +5,8 @@
 //!   that each column step is 4 contiguous vectors (`xp[panel][kk][64]`).
 //! - Each task takes `NC` weight rows. For each block of `KC` columns it converts those
 //!   rows to f32 once (dequantizing quantized weights once per call, not once per panel
-//!   of activations) and packs them in groups of `J` rows (`wp[group][kk][J]`), so a
-//!   micro-kernel's broadcasts walk one small contiguous panel that stays in L1.
+//!   of activations), in groups of `J` rows (`wp[row][kk]`): a micro-kernel's
+//!   broadcasts walk `J` short rows (6 KiB) that stay in L1.
 //! - The micro-kernel keeps a 64 x `J` tile of the output in 24 registers across the
 //!   block's columns: per column, 4 activation vectors (from L2) and `J` broadcasts feed
 //!   24 FMAs. The task's output columns accumulate across blocks in a transposed tile
@@ -59,23 +59,19 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
     let xp = &xp[..];
     let optr = SendPtr(out.as_mut_ptr());
     (0..n.div_ceil(NC)).into_par_iter().for_each_init(
-        || (vec![0.0f32; KC], vec![0.0f32; NC * KC], vec![0.0f32; NC * m_pad]),
-        |(row, wp, ct), task| {
+        || (vec![0.0f32; NC * KC], vec![0.0f32; NC * m_pad]),
+        |(wp, ct), task| {
             let j0 = task * NC;
             let nc = NC.min(n - j0);
             let groups = nc.div_ceil(J);
             for k0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - k0);
-                let row = &mut row[..kc];
                 for jj in 0..groups * J {
+                    let row = &mut wp[jj * kc..][..kc];
                     if jj < nc {
                         w.to_f32((j0 + jj) * k + k0, row);
                     } else {
                         row.fill(0.0);
-                    }
-                    let panel = &mut wp[(jj / J) * kc * J..][..kc * J];
-                    for (kk, &v) in row.iter().enumerate() {
-                        panel[kk * J + jj % J] = v;
                     }
                 }
                 for p in 0..panels {
@@ -112,7 +108,7 @@ mod x86 {
 
     use super::{J, MR};
 
-    /// `tile[j * ld + i] (+)= Σ_kk xp[kk * MR + i] * wp[kk * J + j]` for `j < J` and
+    /// `tile[j * ld + i] (+)= Σ_kk xp[kk * MR + i] * wp[j * kc + kk]` for `j < J` and
     /// `i < 16 * vecs`, added to the tile's values unless `first`.
     ///
     /// # Safety
@@ -149,7 +145,7 @@ mod x86 {
             for kk in 0..kc {
                 let xs: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(xptr.add(kk * MR + v * 16)));
                 for (j, a) in acc.iter_mut().enumerate() {
-                    let b = _mm512_set1_ps(*wptr.add(kk * J + j));
+                    let b = _mm512_set1_ps(*wptr.add(j * kc + kk));
                     for v in 0..V {
                         a[v] = _mm512_fmadd_ps(xs[v], b, a[v]);
                     }
