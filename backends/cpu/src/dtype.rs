@@ -126,6 +126,24 @@ impl<'a> WSlice<'a> {
         }
     }
 
+    /// Where the stored bytes of elements `[start, end)` lie (for quantized formats, of
+    /// the whole blocks they fall in); empty where the range lies outside.
+    pub fn byte_range(&self, start: usize, end: usize) -> std::ops::Range<*const u8> {
+        fn raw<T>(s: &[T], start: usize, end: usize) -> std::ops::Range<*const u8> {
+            let r = s.get(start..end.min(s.len())).unwrap_or(&[]).as_ptr_range();
+            r.start as *const u8..r.end as *const u8
+        }
+        match *self {
+            WSlice::F32(s) => raw(s, start, end),
+            WSlice::F16(s) => raw(s, start, end),
+            WSlice::Bf16(s) => raw(s, start, end),
+            WSlice::Quant(q, b) => {
+                let (n, bb) = (q.block_elements() as usize, q.block_bytes() as usize);
+                raw(b, start / n * bb, end.div_ceil(n) * bb)
+            }
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

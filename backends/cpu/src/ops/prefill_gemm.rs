@@ -15,6 +15,8 @@
 //! The `gemm` crate runs AVX2 kernels only, and converting weight tiles for it cost a
 //! second copy; on the bench model's prompts this kernel is the faster of the two.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
 use super::SendPtr;
@@ -46,8 +48,18 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
     }
     let panels = m.div_ceil(MR);
     let m_pad = panels * MR;
-    let mut xp = vec![0.0f32; panels * k * MR];
-    xp.par_chunks_mut(k * MR).enumerate().for_each(|(p, panel)| {
+    // The buffers of the last call are reused (fresh ones of this size are pages the
+    // kernel must map and zero on every call). Rows past m in the last panel keep old
+    // values: they only reach output rows that are never written out.
+    thread_local! {
+        static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        static TASK: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    }
+    let mut xp = PACKED.with(|b| b.try_borrow_mut().map(|mut b| std::mem::take(&mut *b)).unwrap_or_default());
+    if xp.len() < panels * k * MR {
+        xp.resize(panels * k * MR, 0.0);
+    }
+    xp.par_chunks_mut(k * MR).take(panels).enumerate().for_each(|(p, panel)| {
         let rows = MR.min(m - p * MR);
         for i in 0..rows {
             let row = &x[(p * MR + i) * k..][..k];
@@ -56,11 +68,18 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
             }
         }
     });
-    let xp = &xp[..];
+    let xp_all = &xp[..];
     let optr = SendPtr(out.as_mut_ptr());
-    (0..n.div_ceil(NC)).into_par_iter().for_each_init(
-        || (vec![0.0f32; NC * KC], vec![0.0f32; NC * m_pad]),
-        |(wp, ct), task| {
+    (0..n.div_ceil(NC)).into_par_iter().for_each(|task| {
+        TASK.with(|scratch| {
+            let mut fresh = (Vec::new(), Vec::new());
+            let mut guard = scratch.try_borrow_mut().ok();
+            let (wp, ct) = match guard.as_deref_mut() {
+                Some(held) => held,
+                None => &mut fresh,
+            };
+            wp.resize(wp.len().max(NC * KC), 0.0);
+            ct.resize(ct.len().max(NC * m_pad), 0.0);
             let j0 = task * NC;
             let nc = NC.min(n - j0);
             let groups = nc.div_ceil(J);
@@ -70,13 +89,16 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
                     let row = &mut wp[jj * kc..][..kc];
                     if jj < nc {
                         w.to_f32((j0 + jj) * k + k0, row);
+                        // The next block of this row comes from DRAM while this one is
+                        // computed.
+                        prefetch(w.byte_range((j0 + jj) * k + k0 + kc, (j0 + jj) * k + (k0 + kc + KC).min(k)));
                     } else {
                         row.fill(0.0);
                     }
                 }
                 for p in 0..panels {
                     let vecs = (m - p * MR).min(MR).div_ceil(16);
-                    let xpanel = &xp[p * k * MR + k0 * MR..][..kc * MR];
+                    let xpanel = &xp_all[p * k * MR + k0 * MR..][..kc * MR];
                     for g in 0..groups {
                         let wpanel = &wp[g * kc * J..][..kc * J];
                         let tile = &mut ct[g * J * m_pad + p * MR..];
@@ -98,8 +120,26 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
                     unsafe { *optr.get().add(i * n + j0 + jj) = ct[jj * m_pad + i] };
                 }
             }
-        },
-    );
+        })
+    });
+    PACKED.with(|b| {
+        if let Ok(mut b) = b.try_borrow_mut() {
+            *b = xp;
+        }
+    });
+}
+
+/// Asks for the lines of `bytes` to be brought into L2 (a hint: nothing is read).
+fn prefetch(bytes: std::ops::Range<*const u8>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut at = bytes.start;
+        while at < bytes.end {
+            // SAFETY: a prefetch never faults and dereferences nothing.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(at as *const i8) };
+            at = at.wrapping_add(64);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
