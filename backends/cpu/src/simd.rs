@@ -477,9 +477,11 @@ mod tests {
     #[test]
     fn each_simd_gemv_matches_scalar() {
         let mut rng = Rng(5);
-        // k: below one vector, vector tails, and a multiple of the 64-wide unroll.
-        for &k in &[7usize, 16, 45, 64, 130] {
-            let rows = 13;
+        // k: below one vector, vector tails, a multiple of the 64-wide unroll, and a row
+        // long enough for the batch-1 AVX-512 kernel to take four weight rows at a time
+        // (13 rows: a short last group).
+        for &k in &[7usize, 16, 45, 64, 130, 4109] {
+            let rows = 14;
             let w32 = rng.vec(rows * k);
             let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
             let wb: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
