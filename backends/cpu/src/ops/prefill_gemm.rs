@@ -31,6 +31,10 @@ const NC: usize = 8 * J;
 /// Columns per block: one group's packed panel is 6 KiB and one activation panel 64 KiB.
 const KC: usize = 256;
 
+/// The most packed activations (f32 values) kept between calls: 64 MiB, a 2,048-token
+/// chunk of an 8,192-wide layer. Longer ones are allocated for their call only.
+const KEEP_PACKED: usize = 16 << 20;
+
 /// True when the AVX-512 kernel can run here.
 pub fn available() -> bool {
     super::small_batch::available()
@@ -122,15 +126,19 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
             }
         })
     });
-    PACKED.with(|b| {
-        if let Ok(mut b) = b.try_borrow_mut() {
-            *b = xp;
-        }
-    });
+    if xp.len() <= KEEP_PACKED {
+        PACKED.with(|b| {
+            if let Ok(mut b) = b.try_borrow_mut() {
+                *b = xp;
+            }
+        });
+    }
 }
 
 /// Asks for the lines of `bytes` to be brought into L2 (a hint: nothing is read).
 fn prefetch(bytes: std::ops::Range<*const u8>) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
     #[cfg(target_arch = "x86_64")]
     {
         let mut at = bytes.start;
