@@ -528,8 +528,7 @@ mod x86 {
         }
     }
 
-    /// See `exp_shifted`. exp by range reduction to 2^n · e^f, |f| <= ln2/2, and a
-    /// degree-5 polynomial (Cephes' expf: relative error about 1e-7).
+    /// See `exp_shifted`, with `simd::x86::exp8`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
         let n = row.len();

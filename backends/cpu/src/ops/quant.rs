@@ -824,16 +824,8 @@ mod tests {
         let all = FORMATS.into_iter().chain([GgmlType::Q6K]);
         for ty in all {
             let kb = ty.block_elements() as usize;
-            for &(m, k) in &[
-                (1, 2 * kb),
-                (5, 2 * kb),
-                (8, 2 * kb),
-                (16, 2 * kb),
-                (17, 2 * kb),
-                (40, 2 * kb),
-                (70, 2 * kb),
-                (70, 10 * kb),
-            ] {
+            let cases = [1, 5, 8, 16, 17, 40, 70].map(|m| (m, 2 * kb)).into_iter().chain([(70, 10 * kb)]);
+            for (m, k) in cases {
                 check_with(ty, m, 13, k, m as u64 * 7 + 1, &|out, x, w| {
                     crate::ops::linear::linear(out, x, WSlice::Quant(ty, w), None, m, 13, k)
                 });
