@@ -394,6 +394,11 @@ struct CalibrateArgs {
     /// Kernel library for a `backend = "cpu"` chip (default: the one built with tessera).
     #[arg(long)]
     kernel_lib: Option<PathBuf>,
+    /// Fit to the steps served chips ran instead of measuring a grid: a `tessera up` log
+    /// written with `TESSERA_LOG=info,tessera::steps=trace`, whose steps of every chip
+    /// of `--chip`'s kind are used.
+    #[arg(long, value_name = "LOG")]
+    from_steps: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -626,23 +631,34 @@ fn sim_one(scenario: &tessera_sim::Scenario, args: &SimArgs) -> Result<()> {
 }
 
 fn calibrate(args: CalibrateArgs) -> Result<()> {
-    use tessera_node::calibrate::{CalibrateOptions, calibrate};
+    use tessera_node::calibrate::{CalibrateOptions, calibrate, calibrate_from_steps};
     let spec = up::load_spec(args.topology.as_deref(), false)?;
-    let opts = CalibrateOptions {
-        chip: args.chip,
-        budget: Duration::from_secs(args.budget_s),
-        repeats: args.repeats as usize,
-        kernel_lib: args.kernel_lib,
+    let calibration = match &args.from_steps {
+        Some(log) => {
+            let text = std::fs::read_to_string(log).with_context(|| format!("cannot read {}", log.display()))?;
+            eprintln!("fitting chip {}'s kind to the served steps in {}", args.chip, log.display());
+            calibrate_from_steps(&spec, &args.chip, &text, args.kernel_lib)
+                .with_context(|| format!("{}", log.display()))?
+        }
+        None => {
+            let opts = CalibrateOptions {
+                chip: args.chip,
+                budget: Duration::from_secs(args.budget_s),
+                repeats: args.repeats as usize,
+                kernel_lib: args.kernel_lib,
+            };
+            eprintln!("measuring chip {} of {} (at most {} s)", opts.chip, spec.source, args.budget_s);
+            calibrate(&spec, &opts, &mut |m| eprintln!("  {:<28} {:>10.3} ms", m.what, m.measured_s * 1e3))?
+        }
     };
-    eprintln!("measuring chip {} of {} (at most {} s)", opts.chip, spec.source, args.budget_s);
-    let calibration = calibrate(&spec, &opts, &mut |m| eprintln!("  {:<28} {:>10.3} ms", m.what, m.measured_s * 1e3))?;
     print!("{}", calibration.table());
     let fit = &calibration.fit;
     println!(
-        "fit: error median {:.1}%, max {:.1}% over {} shapes{}",
+        "fit: error median {:.1}%, max {:.1}% over {} {}{}",
         fit.median_error * 100.0,
         fit.max_error * 100.0,
         calibration.measured.len(),
+        if calibration.served_by.is_empty() { "shapes" } else { "classes of served steps" },
         if calibration.cut_short { " (the budget cut the grid short)" } else { "" }
     );
     let text = calibration.to_toml();

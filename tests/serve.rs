@@ -793,3 +793,82 @@ fn a_scoring_request_returns_each_prompt_token_s_logprob() {
         s_lp["token_logprobs"].as_array().expect("logprobs").iter().skip(1).filter_map(Value::as_f64).collect();
     assert_eq!(s_got, got);
 }
+
+/// A served chip's steps, traced (`TESSERA_LOG=info,tessera::steps=trace`), calibrate
+/// its kind: `tessera calibrate --from-steps` fits a model to every step the chip ran,
+/// and a log without step events is refused with what to do.
+#[test]
+fn served_steps_calibrate_a_chip_kind() {
+    let topo = topology(&["h0"], "", "", HEARTBEAT_TIMEOUT_MS);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("topology.toml");
+    std::fs::write(&path, &topo.toml).unwrap();
+    let mut cmd = tessera();
+    cmd.env("TESSERA_LOG", "info,tessera::steps=trace").arg("up").arg(&path);
+    let mut up = Proc::spawn("up", cmd, dir.path());
+    wait_health(topo.gateway, "the chip up", Duration::from_secs(30), |h| {
+        h["chips"].as_array().is_some_and(|c| c.len() == 1 && c[0]["state"] == "up")
+    });
+    // Prompts of several lengths, one at a time and then together (batched decodes).
+    let prompts: Vec<String> = (1..=6).map(|n| "the quick brown fox jumps ".repeat(n * 3)).collect();
+    for p in &prompts[..2] {
+        let r = post_json(topo.gateway, "/v1/completions", &completion_body(p, 8, false, true));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    std::thread::scope(|s| {
+        for p in &prompts[2..] {
+            s.spawn(move || {
+                let r = post_json(topo.gateway, "/v1/completions", &completion_body(p, 12, false, true));
+                assert_eq!(r.status, 200, "{}", r.body);
+            });
+        }
+    });
+    up.interrupt();
+    assert!(up.wait_exit(Duration::from_secs(20)).is_some(), "up did not stop");
+    let log = up.log();
+    let done = log.lines().filter(|l| l.contains("step done")).count();
+    // Two requests alone (a prefill and 7 decodes each), then at least one prefill step
+    // and 11 decode steps for the four together.
+    assert!(done >= 2 * 8 + 1 + 11, "{done} steps traced:\n{log}");
+
+    let perf = dir.path().join("perf.toml");
+    let log_path = dir.path().join("up.log");
+    let out = tessera()
+        .args(["calibrate", "--chip", "h0-cpu0", "--topology"])
+        .arg(&path)
+        .arg("--from-steps")
+        .arg(&log_path)
+        .arg("--out")
+        .arg(&perf)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    // Every step is in one class: "prefill 22 tok x 1 (1)", "decode 4 x ctx 40 (7)".
+    let counted: usize = stdout
+        .lines()
+        .filter(|l| l.starts_with("prefill ") || l.starts_with("decode "))
+        .filter_map(|l| l.split_once(" (")?.1.split_once(')')?.0.parse::<usize>().ok())
+        .sum();
+    assert_eq!(counted, done, "{stdout}");
+    let batched = stdout.lines().any(|l| l.strip_prefix("decode ").is_some_and(|l| !l.starts_with("1 x")));
+    assert!(stdout.contains("prefill ") && stdout.contains("decode 1 x ctx") && batched, "{stdout}");
+    let model = std::fs::read_to_string(&perf).unwrap();
+    assert!(model.contains("from the steps") && model.contains("[decode.memory]"), "{model}");
+
+    // A log with no step events: refused, saying how to get one.
+    let plain = dir.path().join("plain.log");
+    std::fs::write(&plain, "2026-01-01T00:00:00Z  INFO tessera: serving\n").unwrap();
+    let out = tessera()
+        .args(["calibrate", "--chip", "h0-cpu0", "--topology"])
+        .arg(&path)
+        .arg("--from-steps")
+        .arg(&plain)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("no steps") && stderr.contains("tessera::steps=trace"),
+        "{stderr}"
+    );
+}

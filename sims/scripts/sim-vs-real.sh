@@ -13,7 +13,13 @@
 #        TOPOLOGY (what `up` runs; default: the embedded default, which the scenarios name),
 #        CALIBRATE (a chip id of TOPOLOGY: recalibrate its kind before every repeat, and
 #        simulate each repeat with that repeat's calibration; KIND names the kind,
-#        default `cpu`).
+#        default `cpu`),
+#        FROM_STEPS (a chip id of TOPOLOGY: trace every step the real runs serve and
+#        simulate each repeat with its kind fitted to that repeat's own served steps,
+#        `tessera calibrate --from-steps`; KIND as above). The chips' speed is then
+#        taken from the runs being predicted, so what is compared is the simulator's
+#        serving (queueing, batching, hand-offs, routing), not this machine's drift
+#        between a calibration and the runs after it.
 # The scenario's rate, lengths and seed drive bench serve too. Measured figures are the
 # median over REPEATS (default 3) runs of each setup, alternated; simulated figures the
 # median over the repeats' simulations when CALIBRATE recalibrates each repeat (a shared
@@ -33,13 +39,15 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 key() { sed -n "s/^$1 = \"\{0,1\}\([^\"]*\)\"\{0,1\}.*/\1/p" "$disagg" | head -1; }
 rate=$(key rate_rps); isl=$(key isl); osl=$(key osl); seed=$(key seed)
+log_filter=${TESSERA_LOG:-info}
+[ -n "${FROM_STEPS:-}" ] && log_filter="$log_filter,tessera::steps=trace"
 url=http://127.0.0.1:8000
 [ -n "$topo" ] && url=http://$(sed -n 's/^listen = "\(.*\)"/\1/p' "$topo" | head -1)
 
 measure() { # setup repeat
     local setup=$1 r=$2 pid flag=()
     [ "$setup" = colocated ] && flag=(--colocated)
-    "$bin" up ${topo:+"$topo"} "${flag[@]}" > "$out/up-$setup-$r.log" 2>&1 &
+    TESSERA_LOG=$log_filter "$bin" up ${topo:+"$topo"} "${flag[@]}" > "$out/up-$setup-$r.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 240); do
         curl -s "$url/health" | grep -q '"chips_up":2' && break
@@ -76,11 +84,16 @@ for r in $(seq 1 "$repeats"); do
         echo "repeat $r: $setup" >&2
         measure "$setup" "$r"
     done
-    if [ -n "${CALIBRATE:-}" ]; then
+    if [ -n "${FROM_STEPS:-}" ]; then
+        cat "$out/up-disaggregated-$r.log" "$out/up-colocated-$r.log" > "$out/steps-$r.log"
+        "$bin" calibrate ${topo:+--topology "$topo"} --chip "$FROM_STEPS" --from-steps "$out/steps-$r.log" \
+            --out "$out/cal-$r.toml" > "$out/cal-$r.log" 2>&1 || { cat "$out/cal-$r.log" >&2; exit 1; }
+    fi
+    if [ -n "${CALIBRATE:-}${FROM_STEPS:-}" ]; then
         simulate "$r" "cal-$r.toml"
     fi
 done
-[ -n "${CALIBRATE:-}" ] || simulate 1 ""
+[ -n "${CALIBRATE:-}${FROM_STEPS:-}" ] || simulate 1 ""
 
 python3 - "$out" "$repeats" <<'EOF'
 import json, os, statistics, sys

@@ -22,8 +22,16 @@ use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_actor_core::Addr;
+use tessera_actor_core::{Addr, Moment};
 use tessera_actor_core::{Behavior, Effects, Job, JobCtx, WorkerId, WorkerSpec};
+
+/// The tracing target of a chip's per-step events (`TESSERA_LOG=info,tessera::steps=trace`):
+/// `step planned` with the step's shape as `new:context` per sequence, and `step done`
+/// with its model time (`elapsed_s`) and the time from handing it to the worker to
+/// reading its result (`span_s`: the step as the chip waited for it, dispatch
+/// included), joined by chip and step number. `tessera calibrate --from-steps`
+/// fits a chip kind's performance model to them.
+pub const STEP_TRACE: &str = "tessera::steps";
 
 /// A chip's fixed description.
 #[derive(Debug, Clone)]
@@ -51,6 +59,8 @@ pub struct Chip {
     pool: Option<KvPool>,
     batcher: Option<Batcher>,
     step_in_flight: bool,
+    /// When the step in flight was handed to the worker.
+    step_submitted: Moment,
     steps: u64,
     max_step_seqs: usize,
     restarts: u32,
@@ -137,6 +147,7 @@ impl Chip {
             pool: None,
             batcher: None,
             step_in_flight: false,
+            step_submitted: Moment(0),
             steps: 0,
             max_step_seqs: 0,
             restarts: 0,
@@ -320,6 +331,10 @@ impl Chip {
         }
         let prompt_tokens = plan.seqs.iter().filter(|s| s.tokens.len() > 1).map(|s| s.tokens.len()).sum();
         self.step_shape = (plan.tokens(), plan.seqs.len(), prompt_tokens);
+        tracing::trace!(target: STEP_TRACE, chip = %self.config.id, step = self.steps,
+            shape = %plan.seqs.iter().map(|s| format!("{}:{}", s.tokens.len(), s.start_pos + s.tokens.len()))
+                .collect::<Vec<_>>().join(","),
+            "step planned");
         let step = self.steps;
         let job = Job {
             label: "forward",
@@ -333,6 +348,8 @@ impl Chip {
                 }
             }),
         };
+        // Before the hand-over: the worker may finish before this thread reads the clock.
+        self.step_submitted = fx.now();
         match fx.submit(worker, job) {
             Ok(()) => self.step_in_flight = true,
             Err(e) => self.crash(format!("the worker is gone: {e}"), fx),
@@ -348,6 +365,8 @@ impl Chip {
         if let Some(m) = &self.metrics {
             m.step_seconds.record(outcome.elapsed_s);
         }
+        tracing::trace!(target: STEP_TRACE, chip = %self.config.id, step = self.steps, elapsed_s = outcome.elapsed_s,
+            span_s = fx.now().since(self.step_submitted).as_secs_f64(), "step done");
         let (tokens, seqs, prompt_tokens) = self.step_shape;
         self.speed.observe(outcome.elapsed_s, tokens, seqs, prompt_tokens);
         if outcome.elapsed_s.is_finite() && outcome.elapsed_s > 0.0 {

@@ -20,6 +20,16 @@ pub struct Sample {
     pub step: StepShape,
     /// Wall seconds the step took, more than 0.
     pub seconds: f64,
+    /// How many steps it stands for in the loss (1 for one measured step; a class of
+    /// like served steps counts as its size), more than 0.
+    pub weight: f64,
+}
+
+impl Sample {
+    /// One measured step.
+    pub fn new(step: StepShape, seconds: f64) -> Sample {
+        Sample { step, seconds, weight: 1.0 }
+    }
 }
 
 /// A fitted model and how well it predicts its own samples.
@@ -36,7 +46,8 @@ pub struct Fit {
 #[derive(Debug, Clone, PartialEq)]
 pub enum FitError {
     NoSamples,
-    /// A sample took no time, a negative time or not a number of seconds, or is empty.
+    /// A sample took no time, a negative time or not a number of seconds, is empty, or
+    /// weighs nothing.
     BadSample(usize),
 }
 
@@ -45,7 +56,10 @@ impl std::fmt::Display for FitError {
         match self {
             FitError::NoSamples => f.write_str("no samples to fit"),
             FitError::BadSample(i) => {
-                write!(f, "sample {i} has no tokens or took no time (seconds must be finite and more than 0)")
+                write!(
+                    f,
+                    "sample {i} has no tokens, took no time or weighs nothing (seconds and weight must be finite and more than 0)"
+                )
             }
         }
     }
@@ -63,7 +77,8 @@ pub fn fit(roof: Roof, model: &ModelShape, samples: &[Sample]) -> Result<Fit, Fi
     if samples.is_empty() {
         return Err(FitError::NoSamples);
     }
-    if let Some(bad) = samples.iter().position(|s| s.step.tokens() == 0 || !(s.seconds.is_finite() && s.seconds > 0.0))
+    let positive = |v: f64| v.is_finite() && v > 0.0;
+    if let Some(bad) = samples.iter().position(|s| s.step.tokens() == 0 || !positive(s.seconds) || !positive(s.weight))
     {
         return Err(FitError::BadSample(bad));
     }
@@ -73,7 +88,7 @@ pub fn fit(roof: Roof, model: &ModelShape, samples: &[Sample]) -> Result<Fit, Fi
             .map(|s| {
                 let t = roofline(roof, model, &s.step, p, 1.0).unscaled_s;
                 let e = (t / s.seconds).ln();
-                if e.is_finite() { e * e } else { 1e6 }
+                s.weight * if e.is_finite() { e * e } else { 1e6 }
             })
             .sum()
     };
@@ -235,7 +250,7 @@ mod tests {
             .into_iter()
             .map(|step| {
                 let seconds = roofline(CPU, &SMALL, &step, &truth, 1.0).unscaled_s;
-                Sample { step, seconds }
+                Sample::new(step, seconds)
             })
             .collect();
         let Ok(got) = fit(CPU, &SMALL, &samples) else { panic!("fit") };
@@ -257,7 +272,7 @@ mod tests {
         let truth = PerfModel { overhead_s: 1e-4, overlap: 0.0, attention: 0.2, ..PerfModel::flat(0.003, 0.01) };
         let samples: Vec<Sample> = grid()
             .into_iter()
-            .map(|step| Sample { seconds: roofline(CPU, &SMALL, &step, &truth, 1.0).unscaled_s, step })
+            .map(|step| Sample::new(step.clone(), roofline(CPU, &SMALL, &step, &truth, 1.0).unscaled_s))
             .collect();
         let Ok(got) = fit(CPU, &SMALL, &samples) else { panic!("fit") };
         assert!(got.max_error < 0.03, "{got:?}");
@@ -273,7 +288,7 @@ mod tests {
             .enumerate()
             .map(|(i, step)| {
                 let noise = 1.0 + 0.05 * (((i * 7919) % 21) as f64 / 10.0 - 1.0);
-                Sample { seconds: roofline(CPU, &SMALL, &step, &truth, 1.0).unscaled_s * noise, step }
+                Sample::new(step.clone(), roofline(CPU, &SMALL, &step, &truth, 1.0).unscaled_s * noise)
             })
             .collect();
         let (Ok(a), Ok(b)) = (fit(CPU, &SMALL, &samples), fit(CPU, &SMALL, &samples)) else { panic!("fit") };
@@ -284,11 +299,12 @@ mod tests {
     #[test]
     fn bad_samples_are_named() {
         assert_eq!(fit(CPU, &SMALL, &[]), Err(FitError::NoSamples));
-        let good = Sample { step: StepShape::prefill(8), seconds: 0.1 };
+        let good = Sample::new(StepShape::prefill(8), 0.1);
         let cases = [
             Sample { seconds: 0.0, ..good.clone() },
             Sample { seconds: f64::NAN, ..good.clone() },
             Sample { step: StepShape::default(), ..good.clone() },
+            Sample { weight: 0.0, ..good.clone() },
         ];
         for bad in cases {
             let got = fit(CPU, &SMALL, &[good.clone(), bad.clone()]);
