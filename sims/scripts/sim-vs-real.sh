@@ -15,7 +15,7 @@
 #        simulate each repeat with that repeat's calibration; KIND names the kind,
 #        default `cpu`),
 #        FROM_STEPS (a chip id of TOPOLOGY: trace every step the real runs serve and
-#        simulate each repeat with its kind fitted to that repeat's own served steps,
+#        simulate each run with its kind fitted to that run's own served steps,
 #        `tessera calibrate --from-steps`; KIND as above). The chips' speed is then
 #        taken from the runs being predicted, so what is compared is the simulator's
 #        serving (queueing, batching, hand-offs, routing), not this machine's drift
@@ -60,12 +60,16 @@ measure() { # setup repeat
 }
 
 # The simulated runs: the same requests (count, rate, lengths, seed), timed by the
-# scenario's models or, with CALIBRATE, by calibration `cal` (a file in $out).
-simulate() { # repeat cal
-    local r=$1 cal=$2 setup scenario tmp
+# scenario's models or by the repeat's calibration (CALIBRATE) or each run's (FROM_STEPS),
+# files in $out.
+simulate() { # repeat
+    local r=$1 cal setup scenario tmp
     for setup in disaggregated colocated; do
         scenario=$disagg
         [ "$setup" = colocated ] && scenario=$colocated
+        cal=
+        [ -n "${CALIBRATE:-}" ] && cal=cal-$r.toml
+        [ -n "${FROM_STEPS:-}" ] && cal=cal-$setup-$r.toml
         tmp="$(dirname "$scenario")/.sim-vs-real-$setup.toml"
         sed "s/^requests = .*/requests = $requests/" "$scenario" > "$tmp"
         [ -n "$cal" ] && sed -i "s#^${KIND:-cpu} = .*#${KIND:-cpu} = \"$out/$cal\"#" "$tmp"
@@ -85,15 +89,18 @@ for r in $(seq 1 "$repeats"); do
         measure "$setup" "$r"
     done
     if [ -n "${FROM_STEPS:-}" ]; then
-        cat "$out/up-disaggregated-$r.log" "$out/up-colocated-$r.log" > "$out/steps-$r.log"
-        "$bin" calibrate ${topo:+--topology "$topo"} --chip "$FROM_STEPS" --from-steps "$out/steps-$r.log" \
-            --out "$out/cal-$r.toml" > "$out/cal-$r.log" 2>&1 || { cat "$out/cal-$r.log" >&2; exit 1; }
+        # Each run's own steps: the machine's speed can move between the two runs.
+        for setup in disaggregated colocated; do
+            "$bin" calibrate ${topo:+--topology "$topo"} --chip "$FROM_STEPS" --from-steps "$out/up-$setup-$r.log" \
+                --out "$out/cal-$setup-$r.toml" > "$out/cal-$setup-$r.log" 2>&1 ||
+                { cat "$out/cal-$setup-$r.log" >&2; exit 1; }
+        done
     fi
     if [ -n "${CALIBRATE:-}${FROM_STEPS:-}" ]; then
-        simulate "$r" "cal-$r.toml"
+        simulate "$r"
     fi
 done
-[ -n "${CALIBRATE:-}${FROM_STEPS:-}" ] || simulate 1 ""
+[ -n "${CALIBRATE:-}${FROM_STEPS:-}" ] || simulate 1
 
 python3 - "$out" "$repeats" <<'EOF'
 import json, os, statistics, sys
