@@ -255,7 +255,7 @@ pub fn calibrate_from_steps(
     let served_by: Vec<String> = served_by.collect();
     let steps: Vec<Sample> = steps.into_iter().map(|(_, s)| s).collect();
     let measured = step_classes(&steps);
-    let has = |prefill: bool| measured.iter().any(|m| is_prefill(&m.step) == prefill);
+    let has = |prefill: bool| measured.iter().any(|m| m.step.is_prefill() == prefill);
     if !has(true) || !has(false) {
         let missing = if measured.is_empty() {
             "no steps"
@@ -272,10 +272,6 @@ pub fn calibrate_from_steps(
         )));
     }
     fitted(spec, chip, kind, shape, measured, false, served_by)
-}
-
-fn is_prefill(step: &StepShape) -> bool {
-    step.seqs.iter().any(|s| s.new_tokens > 1)
 }
 
 /// The steps of `chips` in a log, each with its chip's index in `chips`: each `step
@@ -356,14 +352,14 @@ fn step_classes(steps: &[Sample]) -> Vec<Measured> {
     // A class: phase (prefill first), sequences, then tokens (prefill) or mean context
     // (decode) on a scale of 2^(1/4).
     let bucket = |n: usize| ((n.max(1) as f64).log2() * 4.0).floor() as u32;
+    let contexts = |step: &StepShape| step.seqs.iter().map(|q| q.context).sum::<usize>();
     let mut classes: BTreeMap<(bool, usize, u32), Vec<&Sample>> = BTreeMap::new();
     for s in steps {
         let seqs = s.step.seqs.len();
-        let key = if is_prefill(&s.step) {
+        let key = if s.step.is_prefill() {
             (false, seqs, bucket(s.step.tokens()))
         } else {
-            let context: usize = s.step.seqs.iter().map(|q| q.context).sum();
-            (true, seqs, bucket(context / seqs.max(1)))
+            (true, seqs, bucket(contexts(&s.step) / seqs.max(1)))
         };
         classes.entry(key).or_default().push(s);
     }
@@ -372,14 +368,13 @@ fn step_classes(steps: &[Sample]) -> Vec<Measured> {
         .map(|mut members| {
             // The class's shape is its median member's by size; its time, the mean of
             // its members' (what a run of such steps adds up to, outliers included).
-            members.sort_by_key(|s| (s.step.tokens(), s.step.seqs.iter().map(|q| q.context).sum::<usize>()));
+            members.sort_by_key(|s| (s.step.tokens(), contexts(&s.step)));
             let step = &members[members.len() / 2].step;
             let mean_s = members.iter().map(|s| s.seconds).sum::<f64>() / members.len() as f64;
-            let what = if is_prefill(step) {
+            let what = if step.is_prefill() {
                 format!("prefill {} tok x {} ({})", step.tokens(), step.seqs.len(), members.len())
             } else {
-                let context: usize = step.seqs.iter().map(|q| q.context).sum();
-                format!("decode {} x ctx {} ({})", step.seqs.len(), context / step.seqs.len(), members.len())
+                format!("decode {} x ctx {} ({})", step.seqs.len(), contexts(step) / step.seqs.len(), members.len())
             };
             Measured { what, step: step.clone(), measured_s: mean_s, predicted_s: 0.0, steps: members.len() }
         })

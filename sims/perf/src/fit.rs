@@ -98,7 +98,7 @@ pub fn fit(roof: Roof, model: &ModelShape, samples: &[Sample]) -> Result<Fit, Fi
     let achieved = |prefill: bool, amount: fn(&ModelShape, &StepShape) -> f64, peak: f64| {
         let best = samples
             .iter()
-            .filter(|s| s.step.seqs.iter().any(|q| q.new_tokens > 1) == prefill)
+            .filter(|s| s.step.is_prefill() == prefill)
             .map(|s| amount(model, &s.step) / (peak * s.seconds))
             .fold(0.0, f64::max);
         if best > 0.0 { clamp(1, best) } else { 0.5 }

@@ -136,6 +136,12 @@ impl StepShape {
     pub fn tokens(&self) -> usize {
         self.seqs.iter().map(|seq| seq.new_tokens).sum()
     }
+
+    /// Whether the step carries prompt tokens (a sequence computing more than one): it
+    /// runs on a chip's prefill curves, otherwise on its decode curves.
+    pub fn is_prefill(&self) -> bool {
+        self.seqs.iter().any(|seq| seq.new_tokens > 1)
+    }
 }
 
 impl SeqStep {
@@ -296,7 +302,7 @@ impl PerfModel {
 
     /// The efficiencies `step` runs at, and its size on their curves.
     fn efficiency(&self, step: &StepShape) -> (f64, f64) {
-        if step.seqs.iter().any(|s| s.new_tokens > 1) {
+        if step.is_prefill() {
             let n = step.tokens();
             (self.prefill.compute.at(n), self.prefill.memory.at(n))
         } else {
