@@ -728,10 +728,10 @@ pub enum Msg {
         error: ServeError,
         retry: Retry,
     },
-    /// P -> D: layer `layer` of positions 0..upto is staged, in P's blocks `blocks`.
+    /// P -> D: `layers` of positions 0..upto are staged, in P's blocks `blocks`.
     KvReady {
         request_id: u64,
-        layer: usize,
+        layers: std::ops::Range<usize>,
         upto: usize,
         /// P's block table for the sequence (shared by every layer's message).
         blocks: std::sync::Arc<[u32]>,
@@ -750,16 +750,16 @@ pub enum Msg {
         request_id: u64,
         lease: u64,
     },
-    /// P's worker -> P, mid-step: these sequences' layer `layer` is staged up to `upto`.
+    /// P's worker -> P, mid-step: these sequences' `layers` are staged up to `upto`.
     KvStaged {
         step: u64,
-        layer: usize,
+        layers: std::ops::Range<usize>,
         staged: Vec<(u64, usize)>,
     },
-    /// D's worker -> D: installed positions ..upto of `layer` (or failed).
+    /// D's worker -> D: installed positions ..upto of `layers` (or failed).
     KvInstalled {
         request_id: u64,
-        layer: usize,
+        layers: std::ops::Range<usize>,
         upto: usize,
         error: Option<String>,
     },

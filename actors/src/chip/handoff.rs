@@ -3,8 +3,9 @@
 //! Prefill chip P: a `Prefill` request computes positions 0..n-1 of the prompt (all
 //! but the last token) and offers them to decode chip D at once (`KvOffer`, under a
 //! lease). After every layer of every step, P's worker stages that layer's blocks into
-//! a registered memory region and tells P (`KvStaged`); once D has claimed the offer,
-//! P tells D what is staged (`KvReady`). When the prefill is done its blocks stay held
+//! a registered memory region; it tells P in groups of layers (`KvStaged`, one per
+//! group of `executor::stage_groups`). Once D has claimed the offer, P tells D what is
+//! staged (`KvReady`). When the prefill is done its blocks stay held
 //! until D acknowledges (`KvDone`), the lease runs out, or the request goes away.
 //!
 //! Decode chip D: an offer is checked (same model and shapes, sane format), its blocks
@@ -24,6 +25,7 @@ use crate::kv::BlockRef;
 use crate::msg::KvRegionDesc;
 use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, Retry, SeqRequest, ServeError, StepOutcome};
 use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 use tessera_actor_core::Addr;
 use tessera_actor_core::{Effects, Job, JobCtx, Moment};
@@ -187,9 +189,7 @@ impl Chip {
         h.claimed = true;
         self.renew_lease(request_id, fx);
         let layers = self.handoffs.outgoing.get(&request_id).map_or(0, |h| h.staged.len());
-        for layer in 0..layers {
-            self.tell(request_id, layer, fx);
-        }
+        self.tell(request_id, 0..layers, fx);
     }
 
     pub(super) fn declined(
@@ -212,22 +212,37 @@ impl Chip {
         self.settle(fx);
     }
 
-    /// The worker staged `layer` of these sequences up to the given positions.
-    pub(super) fn staged(&mut self, layer: usize, staged: Vec<(u64, usize)>, fx: &mut dyn Effects<Msg>) {
+    /// The worker staged `layers` of these sequences up to the given positions.
+    pub(super) fn staged(&mut self, layers: Range<usize>, staged: Vec<(u64, usize)>, fx: &mut dyn Effects<Msg>) {
         for (request_id, upto) in staged {
             let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { continue };
-            if let Some(w) = h.staged.get_mut(layer) {
+            let end = layers.end.min(h.staged.len());
+            for w in h.staged.get_mut(layers.start.min(end)..end).unwrap_or_default() {
                 *w = (*w).max(upto);
             }
-            self.tell(request_id, layer, fx);
+            self.tell(request_id, layers.clone(), fx);
         }
     }
 
-    /// Tells D what is staged of `layer`, if D has claimed and there is news.
-    fn tell(&mut self, request_id: u64, layer: usize, fx: &mut dyn Effects<Msg>) {
+    /// Tells D what is newly staged of `layers`, if D has claimed: one `KvReady` per run
+    /// of layers staged up to the same position.
+    fn tell(&mut self, request_id: u64, layers: Range<usize>, fx: &mut dyn Effects<Msg>) {
         let Some(h) = self.handoffs.outgoing.get(&request_id) else { return };
-        let (Some(&staged), Some(&told)) = (h.staged.get(layer), h.told.get(layer)) else { return };
-        if !h.claimed || staged <= told {
+        if !h.claimed {
+            return;
+        }
+        let end = layers.end.min(h.staged.len());
+        let mut news = Vec::new();
+        let mut start = layers.start;
+        while start < end {
+            let upto = h.staged[start];
+            let run = start..(start + 1..end).find(|&l| h.staged[l] != upto).unwrap_or(end);
+            if h.told[run.clone()].iter().any(|&told| told < upto) {
+                news.push((run.clone(), upto));
+            }
+            start = run.end;
+        }
+        if news.is_empty() {
             return;
         }
         // The finished prefill's table, or the running sequence's.
@@ -236,12 +251,13 @@ impl Chip {
             None => self.batcher.as_mut().and_then(|b| b.block_table(request_id)).unwrap_or_else(|| Arc::from([])),
         };
         let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
-        h.told[layer] = staged;
-        let msg = Msg::KvReady { request_id, layer, upto: staged, blocks };
         let decode = h.decode;
-        if fx.send(decode, msg).is_err() {
-            self.lost_decode(request_id, format!("decode chip {decode} is unreachable"), fx);
-            return;
+        for (layers, upto) in news {
+            h.told[layers.clone()].fill(upto);
+            if fx.send(decode, Msg::KvReady { request_id, layers, upto, blocks: blocks.clone() }).is_err() {
+                self.lost_decode(request_id, format!("decode chip {decode} is unreachable"), fx);
+                return;
+            }
         }
         self.renew_lease(request_id, fx);
     }
@@ -451,16 +467,19 @@ impl Chip {
     pub(super) fn kv_ready(
         &mut self,
         request_id: u64,
-        layer: usize,
+        layers: Range<usize>,
         upto: usize,
         blocks: Arc<[u32]>,
         fx: &mut dyn Effects<Msg>,
     ) {
         let Some(h) = self.handoffs.incoming.get_mut(&request_id) else { return };
         let bs = h.format.block_size;
-        let (Some(&from), true) = (h.requested.get(layer), upto <= h.kv_tokens) else {
+        // The earliest position any of these layers still needs: a layer that has it
+        // already is written again with the same KV.
+        let from = h.requested.get(layers.clone()).and_then(|asked| asked.iter().min().copied());
+        let (Some(from), true) = (from, upto <= h.kv_tokens) else {
             let why = format!(
-                "malformed KvReady from {}: layer {layer} of {}, positions ..{upto} of {}",
+                "malformed KvReady from {}: layers {layers:?} of {}, positions ..{upto} of {}",
                 h.prefill,
                 h.requested.len(),
                 h.kv_tokens
@@ -482,12 +501,14 @@ impl Chip {
             self.lost_prefill(request_id, why, fx);
             return;
         }
-        h.requested[layer] = upto;
-        if layer + 1 == h.requested.len() && upto == h.kv_tokens {
+        for asked in &mut h.requested[layers.clone()] {
+            *asked = (*asked).max(upto);
+        }
+        if h.last_ready_at.is_none() && h.requested.iter().all(|&asked| asked == h.kv_tokens) {
             h.last_ready_at = Some(fx.now());
         }
         let job = KvInstall {
-            layer,
+            layers: layers.clone(),
             positions: from..upto,
             region: h.region.clone(),
             format: h.format.clone(),
@@ -504,7 +525,7 @@ impl Chip {
                     Some(exec) => exec.install(&job, ctx).err(),
                     None => Some("the worker holds no step executor".into()),
                 };
-                Msg::KvInstalled { request_id, layer, upto, error }
+                Msg::KvInstalled { request_id, layers, upto, error }
             }),
         };
         if let Err(e) = fx.submit(worker, run) {
@@ -515,7 +536,7 @@ impl Chip {
     pub(super) fn installed(
         &mut self,
         request_id: u64,
-        layer: usize,
+        layers: Range<usize>,
         upto: usize,
         error: Option<String>,
         fx: &mut dyn Effects<Msg>,
@@ -526,7 +547,7 @@ impl Chip {
             self.lost_prefill(request_id, why, fx);
             return;
         }
-        if let Some(w) = h.installed.get_mut(layer) {
+        for w in h.installed.get_mut(layers).unwrap_or_default() {
             *w = (*w).max(upto);
         }
         if h.installed.iter().any(|&w| w < h.kv_tokens) {

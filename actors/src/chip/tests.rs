@@ -2,7 +2,7 @@
 //! delivered by hand, worker jobs run on a recording executor, and each test checks
 //! what reached the request and that both pools end all-free.
 
-use super::executor::{ExecutorFactory, KvInstall, StepExecutor};
+use super::executor::{ExecutorFactory, KvInstall, StepExecutor, stage_groups};
 use super::*;
 use crate::batcher::StepPlan;
 use crate::msg::{DType, Delivery, KvCompat, KvFormatDesc, KvLayout, SamplingSpec, StepOutcome};
@@ -18,9 +18,11 @@ const P: Addr = Addr { host: HostId(0), actor: 16 };
 const D: Addr = Addr { host: HostId(1), actor: 16 };
 const REQ: Addr = Addr { host: HostId(0), actor: 5000 };
 const SUP: Addr = Addr { host: HostId(0), actor: 1 };
-const LAYERS: usize = 3;
+/// Staged in groups of 2, 1, 1 and 1 layers.
+const LAYERS: usize = 5;
 
-/// Stages every layer of every staged sequence, installs nothing, samples token 7.
+/// Stages every layer of every staged sequence (telling each group of layers at its
+/// last one's millisecond), installs nothing, samples token 7.
 #[derive(Default)]
 struct Recorder {
     installs: Vec<KvInstall>,
@@ -28,12 +30,12 @@ struct Recorder {
 
 impl StepExecutor for Recorder {
     fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome {
-        for layer in 0..LAYERS {
+        for layers in stage_groups(LAYERS) {
             let seqs: Vec<(u64, usize)> =
                 plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
             if !seqs.is_empty() {
-                let at = Duration::from_millis(layer as u64 + 1);
-                ctx.notify_at(at, Msg::KvStaged { step, layer, staged: seqs });
+                let at = Duration::from_millis(layers.end as u64);
+                ctx.notify_at(at, Msg::KvStaged { step, layers, staged: seqs });
             }
         }
         ctx.elapse(Duration::from_millis(LAYERS as u64));
@@ -171,12 +173,15 @@ fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
     assert!(deliver(&mut p, &mut d).is_empty());
     assert_eq!(d.used(), 2, "D reserved ceil(13 / 8) blocks for the 13 prefilled positions");
     assert!(deliver(&mut d, &mut p).is_empty());
-    // 13 positions with a budget of 8: two steps, each layer told as it is staged.
+    // 13 positions with a budget of 8: two steps, each group of layers told as it is
+    // staged.
     p.run_jobs();
     let rest = deliver(&mut p, &mut d);
     assert!(rest.is_empty(), "{rest:?}");
-    let layers_told: Vec<(usize, usize)> = d.exec_installs();
-    assert_eq!(layers_told, vec![(0, 8), (1, 8), (2, 8), (0, 13), (1, 13), (2, 13)]);
+    let told = d.exec_installs();
+    let groups = [0..2, 2..3, 3..4, 4..5];
+    let expected: Vec<_> = [8, 13].into_iter().flat_map(|upto| groups.iter().map(move |g| (g.clone(), upto))).collect();
+    assert_eq!(told, expected);
     // D installed everything: acknowledges P, runs the last prompt token, samples.
     assert!(deliver(&mut d, &mut p).is_empty());
     assert_eq!(p.used(), 0, "P freed its blocks on D's acknowledgement");
@@ -187,20 +192,48 @@ fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
     assert!(p.chip.handoffs.is_empty() && d.chip.handoffs.is_empty());
 }
 
+/// A claim that comes after P staged everything is answered with one `KvReady` for all
+/// the layers, installed by one job.
+#[test]
+fn a_late_claim_is_told_every_staged_layer_at_once() {
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 3)), decode: D }, &mut p.fx);
+    assert!(deliver(&mut p, &mut d).is_empty());
+    let claim = d.sent();
+    p.run_jobs();
+    assert!(p.sent().is_empty(), "nothing is told before the claim");
+    for (_, m) in claim {
+        p.chip.handle(m, &mut p.fx);
+    }
+    let told = p.sent();
+    assert!(
+        matches!(&told[..], [(D, Msg::KvReady { layers, upto: 13, .. })] if *layers == (0..LAYERS)),
+        "{told:?}"
+    );
+    for (_, m) in told {
+        d.chip.handle(m, &mut d.fx);
+    }
+    assert_eq!(d.exec_installs(), vec![(0..LAYERS, 13)]);
+    assert!(deliver(&mut d, &mut p).is_empty());
+    assert_eq!(p.used(), 0, "D acknowledged: P freed its blocks");
+    d.run_jobs();
+    assert_eq!(d.generated(), vec![7, 7, 7]);
+    assert_eq!(d.used(), 0);
+}
+
 impl Side {
-    /// Runs D's install jobs; returns (layer, upto) of each, in order.
-    fn exec_installs(&mut self) -> Vec<(usize, usize)> {
+    /// Runs D's install jobs, up to its first step (left queued); returns (layers, upto)
+    /// of each, in order.
+    fn exec_installs(&mut self) -> Vec<(std::ops::Range<usize>, usize)> {
         let mut seen = Vec::new();
-        while !self.fx.jobs.is_empty() {
+        while self.fx.jobs.first().is_some_and(|job| job.label == "kv_install") {
             let job = self.fx.jobs.remove(0);
             let result = run_job(job, &mut self.exec as &mut dyn std::any::Any).result;
-            if let Msg::KvInstalled { layer, upto, .. } = &result {
-                seen.push((*layer, *upto));
+            if let Msg::KvInstalled { layers, upto, .. } = &result {
+                seen.push((layers.clone(), *upto));
             }
             self.chip.handle(result, &mut self.fx);
-            if !self.fx.jobs.is_empty() && seen.len() == 2 * LAYERS {
-                break; // the first decode step: leave it queued
-            }
         }
         seen
     }
@@ -276,10 +309,12 @@ fn a_renewed_lease_runs_from_its_last_renewal_on_one_timer() {
 #[test]
 fn malformed_kv_ready_is_refused_and_frees_both_sides() {
     for bad in [
-        Msg::KvReady { request_id: 9, layer: LAYERS, upto: 4, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 99, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 8, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layer: 0, upto: 4, blocks: Arc::from([1_000_000]) },
+        Msg::KvReady { request_id: 9, layers: LAYERS..LAYERS + 1, upto: 4, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layers: 2..LAYERS + 1, upto: 4, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layers: 1..1, upto: 4, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layers: 0..1, upto: 99, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layers: 0..1, upto: 8, blocks: Arc::from([0]) },
+        Msg::KvReady { request_id: 9, layers: 0..LAYERS, upto: 4, blocks: Arc::from([1_000_000]) },
     ] {
         let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
         d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);

@@ -26,7 +26,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_actors::batcher::{NewSampler, PlannedSeq, StepPlan};
-use tessera_actors::chip::executor::{KvInstall, StepExecutor};
+use tessera_actors::chip::executor::{KvInstall, StepExecutor, stage_groups};
 use tessera_actors::msg::{
     ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome, TokenLogprob,
 };
@@ -530,6 +530,8 @@ impl StepExecutor for ModelExecutor {
         };
         let layers = self.model.config().num_layers;
         let stage = plan.seqs.iter().any(|s| s.stage);
+        // The layers that end a group, told to the chip when staged.
+        let group_ends: Vec<usize> = if stage { stage_groups(layers).map(|g| g.end - 1).collect() } else { Vec::new() };
         let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
         // Host time the job was held back to post a layer at its model time, not computing.
         let mut held = Duration::ZERO;
@@ -541,13 +543,15 @@ impl StepExecutor for ModelExecutor {
                     ));
                 };
                 let staged_seqs = stage_layer(kv, dev, staging, format, plan, layer)?;
+                let Ok(group) = group_ends.binary_search(&layer) else { return Ok(()) };
+                let first = group.checked_sub(1).map_or(0, |g| group_ends[g] + 1);
                 // An emulated chip stages layer l at (l+1)/L of its step's model time.
                 let due = match paced {
                     Some(paced) => paced.mul_f64((layer + 1) as f64 / layers as f64),
                     None => started.elapsed(),
                 };
                 let before = started.elapsed();
-                ctx.notify_at(due, Msg::KvStaged { step, layer, staged: staged_seqs });
+                ctx.notify_at(due, Msg::KvStaged { step, layers: first..layer + 1, staged: staged_seqs });
                 held += started.elapsed().saturating_sub(before);
             }
             Ok(())
@@ -682,7 +686,12 @@ impl StepExecutor for ModelExecutor {
         if job.dst_slots().len() != job.positions.len() {
             return Err(format!("the hand-off's {} slots do not cover positions {:?}", job.slots.len(), job.positions));
         }
-        let need = 2 * n * bb;
+        if job.layers.is_empty() || job.layers.end > job.format.num_layers {
+            return Err(format!("layers {:?} of a {}-layer model", job.layers, job.format.num_layers));
+        }
+        // Per layer: its K blocks, then its V blocks.
+        let per_layer = 2 * n * bb;
+        let need = per_layer * job.layers.len();
         if self.inbox.as_ref().is_none_or(|r| r.len() < need) {
             if let Some(old) = self.inbox.take() {
                 engine.unregister(&old);
@@ -692,15 +701,16 @@ impl StepExecutor for ModelExecutor {
         }
         let Some(inbox) = self.inbox.as_ref() else { return Err("no inbox region".into()) };
         let remote = region_desc(&job.region);
-        // K blocks to inbox[0..n), V blocks to inbox[n..2n); runs of consecutive source
-        // blocks become one assignment.
+        // Layer l's K blocks to its part's [0..n), its V blocks to [n..2n), all in one read;
+        // runs of consecutive source blocks become one assignment.
         let mut batch: Vec<Assignment> = Vec::new();
-        for (v, base) in [(false, 0), (true, n * bb)] {
+        let parts = job.layers.clone().enumerate().map(|(k, layer)| (layer, k * per_layer));
+        for (layer, v, base) in parts.flat_map(|(layer, at)| [(layer, false, at), (layer, true, at + n * bb)]) {
             for (i, &b) in job.src_blocks().iter().enumerate() {
                 if b as usize >= job.format.num_blocks {
                     return Err(format!("block {b} is outside the source pool of {}", job.format.num_blocks));
                 }
-                let src_offset = staging_offset(&job.format, bb, job.layer, v, b as usize) as u64;
+                let src_offset = staging_offset(&job.format, bb, layer, v, b as usize) as u64;
                 let dst_offset = (base + i * bb) as u64;
                 match batch.last_mut() {
                     Some(a) if a.src_offset + a.len == src_offset && a.dst_offset + a.len == dst_offset => {
@@ -719,20 +729,23 @@ impl StepExecutor for ModelExecutor {
             }
             std::thread::sleep(Duration::from_micros(250));
         }
-        self.k_rows.clear();
-        self.v_rows.clear();
-        let (k_rows, v_rows) = (&mut self.k_rows, &mut self.v_rows);
-        inbox
-            .with_ref(0, need, |buf| {
-                let (k, v) = buf.split_at(n * bb);
-                decode_tokens(&src, k, job.first_pos, job.positions.clone(), k_rows)?;
-                decode_tokens(&src, v, job.first_pos, job.positions.clone(), v_rows)
-            })
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        self.kv
-            .write_tokens(self.model.device(), job.layer, &self.k_rows, &self.v_rows, job.dst_slots())
-            .map_err(|e| e.to_string())
+        for (k, layer) in job.layers.clone().enumerate() {
+            self.k_rows.clear();
+            self.v_rows.clear();
+            let (k_rows, v_rows) = (&mut self.k_rows, &mut self.v_rows);
+            inbox
+                .with_ref(k * per_layer, per_layer, |buf| {
+                    let (k, v) = buf.split_at(n * bb);
+                    decode_tokens(&src, k, job.first_pos, job.positions.clone(), k_rows)?;
+                    decode_tokens(&src, v, job.first_pos, job.positions.clone(), v_rows)
+                })
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            self.kv
+                .write_tokens(self.model.device(), layer, &self.k_rows, &self.v_rows, job.dst_slots())
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 }
 

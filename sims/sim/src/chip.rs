@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tessera_actor_core::JobCtx;
 use tessera_actors::batcher::StepPlan;
-use tessera_actors::chip::executor::{ExecutorFactory, KvInstall, StepExecutor};
+use tessera_actors::chip::executor::{ExecutorFactory, KvInstall, StepExecutor, stage_groups};
 use tessera_actors::msg::{ChipInfo, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome};
 use tessera_topology::perf::{Link, ModelShape, PerfModel, Roof, roofline};
 use tessera_topology::{Backend, ChipSpec, ClusterSpec};
@@ -186,14 +186,14 @@ impl StepExecutor for ModelledChip {
     fn step(&mut self, step: u64, plan: &StepPlan, ctx: &mut dyn JobCtx<Msg>) -> StepOutcome {
         let time = self.step_time(plan);
         // As a real prefill chip: layer l of the sequences prefilled for a decode chip is
-        // staged at (l+1)/L of the step.
+        // staged at (l+1)/L of the step, and told with the rest of its group.
         let staged: Vec<(u64, usize)> =
             plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
         if !staged.is_empty() {
-            let layers = self.shape.num_layers.max(1);
-            for layer in 0..layers {
-                let at = time.mul_f64((layer + 1) as f64 / layers as f64);
-                ctx.notify_at(at, Msg::KvStaged { step, layer, staged: staged.clone() });
+            let num_layers = self.shape.num_layers.max(1);
+            for layers in stage_groups(num_layers) {
+                let at = time.mul_f64(layers.end as f64 / num_layers as f64);
+                ctx.notify_at(at, Msg::KvStaged { step, layers, staged: staged.clone() });
             }
         }
         let mut sampled = Vec::with_capacity(plan.seqs.len());
@@ -210,7 +210,7 @@ impl StepExecutor for ModelledChip {
     fn install(&mut self, job: &KvInstall, ctx: &mut dyn JobCtx<Msg>) -> Result<(), String> {
         let f = &job.format;
         let bytes_per_position = (2 * f.num_kv_heads * f.head_dim * f.dtype.size_bytes()) as u64;
-        let bytes = job.positions.len() as u64 * bytes_per_position;
+        let bytes = (job.positions.len() * job.layers.len()) as u64 * bytes_per_position;
         ctx.elapse(self.links.transfer_time(job.region.region as usize, self.index, bytes));
         Ok(())
     }
