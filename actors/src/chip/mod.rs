@@ -33,6 +33,12 @@ use tessera_actor_core::{Behavior, Effects, Job, JobCtx, WorkerId, WorkerSpec};
 /// fits a chip kind's performance model to them.
 pub const STEP_TRACE: &str = "tessera::steps";
 
+/// While a step is in flight, a chip reports (publishing its KV events with the report)
+/// at most this often; a change of state, role or drain, and going idle, are reported at
+/// once. Its supervisor keeps only the latest report for its next heartbeat, so a report
+/// per step (hundreds a second on a fast chip) told it nothing more.
+const REPORT_EVERY: Duration = Duration::from_millis(10);
+
 /// A chip's fixed description.
 #[derive(Debug, Clone)]
 pub struct ChipConfig {
@@ -84,6 +90,9 @@ pub struct Chip {
     busy_s: (f64, f64),
     /// What every report names, shared rather than copied into each.
     shown: Shown,
+    /// When the last report went out, and the (state, role, draining) it said.
+    last_report: Option<Moment>,
+    reported: (ChipState, Role, bool),
     /// Its per-step metrics, registered once when it starts (inside the host, whose
     /// recorder they report to) rather than looked up by name at every step.
     metrics: Option<ChipMetrics>,
@@ -160,6 +169,8 @@ impl Chip {
             prefix_tokens: (0, 0),
             busy_s: (0.0, 0.0),
             shown,
+            last_report: None,
+            reported: (ChipState::Starting, role, false),
             metrics: None,
         }
     }
@@ -184,7 +195,18 @@ impl Chip {
         self.report(fx);
     }
 
+    /// Reports now if it is due (see [`REPORT_EVERY`]).
+    fn report_if_due(&mut self, fx: &mut dyn Effects<Msg>) {
+        let changed = self.reported != (self.state, self.role, self.draining_to.is_some());
+        let due = self.last_report.is_none_or(|at| fx.now().since(at) >= REPORT_EVERY);
+        if changed || due || !self.step_in_flight {
+            self.report(fx);
+        }
+    }
+
     fn report(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.last_report = Some(fx.now());
+        self.reported = (self.state, self.role, self.draining_to.is_some());
         // The KV events first, then the report whose heartbeat says how many there were.
         let (kv_last_event, kv_incarnation) = match self.pool.as_mut() {
             Some(pool) => {
@@ -408,8 +430,8 @@ impl Chip {
         self.settle(fx);
     }
 
-    /// After work ended: claim KV offers that now fit, finish a drain if it is time,
-    /// report, and go on.
+    /// After work ended: claim KV offers that now fit, finish a drain if it is time, go
+    /// on, and report if due.
     fn settle(&mut self, fx: &mut dyn Effects<Msg>) {
         self.admit_offers(fx);
         let idle = self.batcher.as_ref().is_none_or(|b| !b.has_work()) && self.handoffs.is_empty();
@@ -417,8 +439,8 @@ impl Chip {
             tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "drained; role changed");
             self.role = role;
         }
-        self.report(fx);
         self.try_step(fx);
+        self.report_if_due(fx);
     }
 
     /// The worker is gone: hand every sequence back, free the pool, tell the supervisor.
