@@ -207,10 +207,7 @@ fn a_late_claim_is_told_every_staged_layer_at_once() {
         p.chip.handle(m, &mut p.fx);
     }
     let told = p.sent();
-    assert!(
-        matches!(&told[..], [(D, Msg::KvReady { layers, upto: 13, .. })] if *layers == (0..LAYERS)),
-        "{told:?}"
-    );
+    assert!(matches!(&told[..], [(D, Msg::KvReady { layers, upto: 13, .. })] if *layers == (0..LAYERS)), "{told:?}");
     for (_, m) in told {
         d.chip.handle(m, &mut d.fx);
     }
