@@ -164,11 +164,18 @@ fn deliver(from: &mut Side, to: &mut Side) -> Vec<(Addr, Msg)> {
     rest
 }
 
+/// P (blocks of 4, head-major) asked to prefill a 14-token prompt for D (blocks of 8,
+/// token-major), three tokens to generate.
+fn prefilling_for_d() -> (Side, Side) {
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 3)), decode: D }, &mut p.fx);
+    (p, d)
+}
+
 #[test]
 fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
-    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
-    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
-    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 3)), decode: D }, &mut p.fx);
+    let (mut p, mut d) = prefilling_for_d();
     // P offers at once and starts computing; D claims.
     assert!(deliver(&mut p, &mut d).is_empty());
     assert_eq!(d.used(), 2, "D reserved ceil(13 / 8) blocks for the 13 prefilled positions");
@@ -196,9 +203,7 @@ fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
 /// the layers, installed by one job.
 #[test]
 fn a_late_claim_is_told_every_staged_layer_at_once() {
-    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
-    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
-    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 3)), decode: D }, &mut p.fx);
+    let (mut p, mut d) = prefilling_for_d();
     assert!(deliver(&mut p, &mut d).is_empty());
     let claim = d.sent();
     p.run_jobs();
