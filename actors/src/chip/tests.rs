@@ -107,13 +107,18 @@ impl Side {
     /// the worker posts them before its result), until none are left.
     fn run_jobs(&mut self) {
         while !self.fx.jobs.is_empty() {
-            let job = self.fx.jobs.remove(0);
-            let run = run_job(job, &mut self.exec as &mut dyn std::any::Any);
-            for (_, m) in run.notifications {
-                self.chip.handle(m, &mut self.fx);
-            }
-            self.chip.handle(run.result, &mut self.fx);
+            self.run_job();
         }
+    }
+
+    /// Runs the first queued worker job and delivers what it reports.
+    fn run_job(&mut self) {
+        let job = self.fx.jobs.remove(0);
+        let run = run_job(job, &mut self.exec as &mut dyn std::any::Any);
+        for (_, m) in run.notifications {
+            self.chip.handle(m, &mut self.fx);
+        }
+        self.chip.handle(run.result, &mut self.fx);
     }
 
     /// Tokens sent to the request since the last look at the sends.
@@ -162,6 +167,39 @@ fn deliver(from: &mut Side, to: &mut Side) -> Vec<(Addr, Msg)> {
         }
     }
     rest
+}
+
+/// While a step is in flight a chip reports to its supervisor at most every 10 ms, not
+/// after every step; going idle, it reports at once, with every step counted.
+#[test]
+fn a_busy_chip_reports_at_most_every_10_ms_and_at_once_when_idle() {
+    let mut c = Side::new(P, Role::Both, info(4, KvLayout::HeadMajor, 1));
+    let reports = |c: &mut Side| -> Vec<(u64, usize)> {
+        c.fx.take_sent()
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Report { report } if to == SUP => Some((report.steps, report.running)),
+                _ => None,
+            })
+            .collect()
+    };
+    reports(&mut c);
+    // A 6-token prompt and 8 tokens: a prefill step, then 7 decode steps.
+    c.chip.handle(Msg::Enqueue { seq: Box::new(seq(6, 8)) }, &mut c.fx);
+    for _ in 0..3 {
+        c.run_job();
+    }
+    assert_eq!(reports(&mut c), vec![], "3 steps within 10 ms of the last report: none");
+    c.fx.now = c.fx.now.after(Duration::from_millis(10));
+    c.run_job();
+    assert_eq!(reports(&mut c), vec![(5, 1)], "10 ms on: one report (step 5 in flight)");
+    for _ in 0..3 {
+        c.run_job();
+    }
+    assert_eq!(reports(&mut c), vec![]);
+    c.run_job();
+    assert!(c.fx.jobs.is_empty());
+    assert_eq!(reports(&mut c), vec![(8, 0)], "idle: reported at once");
 }
 
 /// P (blocks of 4, head-major) asked to prefill a 14-token prompt for D (blocks of 8,
