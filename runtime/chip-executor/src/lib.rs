@@ -689,9 +689,9 @@ impl StepExecutor for ModelExecutor {
         if job.layers.is_empty() || job.layers.end > job.format.num_layers {
             return Err(format!("layers {:?} of a {}-layer model", job.layers, job.format.num_layers));
         }
-        // Per layer: its K blocks, then its V blocks.
-        let per_layer = 2 * n * bb;
-        let need = per_layer * job.layers.len();
+        // One layer at a time, through an inbox of one layer's K and V blocks: a group of
+        // layers needs no more memory than one.
+        let need = 2 * n * bb;
         if self.inbox.as_ref().is_none_or(|r| r.len() < need) {
             if let Some(old) = self.inbox.take() {
                 engine.unregister(&old);
@@ -701,40 +701,39 @@ impl StepExecutor for ModelExecutor {
         }
         let Some(inbox) = self.inbox.as_ref() else { return Err("no inbox region".into()) };
         let remote = region_desc(&job.region);
-        // Layer l's K blocks to its part's [0..n), its V blocks to [n..2n), all in one read;
-        // runs of consecutive source blocks become one assignment.
-        let mut batch: Vec<Assignment> = Vec::new();
-        let parts = job.layers.clone().enumerate().map(|(k, layer)| (layer, k * per_layer));
-        for (layer, v, base) in parts.flat_map(|(layer, at)| [(layer, false, at), (layer, true, at + n * bb)]) {
-            for (i, &b) in job.src_blocks().iter().enumerate() {
-                if b as usize >= job.format.num_blocks {
-                    return Err(format!("block {b} is outside the source pool of {}", job.format.num_blocks));
-                }
-                let src_offset = staging_offset(&job.format, bb, layer, v, b as usize) as u64;
-                let dst_offset = (base + i * bb) as u64;
-                match batch.last_mut() {
-                    Some(a) if a.src_offset + a.len == src_offset && a.dst_offset + a.len == dst_offset => {
-                        a.len += bb as u64
+        for layer in job.layers.clone() {
+            // K blocks to inbox[0..n), V blocks to inbox[n..2n); runs of consecutive
+            // source blocks become one assignment.
+            let mut batch: Vec<Assignment> = Vec::new();
+            for (v, base) in [(false, 0), (true, n * bb)] {
+                for (i, &b) in job.src_blocks().iter().enumerate() {
+                    if b as usize >= job.format.num_blocks {
+                        return Err(format!("block {b} is outside the source pool of {}", job.format.num_blocks));
                     }
-                    _ => batch.push(Assignment { src_offset, dst_offset, len: bb as u64 }),
+                    let src_offset = staging_offset(&job.format, bb, layer, v, b as usize) as u64;
+                    let dst_offset = (base + i * bb) as u64;
+                    match batch.last_mut() {
+                        Some(a) if a.src_offset + a.len == src_offset && a.dst_offset + a.len == dst_offset => {
+                            a.len += bb as u64
+                        }
+                        _ => batch.push(Assignment { src_offset, dst_offset, len: bb as u64 }),
+                    }
                 }
             }
-        }
-        // A block being re-staged (a later chunk filling it) is busy for microseconds.
-        let mut tries = 0;
-        while let Err(e) = engine.read(&remote, inbox, &batch) {
-            tries += 1;
-            if !busy(&e) || tries >= 200 {
-                return Err(e.to_string());
+            // A block being re-staged (a later chunk filling it) is busy for microseconds.
+            let mut tries = 0;
+            while let Err(e) = engine.read(&remote, inbox, &batch) {
+                tries += 1;
+                if !busy(&e) || tries >= 200 {
+                    return Err(e.to_string());
+                }
+                std::thread::sleep(Duration::from_micros(250));
             }
-            std::thread::sleep(Duration::from_micros(250));
-        }
-        for (k, layer) in job.layers.clone().enumerate() {
             self.k_rows.clear();
             self.v_rows.clear();
             let (k_rows, v_rows) = (&mut self.k_rows, &mut self.v_rows);
             inbox
-                .with_ref(k * per_layer, per_layer, |buf| {
+                .with_ref(0, need, |buf| {
                     let (k, v) = buf.split_at(n * bb);
                     decode_tokens(&src, k, job.first_pos, job.positions.clone(), k_rows)?;
                     decode_tokens(&src, v, job.first_pos, job.positions.clone(), v_rows)
