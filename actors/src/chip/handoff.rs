@@ -216,8 +216,7 @@ impl Chip {
     pub(super) fn staged(&mut self, layers: Range<usize>, staged: Vec<(u64, usize)>, fx: &mut dyn Effects<Msg>) {
         for (request_id, upto) in staged {
             let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { continue };
-            let end = layers.end.min(h.staged.len());
-            for w in h.staged.get_mut(layers.start.min(end)..end).unwrap_or_default() {
+            for w in h.staged.get_mut(layers.clone()).unwrap_or_default() {
                 *w = (*w).max(upto);
             }
             self.tell(request_id, layers.clone(), fx);

@@ -107,12 +107,12 @@ impl Side {
     /// the worker posts them before its result), until none are left.
     fn run_jobs(&mut self) {
         while !self.fx.jobs.is_empty() {
-            self.run_job();
+            self.run_next_job();
         }
     }
 
     /// Runs the first queued worker job and delivers what it reports.
-    fn run_job(&mut self) {
+    fn run_next_job(&mut self) {
         let job = self.fx.jobs.remove(0);
         let run = run_job(job, &mut self.exec as &mut dyn std::any::Any);
         for (_, m) in run.notifications {
@@ -187,17 +187,17 @@ fn a_busy_chip_reports_at_most_every_10_ms_and_at_once_when_idle() {
     // A 6-token prompt and 8 tokens: a prefill step, then 7 decode steps.
     c.chip.handle(Msg::Enqueue { seq: Box::new(seq(6, 8)) }, &mut c.fx);
     for _ in 0..3 {
-        c.run_job();
+        c.run_next_job();
     }
     assert_eq!(reports(&mut c), vec![], "3 steps within 10 ms of the last report: none");
     c.fx.now = c.fx.now.after(Duration::from_millis(10));
-    c.run_job();
+    c.run_next_job();
     assert_eq!(reports(&mut c), vec![(5, 1)], "10 ms on: one report (step 5 in flight)");
     for _ in 0..3 {
-        c.run_job();
+        c.run_next_job();
     }
     assert_eq!(reports(&mut c), vec![]);
-    c.run_job();
+    c.run_next_job();
     assert!(c.fx.jobs.is_empty());
     assert_eq!(reports(&mut c), vec![(8, 0)], "idle: reported at once");
 }

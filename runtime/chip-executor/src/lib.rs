@@ -530,8 +530,8 @@ impl StepExecutor for ModelExecutor {
         };
         let layers = self.model.config().num_layers;
         let stage = plan.seqs.iter().any(|s| s.stage);
-        // The layers that end a group, told to the chip when staged.
-        let group_ends: Vec<usize> = if stage { stage_groups(layers).map(|g| g.end - 1).collect() } else { Vec::new() };
+        // Told to the chip when a group's last layer is staged.
+        let mut groups = stage_groups(layers).peekable();
         let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
         // Host time the job was held back to post a layer at its model time, not computing.
         let mut held = Duration::ZERO;
@@ -543,15 +543,14 @@ impl StepExecutor for ModelExecutor {
                     ));
                 };
                 let staged_seqs = stage_layer(kv, dev, staging, format, plan, layer)?;
-                let Ok(group) = group_ends.binary_search(&layer) else { return Ok(()) };
-                let first = group.checked_sub(1).map_or(0, |g| group_ends[g] + 1);
+                let Some(group) = groups.next_if(|g| g.end == layer + 1) else { return Ok(()) };
                 // An emulated chip stages layer l at (l+1)/L of its step's model time.
                 let due = match paced {
                     Some(paced) => paced.mul_f64((layer + 1) as f64 / layers as f64),
                     None => started.elapsed(),
                 };
                 let before = started.elapsed();
-                ctx.notify_at(due, Msg::KvStaged { step, layers: first..layer + 1, staged: staged_seqs });
+                ctx.notify_at(due, Msg::KvStaged { step, layers: group, staged: staged_seqs });
                 held += started.elapsed().saturating_sub(before);
             }
             Ok(())
