@@ -18,10 +18,11 @@
 //! chip from 1): the router's cluster index replays them, and a gap in the numbers
 //! tells it to resync from [`KvPool::snapshot`].
 
+pub mod block_map;
+
+pub use block_map::BlockMap;
 use slab::Slab;
-use smallvec::SmallVec;
-use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::OnceLock;
 use tessera_actor_core::Addr;
@@ -195,7 +196,7 @@ pub struct KvPool {
     generations: Vec<u32>,
     /// Sealed and cached blocks by chained hash, oldest seal first (equal prompts not
     /// yet sharing their prefix seal equal hashes in several blocks).
-    by_hash: HashMap<u64, SmallVec<[u32; 2]>, BlockHashState>,
+    by_hash: BlockMap,
     /// Cached blocks by release time, (time, slot): the first is evicted first. An entry
     /// whose block was taken again since (it is no longer cached at that time) is stale:
     /// skipped when met and swept out when they outnumber the cached blocks, so a
@@ -218,7 +219,7 @@ impl KvPool {
             block_size,
             blocks: Slab::with_capacity(capacity),
             generations: vec![0; capacity],
-            by_hash: HashMap::default(),
+            by_hash: BlockMap::new(),
             lru: VecDeque::new(),
             cached: 0,
             clock: 0,
@@ -324,9 +325,7 @@ impl KvPool {
             BlockState::Writing { .. } => {
                 let hash = chained_block_hash(parent, tokens);
                 self.blocks[r.slot as usize] = BlockState::Sealed { hash, refs: 1 };
-                let slots = self.by_hash.entry(hash).or_default();
-                slots.push(r.slot);
-                if slots.len() == 1 {
+                if self.by_hash.push(hash, r.slot) {
                     self.event(|seq| KvEvent::Stored { seq, hash });
                 }
                 Ok(hash)
@@ -356,7 +355,7 @@ impl KvPool {
 
     /// The oldest sealed or cached block with chained hash `hash`, if one is here.
     pub fn find(&self, hash: u64) -> Option<BlockRef> {
-        let slot = *self.by_hash.get(&hash)?.first()?;
+        let slot = self.by_hash.first(hash)?;
         Some(self.block_ref(slot as usize))
     }
 
@@ -412,7 +411,7 @@ impl KvPool {
     /// Every hash held now and the number of the last event that got it there: a
     /// resynchronising index starts from this and applies later events only.
     pub fn snapshot(&self) -> (u64, Vec<u64>) {
-        let mut hashes: Vec<u64> = self.by_hash.keys().copied().collect();
+        let mut hashes: Vec<u64> = self.by_hash.hashes().collect();
         hashes.sort_unstable();
         (self.event_seq, hashes)
     }
@@ -428,13 +427,8 @@ impl KvPool {
     }
 
     fn unindex(&mut self, hash: u64, slot: u32) {
-        // One probe of the table (its cache misses are most of an eviction's cost).
-        if let Entry::Occupied(mut slots) = self.by_hash.entry(hash) {
-            slots.get_mut().retain(|s| *s != slot);
-            if slots.get().is_empty() {
-                slots.remove();
-                self.event(|seq| KvEvent::Removed { seq, hash });
-            }
+        if self.by_hash.remove(hash, slot) == block_map::Removed::Hash {
+            self.event(|seq| KvEvent::Removed { seq, hash });
         }
     }
 }

@@ -11,23 +11,21 @@
 //!
 //! [`KvPool::snapshot`]: crate::kv::KvPool::snapshot
 
-use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, HashMap, btree_map};
+use std::collections::{BTreeMap, btree_map};
 
-use smallvec::SmallVec;
 use tessera_actor_core::Addr;
 
-use crate::kv::{BlockHashState, KvEvent};
+use crate::kv::{BlockMap, KvEvent, block_map::Removed};
 
 /// A chip's number in the index (its place in `ClusterIndex::addrs`): 4 bytes where an
 /// address takes 16, so that the holders table, which lists every cached block of every
 /// chip, stays small (at 1,000 chips its cache misses are most of a KV event's cost).
 type ChipNo = u32;
 
-/// Chips holding each hash (most hashes are on one or two): the one table an event
-/// touches. What one chip holds is found by walking it, which only a chip leaving or
-/// going stale (rare) does.
-type Holders = HashMap<u64, SmallVec<[ChipNo; 4]>, BlockHashState>;
+/// Chips holding each hash (most hashes are on one or two, which its entries keep
+/// inline): the one table an event touches. What one chip holds is found by walking
+/// it, which only a chip leaving or going stale (rare) does.
+type Holders = BlockMap;
 
 /// One chip's part of the index.
 #[derive(Debug, Default)]
@@ -155,27 +153,26 @@ impl ClusterIndex {
     pub fn prefix_blocks(&self, hashes: &[u64]) -> BTreeMap<Addr, usize> {
         let mut depth = BTreeMap::new();
         let Some(first) = hashes.first() else { return depth };
-        let Some(holders) = self.holders.get(first) else { return depth };
+        if !self.holders.contains_key(*first) {
+            return depth;
+        }
         // Each chip that holds the first block: how far its own set goes. A chip's set
         // is closed under prefixes (a pool never holds a block without the block before
         // it: see the pool's `held_hashes_are_prefix_closed`), so "holds block i" is
         // true up to the depth and false after: a binary search finds it. So is "some
-        // chip holds block i", up to the deepest chip's depth; the chips holding that
-        // block (the common case: a shared prefix cached whole) come from one lookup.
-        let deepest = hashes.partition_point(|h| self.holders.contains_key(h));
-        let whole = deepest
-            .checked_sub(1)
-            .and_then(|last| self.holders.get(&hashes[last]))
-            .map_or(&[][..], |chips| chips.as_slice());
-        for number in holders {
-            let Some(&chip) = self.addrs.get(*number as usize) else { continue };
-            let n = if whole.contains(number) {
+        // chip holds block i", up to the deepest chip's depth; a chip holding that block
+        // (the common case: a shared prefix cached whole) needs no search of its own.
+        let deepest = hashes.partition_point(|h| self.holders.contains_key(*h));
+        let last = hashes[deepest.saturating_sub(1)];
+        for number in self.holders.numbers(*first) {
+            let Some(&chip) = self.addrs.get(number as usize) else { continue };
+            let n = if self.holders.contains(last, number) {
                 deepest
             } else {
                 if !self.chips.contains_key(&chip) {
                     continue;
                 }
-                hashes[..deepest].partition_point(|h| self.holders.get(h).is_some_and(|c| c.contains(number)))
+                hashes[..deepest].partition_point(|h| self.holders.contains(*h, number))
             };
             depth.insert(chip, n);
         }
@@ -185,8 +182,7 @@ impl ClusterIndex {
     /// The hashes the index holds for `chip` (empty while stale).
     pub fn held(&self, chip: Addr) -> Vec<u64> {
         let Some(number) = self.chips.get(&chip).map(|e| e.number) else { return Vec::new() };
-        let mut v: Vec<u64> =
-            self.holders.iter().filter(|(_, chips)| chips.contains(&number)).map(|(&h, _)| h).collect();
+        let mut v: Vec<u64> = self.holders.hashes().filter(|&h| self.holders.contains(h, number)).collect();
         v.sort_unstable();
         v
     }
@@ -224,10 +220,7 @@ fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: ChipNo) -> usi
     entry.stale = true;
     let held = entry.held;
     if held > 0 {
-        holders.retain(|_, chips| {
-            chips.retain(|c| *c != chip);
-            !chips.is_empty()
-        });
+        holders.remove_everywhere(chip);
         entry.held = 0;
     }
     held
@@ -235,23 +228,12 @@ fn mark_stale(entry: &mut ChipEntry, holders: &mut Holders, chip: ChipNo) -> usi
 
 /// `chip` holds `hash`: 1 if that is news, else 0.
 fn hold(holders: &mut Holders, hash: u64, chip: ChipNo) -> usize {
-    let chips = holders.entry(hash).or_default();
-    if chips.contains(&chip) {
-        return 0;
-    }
-    chips.push(chip);
-    1
+    usize::from(holders.insert(hash, chip))
 }
 
 /// `chip` no longer holds `hash`: 1 if it did, else 0.
 fn unhold(holders: &mut Holders, hash: u64, chip: ChipNo) -> usize {
-    let Entry::Occupied(mut held) = holders.entry(hash) else { return 0 };
-    let Some(i) = held.get().iter().position(|c| *c == chip) else { return 0 };
-    held.get_mut().remove(i);
-    if held.get().is_empty() {
-        held.remove();
-    }
-    1
+    usize::from(holders.remove(hash, chip) != Removed::Nothing)
 }
 
 #[cfg(test)]
