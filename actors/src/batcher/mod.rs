@@ -408,9 +408,8 @@ impl Batcher {
         self.arrivals += 1;
         let mut s = Seq::new(seq, self.arrivals, Mode::Receiving { ready: false });
         s.cached = kv_tokens;
-        s.blocks.reserve_exact(kv_tokens.div_ceil(bs));
-        for _ in 0..kv_tokens.div_ceil(bs) {
-            s.blocks.push(pool.alloc(s.request_id)?);
+        if !pool.alloc_run(s.request_id, kv_tokens.div_ceil(bs), &mut s.blocks) {
+            return None;
         }
         let mut slots = Vec::with_capacity(kv_tokens);
         cache_slots(&mut slots, &s.blocks, 0..kv_tokens, bs);
@@ -808,12 +807,7 @@ fn reuse_prefix(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
 fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq {
     let start = seq.cached;
     let end = start + n;
-    while seq.blocks.len() < end.div_ceil(bs) {
-        match pool.alloc(seq.request_id) {
-            Some(b) => seq.blocks.push(b),
-            None => break,
-        }
-    }
+    pool.alloc_run(seq.request_id, end.div_ceil(bs).saturating_sub(seq.blocks.len()), &mut seq.blocks);
     let mut slots = Slots::with_capacity(n);
     cache_slots(&mut slots, &seq.blocks, start..end, bs);
     seq.cached = end;
@@ -885,15 +879,14 @@ fn shared_table(seq: &mut Seq) -> Arc<[u32]> {
 
 /// Seals every block the cached tokens fill.
 fn seal_full_blocks(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
-    while seq.hashes.len() < seq.cached / bs {
-        let i = seq.hashes.len();
-        let parent = seq.hashes.last().copied();
-        let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-        let hash = pool.seal(seq.blocks[i], parent, tokens).unwrap_or_else(|e| {
-            tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");
-            chained_block_hash(parent, tokens)
-        });
-        seq.hashes.push(hash);
+    let (from, to) = (seq.hashes.len(), seq.cached / bs);
+    if to <= from {
+        return;
+    }
+    let parent = seq.hashes.last().copied();
+    let tokens = &seq.tokens[from * bs..to * bs];
+    for e in pool.seal_run(&seq.blocks[from..to], parent, tokens, &mut seq.hashes) {
+        tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");
     }
 }
 

@@ -133,6 +133,18 @@ impl BlockMap {
         self.entries.iter().filter(|e| e[1] != 0).map(|e| e[0])
     }
 
+    /// Reads the home entry of each of `hashes`. The reads do not wait on one another,
+    /// so a run of lookups that would each miss the cache (a step's sealed blocks, a
+    /// batch of KV events) pays for about one miss, not one per hash: their entries are
+    /// in cache when the run's inserts and removals come to them.
+    pub fn warm(&self, hashes: impl IntoIterator<Item = u64>) {
+        if self.entries.is_empty() {
+            return;
+        }
+        let sum = hashes.into_iter().fold(0u64, |sum, h| sum.wrapping_add(self.entries[self.home(h)][1]));
+        std::hint::black_box(sum);
+    }
+
     /// Gives `hash` number `n` after those it has; true when `hash` is new. (`n` may
     /// already be among them: see [`insert`](Self::insert) for a set.)
     pub fn push(&mut self, hash: u64, n: u32) -> bool {

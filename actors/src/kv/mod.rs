@@ -22,6 +22,7 @@ pub mod block_map;
 
 pub use block_map::BlockMap;
 use slab::Slab;
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::OnceLock;
@@ -266,6 +267,31 @@ impl KvPool {
         Some(self.block_ref(slot))
     }
 
+    /// [`alloc`](Self::alloc) `n` times, pushing the blocks to `out`: false when the pool
+    /// ran out first (`out` has those it got). The evictions' cache misses (the blocks'
+    /// states, then their hashes' table entries) are taken together first.
+    pub fn alloc_run(&mut self, owner: u64, n: usize, out: &mut Vec<BlockRef>) -> bool {
+        let evictions = n.saturating_sub(self.capacity - self.blocks.len());
+        if evictions > 1 {
+            let next: SmallVec<[u64; 64]> = (self.lru.iter().take(evictions))
+                .filter_map(|&(_, slot)| match self.blocks.get(slot as usize) {
+                    _ if std::hint::black_box(self.generations.get(slot as usize)).is_none() => None,
+                    Some(&BlockState::Cached { hash, .. }) => Some(hash),
+                    _ => None,
+                })
+                .collect();
+            self.by_hash.warm(next);
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            match self.alloc(owner) {
+                Some(b) => out.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
     /// Takes the least recently released cached block out of the LRU order: its slot
     /// and hash (it stays Cached; the caller reuses or frees it).
     fn evict_oldest(&mut self) -> Option<(u32, u64)> {
@@ -315,6 +341,11 @@ impl KvPool {
     /// (with `parent`, the hash of the block before it) the pool computes, records and
     /// returns.
     pub fn seal(&mut self, r: BlockRef, parent: Option<u64>, tokens: &[u32]) -> Result<u64, KvError> {
+        self.seal_hashed(r, tokens, chained_block_hash(parent, tokens))
+    }
+
+    /// [`seal`](Self::seal) with the chained hash of `tokens` already computed.
+    fn seal_hashed(&mut self, r: BlockRef, tokens: &[u32], hash: u64) -> Result<u64, KvError> {
         match self.check(r)? {
             BlockState::Writing { .. } if tokens.len() != self.block_size => Err(KvError::NotFull {
                 chip: self.chip,
@@ -323,7 +354,6 @@ impl KvPool {
                 block_size: self.block_size,
             }),
             BlockState::Writing { .. } => {
-                let hash = chained_block_hash(parent, tokens);
                 self.blocks[r.slot as usize] = BlockState::Sealed { hash, refs: 1 };
                 if self.by_hash.push(hash, r.slot) {
                     self.event(|seq| KvEvent::Stored { seq, hash });
@@ -334,6 +364,34 @@ impl KvPool {
                 Err(KvError::NotWriting { chip: self.chip, slot: r.slot })
             }
         }
+    }
+
+    /// [`seal`](Self::seal) for consecutive full blocks of one sequence: `tokens` fills
+    /// `blocks` in order, the first chained to `parent`. Pushes every block's hash to
+    /// `hashes` (a block whose seal failed too: the chain goes on past it) and returns
+    /// the failures. The blocks' table entries are fetched together first.
+    pub fn seal_run(
+        &mut self,
+        blocks: &[BlockRef],
+        parent: Option<u64>,
+        tokens: &[u32],
+        hashes: &mut Vec<u64>,
+    ) -> Vec<KvError> {
+        let from = hashes.len();
+        let mut parent = parent;
+        for chunk in tokens.chunks(self.block_size).take(blocks.len()) {
+            let hash = chained_block_hash(parent, chunk);
+            hashes.push(hash);
+            parent = Some(hash);
+        }
+        self.by_hash.warm(hashes[from..].iter().copied());
+        let mut failed = Vec::new();
+        for ((&r, chunk), &hash) in blocks.iter().zip(tokens.chunks(self.block_size)).zip(&hashes[from..]) {
+            if let Err(e) = self.seal_hashed(r, chunk, hash) {
+                failed.push(e);
+            }
+        }
+        failed
     }
 
     /// One more holder of a sealed or cached block (a sequence reusing that prefix).

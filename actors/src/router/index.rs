@@ -86,6 +86,9 @@ impl ClusterIndex {
         if entry.stale {
             return Applied::NeedsSnapshot;
         }
+        self.holders.warm(events.iter().map(|e| match *e {
+            KvEvent::Stored { hash, .. } | KvEvent::Removed { hash, .. } => hash,
+        }));
         for e in events {
             if e.seq() < entry.next {
                 continue; // already in the snapshot the chip was resynced from
