@@ -403,26 +403,32 @@ impl<M: Message> Effects<M> for VirtualFx<'_, M> {
         WorkerId(id)
     }
     fn submit(&mut self, worker: WorkerId, job: Job<M>) -> Result<(), SendError> {
-        let Some(mut w) = self.world.workers.remove(&worker.0) else {
+        let Some(w) = self.world.workers.get_mut(&worker.0) else {
             return Err(SendError::NoSuchActor(self.me));
         };
-        // Jobs run in submission order: this one starts when the worker is free.
+        // Jobs run in submission order: this one starts when the worker is free. Its
+        // state is lent to the job (the worker keeps its place in the map: no node of
+        // the map moves).
         let started = w.free_at.max(self.world.now);
         let owner = w.owner;
+        let mut state = std::mem::replace(&mut w.state, Box::new(()));
         let mut ctx = VirtualJobCtx { started, owner, world: &mut *self.world, elapsed: Duration::ZERO };
         let run = job.run;
-        let state = w.state.as_mut();
-        match catch_unwind(AssertUnwindSafe(|| run(state, &mut ctx))) {
+        match catch_unwind(AssertUnwindSafe(|| run(state.as_mut(), &mut ctx))) {
             Ok(result) => {
                 let done = started.after(ctx.elapsed);
-                w.free_at = done;
+                if let Some(w) = self.world.workers.get_mut(&worker.0) {
+                    w.state = state;
+                    w.free_at = done;
+                }
                 self.world.push(done, owner, Event::Deliver(result));
-                self.world.workers.insert(worker.0, w);
             }
             Err(panic) => {
                 // The worker stops, as a real one does: its state may be half-updated.
-                let msg = (w.on_panic)(panic_text(panic.as_ref()));
-                self.world.push(started, owner, Event::Deliver(msg));
+                if let Some(w) = self.world.workers.remove(&worker.0) {
+                    let msg = (w.on_panic)(panic_text(panic.as_ref()));
+                    self.world.push(started, owner, Event::Deliver(msg));
+                }
             }
         }
         Ok(())
