@@ -602,6 +602,54 @@ mod tests {
         assert!(matches!(pool.share(a), Err(KvError::Stale { .. })), "a freed block cannot be shared");
     }
 
+    /// A run of allocations and seals (one step's blocks) does what the same calls one
+    /// at a time do: the same blocks evicted, hashes, events and failures.
+    #[test]
+    fn runs_of_allocations_and_seals_match_one_at_a_time() {
+        let one_by_one = |pool: &mut KvPool, n: usize, tokens: &[u32]| {
+            let blocks: Vec<BlockRef> = (0..n).map_while(|_| pool.alloc(5)).collect();
+            let mut parent = None;
+            let hashes: Vec<u64> = (blocks.iter().zip(tokens.chunks(2)))
+                .map(|(&b, t)| {
+                    let h = pool.seal(b, parent, t).unwrap_or_else(|_| chained_block_hash(parent, t));
+                    parent = Some(h);
+                    h
+                })
+                .collect();
+            (blocks, hashes)
+        };
+        let in_runs = |pool: &mut KvPool, n: usize, tokens: &[u32]| {
+            let mut blocks = Vec::new();
+            let all = pool.alloc_run(5, n, &mut blocks);
+            assert_eq!(all, blocks.len() == n);
+            let mut hashes = Vec::new();
+            let failed = pool.seal_run(&blocks, None, &tokens[..(2 * blocks.len()).min(tokens.len())], &mut hashes);
+            assert!(failed.is_empty());
+            (blocks, hashes)
+        };
+        let (mut a, mut b) = (KvPool::new(chip(16), 6, 2), KvPool::new(chip(16), 6, 2));
+        // Fill both, cache everything, then take more than is free: the runs evict.
+        for (n, tokens) in [(4, vec![1, 2, 3, 4, 5, 6, 7, 8]), (5, vec![9; 10]), (7, vec![3; 14])] {
+            let (x, y) = (one_by_one(&mut a, n, &tokens), in_runs(&mut b, n, &tokens));
+            assert_eq!(x, y);
+            assert_eq!(a.take_events(), b.take_events());
+            for r in x.0 {
+                a.release(r).unwrap();
+                b.release(r).unwrap();
+            }
+        }
+        assert_eq!(a.snapshot(), b.snapshot());
+        // A block sealed twice is a failure the run reports, and its hash still chains.
+        let mut blocks = Vec::new();
+        assert!(b.alloc_run(5, 2, &mut blocks));
+        b.seal(blocks[0], None, &[1, 1]).unwrap();
+        let mut hashes = Vec::new();
+        let failed = b.seal_run(&blocks, None, &[1, 1, 2, 2], &mut hashes);
+        assert_eq!(failed, vec![KvError::NotWriting { chip: chip(16), slot: blocks[0].slot }]);
+        assert_eq!(hashes[1], chained_block_hash(Some(hashes[0]), &[2, 2]));
+        assert_eq!(b.find(hashes[1]), Some(blocks[1]));
+    }
+
     #[test]
     fn cached_blocks_are_evicted_least_recently_released_first() {
         let mut pool = KvPool::new(chip(16), 3, 1);
