@@ -268,14 +268,13 @@ impl KvPool {
     }
 
     /// [`alloc`](Self::alloc) `n` times, pushing the blocks to `out`: false when the pool
-    /// ran out first (`out` has those it got). The evictions' cache misses (the blocks'
-    /// states, then their hashes' table entries) are taken together first.
+    /// ran out first (`out` has those it got). The evicted blocks' table entries are
+    /// fetched together first.
     pub fn alloc_run(&mut self, owner: u64, n: usize, out: &mut Vec<BlockRef>) -> bool {
         let evictions = n.saturating_sub(self.capacity - self.blocks.len());
         if evictions > 1 {
             let next: SmallVec<[u64; 64]> = (self.lru.iter().take(evictions))
                 .filter_map(|&(_, slot)| match self.blocks.get(slot as usize) {
-                    _ if std::hint::black_box(self.generations.get(slot as usize)).is_none() => None,
                     Some(&BlockState::Cached { hash, .. }) => Some(hash),
                     _ => None,
                 })
@@ -373,12 +372,11 @@ impl KvPool {
     pub fn seal_run(
         &mut self,
         blocks: &[BlockRef],
-        parent: Option<u64>,
+        mut parent: Option<u64>,
         tokens: &[u32],
         hashes: &mut Vec<u64>,
     ) -> Vec<KvError> {
         let from = hashes.len();
-        let mut parent = parent;
         for chunk in tokens.chunks(self.block_size).take(blocks.len()) {
             let hash = chained_block_hash(parent, chunk);
             hashes.push(hash);
