@@ -20,11 +20,18 @@
 #        taken from the runs being predicted, so what is compared is the simulator's
 #        serving (queueing, batching, hand-offs, routing), not this machine's drift
 #        between a calibration and the runs after it.
+#        REPORT_ONLY=1: measure and simulate nothing; print the report of the runs
+#        already in OUTDIR (an earlier run of this script with the same REPEATS).
 # The scenario's rate, lengths and seed drive bench serve too. Measured figures are the
 # median over REPEATS (default 3) runs of each setup, alternated; simulated figures the
 # median over the repeats' simulations when CALIBRATE recalibrates each repeat (a shared
 # machine's speed drifts by several percent over minutes: a calibration minutes away
 # from the runs it predicts carries that drift into the comparison).
+# Ranking: one setup ranks lower on a figure when the medians differ by more than the
+# repeats' own noise (half the wider of the two setups' max-min spreads over the
+# repeats); closer than that, the runs cannot tell the setups apart and the figure is a
+# tie. The same rule ranks the simulated repeats, and the simulator ranks a figure as
+# the measurements do when both name the same setup or both call it a tie.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$(mktemp -d)}
@@ -78,7 +85,7 @@ simulate() { # repeat
     done
 }
 
-for r in $(seq 1 "$repeats"); do
+[ -n "${REPORT_ONLY:-}" ] || for r in $(seq 1 "$repeats"); do
     if [ -n "${CALIBRATE:-}" ]; then
         echo "repeat $r: calibrating chip $CALIBRATE" >&2
         "$bin" calibrate ${topo:+--topology "$topo"} --chip "$CALIBRATE" --out "$out/cal-$r.toml" > "$out/cal-$r.log" 2>&1 ||
@@ -100,7 +107,7 @@ for r in $(seq 1 "$repeats"); do
         simulate "$r"
     fi
 done
-[ -n "${CALIBRATE:-}${FROM_STEPS:-}" ] || simulate 1
+[ -n "${REPORT_ONLY:-}${CALIBRATE:-}${FROM_STEPS:-}" ] || simulate 1
 
 python3 - "$out" "$repeats" <<'EOF'
 import json, os, statistics, sys
@@ -113,13 +120,17 @@ def load(kind, setup):
         if os.path.exists(p) and os.path.getsize(p) > 0:
             runs.append(json.load(open(p)))
     return runs
+series = {}
 for setup in ["disaggregated", "colocated"]:
     runs, sims = load("real", setup), load("sim", setup)
+    if not runs or not sims:
+        sys.exit(f"{out}: no measured or no simulated {setup} report (real-{setup}-R.json, sim-{setup}-R.json)")
     for metric in ["ttft", "tpot"]:
         for q in ["p50_ms", "p99_ms"]:
-            real = statistics.median(run[metric][q] for run in runs if run.get(metric))
-            sim = statistics.median(s[metric][q] for s in sims)
-            rows[(setup, metric, q)] = (real, sim)
+            real = [run[metric][q] for run in runs if run.get(metric)]
+            sim = [s[metric][q] for s in sims]
+            series[(setup, metric, q)] = (real, sim)
+            rows[(setup, metric, q)] = (statistics.median(real), statistics.median(sim))
     failed = [run["requests_failed"] for run in runs]
     print(f"{setup}: {len(runs)} real runs, failed {failed}; {len(sims)} simulated, failed {[s['failed'] for s in sims]}")
 print(f"\n| setup | metric | measured ms (median of {repeats}) | simulated ms | error |")
@@ -127,12 +138,23 @@ print("|---|---|---:|---:|---:|")
 for (setup, metric, q), (real, sim) in rows.items():
     print(f"| {setup} | {metric.upper()} {q[:3]} | {real:.1f} | {sim:.1f} | {(sim / real - 1):+.1%} |")
 print()
+def rank(d, c):
+    """The lower setup, or a tie when the medians differ by less than the repeats' noise."""
+    noise = max((max(x) - min(x)) / 2 for x in (d, c))
+    gap = statistics.median(d) - statistics.median(c)
+    if abs(gap) <= noise:
+        return "tie", gap, noise
+    return ("disaggregated" if gap < 0 else "colocated"), gap, noise
+agree = 0
 for metric in ["ttft", "tpot"]:
     for q in ["p50_ms", "p99_ms"]:
-        d, c = rows[("disaggregated", metric, q)], rows[("colocated", metric, q)]
-        real_rank = "disaggregated" if d[0] < c[0] else "colocated"
-        sim_rank = "disaggregated" if d[1] < c[1] else "colocated"
+        d, c = series[("disaggregated", metric, q)], series[("colocated", metric, q)]
+        real_rank, real_gap, real_noise = rank(d[0], c[0])
+        sim_rank, sim_gap, sim_noise = rank(d[1], c[1])
+        agree += real_rank == sim_rank
         same = "same" if real_rank == sim_rank else "DIFFERENT"
-        print(f"{metric.upper()} {q[:3]}: lower measured: {real_rank}; lower simulated: {sim_rank} ({same})")
+        print(f"{metric.upper()} {q[:3]}: lower measured: {real_rank} (gap {real_gap:+.2f} ms, noise {real_noise:.2f}); "
+              f"lower simulated: {sim_rank} (gap {sim_gap:+.2f} ms, noise {sim_noise:.2f}) ({same})")
+print(f"ranked as measured on {agree} of 4 figures")
 print(f"\nraw reports: {out}")
 EOF
