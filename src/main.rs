@@ -53,6 +53,9 @@ enum Command {
     /// Simulate a scenario (a topology, a workload, SLOs) in virtual time: the real
     /// behaviors, chips modelled by the roofline.
     Sim(SimArgs),
+    /// Search a scenario's strategies (chip roles, batch limits) for its workload and
+    /// SLOs: the Pareto set by the analytic model, the best verified in the simulator.
+    Solve(SolveArgs),
     /// Measure a real chip of a topology over a grid of step shapes and fit its
     /// performance model, for the simulator (a scenario's `[perf_models]`).
     Calibrate(CalibrateArgs),
@@ -429,6 +432,35 @@ struct SimArgs {
 }
 
 #[derive(Args)]
+struct SolveArgs {
+    /// The scenario whose topology (its chips, by kind), workload and SLOs to solve.
+    #[arg(value_name = "SCENARIO")]
+    scenario: PathBuf,
+    /// Solve for this arrival rate (requests/s) instead of the scenario's `rate_rps`.
+    #[arg(long, value_name = "RPS")]
+    rate: Option<f64>,
+    /// Verify this many strategies of the set (the best by analytic goodput per $) in
+    /// the simulator, with the scenario's requests.
+    #[arg(long, default_value_t = 6, value_name = "N")]
+    verify: usize,
+    /// Prefill token budgets to try (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [512, 1024, 2048, 4096])]
+    budgets: Vec<u32>,
+    /// Decode batch caps to try (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [16, 32, 64, 128, 256])]
+    caps: Vec<u32>,
+    /// Conditional-disaggregation thresholds to try (default: the topology's).
+    #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
+    min_prompt_tokens: Vec<u32>,
+    /// Print the set as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Also draw the set (goodput per $ against TTFT p90, the chosen one marked) as an SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Args)]
 struct ServeArgs {
     /// Server base URL, e.g. http://127.0.0.1:8000.
     #[arg(long)]
@@ -541,6 +573,7 @@ fn main() {
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
         Command::Sim(args) => sim(args),
+        Command::Solve(args) => solve(args),
         Command::Calibrate(args) => calibrate(args),
     };
     if let Err(e) = result {
@@ -595,6 +628,33 @@ fn sim(args: SimArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&reports)?);
     } else {
         print!("{}", tessera_sim::report::comparison(&reports));
+    }
+    Ok(())
+}
+
+fn solve(args: SolveArgs) -> Result<()> {
+    let mut scenario = tessera_sim::load(&args.scenario)?;
+    if let Some(rate) = args.rate {
+        scenario = scenario.at_rate(rate).map_err(anyhow::Error::msg)?;
+    }
+    let min_prompt_tokens = if args.min_prompt_tokens.is_empty() {
+        vec![u32::try_from(scenario.topology.disagg.min_prompt_tokens).unwrap_or(u32::MAX)]
+    } else {
+        args.min_prompt_tokens.clone()
+    };
+    let space = tessera_solver::Space {
+        prefill_budgets: args.budgets.clone(),
+        decode_caps: args.caps.clone(),
+        min_prompt_tokens,
+    };
+    let solution = tessera_sim::solve::solve(&scenario, &space, args.verify).map_err(anyhow::Error::msg)?;
+    if let Some(path) = &args.plot {
+        std::fs::write(path, solution.svg()).with_context(|| format!("cannot write the plot to {}", path.display()))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&solution)?);
+    } else {
+        print!("{}", solution.table());
     }
     Ok(())
 }

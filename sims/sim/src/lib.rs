@@ -20,6 +20,7 @@ mod clients;
 pub mod model;
 pub mod report;
 pub mod scenario;
+pub mod solve;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

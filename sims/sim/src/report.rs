@@ -422,6 +422,6 @@ impl Report {
 }
 
 /// `text` with XML's special characters escaped.
-fn xml(text: &str) -> String {
+pub(crate) fn xml(text: &str) -> String {
     text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }

@@ -1,0 +1,359 @@
+//! The solver's view of a scenario, and the simulator as its verifier: a scenario's
+//! chips grouped by kind as a [`Fleet`], its traffic as a [`Workload`], and a
+//! [`Strategy`] applied back onto the scenario's topology (roles, batch limits, the
+//! disaggregation threshold; idle chips left out) to run through the production
+//! behaviors like any other scenario.
+
+use tessera_solver::{Fleet, KindSpec, Slo, Strategy, Workload};
+use tessera_topology::perf::{Link, Power};
+use tessera_topology::{ChipSpec, Role};
+use tessera_workload::LengthDist;
+
+use crate::chip::time_scale;
+use crate::model::SimModel;
+use crate::scenario::{Scenario, WorkloadRequests};
+
+/// A scenario's fleet, with the ids of each kind's chips in topology order.
+#[derive(Debug, Clone)]
+pub struct ScenarioFleet {
+    pub fleet: Fleet,
+    pub chips: Vec<Vec<String>>,
+}
+
+/// Why a scenario cannot be solved.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SolveError {
+    #[error("{0}")]
+    Model(String),
+    #[error("chip kind {0:?} has no price (give one in the scenario's [prices])")]
+    NoPrice(String),
+    #[error("unknown chip kind {0:?}")]
+    UnknownKind(String),
+    #[error("chip {chip}: the weights ({weights} bytes) do not fit its memory ({memory} bytes)")]
+    WeightsExceedMemory { chip: String, weights: u64, memory: u64 },
+    #[error("the strategy has {got} kinds of chips, the fleet {want}")]
+    Mismatch { got: usize, want: usize },
+}
+
+/// `scenario`'s chips grouped by kind (in order of first appearance), each kind's
+/// figures as the simulator times it.
+pub fn fleet(scenario: &Scenario) -> Result<ScenarioFleet, SolveError> {
+    let spec = &scenario.topology;
+    let model = SimModel::of(spec, &scenario.base_dir).map_err(|e| SolveError::Model(e.to_string()))?;
+    let mut kinds: Vec<KindSpec> = Vec::new();
+    let mut chips: Vec<Vec<String>> = Vec::new();
+    let mut kv_dtype = None;
+    for (_, _, chip) in spec.chips() {
+        kv_dtype.get_or_insert(chip.kv_dtype);
+        if let Some(i) = kinds.iter().position(|k| k.name == chip.kind) {
+            kinds[i].chips += 1;
+            chips[i].push(chip.id.clone());
+            continue;
+        }
+        let kind = spec.chip_kind(&chip.kind).ok_or_else(|| SolveError::UnknownKind(chip.kind.clone()))?;
+        let shape = model.shape(chip.kv_dtype);
+        let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
+        let rest = memory.checked_sub(model.weight_bytes).ok_or_else(|| SolveError::WeightsExceedMemory {
+            chip: chip.id.clone(),
+            weights: model.weight_bytes,
+            memory,
+        })?;
+        // As a modelled chip: an eighth of what the weights leave is step scratch.
+        let kv_tokens = (rest - rest / 8) / shape.kv_bytes_per_token().max(1);
+        kinds.push(KindSpec {
+            name: chip.kind.clone(),
+            chips: 1,
+            roof: kind.roof(),
+            perf: scenario.perf_model(&chip.kind),
+            time_scale: time_scale(spec, &chip.backend),
+            usd_per_hour: scenario.price(&chip.kind).ok_or_else(|| SolveError::NoPrice(chip.kind.clone()))?,
+            power: Power::from_tdp(kind.tdp_w),
+            kv_tokens,
+        });
+        chips.push(vec![chip.id.clone()]);
+    }
+    let shape = model.shape(kv_dtype.unwrap_or(tessera_topology::DType::F16));
+    // Prefill and decode chips on different hosts hand KV over the network.
+    let network = scenario.network;
+    let link = Link { bandwidth_gbs: network.kv_bandwidth_gbs, latency_s: network.kv_latency.as_secs_f64() };
+    Ok(ScenarioFleet { fleet: Fleet { model: shape, kinds, link }, chips })
+}
+
+fn mean(dist: &LengthDist) -> f64 {
+    match *dist {
+        LengthDist::Fixed(n) => n as f64,
+        LengthDist::Uniform { lo, hi } => (lo as f64 + hi as f64) / 2.0,
+        LengthDist::Normal { mean, .. } => mean.max(1.0),
+    }
+}
+
+/// `scenario`'s traffic: its mean rate and mean prompt and output lengths (a shared
+/// system prompt counted in the prompt).
+pub fn workload(scenario: &Scenario) -> Workload {
+    let rate_rps = scenario.workload.rate_rps;
+    match &scenario.workload.requests {
+        WorkloadRequests::Synthetic { isl, osl, shared, .. } => {
+            Workload { rate_rps, isl: mean(isl) + shared.as_ref().map_or(0.0, |s| s.words as f64), osl: mean(osl) }
+        }
+        WorkloadRequests::Trace(requests) => {
+            let n = requests.len().max(1) as f64;
+            Workload {
+                rate_rps,
+                isl: requests.iter().map(|r| r.input_length as f64).sum::<f64>() / n,
+                osl: requests.iter().map(|r| r.output_length as f64).sum::<f64>() / n,
+            }
+        }
+    }
+}
+
+/// The scenario's SLOs.
+pub fn slo(scenario: &Scenario) -> Slo {
+    Slo { ttft_s: scenario.slo.ttft_ms / 1e3, tpot_s: scenario.slo.tpot_ms / 1e3 }
+}
+
+/// `scenario` with `strategy` applied: of each kind's chips in topology order, the first
+/// prefill, the next decode, the next do both, the rest are left out; every chip that
+/// stays takes the strategy's batch limits.
+pub fn apply(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) -> Result<Scenario, SolveError> {
+    if strategy.roles.len() != fleet.chips.len() {
+        return Err(SolveError::Mismatch { got: strategy.roles.len(), want: fleet.chips.len() });
+    }
+    let mut role_of = std::collections::BTreeMap::new();
+    for (roles, ids) in strategy.roles.iter().zip(&fleet.chips) {
+        let plan = std::iter::repeat_n(Role::Prefill, roles.prefill as usize)
+            .chain(std::iter::repeat_n(Role::Decode, roles.decode as usize))
+            .chain(std::iter::repeat_n(Role::Both, roles.both as usize));
+        for (id, role) in ids.iter().zip(plan) {
+            role_of.insert(id.clone(), role);
+        }
+    }
+    let mut out = scenario.clone();
+    let spec = &mut out.topology;
+    spec.disagg.min_prompt_tokens = strategy.min_prompt_tokens as usize;
+    for host in &mut spec.hosts {
+        host.chips.retain(|c: &ChipSpec| role_of.contains_key(&c.id));
+        for chip in &mut host.chips {
+            chip.role = role_of[&chip.id];
+            chip.max_batch_tokens = strategy.prefill_budget as usize;
+            chip.max_batch_seqs = strategy.decode_cap as usize;
+        }
+    }
+    Ok(out)
+}
+
+/// A strategy's figures as the simulator measured them.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Simulated {
+    pub goodput_rps: f64,
+    pub ttft_p90_s: f64,
+    pub tpot_p90_s: f64,
+    pub usd_per_million_tokens: Option<f64>,
+    pub joules_per_request: Option<f64>,
+    /// Requests within both SLOs per $.
+    pub goodput_per_usd: Option<f64>,
+    pub failed: usize,
+    pub kv_blocks_leaked: usize,
+}
+
+/// Runs `scenario` with `strategy` applied, in the simulator.
+pub fn verify(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) -> Result<Simulated, String> {
+    let applied = apply(scenario, fleet, strategy).map_err(|e| e.to_string())?;
+    let (report, _) = crate::run(&applied, None).map_err(|e| e.to_string())?;
+    let p90 = |l: Option<crate::report::Latency>| l.map_or(f64::INFINITY, |l| l.p90_ms / 1e3);
+    Ok(Simulated {
+        goodput_rps: report.goodput_rps,
+        ttft_p90_s: p90(report.ttft),
+        tpot_p90_s: p90(report.tpot),
+        usd_per_million_tokens: report.usd_per_million_output_tokens,
+        // kWh per 10,000 requests -> J per request.
+        joules_per_request: report.kwh_per_10k_requests.map(|kwh| kwh * 3.6e6 / 1e4),
+        goodput_per_usd: report.slo_met_per_usd,
+        failed: report.failed + report.unfinished,
+        kv_blocks_leaked: report.kv_blocks_used_at_end,
+    })
+}
+
+/// One strategy of the published set: its analytic figures, and the simulator's when
+/// it was verified.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Published {
+    pub id: usize,
+    pub strategy: Strategy,
+    pub describe: String,
+    pub analytic: tessera_solver::Figures,
+    pub simulated: Option<Simulated>,
+    /// Why the simulator could not run it.
+    pub verify_error: Option<String>,
+}
+
+/// The solve of a scenario: the Pareto set, and the strategy chosen by goodput per $
+/// (the simulated figure where verified).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Solution {
+    pub scenario: String,
+    pub workload: Workload,
+    pub slo: Slo,
+    pub strategies: Vec<Published>,
+    pub chosen: Option<usize>,
+}
+
+/// Solves `scenario` over `space`, then verifies in the simulator the `verify`
+/// strategies of the set with the best analytic goodput per $.
+pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usize) -> Result<Solution, String> {
+    let fleet = fleet(scenario).map_err(|e| format!("{}: {e}", scenario.source))?;
+    let (work, slo) = (workload(scenario), slo(scenario));
+    let set = tessera_solver::search::solve(&fleet.fleet, &work, &slo, space).map_err(|e| e.to_string())?;
+    let mut strategies: Vec<Published> = set
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| Published {
+            id: i + 1,
+            describe: c.strategy.describe(&fleet.fleet),
+            strategy: c.strategy,
+            analytic: c.figures,
+            simulated: None,
+            verify_error: None,
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..strategies.len()).collect();
+    order.sort_by(|&a, &b| {
+        strategies[b].analytic.goodput_per_usd().total_cmp(&strategies[a].analytic.goodput_per_usd()).then(a.cmp(&b))
+    });
+    for &i in order.iter().take(verify_top) {
+        match verify(scenario, &fleet, &strategies[i].strategy) {
+            Ok(s) => strategies[i].simulated = Some(s),
+            Err(e) => strategies[i].verify_error = Some(e),
+        }
+    }
+    let score = |p: &Published| match p.simulated {
+        Some(s) if s.failed == 0 => s.goodput_per_usd.unwrap_or(0.0),
+        Some(_) => 0.0,
+        None if verify_top == 0 => p.analytic.goodput_per_usd(),
+        None => f64::NEG_INFINITY,
+    };
+    let chosen = strategies
+        .iter()
+        .filter(|p| score(p) > f64::NEG_INFINITY)
+        .max_by(|a, b| score(a).total_cmp(&score(b)).then(b.id.cmp(&a.id)))
+        .map(|p| p.id);
+    Ok(Solution { scenario: scenario.source.clone(), workload: work, slo, strategies, chosen })
+}
+
+impl Solution {
+    /// The Pareto table: analytic figures, and simulated ones under them where verified.
+    pub fn table(&self) -> String {
+        let w = &self.workload;
+        let mut out = format!(
+            "scenario   {}\nworkload   {} req/s, {:.0} prompt / {:.0} output tokens (means); SLO TTFT {:.0} ms, TPOT {:.0} ms (p90)\n\
+             set        {} strategies on the Pareto front (analytic); {} verified in the simulator\n\n",
+            self.scenario,
+            w.rate_rps,
+            w.isl,
+            w.osl,
+            self.slo.ttft_s * 1e3,
+            self.slo.tpot_s * 1e3,
+            self.strategies.len(),
+            self.strategies.iter().filter(|p| p.simulated.is_some()).count(),
+        );
+        out += &format!(
+            "{:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}  strategy\n",
+            "id", "goodput", "TTFT p90", "TPOT p90", "$/Mtok", "J/req", "req/$"
+        );
+        let row = |tag: &str, g: f64, ttft: f64, tpot: f64, usd: Option<f64>, j: Option<f64>, per: Option<f64>| {
+            let opt = |x: Option<f64>, p: usize| x.map_or("-".to_string(), |x| format!("{x:.p$}"));
+            format!(
+                "{tag:>4} {g:>9.2} {:>9.1} {:>9.2} {:>9} {:>9} {:>10}",
+                ttft * 1e3,
+                tpot * 1e3,
+                opt(usd, 3),
+                opt(j, 1),
+                opt(per, 1)
+            )
+        };
+        for p in &self.strategies {
+            let a = &p.analytic;
+            let mark = if self.chosen == Some(p.id) { "  <- chosen" } else { "" };
+            out += &row(
+                &p.id.to_string(),
+                a.goodput_rps,
+                a.ttft_p90_s,
+                a.tpot_p90_s,
+                Some(a.usd_per_million_tokens),
+                Some(a.joules_per_request),
+                Some(a.goodput_per_usd()),
+            );
+            out += &format!("  {}{mark}\n", p.describe);
+            if let Some(s) = &p.simulated {
+                out += &row(
+                    "sim",
+                    s.goodput_rps,
+                    s.ttft_p90_s,
+                    s.tpot_p90_s,
+                    s.usd_per_million_tokens,
+                    s.joules_per_request,
+                    s.goodput_per_usd,
+                );
+                out += &format!("  simulated: {} failed, {} KV blocks leaked\n", s.failed, s.kv_blocks_leaked);
+            }
+            if let Some(e) = &p.verify_error {
+                out += &format!("     simulator: {e}\n");
+            }
+        }
+        out += "\ngoodput in req/s within both SLOs; TTFT and TPOT p90 in ms; req/$: requests within SLO per $\n";
+        out
+    }
+
+    /// The frontier drawn as goodput per $ against TTFT p90 (simulated where verified,
+    /// analytic otherwise, hollow), the chosen strategy marked.
+    pub fn svg(&self) -> String {
+        const W: f64 = 800.0;
+        const H: f64 = 450.0;
+        const M: f64 = 60.0;
+        let points: Vec<(usize, f64, f64, bool)> = self
+            .strategies
+            .iter()
+            .map(|p| match &p.simulated {
+                Some(s) => (p.id, s.ttft_p90_s * 1e3, s.goodput_per_usd.unwrap_or(0.0), true),
+                None => (p.id, p.analytic.ttft_p90_s * 1e3, p.analytic.goodput_per_usd(), false),
+            })
+            .filter(|p| p.1.is_finite() && p.2.is_finite())
+            .collect();
+        let x_top = points.iter().map(|p| p.1).fold(1e-9, f64::max) * 1.1;
+        let y_top = points.iter().map(|p| p.2).fold(1e-9, f64::max) * 1.1;
+        let x = |ms: f64| M + (W - 2.0 * M) * ms / x_top;
+        let y = |v: f64| H - M - (H - 2.0 * M) * v / y_top;
+        let mut svg = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+             <rect width=\"{W}\" height=\"{H}\" fill=\"white\"/>\n\
+             <text x=\"{M}\" y=\"20\">{}: strategies, goodput per $ against TTFT p90 (filled: simulated)</text>\n\
+             <line x1=\"{M}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+             <line x1=\"{M}\" y1=\"{M}\" x2=\"{M}\" y2=\"{b}\" stroke=\"black\"/>\n\
+             <text x=\"{r}\" y=\"{t}\" text-anchor=\"end\">TTFT p90, {x_top:.0} ms</text>\n\
+             <text x=\"5\" y=\"{M}\">{y_top:.0} req/$</text>\n",
+            crate::report::xml(&self.scenario),
+            b = H - M,
+            r = W - M,
+            t = H - M + 20.0,
+        );
+        for &(id, ms, v, simulated) in &points {
+            let fill = if simulated { "steelblue" } else { "none" };
+            svg += &format!(
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"{fill}\" stroke=\"steelblue\"><title>{id}</title></circle>\n",
+                x(ms),
+                y(v)
+            );
+            if self.chosen == Some(id) {
+                svg += &format!(
+                    "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"9\" fill=\"none\" stroke=\"crimson\" stroke-width=\"2\"/>\n\
+                     <text x=\"{:.1}\" y=\"{:.1}\" fill=\"crimson\">chosen: {id}</text>\n",
+                    x(ms),
+                    y(v),
+                    x(ms) + 12.0,
+                    y(v) - 6.0
+                );
+            }
+        }
+        svg += "</svg>\n";
+        svg
+    }
+}

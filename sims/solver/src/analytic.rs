@@ -1,0 +1,400 @@
+//! The analytic model that screens strategies: step times from the roofline
+//! (`tessera-perf`, the model emulated and simulated chips are timed by) and a queueing
+//! estimate around them.
+//!
+//! The router's rule decides where requests go (see `place` in the router): a prompt
+//! of at least `min_prompt_tokens` tokens is disaggregated when the strategy has both a
+//! prefill and a decode chip; otherwise every request runs whole on one chip that
+//! decodes (`decode` or `both`; a `prefill` chip only when no chip decodes).
+//!
+//! - **Disaggregated**: the prefill chips are one pool of servers (an M/D/c queue,
+//!   Sakasegawa's approximation, the chips' shares in proportion to their speed); a
+//!   prompt's TTFT is its wait, its chunked prefill, and the hand-off of its last layer
+//!   (the earlier layers stream during the prefill). Each decode chip carries output
+//!   tokens in proportion to its capacity; its batch is what that rate needs by
+//!   Little's law, and TPOT is the step time of that batch.
+//! - **Colocated**: each chip's steps carry its decodes and, in a share of its steps,
+//!   a chunk of a prompt: the share and the batch solve both the prompt tokens' and
+//!   the output tokens' rates at once, TPOT is the mean step, and a prompt's service
+//!   is its chunks at the mixed steps' time.
+//!
+//! A wait is 0 with the probability of not waiting and exponential beyond it; the p90s
+//! are a request's service at the 90th percentile of the chips' shares plus the wait's
+//! 90th percentile. Goodput is the offered rate times the share of requests that meet
+//! both SLOs (each kind's share of requests, its service and TPOT, the wait's tail), as
+//! the simulator counts it: a strategy that cannot keep up with the offered rate has
+//! none, since its queues grow without bound. These are screening figures; the
+//! simulator verifies.
+
+use tessera_perf::{ModelShape, SeqStep, StepShape, roofline};
+
+use crate::{Figures, Fleet, KindSpec, Slo, Strategy, Workload};
+
+/// Bisection rounds for a decode batch.
+const BATCH_ROUNDS: u32 = 40;
+/// A pool counts as saturated from this utilisation on.
+const MAX_UTILISATION: f64 = 0.995;
+
+/// One kind's step times under one setting of the limits.
+#[derive(Debug, Clone)]
+struct KindTable {
+    /// One prompt alone, chunked by the budget.
+    prefill_s: f64,
+    /// Prompts per second a chip prefills when saturated (prompts shorter than the
+    /// budget share a step).
+    prefill_rate: f64,
+    /// Prompt tokens in one chunk.
+    chunk: f64,
+    /// Chunks per prompt.
+    chunks: f64,
+    /// A decode-only step of `b` sequences at the mean context, at index `b - 1`.
+    decode_s: Vec<f64>,
+    /// A step of one chunk and `b` decodes, at index `b`.
+    mixed_s: Vec<f64>,
+    /// The most sequences a chip decodes at once: the cap, or fewer when its KV runs out.
+    max_batch: usize,
+}
+
+impl KindTable {
+    fn new(kind: &KindSpec, model: &ModelShape, workload: &Workload, budget: u32, cap: u32) -> KindTable {
+        let time = |step: &StepShape| roofline(kind.roof, model, step, &kind.perf, kind.time_scale).time_s;
+        let isl = workload.isl.round().max(1.0) as usize;
+        let context = (workload.isl + workload.osl / 2.0).round().max(1.0) as usize;
+        let budget = budget.max(1) as usize;
+        let chunk = isl.min(budget);
+        let (mut prefill_s, mut done) = (0.0, 0);
+        while done < isl {
+            let n = chunk.min(isl - done);
+            done += n;
+            prefill_s += time(&StepShape { seqs: vec![SeqStep { new_tokens: n, context: done }] });
+        }
+        let chunks = isl.div_ceil(chunk);
+        let prefill_rate = if isl >= budget {
+            1.0 / prefill_s
+        } else {
+            let per_step = budget / isl;
+            per_step as f64 / time(&StepShape { seqs: vec![SeqStep { new_tokens: isl, context: isl }; per_step] })
+        };
+        let per_seq = (workload.isl + workload.osl).max(1.0);
+        let max_batch = (cap as usize).min((kind.kv_tokens as f64 / per_seq) as usize);
+        let decode_s = (1..=max_batch).map(|b| time(&StepShape::decode(b, context))).collect();
+        let chunk_seq = SeqStep { new_tokens: chunk, context: (isl + chunk) / 2 };
+        let mixed_s = (0..=max_batch)
+            .map(|b| {
+                let mut seqs = vec![SeqStep { new_tokens: 1, context }; b];
+                seqs.push(chunk_seq);
+                time(&StepShape { seqs })
+            })
+            .collect();
+        KindTable { prefill_s, prefill_rate, chunk: chunk as f64, chunks: chunks as f64, decode_s, mixed_s, max_batch }
+    }
+
+    /// A decode step of `b` sequences (fractional: interpolated; under one: one's).
+    fn decode_at(&self, b: f64) -> f64 {
+        interpolate(&self.decode_s, b - 1.0)
+    }
+
+    /// A chunk step with `b` decodes.
+    fn mixed_at(&self, b: f64) -> f64 {
+        interpolate(&self.mixed_s, b)
+    }
+
+    /// Output tokens per second at a full batch, decode-only.
+    fn decode_capacity(&self) -> f64 {
+        match self.decode_s.last() {
+            Some(&t) if t > 0.0 => self.max_batch as f64 / t,
+            _ => 0.0,
+        }
+    }
+}
+
+/// `table` at fractional index `x`, clamped to its ends.
+fn interpolate(table: &[f64], x: f64) -> f64 {
+    let Some(&last) = table.last() else { return f64::INFINITY };
+    if x <= 0.0 {
+        return table[0];
+    }
+    let i = x.floor() as usize;
+    if i + 1 >= table.len() {
+        return last;
+    }
+    let frac = x - i as f64;
+    table[i] * (1.0 - frac) + table[i + 1] * frac
+}
+
+/// The step-time tables of every kind of `fleet` under one setting of the limits:
+/// built once, shared by every role split scored with them.
+#[derive(Debug, Clone)]
+pub struct Tables {
+    kinds: Vec<KindTable>,
+    prefill_budget: u32,
+    decode_cap: u32,
+}
+
+impl Tables {
+    pub fn new(fleet: &Fleet, workload: &Workload, prefill_budget: u32, decode_cap: u32) -> Tables {
+        let kinds =
+            fleet.kinds.iter().map(|k| KindTable::new(k, &fleet.model, workload, prefill_budget, decode_cap)).collect();
+        Tables { kinds, prefill_budget, decode_cap }
+    }
+}
+
+/// What a strategy's chips do at one arrival rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Load {
+    ttft_p90_s: f64,
+    tpot_p90_s: f64,
+    /// The share of requests within both SLOs.
+    within_slo: f64,
+    /// Board power of the active chips.
+    watts: f64,
+}
+
+/// The wait of a pooled queue: none with probability `1 - p_wait`, else exponential
+/// with mean `tail_s`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Wait {
+    p_wait: f64,
+    tail_s: f64,
+}
+
+impl Wait {
+    /// The wait in an M/D/c queue of `servers` at utilisation `rho` and arrival rate
+    /// `rate` (Sakasegawa's approximation of the mean wait; the probability of waiting
+    /// from the same power of `rho`).
+    fn of(servers: f64, rho: f64, rate: f64) -> Wait {
+        if rho <= 0.0 || rate <= 0.0 {
+            return Wait { p_wait: 0.0, tail_s: 0.0 };
+        }
+        let power = (2.0 * (servers + 1.0)).sqrt();
+        // Poisson arrivals (cv^2 = 1), deterministic service (cv^2 = 0).
+        let mean_wait = rho.powf(power) / (1.0 - rho) * 0.5 / rate;
+        let p_wait = rho.powf(power - 1.0).min(1.0);
+        if p_wait <= 0.0 {
+            return Wait { p_wait: 0.0, tail_s: 0.0 };
+        }
+        Wait { p_wait, tail_s: mean_wait / p_wait }
+    }
+
+    /// The wait's 90th percentile.
+    fn p90(&self) -> f64 {
+        if self.p_wait <= 0.1 { 0.0 } else { self.tail_s * (self.p_wait / 0.1).ln() }
+    }
+
+    /// The probability that the wait is at most `s`.
+    fn within(&self, s: f64) -> f64 {
+        if s < 0.0 {
+            0.0
+        } else if self.tail_s <= 0.0 {
+            1.0
+        } else {
+            1.0 - self.p_wait * (-s / self.tail_s).exp()
+        }
+    }
+}
+
+/// The value below which `share` of the weight lies, over (value, weight) pairs.
+fn weighted_quantile(mut points: Vec<(f64, f64)>, share: f64) -> f64 {
+    points.retain(|&(_, w)| w > 0.0);
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: f64 = points.iter().map(|p| p.1).sum();
+    let mut seen = 0.0;
+    for &(value, weight) in &points {
+        seen += weight;
+        if seen >= share * total {
+            return value;
+        }
+    }
+    points.last().map_or(0.0, |p| p.0)
+}
+
+/// The batch at which a chip of `table` carries `tokens_per_s` output tokens decode-only
+/// (Little: batch / step time), or `None` past its full batch.
+fn decode_batch(table: &KindTable, tokens_per_s: f64) -> Option<f64> {
+    if tokens_per_s <= 0.0 {
+        return Some(0.0);
+    }
+    if tokens_per_s >= table.decode_capacity() * MAX_UTILISATION {
+        return None;
+    }
+    let (mut lo, mut hi) = (0.0, table.max_batch as f64);
+    for _ in 0..BATCH_ROUNDS {
+        let mid = (lo + hi) / 2.0;
+        if mid / table.decode_at(mid) < tokens_per_s { lo = mid } else { hi = mid }
+    }
+    Some(hi)
+}
+
+/// A colocated chip's batch and chunk-step share when it takes `rps` requests a
+/// second: `None` when no batch up to its full one keeps up.
+fn colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Option<(f64, f64)> {
+    if rps <= 0.0 {
+        return Some((0.0, 0.0));
+    }
+    let (out_rate, in_rate) = (rps * workload.osl, rps * workload.isl);
+    // With a batch of b: a step each `b / out_rate` seconds, a chunk in a share f of
+    // them; the batch that balances is where the mean step time meets that pace.
+    let mix = |b: f64| {
+        let step = b.max(1e-9) / out_rate;
+        let f = in_rate * step / table.chunk;
+        (f, (1.0 - f) * table.decode_at(b) + f * table.mixed_at(b) - step)
+    };
+    let full = table.max_batch as f64;
+    let (f_full, gap_full) = mix(full);
+    if gap_full >= 0.0 || f_full > 1.0 {
+        return None;
+    }
+    let (mut lo, mut hi) = (0.0, full);
+    for _ in 0..BATCH_ROUNDS {
+        let mid = (lo + hi) / 2.0;
+        if mix(mid).1 > 0.0 { lo = mid } else { hi = mid }
+    }
+    let (f, _) = mix(hi);
+    (f <= 1.0).then_some((hi, f))
+}
+
+/// The strategy's chips at `rate` requests a second, or `None` when they cannot keep up.
+fn load_at(
+    fleet: &Fleet,
+    tables: &Tables,
+    strategy: &Strategy,
+    workload: &Workload,
+    slo: &Slo,
+    rate: f64,
+) -> Option<Load> {
+    let kinds = fleet.kinds.iter().zip(&tables.kinds).zip(&strategy.roles);
+    let prefills: u32 = strategy.roles.iter().map(|r| r.prefill).sum();
+    let decodes: u32 = strategy.roles.iter().map(|r| r.decode).sum();
+    let disaggregated = prefills > 0 && decodes > 0 && workload.isl >= strategy.min_prompt_tokens as f64;
+    let mut watts = 0.0;
+    if disaggregated {
+        // Prefill pool.
+        let capacity: f64 = kinds.clone().map(|((_, t), r)| r.prefill as f64 * t.prefill_rate).sum();
+        let rho = rate / capacity;
+        if rho >= MAX_UTILISATION {
+            return None;
+        }
+        let service = weighted_quantile(
+            kinds.clone().map(|((_, t), r)| (t.prefill_s, r.prefill as f64 * t.prefill_rate)).collect(),
+            0.9,
+        );
+        let layers = fleet.model.num_layers.max(1) as u64;
+        let last_layer = (workload.isl.max(1.0) as u64) * fleet.model.kv_bytes_per_token() / layers;
+        let handoff = fleet.link.transfer_s(last_layer);
+        let wait = Wait::of(prefills as f64, rho, rate);
+        let ttft = service + wait.p90() + handoff;
+        let ttft_ok: f64 = kinds
+            .clone()
+            .map(|((_, t), r)| {
+                r.prefill as f64 * t.prefill_rate / capacity * wait.within(slo.ttft_s - t.prefill_s - handoff)
+            })
+            .sum();
+        // Decode chips, output tokens in proportion to their capacity.
+        let prefill_capacity = capacity;
+        let capacity: f64 = kinds.clone().map(|((_, t), r)| r.decode as f64 * t.decode_capacity()).sum();
+        if kinds.clone().any(|((_, t), r)| r.decode > 0 && t.max_batch == 0) {
+            return None;
+        }
+        let tokens = rate * workload.osl;
+        let (mut tpots, mut tpot_ok) = (Vec::new(), 0.0);
+        for ((kind, table), roles) in kinds {
+            if roles.decode > 0 {
+                let per_chip = tokens * table.decode_capacity() / capacity;
+                let batch = decode_batch(table, per_chip)?;
+                let tpot = table.decode_at(batch);
+                tpots.push((tpot, per_chip * roles.decode as f64));
+                if tpot <= slo.tpot_s {
+                    tpot_ok += per_chip * roles.decode as f64 / tokens;
+                }
+                watts += roles.decode as f64 * busy_watts(kind, 0.0, batch.min(1.0));
+            }
+            watts += roles.prefill as f64 * busy_watts(kind, rate / prefill_capacity, 0.0);
+            // `both` chips take nothing while the cluster disaggregates.
+            watts += roles.both as f64 * kind.power.idle_w;
+        }
+        let within_slo = ttft_ok * tpot_ok;
+        return Some(Load { ttft_p90_s: ttft, tpot_p90_s: weighted_quantile(tpots, 0.9), within_slo, watts });
+    }
+    // Colocated: chips that decode, or prefill chips when none does.
+    let serving = |r: &crate::Roles| {
+        if decodes + strategy.roles.iter().map(|r| r.both).sum::<u32>() > 0 { r.decode + r.both } else { r.prefill }
+    };
+    let capacity: f64 = kinds.clone().map(|((_, t), r)| serving(r) as f64 * t.decode_capacity()).sum();
+    if capacity <= 0.0 || kinds.clone().any(|((_, t), r)| serving(r) > 0 && t.max_batch == 0) {
+        return None;
+    }
+    let (mut ttfts, mut tpots, mut prefill_rate, mut servers) = (Vec::new(), Vec::new(), 0.0, 0.0);
+    // (share of requests, service, TPOT) per kind, for the share within the SLOs.
+    let mut shares = Vec::new();
+    for ((kind, table), roles) in kinds {
+        let n = serving(roles);
+        watts += (roles.active() - n) as f64 * kind.power.idle_w;
+        if n == 0 {
+            continue;
+        }
+        let rps = rate * table.decode_capacity() / capacity;
+        let (batch, f) = colocated_mix(table, workload, rps)?;
+        let step = (1.0 - f) * table.decode_at(batch) + f * table.mixed_at(batch);
+        let service = table.chunks * table.mixed_at(batch);
+        tpots.push((step, rps * n as f64));
+        ttfts.push((service, rps * n as f64));
+        shares.push((rps * n as f64 / rate, service, step));
+        // A chunk step serves `chunk / isl` prompts.
+        prefill_rate += n as f64 * (table.chunk / workload.isl.max(1.0)) / table.mixed_at(batch);
+        servers += n as f64;
+        watts += n as f64 * busy_watts(kind, f, batch.min(1.0) * (1.0 - f));
+    }
+    let rho = rate / prefill_rate;
+    if rho >= MAX_UTILISATION {
+        return None;
+    }
+    let wait = Wait::of(servers, rho, rate);
+    let ttft = weighted_quantile(ttfts, 0.9) + wait.p90();
+    let within_slo = shares
+        .iter()
+        .map(|&(share, service, tpot)| if tpot <= slo.tpot_s { share * wait.within(slo.ttft_s - service) } else { 0.0 })
+        .sum();
+    Some(Load { ttft_p90_s: ttft, tpot_p90_s: weighted_quantile(tpots, 0.9), within_slo, watts })
+}
+
+/// A chip's board power busy in prefill a share `prefill` of the time and in decode a
+/// share `decode`, idle otherwise.
+fn busy_watts(kind: &KindSpec, prefill: f64, decode: f64) -> f64 {
+    let idle = (1.0 - prefill - decode).max(0.0);
+    kind.power.prefill_w * prefill + kind.power.decode_w * decode + kind.power.idle_w * idle
+}
+
+/// `strategy`'s objectives for `workload` within `slo`, with `tables` built for its
+/// limits; `None` when it gives no chip a role, cannot keep up with the offered rate,
+/// or serves no request within the SLOs.
+pub fn evaluate(
+    fleet: &Fleet,
+    tables: &Tables,
+    strategy: &Strategy,
+    workload: &Workload,
+    slo: &Slo,
+) -> Option<Figures> {
+    debug_assert_eq!((tables.prefill_budget, tables.decode_cap), (strategy.prefill_budget, strategy.decode_cap));
+    let usd_per_hour: f64 =
+        strategy.roles.iter().zip(&fleet.kinds).map(|(r, k)| r.active() as f64 * k.usd_per_hour).sum();
+    if strategy.roles.iter().all(|r| r.active() == 0) || workload.rate_rps <= 0.0 {
+        return None;
+    }
+    let load = load_at(fleet, tables, strategy, workload, slo, workload.rate_rps)?;
+    let goodput = workload.rate_rps * load.within_slo.clamp(0.0, 1.0);
+    if goodput <= 0.0 {
+        return None;
+    }
+    let tokens_per_hour = goodput * workload.osl * 3600.0;
+    Some(Figures {
+        goodput_rps: goodput,
+        ttft_p90_s: load.ttft_p90_s,
+        tpot_p90_s: load.tpot_p90_s,
+        usd_per_million_tokens: usd_per_hour / tokens_per_hour * 1e6,
+        joules_per_request: load.watts / workload.rate_rps,
+        usd_per_hour,
+    })
+}
+
+#[cfg(test)]
+mod tests;

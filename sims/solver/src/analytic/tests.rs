@@ -1,0 +1,153 @@
+use tessera_perf::{Link, PerfModel, Power, REFERENCE_MODEL, Roof};
+
+use super::*;
+use crate::search::{exhaustive, solve};
+use crate::{Roles, Space};
+
+/// A kind with these peaks, price and board power, and 40 GB of KV.
+fn kind(name: &str, chips: u32, tflops: f64, gbs: f64, usd: f64, tdp: f64) -> KindSpec {
+    KindSpec {
+        name: name.into(),
+        chips,
+        roof: Roof { fp16_tflops: tflops, memory_bw_gbs: gbs },
+        perf: PerfModel::flat(0.6, 0.8),
+        time_scale: 1.0,
+        usd_per_hour: usd,
+        power: Power::from_tdp(tdp),
+        kv_tokens: 40_000_000_000 / REFERENCE_MODEL.kv_bytes_per_token(),
+    }
+}
+
+/// H100-, A100- and 910B-like kinds (the catalog's peaks, round prices).
+fn fleet(h100: u32, a100: u32, ascend: u32) -> Fleet {
+    Fleet {
+        model: REFERENCE_MODEL,
+        kinds: vec![
+            kind("h100", h100, 989.0, 3350.0, 4.0, 700.0),
+            kind("a100", a100, 312.0, 2039.0, 2.0, 400.0),
+            kind("910b", ascend, 376.0, 1600.0, 2.5, 400.0),
+        ],
+        link: Link { bandwidth_gbs: 12.5, latency_s: 20e-6 },
+    }
+}
+
+fn strategy(roles: &[(u32, u32, u32)]) -> Strategy {
+    Strategy {
+        roles: roles.iter().map(|&(prefill, decode, both)| Roles { prefill, decode, both }).collect(),
+        prefill_budget: 2048,
+        decode_cap: 256,
+        min_prompt_tokens: 32,
+    }
+}
+
+const WORKLOAD: Workload = Workload { rate_rps: 20.0, isl: 1024.0, osl: 256.0 };
+const SLO: Slo = Slo { ttft_s: 1.0, tpot_s: 0.05 };
+
+fn score(fleet: &Fleet, s: &Strategy, workload: &Workload) -> Option<Figures> {
+    let tables = Tables::new(fleet, workload, s.prefill_budget, s.decode_cap);
+    evaluate(fleet, &tables, s, workload, &SLO)
+}
+
+#[test]
+fn an_unloaded_disaggregated_request_takes_its_prefill_and_hand_off_then_one_step_a_token() {
+    let f = fleet(1, 1, 0);
+    let s = strategy(&[(1, 0, 0), (0, 1, 0), (0, 0, 0)]);
+    let light = Workload { rate_rps: 0.01, ..WORKLOAD };
+    let figures = score(&f, &s, &light).expect("a light load is served");
+    let t = Tables::new(&f, &light, 2048, 256);
+    let handoff = f.link.transfer_s(1024 * REFERENCE_MODEL.kv_bytes_per_token() / 32);
+    assert!((figures.ttft_p90_s - t.kinds[0].prefill_s - handoff).abs() < 1e-9, "{figures:?}");
+    assert!((figures.tpot_p90_s - t.kinds[1].decode_s[0]).abs() < 1e-9, "{figures:?}");
+    assert_eq!(figures.goodput_rps, 0.01);
+    assert_eq!(figures.usd_per_hour, 6.0);
+}
+
+#[test]
+fn load_raises_the_p90s_and_lowers_the_share_within_slo_and_past_capacity_nothing_is_served() {
+    let f = fleet(1, 1, 0);
+    let s = strategy(&[(1, 0, 0), (0, 1, 0), (0, 0, 0)]);
+    let tight = Slo { ttft_s: 0.026, ..SLO };
+    let at = |rate: f64| {
+        let w = Workload { rate_rps: rate, ..WORKLOAD };
+        evaluate(&f, &Tables::new(&f, &w, 2048, 256), &s, &w, &tight)
+    };
+    let mut last = at(0.5).expect("served");
+    let mut share = last.goodput_rps / 0.5;
+    assert!(share > 0.98, "{last:?}");
+    for rate in [2.0, 4.0, 6.0] {
+        let now = at(rate).expect("served");
+        assert!(now.ttft_p90_s >= last.ttft_p90_s && now.tpot_p90_s >= last.tpot_p90_s, "{last:?} then {now:?}");
+        assert!(now.goodput_rps / rate <= share + 1e-12, "{rate} req/s: {now:?}");
+        (last, share) = (now, now.goodput_rps / rate);
+    }
+    assert!(last.goodput_rps < 6.0, "the tight TTFT SLO is missed by some: {last:?}");
+    // Past the decode chip's capacity the queues grow without bound.
+    assert_eq!(at(8.0), None);
+}
+
+#[test]
+fn more_chips_of_a_role_never_serve_less() {
+    let f = fleet(4, 4, 0);
+    let heavy = Workload { rate_rps: 200.0, ..WORKLOAD };
+    let mut last = 0.0;
+    for n in 1..=4 {
+        let g = score(&f, &strategy(&[(n, 0, 0), (0, 4, 0), (0, 0, 0)]), &heavy).map_or(0.0, |x| x.goodput_rps);
+        assert!(g >= last, "{n} prefill chips: {g} < {last}");
+        last = g;
+    }
+}
+
+#[test]
+fn a_strategy_without_a_serving_chip_or_with_too_little_kv_scores_nothing() {
+    let f = fleet(1, 1, 1);
+    assert_eq!(score(&f, &strategy(&[(0, 0, 0), (0, 0, 0), (0, 0, 0)]), &WORKLOAD), None);
+    let mut tiny = fleet(1, 1, 0);
+    tiny.kinds[1].kv_tokens = 100;
+    assert_eq!(score(&tiny, &strategy(&[(1, 0, 0), (0, 1, 0), (0, 0, 0)]), &WORKLOAD), None);
+}
+
+#[test]
+fn colocated_steps_share_a_chip_between_chunks_and_decodes() {
+    let f = fleet(1, 0, 0);
+    let s = strategy(&[(0, 0, 1), (0, 0, 0), (0, 0, 0)]);
+    let figures = score(&f, &s, &Workload { rate_rps: 2.0, ..WORKLOAD }).expect("served");
+    let t = Tables::new(&f, &WORKLOAD, 2048, 256);
+    // Decodes ride in chunk steps now and then: slower than decode-only, faster than a chunk.
+    assert!(figures.tpot_p90_s > t.kinds[0].decode_s[0] && figures.tpot_p90_s < t.kinds[0].mixed_s[0]);
+}
+
+fn small_space() -> Space {
+    Space { prefill_budgets: vec![512, 2048], decode_caps: vec![8, 128], min_prompt_tokens: vec![32, 4096] }
+}
+
+#[test]
+fn the_search_finds_the_exhaustive_frontier_on_nine_and_twelve_chips_of_three_kinds() {
+    let space = Space { prefill_budgets: vec![2048], decode_caps: vec![64], min_prompt_tokens: vec![32] };
+    for (f, rate) in [(fleet(3, 3, 3), 5.0), (fleet(4, 4, 4), 40.0)] {
+        let workload = Workload { rate_rps: rate, ..WORKLOAD };
+        let searched = solve(&f, &workload, &SLO, &space).expect("searched");
+        assert!(searched.len() > 3, "a trade-off to find: {searched:?}");
+        assert_eq!(searched, exhaustive(&f, &workload, &SLO, &space).expect("searched"));
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
+    #[test]
+    fn the_search_finds_the_exhaustive_frontier_on_small_fleets(
+        chips in proptest::collection::vec(0u32..=2, 3),
+        prices in proptest::collection::vec(0.5f64..5.0, 3),
+        rate in 0.5f64..60.0,
+        isl in 16f64..2048.0,
+    ) {
+        let mut f = fleet(chips[0], chips[1], chips[2]);
+        for (k, p) in f.kinds.iter_mut().zip(&prices) {
+            k.usd_per_hour = *p;
+        }
+        let workload = Workload { rate_rps: rate, isl, osl: 128.0 };
+        match (solve(&f, &workload, &SLO, &small_space()), exhaustive(&f, &workload, &SLO, &small_space())) {
+            (Ok(a), Ok(b)) => proptest::prop_assert_eq!(a, b),
+            (a, b) => proptest::prop_assert_eq!(a.map(|_| ()), b.map(|_| ())),
+        }
+    }
+}
