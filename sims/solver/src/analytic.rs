@@ -253,6 +253,77 @@ fn colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Option<(f6
     (f <= 1.0).then_some((hi, f))
 }
 
+/// One side of a disaggregated strategy at one rate: the share of requests it keeps
+/// within its SLO (TTFT for prefill, TPOT for decode), its p90 of that figure, and its
+/// chips' board power.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Side {
+    pub ok: f64,
+    pub p90_s: f64,
+    pub watts: f64,
+}
+
+/// `counts[k]` chips of each kind prefilling for decode chips, at `rate`: `None` when
+/// they cannot keep up (or there are none).
+pub(crate) fn prefill_side(
+    fleet: &Fleet,
+    tables: &Tables,
+    counts: &[u32],
+    workload: &Workload,
+    slo: &Slo,
+    rate: f64,
+) -> Option<Side> {
+    let kinds = || fleet.kinds.iter().zip(&tables.kinds).zip(counts);
+    let capacity: f64 = kinds().map(|((_, t), &n)| n as f64 * t.prefill_rate).sum();
+    let rho = rate / capacity;
+    if !(rho < MAX_UTILISATION) {
+        return None;
+    }
+    let service = weighted_quantile(kinds().map(|((_, t), &n)| (t.prefill_s, n as f64 * t.prefill_rate)).collect(), 0.9);
+    let layers = fleet.model.num_layers.max(1) as u64;
+    let last_layer = (workload.isl.max(1.0) as u64) * fleet.model.kv_bytes_per_token() / layers;
+    let handoff = fleet.link.transfer_s(last_layer);
+    let servers: u32 = counts.iter().sum();
+    let wait = Wait::of(servers as f64, rho, rate);
+    let ok = kinds()
+        .map(|((_, t), &n)| n as f64 * t.prefill_rate / capacity * wait.within(slo.ttft_s - t.prefill_s - handoff))
+        .sum();
+    let watts = kinds().map(|((k, _), &n)| n as f64 * busy_watts(k, rho, 0.0)).sum();
+    Some(Side { ok, p90_s: service + wait.p90() + handoff, watts })
+}
+
+/// `counts[k]` chips of each kind decoding what prefill chips hand them, at `rate`,
+/// output tokens in proportion to each chip's capacity: `None` when they cannot keep up.
+pub(crate) fn decode_side(
+    tables: &Tables,
+    counts: &[u32],
+    workload: &Workload,
+    slo: &Slo,
+    rate: f64,
+    kinds: &[KindSpec],
+) -> Option<Side> {
+    let capacity: f64 = tables.kinds.iter().zip(counts).map(|(t, &n)| n as f64 * t.decode_capacity()).sum();
+    if !(capacity > 0.0) || tables.kinds.iter().zip(counts).any(|(t, &n)| n > 0 && t.max_batch == 0) {
+        return None;
+    }
+    let tokens = rate * workload.osl;
+    let (mut tpots, mut ok, mut watts) = (Vec::new(), 0.0, 0.0);
+    for ((table, &n), kind) in tables.kinds.iter().zip(counts).zip(kinds) {
+        if n == 0 {
+            continue;
+        }
+        let per_chip = tokens * table.decode_capacity() / capacity;
+        let batch = decode_batch(table, per_chip)?;
+        let tpot = table.decode_at(batch);
+        tpots.push((tpot, per_chip * n as f64));
+        if tpot <= slo.tpot_s {
+            ok += per_chip * n as f64 / tokens;
+        }
+        watts += n as f64 * busy_watts(kind, 0.0, batch.min(1.0));
+    }
+    Some(Side { ok, p90_s: weighted_quantile(tpots, 0.9), watts })
+}
+
 /// The strategy's chips at `rate` requests a second, or `None` when they cannot keep up.
 fn load_at(
     fleet: &Fleet,
@@ -268,52 +339,18 @@ fn load_at(
     let disaggregated = prefills > 0 && decodes > 0 && workload.isl >= strategy.min_prompt_tokens as f64;
     let mut watts = 0.0;
     if disaggregated {
-        // Prefill pool.
-        let capacity: f64 = kinds.clone().map(|((_, t), r)| r.prefill as f64 * t.prefill_rate).sum();
-        let rho = rate / capacity;
-        if rho >= MAX_UTILISATION {
-            return None;
-        }
-        let service = weighted_quantile(
-            kinds.clone().map(|((_, t), r)| (t.prefill_s, r.prefill as f64 * t.prefill_rate)).collect(),
-            0.9,
-        );
-        let layers = fleet.model.num_layers.max(1) as u64;
-        let last_layer = (workload.isl.max(1.0) as u64) * fleet.model.kv_bytes_per_token() / layers;
-        let handoff = fleet.link.transfer_s(last_layer);
-        let wait = Wait::of(prefills as f64, rho, rate);
-        let ttft = service + wait.p90() + handoff;
-        let ttft_ok: f64 = kinds
-            .clone()
-            .map(|((_, t), r)| {
-                r.prefill as f64 * t.prefill_rate / capacity * wait.within(slo.ttft_s - t.prefill_s - handoff)
-            })
-            .sum();
-        // Decode chips, output tokens in proportion to their capacity.
-        let prefill_capacity = capacity;
-        let capacity: f64 = kinds.clone().map(|((_, t), r)| r.decode as f64 * t.decode_capacity()).sum();
-        if kinds.clone().any(|((_, t), r)| r.decode > 0 && t.max_batch == 0) {
-            return None;
-        }
-        let tokens = rate * workload.osl;
-        let (mut tpots, mut tpot_ok) = (Vec::new(), 0.0);
-        for ((kind, table), roles) in kinds {
-            if roles.decode > 0 {
-                let per_chip = tokens * table.decode_capacity() / capacity;
-                let batch = decode_batch(table, per_chip)?;
-                let tpot = table.decode_at(batch);
-                tpots.push((tpot, per_chip * roles.decode as f64));
-                if tpot <= slo.tpot_s {
-                    tpot_ok += per_chip * roles.decode as f64 / tokens;
-                }
-                watts += roles.decode as f64 * busy_watts(kind, 0.0, batch.min(1.0));
-            }
-            watts += roles.prefill as f64 * busy_watts(kind, rate / prefill_capacity, 0.0);
-            // `both` chips take nothing while the cluster disaggregates.
-            watts += roles.both as f64 * kind.power.idle_w;
-        }
-        let within_slo = ttft_ok * tpot_ok;
-        return Some(Load { ttft_p90_s: ttft, tpot_p90_s: weighted_quantile(tpots, 0.9), within_slo, watts });
+        let p: Vec<u32> = strategy.roles.iter().map(|r| r.prefill).collect();
+        let d: Vec<u32> = strategy.roles.iter().map(|r| r.decode).collect();
+        let prefill = prefill_side(fleet, tables, &p, workload, slo, rate)?;
+        let decode = decode_side(tables, &d, workload, slo, rate, &fleet.kinds)?;
+        // `both` chips take nothing while the cluster disaggregates.
+        let idle: f64 = kinds.map(|((k, _), r)| r.both as f64 * k.power.idle_w).sum();
+        return Some(Load {
+            ttft_p90_s: prefill.p90_s,
+            tpot_p90_s: decode.p90_s,
+            within_slo: prefill.ok * decode.ok,
+            watts: prefill.watts + decode.watts + idle,
+        });
     }
     // Colocated: chips that decode, or prefill chips when none does.
     let serving = |r: &crate::Roles| {
@@ -381,17 +418,31 @@ pub fn evaluate(
         return None;
     }
     let load = load_at(fleet, tables, strategy, workload, slo, workload.rate_rps)?;
-    let goodput = workload.rate_rps * load.within_slo.clamp(0.0, 1.0);
-    if goodput <= 0.0 {
+    figures(usd_per_hour, workload, load.within_slo, load.ttft_p90_s, load.tpot_p90_s, load.watts)
+}
+
+/// The objectives of chips costing `usd_per_hour` that keep a share `within_slo` of
+/// `workload`'s requests within the SLOs at these p90s, drawing `watts`: `None` when
+/// none is within.
+pub(crate) fn figures(
+    usd_per_hour: f64,
+    workload: &Workload,
+    within_slo: f64,
+    ttft_p90_s: f64,
+    tpot_p90_s: f64,
+    watts: f64,
+) -> Option<Figures> {
+    let goodput = workload.rate_rps * within_slo.clamp(0.0, 1.0);
+    if !(goodput > 0.0) {
         return None;
     }
     let tokens_per_hour = goodput * workload.osl * 3600.0;
     Some(Figures {
         goodput_rps: goodput,
-        ttft_p90_s: load.ttft_p90_s,
-        tpot_p90_s: load.tpot_p90_s,
+        ttft_p90_s,
+        tpot_p90_s,
         usd_per_million_tokens: usd_per_hour / tokens_per_hour * 1e6,
-        joules_per_request: load.watts / workload.rate_rps,
+        joules_per_request: watts / workload.rate_rps,
         usd_per_hour,
     })
 }

@@ -7,13 +7,28 @@
 //! disaggregated (the router only colocates when it cannot disaggregate), and
 //! `prefill` chips while it colocates on chips that decode. [`exhaustive`] scores every
 //! assignment of every chip instead; a test holds the two to the same set.
+//!
+//! A space past [`EXACT_LIMIT`] strategies (a thousand chips of six kinds holds some
+//! 10^30) is screened instead ([`screen`]): each kind's chips in steps of a fraction of
+//! the kind, colocated splits scored whole, and disaggregated ones by their sides — the
+//! prefill chips' TTFT depends on the prefill chips alone and the decode chips' TPOT on
+//! the decode chips alone, so each side keeps its own Pareto set (share within its
+//! SLO, p90, $, watts) and only pairs of two sides' members that fit the fleet are
+//! scored. A side's member drops out only for one at least as good that uses no more
+//! chips of any kind, which then fits wherever the dropped one did: pairing the sides'
+//! sets is exact (a test holds it to the full search); the steps are not.
 
-use crate::analytic::{Tables, evaluate};
+use crate::analytic::{Side, Tables, decode_side, evaluate, prefill_side};
 use crate::pareto::{Candidate, Frontier};
 use crate::{Fleet, Roles, Slo, Space, Strategy, Workload};
 
-/// The most strategies one search scores.
+/// The most strategies the exhaustive reference scores.
 pub const MAX_STRATEGIES: u64 = 50_000_000;
+/// Up to this many strategies, [`solve`] scores every one.
+pub const EXACT_LIMIT: u64 = 2_000_000;
+/// The most splits of one side (or colocated splits) [`screen`] scores per setting of
+/// the limits: it picks the steps of each kind's counts to fit.
+pub const SCREEN_SPLITS: u64 = 50_000;
 
 /// Why a space cannot be searched.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -95,9 +110,6 @@ fn check(fleet: &Fleet, workload: &Workload, space: &Space) -> Result<u64, Searc
         let n = kind.chips as u64;
         total = total.saturating_mul((n + 1) * (n + 2) * (n + 3) / 6);
     }
-    if total > MAX_STRATEGIES {
-        return Err(SearchError::TooLarge(total));
-    }
     Ok(total)
 }
 
@@ -140,9 +152,19 @@ fn scan(
     frontier.into_sorted()
 }
 
-/// The Pareto set of `fleet`'s strategies for `workload` within `slo`.
+/// The Pareto set of `fleet`'s strategies for `workload` within `slo`: every strategy
+/// scored up to [`EXACT_LIMIT`] of them, else screened ([`screen`]).
 pub fn solve(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Result<Vec<Candidate>, SearchError> {
-    check(fleet, workload, space)?;
+    if check(fleet, workload, space)? > EXACT_LIMIT {
+        let most = fleet.kinds.iter().map(|k| k.chips).max().unwrap_or(0);
+        let kinds = fleet.kinds.iter().filter(|k| k.chips > 0).count().max(1) as u32;
+        // The most steps per kind whose product fits the screening budget.
+        let mut steps = 1;
+        while steps < most && ((steps + 2) as u64).pow(kinds) <= SCREEN_SPLITS {
+            steps += 1;
+        }
+        return Ok(screen(fleet, workload, slo, space, steps));
+    }
     let per_kind: Vec<Vec<Roles>> = fleet.kinds.iter().map(|k| splits(k.chips)).collect();
     Ok(scan(fleet, workload, slo, space, &per_kind, |roles, min| leaves_chips_unused(roles, workload, min)))
 }
@@ -151,7 +173,9 @@ pub fn solve(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Re
 /// of them, each scored as the split it makes): the reference [`solve`] is tested
 /// against, for small fleets.
 pub fn exhaustive(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Result<Vec<Candidate>, SearchError> {
-    check(fleet, workload, space)?;
+    if check(fleet, workload, space)? > MAX_STRATEGIES {
+        return Err(SearchError::TooLarge(MAX_STRATEGIES));
+    }
     let chips: u32 = fleet.kinds.iter().map(|k| k.chips).sum();
     if 4u64.saturating_pow(chips) > MAX_STRATEGIES {
         return Err(SearchError::TooLarge(4u64.saturating_pow(chips)));
@@ -189,4 +213,116 @@ pub fn exhaustive(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) 
         }
     }
     Ok(frontier.into_sorted())
+}
+
+/// Counts of a kind of `n` chips in `steps` steps: 0, n/steps, ..., n (rounded, each once).
+fn levels(n: u32, steps: u32) -> Vec<u32> {
+    let steps = steps.clamp(1, n.max(1));
+    let mut out: Vec<u32> = (0..=steps).map(|i| ((n as u64 * i as u64 + steps as u64 / 2) / steps as u64) as u32).collect();
+    out.dedup();
+    out
+}
+
+/// One side's member: its counts per kind and what they score.
+#[derive(Debug, Clone)]
+struct SideMember {
+    counts: Vec<u32>,
+    side: Side,
+    usd_per_hour: f64,
+    key: [f64; 4],
+}
+
+/// The Pareto set of one side's splits (share within its SLO up; p90, $, watts down),
+/// where a split beats another only if it also uses no more chips of any kind.
+fn side_frontier(members: impl Iterator<Item = (Vec<u32>, Side, f64)>) -> Vec<SideMember> {
+    let mut out: Vec<SideMember> = Vec::new();
+    let beats = |a: &SideMember, key: &[f64; 4], counts: &[u32]| {
+        a.key.iter().zip(key).all(|(x, y)| x <= y) && a.counts.iter().zip(counts).all(|(x, y)| x <= y)
+    };
+    for (counts, side, usd_per_hour) in members {
+        let key = [-side.ok, side.p90_s, usd_per_hour, side.watts];
+        if out.iter().any(|m| beats(m, &key, &counts)) {
+            continue;
+        }
+        let new = SideMember { counts, side, usd_per_hour, key };
+        out.retain(|m| !beats(&new, &m.key, &m.counts));
+        out.push(new);
+    }
+    out
+}
+
+/// Screens `fleet`'s strategies with each kind's counts in `steps` steps (see the
+/// module doc): the Pareto set of what it scores.
+pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, steps: u32) -> Vec<Candidate> {
+    let grid: Vec<Vec<u32>> = fleet.kinds.iter().map(|k| levels(k.chips, steps)).collect();
+    let price = |counts: &[u32]| -> f64 { counts.iter().zip(&fleet.kinds).map(|(&n, k)| n as f64 * k.usd_per_hour).sum() };
+    let grid_roles: Vec<Vec<Roles>> =
+        grid.iter().map(|g| g.iter().map(|&n| Roles { prefill: n, ..Roles::default() }).collect()).collect();
+    let counts_of = |roles: &[Roles]| -> Vec<u32> { roles.iter().map(|r| r.prefill).collect() };
+    let rate = workload.rate_rps;
+    let mut frontier = Frontier::default();
+    for &budget in &space.prefill_budgets {
+        for &cap in &space.decode_caps {
+            let tables = Tables::new(fleet, workload, budget, cap);
+            // Each side's Pareto set, once per setting of the limits.
+            let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+            combinations(&grid_roles, |roles| {
+                let counts = counts_of(roles);
+                if counts.iter().all(|&n| n == 0) {
+                    return;
+                }
+                let usd = price(&counts);
+                if let Some(side) = prefill_side(fleet, &tables, &counts, workload, slo, rate) {
+                    prefill.push((counts.clone(), side, usd));
+                }
+                if let Some(side) = decode_side(&tables, &counts, workload, slo, rate, &fleet.kinds) {
+                    decode.push((counts, side, usd));
+                }
+            });
+            let (prefill, decode) = (side_frontier(prefill.into_iter()), side_frontier(decode.into_iter()));
+            for &min_prompt_tokens in &space.min_prompt_tokens {
+                let strategy = |roles: Vec<Roles>| Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
+                // Colocated: the counts as chips that do both.
+                combinations(&grid_roles, |roles| {
+                    let roles: Vec<Roles> = roles.iter().map(|r| Roles { both: r.prefill, ..Roles::default() }).collect();
+                    if roles.iter().all(|r| r.both == 0) {
+                        return;
+                    }
+                    let s = strategy(roles);
+                    if let Some(figures) = evaluate(fleet, &tables, &s, workload, slo) {
+                        frontier.offer(Candidate { strategy: s, figures });
+                    }
+                });
+                if workload.isl < min_prompt_tokens as f64 {
+                    continue;
+                }
+                for p in &prefill {
+                    for d in &decode {
+                        let fits = p.counts.iter().zip(&d.counts).zip(&fleet.kinds).all(|((a, b), k)| a + b <= k.chips);
+                        if !fits {
+                            continue;
+                        }
+                        let figures = crate::analytic::figures(
+                            p.usd_per_hour + d.usd_per_hour,
+                            workload,
+                            p.side.ok * d.side.ok,
+                            p.side.p90_s,
+                            d.side.p90_s,
+                            p.side.watts + d.side.watts,
+                        );
+                        if let Some(figures) = figures {
+                            let roles = p
+                                .counts
+                                .iter()
+                                .zip(&d.counts)
+                                .map(|(&prefill, &decode)| Roles { prefill, decode, both: 0 })
+                                .collect();
+                            frontier.offer(Candidate { strategy: strategy(roles), figures });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    frontier.into_sorted()
 }

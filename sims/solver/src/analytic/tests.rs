@@ -151,3 +151,26 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn screening_by_sides_finds_what_the_full_search_finds_on_a_fleet_it_can_search_whole() {
+    let f = fleet(5, 5, 4);
+    for rate in [10.0, 60.0] {
+        let workload = Workload { rate_rps: rate, ..WORKLOAD };
+        let full = solve(&f, &workload, &SLO, &small_space()).expect("searched");
+        let screened = crate::search::screen(&f, &workload, &SLO, &small_space(), 5);
+        let best = |set: &[crate::pareto::Candidate], by: fn(&Figures) -> f64| {
+            set.iter().map(|c| by(&c.figures)).fold(f64::NEG_INFINITY, f64::max)
+        };
+        for by in [|f: &Figures| f.goodput_rps, |f: &Figures| f.goodput_per_usd(), |f: &Figures| -f.ttft_p90_s] {
+            assert_eq!(best(&full, by), best(&screened, by), "{rate} req/s");
+        }
+        // With every count of every kind on its grid, screening by sides is exact.
+        assert_eq!(full, screened, "{rate} req/s");
+        // Every screened strategy is one the full search scores the same.
+        for c in &screened {
+            let tables = Tables::new(&f, &workload, c.strategy.prefill_budget, c.strategy.decode_cap);
+            assert_eq!(evaluate(&f, &tables, &c.strategy, &workload, &SLO), Some(c.figures));
+        }
+    }
+}
