@@ -32,6 +32,8 @@ use crate::{Figures, Fleet, KindSpec, Slo, Strategy, Workload};
 
 /// Bisection rounds for a decode batch.
 const BATCH_ROUNDS: u32 = 40;
+/// Points of a kind's rate tables (see [`KindTable::tabulate`]).
+const RATE_POINTS: usize = 1024;
 /// A pool counts as saturated from this utilisation on.
 const MAX_UTILISATION: f64 = 0.995;
 
@@ -53,6 +55,15 @@ struct KindTable {
     mixed_s: Vec<f64>,
     /// The most sequences a chip decodes at once: the cap, or fewer when its KV runs out.
     max_batch: usize,
+    /// The decode batch a chip runs at evenly spaced output rates from 0 up to (not
+    /// including) `decode_rate_max` tokens/s (see [`solve_decode_batch`]).
+    decode_batches: Vec<f64>,
+    decode_rate_max: f64,
+    /// A colocated chip's (batch, chunk-step share) at evenly spaced request rates from
+    /// 0 up to (not including) `colocated_rps_max`, the most it keeps up with (see
+    /// [`solve_colocated_mix`]).
+    colocated: Vec<(f64, f64)>,
+    colocated_rps_max: f64,
 }
 
 impl KindTable {
@@ -86,7 +97,64 @@ impl KindTable {
                 time(&StepShape { seqs })
             })
             .collect();
-        KindTable { prefill_s, prefill_rate, chunk: chunk as f64, chunks: chunks as f64, decode_s, mixed_s, max_batch }
+        let mut table = KindTable {
+            prefill_s,
+            prefill_rate,
+            chunk: chunk as f64,
+            chunks: chunks as f64,
+            decode_s,
+            mixed_s,
+            max_batch,
+            decode_batches: Vec::new(),
+            decode_rate_max: 0.0,
+            colocated: Vec::new(),
+            colocated_rps_max: 0.0,
+        };
+        table.tabulate(workload);
+        table
+    }
+
+    /// Fills the rate tables: the solves of every strategy's chips then take a lookup.
+    fn tabulate(&mut self, workload: &Workload) {
+        let step = |max: f64| max / (RATE_POINTS - 1) as f64;
+        self.decode_rate_max = self.decode_capacity() * MAX_UTILISATION;
+        let s = step(self.decode_rate_max);
+        self.decode_batches =
+            (0..RATE_POINTS).map(|i| solve_decode_batch(self, i as f64 * s * (1.0 - 1e-12)).unwrap_or(0.0)).collect();
+        // The most requests a second the chip keeps up with, colocated: at most its
+        // decode capacity's worth of outputs.
+        let (mut lo, mut hi) = (0.0, self.decode_capacity() / workload.osl.max(1.0));
+        for _ in 0..BATCH_ROUNDS {
+            let mid = (lo + hi) / 2.0;
+            if solve_colocated_mix(self, workload, mid).is_some() { lo = mid } else { hi = mid }
+        }
+        self.colocated_rps_max = lo;
+        let s = step(lo);
+        self.colocated =
+            (0..RATE_POINTS).map(|i| solve_colocated_mix(self, workload, i as f64 * s).unwrap_or((0.0, 0.0))).collect();
+    }
+
+    /// The batch at which a chip carries `tokens_per_s` output tokens decode-only, or
+    /// `None` past its full batch (interpolated in the rate table).
+    fn decode_batch(&self, tokens_per_s: f64) -> Option<f64> {
+        if !(tokens_per_s < self.decode_rate_max) {
+            return None;
+        }
+        let x = tokens_per_s.max(0.0) / self.decode_rate_max * (RATE_POINTS - 1) as f64;
+        Some(interpolate(&self.decode_batches, x))
+    }
+
+    /// A colocated chip's batch and chunk-step share at `rps` requests a second, or
+    /// `None` past what it keeps up with (interpolated in the rate table).
+    fn colocated_mix(&self, rps: f64) -> Option<(f64, f64)> {
+        if !(rps < self.colocated_rps_max) {
+            return None;
+        }
+        let x = rps.max(0.0) / self.colocated_rps_max * (RATE_POINTS - 1) as f64;
+        let i = (x.floor() as usize).min(RATE_POINTS - 2);
+        let (a, b) = (self.colocated[i], self.colocated[i + 1]);
+        let frac = (x - i as f64).clamp(0.0, 1.0);
+        Some((a.0 + (b.0 - a.0) * frac, a.1 + (b.1 - a.1) * frac))
     }
 
     /// A decode step of `b` sequences (fractional: interpolated; under one: one's).
@@ -210,7 +278,7 @@ fn weighted_quantile(mut points: Vec<(f64, f64)>, share: f64) -> f64 {
 
 /// The batch at which a chip of `table` carries `tokens_per_s` output tokens decode-only
 /// (Little: batch / step time), or `None` past its full batch.
-fn decode_batch(table: &KindTable, tokens_per_s: f64) -> Option<f64> {
+fn solve_decode_batch(table: &KindTable, tokens_per_s: f64) -> Option<f64> {
     if tokens_per_s <= 0.0 {
         return Some(0.0);
     }
@@ -227,7 +295,7 @@ fn decode_batch(table: &KindTable, tokens_per_s: f64) -> Option<f64> {
 
 /// A colocated chip's batch and chunk-step share when it takes `rps` requests a
 /// second: `None` when no batch up to its full one keeps up.
-fn colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Option<(f64, f64)> {
+fn solve_colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Option<(f64, f64)> {
     if rps <= 0.0 {
         return Some((0.0, 0.0));
     }
@@ -313,7 +381,7 @@ pub(crate) fn decode_side(
             continue;
         }
         let per_chip = tokens * table.decode_capacity() / capacity;
-        let batch = decode_batch(table, per_chip)?;
+        let batch = table.decode_batch(per_chip)?;
         let tpot = table.decode_at(batch);
         tpots.push((tpot, per_chip * n as f64));
         if tpot <= slo.tpot_s {
@@ -370,7 +438,7 @@ fn load_at(
             continue;
         }
         let rps = rate * table.decode_capacity() / capacity;
-        let (batch, f) = colocated_mix(table, workload, rps)?;
+        let (batch, f) = table.colocated_mix(rps)?;
         let step = (1.0 - f) * table.decode_at(batch) + f * table.mixed_at(batch);
         let service = table.chunks * table.mixed_at(batch);
         tpots.push((step, rps * n as f64));
