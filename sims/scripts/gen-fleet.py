@@ -4,7 +4,7 @@ by hand): chips of several kinds, eight of one kind per host, each kind in one r
 under one open-loop workload on a 7B-class model.
 
 usage: sims/scripts/gen-fleet.py
-  rewrites sims/scenarios/fleet/fleet-{1000,32}.toml (the speed benchmarks) and
+  rewrites sims/scenarios/fleet/fleet-{1000,32,64}.toml (the speed benchmarks) and
   sims/scenarios/splitwise/*.toml (Splitwise's iso-cost comparison)
 """
 import os
@@ -21,6 +21,13 @@ FLEET_1000 = [
     ("nvidia-a100", "decode", 200),
     ("metax-c500", "decode", 200),
     ("cambricon-mlu370", "decode", 160),
+]
+# The solver's benchmark: 64 chips of 4 kinds, each kind's role left to the solver.
+FLEET_64 = [
+    ("nvidia-h100", "both", 16),
+    ("ascend-910b", "both", 16),
+    ("nvidia-a100", "both", 16),
+    ("metax-c500", "both", 16),
 ]
 FLEET_32 = [
     ("nvidia-h100", "prefill", 8),
@@ -77,8 +84,8 @@ def scenario(name, fleet, rate, duration_s, about, out=OUT, isl="normal:1024,256
         'arrivals = "poisson"',
         f"rate_rps = {rate}",
         f"duration_s = {duration_s}",
-        'isl = "normal:1024,256"',
-        'osl = "normal:256,64"',
+        f'isl = "{isl}"',
+        f'osl = "{osl}"',
         "",
         "[slo]",
         "ttft_ms = 1000",
@@ -107,6 +114,13 @@ scenario(
     64.0,
     300,
     "Five simulated minutes of 32 mixed chips at 64 requests/s: the simulator's small-cluster speed benchmark.",
+)
+scenario(
+    "fleet-64",
+    FLEET_64,
+    64.0,
+    60,
+    "One simulated minute of 64 chips of 4 kinds at 64 requests/s: the solver's benchmark (`tessera solve`).",
 )
 
 # Splitwise (ISCA'24): H100 prefill + A100 decode against all-H100 and all-A100 at equal
