@@ -452,6 +452,9 @@ struct SolveArgs {
     /// Conditional-disaggregation thresholds to try (default: the topology's).
     #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
     min_prompt_tokens: Vec<u32>,
+    /// Rows of the table (the set's best by goodput, then $ per token; verified ones always).
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    rows: usize,
     /// Print the set as JSON.
     #[arg(long)]
     json: bool,
@@ -654,7 +657,7 @@ fn solve(args: SolveArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&solution)?);
     } else {
-        print!("{}", solution.table());
+        print!("{}", solution.table(args.rows));
     }
     Ok(())
 }

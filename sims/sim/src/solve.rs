@@ -144,12 +144,13 @@ pub fn apply(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) ->
 /// A strategy's figures as the simulator measured them.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Simulated {
+    /// The offered rate times the share of requests within both SLOs.
     pub goodput_rps: f64,
     pub ttft_p90_s: f64,
     pub tpot_p90_s: f64,
     pub usd_per_million_tokens: Option<f64>,
     pub joules_per_request: Option<f64>,
-    /// Requests within both SLOs per $.
+    /// Requests within both SLOs per $, at the offered rate.
     pub goodput_per_usd: Option<f64>,
     pub failed: usize,
     pub kv_blocks_leaked: usize,
@@ -160,14 +161,22 @@ pub fn verify(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) -
     let applied = apply(scenario, fleet, strategy).map_err(|e| e.to_string())?;
     let (report, _) = crate::run(&applied, None).map_err(|e| e.to_string())?;
     let p90 = |l: Option<crate::report::Latency>| l.map_or(f64::INFINITY, |l| l.p90_ms / 1e3);
+    // As the analytic figure: the offered rate times the share of requests within the
+    // SLOs (the report's own goodput divides by the run's span, drain included).
+    let share = if report.requests > 0 { report.slo_met as f64 / report.requests as f64 } else { 0.0 };
+    let goodput_rps = report.rate_rps * share;
+    let per_usd = report.usd_per_hour.filter(|&usd| usd > 0.0);
     Ok(Simulated {
-        goodput_rps: report.goodput_rps,
+        goodput_rps,
         ttft_p90_s: p90(report.ttft),
         tpot_p90_s: p90(report.tpot),
-        usd_per_million_tokens: report.usd_per_million_output_tokens,
+        usd_per_million_tokens: per_usd.filter(|_| goodput_rps > 0.0 && report.completed > 0).map(|usd| {
+            let outputs = report.output_tokens as f64 / report.completed as f64;
+            usd / (goodput_rps * outputs * 3600.0) * 1e6
+        }),
         // kWh per 10,000 requests -> J per request.
         joules_per_request: report.kwh_per_10k_requests.map(|kwh| kwh * 3.6e6 / 1e4),
-        goodput_per_usd: report.slo_met_per_usd,
+        goodput_per_usd: per_usd.map(|usd| goodput_rps * 3600.0 / usd),
         failed: report.failed + report.unfinished,
         kv_blocks_leaked: report.kv_blocks_used_at_end,
     })
@@ -193,6 +202,8 @@ pub struct Solution {
     pub scenario: String,
     pub workload: Workload,
     pub slo: Slo,
+    /// How the space was searched.
+    pub search: tessera_solver::search::Mode,
     pub strategies: Vec<Published>,
     pub chosen: Option<usize>,
 }
@@ -202,7 +213,14 @@ pub struct Solution {
 pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usize) -> Result<Solution, String> {
     let fleet = fleet(scenario).map_err(|e| format!("{}: {e}", scenario.source))?;
     let (work, slo) = (workload(scenario), slo(scenario));
+    let search = tessera_solver::search::mode(&fleet.fleet, &work, space).map_err(|e| e.to_string())?;
     let set = tessera_solver::search::solve(&fleet.fleet, &work, &slo, space).map_err(|e| e.to_string())?;
+    if set.is_empty() {
+        return Err(format!(
+            "{}: no strategy serves any request within the SLOs at {} req/s (the analytic model's view); try a lower --rate",
+            scenario.source, work.rate_rps
+        ));
+    }
     let mut strategies: Vec<Published> = set
         .into_iter()
         .enumerate()
@@ -236,15 +254,17 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
         .filter(|p| score(p) > f64::NEG_INFINITY)
         .max_by(|a, b| score(a).total_cmp(&score(b)).then(b.id.cmp(&a.id)))
         .map(|p| p.id);
-    Ok(Solution { scenario: scenario.source.clone(), workload: work, slo, strategies, chosen })
+    Ok(Solution { scenario: scenario.source.clone(), workload: work, slo, search, strategies, chosen })
 }
 
 impl Solution {
-    /// The Pareto table: analytic figures, and simulated ones under them where verified.
-    pub fn table(&self) -> String {
+    /// The Pareto table: analytic figures, and simulated ones under them where verified;
+    /// the first `rows` strategies and every verified one.
+    pub fn table(&self, rows: usize) -> String {
         let w = &self.workload;
         let mut out = format!(
             "scenario   {}\nworkload   {} req/s, {:.0} prompt / {:.0} output tokens (means); SLO TTFT {:.0} ms, TPOT {:.0} ms (p90)\n\
+             search     {}\n\
              set        {} strategies on the Pareto front (analytic); {} verified in the simulator\n\n",
             self.scenario,
             w.rate_rps,
@@ -252,6 +272,7 @@ impl Solution {
             w.osl,
             self.slo.ttft_s * 1e3,
             self.slo.tpot_s * 1e3,
+            self.search,
             self.strategies.len(),
             self.strategies.iter().filter(|p| p.simulated.is_some()).count(),
         );
@@ -270,7 +291,10 @@ impl Solution {
                 opt(per, 1)
             )
         };
-        for p in &self.strategies {
+        for (i, p) in self.strategies.iter().enumerate() {
+            if i >= rows && p.simulated.is_none() && p.verify_error.is_none() {
+                continue;
+            }
             let a = &p.analytic;
             let mark = if self.chosen == Some(p.id) { "  <- chosen" } else { "" };
             out += &row(
@@ -298,6 +322,11 @@ impl Solution {
             if let Some(e) = &p.verify_error {
                 out += &format!("     simulator: {e}\n");
             }
+        }
+        let hidden =
+            self.strategies.iter().skip(rows).filter(|p| p.simulated.is_none() && p.verify_error.is_none()).count();
+        if hidden > 0 {
+            out += &format!("   ... {hidden} more (--rows, or --json for all)\n");
         }
         out += "\ngoodput in req/s within both SLOs; TTFT and TPOT p90 in ms; req/$: requests within SLO per $\n";
         out

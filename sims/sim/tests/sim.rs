@@ -532,3 +532,73 @@ fn a_chip_down_then_up_and_a_slow_link_lose_no_request() {
         assert!(e.to_string().contains(why), "{e}");
     }
 }
+
+/// The founding comparison's mixed fleet (3 910B + 5 C500), cut to 300 requests.
+fn founding_mixed() -> Scenario {
+    let path = here().join("../scenarios/founding/disagg-910b-x3-c500-x5.toml");
+    let mut s = scenario::load(&path).expect("the founding scenario");
+    if let scenario::WorkloadRequests::Synthetic { size, .. } = &mut s.workload.requests {
+        *size = scenario::WorkloadSize::Requests(300);
+    }
+    s
+}
+
+#[test]
+fn a_strategy_applies_to_the_topology_as_roles_and_limits_and_idle_chips_leave() {
+    use tessera_solver::{Roles, Strategy};
+    let s = founding_mixed();
+    let fleet = tessera_sim::solve::fleet(&s).expect("a fleet");
+    let kinds: Vec<(&str, u32)> = fleet.fleet.kinds.iter().map(|k| (k.name.as_str(), k.chips)).collect();
+    assert_eq!(kinds, [("ascend-910b", 3), ("metax-c500", 5)]);
+    let strategy = Strategy {
+        roles: vec![Roles { prefill: 1, decode: 0, both: 1 }, Roles { prefill: 0, decode: 3, both: 0 }],
+        prefill_budget: 1024,
+        decode_cap: 32,
+        min_prompt_tokens: 64,
+    };
+    let applied = tessera_sim::solve::apply(&s, &fleet, &strategy).expect("applied");
+    let chips: Vec<(String, String, usize, usize)> = applied
+        .topology
+        .chips()
+        .map(|(_, _, c)| (c.id.clone(), c.role.to_string(), c.max_batch_tokens, c.max_batch_seqs))
+        .collect();
+    let want: Vec<(String, String, usize, usize)> = [
+        (&fleet.chips[0][0], "prefill"),
+        (&fleet.chips[0][1], "both"),
+        (&fleet.chips[1][0], "decode"),
+        (&fleet.chips[1][1], "decode"),
+        (&fleet.chips[1][2], "decode"),
+    ]
+    .iter()
+    .map(|(id, role)| (id.to_string(), role.to_string(), 1024, 32))
+    .collect();
+    assert_eq!(chips, want);
+    assert_eq!(applied.topology.disagg.min_prompt_tokens, 64);
+    let wrong = Strategy { roles: vec![Roles::default()], ..strategy };
+    assert!(tessera_sim::solve::apply(&s, &fleet, &wrong).is_err());
+}
+
+#[test]
+fn the_solver_verifies_its_best_strategies_in_the_simulator_and_chooses_one_that_lost_nothing() {
+    let s = founding_mixed();
+    let space = tessera_solver::Space {
+        prefill_budgets: vec![512, 2048],
+        decode_caps: vec![64, 256],
+        min_prompt_tokens: vec![32],
+    };
+    let solution = tessera_sim::solve::solve(&s, &space, 2).expect("solved");
+    let verified: Vec<_> = solution.strategies.iter().filter_map(|p| p.simulated.map(|sim| (p.id, sim))).collect();
+    assert_eq!(verified.len(), 2, "{}", solution.table(5));
+    for (id, sim) in &verified {
+        assert_eq!((sim.failed, sim.kv_blocks_leaked), (0, 0), "strategy {id}");
+        assert!(sim.goodput_rps > 0.0 && sim.goodput_rps <= 30.0, "strategy {id}: {sim:?}");
+    }
+    let chosen = solution.chosen.expect("a strategy chosen");
+    assert!(verified.iter().any(|(id, _)| *id == chosen), "the chosen one was verified");
+    // The same scenario solves the same way.
+    assert_eq!(tessera_sim::solve::solve(&s, &space, 2).expect("solved"), solution);
+    // A rate no strategy keeps up with is an error that says so.
+    let flood = s.at_rate(1e5).expect("a rate");
+    let e = tessera_sim::solve::solve(&flood, &space, 0).expect_err("nothing serves 100k req/s");
+    assert!(e.contains("no strategy serves"), "{e}");
+}

@@ -137,7 +137,7 @@ impl KindTable {
     /// The batch at which a chip carries `tokens_per_s` output tokens decode-only, or
     /// `None` past its full batch (interpolated in the rate table).
     fn decode_batch(&self, tokens_per_s: f64) -> Option<f64> {
-        if !(tokens_per_s < self.decode_rate_max) {
+        if tokens_per_s.is_nan() || tokens_per_s >= self.decode_rate_max {
             return None;
         }
         let x = tokens_per_s.max(0.0) / self.decode_rate_max * (RATE_POINTS - 1) as f64;
@@ -147,7 +147,7 @@ impl KindTable {
     /// A colocated chip's batch and chunk-step share at `rps` requests a second, or
     /// `None` past what it keeps up with (interpolated in the rate table).
     fn colocated_mix(&self, rps: f64) -> Option<(f64, f64)> {
-        if !(rps < self.colocated_rps_max) {
+        if rps.is_nan() || rps >= self.colocated_rps_max {
             return None;
         }
         let x = rps.max(0.0) / self.colocated_rps_max * (RATE_POINTS - 1) as f64;
@@ -344,10 +344,11 @@ pub(crate) fn prefill_side(
     let kinds = || fleet.kinds.iter().zip(&tables.kinds).zip(counts);
     let capacity: f64 = kinds().map(|((_, t), &n)| n as f64 * t.prefill_rate).sum();
     let rho = rate / capacity;
-    if !(rho < MAX_UTILISATION) {
+    if rho.is_nan() || rho >= MAX_UTILISATION {
         return None;
     }
-    let service = weighted_quantile(kinds().map(|((_, t), &n)| (t.prefill_s, n as f64 * t.prefill_rate)).collect(), 0.9);
+    let service =
+        weighted_quantile(kinds().map(|((_, t), &n)| (t.prefill_s, n as f64 * t.prefill_rate)).collect(), 0.9);
     let layers = fleet.model.num_layers.max(1) as u64;
     let last_layer = (workload.isl.max(1.0) as u64) * fleet.model.kv_bytes_per_token() / layers;
     let handoff = fleet.link.transfer_s(last_layer);
@@ -371,7 +372,8 @@ pub(crate) fn decode_side(
     kinds: &[KindSpec],
 ) -> Option<Side> {
     let capacity: f64 = tables.kinds.iter().zip(counts).map(|(t, &n)| n as f64 * t.decode_capacity()).sum();
-    if !(capacity > 0.0) || tables.kinds.iter().zip(counts).any(|(t, &n)| n > 0 && t.max_batch == 0) {
+    if capacity.is_nan() || capacity <= 0.0 || tables.kinds.iter().zip(counts).any(|(t, &n)| n > 0 && t.max_batch == 0)
+    {
         return None;
     }
     let tokens = rate * workload.osl;
@@ -501,7 +503,7 @@ pub(crate) fn figures(
     watts: f64,
 ) -> Option<Figures> {
     let goodput = workload.rate_rps * within_slo.clamp(0.0, 1.0);
-    if !(goodput > 0.0) {
+    if goodput.is_nan() || goodput <= 0.0 {
         return None;
     }
     let tokens_per_hour = goodput * workload.osl * 3600.0;

@@ -152,17 +152,47 @@ fn scan(
     frontier.into_sorted()
 }
 
-/// The Pareto set of `fleet`'s strategies for `workload` within `slo`: every strategy
-/// scored up to [`EXACT_LIMIT`] of them, else screened ([`screen`]).
-pub fn solve(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Result<Vec<Candidate>, SearchError> {
-    if check(fleet, workload, space)? > EXACT_LIMIT {
-        let most = fleet.kinds.iter().map(|k| k.chips).max().unwrap_or(0);
-        let kinds = fleet.kinds.iter().filter(|k| k.chips > 0).count().max(1) as u32;
-        // The most steps per kind whose product fits the screening budget.
-        let mut steps = 1;
-        while steps < most && ((steps + 2) as u64).pow(kinds) <= SCREEN_SPLITS {
-            steps += 1;
+/// How [`solve`] searches a space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Every strategy scored.
+    Exact { strategies: u64 },
+    /// Screened with each kind's counts in this many steps ([`screen`]).
+    Screened { steps: u32 },
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mode::Exact { strategies } => write!(f, "every one of {strategies} strategies scored"),
+            Mode::Screened { steps } => {
+                write!(f, "screened: each kind's chips in {steps} steps, disaggregated strategies by their sides")
+            }
         }
+    }
+}
+
+/// How [`solve`] searches `fleet`'s space: whole up to [`EXACT_LIMIT`] strategies,
+/// else screened with the most steps per kind that fit [`SCREEN_SPLITS`].
+pub fn mode(fleet: &Fleet, workload: &Workload, space: &Space) -> Result<Mode, SearchError> {
+    let strategies = check(fleet, workload, space)?;
+    if strategies <= EXACT_LIMIT {
+        return Ok(Mode::Exact { strategies });
+    }
+    let most = fleet.kinds.iter().map(|k| k.chips).max().unwrap_or(0);
+    let kinds = fleet.kinds.iter().filter(|k| k.chips > 0).count().max(1) as u32;
+    let mut steps = 1;
+    while steps < most && ((steps + 2) as u64).pow(kinds) <= SCREEN_SPLITS {
+        steps += 1;
+    }
+    Ok(Mode::Screened { steps })
+}
+
+/// The Pareto set of `fleet`'s strategies for `workload` within `slo`, searched as
+/// [`mode`] says.
+pub fn solve(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Result<Vec<Candidate>, SearchError> {
+    if let Mode::Screened { steps } = mode(fleet, workload, space)? {
         return Ok(screen(fleet, workload, slo, space, steps));
     }
     let per_kind: Vec<Vec<Roles>> = fleet.kinds.iter().map(|k| splits(k.chips)).collect();
@@ -218,7 +248,8 @@ pub fn exhaustive(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) 
 /// Counts of a kind of `n` chips in `steps` steps: 0, n/steps, ..., n (rounded, each once).
 fn levels(n: u32, steps: u32) -> Vec<u32> {
     let steps = steps.clamp(1, n.max(1));
-    let mut out: Vec<u32> = (0..=steps).map(|i| ((n as u64 * i as u64 + steps as u64 / 2) / steps as u64) as u32).collect();
+    let mut out: Vec<u32> =
+        (0..=steps).map(|i| ((n as u64 * i as u64 + steps as u64 / 2) / steps as u64) as u32).collect();
     out.dedup();
     out
 }
@@ -255,7 +286,8 @@ fn side_frontier(members: impl Iterator<Item = (Vec<u32>, Side, f64)>) -> Vec<Si
 /// module doc): the Pareto set of what it scores.
 pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, steps: u32) -> Vec<Candidate> {
     let grid: Vec<Vec<u32>> = fleet.kinds.iter().map(|k| levels(k.chips, steps)).collect();
-    let price = |counts: &[u32]| -> f64 { counts.iter().zip(&fleet.kinds).map(|(&n, k)| n as f64 * k.usd_per_hour).sum() };
+    let price =
+        |counts: &[u32]| -> f64 { counts.iter().zip(&fleet.kinds).map(|(&n, k)| n as f64 * k.usd_per_hour).sum() };
     let grid_roles: Vec<Vec<Roles>> =
         grid.iter().map(|g| g.iter().map(|&n| Roles { prefill: n, ..Roles::default() }).collect()).collect();
     let counts_of = |roles: &[Roles]| -> Vec<u32> { roles.iter().map(|r| r.prefill).collect() };
@@ -281,10 +313,12 @@ pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, step
             });
             let (prefill, decode) = (side_frontier(prefill.into_iter()), side_frontier(decode.into_iter()));
             for &min_prompt_tokens in &space.min_prompt_tokens {
-                let strategy = |roles: Vec<Roles>| Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
+                let strategy =
+                    |roles: Vec<Roles>| Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
                 // Colocated: the counts as chips that do both.
                 combinations(&grid_roles, |roles| {
-                    let roles: Vec<Roles> = roles.iter().map(|r| Roles { both: r.prefill, ..Roles::default() }).collect();
+                    let roles: Vec<Roles> =
+                        roles.iter().map(|r| Roles { both: r.prefill, ..Roles::default() }).collect();
                     if roles.iter().all(|r| r.both == 0) {
                         return;
                     }
