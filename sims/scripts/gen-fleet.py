@@ -5,7 +5,8 @@ under one open-loop workload on a 7B-class model.
 
 usage: sims/scripts/gen-fleet.py
   rewrites sims/scenarios/fleet/fleet-{1000,32,64}.toml (the speed benchmarks) and
-  sims/scenarios/splitwise/*.toml (Splitwise's iso-cost comparison)
+  sims/scenarios/splitwise/*.toml (Splitwise's iso-cost comparison) and
+  sims/scenarios/solver/*.toml (the pools `tessera solve` picks from)
 """
 import os
 
@@ -149,3 +150,26 @@ for name, fleet, about in [
         isl="normal:1020,400",
         osl="normal:129,60",
     )
+
+# The solver's pools: every chip of the equal-cost options above, each kind's role and
+# count left to `tessera solve` (each chip starts as `both`).
+SOLVER = os.path.join(HERE, "..", "scenarios", "solver")
+os.makedirs(SOLVER, exist_ok=True)
+scenario(
+    "founding-pool",
+    [("ascend-910b", "both", 9), ("metax-c500", "both", 8)],
+    30.0,
+    120,
+    "The founding comparison's chips for `tessera solve`: 9 Ascend 910B and 8 MetaX C500 (each alone ~$36/h) under its workload.",
+    out=SOLVER,
+)
+scenario(
+    "splitwise-pool",
+    [("nvidia-h100", "both", 20), ("nvidia-a100", "both", 43)],
+    200.0,
+    120,
+    "Splitwise's chips for `tessera solve`: 20 H100 and 43 A100 (each alone ~$220/h) under its conversation workload.",
+    out=SOLVER,
+    isl="normal:1020,400",
+    osl="normal:129,60",
+)

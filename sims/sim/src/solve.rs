@@ -58,8 +58,11 @@ pub fn fleet(scenario: &Scenario) -> Result<ScenarioFleet, SolveError> {
             weights: model.weight_bytes,
             memory,
         })?;
-        // As a modelled chip: an eighth of what the weights leave is step scratch.
-        let kv_tokens = (rest - rest / 8) / shape.kv_bytes_per_token().max(1);
+        // As a modelled chip: an eighth of what the weights leave is step scratch. The
+        // router sends nothing new to a chip past its KV breaker, so that share is what
+        // a chip's batch can use.
+        let kv_tokens =
+            (rest - rest / 8) / shape.kv_bytes_per_token().max(1) * spec.router.kv_breaker_percent as u64 / 100;
         kinds.push(KindSpec {
             name: chip.kind.clone(),
             chips: 1,
@@ -205,6 +208,10 @@ pub struct Solution {
     /// How the space was searched.
     pub search: tessera_solver::search::Mode,
     pub strategies: Vec<Published>,
+    /// Per kind, the best cluster of that kind alone with every chip doing both phases
+    /// (by analytic goodput per $), verified alongside: what a mix has to beat.
+    pub baselines: Vec<Published>,
+    /// The id of the verified strategy or baseline with the most goodput per $.
     pub chosen: Option<usize>,
 }
 
@@ -237,11 +244,30 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
     order.sort_by(|&a, &b| {
         strategies[b].analytic.goodput_per_usd().total_cmp(&strategies[a].analytic.goodput_per_usd()).then(a.cmp(&b))
     });
+    let check = |p: &mut Published| match verify(scenario, &fleet, &p.strategy) {
+        Ok(s) => p.simulated = Some(s),
+        Err(e) => p.verify_error = Some(e),
+    };
     for &i in order.iter().take(verify_top) {
-        match verify(scenario, &fleet, &strategies[i].strategy) {
-            Ok(s) => strategies[i].simulated = Some(s),
-            Err(e) => strategies[i].verify_error = Some(e),
+        check(&mut strategies[i]);
+    }
+    let mut baselines = Vec::new();
+    for kind in 0..fleet.fleet.kinds.len() {
+        let Some(c) = tessera_solver::search::best_single_kind(&fleet.fleet, &work, &slo, space, kind) else {
+            continue;
+        };
+        let mut p = Published {
+            id: strategies.len() + baselines.len() + 1,
+            describe: c.strategy.describe(&fleet.fleet),
+            strategy: c.strategy,
+            analytic: c.figures,
+            simulated: None,
+            verify_error: None,
+        };
+        if verify_top > 0 {
+            check(&mut p);
         }
+        baselines.push(p);
     }
     let score = |p: &Published| match p.simulated {
         Some(s) if s.failed == 0 => s.goodput_per_usd.unwrap_or(0.0),
@@ -251,10 +277,11 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
     };
     let chosen = strategies
         .iter()
+        .chain(&baselines)
         .filter(|p| score(p) > f64::NEG_INFINITY)
         .max_by(|a, b| score(a).total_cmp(&score(b)).then(b.id.cmp(&a.id)))
         .map(|p| p.id);
-    Ok(Solution { scenario: scenario.source.clone(), workload: work, slo, search, strategies, chosen })
+    Ok(Solution { scenario: scenario.source.clone(), workload: work, slo, search, strategies, baselines, chosen })
 }
 
 impl Solution {
@@ -291,13 +318,10 @@ impl Solution {
                 opt(per, 1)
             )
         };
-        for (i, p) in self.strategies.iter().enumerate() {
-            if i >= rows && p.simulated.is_none() && p.verify_error.is_none() {
-                continue;
-            }
+        let entry = |p: &Published| {
             let a = &p.analytic;
             let mark = if self.chosen == Some(p.id) { "  <- chosen" } else { "" };
-            out += &row(
+            let mut out = row(
                 &p.id.to_string(),
                 a.goodput_rps,
                 a.ttft_p90_s,
@@ -322,14 +346,69 @@ impl Solution {
             if let Some(e) = &p.verify_error {
                 out += &format!("     simulator: {e}\n");
             }
+            out
+        };
+        for (i, p) in self.strategies.iter().enumerate() {
+            if i < rows || p.simulated.is_some() || p.verify_error.is_some() {
+                out += &entry(p);
+            }
         }
         let hidden =
             self.strategies.iter().skip(rows).filter(|p| p.simulated.is_none() && p.verify_error.is_none()).count();
         if hidden > 0 {
             out += &format!("   ... {hidden} more (--rows, or --json for all)\n");
         }
+        if !self.baselines.is_empty() {
+            out += "\nsingle-kind clusters, every chip doing both phases (the best count and limits of each kind):\n";
+            for p in &self.baselines {
+                out += &entry(p);
+            }
+        }
+        if self.baselines.is_empty() {
+            out += &format!(
+                "\nno cluster of one kind of these chips keeps up with {} req/s within the SLOs (analytic)\n",
+                w.rate_rps
+            );
+        }
+        if let Some(line) = self.against_baselines() {
+            out += &format!("\n{line}\n");
+        }
         out += "\ngoodput in req/s within both SLOs; TTFT and TPOT p90 in ms; req/$: requests within SLO per $\n";
         out
+    }
+
+    /// How the best verified mix (chips of several kinds, or disaggregated) compares
+    /// with the best verified cluster of one kind with every chip doing both phases,
+    /// by simulated goodput per $.
+    pub fn against_baselines(&self) -> Option<String> {
+        let per_usd = |p: &Published| p.simulated.filter(|s| s.failed == 0).and_then(|s| s.goodput_per_usd);
+        let single = |p: &Published| {
+            p.strategy.roles.iter().filter(|r| r.active() > 0).count() == 1
+                && p.strategy.roles.iter().all(|r| r.prefill == 0 && r.decode == 0)
+        };
+        let best = |mix: bool| {
+            self.strategies
+                .iter()
+                .chain(&self.baselines)
+                .filter(|p| single(p) != mix)
+                .filter_map(|p| per_usd(p).map(|v| (p, v)))
+                .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.id.cmp(&a.0.id)))
+        };
+        let (one, v1) = best(false)?;
+        let Some((mix, v2)) = best(true) else {
+            return Some(format!(
+                "best verified: {} ({}) at {v1:.1} req/$; no mix of kinds or roles was verified",
+                one.id, one.describe
+            ));
+        };
+        Some(format!(
+            "best verified mix: {} ({}) at {v2:.1} req/$; best single-kind cluster: {} ({}) at {v1:.1}: the mix {:+.1}%",
+            mix.id,
+            mix.describe,
+            one.id,
+            one.describe,
+            (v2 / v1 - 1.0) * 100.0
+        ))
     }
 
     /// The frontier drawn as goodput per $ against TTFT p90 (simulated where verified,
@@ -341,6 +420,7 @@ impl Solution {
         let points: Vec<(usize, f64, f64, bool)> = self
             .strategies
             .iter()
+            .chain(&self.baselines)
             .map(|p| match &p.simulated {
                 Some(s) => (p.id, s.ttft_p90_s * 1e3, s.goodput_per_usd.unwrap_or(0.0), true),
                 None => (p.id, p.analytic.ttft_p90_s * 1e3, p.analytic.goodput_per_usd(), false),

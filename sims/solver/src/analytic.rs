@@ -45,15 +45,15 @@ struct KindTable {
     /// Prompts per second a chip prefills when saturated (prompts shorter than the
     /// budget share a step).
     prefill_rate: f64,
-    /// Prompt tokens in one chunk.
-    chunk: f64,
-    /// Chunks per prompt.
-    chunks: f64,
     /// A decode-only step of `b` sequences at the mean context, at index `b - 1`.
     decode_s: Vec<f64>,
-    /// A step of one chunk and `b` decodes, at index `b`.
+    /// Prompt tokens a step with `b` decodes carries, at index `b`: the budget counts
+    /// every token of a step, a decode's one included (as the batcher does).
+    mixed_chunk: Vec<f64>,
+    /// A step of that chunk and `b` decodes, at index `b`.
     mixed_s: Vec<f64>,
-    /// The most sequences a chip decodes at once: the cap, or fewer when its KV runs out.
+    /// The most sequences a chip decodes at once: the cap, or fewer when its KV (or
+    /// the step's token budget) runs out.
     max_batch: usize,
     /// The decode batch a chip runs at evenly spaced output rates from 0 up to (not
     /// including) `decode_rate_max` tokens/s (see [`solve_decode_batch`]).
@@ -79,7 +79,6 @@ impl KindTable {
             done += n;
             prefill_s += time(&StepShape { seqs: vec![SeqStep { new_tokens: n, context: done }] });
         }
-        let chunks = isl.div_ceil(chunk);
         let prefill_rate = if isl >= budget {
             1.0 / prefill_s
         } else {
@@ -87,22 +86,24 @@ impl KindTable {
             per_step as f64 / time(&StepShape { seqs: vec![SeqStep { new_tokens: isl, context: isl }; per_step] })
         };
         let per_seq = (workload.isl + workload.osl).max(1.0);
-        let max_batch = (cap as usize).min((kind.kv_tokens as f64 / per_seq) as usize);
+        let max_batch = (cap as usize).min(budget).min((kind.kv_tokens as f64 / per_seq) as usize);
         let decode_s = (1..=max_batch).map(|b| time(&StepShape::decode(b, context))).collect();
-        let chunk_seq = SeqStep { new_tokens: chunk, context: (isl + chunk) / 2 };
+        let mixed_chunk: Vec<f64> = (0..=max_batch).map(|b| isl.min(budget - b) as f64).collect();
         let mixed_s = (0..=max_batch)
             .map(|b| {
+                let chunk = isl.min(budget - b);
                 let mut seqs = vec![SeqStep { new_tokens: 1, context }; b];
-                seqs.push(chunk_seq);
+                if chunk > 0 {
+                    seqs.push(SeqStep { new_tokens: chunk, context: (isl + chunk) / 2 });
+                }
                 time(&StepShape { seqs })
             })
             .collect();
         let mut table = KindTable {
             prefill_s,
             prefill_rate,
-            chunk: chunk as f64,
-            chunks: chunks as f64,
             decode_s,
+            mixed_chunk,
             mixed_s,
             max_batch,
             decode_batches: Vec::new(),
@@ -160,6 +161,11 @@ impl KindTable {
     /// A decode step of `b` sequences (fractional: interpolated; under one: one's).
     fn decode_at(&self, b: f64) -> f64 {
         interpolate(&self.decode_s, b - 1.0)
+    }
+
+    /// Prompt tokens in a step with `b` decodes.
+    fn chunk_at(&self, b: f64) -> f64 {
+        interpolate(&self.mixed_chunk, b)
     }
 
     /// A chunk step with `b` decodes.
@@ -304,7 +310,8 @@ fn solve_colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Opti
     // them; the batch that balances is where the mean step time meets that pace.
     let mix = |b: f64| {
         let step = b.max(1e-9) / out_rate;
-        let f = in_rate * step / table.chunk;
+        let chunk = table.chunk_at(b);
+        let f = if chunk > 0.0 { in_rate * step / chunk } else { f64::INFINITY };
         (f, (1.0 - f) * table.decode_at(b) + f * table.mixed_at(b) - step)
     };
     let full = table.max_batch as f64;
@@ -442,12 +449,13 @@ fn load_at(
         let rps = rate * table.decode_capacity() / capacity;
         let (batch, f) = table.colocated_mix(rps)?;
         let step = (1.0 - f) * table.decode_at(batch) + f * table.mixed_at(batch);
-        let service = table.chunks * table.mixed_at(batch);
+        let chunk = table.chunk_at(batch).max(1.0);
+        let service = (workload.isl / chunk).ceil().max(1.0) * table.mixed_at(batch);
         tpots.push((step, rps * n as f64));
         ttfts.push((service, rps * n as f64));
         shares.push((rps * n as f64 / rate, service, step));
         // A chunk step serves `chunk / isl` prompts.
-        prefill_rate += n as f64 * (table.chunk / workload.isl.max(1.0)) / table.mixed_at(batch);
+        prefill_rate += n as f64 * (chunk / workload.isl.max(1.0)) / table.mixed_at(batch);
         servers += n as f64;
         watts += n as f64 * busy_watts(kind, f, batch.min(1.0) * (1.0 - f));
     }

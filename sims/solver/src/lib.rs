@@ -32,7 +32,8 @@ pub struct KindSpec {
     /// $ per chip-hour.
     pub usd_per_hour: f64,
     pub power: Power,
-    /// Tokens of KV cache one chip holds beside the weights.
+    /// Tokens of KV cache one chip's running requests may hold (beside the weights,
+    /// below the router's KV breaker).
     pub kv_tokens: u64,
 }
 

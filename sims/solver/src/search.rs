@@ -360,3 +360,40 @@ pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, step
     }
     frontier.into_sorted()
 }
+
+/// The best strategy, by goodput per $, that runs every request on chips of kind
+/// `kind` alone, all of them doing both phases (a single-vendor, single-role cluster):
+/// every count of the kind's chips under every setting of `space`. Of equal ones, the
+/// fewest chips (then the first setting). `None` when no count serves any request
+/// within the SLOs.
+pub fn best_single_kind(
+    fleet: &Fleet,
+    workload: &Workload,
+    slo: &Slo,
+    space: &Space,
+    kind: usize,
+) -> Option<Candidate> {
+    let chips = fleet.kinds.get(kind)?.chips;
+    let mut best: Option<Candidate> = None;
+    for &budget in &space.prefill_budgets {
+        for &cap in &space.decode_caps {
+            let tables = Tables::new(fleet, workload, budget, cap);
+            // Without prefill chips, the threshold decides nothing: the first is kept.
+            let min_prompt_tokens = space.min_prompt_tokens.first().copied().unwrap_or(0);
+            for n in 1..=chips {
+                let mut roles = vec![Roles::default(); fleet.kinds.len()];
+                roles[kind].both = n;
+                let strategy = Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
+                let Some(figures) = evaluate(fleet, &tables, &strategy, workload, slo) else { continue };
+                let better = best.as_ref().is_none_or(|b| {
+                    let (x, y) = (figures.goodput_per_usd(), b.figures.goodput_per_usd());
+                    x > y || (x == y && n < b.strategy.roles[kind].both)
+                });
+                if better {
+                    best = Some(Candidate { strategy, figures });
+                }
+            }
+        }
+    }
+    best
+}
