@@ -434,8 +434,14 @@ struct SimArgs {
 #[derive(Args)]
 struct SolveArgs {
     /// The scenario whose topology (its chips, by kind), workload and SLOs to solve.
-    #[arg(value_name = "SCENARIO")]
-    scenario: PathBuf,
+    #[arg(value_name = "SCENARIO", required_unless_present = "topology", conflicts_with = "topology")]
+    scenario: Option<PathBuf>,
+    /// The topology whose chips to solve for (with --workload, instead of a scenario).
+    #[arg(long, value_name = "T.toml", requires = "workload")]
+    topology: Option<PathBuf>,
+    /// A workload file: a scenario's `[workload]`, `[slo]` and the rest, without a topology.
+    #[arg(long, value_name = "W.toml", requires = "topology")]
+    workload: Option<PathBuf>,
     /// Solve for this arrival rate (requests/s) instead of the scenario's `rate_rps`.
     #[arg(long, value_name = "RPS")]
     rate: Option<f64>,
@@ -636,7 +642,11 @@ fn sim(args: SimArgs) -> Result<()> {
 }
 
 fn solve(args: SolveArgs) -> Result<()> {
-    let mut scenario = tessera_sim::load(&args.scenario)?;
+    let mut scenario = match (&args.scenario, &args.topology, &args.workload) {
+        (Some(path), _, _) => tessera_sim::load(path)?,
+        (None, Some(topology), Some(workload)) => tessera_sim::scenario::load_with_topology(workload, topology)?,
+        _ => bail!("give a scenario, or --topology and --workload"),
+    };
     if let Some(rate) = args.rate {
         scenario = scenario.at_rate(rate).map_err(anyhow::Error::msg)?;
     }

@@ -310,9 +310,27 @@ pub fn load(path: &Path) -> Result<Scenario, TopologyError> {
     parse(&text, &source, &dir)
 }
 
+/// Reads and validates a workload file (a scenario without a topology: `[workload]`,
+/// `[slo]` and the rest) and runs it on the topology at `topology`. A workload file that
+/// names a topology of its own is refused, naming the key.
+pub fn load_with_topology(workload: &Path, topology: &Path) -> Result<Scenario, TopologyError> {
+    let source = workload.display().to_string();
+    let text = std::fs::read_to_string(workload)
+        .map_err(|e| TopologyError::file(&source, format!("cannot read the workload file: {e}")))?;
+    let dir = workload.parent().unwrap_or(Path::new(""));
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let spec = tessera_topology::load(topology)?;
+    parse_on(&text, &source, &dir, Some(spec))
+}
+
 /// Parses and validates scenario `text` (named `source` in errors); relative paths are
 /// resolved against `dir`.
 pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyError> {
+    parse_on(text, source, dir, None)
+}
+
+/// [`parse`], on `given` instead of a topology of the text's own when one is given.
+fn parse_on(text: &str, source: &str, dir: &Path, given: Option<ClusterSpec>) -> Result<Scenario, TopologyError> {
     let raw: RawScenario = toml::from_str(text).map_err(|e| TopologyError::from_toml(source, text, &e))?;
     let at =
         |span: Range<usize>, key: &str, message: String| TopologyError::at(source, text, span, key.into(), message);
@@ -325,8 +343,12 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
         None => 0,
     };
 
-    let topology = match (&raw.topology, &raw.topology_toml) {
-        (Some(path), None) => {
+    let refuse = "a workload file names no topology: `--topology` gives it";
+    let topology = match (given, &raw.topology, &raw.topology_toml) {
+        (Some(_), Some(path), _) => return Err(at(path.span(), "topology", refuse.into())),
+        (Some(_), None, Some(inline)) => return Err(at(inline.span(), "topology_toml", refuse.into())),
+        (Some(spec), None, None) => spec,
+        (None, Some(path), None) => {
             let file = dir.join(path.get_ref());
             match tessera_topology::load(&file) {
                 Ok(spec) => spec,
@@ -335,15 +357,15 @@ pub fn parse(text: &str, source: &str, dir: &Path) -> Result<Scenario, TopologyE
                 Err(e) => return Err(e),
             }
         }
-        (None, Some(inline)) => embedded_topology(source, text, inline, dir)?,
-        (Some(_), Some(inline)) => {
+        (None, None, Some(inline)) => embedded_topology(source, text, inline, dir)?,
+        (None, Some(_), Some(inline)) => {
             return Err(at(
                 inline.span(),
                 "topology_toml",
                 "give `topology` (a file) or `topology_toml`, not both".into(),
             ));
         }
-        (None, None) => {
+        (None, None, None) => {
             return Err(TopologyError::at(
                 source,
                 text,
