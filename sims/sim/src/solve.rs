@@ -252,10 +252,7 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
         check(&mut strategies[i]);
     }
     let mut baselines = Vec::new();
-    for kind in 0..fleet.fleet.kinds.len() {
-        let Some(c) = tessera_solver::search::best_single_kind(&fleet.fleet, &work, &slo, space, kind) else {
-            continue;
-        };
+    for c in tessera_solver::search::best_single_kinds(&fleet.fleet, &work, &slo, space).into_iter().flatten() {
         let mut p = Published {
             id: strategies.len() + baselines.len() + 1,
             describe: c.strategy.describe(&fleet.fleet),

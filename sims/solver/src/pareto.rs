@@ -1,6 +1,6 @@
 //! The Pareto set of scored strategies: those no other beats on one objective without
-//! losing on another. Figures are compared at three significant digits, so strategies
-//! that differ below the model's own precision count as equal; of equal ones the set
+//! losing on another. Figures are compared at 10 significant bits (about 0.1%), so
+//! strategies that differ below the model's own precision count as equal; of equal ones the set
 //! keeps the one with the fewest active chips (then the first in strategy order), so
 //! the same space gives the same set however it was walked.
 
@@ -16,10 +16,10 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// The objectives, each to be minimised, at three significant digits.
+    /// The objectives, each to be minimised, at 10 significant bits.
     fn key(&self) -> [f64; 5] {
         let f = &self.figures;
-        [-f.goodput_rps, f.ttft_p90_s, f.tpot_p90_s, f.usd_per_million_tokens, f.joules_per_request].map(round3)
+        [-f.goodput_rps, f.ttft_p90_s, f.tpot_p90_s, f.usd_per_million_tokens, f.joules_per_request].map(coarse)
     }
 
     fn active(&self) -> u32 {
@@ -32,13 +32,15 @@ impl Candidate {
     }
 }
 
-/// `x` at three significant digits.
-fn round3(x: f64) -> f64 {
+/// `x` rounded to 10 significant bits (its mantissa's top 10, to nearest): a relative
+/// step of about 0.1%, and cheap.
+fn coarse(x: f64) -> f64 {
+    const DROP: u32 = 52 - 10;
     if x == 0.0 || !x.is_finite() {
         return x;
     }
-    let scale = 10f64.powi(2 - x.abs().log10().floor() as i32);
-    (x * scale).round() / scale
+    let bits = x.to_bits() + (1u64 << (DROP - 1));
+    f64::from_bits(bits & !((1u64 << DROP) - 1))
 }
 
 /// Whether `a` is at least as good as `b` everywhere and better somewhere.
@@ -50,6 +52,9 @@ fn dominates(a: &[f64; 5], b: &[f64; 5]) -> bool {
 #[derive(Debug, Clone, Default)]
 pub struct Frontier {
     members: Vec<(Candidate, [f64; 5])>,
+    /// The member that last turned a candidate away: tried first, as the next
+    /// candidate of a scan is likely to lose to it too.
+    hint: usize,
 }
 
 impl Frontier {
@@ -57,12 +62,19 @@ impl Frontier {
     /// drops the members it dominates.
     pub fn offer(&mut self, candidate: Candidate) {
         let key = candidate.key();
-        for (member, member_key) in &self.members {
-            if dominates(member_key, &key) || (*member_key == key && !candidate.preferred_to(member)) {
-                return;
-            }
+        let beaten_by = |(member, member_key): &(Candidate, [f64; 5])| {
+            dominates(member_key, &key) || (*member_key == key && !candidate.preferred_to(member))
+        };
+        if self.members.get(self.hint).is_some_and(beaten_by) {
+            return;
         }
-        self.members.retain(|(_, k)| !dominates(&key, k) && *k != key);
+        if let Some(i) = self.members.iter().position(beaten_by) {
+            self.hint = i;
+            return;
+        }
+        if self.members.iter().any(|(_, k)| dominates(&key, k) || *k == key) {
+            self.members.retain(|(_, k)| !dominates(&key, k) && *k != key);
+        }
         self.members.push((candidate, key));
     }
 

@@ -265,18 +265,29 @@ struct SideMember {
 
 /// The Pareto set of one side's splits (share within its SLO up; p90, $, watts down),
 /// where a split beats another only if it also uses no more chips of any kind.
-fn side_frontier(members: impl Iterator<Item = (Vec<u32>, Side, f64)>) -> Vec<SideMember> {
+fn side_frontier(mut members: Vec<(Vec<u32>, Side, f64)>) -> Vec<SideMember> {
+    // Fewest chips first: a split's dominators come before it (they use no more chips
+    // of any kind), so few members are ever dropped again.
+    members.sort_by_key(|(counts, _, _)| counts.iter().sum::<u32>());
     let mut out: Vec<SideMember> = Vec::new();
     let beats = |a: &SideMember, key: &[f64; 4], counts: &[u32]| {
         a.key.iter().zip(key).all(|(x, y)| x <= y) && a.counts.iter().zip(counts).all(|(x, y)| x <= y)
     };
+    // The member that last turned a split away, tried first.
+    let mut hint = 0;
     for (counts, side, usd_per_hour) in members {
         let key = [-side.ok, side.p90_s, usd_per_hour, side.watts];
-        if out.iter().any(|m| beats(m, &key, &counts)) {
+        if out.get(hint).is_some_and(|m| beats(m, &key, &counts)) {
+            continue;
+        }
+        if let Some(i) = out.iter().position(|m| beats(m, &key, &counts)) {
+            hint = i;
             continue;
         }
         let new = SideMember { counts, side, usd_per_hour, key };
-        out.retain(|m| !beats(&new, &m.key, &m.counts));
+        if out.iter().any(|m| beats(&new, &m.key, &m.counts)) {
+            out.retain(|m| !beats(&new, &m.key, &m.counts));
+        }
         out.push(new);
     }
     out
@@ -311,7 +322,7 @@ pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, step
                     decode.push((counts, side, usd));
                 }
             });
-            let (prefill, decode) = (side_frontier(prefill.into_iter()), side_frontier(decode.into_iter()));
+            let (prefill, decode) = (side_frontier(prefill), side_frontier(decode));
             for &min_prompt_tokens in &space.min_prompt_tokens {
                 let strategy =
                     |roles: Vec<Roles>| Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
@@ -361,36 +372,31 @@ pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, step
     frontier.into_sorted()
 }
 
-/// The best strategy, by goodput per $, that runs every request on chips of kind
-/// `kind` alone, all of them doing both phases (a single-vendor, single-role cluster):
-/// every count of the kind's chips under every setting of `space`. Of equal ones, the
-/// fewest chips (then the first setting). `None` when no count serves any request
-/// within the SLOs.
-pub fn best_single_kind(
-    fleet: &Fleet,
-    workload: &Workload,
-    slo: &Slo,
-    space: &Space,
-    kind: usize,
-) -> Option<Candidate> {
-    let chips = fleet.kinds.get(kind)?.chips;
-    let mut best: Option<Candidate> = None;
+/// Per kind, the best strategy by goodput per $ that runs every request on chips of
+/// that kind alone, all of them doing both phases (a single-vendor, single-role
+/// cluster): every count of the kind's chips under every setting of `space`. Of equal
+/// ones, the fewest chips (then the first setting). `None` for a kind no count of
+/// which serves any request within the SLOs.
+pub fn best_single_kinds(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Vec<Option<Candidate>> {
+    let mut best: Vec<Option<Candidate>> = vec![None; fleet.kinds.len()];
+    // Without prefill chips, the threshold decides nothing: the first is kept.
+    let min_prompt_tokens = space.min_prompt_tokens.first().copied().unwrap_or(0);
     for &budget in &space.prefill_budgets {
         for &cap in &space.decode_caps {
             let tables = Tables::new(fleet, workload, budget, cap);
-            // Without prefill chips, the threshold decides nothing: the first is kept.
-            let min_prompt_tokens = space.min_prompt_tokens.first().copied().unwrap_or(0);
-            for n in 1..=chips {
-                let mut roles = vec![Roles::default(); fleet.kinds.len()];
-                roles[kind].both = n;
-                let strategy = Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
-                let Some(figures) = evaluate(fleet, &tables, &strategy, workload, slo) else { continue };
-                let better = best.as_ref().is_none_or(|b| {
-                    let (x, y) = (figures.goodput_per_usd(), b.figures.goodput_per_usd());
-                    x > y || (x == y && n < b.strategy.roles[kind].both)
-                });
-                if better {
-                    best = Some(Candidate { strategy, figures });
+            for (kind, best) in best.iter_mut().enumerate() {
+                for n in 1..=fleet.kinds[kind].chips {
+                    let mut roles = vec![Roles::default(); fleet.kinds.len()];
+                    roles[kind].both = n;
+                    let strategy = Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
+                    let Some(figures) = evaluate(fleet, &tables, &strategy, workload, slo) else { continue };
+                    let better = best.as_ref().is_none_or(|b| {
+                        let (x, y) = (figures.goodput_per_usd(), b.figures.goodput_per_usd());
+                        x > y || (x == y && n < b.strategy.roles[kind].both)
+                    });
+                    if better {
+                        *best = Some(Candidate { strategy, figures });
+                    }
                 }
             }
         }
