@@ -185,6 +185,13 @@ pub fn verify(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) -
     })
 }
 
+/// Whether `strategy` mixes kinds of chips or splits the phases between chips: not a
+/// cluster of one kind with every chip doing both.
+pub fn is_mix(strategy: &Strategy) -> bool {
+    strategy.roles.iter().filter(|r| r.active() > 0).count() > 1
+        || strategy.roles.iter().any(|r| r.prefill > 0 || r.decode > 0)
+}
+
 /// One strategy of the published set: its analytic figures, and the simulator's when
 /// it was verified.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -250,6 +257,19 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
     };
     for &i in order.iter().take(verify_top) {
         check(&mut strategies[i]);
+    }
+    // What a mix does is the question: the best mix by analytic goodput per $, and the
+    // best disaggregated strategy, are verified too when none of the best was one.
+    let disaggregated = |s: &Strategy| s.roles.iter().any(|r| r.prefill > 0);
+    let families: [&dyn Fn(&Strategy) -> bool; 2] = [&is_mix, &disaggregated];
+    for family in families {
+        let verified = strategies.iter().any(|p| p.simulated.is_some() && family(&p.strategy));
+        if verify_top > 0
+            && !verified
+            && let Some(&i) = order.iter().find(|&&i| family(&strategies[i].strategy))
+        {
+            check(&mut strategies[i]);
+        }
     }
     let mut baselines = Vec::new();
     for c in tessera_solver::search::best_single_kinds(&fleet.fleet, &work, &slo, space).into_iter().flatten() {
@@ -379,10 +399,7 @@ impl Solution {
     /// by simulated goodput per $.
     pub fn against_baselines(&self) -> Option<String> {
         let per_usd = |p: &Published| p.simulated.filter(|s| s.failed == 0).and_then(|s| s.goodput_per_usd);
-        let single = |p: &Published| {
-            p.strategy.roles.iter().filter(|r| r.active() > 0).count() == 1
-                && p.strategy.roles.iter().all(|r| r.prefill == 0 && r.decode == 0)
-        };
+        let single = |p: &Published| !is_mix(&p.strategy);
         let best = |mix: bool| {
             self.strategies
                 .iter()

@@ -11,8 +11,10 @@
 //!   Sakasegawa's approximation, the chips' shares in proportion to their speed); a
 //!   prompt's TTFT is its wait, its chunked prefill, and the hand-off of its last layer
 //!   (the earlier layers stream during the prefill). Each decode chip carries output
-//!   tokens in proportion to its capacity; its batch is what that rate needs by
-//!   Little's law, and TPOT is the step time of that batch.
+//!   tokens in proportion to its capacity and installs each of its requests' KV over
+//!   the link between its steps; its batch is what that rate needs by Little's law in
+//!   the time the installs leave, and TPOT is the step time of that batch stretched by
+//!   the installs.
 //! - **Colocated**: each chip's steps carry its decodes and, in a share of its steps,
 //!   a chunk of a prompt: the share and the batch solve both the prompt tokens' and
 //!   the output tokens' rates at once, TPOT is the mean step, and a prompt's service
@@ -371,32 +373,41 @@ pub(crate) fn prefill_side(
 /// `counts[k]` chips of each kind decoding what prefill chips hand them, at `rate`,
 /// output tokens in proportion to each chip's capacity: `None` when they cannot keep up.
 pub(crate) fn decode_side(
+    fleet: &Fleet,
     tables: &Tables,
     counts: &[u32],
     workload: &Workload,
     slo: &Slo,
     rate: f64,
-    kinds: &[KindSpec],
 ) -> Option<Side> {
     let capacity: f64 = tables.kinds.iter().zip(counts).map(|(t, &n)| n as f64 * t.decode_capacity()).sum();
     if capacity.is_nan() || capacity <= 0.0 || tables.kinds.iter().zip(counts).any(|(t, &n)| n > 0 && t.max_batch == 0)
     {
         return None;
     }
+    // A decode chip installs each request's KV as it arrives, between its steps: the
+    // whole prompt's cache over the link.
+    let install_s = fleet.link.transfer_s((workload.isl.max(1.0) as u64) * fleet.model.kv_bytes_per_token());
     let tokens = rate * workload.osl;
     let (mut tpots, mut ok, mut watts) = (Vec::new(), 0.0, 0.0);
-    for ((table, &n), kind) in tables.kinds.iter().zip(counts).zip(kinds) {
+    for ((table, &n), kind) in tables.kinds.iter().zip(counts).zip(&fleet.kinds) {
         if n == 0 {
             continue;
         }
         let per_chip = tokens * table.decode_capacity() / capacity;
-        let batch = table.decode_batch(per_chip)?;
-        let tpot = table.decode_at(batch);
+        let installing = per_chip / workload.osl.max(1.0) * install_s;
+        if installing >= MAX_UTILISATION {
+            return None;
+        }
+        // Steps run in the rest of the time, each a pause longer for the installs.
+        let batch = table.decode_batch(per_chip / (1.0 - installing))?;
+        let tpot = table.decode_at(batch) / (1.0 - installing);
         tpots.push((tpot, per_chip * n as f64));
         if tpot <= slo.tpot_s {
             ok += per_chip * n as f64 / tokens;
         }
-        watts += n as f64 * busy_watts(kind, 0.0, batch.min(1.0));
+        let stepping = batch.min(1.0) * (1.0 - installing);
+        watts += n as f64 * busy_watts(kind, 0.0, stepping + installing);
     }
     Some(Side { ok, p90_s: weighted_quantile(tpots, 0.9), watts })
 }
@@ -419,7 +430,7 @@ fn load_at(
         let p: Vec<u32> = strategy.roles.iter().map(|r| r.prefill).collect();
         let d: Vec<u32> = strategy.roles.iter().map(|r| r.decode).collect();
         let prefill = prefill_side(fleet, tables, &p, workload, slo, rate)?;
-        let decode = decode_side(tables, &d, workload, slo, rate, &fleet.kinds)?;
+        let decode = decode_side(fleet, tables, &d, workload, slo, rate)?;
         // `both` chips take nothing while the cluster disaggregates.
         let idle: f64 = kinds.map(|((k, _), r)| r.both as f64 * k.power.idle_w).sum();
         return Some(Load {

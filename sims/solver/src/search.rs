@@ -318,7 +318,7 @@ pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, step
                 if let Some(side) = prefill_side(fleet, &tables, &counts, workload, slo, rate) {
                     prefill.push((counts.clone(), side, usd));
                 }
-                if let Some(side) = decode_side(&tables, &counts, workload, slo, rate, &fleet.kinds) {
+                if let Some(side) = decode_side(fleet, &tables, &counts, workload, slo, rate) {
                     decode.push((counts, side, usd));
                 }
             });

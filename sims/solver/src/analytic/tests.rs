@@ -57,7 +57,10 @@ fn an_unloaded_disaggregated_request_takes_its_prefill_and_hand_off_then_one_ste
     let t = Tables::new(&f, &light, 2048, 256);
     let handoff = f.link.transfer_s(1024 * REFERENCE_MODEL.kv_bytes_per_token() / 32);
     assert!((figures.ttft_p90_s - t.kinds[0].prefill_s - handoff).abs() < 1e-9, "{figures:?}");
-    assert!((figures.tpot_p90_s - t.kinds[1].decode_s[0]).abs() < 1e-9, "{figures:?}");
+    // One sequence a step, the steps paused now and then for a request's KV install.
+    let install = f.link.transfer_s(1024 * REFERENCE_MODEL.kv_bytes_per_token());
+    let tpot = t.kinds[1].decode_s[0] / (1.0 - 0.01 * install);
+    assert!((figures.tpot_p90_s - tpot).abs() < 1e-9, "{figures:?}");
     assert_eq!(figures.goodput_rps, 0.01);
     assert_eq!(figures.usd_per_hour, 6.0);
 }
@@ -66,7 +69,7 @@ fn an_unloaded_disaggregated_request_takes_its_prefill_and_hand_off_then_one_ste
 fn load_raises_the_p90s_and_lowers_the_share_within_slo_and_past_capacity_nothing_is_served() {
     let f = fleet(1, 1, 0);
     let s = strategy(&[(1, 0, 0), (0, 1, 0), (0, 0, 0)]);
-    let tight = Slo { ttft_s: 0.026, ..SLO };
+    let tight = Slo { ttft_s: 0.025, ..SLO };
     let at = |rate: f64| {
         let w = Workload { rate_rps: rate, ..WORKLOAD };
         evaluate(&f, &Tables::new(&f, &w, 2048, 256), &s, &w, &tight)
@@ -74,15 +77,16 @@ fn load_raises_the_p90s_and_lowers_the_share_within_slo_and_past_capacity_nothin
     let mut last = at(0.5).expect("served");
     let mut share = last.goodput_rps / 0.5;
     assert!(share > 0.98, "{last:?}");
-    for rate in [2.0, 4.0, 6.0] {
+    for rate in [2.0, 4.0, 5.0] {
         let now = at(rate).expect("served");
         assert!(now.ttft_p90_s >= last.ttft_p90_s && now.tpot_p90_s >= last.tpot_p90_s, "{last:?} then {now:?}");
         assert!(now.goodput_rps / rate <= share + 1e-12, "{rate} req/s: {now:?}");
         (last, share) = (now, now.goodput_rps / rate);
     }
-    assert!(last.goodput_rps < 6.0, "the tight TTFT SLO is missed by some: {last:?}");
-    // Past the decode chip's capacity the queues grow without bound.
-    assert_eq!(at(8.0), None);
+    assert!(last.goodput_rps < 5.0, "the tight TTFT SLO is missed by some: {last:?}");
+    // Past the decode chip's capacity (its steps and KV installs) the queues grow
+    // without bound.
+    assert_eq!(at(6.0), None);
 }
 
 #[test]
@@ -123,7 +127,7 @@ fn small_space() -> Space {
 #[test]
 fn the_search_finds_the_exhaustive_frontier_on_nine_and_twelve_chips_of_three_kinds() {
     let space = Space { prefill_budgets: vec![2048], decode_caps: vec![64], min_prompt_tokens: vec![32] };
-    for (f, rate) in [(fleet(3, 3, 3), 5.0), (fleet(4, 4, 4), 40.0)] {
+    for (f, rate) in [(fleet(3, 3, 3), 5.0), (fleet(4, 4, 4), 15.0)] {
         let workload = Workload { rate_rps: rate, ..WORKLOAD };
         let searched = solve(&f, &workload, &SLO, &space).expect("searched");
         assert!(searched.len() > 3, "a trade-off to find: {searched:?}");
