@@ -11,7 +11,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod bench_router;
 mod up;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -467,6 +467,14 @@ struct SolveArgs {
     /// Also draw the set (goodput per $ against TTFT p90, the chosen one marked) as an SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+    /// Write the topology with this strategy of the set applied (its id; `chosen` for the
+    /// chosen one) to --out, ready for `tessera up`: roles, batch limits, the
+    /// disaggregation threshold; idle chips left out.
+    #[arg(long, value_name = "ID|chosen", requires = "out")]
+    apply: Option<String>,
+    /// Where --apply writes the topology.
+    #[arg(long, value_name = "FILE.toml", requires = "apply")]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -669,6 +677,52 @@ fn solve(args: SolveArgs) -> Result<()> {
     } else {
         print!("{}", solution.table(args.rows));
     }
+    if let (Some(id), Some(out)) = (&args.apply, &args.out) {
+        write_applied(&scenario, &solution, id, out)?;
+    }
+    Ok(())
+}
+
+/// Writes `scenario`'s topology file with strategy `id` of `solution` applied to `out`.
+fn write_applied(
+    scenario: &tessera_sim::Scenario,
+    solution: &tessera_sim::solve::Solution,
+    id: &str,
+    out: &Path,
+) -> Result<()> {
+    let wanted = match id {
+        "chosen" => solution.chosen.context("no strategy was chosen (none verified without a loss)")?,
+        id => id.parse().with_context(|| format!("--apply takes a strategy's id or `chosen`, not `{id}`"))?,
+    };
+    let published =
+        solution.strategies.iter().chain(&solution.baselines).find(|p| p.id == wanted).with_context(|| {
+            format!(
+                "no strategy {wanted} in the set (ids 1 to {})",
+                solution.strategies.len() + solution.baselines.len()
+            )
+        })?;
+    if scenario.topology.source == scenario.source {
+        bail!(
+            "{}: its topology is written inside the scenario; put it in a file and solve with --topology FILE --workload W to apply a strategy to it",
+            scenario.source
+        );
+    }
+    let source = Path::new(&scenario.topology.source);
+    let text =
+        std::fs::read_to_string(source).with_context(|| format!("cannot read the topology {}", source.display()))?;
+    let fleet = tessera_sim::solve::fleet(scenario).map_err(anyhow::Error::msg)?;
+    let applied = tessera_sim::solve::apply_to_topology_text(&text, &fleet, &published.strategy)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", source.display()))?;
+    // The result must be a valid topology before it is written.
+    tessera_topology::parse(&applied, &out.display().to_string()).map_err(anyhow::Error::msg)?;
+    std::fs::write(out, applied).with_context(|| format!("cannot write {}", out.display()))?;
+    eprintln!(
+        "wrote {}: strategy {} ({}) applied to {}",
+        out.display(),
+        published.id,
+        published.describe,
+        source.display()
+    );
     Ok(())
 }
 

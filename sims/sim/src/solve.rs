@@ -480,3 +480,54 @@ impl Solution {
         svg
     }
 }
+
+/// `topology`, the text of a topology file, with `strategy` applied as [`apply`] does:
+/// each chip's role and batch limits set, idle chips removed (and hosts left without
+/// chips; the gateway moves to the first host left when its own goes), and
+/// `[disagg] min_prompt_tokens` set. Comments and everything else stay as written.
+pub fn apply_to_topology_text(topology: &str, fleet: &ScenarioFleet, strategy: &Strategy) -> Result<String, String> {
+    use toml_edit::{DocumentMut, Item, Table, value};
+    if strategy.roles.len() != fleet.chips.len() {
+        return Err(SolveError::Mismatch { got: strategy.roles.len(), want: fleet.chips.len() }.to_string());
+    }
+    let mut role_of = std::collections::BTreeMap::new();
+    for (roles, ids) in strategy.roles.iter().zip(&fleet.chips) {
+        let plan = std::iter::repeat_n("prefill", roles.prefill as usize)
+            .chain(std::iter::repeat_n("decode", roles.decode as usize))
+            .chain(std::iter::repeat_n("both", roles.both as usize));
+        for (id, role) in ids.iter().zip(plan) {
+            role_of.insert(id.as_str(), role);
+        }
+    }
+    let mut doc: DocumentMut = topology.parse().map_err(|e| format!("not a TOML file: {e}"))?;
+    let hosts = doc.get_mut("hosts").and_then(Item::as_array_of_tables_mut).ok_or("the topology has no [[hosts]]")?;
+    let mut names_left = Vec::new();
+    for host in hosts.iter_mut() {
+        let name = host.get("name").and_then(Item::as_str).unwrap_or_default().to_string();
+        let Some(chips) = host.get_mut("chips").and_then(Item::as_array_of_tables_mut) else { continue };
+        chips.retain(|chip| chip.get("id").and_then(Item::as_str).is_some_and(|id| role_of.contains_key(id)));
+        for chip in chips.iter_mut() {
+            let id = chip.get("id").and_then(Item::as_str).unwrap_or_default().to_string();
+            let Some(&role) = role_of.get(id.as_str()) else { continue };
+            chip["role"] = value(role);
+            chip["max_batch_tokens"] = value(i64::from(strategy.prefill_budget));
+            chip["max_batch_seqs"] = value(i64::from(strategy.decode_cap));
+        }
+        if !chips.is_empty() {
+            names_left.push(name);
+        }
+    }
+    hosts.retain(|host| host.get("chips").and_then(Item::as_array_of_tables).is_some_and(|chips| !chips.is_empty()));
+    let first = names_left.first().ok_or("the strategy leaves no chip")?.clone();
+    if let Some(gateway) = doc.get_mut("gateway").and_then(Item::as_table_mut) {
+        let host = gateway.get("host").and_then(Item::as_str).map(str::to_string);
+        if host.is_some_and(|h| !names_left.contains(&h)) {
+            gateway["host"] = value(first);
+        }
+    }
+    if doc.get("disagg").is_none() {
+        doc["disagg"] = Item::Table(Table::new());
+    }
+    doc["disagg"]["min_prompt_tokens"] = value(i64::from(strategy.min_prompt_tokens));
+    Ok(doc.to_string())
+}

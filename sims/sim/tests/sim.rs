@@ -602,3 +602,43 @@ fn the_solver_verifies_its_best_strategies_in_the_simulator_and_chooses_one_that
     let e = tessera_sim::solve::solve(&flood, &space, 0).expect_err("nothing serves 100k req/s");
     assert!(e.contains("no strategy serves"), "{e}");
 }
+
+#[test]
+fn a_strategy_written_into_a_topology_file_keeps_the_rest_and_moves_the_gateway_off_a_host_left_empty() {
+    use tessera_solver::{Roles, Strategy};
+    let path = here().join("../../topology/default.toml");
+    let text = std::fs::read_to_string(&path).expect("the default topology");
+    let s = scenario::load(&here().join("../scenarios/default-poisson.toml")).expect("the default scenario");
+    let fleet = tessera_sim::solve::fleet(&s).expect("a fleet");
+    let kinds: Vec<&str> = fleet.fleet.kinds.iter().map(|k| k.name.as_str()).collect();
+    assert_eq!(kinds, ["ascend-910b", "metax-c500"]);
+
+    // Both chips colocated, smaller limits, another threshold: every chip keeps its host.
+    let both = Strategy {
+        roles: vec![Roles { both: 1, ..Roles::default() }, Roles { both: 1, ..Roles::default() }],
+        prefill_budget: 256,
+        decode_cap: 16,
+        min_prompt_tokens: 100,
+    };
+    let written = tessera_sim::solve::apply_to_topology_text(&text, &fleet, &both).expect("applied");
+    let spec = tessera_topology::parse(&written, "written.toml").expect("a valid topology");
+    let chips: Vec<(String, String, usize, usize)> = spec
+        .chips()
+        .map(|(_, h, c)| (h.name.clone(), c.role.to_string(), c.max_batch_tokens, c.max_batch_seqs))
+        .collect();
+    assert_eq!(chips, [("h0".into(), "both".into(), 256, 16), ("h1".into(), "both".into(), 256, 16)]);
+    assert_eq!(spec.disagg.min_prompt_tokens, 100);
+    // Comments stay.
+    assert!(written.contains("# Where the gateway listens"), "{written}");
+
+    // The 910B idle: its host goes, and the gateway with it to the host left.
+    let c500_only = Strategy { roles: vec![Roles::default(), Roles { both: 1, ..Roles::default() }], ..both.clone() };
+    let written = tessera_sim::solve::apply_to_topology_text(&text, &fleet, &c500_only).expect("applied");
+    let spec = tessera_topology::parse(&written, "written.toml").expect("a valid topology");
+    let hosts: Vec<&str> = spec.hosts.iter().map(|h| h.name.as_str()).collect();
+    assert_eq!(hosts, ["h1"]);
+    assert_eq!(spec.gateway.host, "h1");
+
+    let nothing = Strategy { roles: vec![Roles::default(); 2], ..both };
+    assert!(tessera_sim::solve::apply_to_topology_text(&text, &fleet, &nothing).is_err());
+}
