@@ -472,3 +472,46 @@ fn calibrate_fits_a_real_chip_for_the_simulator() {
         assert!(!out.status.success() && stderr.contains(why), "{chip}: {stderr}");
     }
 }
+
+#[test]
+fn solve_picks_a_strategy_for_the_default_topology_and_writes_it_as_a_topology() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("solved.toml");
+    let scenario = root.join("sims/scenarios/default-poisson.toml");
+    let (stdout, stderr) = ok(run(&[
+        "solve",
+        scenario.to_str().unwrap(),
+        "--verify",
+        "1",
+        "--rate",
+        "1",
+        "--apply",
+        "chosen",
+        "--out",
+        out.to_str().unwrap(),
+    ]));
+    assert!(stdout.contains("<- chosen") && stdout.contains("0 failed, 0 KV blocks leaked"), "{stdout}");
+    assert!(stderr.contains("wrote") && stderr.contains("applied to"), "{stderr}");
+    let (check, _) = ok(run(&["topology", "check", out.to_str().unwrap()]));
+    assert!(check.contains("cluster `default`"), "{check}");
+
+    // Bad input: a strategy not in the set, an inline topology, a workload naming one.
+    let bad = |args: &[&str], why: &str| {
+        let o = run(args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && stderr.contains(why) && !stderr.contains("panicked"), "{args:?}: {stderr}");
+    };
+    let s = scenario.to_str().unwrap();
+    let o = out.to_str().unwrap();
+    bad(&["solve", s, "--verify", "0", "--apply", "999", "--out", o], "no strategy 999 in the set");
+    bad(&["solve", s, "--verify", "0", "--apply", "best", "--out", o], "a strategy's id or `chosen`");
+    let inline = root.join("sims/scenarios/solver/founding-pool.toml");
+    bad(
+        &["solve", inline.to_str().unwrap(), "--verify", "0", "--apply", "1", "--out", o],
+        "written inside the scenario",
+    );
+    let topology = root.join("topology/default.toml");
+    bad(&["solve", "--topology", topology.to_str().unwrap(), "--workload", s], "a workload file names no topology");
+    bad(&["solve", s, "--verify", "0", "--rate", "1000000"], "no strategy serves");
+}
