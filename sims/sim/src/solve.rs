@@ -4,7 +4,7 @@
 //! disaggregation threshold; idle chips left out) to run through the production
 //! behaviors like any other scenario.
 
-use tessera_solver::{Fleet, KindSpec, Slo, Strategy, Workload};
+use tessera_solver::{Duty, Fleet, KindSpec, Slo, Strategy, Workload};
 use tessera_topology::perf::{Link, Power};
 use tessera_topology::{ChipSpec, Role};
 use tessera_workload::LengthDist;
@@ -13,11 +13,55 @@ use crate::chip::time_scale;
 use crate::model::SimModel;
 use crate::scenario::{Scenario, WorkloadRequests};
 
-/// A scenario's fleet, with the ids of each kind's chips in topology order.
+/// A scenario's fleet, with the ids of each kind's chips in topology order and what
+/// each does in the topology as written.
 #[derive(Debug, Clone)]
 pub struct ScenarioFleet {
     pub fleet: Fleet,
     pub chips: Vec<Vec<String>>,
+    pub now: Vec<Vec<Duty>>,
+}
+
+fn duty(role: Role) -> Duty {
+    match role {
+        Role::Prefill => Duty::Prefill,
+        Role::Decode => Duty::Decode,
+        Role::Both => Duty::Both,
+    }
+}
+
+/// A chip that changes duty under a strategy.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Move {
+    pub chip: String,
+    pub from: Duty,
+    pub to: Duty,
+}
+
+impl ScenarioFleet {
+    /// Every chip's id and its duty under `strategy` (see [`tessera_solver::assign`]:
+    /// chips keep their duty where the counts allow).
+    pub fn duties(&self, strategy: &Strategy) -> Result<Vec<(String, Duty)>, SolveError> {
+        if strategy.roles.len() != self.chips.len() {
+            return Err(SolveError::Mismatch { got: strategy.roles.len(), want: self.chips.len() });
+        }
+        let mut out = Vec::new();
+        for ((roles, ids), now) in strategy.roles.iter().zip(&self.chips).zip(&self.now) {
+            out.extend(ids.iter().cloned().zip(tessera_solver::assign(now, roles)));
+        }
+        Ok(out)
+    }
+
+    /// The chips `strategy` moves from what they do in the topology as written.
+    pub fn moves(&self, strategy: &Strategy) -> Result<Vec<Move>, SolveError> {
+        let now = self.chips.iter().flatten().zip(self.now.iter().flatten());
+        let then = self.duties(strategy)?;
+        Ok(now
+            .zip(then)
+            .filter(|((_, from), (_, to))| **from != *to)
+            .map(|((chip, &from), (_, to))| Move { chip: chip.clone(), from, to })
+            .collect())
+    }
 }
 
 /// Why a scenario cannot be solved.
@@ -42,12 +86,14 @@ pub fn fleet(scenario: &Scenario) -> Result<ScenarioFleet, SolveError> {
     let model = SimModel::of(spec, &scenario.base_dir).map_err(|e| SolveError::Model(e.to_string()))?;
     let mut kinds: Vec<KindSpec> = Vec::new();
     let mut chips: Vec<Vec<String>> = Vec::new();
+    let mut now: Vec<Vec<Duty>> = Vec::new();
     let mut kv_dtype = None;
     for (_, _, chip) in spec.chips() {
         kv_dtype.get_or_insert(chip.kv_dtype);
         if let Some(i) = kinds.iter().position(|k| k.name == chip.kind) {
             kinds[i].chips += 1;
             chips[i].push(chip.id.clone());
+            now[i].push(duty(chip.role));
             continue;
         }
         let kind = spec.chip_kind(&chip.kind).ok_or_else(|| SolveError::UnknownKind(chip.kind.clone()))?;
@@ -74,12 +120,13 @@ pub fn fleet(scenario: &Scenario) -> Result<ScenarioFleet, SolveError> {
             kv_tokens,
         });
         chips.push(vec![chip.id.clone()]);
+        now.push(vec![duty(chip.role)]);
     }
     let shape = model.shape(kv_dtype.unwrap_or(tessera_topology::DType::F16));
     // Prefill and decode chips on different hosts hand KV over the network.
     let network = scenario.network;
     let link = Link { bandwidth_gbs: network.kv_bandwidth_gbs, latency_s: network.kv_latency.as_secs_f64() };
-    Ok(ScenarioFleet { fleet: Fleet { model: shape, kinds, link }, chips })
+    Ok(ScenarioFleet { fleet: Fleet { model: shape, kinds, link }, chips, now })
 }
 
 fn mean(dist: &LengthDist) -> f64 {
@@ -114,29 +161,37 @@ pub fn slo(scenario: &Scenario) -> Slo {
     Slo { ttft_s: scenario.slo.ttft_ms / 1e3, tpot_s: scenario.slo.tpot_ms / 1e3 }
 }
 
-/// `scenario` with `strategy` applied: of each kind's chips in topology order, the first
-/// prefill, the next decode, the next do both, the rest are left out; every chip that
-/// stays takes the strategy's batch limits.
+/// The role of every chip `strategy` keeps, by id.
+fn roles_of(
+    fleet: &ScenarioFleet,
+    strategy: &Strategy,
+) -> Result<std::collections::BTreeMap<String, Role>, SolveError> {
+    Ok(fleet
+        .duties(strategy)?
+        .into_iter()
+        .filter_map(|(id, duty)| match duty {
+            Duty::Prefill => Some((id, Role::Prefill)),
+            Duty::Decode => Some((id, Role::Decode)),
+            Duty::Both => Some((id, Role::Both)),
+            Duty::Idle => None,
+        })
+        .collect())
+}
+
+/// `scenario` with `strategy` applied: each kind's chips take its roles, keeping what
+/// they do today where the counts allow ([`ScenarioFleet::duties`]); idle chips are left
+/// out; every chip that stays takes the strategy's batch limits.
 pub fn apply(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) -> Result<Scenario, SolveError> {
-    if strategy.roles.len() != fleet.chips.len() {
-        return Err(SolveError::Mismatch { got: strategy.roles.len(), want: fleet.chips.len() });
-    }
-    let mut role_of = std::collections::BTreeMap::new();
-    for (roles, ids) in strategy.roles.iter().zip(&fleet.chips) {
-        let plan = std::iter::repeat_n(Role::Prefill, roles.prefill as usize)
-            .chain(std::iter::repeat_n(Role::Decode, roles.decode as usize))
-            .chain(std::iter::repeat_n(Role::Both, roles.both as usize));
-        for (id, role) in ids.iter().zip(plan) {
-            role_of.insert(id.clone(), role);
-        }
-    }
+    let role_of = roles_of(fleet, strategy)?;
     let mut out = scenario.clone();
     let spec = &mut out.topology;
     spec.disagg.min_prompt_tokens = strategy.min_prompt_tokens as usize;
     for host in &mut spec.hosts {
         host.chips.retain(|c: &ChipSpec| role_of.contains_key(&c.id));
         for chip in &mut host.chips {
-            chip.role = role_of[&chip.id];
+            if let Some(&role) = role_of.get(&chip.id) {
+                chip.role = role;
+            }
             chip.max_batch_tokens = strategy.prefill_budget as usize;
             chip.max_batch_seqs = strategy.decode_cap as usize;
         }
@@ -163,13 +218,18 @@ pub struct Simulated {
 pub fn verify(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) -> Result<Simulated, String> {
     let applied = apply(scenario, fleet, strategy).map_err(|e| e.to_string())?;
     let (report, _) = crate::run(&applied, None).map_err(|e| e.to_string())?;
+    Ok(simulated_of(&report))
+}
+
+/// A simulation's report as a strategy's figures.
+fn simulated_of(report: &crate::Report) -> Simulated {
     let p90 = |l: Option<crate::report::Latency>| l.map_or(f64::INFINITY, |l| l.p90_ms / 1e3);
     // As the analytic figure: the offered rate times the share of requests within the
     // SLOs (the report's own goodput divides by the run's span, drain included).
     let share = if report.requests > 0 { report.slo_met as f64 / report.requests as f64 } else { 0.0 };
     let goodput_rps = report.rate_rps * share;
     let per_usd = report.usd_per_hour.filter(|&usd| usd > 0.0);
-    Ok(Simulated {
+    Simulated {
         goodput_rps,
         ttft_p90_s: p90(report.ttft),
         tpot_p90_s: p90(report.tpot),
@@ -182,7 +242,7 @@ pub fn verify(scenario: &Scenario, fleet: &ScenarioFleet, strategy: &Strategy) -
         goodput_per_usd: per_usd.map(|usd| goodput_rps * 3600.0 / usd),
         failed: report.failed + report.unfinished,
         kv_blocks_leaked: report.kv_blocks_used_at_end,
-    })
+    }
 }
 
 /// Whether `strategy` mixes kinds of chips or splits the phases between chips: not a
@@ -203,6 +263,20 @@ pub struct Published {
     pub simulated: Option<Simulated>,
     /// Why the simulator could not run it.
     pub verify_error: Option<String>,
+    /// The chips it moves from what they do in the topology as written.
+    pub moves: Vec<Move>,
+}
+
+/// The topology as written, scored as a strategy (every chip at the first chip's
+/// limits): what the chosen strategy would replace.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Current {
+    pub strategy: Strategy,
+    pub describe: String,
+    /// `None` when it cannot keep up with the offered rate (the analytic model's view).
+    pub analytic: Option<tessera_solver::Figures>,
+    pub simulated: Option<Simulated>,
+    pub verify_error: Option<String>,
 }
 
 /// The solve of a scenario: the Pareto set, and the strategy chosen by goodput per $
@@ -220,6 +294,12 @@ pub struct Solution {
     pub baselines: Vec<Published>,
     /// The id of the verified strategy or baseline with the most goodput per $.
     pub chosen: Option<usize>,
+    pub current: Current,
+    /// Going from the topology as written to the chosen strategy: how long its moving
+    /// chips take to drain, at most — a decode (or both) chip its running requests'
+    /// output at the current strategy's TPOT p90, a prefill chip its TTFT p90; `None`
+    /// when the current strategy does not keep up (its queues set the time) or nothing moves.
+    pub drain_s: Option<f64>,
 }
 
 /// Solves `scenario` over `space`, then verifies in the simulator the `verify`
@@ -241,10 +321,11 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
         .map(|(i, c)| Published {
             id: i + 1,
             describe: c.strategy.describe(&fleet.fleet),
-            strategy: c.strategy,
             analytic: c.figures,
             simulated: None,
             verify_error: None,
+            moves: fleet.moves(&c.strategy).unwrap_or_default(),
+            strategy: c.strategy,
         })
         .collect();
     let mut order: Vec<usize> = (0..strategies.len()).collect();
@@ -276,10 +357,11 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
         let mut p = Published {
             id: strategies.len() + baselines.len() + 1,
             describe: c.strategy.describe(&fleet.fleet),
-            strategy: c.strategy,
             analytic: c.figures,
             simulated: None,
             verify_error: None,
+            moves: fleet.moves(&c.strategy).unwrap_or_default(),
+            strategy: c.strategy,
         };
         if verify_top > 0 {
             check(&mut p);
@@ -298,7 +380,64 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
         .filter(|p| score(p) > f64::NEG_INFINITY)
         .max_by(|a, b| score(a).total_cmp(&score(b)).then(b.id.cmp(&a.id)))
         .map(|p| p.id);
-    Ok(Solution { scenario: scenario.source.clone(), workload: work, slo, search, strategies, baselines, chosen })
+    let current = current(scenario, &fleet, &work, &slo, verify_top > 0);
+    let drain_s = chosen.and_then(|id| {
+        let moves = &strategies.iter().chain(&baselines).find(|p| p.id == id)?.moves;
+        let now = current.analytic?;
+        moves
+            .iter()
+            .filter_map(|m| match m.from {
+                Duty::Decode | Duty::Both => Some(work.osl * now.tpot_p90_s),
+                Duty::Prefill => Some(now.ttft_p90_s),
+                Duty::Idle => None,
+            })
+            .reduce(f64::max)
+    });
+    Ok(Solution {
+        scenario: scenario.source.clone(),
+        workload: work,
+        slo,
+        search,
+        strategies,
+        baselines,
+        chosen,
+        current,
+        drain_s,
+    })
+}
+
+/// The topology as written as a strategy, scored (and verified when `verify`).
+fn current(scenario: &Scenario, fleet: &ScenarioFleet, work: &Workload, slo: &Slo, verify_it: bool) -> Current {
+    let roles = fleet
+        .now
+        .iter()
+        .map(|duties| {
+            let count = |d: Duty| duties.iter().filter(|&&x| x == d).count() as u32;
+            tessera_solver::Roles {
+                prefill: count(Duty::Prefill),
+                decode: count(Duty::Decode),
+                both: count(Duty::Both),
+            }
+        })
+        .collect();
+    let first = scenario.topology.chips().next().map(|(_, _, c)| c);
+    let strategy = Strategy {
+        roles,
+        prefill_budget: first.map_or(0, |c| c.max_batch_tokens as u32),
+        decode_cap: first.map_or(0, |c| c.max_batch_seqs as u32),
+        min_prompt_tokens: u32::try_from(scenario.topology.disagg.min_prompt_tokens).unwrap_or(u32::MAX),
+    };
+    let tables =
+        tessera_solver::analytic::Tables::new(&fleet.fleet, work, strategy.prefill_budget, strategy.decode_cap);
+    let analytic = tessera_solver::analytic::evaluate(&fleet.fleet, &tables, &strategy, work, slo);
+    let (mut simulated, mut verify_error) = (None, None);
+    if verify_it {
+        match crate::run(scenario, None) {
+            Ok((report, _)) => simulated = Some(simulated_of(&report)),
+            Err(e) => verify_error = Some(e.to_string()),
+        }
+    }
+    Current { describe: strategy.describe(&fleet.fleet), strategy, analytic, simulated, verify_error }
 }
 
 impl Solution {
@@ -386,6 +525,53 @@ impl Solution {
                 "\nno cluster of one kind of these chips keeps up with {} req/s within the SLOs (analytic)\n",
                 w.rate_rps
             );
+        }
+        let c = &self.current;
+        out += &format!("\nthe topology as written ({}):\n", c.describe);
+        match &c.analytic {
+            Some(a) => {
+                out += &row(
+                    "now",
+                    a.goodput_rps,
+                    a.ttft_p90_s,
+                    a.tpot_p90_s,
+                    Some(a.usd_per_million_tokens),
+                    Some(a.joules_per_request),
+                    Some(a.goodput_per_usd()),
+                );
+                out += "\n";
+            }
+            None => out += "     does not keep up with the offered rate (analytic)\n",
+        }
+        if let Some(s) = &c.simulated {
+            out += &row(
+                "sim",
+                s.goodput_rps,
+                s.ttft_p90_s,
+                s.tpot_p90_s,
+                s.usd_per_million_tokens,
+                s.joules_per_request,
+                s.goodput_per_usd,
+            );
+            out += &format!("  simulated: {} failed, {} KV blocks leaked\n", s.failed, s.kv_blocks_leaked);
+        }
+        if let Some(e) = &c.verify_error {
+            out += &format!("     simulator: {e}\n");
+        }
+        if let Some(chosen) = self.strategies.iter().chain(&self.baselines).find(|p| Some(p.id) == self.chosen) {
+            if chosen.moves.is_empty() {
+                out += &format!("chosen {} moves no chip from it (limits aside)\n", chosen.id);
+            } else {
+                let moves: Vec<String> =
+                    chosen.moves.iter().map(|m| format!("{} {} -> {}", m.chip, m.from, m.to)).collect();
+                let drain = self.drain_s.map_or(String::new(), |s| format!("; they drain in at most ~{s:.1} s first"));
+                out += &format!(
+                    "chosen {} moves {} chip(s) from it: {}{drain}\n",
+                    chosen.id,
+                    chosen.moves.len(),
+                    moves.join(", ")
+                );
+            }
         }
         if let Some(line) = self.against_baselines() {
             out += &format!("\n{line}\n");
@@ -487,18 +673,7 @@ impl Solution {
 /// `[disagg] min_prompt_tokens` set. Comments and everything else stay as written.
 pub fn apply_to_topology_text(topology: &str, fleet: &ScenarioFleet, strategy: &Strategy) -> Result<String, String> {
     use toml_edit::{DocumentMut, Item, Table, value};
-    if strategy.roles.len() != fleet.chips.len() {
-        return Err(SolveError::Mismatch { got: strategy.roles.len(), want: fleet.chips.len() }.to_string());
-    }
-    let mut role_of = std::collections::BTreeMap::new();
-    for (roles, ids) in strategy.roles.iter().zip(&fleet.chips) {
-        let plan = std::iter::repeat_n("prefill", roles.prefill as usize)
-            .chain(std::iter::repeat_n("decode", roles.decode as usize))
-            .chain(std::iter::repeat_n("both", roles.both as usize));
-        for (id, role) in ids.iter().zip(plan) {
-            role_of.insert(id.as_str(), role);
-        }
-    }
+    let role_of = roles_of(fleet, strategy).map_err(|e| e.to_string())?;
     let mut doc: DocumentMut = topology.parse().map_err(|e| format!("not a TOML file: {e}"))?;
     let hosts = doc.get_mut("hosts").and_then(Item::as_array_of_tables_mut).ok_or("the topology has no [[hosts]]")?;
     let mut names_left = Vec::new();
@@ -508,8 +683,8 @@ pub fn apply_to_topology_text(topology: &str, fleet: &ScenarioFleet, strategy: &
         chips.retain(|chip| chip.get("id").and_then(Item::as_str).is_some_and(|id| role_of.contains_key(id)));
         for chip in chips.iter_mut() {
             let id = chip.get("id").and_then(Item::as_str).unwrap_or_default().to_string();
-            let Some(&role) = role_of.get(id.as_str()) else { continue };
-            chip["role"] = value(role);
+            let Some(role) = role_of.get(id.as_str()) else { continue };
+            chip["role"] = value(role.to_string());
             chip["max_batch_tokens"] = value(i64::from(strategy.prefill_budget));
             chip["max_batch_seqs"] = value(i64::from(strategy.decode_cap));
         }

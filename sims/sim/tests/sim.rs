@@ -574,6 +574,23 @@ fn a_strategy_applies_to_the_topology_as_roles_and_limits_and_idle_chips_leave()
     .collect();
     assert_eq!(chips, want);
     assert_eq!(applied.topology.disagg.min_prompt_tokens, 64);
+    // What moves from the topology as written (all 910Bs prefill, all C500s decode).
+    let moves: Vec<(String, String, String)> = fleet
+        .moves(&strategy)
+        .expect("moves")
+        .into_iter()
+        .map(|m| (m.chip, m.from.to_string(), m.to.to_string()))
+        .collect();
+    let want: Vec<(String, String, String)> = [
+        (&fleet.chips[0][1], "prefill", "both"),
+        (&fleet.chips[0][2], "prefill", "idle"),
+        (&fleet.chips[1][3], "decode", "idle"),
+        (&fleet.chips[1][4], "decode", "idle"),
+    ]
+    .iter()
+    .map(|(id, a, b)| (id.to_string(), a.to_string(), b.to_string()))
+    .collect();
+    assert_eq!(moves, want);
     let wrong = Strategy { roles: vec![Roles::default()], ..strategy };
     assert!(tessera_sim::solve::apply(&s, &fleet, &wrong).is_err());
 }

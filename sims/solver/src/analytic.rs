@@ -87,7 +87,8 @@ impl KindTable {
             let per_step = budget / isl;
             per_step as f64 / time(&StepShape { seqs: vec![SeqStep { new_tokens: isl, context: isl }; per_step] })
         };
-        let per_seq = (workload.isl + workload.osl).max(1.0);
+        // A running sequence holds its prompt and, on average, half its output.
+        let per_seq = (workload.isl + workload.osl / 2.0).max(1.0);
         let max_batch = (cap as usize).min(budget).min((kind.kv_tokens as f64 / per_seq) as usize);
         let decode_s = (1..=max_batch).map(|b| time(&StepShape::decode(b, context))).collect();
         let mixed_chunk: Vec<f64> = (0..=max_batch).map(|b| isl.min(budget - b) as f64).collect();

@@ -149,3 +149,52 @@ impl Figures {
         if self.usd_per_hour > 0.0 { self.goodput_rps * 3600.0 / self.usd_per_hour } else { 0.0 }
     }
 }
+
+/// What one chip does under a strategy: a role, or nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Duty {
+    Prefill,
+    Decode,
+    Both,
+    Idle,
+}
+
+impl std::fmt::Display for Duty {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Duty::Prefill => "prefill",
+            Duty::Decode => "decode",
+            Duty::Both => "both",
+            Duty::Idle => "idle",
+        })
+    }
+}
+
+/// The duty of each chip of one kind under `roles`, the chips doing `now` today (in
+/// topology order): a chip keeps its duty while `roles` has room for it, so as few chips
+/// as the counts allow drain and switch; the others take the duties left, prefill
+/// first, then decode, both and idle, in chip order.
+pub fn assign(now: &[Duty], roles: &Roles) -> Vec<Duty> {
+    let active = roles.active() as usize;
+    let mut left = [
+        (Duty::Prefill, roles.prefill as usize),
+        (Duty::Decode, roles.decode as usize),
+        (Duty::Both, roles.both as usize),
+        (Duty::Idle, now.len().saturating_sub(active)),
+    ];
+    let mut out: Vec<Option<Duty>> = vec![None; now.len()];
+    for (slot, &duty) in out.iter_mut().zip(now) {
+        if let Some(entry) = left.iter_mut().find(|(d, n)| *d == duty && *n > 0) {
+            entry.1 -= 1;
+            *slot = Some(duty);
+        }
+    }
+    for slot in out.iter_mut().filter(|s| s.is_none()) {
+        if let Some(entry) = left.iter_mut().find(|(_, n)| *n > 0) {
+            entry.1 -= 1;
+            *slot = Some(entry.0);
+        }
+    }
+    out.into_iter().map(|d| d.unwrap_or(Duty::Idle)).collect()
+}

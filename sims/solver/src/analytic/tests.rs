@@ -178,3 +178,17 @@ fn screening_by_sides_finds_what_the_full_search_finds_on_a_fleet_it_can_search_
         }
     }
 }
+
+#[test]
+fn chips_keep_their_duty_where_the_counts_allow() {
+    use crate::{Duty::*, assign};
+    let now = [Prefill, Prefill, Decode, Decode, Both];
+    // Same counts: nobody moves.
+    assert_eq!(assign(&now, &Roles { prefill: 2, decode: 2, both: 1 }), now);
+    // One prefill chip fewer, one decode more: only the second prefill chip switches.
+    assert_eq!(assign(&now, &Roles { prefill: 1, decode: 3, both: 1 }), [Prefill, Decode, Decode, Decode, Both]);
+    // All colocated on three chips: the first two prefill chips and one decode chip move.
+    assert_eq!(assign(&now, &Roles { both: 3, ..Roles::default() }), [Both, Both, Idle, Idle, Both]);
+    // Idle stays idle while the counts leave room for one; the next idle chip starts.
+    assert_eq!(assign(&[Idle, Idle, Decode], &Roles { decode: 2, ..Roles::default() }), [Idle, Decode, Decode]);
+}
