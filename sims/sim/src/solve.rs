@@ -562,14 +562,28 @@ impl Solution {
             if chosen.moves.is_empty() {
                 out += &format!("chosen {} moves no chip from it (limits aside)\n", chosen.id);
             } else {
-                let moves: Vec<String> =
-                    chosen.moves.iter().map(|m| format!("{} {} -> {}", m.chip, m.from, m.to)).collect();
+                // Grouped by what they go from and to, a few ids each.
+                let mut groups: Vec<((Duty, Duty), Vec<&str>)> = Vec::new();
+                for m in &chosen.moves {
+                    match groups.iter_mut().find(|(k, _)| *k == (m.from, m.to)) {
+                        Some((_, ids)) => ids.push(&m.chip),
+                        None => groups.push(((m.from, m.to), vec![&m.chip])),
+                    }
+                }
+                let moves: Vec<String> = groups
+                    .iter()
+                    .map(|((from, to), ids)| {
+                        let more = if ids.len() > 3 { format!(", ... {} more", ids.len() - 3) } else { String::new() };
+                        let shown: Vec<&str> = ids.iter().take(3).copied().collect();
+                        format!("{} {from} -> {to} ({}{more})", ids.len(), shown.join(", "))
+                    })
+                    .collect();
                 let drain = self.drain_s.map_or(String::new(), |s| format!("; they drain in at most ~{s:.1} s first"));
                 out += &format!(
                     "chosen {} moves {} chip(s) from it: {}{drain}\n",
                     chosen.id,
                     chosen.moves.len(),
-                    moves.join(", ")
+                    moves.join("; ")
                 );
             }
         }
