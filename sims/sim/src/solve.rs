@@ -474,20 +474,21 @@ impl Solution {
                 opt(per, 1)
             )
         };
-        let entry = |p: &Published| {
-            let a = &p.analytic;
-            let mark = if self.chosen == Some(p.id) { "  <- chosen" } else { "" };
-            let mut out = row(
-                &p.id.to_string(),
+        let analytic_row = |tag: &str, a: &tessera_solver::Figures| {
+            row(
+                tag,
                 a.goodput_rps,
                 a.ttft_p90_s,
                 a.tpot_p90_s,
                 Some(a.usd_per_million_tokens),
                 Some(a.joules_per_request),
                 Some(a.goodput_per_usd()),
-            );
-            out += &format!("  {}{mark}\n", p.describe);
-            if let Some(s) = &p.simulated {
+            )
+        };
+        // The simulator's figures under the analytic ones, or why it could not run.
+        let verified = |simulated: &Option<Simulated>, error: &Option<String>| {
+            let mut out = String::new();
+            if let Some(s) = simulated {
                 out += &row(
                     "sim",
                     s.goodput_rps,
@@ -499,10 +500,16 @@ impl Solution {
                 );
                 out += &format!("  simulated: {} failed, {} KV blocks leaked\n", s.failed, s.kv_blocks_leaked);
             }
-            if let Some(e) = &p.verify_error {
+            if let Some(e) = error {
                 out += &format!("     simulator: {e}\n");
             }
             out
+        };
+        let entry = |p: &Published| {
+            let mark = if self.chosen == Some(p.id) { "  <- chosen" } else { "" };
+            let mut out = analytic_row(&p.id.to_string(), &p.analytic);
+            out += &format!("  {}{mark}\n", p.describe);
+            out + &verified(&p.simulated, &p.verify_error)
         };
         for (i, p) in self.strategies.iter().enumerate() {
             if i < rows || p.simulated.is_some() || p.verify_error.is_some() {
@@ -529,35 +536,10 @@ impl Solution {
         let c = &self.current;
         out += &format!("\nthe topology as written ({}):\n", c.describe);
         match &c.analytic {
-            Some(a) => {
-                out += &row(
-                    "now",
-                    a.goodput_rps,
-                    a.ttft_p90_s,
-                    a.tpot_p90_s,
-                    Some(a.usd_per_million_tokens),
-                    Some(a.joules_per_request),
-                    Some(a.goodput_per_usd()),
-                );
-                out += "\n";
-            }
+            Some(a) => out += &(analytic_row("now", a) + "\n"),
             None => out += "     does not keep up with the offered rate (analytic)\n",
         }
-        if let Some(s) = &c.simulated {
-            out += &row(
-                "sim",
-                s.goodput_rps,
-                s.ttft_p90_s,
-                s.tpot_p90_s,
-                s.usd_per_million_tokens,
-                s.joules_per_request,
-                s.goodput_per_usd,
-            );
-            out += &format!("  simulated: {} failed, {} KV blocks leaked\n", s.failed, s.kv_blocks_leaked);
-        }
-        if let Some(e) = &c.verify_error {
-            out += &format!("     simulator: {e}\n");
-        }
+        out += &verified(&c.simulated, &c.verify_error);
         if let Some(chosen) = self.strategies.iter().chain(&self.baselines).find(|p| Some(p.id) == self.chosen) {
             if chosen.moves.is_empty() {
                 out += &format!("chosen {} moves no chip from it (limits aside)\n", chosen.id);
