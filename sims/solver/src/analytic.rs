@@ -34,6 +34,9 @@ use crate::{Figures, Fleet, KindSpec, Slo, Strategy, Workload};
 
 /// Bisection rounds for a decode batch.
 const BATCH_ROUNDS: u32 = 40;
+/// Standard deviations of the running-sequence count a chip's mean batch leaves below
+/// its cap (see [`KindTable::usable_batch`]).
+const SWING: f64 = 1.0;
 /// Points of a kind's rate tables (see [`KindTable::tabulate`]).
 const RATE_POINTS: usize = 1024;
 /// A pool counts as saturated from this utilisation on.
@@ -176,12 +179,24 @@ impl KindTable {
         interpolate(&self.mixed_s, b)
     }
 
-    /// Output tokens per second at a full batch, decode-only.
-    fn decode_capacity(&self) -> f64 {
-        match self.decode_s.last() {
-            Some(&t) if t > 0.0 => self.max_batch as f64 / t,
-            _ => 0.0,
+    /// The largest mean batch a chip runs at: the number of running sequences swings
+    /// (a Poisson count), so the mean leaves room for [`SWING`] standard deviations
+    /// below the cap — `b + SWING sqrt(b) <= max_batch` — or the swings queue requests
+    /// at the cap.
+    fn usable_batch(&self) -> f64 {
+        if self.max_batch == 0 {
+            return 0.0;
         }
+        // b + SWING * sqrt(b) = max: sqrt(b) = (sqrt(SWING^2 / 4 + max) - SWING / 2).
+        let root = (SWING * SWING / 4.0 + self.max_batch as f64).sqrt() - SWING / 2.0;
+        root * root
+    }
+
+    /// Output tokens per second at the largest mean batch, decode-only.
+    fn decode_capacity(&self) -> f64 {
+        let b = self.usable_batch();
+        let t = self.decode_at(b);
+        if b > 0.0 && t > 0.0 { b / t } else { 0.0 }
     }
 }
 
@@ -294,7 +309,7 @@ fn solve_decode_batch(table: &KindTable, tokens_per_s: f64) -> Option<f64> {
     if tokens_per_s >= table.decode_capacity() * MAX_UTILISATION {
         return None;
     }
-    let (mut lo, mut hi) = (0.0, table.max_batch as f64);
+    let (mut lo, mut hi) = (0.0, table.usable_batch());
     for _ in 0..BATCH_ROUNDS {
         let mid = (lo + hi) / 2.0;
         if mid / table.decode_at(mid) < tokens_per_s { lo = mid } else { hi = mid }
@@ -303,7 +318,7 @@ fn solve_decode_batch(table: &KindTable, tokens_per_s: f64) -> Option<f64> {
 }
 
 /// A colocated chip's batch and chunk-step share when it takes `rps` requests a
-/// second: `None` when no batch up to its full one keeps up.
+/// second: `None` when no batch up to its largest mean one keeps up.
 fn solve_colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Option<(f64, f64)> {
     if rps <= 0.0 {
         return Some((0.0, 0.0));
@@ -317,7 +332,7 @@ fn solve_colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Opti
         let f = if chunk > 0.0 { in_rate * step / chunk } else { f64::INFINITY };
         (f, (1.0 - f) * table.decode_at(b) + f * table.mixed_at(b) - step)
     };
-    let full = table.max_batch as f64;
+    let full = table.usable_batch();
     let (f_full, gap_full) = mix(full);
     if gap_full >= 0.0 || f_full > 1.0 {
         return None;
