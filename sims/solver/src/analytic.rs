@@ -60,6 +60,8 @@ struct KindTable {
     /// The most sequences a chip decodes at once: the cap, or fewer when its KV (or
     /// the step's token budget) runs out.
     max_batch: usize,
+    /// Output tokens per second at the largest mean batch, decode-only.
+    capacity: f64,
     /// The decode batch a chip runs at evenly spaced output rates from 0 up to (not
     /// including) `decode_rate_max` tokens/s (see [`solve_decode_batch`]).
     decode_batches: Vec<f64>,
@@ -112,6 +114,7 @@ impl KindTable {
             mixed_chunk,
             mixed_s,
             max_batch,
+            capacity: 0.0,
             decode_batches: Vec::new(),
             decode_rate_max: 0.0,
             colocated: Vec::new(),
@@ -123,6 +126,9 @@ impl KindTable {
 
     /// Fills the rate tables: the solves of every strategy's chips then take a lookup.
     fn tabulate(&mut self, workload: &Workload) {
+        let b = self.usable_batch();
+        let t = self.decode_at(b);
+        self.capacity = if b > 0.0 && t > 0.0 { b / t } else { 0.0 };
         let step = |max: f64| max / (RATE_POINTS - 1) as f64;
         self.decode_rate_max = self.decode_capacity() * MAX_UTILISATION;
         let s = step(self.decode_rate_max);
@@ -192,11 +198,10 @@ impl KindTable {
         root * root
     }
 
-    /// Output tokens per second at the largest mean batch, decode-only.
+    /// Output tokens per second at the largest mean batch, decode-only (computed once,
+    /// by [`KindTable::tabulate`]).
     fn decode_capacity(&self) -> f64 {
-        let b = self.usable_batch();
-        let t = self.decode_at(b);
-        if b > 0.0 && t > 0.0 { b / t } else { 0.0 }
+        self.capacity
     }
 }
 

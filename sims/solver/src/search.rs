@@ -26,9 +26,12 @@ use crate::{Fleet, Roles, Slo, Space, Strategy, Workload};
 pub const MAX_STRATEGIES: u64 = 50_000_000;
 /// Up to this many strategies, [`solve`] scores every one.
 pub const EXACT_LIMIT: u64 = 2_000_000;
-/// The most splits of one side (or colocated splits) [`screen`] scores per setting of
-/// the limits: it picks the steps of each kind's counts to fit.
+/// The most colocated splits [`screen`] scores per setting of the limits: it picks the
+/// steps of each kind's counts to fit.
 pub const SCREEN_SPLITS: u64 = 50_000;
+/// The most splits of each side of disaggregated strategies [`screen`] scores per
+/// setting of the limits (each side's Pareto set costs about the square of it).
+pub const SIDE_SPLITS: u64 = 20_000;
 
 /// Why a space cannot be searched.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -158,23 +161,26 @@ fn scan(
 pub enum Mode {
     /// Every strategy scored.
     Exact { strategies: u64 },
-    /// Screened with each kind's counts in this many steps ([`screen`]).
-    Screened { steps: u32 },
+    /// Screened with each kind's counts in `steps` steps for colocated strategies and
+    /// `side_steps` for the sides of disaggregated ones ([`screen`]).
+    Screened { steps: u32, side_steps: u32 },
 }
 
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Mode::Exact { strategies } => write!(f, "every one of {strategies} strategies scored"),
-            Mode::Screened { steps } => {
-                write!(f, "screened: each kind's chips in {steps} steps, disaggregated strategies by their sides")
-            }
+            Mode::Screened { steps, side_steps } => write!(
+                f,
+                "screened: each kind's chips in {steps} steps, disaggregated strategies by their sides in {side_steps}"
+            ),
         }
     }
 }
 
 /// How [`solve`] searches `fleet`'s space: whole up to [`EXACT_LIMIT`] strategies,
-/// else screened with the most steps per kind that fit [`SCREEN_SPLITS`].
+/// else screened with the most steps per kind that fit [`SCREEN_SPLITS`] (colocated)
+/// and [`SIDE_SPLITS`] (each side of disaggregated strategies).
 pub fn mode(fleet: &Fleet, workload: &Workload, space: &Space) -> Result<Mode, SearchError> {
     let strategies = check(fleet, workload, space)?;
     if strategies <= EXACT_LIMIT {
@@ -182,18 +188,21 @@ pub fn mode(fleet: &Fleet, workload: &Workload, space: &Space) -> Result<Mode, S
     }
     let most = fleet.kinds.iter().map(|k| k.chips).max().unwrap_or(0);
     let kinds = fleet.kinds.iter().filter(|k| k.chips > 0).count().max(1) as u32;
-    let mut steps = 1;
-    while steps < most && ((steps + 2) as u64).pow(kinds) <= SCREEN_SPLITS {
-        steps += 1;
-    }
-    Ok(Mode::Screened { steps })
+    let steps_within = |budget: u64| {
+        let mut steps = 1;
+        while steps < most && ((steps + 2) as u64).pow(kinds) <= budget {
+            steps += 1;
+        }
+        steps
+    };
+    Ok(Mode::Screened { steps: steps_within(SCREEN_SPLITS), side_steps: steps_within(SIDE_SPLITS) })
 }
 
 /// The Pareto set of `fleet`'s strategies for `workload` within `slo`, searched as
 /// [`mode`] says.
 pub fn solve(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Result<Vec<Candidate>, SearchError> {
-    if let Mode::Screened { steps } = mode(fleet, workload, space)? {
-        return Ok(screen(fleet, workload, slo, space, steps));
+    if let Mode::Screened { steps, side_steps } = mode(fleet, workload, space)? {
+        return Ok(screen(fleet, workload, slo, space, steps, side_steps));
     }
     let per_kind: Vec<Vec<Roles>> = fleet.kinds.iter().map(|k| splits(k.chips)).collect();
     Ok(scan(fleet, workload, slo, space, &per_kind, |roles, min| leaves_chips_unused(roles, workload, min)))
@@ -293,14 +302,26 @@ fn side_frontier(mut members: Vec<(Vec<u32>, Side, f64)>) -> Vec<SideMember> {
     out
 }
 
-/// Screens `fleet`'s strategies with each kind's counts in `steps` steps (see the
-/// module doc): the Pareto set of what it scores.
-pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, steps: u32) -> Vec<Candidate> {
+/// Screens `fleet`'s strategies with each kind's counts in `steps` steps for colocated
+/// strategies and `side_steps` for each side of disaggregated ones (see the module doc):
+/// the Pareto set of what it scores.
+pub fn screen(
+    fleet: &Fleet,
+    workload: &Workload,
+    slo: &Slo,
+    space: &Space,
+    steps: u32,
+    side_steps: u32,
+) -> Vec<Candidate> {
     let grid: Vec<Vec<u32>> = fleet.kinds.iter().map(|k| levels(k.chips, steps)).collect();
+    let side_grid: Vec<Vec<u32>> = fleet.kinds.iter().map(|k| levels(k.chips, side_steps)).collect();
     let price =
         |counts: &[u32]| -> f64 { counts.iter().zip(&fleet.kinds).map(|(&n, k)| n as f64 * k.usd_per_hour).sum() };
-    let grid_roles: Vec<Vec<Roles>> =
-        grid.iter().map(|g| g.iter().map(|&n| Roles { prefill: n, ..Roles::default() }).collect()).collect();
+    // Counts as one-role splits, for `combinations` to walk.
+    let as_roles = |grid: &[Vec<u32>]| -> Vec<Vec<Roles>> {
+        grid.iter().map(|g| g.iter().map(|&n| Roles { prefill: n, ..Roles::default() }).collect()).collect()
+    };
+    let (grid_roles, side_roles) = (as_roles(&grid), as_roles(&side_grid));
     let counts_of = |roles: &[Roles]| -> Vec<u32> { roles.iter().map(|r| r.prefill).collect() };
     let rate = workload.rate_rps;
     let mut frontier = Frontier::default();
@@ -309,7 +330,7 @@ pub fn screen(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space, step
             let tables = Tables::new(fleet, workload, budget, cap);
             // Each side's Pareto set, once per setting of the limits.
             let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-            combinations(&grid_roles, |roles| {
+            combinations(&side_roles, |roles| {
                 let counts = counts_of(roles);
                 if counts.iter().all(|&n| n == 0) {
                     return;
