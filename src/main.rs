@@ -711,7 +711,9 @@ fn write_applied(
     let text =
         std::fs::read_to_string(source).with_context(|| format!("cannot read the topology {}", source.display()))?;
     let fleet = tessera_sim::solve::fleet(scenario).map_err(anyhow::Error::msg)?;
-    let applied = tessera_sim::solve::apply_to_topology_text(&text, &fleet, &published.strategy)
+    let dir = source.parent().unwrap_or(Path::new(""));
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let applied = tessera_sim::solve::apply_to_topology_text(&text, &dir, &fleet, &published.strategy)
         .map_err(|e| anyhow::anyhow!("{}: {e}", source.display()))?;
     // The result must be a valid topology before it is written.
     tessera_topology::parse(&applied, &out.display().to_string()).map_err(anyhow::Error::msg)?;

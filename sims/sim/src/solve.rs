@@ -663,11 +663,18 @@ impl Solution {
     }
 }
 
-/// `topology`, the text of a topology file, with `strategy` applied as [`apply`] does:
-/// each chip's role and batch limits set, idle chips removed (and hosts left without
-/// chips; the gateway moves to the first host left when its own goes), and
-/// `[disagg] min_prompt_tokens` set. Comments and everything else stay as written.
-pub fn apply_to_topology_text(topology: &str, fleet: &ScenarioFleet, strategy: &Strategy) -> Result<String, String> {
+/// `topology`, the text of a topology file in directory `dir`, with `strategy` applied
+/// as [`apply`] does: each chip's role and batch limits set, idle chips removed (and
+/// hosts left without chips; the gateway moves to the first host left when its own
+/// goes), and `[disagg] min_prompt_tokens` set. Relative paths (the model, performance
+/// model files, `plugin:` libraries) become `dir`'s, so the file can be written anywhere.
+/// Comments and everything else stay as written.
+pub fn apply_to_topology_text(
+    topology: &str,
+    dir: &std::path::Path,
+    fleet: &ScenarioFleet,
+    strategy: &Strategy,
+) -> Result<String, String> {
     use toml_edit::{DocumentMut, Item, Table, value};
     let role_of = roles_of(fleet, strategy).map_err(|e| e.to_string())?;
     let mut doc: DocumentMut = topology.parse().map_err(|e| format!("not a TOML file: {e}"))?;
@@ -694,6 +701,35 @@ pub fn apply_to_topology_text(topology: &str, fleet: &ScenarioFleet, strategy: &
         let host = gateway.get("host").and_then(Item::as_str).map(str::to_string);
         if host.is_some_and(|h| !names_left.contains(&h)) {
             gateway["host"] = value(first);
+        }
+    }
+    // Relative paths, resolved against the file's own directory.
+    let absolute = |path: &str| -> Option<String> {
+        let p = std::path::Path::new(path);
+        p.is_relative().then(|| dir.join(p).display().to_string())
+    };
+    if let Some(model) = doc.get("cluster").and_then(|c| c.get("model")).and_then(Item::as_str)
+        && !model.starts_with("builtin:")
+        && let Some(path) = absolute(model)
+    {
+        doc["cluster"]["model"] = value(path);
+    }
+    if let Some(models) =
+        doc.get_mut("emulation").and_then(|e| e.get_mut("perf_models")).and_then(Item::as_table_like_mut)
+    {
+        for (_, file) in models.iter_mut() {
+            if let Some(path) = file.as_str().and_then(absolute) {
+                *file = value(path);
+            }
+        }
+    }
+    for host in doc.get_mut("hosts").and_then(Item::as_array_of_tables_mut).into_iter().flat_map(|h| h.iter_mut()) {
+        let chips = host.get_mut("chips").and_then(Item::as_array_of_tables_mut);
+        for chip in chips.into_iter().flat_map(|c| c.iter_mut()) {
+            let plugin = chip.get("backend").and_then(Item::as_str).and_then(|b| b.strip_prefix("plugin:"));
+            if let Some(path) = plugin.and_then(absolute) {
+                chip["backend"] = value(format!("plugin:{path}"));
+            }
         }
     }
     if doc.get("disagg").is_none() {

@@ -637,7 +637,8 @@ fn a_strategy_written_into_a_topology_file_keeps_the_rest_and_moves_the_gateway_
         decode_cap: 16,
         min_prompt_tokens: 100,
     };
-    let written = tessera_sim::solve::apply_to_topology_text(&text, &fleet, &both).expect("applied");
+    let dir = path.parent().expect("a directory");
+    let written = tessera_sim::solve::apply_to_topology_text(&text, dir, &fleet, &both).expect("applied");
     let spec = tessera_topology::parse(&written, "written.toml").expect("a valid topology");
     let chips: Vec<(String, String, usize, usize)> = spec
         .chips()
@@ -650,12 +651,33 @@ fn a_strategy_written_into_a_topology_file_keeps_the_rest_and_moves_the_gateway_
 
     // The 910B idle: its host goes, and the gateway with it to the host left.
     let c500_only = Strategy { roles: vec![Roles::default(), Roles { both: 1, ..Roles::default() }], ..both.clone() };
-    let written = tessera_sim::solve::apply_to_topology_text(&text, &fleet, &c500_only).expect("applied");
+    let written = tessera_sim::solve::apply_to_topology_text(&text, dir, &fleet, &c500_only).expect("applied");
     let spec = tessera_topology::parse(&written, "written.toml").expect("a valid topology");
     let hosts: Vec<&str> = spec.hosts.iter().map(|h| h.name.as_str()).collect();
     assert_eq!(hosts, ["h1"]);
     assert_eq!(spec.gateway.host, "h1");
 
     let nothing = Strategy { roles: vec![Roles::default(); 2], ..both };
-    assert!(tessera_sim::solve::apply_to_topology_text(&text, &fleet, &nothing).is_err());
+    assert!(tessera_sim::solve::apply_to_topology_text(&text, dir, &fleet, &nothing).is_err());
+
+    // A topology with a relative model path, written elsewhere, still finds its model.
+    let example = here().join("../../topology/examples/founding-pool.toml");
+    let s = scenario::load_with_topology(&here().join("../scenarios/workloads/chat-7b.toml"), &example)
+        .expect("the founding pool");
+    let fleet = tessera_sim::solve::fleet(&s).expect("a fleet");
+    let five = Strategy {
+        roles: vec![Roles { both: 5, ..Roles::default() }, Roles::default()],
+        prefill_budget: 512,
+        decode_cap: 128,
+        min_prompt_tokens: 32,
+    };
+    let text = std::fs::read_to_string(&example).expect("the example");
+    let written =
+        tessera_sim::solve::apply_to_topology_text(&text, example.parent().expect("a directory"), &fleet, &five)
+            .expect("applied");
+    let tmp = tempfile::tempdir().expect("a temporary directory");
+    let out = tmp.path().join("five.toml");
+    std::fs::write(&out, written).expect("written");
+    let spec = tessera_topology::load(&out).expect("a valid topology whose model is found from anywhere");
+    assert_eq!(spec.chips().count(), 5);
 }
