@@ -478,6 +478,7 @@ fn solve_picks_a_strategy_for_the_default_topology_and_writes_it_as_a_topology()
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("solved.toml");
+    let plot = tmp.path().join("set.svg");
     let scenario = root.join("sims/scenarios/default-poisson.toml");
     let (stdout, stderr) = ok(run(&[
         "solve",
@@ -486,11 +487,15 @@ fn solve_picks_a_strategy_for_the_default_topology_and_writes_it_as_a_topology()
         "1",
         "--rate",
         "1",
+        "--plot",
+        plot.to_str().unwrap(),
         "--apply",
         "chosen",
         "--out",
         out.to_str().unwrap(),
     ]));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("chosen: "), "{svg}");
     assert!(stdout.contains("<- chosen") && stdout.contains("0 failed, 0 KV blocks leaked"), "{stdout}");
     assert!(stderr.contains("wrote") && stderr.contains("applied to"), "{stderr}");
     let (check, _) = ok(run(&["topology", "check", out.to_str().unwrap()]));
