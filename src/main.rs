@@ -690,41 +690,11 @@ fn write_applied(
     id: &str,
     out: &Path,
 ) -> Result<()> {
-    let wanted = match id {
-        "chosen" => solution.chosen.context("no strategy was chosen (none verified without a loss)")?,
-        id => id.parse().with_context(|| format!("--apply takes a strategy's id or `chosen`, not `{id}`"))?,
-    };
-    let published =
-        solution.strategies.iter().chain(&solution.baselines).find(|p| p.id == wanted).with_context(|| {
-            format!(
-                "no strategy {wanted} in the set (ids 1 to {})",
-                solution.strategies.len() + solution.baselines.len()
-            )
-        })?;
-    if scenario.topology.source == scenario.source {
-        bail!(
-            "{}: its topology is written inside the scenario; put it in a file and solve with --topology FILE --workload W to apply a strategy to it",
-            scenario.source
-        );
-    }
-    let source = Path::new(&scenario.topology.source);
-    let text =
-        std::fs::read_to_string(source).with_context(|| format!("cannot read the topology {}", source.display()))?;
-    let fleet = tessera_sim::solve::fleet(scenario).map_err(anyhow::Error::msg)?;
-    let dir = source.parent().unwrap_or(Path::new(""));
-    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let applied = tessera_sim::solve::apply_to_topology_text(&text, &dir, &fleet, &published.strategy)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", source.display()))?;
+    let (applied, what) = solution.applied_topology(scenario, id).map_err(anyhow::Error::msg)?;
     // The result must be a valid topology before it is written.
     tessera_topology::parse(&applied, &out.display().to_string()).map_err(anyhow::Error::msg)?;
     std::fs::write(out, applied).with_context(|| format!("cannot write {}", out.display()))?;
-    eprintln!(
-        "wrote {}: strategy {} ({}) applied to {}",
-        out.display(),
-        published.id,
-        published.describe,
-        source.display()
-    );
+    eprintln!("wrote {}: {what}", out.display());
     Ok(())
 }
 

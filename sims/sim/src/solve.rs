@@ -576,6 +576,39 @@ impl Solution {
         out
     }
 
+    /// The text of `scenario`'s topology file with strategy `id` of the set applied
+    /// ([`apply_to_topology_text`]; `chosen` names the chosen one), and what was applied
+    /// to which file.
+    pub fn applied_topology(&self, scenario: &Scenario, id: &str) -> Result<(String, String), String> {
+        let wanted = match id {
+            "chosen" => self.chosen.ok_or("no strategy was chosen (none verified without a loss)")?,
+            id => id.parse().map_err(|_| format!("--apply takes a strategy's id or `chosen`, not `{id}`"))?,
+        };
+        let all = self.strategies.len() + self.baselines.len();
+        let published = self
+            .strategies
+            .iter()
+            .chain(&self.baselines)
+            .find(|p| p.id == wanted)
+            .ok_or_else(|| format!("no strategy {wanted} in the set (ids 1 to {all})"))?;
+        if scenario.topology.source == scenario.source {
+            return Err(format!(
+                "{}: its topology is written inside the scenario; put it in a file and solve with --topology FILE --workload W to apply a strategy to it",
+                scenario.source
+            ));
+        }
+        let source = std::path::Path::new(&scenario.topology.source);
+        let text = std::fs::read_to_string(source)
+            .map_err(|e| format!("cannot read the topology {}: {e}", source.display()))?;
+        let fleet = fleet(scenario).map_err(|e| e.to_string())?;
+        let dir = source.parent().unwrap_or(std::path::Path::new(""));
+        let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+        let applied = apply_to_topology_text(&text, &dir, &fleet, &published.strategy)
+            .map_err(|e| format!("{}: {e}", source.display()))?;
+        let what = format!("strategy {} ({}) applied to {}", published.id, published.describe, source.display());
+        Ok((applied, what))
+    }
+
     /// How the best verified mix (chips of several kinds, or disaggregated) compares
     /// with the best verified cluster of one kind with every chip doing both phases,
     /// by simulated goodput per $.

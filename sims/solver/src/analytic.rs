@@ -462,9 +462,8 @@ fn load_at(
         });
     }
     // Colocated: chips that decode, or prefill chips when none does.
-    let serving = |r: &crate::Roles| {
-        if decodes + strategy.roles.iter().map(|r| r.both).sum::<u32>() > 0 { r.decode + r.both } else { r.prefill }
-    };
+    let any_decodes = decodes + strategy.roles.iter().map(|r| r.both).sum::<u32>() > 0;
+    let serving = |r: &crate::Roles| if any_decodes { r.decode + r.both } else { r.prefill };
     let capacity: f64 = kinds.clone().map(|((_, t), r)| serving(r) as f64 * t.decode_capacity()).sum();
     if capacity <= 0.0 || kinds.clone().any(|((_, t), r)| serving(r) > 0 && t.max_batch == 0) {
         return None;

@@ -324,6 +324,7 @@ pub fn screen(
     let (grid_roles, side_roles) = (as_roles(&grid), as_roles(&side_grid));
     let counts_of = |roles: &[Roles]| -> Vec<u32> { roles.iter().map(|r| r.prefill).collect() };
     let rate = workload.rate_rps;
+    let least_threshold = space.min_prompt_tokens.iter().copied().min().unwrap_or(0);
     let mut frontier = Frontier::default();
     for &budget in &space.prefill_budgets {
         for &cap in &space.decode_caps {
@@ -344,21 +345,22 @@ pub fn screen(
                 }
             });
             let (prefill, decode) = (side_frontier(prefill), side_frontier(decode));
+            // Colocated: the counts as chips that do both, once — without prefill chips
+            // the threshold decides nothing, and of equal strategies the set keeps the
+            // least threshold.
+            combinations(&grid_roles, |roles| {
+                let roles: Vec<Roles> = roles.iter().map(|r| Roles { both: r.prefill, ..Roles::default() }).collect();
+                if roles.iter().all(|r| r.both == 0) {
+                    return;
+                }
+                let s = Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens: least_threshold };
+                if let Some(figures) = evaluate(fleet, &tables, &s, workload, slo) {
+                    frontier.offer(Candidate { strategy: s, figures });
+                }
+            });
             for &min_prompt_tokens in &space.min_prompt_tokens {
                 let strategy =
                     |roles: Vec<Roles>| Strategy { roles, prefill_budget: budget, decode_cap: cap, min_prompt_tokens };
-                // Colocated: the counts as chips that do both.
-                combinations(&grid_roles, |roles| {
-                    let roles: Vec<Roles> =
-                        roles.iter().map(|r| Roles { both: r.prefill, ..Roles::default() }).collect();
-                    if roles.iter().all(|r| r.both == 0) {
-                        return;
-                    }
-                    let s = strategy(roles);
-                    if let Some(figures) = evaluate(fleet, &tables, &s, workload, slo) {
-                        frontier.offer(Candidate { strategy: s, figures });
-                    }
-                });
                 if workload.isl < min_prompt_tokens as f64 {
                     continue;
                 }
@@ -400,8 +402,9 @@ pub fn screen(
 /// which serves any request within the SLOs.
 pub fn best_single_kinds(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Vec<Option<Candidate>> {
     let mut best: Vec<Option<Candidate>> = vec![None; fleet.kinds.len()];
-    // Without prefill chips, the threshold decides nothing: the first is kept.
-    let min_prompt_tokens = space.min_prompt_tokens.first().copied().unwrap_or(0);
+    // Without prefill chips, the threshold decides nothing: the least is kept, as the
+    // Pareto set keeps it of equal strategies.
+    let min_prompt_tokens = space.min_prompt_tokens.iter().copied().min().unwrap_or(0);
     for &budget in &space.prefill_budgets {
         for &cap in &space.decode_caps {
             let tables = Tables::new(fleet, workload, budget, cap);
