@@ -90,12 +90,4 @@ impl Frontier {
         });
         members
     }
-
-    pub fn len(&self) -> usize {
-        self.members.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.members.is_empty()
-    }
 }
