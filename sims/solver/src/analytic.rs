@@ -337,9 +337,11 @@ fn solve_colocated_mix(table: &KindTable, workload: &Workload, rps: f64) -> Opti
         let f = if chunk > 0.0 { in_rate * step / chunk } else { f64::INFINITY };
         (f, (1.0 - f) * table.decode_at(b) + f * table.mixed_at(b) - step)
     };
+    // The mean step time less the pace shrinks as the batch grows; past the full batch
+    // it cannot keep up. The chunk share at the balance must be at most every step
+    // (checked there: it grows with the batch, so a full batch's share says nothing).
     let full = table.usable_batch();
-    let (f_full, gap_full) = mix(full);
-    if gap_full >= 0.0 || f_full > 1.0 {
+    if mix(full).1 >= 0.0 {
         return None;
     }
     let (mut lo, mut hi) = (0.0, full);
