@@ -9,6 +9,7 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench_router;
+mod plan;
 mod up;
 
 use std::path::{Path, PathBuf};
@@ -56,6 +57,9 @@ enum Command {
     /// Search a scenario's strategies (chip roles, batch limits) for its workload and
     /// SLOs: the Pareto set by the analytic model, the best verified in the simulator.
     Solve(SolveArgs),
+    /// The live solver of a running cluster: its strategies, and applying one.
+    #[command(subcommand)]
+    Plan(plan::PlanCommand),
     /// Measure a real chip of a topology over a grid of step shapes and fit its
     /// performance model, for the simulator (a scenario's `[perf_models]`).
     Calibrate(CalibrateArgs),
@@ -591,6 +595,7 @@ fn main() {
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
         Command::Sim(args) => sim(args),
         Command::Solve(args) => solve(args),
+        Command::Plan(command) => plan::plan(command),
         Command::Calibrate(args) => calibrate(args),
     };
     if let Err(e) = result {

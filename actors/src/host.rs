@@ -11,6 +11,7 @@ use crate::msg::{ChipReport, Msg, well_known};
 use crate::request::RetryPolicy;
 use crate::router::cost::Pace;
 use crate::router::{Limits, Router};
+use crate::solver::{Solver, SolverConfig};
 use crate::supervisor::{Supervisor, SupervisorConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -63,17 +64,21 @@ pub struct HostActors {
     pub router: Addr,
     /// Admission, when this is the gateway's host.
     pub admission: Option<Addr>,
+    /// The solver, when this is the gateway's host and it runs one.
+    pub solver: Option<Addr>,
     /// Every chip of the cluster, by id.
     pub chips: BTreeMap<String, Addr>,
 }
 
 /// The behaviors of host `host_name` of `spec`. `id_base` seeds admission's request ids
 /// (the real gateway bases it on its start time; a simulation passes a constant);
-/// `executor` makes the executor of each of this host's chips.
+/// `solver` is the solver's fleet and space (it runs on the gateway's host when given
+/// and `[solver]` enables it); `executor` makes the executor of each of this host's chips.
 pub fn build_host<E>(
     spec: &ClusterSpec,
     host_name: &str,
     id_base: u64,
+    solver: Option<SolverConfig>,
     mut executor: impl FnMut(&HostSpec, &ChipSpec) -> Result<ExecutorFactory, E>,
 ) -> Result<HostActors, HostBuildError<E>> {
     let Some(index) = spec.host_index(host_name) else {
@@ -138,13 +143,18 @@ pub fn build_host<E>(
             .with_limits(limits)
             .with_paces(modelled_paces(spec));
         actors.push((well_known::ROUTER, Box::new(routing)));
+        let solver = solver.filter(|_| spec.solver.enabled);
         let config = AdmissionConfig {
             max_inflight: spec.gateway.max_inflight_requests,
             router,
             retry: RetryPolicy::default(),
             id_base,
+            telemetry: solver.as_ref().map(|_| Duration::from_millis(spec.solver.telemetry_interval_ms)),
         };
         actors.push((well_known::ADMISSION, Box::new(Admission::new(config))));
+        if let Some(config) = solver {
+            actors.push((well_known::SOLVER, Box::new(Solver::new(config))));
+        }
     }
 
     for (i, chip) in me.chips.iter().enumerate() {
@@ -162,5 +172,6 @@ pub fn build_host<E>(
         };
         actors.push((well_known::CHIP_BASE + i as u64, Box::new(Chip::new(config, factory))));
     }
-    Ok(HostActors { host, actors, router, admission, chips })
+    let solver = actors.iter().any(|(id, _)| *id == well_known::SOLVER).then(|| Addr::new(host, well_known::SOLVER));
+    Ok(HostActors { host, actors, router, admission, solver, chips })
 }

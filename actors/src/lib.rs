@@ -16,6 +16,7 @@ pub mod kv;
 pub mod msg;
 pub mod request;
 pub mod router;
+pub mod solver;
 pub mod supervisor;
 
 #[cfg(test)]

@@ -16,6 +16,8 @@ pub mod well_known {
     /// The router, on the gateway's host.
     pub const ROUTER: u64 = 2;
     pub const ADMISSION: u64 = 3;
+    /// The solver, on the gateway's host.
+    pub const SOLVER: u64 = 4;
     /// Chip `i` of a host (in topology order) is `CHIP_BASE + i`.
     pub const CHIP_BASE: u64 = 16;
 }
@@ -28,6 +30,12 @@ pub mod topic {
     pub const MEMBERSHIP: &str = "membership";
     /// Chips' KV events (blocks stored and removed), for the router's cluster index.
     pub const KV_EVENTS: &str = "kv-events";
+    /// Admission's traffic figures, one window at a time, for the solver.
+    pub const TELEMETRY: &str = "telemetry";
+    /// The solver's strategy sets, each a Pareto set for the traffic it last saw.
+    pub const STRATEGIES: &str = "solver.strategies";
+    /// Each strategy the solver applies, as `PlanApplied`.
+    pub const PLANS: &str = "solver.plans";
 }
 
 /// What a client may be told when its request cannot be served: the kind alone decides
@@ -296,8 +304,11 @@ pub struct ChipReport {
     pub max_step_seqs: usize,
     pub restarts: u32,
     pub error: Option<String>,
-    /// Draining before a role change: takes no new work.
+    /// Draining before a role change, or parked: takes no new work.
     pub draining: bool,
+    /// Parked by a plan: idle until given a role.
+    #[serde(default)]
+    pub parked: bool,
     /// Requests whose KV this chip holds for a decode chip (or is receiving).
     pub handoffs: usize,
     /// Set when the chip is an emulation of another kind (never passes as real).
@@ -389,6 +400,7 @@ impl ChipReport {
             restarts: 0,
             error: None,
             draining: false,
+            parked: false,
             handoffs: 0,
             emulated: None,
             compat: None,
@@ -410,6 +422,124 @@ pub struct Heartbeat {
     pub host_name: String,
     pub seq: u64,
     pub chips: Vec<ChipReport>,
+}
+
+/// The traffic admission saw over one window (`topic::TELEMETRY`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Telemetry {
+    pub window_s: f64,
+    /// Requests admitted in the window, and their prompt tokens.
+    pub admitted: u64,
+    pub prompt_tokens: u64,
+    /// Requests that ended in the window, and the tokens they generated.
+    pub ended: u64,
+    pub output_tokens: u64,
+    /// Lengths in powers of two: entry i counts lengths in 2^i..2^(i+1) (0 counts in 0).
+    pub prompt_hist: Vec<u32>,
+    pub output_hist: Vec<u32>,
+}
+
+impl Telemetry {
+    /// Counts `len` in `hist`.
+    pub fn count(hist: &mut Vec<u32>, len: usize) {
+        let bucket = (usize::BITS - len.max(1).leading_zeros() - 1) as usize;
+        if hist.len() <= bucket {
+            hist.resize(bucket + 1, 0);
+        }
+        hist[bucket] += 1;
+    }
+}
+
+/// What one chip does under a strategy (a role, or parked).
+pub use tessera_solver::Duty;
+
+/// A strategy as the solver publishes it: every chip's duty, the batch limits, and its
+/// figures for the traffic it was solved for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StrategyView {
+    /// `s<set>-<row>`: what `plan apply` names.
+    pub id: String,
+    pub summary: String,
+    /// (chip id, duty), in topology order.
+    pub duties: Vec<(String, Duty)>,
+    pub max_batch_tokens: u32,
+    pub max_batch_seqs: u32,
+    pub figures: tessera_solver::Figures,
+    /// The objective's value (higher is better).
+    pub score: f64,
+    /// Chips that change duty from what they do now, and a bound on how long they take
+    /// to drain (their running requests' remaining tokens at their observed pace).
+    pub moves: Vec<(String, Duty, Duty)>,
+    pub drain_s: f64,
+}
+
+/// One solve's result (`topic::STRATEGIES`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StrategySet {
+    /// Solves so far, this one included.
+    pub seq: u64,
+    /// When it was solved (seconds on the solver's clock since it started).
+    pub at_s: f64,
+    /// What set it off: "first traffic", "rate changed", "chips changed", "period", "asked".
+    pub reason: String,
+    /// Arrivals per second as measured; the workload is planned for more, the rate
+    /// plus the change that sets off the next solve (`rate_change_percent`).
+    pub observed_rate_rps: f64,
+    pub workload: tessera_solver::Workload,
+    pub slo: tessera_solver::Slo,
+    pub objective: String,
+    /// Chips up when solved, of all the topology's.
+    pub chips_up: usize,
+    pub chips_total: usize,
+    /// The Pareto set, best first on the objective; the strategy applied now is first
+    /// among equals.
+    pub strategies: Vec<StrategyView>,
+    /// The strategy in force, scored for the same traffic (`None`: it would not keep
+    /// up with it), and whether it keeps up with the rate measured.
+    pub current: Option<StrategyView>,
+    pub current_keeps_up: bool,
+    /// How the figures were had ("analytic": the roofline and queueing model).
+    pub figures_from: String,
+}
+
+/// A strategy in force.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AppliedPlan {
+    pub id: String,
+    pub summary: String,
+    pub duties: Vec<(String, Duty)>,
+    pub max_batch_tokens: u32,
+    pub max_batch_seqs: u32,
+    /// When it was applied (solver clock seconds), by "operator" or "auto".
+    pub at_s: f64,
+    pub by: String,
+    /// Chips it moved.
+    pub moves: Vec<(String, Duty, Duty)>,
+}
+
+/// The solver's state, for `plan show`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanView {
+    pub auto: bool,
+    pub objective: String,
+    /// What every chip does now, as its host reports it.
+    pub chips: Vec<(String, Duty)>,
+    /// The last strategy applied through the solver (none: the topology as written).
+    pub applied: Option<AppliedPlan>,
+    pub latest: Option<StrategySet>,
+    pub solving: bool,
+    /// Strategies applied so far.
+    pub applies: u64,
+}
+
+/// What a supervisor does to one of its chips for a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChipChange {
+    pub chip: Addr,
+    /// A new duty, when it changes.
+    pub duty: Option<Duty>,
+    pub max_batch_tokens: u32,
+    pub max_batch_seqs: u32,
 }
 
 /// A request's state towards its client.
@@ -608,6 +738,9 @@ pub enum Msg {
     /// Request -> admission: it ended, whatever the outcome.
     RequestEnded {
         request_id: u64,
+        /// Tokens it generated (for the solver's telemetry).
+        #[serde(default)]
+        output_tokens: usize,
     },
     QueryAdmission {
         reply_to: Addr,
@@ -840,6 +973,51 @@ pub enum Msg {
     /// waiting to be forked: the fork will not happen; route on your own.
     Reroute,
 
+    // Solver.
+    /// Admission -> topic TELEMETRY.
+    Telemetry {
+        telemetry: Box<Telemetry>,
+    },
+    /// Solver -> topic STRATEGIES.
+    Strategies {
+        set: Box<StrategySet>,
+    },
+    /// Anyone -> solver: solve again now. Solver -> itself: the period is up.
+    Solve {
+        reason: String,
+    },
+    /// The solver's worker -> solver: a solve's result (or why there is none).
+    Solved {
+        result: Result<Box<StrategySet>, String>,
+    },
+    /// Operator -> solver: reply with `Plan`.
+    QueryPlan {
+        reply_to: Addr,
+    },
+    Plan {
+        view: Box<PlanView>,
+    },
+    /// Operator -> solver: apply strategy `id` of the latest set; the reply is
+    /// `PlanApplied`.
+    ApplyStrategy {
+        id: String,
+        reply_to: Addr,
+    },
+    PlanApplied {
+        result: Result<Box<AppliedPlan>, String>,
+    },
+    /// Solver -> a host's supervisor: change these chips of the host.
+    ApplyPlan {
+        changes: Vec<ChipChange>,
+    },
+    /// Supervisor -> chip: drain, then take no work until a `SetRole`.
+    Park,
+    /// Supervisor -> chip: step limits from now on (at most the chip's configured ones).
+    SetLimits {
+        max_batch_tokens: u32,
+        max_batch_seqs: u32,
+    },
+
     // Queries.
     /// Anyone -> router: reply with `ClusterView`.
     QueryCluster {
@@ -904,6 +1082,17 @@ impl Message for Msg {
             Msg::Forked { .. } => "forked",
             Msg::QueryCluster { .. } => "query_cluster",
             Msg::ClusterView { .. } => "cluster_view",
+            Msg::Telemetry { .. } => "telemetry",
+            Msg::Strategies { .. } => "strategies",
+            Msg::Solve { .. } => "solve",
+            Msg::Solved { .. } => "solved",
+            Msg::QueryPlan { .. } => "query_plan",
+            Msg::Plan { .. } => "plan",
+            Msg::ApplyStrategy { .. } => "apply_strategy",
+            Msg::PlanApplied { .. } => "plan_applied",
+            Msg::ApplyPlan { .. } => "apply_plan",
+            Msg::Park => "park",
+            Msg::SetLimits { .. } => "set_limits",
         }
     }
 }

@@ -51,6 +51,7 @@ fn report(p: &Parts) -> ChipReport {
         restarts: 1,
         error: p.flag.then(|| p.text.clone()),
         draining: p.flag,
+        parked: p.flag,
         handoffs: p.n,
         emulated: p.flag.then(|| "ascend-910b x1000".into()),
         compat: Some(std::sync::Arc::new(compat(p))),
@@ -255,7 +256,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
             }),
         },
         42 => Msg::Admitted { request_id: p.a, request: addr(p.b) },
-        43 => Msg::RequestEnded { request_id: p.a },
+        43 => Msg::RequestEnded { request_id: p.a, output_tokens: p.n },
         44 => Msg::QueryAdmission { reply_to: addr(p.a) },
         45 => Msg::AdmissionView { inflight: p.n, max_inflight: p.n * 2 },
         46 => Msg::KvEvents {
@@ -280,7 +281,106 @@ fn build(kind: usize, p: &Parts) -> Msg {
             },
         },
         51 => Msg::Forked { request_id: p.a, req: addr(p.b), chip: addr(p.a), tokens: p.n },
+        52 => Msg::Telemetry {
+            telemetry: Box::new(Telemetry {
+                window_s: p.f as f64,
+                admitted: p.a,
+                prompt_tokens: p.b,
+                ended: p.n as u64,
+                output_tokens: p.a / 2,
+                prompt_hist: vec![p.n as u32, 1],
+                output_hist: vec![2],
+            }),
+        },
+        53 => Msg::Strategies { set: Box::new(strategy_set(p)) },
+        54 => Msg::Solve { reason: p.text.clone() },
+        55 => Msg::Solved { result: if p.flag { Ok(Box::new(strategy_set(p))) } else { Err(p.text.clone()) } },
+        56 => Msg::QueryPlan { reply_to: addr(p.a) },
+        57 => Msg::Plan {
+            view: Box::new(PlanView {
+                auto: p.flag,
+                objective: p.text.clone(),
+                chips: vec![(p.text.clone(), duty(p))],
+                applied: p.flag.then(|| applied(p)),
+                latest: Some(strategy_set(p)),
+                solving: !p.flag,
+                applies: p.b,
+            }),
+        },
+        58 => Msg::ApplyStrategy { id: p.text.clone(), reply_to: addr(p.b) },
+        59 => Msg::PlanApplied { result: if p.flag { Ok(Box::new(applied(p))) } else { Err(p.text.clone()) } },
+        60 => Msg::ApplyPlan {
+            changes: vec![ChipChange {
+                chip: addr(p.a),
+                duty: p.flag.then(|| duty(p)),
+                max_batch_tokens: p.n as u32,
+                max_batch_seqs: 3,
+            }],
+        },
+        61 => Msg::Park,
+        62 => Msg::SetLimits { max_batch_tokens: p.n as u32, max_batch_seqs: p.b as u32 },
         _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
+    }
+}
+
+fn duty(p: &Parts) -> Duty {
+    [Duty::Prefill, Duty::Decode, Duty::Both, Duty::Idle][p.n % 4]
+}
+
+fn figures(p: &Parts) -> tessera_solver::Figures {
+    let x = p.f as f64;
+    tessera_solver::Figures {
+        goodput_rps: x,
+        ttft_p90_s: x / 2.0,
+        tpot_p90_s: x / 3.0,
+        usd_per_million_tokens: x * 4.0,
+        joules_per_request: x * 5.0,
+        usd_per_hour: x + 1.0,
+    }
+}
+
+fn view(p: &Parts) -> StrategyView {
+    StrategyView {
+        id: format!("s{}-1", p.a),
+        summary: p.text.clone(),
+        duties: vec![(p.text.clone(), duty(p)), ("b".into(), Duty::Idle)],
+        max_batch_tokens: p.n as u32,
+        max_batch_seqs: 7,
+        figures: figures(p),
+        score: p.f as f64 * 2.0,
+        moves: vec![(p.text.clone(), duty(p), Duty::Both)],
+        drain_s: p.f as f64,
+    }
+}
+
+fn strategy_set(p: &Parts) -> StrategySet {
+    StrategySet {
+        seq: p.a,
+        at_s: p.f as f64,
+        reason: p.text.clone(),
+        observed_rate_rps: p.f as f64,
+        workload: tessera_solver::Workload { rate_rps: p.f as f64, isl: p.n as f64, osl: 3.0 },
+        slo: tessera_solver::Slo { ttft_s: 1.0, tpot_s: 0.1 },
+        objective: "goodput_per_usd".into(),
+        chips_up: p.n,
+        chips_total: p.n + 1,
+        strategies: vec![view(p), view(p)],
+        current: p.flag.then(|| view(p)),
+        current_keeps_up: p.flag,
+        figures_from: "analytic".into(),
+    }
+}
+
+fn applied(p: &Parts) -> AppliedPlan {
+    AppliedPlan {
+        id: format!("s{}-2", p.a),
+        summary: p.text.clone(),
+        duties: vec![(p.text.clone(), duty(p))],
+        max_batch_tokens: p.n as u32,
+        max_batch_seqs: 9,
+        at_s: p.f as f64,
+        by: "operator".into(),
+        moves: vec![],
     }
 }
 
@@ -288,7 +388,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 53;
+const KINDS: usize = 64;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -346,6 +446,17 @@ fn kind_index(m: &Msg) -> usize {
         Msg::PromptLogprobs { .. } => 50,
         Msg::Client { event: ClientEvent::PromptLogprobs { .. } } => 51,
         Msg::Forked { .. } => 52,
+        Msg::Telemetry { .. } => 53,
+        Msg::Strategies { .. } => 54,
+        Msg::Solve { .. } => 55,
+        Msg::Solved { .. } => 56,
+        Msg::QueryPlan { .. } => 57,
+        Msg::Plan { .. } => 58,
+        Msg::ApplyStrategy { .. } => 59,
+        Msg::PlanApplied { .. } => 60,
+        Msg::ApplyPlan { .. } => 61,
+        Msg::Park => 62,
+        Msg::SetLimits { .. } => 63,
     }
 }
 

@@ -8,6 +8,7 @@ pub mod builtin;
 pub mod compat;
 pub mod config;
 pub mod constraint;
+pub mod cost;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -65,6 +65,7 @@ pub struct ClusterSpec {
     pub bus: BusSpec,
     pub emulation: EmulationSpec,
     pub disagg: DisaggSpec,
+    pub solver: SolverSpec,
 }
 
 /// One host (one process of the runtime) and the chips it drives.
@@ -271,6 +272,89 @@ impl Default for RouterSpec {
             kv_breaker_percent: 90,
             max_waiting_requests: 256,
             queue_timeout_ms: 5000,
+        }
+    }
+}
+
+/// The solver actor on the gateway's host (`[solver]`): what it optimises, how often it
+/// re-solves, and whether it applies its choice itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SolverSpec {
+    /// Run the solver at all (default true).
+    pub enabled: bool,
+    /// Apply the best strategy for `objective` without an operator (default false:
+    /// strategies are published, and `tessera plan apply` applies one).
+    pub auto: bool,
+    /// What `auto` and the published set's first row maximise (default goodput per $).
+    pub objective: SolverObjective,
+    /// The SLOs goodput counts against, at p90 (defaults 2000 and 200 ms).
+    pub ttft_ms: u64,
+    pub tpot_ms: u64,
+    /// Re-solve at least this often while traffic flows (default 60, 1..=86_400 s).
+    pub period_s: u64,
+    /// How often admission publishes telemetry (default 5000 ms).
+    pub telemetry_interval_ms: u64,
+    /// Re-solve at once when the arrival rate moves this much (default 20, 1..=1000 %).
+    pub rate_change_percent: u32,
+    /// In `auto`, a new strategy replaces the applied one only when it scores this much
+    /// better on the objective (default 10, 0..=1000 %)...
+    pub min_gain_percent: u32,
+    /// ... and the applied one has run this long (default 120, 0..=86_400 s), unless it
+    /// lost a chip.
+    pub dwell_s: u64,
+}
+
+impl Default for SolverSpec {
+    fn default() -> Self {
+        SolverSpec {
+            enabled: true,
+            auto: false,
+            objective: SolverObjective::GoodputPerUsd,
+            ttft_ms: 2000,
+            tpot_ms: 200,
+            period_s: 60,
+            telemetry_interval_ms: 5000,
+            rate_change_percent: 20,
+            min_gain_percent: 10,
+            dwell_s: 120,
+        }
+    }
+}
+
+/// The figure the solver ranks strategies by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SolverObjective {
+    /// Requests within the SLOs per dollar.
+    #[default]
+    GoodputPerUsd,
+    /// Requests per second within the SLOs, whatever they cost.
+    Goodput,
+}
+
+impl SolverObjective {
+    pub const NAMES: &[&str] = &["goodput_per_usd", "goodput"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SolverObjective::GoodputPerUsd => "goodput_per_usd",
+            SolverObjective::Goodput => "goodput",
+        }
+    }
+}
+
+impl std::fmt::Display for SolverObjective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SolverObjective {
+    type Err = UnknownName;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "goodput_per_usd" => Ok(SolverObjective::GoodputPerUsd),
+            "goodput" => Ok(SolverObjective::Goodput),
+            _ => Err(UnknownName::new("solver objective", s, Self::NAMES)),
         }
     }
 }

@@ -29,6 +29,26 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
         "  router: {}, {} requests placed before more wait; up to {} wait {} ms; a chip past {}% KV takes none",
         r.policy, r.max_queued_requests, r.max_waiting_requests, r.queue_timeout_ms, r.kv_breaker_percent
     )?;
+    let sol = &spec.solver;
+    if sol.enabled {
+        writeln!(
+            out,
+            "  solver: {} for {} within TTFT {} ms / TPOT {} ms (p90); re-solves every {} s or at a {}% rate change{}",
+            if sol.auto { "applies the best strategy" } else { "publishes strategies" },
+            sol.objective,
+            sol.ttft_ms,
+            sol.tpot_ms,
+            sol.period_s,
+            sol.rate_change_percent,
+            if sol.auto {
+                format!(" (a new one must win by {}% after {} s)", sol.min_gain_percent, sol.dwell_s)
+            } else {
+                String::new()
+            }
+        )?;
+    } else {
+        writeln!(out, "  solver: off")?;
+    }
     let sup = &spec.supervisor;
     writeln!(
         out,

@@ -23,7 +23,7 @@ use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
     BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DType, DisaggSpec, EmulationSpec,
-    GatewaySpec, HostPaths, HostSpec, KvLayout, PathReport, Role, RouterSpec, SupervisorSpec, catalog,
+    GatewaySpec, HostPaths, HostSpec, KvLayout, PathReport, Role, RouterSpec, SolverSpec, SupervisorSpec, catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -72,6 +72,8 @@ struct RawDoc {
     router: Option<Spanned<RawRouter>>,
     #[serde(default)]
     supervisor: Option<Spanned<RawSupervisor>>,
+    #[serde(default)]
+    solver: Option<Spanned<RawSolver>>,
     #[serde(default)]
     gateway: Option<Spanned<RawGateway>>,
     #[serde(default)]
@@ -180,6 +182,31 @@ struct RawSupervisor {
     restart_window_s: Option<Spanned<u64>>,
     #[serde(default)]
     restart_backoff_ms: Option<Spanned<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSolver {
+    #[serde(default)]
+    enabled: Option<Spanned<bool>>,
+    #[serde(default)]
+    auto: Option<Spanned<bool>>,
+    #[serde(default)]
+    objective: Option<Spanned<String>>,
+    #[serde(default)]
+    ttft_ms: Option<Spanned<u64>>,
+    #[serde(default)]
+    tpot_ms: Option<Spanned<u64>>,
+    #[serde(default)]
+    period_s: Option<Spanned<u64>>,
+    #[serde(default)]
+    telemetry_interval_ms: Option<Spanned<u64>>,
+    #[serde(default)]
+    rate_change_percent: Option<Spanned<u32>>,
+    #[serde(default)]
+    min_gain_percent: Option<Spanned<u32>>,
+    #[serde(default)]
+    dwell_s: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -422,6 +449,7 @@ impl Checker<'_> {
 
         let router = self.router(raw.router.as_ref().map(Spanned::get_ref))?;
         let supervisor = self.supervisor(raw.supervisor.as_ref().map(Spanned::get_ref))?;
+        let solver = self.solver(raw.solver.as_ref().map(Spanned::get_ref))?;
         let mut emulation = self.emulation(raw.emulation.as_ref().map(Spanned::get_ref))?;
         let disagg = self.disagg(raw.disagg.as_ref().map(Spanned::get_ref))?;
         let chip_kinds = self.chip_kinds(&raw.chip_kinds)?;
@@ -460,6 +488,7 @@ impl Checker<'_> {
             bus,
             emulation,
             disagg,
+            solver,
         };
         Ok((spec, paths))
     }
@@ -827,6 +856,40 @@ impl Checker<'_> {
                 d.queue_timeout_ms,
                 millis(1),
             )?,
+        })
+    }
+
+    fn solver(&self, raw: Option<&RawSolver>) -> Result<SolverSpec, TopologyError> {
+        let d = SolverSpec::default();
+        let Some(raw) = raw else { return Ok(d) };
+        let seconds =
+            |low| move |s| in_range(low, MAX_S)(s).map_err(|message| format!("{message} (s; at most one day)"));
+        Ok(SolverSpec {
+            enabled: self.field(&raw.enabled, "solver.enabled", d.enabled, |_| Ok(()))?,
+            auto: self.field(&raw.auto, "solver.auto", d.auto, |_| Ok(()))?,
+            objective: self.named(&raw.objective, "solver.objective", d.objective)?,
+            ttft_ms: self.field(&raw.ttft_ms, "solver.ttft_ms", d.ttft_ms, millis(1))?,
+            tpot_ms: self.field(&raw.tpot_ms, "solver.tpot_ms", d.tpot_ms, millis(1))?,
+            period_s: self.field(&raw.period_s, "solver.period_s", d.period_s, seconds(1))?,
+            telemetry_interval_ms: self.field(
+                &raw.telemetry_interval_ms,
+                "solver.telemetry_interval_ms",
+                d.telemetry_interval_ms,
+                millis(10),
+            )?,
+            rate_change_percent: self.field(
+                &raw.rate_change_percent,
+                "solver.rate_change_percent",
+                d.rate_change_percent,
+                in_range(1, 1000),
+            )?,
+            min_gain_percent: self.field(
+                &raw.min_gain_percent,
+                "solver.min_gain_percent",
+                d.min_gain_percent,
+                in_range(0, 1000),
+            )?,
+            dwell_s: self.field(&raw.dwell_s, "solver.dwell_s", d.dwell_s, seconds(0))?,
         })
     }
 

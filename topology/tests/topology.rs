@@ -92,7 +92,25 @@ fn syntax_error() {
 fn unknown_key_lists_the_allowed_keys() {
     assert_error(&with_line(8, "knd = \"cpu\""), 8, 1, "hosts[0].chips[0].knd", "unknown field `knd`, expected one of");
     assert_error(&with_line(4, "nmae = \"h0\""), 4, 1, "hosts[0].nmae", "`name`");
-    assert_error(&format!("[solver]\nx = 1\n{ONE_CHIP}"), 1, 2, "solver", "unknown field `solver`");
+    assert_error(&format!("[solvr]\nx = 1\n{ONE_CHIP}"), 1, 2, "solvr", "unknown field `solvr`");
+    assert_error(&format!("[solver]\nx = 1\n{ONE_CHIP}"), 2, 1, "solver.x", "expected one of `enabled`, `auto`");
+}
+
+#[test]
+fn the_solver_section_is_checked_key_by_key() {
+    assert_error(&format!("[solver]\nobjective = \"speed\"\n{ONE_CHIP}"), 2, 13, "solver.objective", "goodput_per_usd");
+    assert_error(&format!("[solver]\nperiod_s = 0\n{ONE_CHIP}"), 2, 12, "solver.period_s", "out of range 1..=86400");
+    assert_error(
+        &format!("[solver]\nrate_change_percent = 0\n{ONE_CHIP}"),
+        2,
+        23,
+        "solver.rate_change_percent",
+        "1..=1000",
+    );
+    let spec = spec_of(&format!("[solver]\nauto = true\nobjective = \"goodput\"\ndwell_s = 0\n{ONE_CHIP}"));
+    assert!(spec.solver.auto && spec.solver.enabled);
+    assert_eq!((spec.solver.objective, spec.solver.dwell_s), (tessera_topology::SolverObjective::Goodput, 0));
+    assert_eq!(spec_of(ONE_CHIP).solver, tessera_topology::SolverSpec::default());
 }
 
 #[test]

@@ -5,10 +5,11 @@
 //! Invariant: every admitted request is counted until its Request actor ends (it always
 //! reports, whatever the outcome); nothing else frees a slot.
 
-use crate::msg::{AdmitAsk, ClientEvent, ErrorKind, Fork, Msg, ServeError};
+use crate::msg::{AdmitAsk, ClientEvent, ErrorKind, Fork, Msg, ServeError, Telemetry, topic};
 use crate::request::{Request, RequestSpec, RetryPolicy};
 use std::collections::BTreeSet;
-use tessera_actor_core::{Addr, Behavior, Effects};
+use std::time::Duration;
+use tessera_actor_core::{Addr, Behavior, Effects, Moment};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdmissionConfig {
@@ -20,17 +21,37 @@ pub struct AdmissionConfig {
     /// restarted gateway do not meet old ones still on chips; a simulation passes a
     /// fixed base.
     pub id_base: u64,
+    /// Publish the traffic on `topic::TELEMETRY` this often (for the solver), or never.
+    pub telemetry: Option<Duration>,
 }
 
 pub struct Admission {
     config: AdmissionConfig,
     next: u64,
     inflight: BTreeSet<u64>,
+    /// The traffic since the window began.
+    window: Telemetry,
+    window_start: Moment,
 }
 
 impl Admission {
     pub fn new(config: AdmissionConfig) -> Admission {
-        Admission { next: config.id_base, config, inflight: BTreeSet::new() }
+        Admission {
+            next: config.id_base,
+            config,
+            inflight: BTreeSet::new(),
+            window: Telemetry::default(),
+            window_start: Moment::default(),
+        }
+    }
+
+    /// Publishes the window's traffic and starts the next one.
+    fn publish_telemetry(&mut self, fx: &mut dyn Effects<Msg>) {
+        let now = fx.now();
+        let mut telemetry = std::mem::take(&mut self.window);
+        telemetry.window_s = now.since(self.window_start).as_secs_f64();
+        self.window_start = now;
+        fx.publish(topic::TELEMETRY, Msg::Telemetry { telemetry: Box::new(telemetry) });
     }
 
     /// Admits `ask` and its forks (all or none): each is a request of its own, the
@@ -79,6 +100,9 @@ impl Admission {
             forks.push(Fork { request_id, req, seed: f.seed });
         }
         let request_id = self.take_id();
+        self.window.admitted += 1;
+        self.window.prompt_tokens += ask.prompt.len() as u64;
+        Telemetry::count(&mut self.window.prompt_hist, ask.prompt.len());
         let request =
             Request::new(spec(request_id, ask.sampling.seed, forks), client, self.config.router, self.config.retry);
         self.start(request_id, client, request, fx);
@@ -108,11 +132,28 @@ impl Behavior<Msg> for Admission {
         "admission"
     }
 
+    fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
+        self.window_start = fx.now();
+        if let Some(every) = self.config.telemetry {
+            fx.timer(every, Msg::Tick);
+        }
+    }
+
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
             Msg::Admit { client, ask } => self.admit(client, *ask, fx),
-            Msg::RequestEnded { request_id } => {
-                self.inflight.remove(&request_id);
+            Msg::Tick => {
+                if let Some(every) = self.config.telemetry {
+                    self.publish_telemetry(fx);
+                    fx.timer(every, Msg::Tick);
+                }
+            }
+            Msg::RequestEnded { request_id, output_tokens } => {
+                if self.inflight.remove(&request_id) {
+                    self.window.ended += 1;
+                    self.window.output_tokens += output_tokens as u64;
+                    Telemetry::count(&mut self.window.output_hist, output_tokens);
+                }
                 metrics::gauge!("tessera_gateway_inflight_requests").set(self.inflight.len() as f64);
             }
             Msg::QueryAdmission { reply_to } => {
@@ -150,7 +191,13 @@ mod tests {
 
     #[test]
     fn admits_up_to_the_limit_then_refuses_until_a_request_ends() {
-        let config = AdmissionConfig { max_inflight: 2, router: ROUTER, retry: RetryPolicy::default(), id_base: 100 };
+        let config = AdmissionConfig {
+            max_inflight: 2,
+            router: ROUTER,
+            retry: RetryPolicy::default(),
+            id_base: 100,
+            telemetry: None,
+        };
         let mut a = Admission::new(config);
         let mut fx = TestFx::new(ME);
         // (what happens, expected reply to the client)
@@ -167,7 +214,7 @@ mod tests {
             assert_eq!(got, want);
         }
         assert_eq!(fx.spawned.len(), 2, "one Request actor per admitted request");
-        a.handle(Msg::RequestEnded { request_id: 100 }, &mut fx);
+        a.handle(Msg::RequestEnded { request_id: 100, output_tokens: 4 }, &mut fx);
         a.handle(ask(), &mut fx);
         assert!(matches!(fx.take_sent().pop(), Some((_, Msg::Admitted { request_id: 102, .. }))));
         a.handle(Msg::QueryAdmission { reply_to: CLIENT }, &mut fx);
@@ -178,7 +225,13 @@ mod tests {
     /// counted in flight), or refused together.
     #[test]
     fn a_request_and_its_forks_are_admitted_all_or_none() {
-        let config = AdmissionConfig { max_inflight: 4, router: ROUTER, retry: RetryPolicy::default(), id_base: 100 };
+        let config = AdmissionConfig {
+            max_inflight: 4,
+            router: ROUTER,
+            retry: RetryPolicy::default(),
+            id_base: 100,
+            telemetry: None,
+        };
         let mut a = Admission::new(config);
         let mut fx = TestFx::new(ME);
         let fork_clients = [Addr { host: HostId(0), actor: 4001 }, Addr { host: HostId(0), actor: 4002 }];
@@ -209,7 +262,13 @@ mod tests {
             if error.kind == ErrorKind::Overloaded)));
         assert_eq!(fx.spawned.len(), 3);
         // More sequences than could ever be in flight: a bad request, not "retry later".
-        let config = AdmissionConfig { max_inflight: 2, router: ROUTER, retry: RetryPolicy::default(), id_base: 100 };
+        let config = AdmissionConfig {
+            max_inflight: 2,
+            router: ROUTER,
+            retry: RetryPolicy::default(),
+            id_base: 100,
+            telemetry: None,
+        };
         let mut a = Admission::new(config);
         a.handle(with_forks(), &mut fx);
         let refused = fx.take_sent();

@@ -319,6 +319,12 @@ pub struct Batcher {
 }
 
 impl Batcher {
+    /// Step limits from the next step on.
+    pub fn set_limits(&mut self, max_batch_tokens: usize, max_batch_seqs: usize) {
+        self.limits.max_batch_tokens = max_batch_tokens.max(1);
+        self.limits.max_batch_seqs = max_batch_seqs.max(1);
+    }
+
     pub fn new(limits: BatcherLimits, eos_token_ids: Vec<u32>) -> Batcher {
         Batcher {
             limits,

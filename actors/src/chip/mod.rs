@@ -55,6 +55,15 @@ pub struct ChipConfig {
     pub max_mixed_step: Option<Duration>,
 }
 
+/// What a draining chip does once it holds no work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// Take this role.
+    To(Role),
+    /// Stay idle (parked by a plan) until given a role.
+    Park,
+}
+
 pub struct Chip {
     config: ChipConfig,
     factory: ExecutorFactory,
@@ -77,9 +86,11 @@ pub struct Chip {
     /// Taken offline by a drill: no restarts until it is brought back.
     offline: bool,
     role: Role,
-    /// A role to take once drained.
-    draining_to: Option<Role>,
+    /// Draining: to take a role once drained, or to stay parked.
+    draining_to: Option<Drain>,
     handoffs: Handoffs,
+    /// Step limits (tokens, sequences) now: the configured ones unless a plan set less.
+    limits: (usize, usize),
     /// The observed pace, and the shape (tokens, sequences, prompt tokens) of the step
     /// in flight that will update it.
     speed: StepSpeed,
@@ -92,7 +103,7 @@ pub struct Chip {
     shown: Shown,
     /// When the last report went out, and the (state, role, draining) it said.
     last_report: Option<Moment>,
-    reported: (ChipState, Role, bool),
+    reported: (ChipState, Role, Option<Drain>),
     /// Its per-step metrics, registered once when it starts (inside the host, whose
     /// recorder they report to) rather than looked up by name at every step.
     metrics: Option<ChipMetrics>,
@@ -146,6 +157,7 @@ impl Chip {
         Chip {
             role,
             draining_to: None,
+            limits: (config.max_batch_tokens, config.max_batch_seqs),
             handoffs: Handoffs::default(),
             config,
             factory,
@@ -170,7 +182,7 @@ impl Chip {
             busy_s: (0.0, 0.0),
             shown,
             last_report: None,
-            reported: (ChipState::Starting, role, false),
+            reported: (ChipState::Starting, role, None),
             metrics: None,
         }
     }
@@ -197,7 +209,7 @@ impl Chip {
 
     /// Reports now if it is due (see [`REPORT_EVERY`]).
     fn report_if_due(&mut self, fx: &mut dyn Effects<Msg>) {
-        let changed = self.reported != (self.state, self.role, self.draining_to.is_some());
+        let changed = self.reported != (self.state, self.role, self.draining_to);
         let due = self.last_report.is_none_or(|at| fx.now().since(at) >= REPORT_EVERY);
         if changed || due || !self.step_in_flight {
             self.report(fx);
@@ -206,7 +218,7 @@ impl Chip {
 
     fn report(&mut self, fx: &mut dyn Effects<Msg>) {
         self.last_report = Some(fx.now());
-        self.reported = (self.state, self.role, self.draining_to.is_some());
+        self.reported = (self.state, self.role, self.draining_to);
         // The KV events first, then the report whose heartbeat says how many there were.
         let (kv_last_event, kv_incarnation) = match self.pool.as_mut() {
             Some(pool) => {
@@ -234,6 +246,7 @@ impl Chip {
             restarts: self.restarts,
             error: self.error.clone(),
             draining: self.draining_to.is_some(),
+            parked: self.draining_to == Some(Drain::Park),
             handoffs: self.handoffs.len(),
             emulated: self.shown.emulated.clone(),
             compat: self.shown.compat.clone(),
@@ -305,7 +318,8 @@ impl Chip {
     /// Why new work is not taken now (retryable elsewhere).
     fn unavailable(&self) -> ServeError {
         let why = match (&self.draining_to, self.state) {
-            (Some(role), _) => format!("chip {} is draining to become a {role} chip", self.config.id),
+            (Some(Drain::To(role)), _) => format!("chip {} is draining to become a {role} chip", self.config.id),
+            (Some(Drain::Park), _) => format!("chip {} is parked: it takes no work", self.config.id),
             _ => format!("chip {} is not up", self.config.id),
         };
         ServeError::new(ErrorKind::Unavailable, why)
@@ -435,8 +449,9 @@ impl Chip {
     fn settle(&mut self, fx: &mut dyn Effects<Msg>) {
         self.admit_offers(fx);
         let idle = self.batcher.as_ref().is_none_or(|b| !b.has_work()) && self.handoffs.is_empty();
-        if idle && let Some(role) = self.draining_to.take() {
+        if idle && let Some(Drain::To(role)) = self.draining_to {
             tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "drained; role changed");
+            self.draining_to = None;
             self.role = role;
         }
         self.try_step(fx);
@@ -477,8 +492,27 @@ impl Chip {
 
     fn set_role(&mut self, role: Role, fx: &mut dyn Effects<Msg>) {
         tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "role change: draining first");
-        self.draining_to = Some(role);
+        self.draining_to = Some(Drain::To(role));
         self.settle(fx);
+    }
+
+    /// Takes no new work from now on, finishing what it holds, until a `SetRole`.
+    fn park(&mut self, fx: &mut dyn Effects<Msg>) {
+        tracing::info!(chip = %self.config.id, role = %self.role, "parked: draining, then idle");
+        self.draining_to = Some(Drain::Park);
+        self.settle(fx);
+    }
+
+    /// New step limits, at most the configured ones (the worker's buffers are sized for
+    /// those); the batch in flight is not cut.
+    fn set_limits(&mut self, max_batch_tokens: u32, max_batch_seqs: u32) {
+        let tokens = (max_batch_tokens as usize).clamp(1, self.config.max_batch_tokens);
+        let seqs = (max_batch_seqs as usize).clamp(1, self.config.max_batch_seqs);
+        self.limits = (tokens, seqs);
+        if let Some(batcher) = self.batcher.as_mut() {
+            batcher.set_limits(tokens, seqs);
+        }
+        tracing::info!(chip = %self.config.id, max_batch_tokens = tokens, max_batch_seqs = seqs, "step limits set");
     }
 
     fn evict_all(&mut self, why: &str, fx: &mut dyn Effects<Msg>) {
@@ -520,8 +554,8 @@ impl Behavior<Msg> for Chip {
         match msg {
             Msg::WorkerReady { info } => {
                 let limits = BatcherLimits {
-                    max_batch_tokens: self.config.max_batch_tokens,
-                    max_batch_seqs: self.config.max_batch_seqs,
+                    max_batch_tokens: self.limits.0,
+                    max_batch_seqs: self.limits.1,
                     block_size: info.block_size,
                     max_context: info.max_context,
                 };
@@ -564,6 +598,8 @@ impl Behavior<Msg> for Chip {
             Msg::KvStaged { layers, staged, .. } => self.staged(layers, staged, fx),
             Msg::KvInstalled { request_id, layers, upto, error } => self.installed(request_id, layers, upto, error, fx),
             Msg::SetRole { role } => self.set_role(role, fx),
+            Msg::Park => self.park(fx),
+            Msg::SetLimits { max_batch_tokens, max_batch_seqs } => self.set_limits(max_batch_tokens, max_batch_seqs),
             Msg::KvSnapshotRequest { reply_to } => {
                 // Pending events go out first: the snapshot includes them, and a reader
                 // that sees them after it skips them by number.

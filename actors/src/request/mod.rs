@@ -429,7 +429,10 @@ impl Request {
             }
         }
         if let Some(admission) = self.admission {
-            let _ = fx.send(admission, Msg::RequestEnded { request_id: self.spec.request_id });
+            let _ = fx.send(
+                admission,
+                Msg::RequestEnded { request_id: self.spec.request_id, output_tokens: self.generated.len() },
+            );
         }
         fx.stop();
     }

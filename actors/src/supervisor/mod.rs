@@ -8,7 +8,7 @@
 //! changes (down, up, draining) is heartbeated at once, not at the next interval, so
 //! routers stop placing work on a restarting chip within one bus hop.
 
-use crate::msg::{ChipReport, Heartbeat, Msg, topic};
+use crate::msg::{ChipChange, ChipReport, Duty, Heartbeat, Msg, Role, topic};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use tessera_actor_core::{Addr, HostId};
@@ -52,6 +52,31 @@ impl Supervisor {
             down: BTreeSet::new(),
             restarts: BTreeMap::new(),
             seq: 0,
+        }
+    }
+
+    /// A re-plan's changes to this host's chips: limits first, so a chip that drains
+    /// into a new role starts it with the new limits; then the role, which the chip
+    /// takes once drained (or parked: drained, then idle). Each chip finishes what it
+    /// holds, so no request is lost.
+    fn apply_plan(&mut self, changes: Vec<ChipChange>, fx: &mut dyn Effects<Msg>) {
+        for change in changes {
+            if change.chip.host != self.config.host {
+                tracing::warn!(chip = %change.chip, host = %self.config.host_name, "a plan names a chip of another host");
+                continue;
+            }
+            let limits =
+                Msg::SetLimits { max_batch_tokens: change.max_batch_tokens, max_batch_seqs: change.max_batch_seqs };
+            let _ = fx.send(change.chip, limits);
+            let order = match change.duty {
+                None => continue,
+                Some(Duty::Idle) => Msg::Park,
+                Some(Duty::Prefill) => Msg::SetRole { role: Role::Prefill },
+                Some(Duty::Decode) => Msg::SetRole { role: Role::Decode },
+                Some(Duty::Both) => Msg::SetRole { role: Role::Both },
+            };
+            tracing::info!(chip = %change.chip, duty = ?change.duty, "re-plan: chip changes duty");
+            let _ = fx.send(change.chip, order);
         }
     }
 
@@ -130,7 +155,8 @@ impl Behavior<Msg> for Supervisor {
             Msg::Tick => self.tick(fx),
             Msg::Report { report } => {
                 let changed = self.chips.get(&report.chip).is_some_and(|old| {
-                    (old.state, old.draining, old.role) != (report.state, report.draining, report.role)
+                    (old.state, old.draining, old.parked, old.role)
+                        != (report.state, report.draining, report.parked, report.role)
                 });
                 self.chips.insert(report.chip, *report);
                 if changed {
@@ -147,6 +173,7 @@ impl Behavior<Msg> for Supervisor {
                 let _ = fx.send(chip, Msg::Restart);
             }
             Msg::ChipCrashed { chip, error } => self.chip_crashed(chip, error, fx),
+            Msg::ApplyPlan { changes } => self.apply_plan(changes, fx),
             _ => {}
         }
     }
@@ -156,7 +183,6 @@ impl Behavior<Msg> for Supervisor {
 mod tests {
     use super::*;
 
-    use crate::msg::Role;
     use crate::test_fx::TestFx;
 
     const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };

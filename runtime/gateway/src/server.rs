@@ -39,6 +39,8 @@ pub struct GatewayConfig {
     pub admission: Addr,
     /// Chip ids and addresses, for fault drills.
     pub chips: HashMap<String, Addr>,
+    /// The solver, when the cluster runs one (`/admin/plan`).
+    pub solver: Option<Addr>,
     pub metrics: Option<PrometheusHandle>,
     /// Prompts with more bytes of text than this are refused before tokenizing; see
     /// [`default_max_prompt_bytes`].
@@ -104,6 +106,9 @@ pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
         .route("/metrics", get(prometheus))
         .route("/admin/faults", post(inject_fault))
         .route("/admin/role", post(set_role))
+        .route("/admin/plan", get(plan_show))
+        .route("/admin/plan/apply", post(plan_apply))
+        .route("/admin/plan/solve", post(plan_solve))
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
@@ -960,9 +965,18 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
     };
     let up = chips.iter().filter(|c| c.state == ChipState::Up).count();
     let status = if up > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    // The strategy in force, when the solver applied one (null: the topology as written).
+    let plan = match st.config.solver {
+        Some(_) => ask_solver(&st, |reply_to| Msg::QueryPlan { reply_to }).await.and_then(|m| match m {
+            Msg::Plan { view } => view.applied.map(|p| json!({"id": p.id, "summary": p.summary, "by": p.by})),
+            _ => None,
+        }),
+        None => None,
+    };
     let body = json!({
         "status": if up > 0 { "ok" } else { "unavailable" },
         "model": st.config.served_model,
+        "plan": plan,
         "chips_up": up,
         "hosts_down": hosts_down,
         "inflight_requests": inflight,
@@ -984,6 +998,7 @@ async fn health(State(st): State<Arc<GatewayState>>) -> Response {
             "restarts": c.restarts,
             "error": c.error,
             "draining": c.draining,
+            "parked": c.parked,
             "kv_handoffs": c.handoffs,
             // "ascend-910b x2000": an emulation of that kind, steps paced to its
             // roofline with that time scale — never real hardware.
@@ -1077,6 +1092,66 @@ async fn set_role(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response 
             tracing::warn!(chip = %req.chip, error = %e, "an admin request could not reach its chip");
             error_response(ApiError::unavailable(format!("chip `{}` is unreachable", req.chip)))
         }
+    }
+}
+
+/// Sends the solver a question built around a reply address and waits (2 s) for the
+/// answer.
+async fn ask_solver(st: &GatewayState, ask: impl FnOnce(Addr) -> Msg) -> Option<Msg> {
+    let solver = st.config.solver?;
+    let mut mailbox = st.host.mailbox();
+    st.host.send_from(&mailbox, solver, ask(mailbox.addr())).ok()?;
+    tokio::time::timeout(Duration::from_secs(2), mailbox.recv()).await.ok().flatten()
+}
+
+fn solver_off() -> Response {
+    error_response(ApiError::unavailable(
+        "the cluster runs no solver ([solver] enabled = false, or its fleet could not be costed: see the gateway's log)",
+    ))
+}
+
+/// The solver's state: what each chip does, the strategy in force and the latest
+/// strategy set.
+async fn plan_show(State(st): State<Arc<GatewayState>>) -> Response {
+    if st.config.solver.is_none() {
+        return solver_off();
+    }
+    match ask_solver(&st, |reply_to| Msg::QueryPlan { reply_to }).await {
+        Some(Msg::Plan { view }) => axum::Json(*view).into_response(),
+        _ => error_response(ApiError::unavailable("the solver did not answer")),
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApplyRequest {
+    id: String,
+}
+
+/// Applies a strategy of the latest set: `{"id": "s3-2"}`. Each chip that changes
+/// duty drains first, so no request is lost; the reply names the chips that move.
+async fn plan_apply(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
+    let req: ApplyRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(ApiError::bad_request(format!("malformed plan request: {e}"), None)),
+    };
+    if st.config.solver.is_none() {
+        return solver_off();
+    }
+    match ask_solver(&st, |reply_to| Msg::ApplyStrategy { id: req.id, reply_to }).await {
+        Some(Msg::PlanApplied { result: Ok(plan) }) => (StatusCode::ACCEPTED, axum::Json(*plan)).into_response(),
+        Some(Msg::PlanApplied { result: Err(why) }) => error_response(ApiError::bad_request(why, Some("id"))),
+        _ => error_response(ApiError::unavailable("the solver did not answer")),
+    }
+}
+
+/// Asks the solver to solve again now (it also does on its own, on a change of traffic
+/// or chips and on its period).
+async fn plan_solve(State(st): State<Arc<GatewayState>>) -> Response {
+    let Some(solver) = st.config.solver else { return solver_off() };
+    match st.host.send(solver, Msg::Solve { reason: "asked".into() }) {
+        Ok(()) => (StatusCode::ACCEPTED, axum::Json(json!({"solving": true}))).into_response(),
+        Err(e) => error_response(ApiError::unavailable(format!("the solver is unreachable: {e}"))),
     }
 }
 

@@ -19,7 +19,9 @@ use std::time::Duration;
 use tessera_actors::chip::executor::{ExecutorFactory, StepExecutor};
 use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::Msg;
+use tessera_actors::solver::Costing;
 use tessera_backends::config::ModelConfig;
+use tessera_backends::cost::ServedModel;
 use tessera_backends::synth::Preset;
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_chip_executor::{Emulation, ModelExecutor, ModelExecutorConfig};
@@ -29,6 +31,7 @@ use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
 use tessera_runtime::transfer::{TransferConfig, TransferEngine};
 use tessera_runtime::{Addr, HostId};
+use tessera_topology::perf::Link;
 use tessera_topology::{Backend, ChipSpec, ClusterSpec};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -123,6 +126,40 @@ pub fn executor_config(
     })
 }
 
+/// The solver of `spec`'s cluster, its chips costed by their kinds' performance models
+/// and prices, KV crossing a 100 Gb/s fabric between hosts; `None` (logged) when the
+/// solver is off or the fleet cannot be costed (a kind without a price, say): the
+/// cluster serves as written.
+pub fn solver_config(spec: &ClusterSpec) -> Option<tessera_actors::solver::SolverConfig> {
+    if !spec.solver.enabled {
+        return None;
+    }
+    let served = match ServedModel::read(&spec.model, spec.dtype, Path::new(".")) {
+        Ok(served) => served,
+        Err(e) => {
+            tracing::warn!(error = %e, "solver off: the model cannot be costed");
+            return None;
+        }
+    };
+    let shape = |d| served.shape(d);
+    let perf = |k: &str| spec.emulation.perf_model_of(k);
+    let price = |k: &str| spec.chip_kind(k).and_then(|kind| kind.price.as_ref()).map(|p| p.usd_per_hour);
+    let costing = Costing {
+        shape: &shape,
+        weight_bytes: served.weight_bytes,
+        perf: &perf,
+        price: &price,
+        link: Link::ETHERNET_100G,
+    };
+    match tessera_actors::solver::solver_config(spec, &costing) {
+        Ok(config) => Some(config),
+        Err(e) => {
+            tracing::warn!(error = %e, "solver off: the fleet cannot be costed");
+            None
+        }
+    }
+}
+
 /// Runs host `host_name` of `spec` until `shutdown` resolves, then drains.
 pub fn run_node(
     spec: &ClusterSpec,
@@ -181,7 +218,8 @@ pub fn run_node(
     let id_base = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64 & 0xffff_ffff_0000);
-    let built = build_host(spec, host_name, id_base, |_, chip| {
+    let solver = if spec.gateway.host == me.name { solver_config(spec) } else { None };
+    let built = build_host(spec, host_name, id_base, solver, |_, chip| {
         let config = executor_config(spec, chip, &model_dir, opts.kernel_lib.clone(), Some(transfer.clone()))?;
         let factory: ExecutorFactory = Arc::new(move || {
             ModelExecutor::load(&config).map(|(exec, info)| (Box::new(exec) as Box<dyn StepExecutor>, info))
@@ -196,6 +234,7 @@ pub fn run_node(
         HostBuildError::Executor { source, .. } => source,
     })?;
     let router = built.router;
+    let solver_addr = built.solver;
     let chip_addrs: HashMap<String, Addr> = built.chips.into_iter().collect();
     for (actor, behavior) in built.actors {
         host.spawn_at(actor, behavior);
@@ -210,6 +249,7 @@ pub fn run_node(
             router,
             admission,
             chips: chip_addrs,
+            solver: solver_addr,
             metrics: opts.metrics.clone(),
             max_prompt_bytes: spec.gateway.max_prompt_bytes.unwrap_or_else(|| {
                 server::default_max_prompt_bytes(model_config.max_context, tokenizer.max_token_bytes())

@@ -369,6 +369,9 @@ pub struct Link {
 }
 
 impl Link {
+    /// A 100 Gb/s Ethernet fabric: 12.5 GB/s one way, 20 us per transfer.
+    pub const ETHERNET_100G: Link = Link { bandwidth_gbs: 12.5, latency_s: 20e-6 };
+
     /// Seconds `bytes` take over the link: the latency plus the bytes at its bandwidth
     /// (finite: a link without bandwidth takes [`MAX_STEP_S`]).
     pub fn transfer_s(&self, bytes: u64) -> f64 {

@@ -16,7 +16,7 @@ use tessera_actors::batcher::StepPlan;
 use tessera_actors::chip::executor::{ExecutorFactory, KvInstall, StepExecutor, stage_groups};
 use tessera_actors::msg::{ChipInfo, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome};
 use tessera_topology::perf::{Link, ModelShape, PerfModel, Roof, roofline};
-use tessera_topology::{Backend, ChipSpec, ClusterSpec};
+use tessera_topology::{ChipSpec, ClusterSpec};
 
 use crate::model::SimModel;
 use crate::scenario::Network;
@@ -103,14 +103,7 @@ pub struct ModelledChip {
     links: Arc<Links>,
 }
 
-/// How a chip of `backend` is timed: an emulated chip (`emu:KIND`) as the real node
-/// paces it, time scale included; any other at its kind's unscaled model.
-pub fn time_scale(spec: &ClusterSpec, backend: &Backend) -> f64 {
-    match backend {
-        Backend::Emu(_) => spec.emulation.time_scale,
-        Backend::Cpu | Backend::Plugin(_) => 1.0,
-    }
-}
+pub use tessera_actors::solver::time_scale;
 
 /// The executor factory and description of chip number `index` of `spec`.
 pub fn modelled_chip(

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tessera_actor_core::{Addr, Behavior, Effects, Moment};
-use tessera_actors::msg::{AdmitAsk, ChipReport, ClientEvent, Msg};
+use tessera_actors::msg::{AdmitAsk, ChipReport, ClientEvent, Msg, topic};
 
 /// How one request went, as its client saw it, on the virtual clock.
 #[derive(Debug, Clone, PartialEq)]
@@ -161,6 +161,31 @@ impl Behavior<Msg> for Probe {
                 *v = Some(chips);
             }
             fx.stop();
+        }
+    }
+}
+
+/// What the solver published and applied, with when (`[solver] auto` runs).
+pub type SolverLog = Arc<Mutex<Vec<(Moment, Msg)>>>;
+
+/// Listens to the solver's topics and keeps what it hears.
+pub struct SolverWatch {
+    pub log: SolverLog,
+}
+
+impl Behavior<Msg> for SolverWatch {
+    fn name(&self) -> &'static str {
+        "solver-watch"
+    }
+
+    fn on_start(&mut self, fx: &mut dyn Effects<Msg>) {
+        fx.subscribe(topic::STRATEGIES);
+        fx.subscribe(topic::PLANS);
+    }
+
+    fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
+        if let Ok(mut log) = self.log.lock() {
+            log.push((fx.now(), msg));
         }
     }
 }

@@ -30,13 +30,14 @@ use tessera_actor_core::testkit::VirtualHost;
 use tessera_actor_core::{Addr, HostId, Moment};
 use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::{AdmitAsk, ChipReport, ChipState, Delivery, Fault, Msg, SamplingSpec};
+use tessera_actors::solver::SolverConfig;
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_topology::TopologyError;
 use tessera_topology::perf::Power;
 use tessera_workload::{Load, Workload, vocabulary};
 
 use chip::{ChipModelError, Links, modelled_chip};
-use clients::{Arrivals, Outcomes, Probe, View};
+use clients::{Arrivals, Outcomes, Probe, SolverLog, SolverWatch, View};
 use model::{ModelError, SimModel};
 pub use report::{Report, Speed};
 pub use scenario::{Scenario, load};
@@ -65,6 +66,8 @@ pub enum SimError {
     RouterSilent,
     #[error("{topology}: no host runs the gateway's admission")]
     NoGateway { topology: String },
+    #[error("{topology}: [solver]: {error}")]
+    Solver { topology: String, error: String },
 }
 
 /// How to run a scenario.
@@ -83,6 +86,9 @@ pub fn run(scenario: &Scenario, seed: Option<u64>) -> Result<(Report, Speed), Si
 
 /// [`run`] with `options`, calling `progress(ended, requests)` each time another
 /// request ends.
+///
+/// The solver runs in a simulation when the topology sets `[solver] auto = true`: only
+/// then does it change what the cluster does.
 pub fn run_with_progress(
     scenario: &Scenario,
     options: &RunOptions,
@@ -98,9 +104,10 @@ pub fn run_with_progress(
     let mut vh: VirtualHost<Msg> =
         VirtualHost::new(scenario.network.bus_latency).with_trace(false).with_profile(options.profile);
     let (mut admission, mut router, mut chip_addrs) = (None, None, BTreeMap::new());
+    let solver = solver_config(scenario, &model)?;
     for host in &spec.hosts {
         // The very builder the real node uses, with modelled executors.
-        let built = build_host(spec, &host.name, 1, |h, c| {
+        let built = build_host(spec, &host.name, 1, solver.clone(), |h, c| {
             let n = numbers.get(c.id.as_str()).copied().unwrap_or(0);
             let perf = scenario.perf_model(&c.kind);
             modelled_chip(spec, c, n, &h.name, &model, perf, links.clone()).map(|(factory, _)| factory)
@@ -184,6 +191,10 @@ pub fn run_with_progress(
         }));
     let outcomes: Outcomes = Arc::default();
     let t0 = vh.now();
+    let solver_log: SolverLog = Arc::default();
+    if solver.is_some() {
+        vh.spawn(admission.host, Box::new(SolverWatch { log: solver_log.clone() }));
+    }
     let arrivals = Arrivals { admission, asks: asks.peekable(), outcomes: outcomes.clone(), next: 0, started: t0 };
     vh.spawn(admission.host, Box::new(arrivals));
     let at = |s: f64| t0.after(Duration::from_secs_f64(s));
@@ -221,8 +232,9 @@ pub fn run_with_progress(
             }
         };
         if let Some((chip, msg)) = inject {
-            let now = vh.now();
-            vh.send_at(now, chip, msg);
+            // At its time, not at the last event before it.
+            let when = at(f.at_s).min(limit).max(vh.now());
+            vh.send_at(when, chip, msg);
         }
     }
     vh.run_while(limit, &mut all_ended);
@@ -234,6 +246,7 @@ pub fn run_with_progress(
     let view = probe(&mut vh, router)?;
     let outcomes = outcomes.lock().map(|o| o.clone()).unwrap_or_default();
     let mut report = report(scenario, seed, &model, requests, &outcomes, end.since(t0), vh.delivered(), &view);
+    report.solver = solver_marks(&solver_log, t0);
     report.timeline = report::timeline(outcomes.values().map(|o| {
         let ok = o.error.is_none();
         let ttft_s = o.first_token.filter(|_| ok).map(|f| f.since(o.sent).as_secs_f64());
@@ -419,8 +432,66 @@ fn report(
         slo_met_per_usd: usd.map(|usd| slo_met as f64 / usd),
         timeline: Vec::new(),
         faults: scenario.faults.iter().map(|f| report::FaultMark { at_s: f.at_s, what: f.fault.describe() }).collect(),
+        solver: Vec::new(),
         chips,
     }
+}
+
+/// The solver of `scenario` when it applies strategies itself (`[solver] auto`), costed
+/// as the simulator times the chips, aiming at the scenario's `[slo]`.
+fn solver_config(scenario: &Scenario, model: &SimModel) -> Result<Option<SolverConfig>, SimError> {
+    let solver = &scenario.topology.solver;
+    if !(solver.enabled && solver.auto) {
+        return Ok(None);
+    }
+    let shape = |d| model.shape(d);
+    let perf = |k: &str| scenario.perf_model(k);
+    let price = |k: &str| scenario.price(k);
+    let costing = solve::costing(scenario, model, &shape, &perf, &price);
+    let mut config = tessera_actors::solver::solver_config(&scenario.topology, &costing)
+        .map_err(|e| SimError::Solver { topology: scenario.topology.source.clone(), error: e.to_string() })?;
+    // The solver aims at the SLOs the run is judged by.
+    config.spec.ttft_ms = scenario.slo.ttft_ms.round().max(1.0) as u64;
+    config.spec.tpot_ms = scenario.slo.tpot_ms.round().max(1.0) as u64;
+    Ok(Some(config))
+}
+
+/// The solver's log as report lines, times from the workload's start.
+fn solver_marks(log: &SolverLog, t0: Moment) -> Vec<report::SolverMark> {
+    let log = log.lock().map(|l| l.clone()).unwrap_or_default();
+    let at = |m: Moment| (m.since(t0).as_secs_f64() * 1e3).round() / 1e3;
+    log.into_iter()
+        .filter_map(|(when, msg)| match msg {
+            Msg::Strategies { set } => Some(report::SolverMark {
+                at_s: at(when),
+                event: "strategies".into(),
+                id: set.seq.to_string(),
+                what: format!(
+                    "{} at {:.2} req/s, {} of {} chips up: best {}",
+                    set.reason,
+                    set.observed_rate_rps,
+                    set.chips_up,
+                    set.chips_total,
+                    set.strategies.first().map_or("none", |s| s.summary.as_str())
+                ),
+            }),
+            Msg::PlanApplied { result: Ok(plan) } => {
+                let moves: Vec<String> = plan.moves.iter().map(|(c, a, b)| format!("{c} {a}->{b}")).collect();
+                Some(report::SolverMark {
+                    at_s: at(when),
+                    event: "applied".into(),
+                    id: plan.id.clone(),
+                    what: format!(
+                        "{} (by {}; moves: {})",
+                        plan.summary,
+                        plan.by,
+                        if moves.is_empty() { "none".into() } else { moves.join(", ") }
+                    ),
+                })
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use tessera_actors::msg::KvCompat;
 use tessera_backends::config::ModelConfig;
-use tessera_backends::synth::{self, Preset, SynthArch, SynthSpec};
+use tessera_backends::cost::{CostError, ServedModel};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_topology::perf::ModelShape;
 use tessera_topology::{ClusterSpec, DType};
@@ -47,41 +47,14 @@ pub fn tokenizer(spec: &ClusterSpec, base_dir: &Path) -> Option<TextTokenizer> {
 
 impl SimModel {
     /// The model of `spec` (`builtin:*` or a checkpoint, a relative one resolved
-    /// against `base_dir`); weights in `cluster.dtype`, else the preset's dtype, else
-    /// 2 bytes (how checkpoints ship).
+    /// against `base_dir`), as [`ServedModel::read`] costs it.
     pub fn of(spec: &ClusterSpec, base_dir: &Path) -> Result<SimModel, ModelError> {
-        let (config, default_dtype, params) = match spec.model.strip_prefix("builtin:") {
-            Some(name) => {
-                let preset: Preset = name.parse().map_err(|reason| ModelError::UnknownBuiltin {
-                    topology: spec.source.clone(),
-                    model: spec.model.clone(),
-                    reason,
-                })?;
-                // The arch the real node generates for a builtin model.
-                let synth = SynthSpec::new(preset, SynthArch::Llama);
-                let hf = synth::hf_config(&synth);
-                let config = ModelConfig::from_hf(&hf, Path::new(&spec.model))
-                    .map_err(|source| ModelError::Config { topology: spec.source.clone(), source })?;
-                (config, synth.resolved_dtype(), synth::param_count(&hf))
-            }
-            None => {
-                let dir = base_dir.join(&spec.model);
-                let config = ModelConfig::from_dir(&dir)
-                    .map_err(|source| ModelError::Config { topology: spec.source.clone(), source })?;
-                if tessera_backends::gguf::is_model_file(&dir) {
-                    // A GGUF file's weights stay in their (quantized) types on a chip:
-                    // its tensors' bytes are what a step reads.
-                    let gguf = tessera_backends::gguf::Gguf::open(&dir)
-                        .map_err(|source| ModelError::Config { topology: spec.source.clone(), source })?;
-                    let weight_bytes = gguf.tensors().iter().map(|t| gguf.tensor_bytes(t).len() as u64).sum();
-                    return Ok(SimModel { name: spec.model.clone(), weight_bytes, config });
-                }
-                let params = checkpoint_params(&config);
-                (config, DType::F16, params)
-            }
-        };
-        let dtype = spec.dtype.unwrap_or(default_dtype);
-        Ok(SimModel { name: spec.model.clone(), weight_bytes: params * dtype.size_bytes() as u64, config })
+        let topology = spec.source.clone();
+        let served = ServedModel::read(&spec.model, spec.dtype, base_dir).map_err(|e| match e {
+            CostError::UnknownBuiltin { model, reason } => ModelError::UnknownBuiltin { topology, model, reason },
+            CostError::Config(source) => ModelError::Config { topology, source },
+        })?;
+        Ok(SimModel { name: served.name, config: served.config, weight_bytes: served.weight_bytes })
     }
 
     /// The cost shape of the model with a KV cache of `kv_dtype`.
@@ -116,14 +89,6 @@ impl SimModel {
     }
 }
 
-/// Parameters of a checkpoint from its config: every matrix (the LM head included),
-/// the embedding table unless tied to the head, and the norms.
-fn checkpoint_params(c: &ModelConfig) -> u64 {
-    let embedding = if c.tie_word_embeddings { 0 } else { c.vocab_size * c.hidden_size };
-    let norms = (2 * c.num_layers + 1) * c.hidden_size;
-    (c.linear_params() + embedding + norms) as u64
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,7 +103,7 @@ mod tests {
         assert_eq!(shape.kv_bytes_per_token(), 2048);
         assert_eq!((shape.num_layers, shape.vocab_size), (4, 1024));
         // The same estimate from the config alone, as for a checkpoint.
-        assert_eq!(checkpoint_params(&model.config) * 4, model.weight_bytes);
+        assert_eq!(tessera_backends::cost::checkpoint_params(&model.config) * 4, model.weight_bytes);
     }
 
     #[test]

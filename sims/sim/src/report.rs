@@ -75,6 +75,18 @@ pub struct FaultMark {
     pub what: String,
 }
 
+/// What the solver did, `at_s` seconds after the workload started (`[solver] auto`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SolverMark {
+    pub at_s: f64,
+    /// `"strategies"` (a set published) or `"applied"` (a strategy put in force).
+    pub event: String,
+    /// The set's number, or the applied strategy's id.
+    pub id: String,
+    /// The set's reason, rate and best strategy, or the applied strategy and its moves.
+    pub what: String,
+}
+
 /// The requests sent within `[start_s, end_s)` seconds of the workload's start.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Window {
@@ -170,6 +182,9 @@ pub struct Report {
     pub slo_met_per_usd: Option<f64>,
     /// The faults injected, in time order.
     pub faults: Vec<FaultMark>,
+    /// The solver's sets and applied strategies, in time order (auto runs only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub solver: Vec<SolverMark>,
     /// TTFT over time: the requests sent in each window of the run.
     pub timeline: Vec<Window>,
     pub chips: Vec<ChipEnd>,
@@ -255,6 +270,13 @@ impl Report {
         }
         for fault in &self.faults {
             let _ = writeln!(t, "fault      {} s: {}", fault.at_s, fault.what);
+        }
+        for mark in self.solver.iter().filter(|m| m.event == "applied") {
+            let _ = writeln!(t, "solver     {:.1} s: applied {}: {}", mark.at_s, mark.id, mark.what);
+        }
+        if !self.solver.is_empty() {
+            let sets = self.solver.iter().filter(|m| m.event == "strategies").count();
+            let _ = writeln!(t, "solver     {sets} strategy sets published (--json lists them)");
         }
         if !self.faults.is_empty() {
             let width = self.timeline.first().map_or(1.0, |w| w.end_s - w.start_s);

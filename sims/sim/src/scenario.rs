@@ -210,10 +210,11 @@ pub struct Network {
 impl Default for Network {
     /// A 100 Gb/s Ethernet fabric: 12.5 GB/s, 20 us per transfer, 50 us per bus message.
     fn default() -> Self {
+        let fabric = tessera_topology::perf::Link::ETHERNET_100G;
         Network {
             bus_latency: Duration::from_micros(50),
-            kv_bandwidth_gbs: 12.5,
-            kv_latency: Duration::from_micros(20),
+            kv_bandwidth_gbs: fabric.bandwidth_gbs,
+            kv_latency: Duration::from_secs_f64(fabric.latency_s),
         }
     }
 }

@@ -4,12 +4,12 @@
 //! disaggregation threshold; idle chips left out) to run through the production
 //! behaviors like any other scenario.
 
-use tessera_solver::{Duty, Fleet, KindSpec, Slo, Strategy, Workload};
-use tessera_topology::perf::{Link, Power};
+use tessera_actors::solver::{Costing, FleetError, fleet_of};
+use tessera_solver::{Duty, Fleet, Slo, Strategy, Workload};
+use tessera_topology::perf::Link;
 use tessera_topology::{ChipSpec, Role};
 use tessera_workload::LengthDist;
 
-use crate::chip::time_scale;
 use crate::model::SimModel;
 use crate::scenario::{Scenario, WorkloadRequests};
 
@@ -20,14 +20,6 @@ pub struct ScenarioFleet {
     pub fleet: Fleet,
     pub chips: Vec<Vec<String>>,
     pub now: Vec<Vec<Duty>>,
-}
-
-fn duty(role: Role) -> Duty {
-    match role {
-        Role::Prefill => Duty::Prefill,
-        Role::Decode => Duty::Decode,
-        Role::Both => Duty::Both,
-    }
 }
 
 /// A chip that changes duty under a strategy.
@@ -69,64 +61,40 @@ impl ScenarioFleet {
 pub enum SolveError {
     #[error("{0}")]
     Model(String),
-    #[error("chip kind {0:?} has no price (give one in the scenario's [prices])")]
-    NoPrice(String),
-    #[error("unknown chip kind {0:?}")]
-    UnknownKind(String),
-    #[error("chip {chip}: the weights ({weights} bytes) do not fit its memory ({memory} bytes)")]
-    WeightsExceedMemory { chip: String, weights: u64, memory: u64 },
+    #[error("{0} (or in the scenario's [prices])")]
+    Fleet(#[from] FleetError),
     #[error("the strategy has {got} kinds of chips, the fleet {want}")]
     Mismatch { got: usize, want: usize },
+}
+
+/// How the simulator costs `scenario`'s chips: its model, each kind's performance
+/// model and price as the scenario gives them, and its network.
+pub fn costing<'a>(
+    scenario: &'a Scenario,
+    model: &'a SimModel,
+    shape: &'a dyn Fn(tessera_topology::DType) -> tessera_topology::perf::ModelShape,
+    perf: &'a dyn Fn(&str) -> tessera_topology::perf::PerfModel,
+    price: &'a dyn Fn(&str) -> Option<f64>,
+) -> Costing<'a> {
+    // Prefill and decode chips on different hosts hand KV over the network.
+    let network = scenario.network;
+    let link = Link { bandwidth_gbs: network.kv_bandwidth_gbs, latency_s: network.kv_latency.as_secs_f64() };
+    Costing { shape, weight_bytes: model.weight_bytes, perf, price, link }
 }
 
 /// `scenario`'s chips grouped by kind (in order of first appearance), each kind's
 /// figures as the simulator times it.
 pub fn fleet(scenario: &Scenario) -> Result<ScenarioFleet, SolveError> {
-    let spec = &scenario.topology;
-    let model = SimModel::of(spec, &scenario.base_dir).map_err(|e| SolveError::Model(e.to_string()))?;
-    let mut kinds: Vec<KindSpec> = Vec::new();
-    let mut chips: Vec<Vec<String>> = Vec::new();
-    let mut now: Vec<Vec<Duty>> = Vec::new();
-    let mut kv_dtype = None;
-    for (_, _, chip) in spec.chips() {
-        kv_dtype.get_or_insert(chip.kv_dtype);
-        if let Some(i) = kinds.iter().position(|k| k.name == chip.kind) {
-            kinds[i].chips += 1;
-            chips[i].push(chip.id.clone());
-            now[i].push(duty(chip.role));
-            continue;
-        }
-        let kind = spec.chip_kind(&chip.kind).ok_or_else(|| SolveError::UnknownKind(chip.kind.clone()))?;
-        let shape = model.shape(chip.kv_dtype);
-        let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
-        let rest = memory.checked_sub(model.weight_bytes).ok_or_else(|| SolveError::WeightsExceedMemory {
-            chip: chip.id.clone(),
-            weights: model.weight_bytes,
-            memory,
-        })?;
-        // As a modelled chip: an eighth of what the weights leave is step scratch. The
-        // router sends nothing new to a chip past its KV breaker, so that share is what
-        // a chip's batch can use.
-        let kv_tokens =
-            (rest - rest / 8) / shape.kv_bytes_per_token().max(1) * spec.router.kv_breaker_percent as u64 / 100;
-        kinds.push(KindSpec {
-            name: chip.kind.clone(),
-            chips: 1,
-            roof: kind.roof(),
-            perf: scenario.perf_model(&chip.kind),
-            time_scale: time_scale(spec, &chip.backend),
-            usd_per_hour: scenario.price(&chip.kind).ok_or_else(|| SolveError::NoPrice(chip.kind.clone()))?,
-            power: Power::from_tdp(kind.tdp_w),
-            kv_tokens,
-        });
-        chips.push(vec![chip.id.clone()]);
-        now.push(vec![duty(chip.role)]);
-    }
-    let shape = model.shape(kv_dtype.unwrap_or(tessera_topology::DType::F16));
-    // Prefill and decode chips on different hosts hand KV over the network.
-    let network = scenario.network;
-    let link = Link { bandwidth_gbs: network.kv_bandwidth_gbs, latency_s: network.kv_latency.as_secs_f64() };
-    Ok(ScenarioFleet { fleet: Fleet { model: shape, kinds, link }, chips, now })
+    let model = SimModel::of(&scenario.topology, &scenario.base_dir).map_err(|e| SolveError::Model(e.to_string()))?;
+    let shape = |d| model.shape(d);
+    let perf = |k: &str| scenario.perf_model(k);
+    let price = |k: &str| scenario.price(k);
+    let chips = fleet_of(&scenario.topology, &costing(scenario, &model, &shape, &perf, &price))?;
+    Ok(ScenarioFleet {
+        fleet: chips.fleet,
+        now: chips.chips.iter().map(|k| k.iter().map(|c| c.duty).collect()).collect(),
+        chips: chips.chips.into_iter().map(|k| k.into_iter().map(|c| c.id).collect()).collect(),
+    })
 }
 
 fn mean(dist: &LengthDist) -> f64 {
@@ -383,15 +351,7 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
     let current = current(scenario, &fleet, &work, &slo, verify_top > 0);
     let drain_s = chosen.and_then(|id| {
         let moves = &strategies.iter().chain(&baselines).find(|p| p.id == id)?.moves;
-        let now = current.analytic?;
-        moves
-            .iter()
-            .filter_map(|m| match m.from {
-                Duty::Decode | Duty::Both => Some(work.osl * now.tpot_p90_s),
-                Duty::Prefill => Some(now.ttft_p90_s),
-                Duty::Idle => None,
-            })
-            .reduce(f64::max)
+        tessera_solver::drain_estimate(moves.iter().map(|m| m.from), work.osl, current.analytic.as_ref())
     });
     Ok(Solution {
         scenario: scenario.source.clone(),
@@ -408,18 +368,7 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
 
 /// The topology as written as a strategy, scored (and verified when `verify`).
 fn current(scenario: &Scenario, fleet: &ScenarioFleet, work: &Workload, slo: &Slo, verify_it: bool) -> Current {
-    let roles = fleet
-        .now
-        .iter()
-        .map(|duties| {
-            let count = |d: Duty| duties.iter().filter(|&&x| x == d).count() as u32;
-            tessera_solver::Roles {
-                prefill: count(Duty::Prefill),
-                decode: count(Duty::Decode),
-                both: count(Duty::Both),
-            }
-        })
-        .collect();
+    let roles = fleet.now.iter().map(|duties| tessera_solver::Roles::of(duties)).collect();
     let first = scenario.topology.chips().next().map(|(_, _, c)| c);
     let strategy = Strategy {
         roles,

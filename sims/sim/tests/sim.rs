@@ -681,3 +681,44 @@ fn a_strategy_written_into_a_topology_file_keeps_the_rest_and_moves_the_gateway_
     let spec = tessera_topology::load(&out).expect("a valid topology whose model is found from anywhere");
     assert_eq!(spec.chips().count(), 5);
 }
+
+/// Auto mode in virtual time (`sims/scenarios/solver/auto.toml`): the rate doubles at
+/// 150 s and a chip the plan uses goes offline at 220 s. The solver applies a strategy
+/// once traffic is known, republishes when the rate doubles and changes the strategy in
+/// force once for it (not back and forth), and adapts to the lost chip within 60 s;
+/// no request is lost, and the run is deterministic.
+#[test]
+fn auto_mode_follows_a_doubled_rate_once_and_a_dead_chip_within_a_minute() {
+    let path = here().join("../scenarios/solver/auto.toml");
+    let s = match tessera_sim::load(&path) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let r = simulate(&s, None);
+    assert_eq!((r.failed, r.unfinished), (0, 0), "{:?}", r.failures);
+    assert_eq!(r.kv_blocks_used_at_end, 0);
+    let applied: Vec<&tessera_sim::report::SolverMark> = r.solver.iter().filter(|m| m.event == "applied").collect();
+    let sets = |from: f64, to: f64| {
+        r.solver.iter().filter(|m| m.event == "strategies" && (from..to).contains(&m.at_s)).count()
+    };
+    let applies = |from: f64, to: f64| applied.iter().filter(|m| (from..to).contains(&m.at_s)).count();
+    let log = format!("{:#?}", r.solver);
+    assert!(applies(0.0, 150.0) >= 1, "nothing applied before the rate doubled: {log}");
+    // The doubling: republished within 30 s, and the strategy changed exactly once.
+    assert!(
+        r.solver
+            .iter()
+            .any(|m| m.event == "strategies" && (150.0..180.0).contains(&m.at_s) && m.what.starts_with("rate changed")),
+        "no set for the doubled rate: {log}"
+    );
+    assert_eq!(applies(150.0, 220.0), 1, "{log}");
+    // The chip death: a plan without the chip within 60 s; the one in force used it.
+    let before = applied.iter().rfind(|m| m.at_s < 220.0).map(|m| m.what.clone()).unwrap_or_default();
+    assert!(!before.contains("a-910b-0 both->idle"), "the dead chip was not in use: {before}");
+    let adapted = applied.iter().find(|m| (220.0..280.0).contains(&m.at_s));
+    assert!(adapted.is_some(), "no plan within 60 s of the chip's death: {log}");
+    assert_eq!(applies(220.0, 300.0), 1, "{log}");
+    assert!(sets(0.0, 300.0) >= 5, "{log}");
+    // Deterministic: the same scenario gives the same bytes.
+    assert_eq!(simulate(&s, None).to_json(), r.to_json());
+}

@@ -16,7 +16,7 @@ pub mod analytic;
 pub mod pareto;
 pub mod search;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tessera_perf::{Link, ModelShape, PerfModel, Power, Roof};
 
 /// What the model knows of one kind of chip in the fleet.
@@ -48,7 +48,7 @@ pub struct Fleet {
 
 /// The traffic a strategy is scored for: open-loop arrivals at a mean rate, mean
 /// prompt and output lengths.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Workload {
     pub rate_rps: f64,
     pub isl: f64,
@@ -56,7 +56,7 @@ pub struct Workload {
 }
 
 /// The service level a request must meet to count towards goodput (at p90 here).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Slo {
     pub ttft_s: f64,
     pub tpot_s: f64,
@@ -64,7 +64,7 @@ pub struct Slo {
 
 /// How many chips of one kind take each role; the rest of the kind is idle (released,
 /// neither paid for nor powered).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
 pub struct Roles {
     pub prefill: u32,
     pub decode: u32,
@@ -79,7 +79,7 @@ impl Roles {
 }
 
 /// One point of the strategy space.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Strategy {
     /// Per kind of the fleet, in its order.
     pub roles: Vec<Roles>,
@@ -128,7 +128,7 @@ impl Default for Space {
 }
 
 /// A strategy's objectives.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Figures {
     /// Requests per second within both SLOs at the offered rate. Higher is better.
     pub goodput_rps: f64,
@@ -151,7 +151,7 @@ impl Figures {
 }
 
 /// What one chip does under a strategy: a role, or nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Duty {
     Prefill,
@@ -197,4 +197,28 @@ pub fn assign(now: &[Duty], roles: &Roles) -> Vec<Duty> {
         }
     }
     out.into_iter().map(|d| d.unwrap_or(Duty::Idle)).collect()
+}
+
+impl Roles {
+    /// How many of `duties` take each role.
+    pub fn of(duties: &[Duty]) -> Roles {
+        let count = |d: Duty| duties.iter().filter(|&&x| x == d).count() as u32;
+        Roles { prefill: count(Duty::Prefill), decode: count(Duty::Decode), both: count(Duty::Both) }
+    }
+}
+
+/// How long chips moving away from duties `from` take to drain, at the strategy in
+/// force's figures `now`: a chip that decodes finishes its requests' output at the TPOT
+/// p90, a prefill chip its prompts within the TTFT p90. `None` when nothing moves that
+/// holds work, or `now` is unknown (the strategy in force does not keep up: its queues
+/// set the time).
+pub fn drain_estimate(from: impl IntoIterator<Item = Duty>, osl: f64, now: Option<&Figures>) -> Option<f64> {
+    let now = now?;
+    from.into_iter()
+        .filter_map(|duty| match duty {
+            Duty::Decode | Duty::Both => Some(osl * now.tpot_p90_s),
+            Duty::Prefill => Some(now.ttft_p90_s),
+            Duty::Idle => None,
+        })
+        .reduce(f64::max)
 }
