@@ -11,8 +11,9 @@ use tessera_actors::msg::{PlanView, StrategyView};
 pub enum PlanCommand {
     /// What each chip does, the strategy in force and the solver's latest Pareto set.
     Show(ShowArgs),
-    /// Apply a strategy of the latest set by its id (`s3-2`): chips that change duty
-    /// drain first, so no request is lost.
+    /// Apply a strategy of the latest set by its id (`s3-2`), or your own assignment
+    /// (`--role h1-metax0=prefill`): chips that change duty drain first, so no request
+    /// is lost.
     Apply(ApplyArgs),
     /// Ask the solver to solve again now.
     Solve(GatewayArg),
@@ -40,7 +41,11 @@ pub struct ShowArgs {
 #[derive(Args)]
 pub struct ApplyArgs {
     /// The strategy's id, as `plan show` lists it.
-    id: String,
+    #[arg(required_unless_present = "roles", conflicts_with = "roles")]
+    id: Option<String>,
+    /// CHIP=DUTY (prefill, decode, both or idle), repeated: the other chips keep theirs.
+    #[arg(long = "role", value_name = "CHIP=DUTY")]
+    roles: Vec<String>,
     #[command(flatten)]
     gateway: GatewayArg,
 }
@@ -60,12 +65,25 @@ pub fn plan(command: PlanCommand) -> Result<()> {
                 Ok(())
             }
             PlanCommand::Apply(args) => {
-                let body = json!({"id": args.id});
+                let body = match args.id {
+                    Some(id) => json!({ "id": id }),
+                    None => {
+                        let mut roles = serde_json::Map::new();
+                        for pair in &args.roles {
+                            let Some((chip, duty)) = pair.split_once('=') else {
+                                bail!("--role {pair:?}: expected CHIP=DUTY, e.g. h1-metax0=prefill");
+                            };
+                            roles.insert(chip.trim().to_string(), Value::String(duty.trim().to_string()));
+                        }
+                        json!({ "roles": roles })
+                    }
+                };
                 let plan = call(&args.gateway.gateway, "POST", "/admin/plan/apply", Some(body)).await?;
                 let moves = plan["moves"].as_array().map_or(0, Vec::len);
                 println!("applied {}: {}", plan["id"].as_str().unwrap_or("?"), plan["summary"].as_str().unwrap_or("?"));
                 for m in plan["moves"].as_array().into_iter().flatten() {
-                    println!("  {} drains, then {} -> {}", m[0].as_str().unwrap_or("?"), m[1], m[2]);
+                    let field = |i: usize| m[i].as_str().unwrap_or("?");
+                    println!("  {} drains, then {} -> {}", field(0), field(1), field(2));
                 }
                 if moves == 0 {
                     println!("  no chip changes duty (step limits only)");

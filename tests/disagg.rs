@@ -303,3 +303,120 @@ fn ten_streams_survive_a_worker_panic_on_the_decode_chip() {
 fn ten_streams_survive_a_worker_panic_on_the_prefill_chip() {
     ten_streams_survive_a_worker_panic_on("p-chip");
 }
+
+/// `tessera plan apply` with `--gateway`, returning its standard output.
+fn plan_cli(gw: std::net::SocketAddr, args: &[&str]) -> String {
+    let out = tessera().arg("plan").args(args).arg("--gateway").arg(format!("http://{gw}")).output().expect("runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "tessera plan {args:?}: {stderr}");
+    stdout.into_owned()
+}
+
+/// The live solver under load (issue: live re-planning): one prefill and two decode
+/// chips serve four clients that never stop; `tessera plan apply` moves a decode chip
+/// to prefill, then applies the solver's own best strategy (which parks chips). Every
+/// chip that changes duty drains first: no request fails, every answer equals the
+/// single-chip reference, and `/health` and `/metrics` show each change.
+#[test]
+fn plan_apply_moves_a_decode_chip_to_prefill_under_load_and_loses_nothing() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    const MAX_TOKENS: usize = 12;
+    let prompts: Vec<String> = (0..3).map(|i| prompt_of(40 + 10 * i, 60 + i)).collect();
+    let want: Vec<Generated> = prompts.iter().map(|p| generate(p, MAX_TOKENS, true)).collect();
+    let cpu = |role: &str| format!("kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"{role}\"\nthreads = 1\n");
+    let chips = [
+        ChipDef { host: "p", id: "p-chip".into(), toml: cpu("prefill") },
+        ChipDef { host: "d", id: "d0".into(), toml: cpu("decode") },
+        ChipDef { host: "d", id: "d1".into(), toml: cpu("decode") },
+    ];
+    let extra = "[disagg]\nmin_prompt_tokens = 8\n\n[solver]\ntelemetry_interval_ms = 200\n";
+    let topo = topology_of(&chips, extra, "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::up(&topo);
+    let gw = cluster.gateway;
+    cluster.wait_ready(3);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let served = Arc::new(AtomicUsize::new(0));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (stop, served, prompts, want) = (stop.clone(), served.clone(), prompts.clone(), want.clone());
+            std::thread::spawn(move || {
+                let mut failures = Vec::new();
+                let mut i = c;
+                while !stop.load(Ordering::Relaxed) {
+                    let k = i % prompts.len();
+                    let r = post_json(gw, "/v1/completions", &completion_body(&prompts[k], MAX_TOKENS, false, true));
+                    if r.status != 200 || r.json()["choices"][0]["text"] != want[k].text {
+                        failures.push(format!("{}: {}", r.status, r.body));
+                    }
+                    served.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+                failures
+            })
+        })
+        .collect();
+
+    // The first strategy set, solved for the traffic the solver measured.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let set = loop {
+        let plan = get(gw, "/admin/plan");
+        assert_eq!(plan.status, 200, "{}", plan.body);
+        let v = plan.json();
+        if !v["latest"].is_null() {
+            break v["latest"].clone();
+        }
+        assert!(Instant::now() < deadline, "no strategy set within 30 s: {v:#}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(set["observed_rate_rps"].as_f64() > Some(0.0) && set["chips_up"] == 3, "{set:#}");
+    let best = set["strategies"][0]["id"].as_str().expect("a strategy").to_string();
+
+    // A decode chip becomes a prefill chip, under load.
+    let out = plan_cli(gw, &["apply", "--role", "d0=prefill"]);
+    assert!(out.contains("applied manual-1") && out.contains("d0 drains, then decode -> prefill"), "{out}");
+    let before = served.load(Ordering::Relaxed);
+    let h = wait_health(gw, "d0 prefills", Duration::from_secs(10), |h| {
+        chip(h, "d0")["role"] == "prefill" && !chip(h, "d0")["draining"].as_bool().unwrap_or(true)
+    });
+    assert_eq!(h["plan"]["id"], "manual-1", "{h:#}");
+    assert_eq!(metric(gw, "tessera_solver_chip_duty{chip=\"d0\",duty=\"prefill\"} "), 1.0);
+    assert_eq!(metric(gw, "tessera_solver_chip_duty{chip=\"d0\",duty=\"decode\"} "), 0.0);
+    assert_eq!(metric(gw, "tessera_solver_plans_applied_total{by=\"operator\"} "), 1.0);
+    // Requests went on through the change, and now run on the new roles.
+    let waited = Instant::now() + Duration::from_secs(10);
+    while served.load(Ordering::Relaxed) < before + 8 {
+        assert!(Instant::now() < waited, "requests stalled after the change");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // The solver's own best strategy, by its id, under load.
+    let out = plan_cli(gw, &["apply", &best]);
+    assert!(out.contains(&format!("applied {best}")), "{out}");
+    let plan = get(gw, "/admin/plan").json();
+    let duties: Vec<(String, String)> = plan["applied"]["duties"]
+        .as_array()
+        .expect("duties")
+        .iter()
+        .map(|d| (d[0].as_str().unwrap_or("").to_string(), d[1].as_str().unwrap_or("").to_string()))
+        .collect();
+    wait_health(gw, "every chip on its duty", Duration::from_secs(10), |h| {
+        duties.iter().all(|(id, duty)| {
+            let c = chip(h, id);
+            match duty.as_str() {
+                "idle" => c["parked"] == true,
+                role => c["role"] == role && c["draining"] == false,
+            }
+        })
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let failures: Vec<String> = clients.into_iter().flat_map(|c| c.join().expect("client")).collect();
+    assert!(failures.is_empty(), "{} failed: {:?}", failures.len(), &failures[..failures.len().min(3)]);
+    assert!(served.load(Ordering::Relaxed) >= 20, "too little load: {}", served.load(Ordering::Relaxed));
+    assert_eq!(metric(gw, "tessera_request_failed_total "), 0.0);
+    assert_eq!(metric(gw, "tessera_solver_plans_applied_total{by=\"operator\"} "), 2.0);
+    let h = wait_health(gw, "every pool drained", Duration::from_secs(5), |h| drained(h, &[]));
+    assert_eq!(h["plan"]["id"], best.as_str(), "{h:#}");
+}

@@ -1003,6 +1003,12 @@ pub enum Msg {
         id: String,
         reply_to: Addr,
     },
+    /// Operator -> solver: these chips take these duties (the others keep theirs);
+    /// the reply is `PlanApplied`.
+    ApplyRoles {
+        roles: Vec<(String, Duty)>,
+        reply_to: Addr,
+    },
     PlanApplied {
         result: Result<Box<AppliedPlan>, String>,
     },
@@ -1089,6 +1095,7 @@ impl Message for Msg {
             Msg::QueryPlan { .. } => "query_plan",
             Msg::Plan { .. } => "plan",
             Msg::ApplyStrategy { .. } => "apply_strategy",
+            Msg::ApplyRoles { .. } => "apply_roles",
             Msg::PlanApplied { .. } => "plan_applied",
             Msg::ApplyPlan { .. } => "apply_plan",
             Msg::Park => "park",

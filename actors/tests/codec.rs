@@ -319,6 +319,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         },
         61 => Msg::Park,
         62 => Msg::SetLimits { max_batch_tokens: p.n as u32, max_batch_seqs: p.b as u32 },
+        63 => Msg::ApplyRoles { roles: vec![(p.text.clone(), duty(p))], reply_to: addr(p.a) },
         _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
     }
 }
@@ -388,7 +389,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 64;
+const KINDS: usize = 65;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -457,6 +458,7 @@ fn kind_index(m: &Msg) -> usize {
         Msg::ApplyPlan { .. } => 61,
         Msg::Park => 62,
         Msg::SetLimits { .. } => 63,
+        Msg::ApplyRoles { .. } => 64,
     }
 }
 

@@ -169,19 +169,21 @@ pub fn solver_config(spec: &ClusterSpec, costing: &Costing) -> Result<SolverConf
     Ok(SolverConfig { spec: spec.solver, fleet, space })
 }
 
-/// Telemetry windows the traffic is estimated over (at most this long).
-const HORIZON_S: f64 = 60.0;
+/// Telemetry windows (of `telemetry_interval_ms`, 5 s by default) the traffic is
+/// estimated over: at most this many.
+const HORIZON_WINDOWS: f64 = 12.0;
 /// The newest windows are tested against the older ones for a change of rate over at
-/// least this long ...
-const RECENT_S: f64 = 10.0;
-/// ... with the older ones covering at least this long ...
-const BASE_S: f64 = 10.0;
+/// least this many ...
+const RECENT_WINDOWS: f64 = 2.0;
+/// ... with the older ones covering at least this many ...
+const BASE_WINDOWS: f64 = 2.0;
 /// ... and a change counts when the recent arrivals are this many standard deviations
 /// (Poisson) off what the older rate predicts.
 const CHANGE_SIGMAS: f64 = 3.0;
-/// The first solve waits for this much telemetry: the requests that end first are the
-/// short ones, so an earlier estimate of output lengths would be biased short.
-const FIRST_SOLVE_S: f64 = 30.0;
+/// The first solve waits for this many windows of telemetry (unless asked): the
+/// requests that end first are the short ones, so an earlier estimate of output
+/// lengths would be biased short.
+const FIRST_SOLVE_WINDOWS: f64 = 6.0;
 /// Strategies a set publishes.
 const PUBLISHED: usize = 64;
 
@@ -312,7 +314,7 @@ pub struct Solver {
     config: SolverConfig,
     worker: Option<WorkerId>,
     started: Moment,
-    /// Telemetry windows, oldest first, within [`HORIZON_S`].
+    /// Telemetry windows, oldest first, within [`HORIZON_WINDOWS`].
     windows: VecDeque<Telemetry>,
     chips: BTreeMap<Addr, Seen>,
     /// The chips up, and the arrival rate, when the last solve was started.
@@ -326,6 +328,8 @@ pub struct Solver {
     applied: Option<AppliedPlan>,
     applied_at: Moment,
     applies: u64,
+    /// Operator assignments applied so far (their ids are `manual-N`).
+    manual: u64,
 }
 
 impl Solver {
@@ -345,7 +349,14 @@ impl Solver {
             applied: None,
             applied_at: Moment::default(),
             applies: 0,
+            manual: 0,
         }
+    }
+
+    /// One telemetry window's nominal length, s (a little under: a window measured a
+    /// hair short still counts).
+    fn window_s(&self) -> f64 {
+        self.config.spec.telemetry_interval_ms as f64 / 1e3 * 0.99
     }
 
     /// The step limits chips run with before any plan: the most the space allows.
@@ -395,11 +406,12 @@ impl Solver {
     /// Folds in a telemetry window. When the newest windows' arrivals are far off what
     /// the older ones predict (a change of rate, not noise), the older ones are
     /// dropped, so the estimate is of the new rate alone: the newest window alone when
-    /// it shows the change by itself, else the newest [`RECENT_S`].
+    /// it shows the change by itself, else the newest [`RECENT_WINDOWS`].
     fn observe(&mut self, telemetry: Telemetry) -> bool {
         self.windows.push_back(telemetry);
+        let window_s = self.window_s();
         let mut span: f64 = self.windows.iter().map(|w| w.window_s).sum();
-        while span > HORIZON_S && self.windows.len() > 1 {
+        while span > HORIZON_WINDOWS * window_s && self.windows.len() > 1 {
             span -= self.windows.pop_front().map_or(0.0, |w| w.window_s);
         }
         let threshold = self.config.spec.rate_change_percent as f64 / 100.0;
@@ -413,7 +425,7 @@ impl Solver {
                     (recent_s, recent_n) = (recent_s + w.window_s, recent_n + w.admitted);
                 }
             }
-            if base_s < BASE_S || recent_s <= 0.0 {
+            if base_s < BASE_WINDOWS * window_s || recent_s <= 0.0 {
                 return false;
             }
             let expected = base_n as f64 / base_s * recent_s;
@@ -422,13 +434,13 @@ impl Solver {
         };
         let newest = self.windows.len().saturating_sub(1);
         let (mut recent_s, mut split) = (0.0, self.windows.len());
-        while split > 0 && recent_s < RECENT_S {
+        while split > 0 && recent_s < RECENT_WINDOWS * window_s {
             split -= 1;
             recent_s += self.windows[split].window_s;
         }
         let cut = if differs(&self.windows, newest) {
             newest
-        } else if recent_s >= RECENT_S && differs(&self.windows, split) {
+        } else if recent_s >= RECENT_WINDOWS * window_s && differs(&self.windows, split) {
             split
         } else {
             return false;
@@ -581,16 +593,73 @@ impl Solver {
             };
             return Err(format!("no strategy {id:?} in the latest set (set {}: {ids})", set.seq));
         };
+        let (id, summary, duties) = (strategy.id.clone(), strategy.summary.clone(), strategy.duties.clone());
+        let limits = (strategy.max_batch_tokens, strategy.max_batch_seqs);
+        Ok(self.put_in_force(id, summary, duties, limits, by, fx))
+    }
+
+    /// Applies an operator's own assignment: these chips take these duties, the others
+    /// keep theirs, the step limits stay.
+    fn apply_roles(&mut self, roles: &[(String, Duty)], fx: &mut dyn Effects<Msg>) -> Result<AppliedPlan, String> {
+        if roles.is_empty() {
+            return Err("no chip named: give one or more chip = duty".into());
+        }
+        if let Some((unknown, _)) = roles.iter().find(|(id, _)| !self.known_chips().any(|c| c.id == *id)) {
+            let known: Vec<&str> = self.known_chips().map(|c| c.id.as_str()).collect();
+            return Err(format!("unknown chip {unknown:?}; chips: {}", known.join(", ")));
+        }
+        let duty_of = |c: &SolverChip| roles.iter().rfind(|(id, _)| *id == c.id).map_or(self.duty_now(c), |(_, d)| *d);
+        let duties: Vec<(String, Duty)> = self.known_chips().map(|c| (c.id.clone(), duty_of(c))).collect();
+        if !self.known_chips().any(|c| matches!(duty_of(c), Duty::Decode | Duty::Both)) {
+            return Err("no chip would decode: every request needs a decode (or both) chip".into());
+        }
+        let limits = match &self.applied {
+            Some(plan) => (plan.max_batch_tokens, plan.max_batch_seqs),
+            None => self.configured_limits(),
+        };
+        let roles: Vec<Roles> = self
+            .config
+            .fleet
+            .chips
+            .iter()
+            .map(|kind| Roles::of(&kind.iter().map(&duty_of).collect::<Vec<_>>()))
+            .collect();
+        let strategy = Strategy {
+            roles,
+            prefill_budget: limits.0,
+            decode_cap: limits.1,
+            min_prompt_tokens: self.config.space.min_prompt_tokens.first().copied().unwrap_or(0),
+        };
+        self.manual += 1;
+        let summary = strategy.describe(&self.config.fleet.fleet);
+        Ok(self.put_in_force(format!("manual-{}", self.manual), summary, duties, limits, "operator", fx))
+    }
+
+    /// Puts a plan in force: each host's supervisor gets the changes to its chips
+    /// (the chips whose duty changes drain first), and the plan is published.
+    fn put_in_force(
+        &mut self,
+        id: String,
+        summary: String,
+        duties: Vec<(String, Duty)>,
+        (max_batch_tokens, max_batch_seqs): (u32, u32),
+        by: &str,
+        fx: &mut dyn Effects<Msg>,
+    ) -> AppliedPlan {
         let mut by_supervisor: BTreeMap<Addr, Vec<ChipChange>> = BTreeMap::new();
+        let mut moves = Vec::new();
         for chip in self.known_chips() {
-            let Some((_, duty)) = strategy.duties.iter().find(|(c, _)| *c == chip.id) else { continue };
+            let Some((_, duty)) = duties.iter().find(|(c, _)| *c == chip.id) else { continue };
             let now = self.duty_now(chip);
             let reported = self.chips.get(&chip.addr).map_or(chip.duty, |s| s.duty);
+            if *duty != now {
+                moves.push((chip.id.clone(), now, *duty));
+            }
             let change = ChipChange {
                 chip: chip.addr,
                 duty: (*duty != now || *duty != reported).then_some(*duty),
-                max_batch_tokens: strategy.max_batch_tokens,
-                max_batch_seqs: strategy.max_batch_seqs,
+                max_batch_tokens,
+                max_batch_seqs,
             };
             by_supervisor.entry(chip.supervisor).or_default().push(change);
         }
@@ -599,7 +668,7 @@ impl Solver {
                 tracing::warn!(%supervisor, error = %e, "solver: a plan could not reach a supervisor");
             }
         }
-        for (chip, duty) in &strategy.duties {
+        for (chip, duty) in &duties {
             for d in [Duty::Prefill, Duty::Decode, Duty::Both, Duty::Idle] {
                 let labels = [("chip", chip.clone()), ("duty", d.to_string())];
                 metrics::gauge!("tessera_solver_chip_duty", &labels).set(f64::from(u8::from(*duty == d)));
@@ -607,21 +676,21 @@ impl Solver {
         }
         metrics::counter!("tessera_solver_plans_applied_total", "by" => by.to_string()).increment(1);
         let plan = AppliedPlan {
-            id: strategy.id.clone(),
-            summary: strategy.summary.clone(),
-            duties: strategy.duties.clone(),
-            max_batch_tokens: strategy.max_batch_tokens,
-            max_batch_seqs: strategy.max_batch_seqs,
+            id,
+            summary,
+            duties,
+            max_batch_tokens,
+            max_batch_seqs,
             at_s: fx.now().since(self.started).as_secs_f64(),
             by: by.to_string(),
-            moves: strategy.moves.clone(),
+            moves,
         };
         tracing::info!(id = %plan.id, by, plan = %plan.summary, moves = plan.moves.len(), "solver: strategy applied");
         fx.publish(topic::PLANS, Msg::PlanApplied { result: Ok(Box::new(plan.clone())) });
         self.applied = Some(plan.clone());
         self.applied_at = fx.now();
         self.applies += 1;
-        Ok(plan)
+        plan
     }
 
     fn view(&self) -> PlanView {
@@ -679,7 +748,9 @@ impl Behavior<Msg> for Solver {
                 let changed = self.observe(*telemetry);
                 let span: f64 = self.windows.iter().map(|w| w.window_s).sum();
                 match self.latest {
-                    None if !self.solving && span >= FIRST_SOLVE_S => self.solve("first traffic", fx),
+                    None if !self.solving && span >= FIRST_SOLVE_WINDOWS * self.window_s() => {
+                        self.solve("first traffic", fx)
+                    }
                     None => {}
                     Some(_) if changed => self.solve("rate changed", fx),
                     Some(_) => {}
@@ -698,6 +769,10 @@ impl Behavior<Msg> for Solver {
             }
             Msg::ApplyStrategy { id, reply_to } => {
                 let result = self.apply(&id, "operator", fx).map(Box::new);
+                let _ = fx.send(reply_to, Msg::PlanApplied { result });
+            }
+            Msg::ApplyRoles { roles, reply_to } => {
+                let result = self.apply_roles(&roles, fx).map(Box::new);
                 let _ = fx.send(reply_to, Msg::PlanApplied { result });
             }
             Msg::Tick => {} // the worker is ready

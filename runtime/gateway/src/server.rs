@@ -1125,11 +1125,17 @@ async fn plan_show(State(st): State<Arc<GatewayState>>) -> Response {
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ApplyRequest {
-    id: String,
+    #[serde(default)]
+    id: Option<String>,
+    /// Chip id -> "prefill", "decode", "both" or "idle".
+    #[serde(default)]
+    roles: Option<std::collections::BTreeMap<String, tessera_actors::msg::Duty>>,
 }
 
-/// Applies a strategy of the latest set: `{"id": "s3-2"}`. Each chip that changes
-/// duty drains first, so no request is lost; the reply names the chips that move.
+/// Applies a strategy of the latest set, `{"id": "s3-2"}`, or the operator's own
+/// assignment, `{"roles": {"h1-metax0": "prefill"}}` (the other chips keep theirs).
+/// Each chip that changes duty drains first, so no request is lost; the reply names
+/// the chips that move.
 async fn plan_apply(State(st): State<Arc<GatewayState>>, body: Bytes) -> Response {
     let req: ApplyRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -1138,7 +1144,17 @@ async fn plan_apply(State(st): State<Arc<GatewayState>>, body: Bytes) -> Respons
     if st.config.solver.is_none() {
         return solver_off();
     }
-    match ask_solver(&st, |reply_to| Msg::ApplyStrategy { id: req.id, reply_to }).await {
+    let with_reply: Box<dyn FnOnce(Addr) -> Msg + Send> = match (req.id, req.roles) {
+        (Some(id), None) => Box::new(move |reply_to| Msg::ApplyStrategy { id, reply_to }),
+        (None, Some(roles)) => {
+            Box::new(move |reply_to| Msg::ApplyRoles { roles: roles.into_iter().collect(), reply_to })
+        }
+        _ => {
+            let why = "give either `id` (a strategy of the latest set) or `roles` ({chip: duty}), not both";
+            return error_response(ApiError::bad_request(why, None));
+        }
+    };
+    match ask_solver(&st, with_reply).await {
         Some(Msg::PlanApplied { result: Ok(plan) }) => (StatusCode::ACCEPTED, axum::Json(*plan)).into_response(),
         Some(Msg::PlanApplied { result: Err(why) }) => error_response(ApiError::bad_request(why, Some("id"))),
         _ => error_response(ApiError::unavailable("the solver did not answer")),
