@@ -479,6 +479,11 @@ struct SolveArgs {
     /// Where --apply writes the topology.
     #[arg(long, value_name = "FILE.toml", requires = "apply")]
     out: Option<PathBuf>,
+    /// Instead: time the analytic solve, then a re-solve after a small change (the first
+    /// kind one chip short, the rate 20% up) with the first one's step-time tables and
+    /// from scratch, as the live solver re-solves.
+    #[arg(long, conflicts_with_all = ["apply", "json", "plot"])]
+    resolve: bool,
 }
 
 #[derive(Args)]
@@ -541,9 +546,23 @@ struct ServeArgs {
     /// Turns of each --multi-turn conversation.
     #[arg(long, requires = "multi_turn", value_parser = clap::value_parser!(u32).range(1..))]
     turns: Option<u32>,
+    /// Goodput: count the requests whose TTFT is within this many ms ...
+    #[arg(long, requires = "slo_tpot_ms", value_parser = positive_ms)]
+    slo_ttft_ms: Option<f64>,
+    /// ... and whose TPOT is within this many ms (a one-token answer has none to miss).
+    #[arg(long, requires = "slo_ttft_ms", value_parser = positive_ms)]
+    slo_tpot_ms: Option<f64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// A latency bound in milliseconds: a finite number above zero.
+fn positive_ms(text: &str) -> std::result::Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ms) if ms.is_finite() && ms > 0.0 => Ok(ms),
+        _ => Err(format!("{text:?} is not a number of milliseconds above 0")),
+    }
 }
 
 #[derive(Args)]
@@ -673,6 +692,23 @@ fn solve(args: SolveArgs) -> Result<()> {
         decode_caps: args.caps.clone(),
         min_prompt_tokens,
     };
+    if args.resolve {
+        let r = tessera_sim::solve::resolve(&scenario, &space).map_err(anyhow::Error::msg)?;
+        println!(
+            "solve {:.3} s; re-solve after {}: {:.3} s with the first solve's {} step-time tables, \
+             {:.3} s from scratch ({})",
+            r.first_s,
+            r.change,
+            r.reused_s,
+            r.tables_reused,
+            r.fresh_s,
+            if r.same { "the same set" } else { "DIFFERENT sets" }
+        );
+        if !r.same {
+            bail!("the re-solve with kept tables found another set than from scratch");
+        }
+        return Ok(());
+    }
     let solution = tessera_sim::solve::solve(&scenario, &space, args.verify).map_err(anyhow::Error::msg)?;
     if let Some(path) = &args.plot {
         std::fs::write(path, solution.svg()).with_context(|| format!("cannot write the plot to {}", path.display()))?;
@@ -1084,6 +1120,7 @@ fn bench_serve(args: ServeArgs) -> Result<()> {
             .multi_turn
             .zip(args.turns)
             .map(|(conversations, turns)| loadgen::MultiTurn { conversations, turns }),
+        slo: args.slo_ttft_ms.zip(args.slo_tpot_ms).map(|(ttft_ms, tpot_ms)| loadgen::SloLimits { ttft_ms, tpot_ms }),
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
     let report = runtime.block_on(loadgen::run(opts))?;

@@ -500,6 +500,12 @@ pub struct StrategySet {
     pub current_keeps_up: bool,
     /// How the figures were had ("analytic": the roofline and queueing model).
     pub figures_from: String,
+    /// Step-time tables the search built, and those it reused from earlier solves
+    /// (they hold while the kinds and the mean lengths do).
+    #[serde(default)]
+    pub tables_built: u64,
+    #[serde(default)]
+    pub tables_reused: u64,
 }
 
 /// A strategy in force.

@@ -369,6 +369,8 @@ fn strategy_set(p: &Parts) -> StrategySet {
         current: p.flag.then(|| view(p)),
         current_keeps_up: p.flag,
         figures_from: "analytic".into(),
+        tables_built: p.b,
+        tables_reused: p.a,
     }
 }
 

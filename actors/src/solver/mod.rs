@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tessera_actor_core::actor::WorkerState;
 use tessera_actor_core::{Addr, Behavior, Effects, HostId, Job, Moment, WorkerId, WorkerSpec};
-use tessera_solver::analytic::{Tables, evaluate};
+use tessera_solver::analytic::{TableCache, Tables, evaluate};
 use tessera_solver::{Figures, Fleet, KindSpec, Roles, Slo, Space, Strategy, Workload};
 use tessera_topology::perf::{Link, ModelShape, PerfModel, Power};
 use tessera_topology::{Backend, ClusterSpec, DType, Role, SolverObjective, SolverSpec};
@@ -187,6 +187,14 @@ const FIRST_SOLVE_WINDOWS: f64 = 6.0;
 /// Strategies a set publishes.
 const PUBLISHED: usize = 64;
 
+/// A mean length on a grid of 2% steps (within 1% of it): lengths measured a little
+/// apart from one solve to the next give the same step-time tables, which the next
+/// solve then reuses.
+fn on_grid(length: f64) -> f64 {
+    const STEP: f64 = 0.02;
+    if length <= 1.0 { 1.0 } else { ((length.ln() / STEP).round() * STEP).exp() }
+}
+
 /// A chip as its host last reported it.
 #[derive(Debug, Clone, PartialEq)]
 struct Seen {
@@ -264,10 +272,13 @@ fn view(input: &SolveInput, id: String, strategy: &Strategy, figures: Figures, n
     }
 }
 
-/// One solve: the Pareto set for the input's traffic over its up chips, best first.
-fn solve(input: SolveInput) -> Result<StrategySet, String> {
-    let set = tessera_solver::search::solve(&input.fleet, &input.workload, &input.slo, &input.space)
+/// One solve: the Pareto set for the input's traffic over its up chips, best first,
+/// with the step-time tables of earlier solves reused from `cache`.
+fn solve(input: SolveInput, cache: &mut TableCache) -> Result<StrategySet, String> {
+    let (built, reused) = (cache.built, cache.reused);
+    let set = tessera_solver::search::solve_with(&input.fleet, &input.workload, &input.slo, &input.space, cache)
         .map_err(|e| e.to_string())?;
+    let (tables_built, tables_reused) = (cache.built - built, cache.reused - reused);
     let (current, current_id) = &input.current;
     let tables = Tables::new(&input.fleet, &input.workload, current.prefill_budget, current.decode_cap);
     let now = evaluate(&input.fleet, &tables, current, &input.workload, &input.slo);
@@ -306,6 +317,8 @@ fn solve(input: SolveInput) -> Result<StrategySet, String> {
         current,
         current_keeps_up: keeps_up,
         figures_from: "analytic".into(),
+        tables_built,
+        tables_reused,
     })
 }
 
@@ -398,8 +411,8 @@ impl Solver {
         }
         Some(Workload {
             rate_rps: admitted / span,
-            isl: sum(|w| w.prompt_tokens) / admitted,
-            osl: (sum(|w| w.output_tokens) / ended).max(1.0),
+            isl: on_grid(sum(|w| w.prompt_tokens) / admitted),
+            osl: on_grid((sum(|w| w.output_tokens) / ended).max(1.0)),
         })
     }
 
@@ -506,8 +519,12 @@ impl Solver {
         self.solved_rate = workload.rate_rps;
         let job = Job {
             label: "solve",
-            run: Box::new(move |_: &mut dyn std::any::Any, _: &mut dyn tessera_actor_core::JobCtx<Msg>| Msg::Solved {
-                result: solve(input).map(Box::new),
+            run: Box::new(move |state: &mut dyn std::any::Any, _: &mut dyn tessera_actor_core::JobCtx<Msg>| {
+                let result = match state.downcast_mut::<TableCache>() {
+                    Some(cache) => solve(input, cache),
+                    None => solve(input, &mut TableCache::default()),
+                };
+                Msg::Solved { result: result.map(Box::new) }
             }),
         };
         match fx.submit(worker, job) {
@@ -735,7 +752,8 @@ impl Behavior<Msg> for Solver {
         fx.subscribe(topic::TELEMETRY);
         let spec = WorkerSpec {
             name: "solver".into(),
-            init: Box::new(|| Ok((Box::new(()) as WorkerState, Msg::Tick))),
+            // The worker keeps the step-time tables from one solve to the next.
+            init: Box::new(|| Ok((Box::new(TableCache::default()) as WorkerState, Msg::Tick))),
             on_panic: Box::new(|error| Msg::Solved { result: Err(format!("the solve panicked: {error}")) }),
         };
         self.worker = Some(fx.start_worker(spec));

@@ -120,6 +120,26 @@ pub struct ServeBenchOptions {
     /// keeps `concurrency` of them under way, an open loop starts them at `rate_rps`) and
     /// each sends its next turn as soon as the last is answered.
     pub multi_turn: Option<MultiTurn>,
+    /// Count the requests within these SLOs (goodput).
+    pub slo: Option<SloLimits>,
+}
+
+/// The service level a request must meet to count towards goodput: its TTFT and its
+/// TPOT (a one-token answer has no TPOT to miss), as the simulator counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SloLimits {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+}
+
+/// Requests within the SLOs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Goodput {
+    pub slo: SloLimits,
+    /// Successful requests within both.
+    pub met: usize,
+    /// `met` per second of the measured duration.
+    pub goodput_rps: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -196,6 +216,8 @@ pub struct ServeBenchReport {
     /// What a Tessera server counted during the measured part (`None` against another
     /// server): per chip, prompt tokens computed and reused, and busy seconds.
     pub server: Option<server::ServerCounters>,
+    /// Set when SLOs were given.
+    pub goodput: Option<Goodput>,
 }
 
 /// Runs the benchmark to its end; failed requests are counted in the report, not returned.
@@ -286,8 +308,9 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
         trace_requests: opts.trace.as_ref().map(Vec::len),
         oracle_hit_rate: measured.oracle_hit_rate,
         server: counted,
+        goodput: None,
     };
-    report.add_outcomes(requests, outcomes);
+    report.add_outcomes(requests, outcomes, opts.slo);
     Ok(report)
 }
 
@@ -456,8 +479,9 @@ async fn converse(target: &Target, mut conversation: Conversation, tx: &mpsc::Un
 impl ServeBenchReport {
     /// Folds the outcomes of `expected` requests in; any that never reported (a panicked
     /// task) count as failed.
-    fn add_outcomes(&mut self, expected: usize, outcomes: Vec<Outcome>) {
+    fn add_outcomes(&mut self, expected: usize, outcomes: Vec<Outcome>, slo: Option<SloLimits>) {
         let (mut ttft, mut tpot, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut met = 0;
         let lost = expected.saturating_sub(outcomes.len());
         for outcome in outcomes {
             match outcome.result {
@@ -473,8 +497,13 @@ impl ServeBenchReport {
                     self.output_tokens += s.output_tokens;
                     ttft.push(s.ttft_s);
                     e2e.push(s.e2e_s);
-                    if s.output_tokens > 1 {
-                        tpot.push((s.e2e_s - s.ttft_s) / (s.output_tokens - 1) as f64);
+                    let per_token = (s.output_tokens > 1).then(|| (s.e2e_s - s.ttft_s) / (s.output_tokens - 1) as f64);
+                    tpot.extend(per_token);
+                    if let Some(slo) = slo
+                        && s.ttft_s * 1e3 <= slo.ttft_ms
+                        && per_token.is_none_or(|t| t * 1e3 <= slo.tpot_ms)
+                    {
+                        met += 1;
                     }
                     itl.extend(s.itl_s);
                 }
@@ -489,6 +518,11 @@ impl ServeBenchReport {
             self.input_throughput_tok_s = self.input_tokens as f64 / self.duration_s;
             self.output_throughput_tok_s = self.output_tokens as f64 / self.duration_s;
         }
+        self.goodput = slo.map(|slo| Goodput {
+            slo,
+            met,
+            goodput_rps: if self.duration_s > 0.0 { met as f64 / self.duration_s } else { 0.0 },
+        });
         self.ttft = LatencySummary::from_seconds(&ttft);
         self.tpot = LatencySummary::from_seconds(&tpot);
         self.itl = LatencySummary::from_seconds(&itl);
@@ -574,6 +608,17 @@ impl ServeBenchReport {
             let busy: Vec<String> = counted.chips.iter().map(|c| format!("{} {:.2}", c.chip, c.busy_s)).collect();
             let imbalance = counted.busy_imbalance().map_or(String::new(), |r| format!("; busiest / mean {r:.2}"));
             let _ = writeln!(s, "chip load     busy s: {}{imbalance}", busy.join(", "));
+        }
+        if let Some(g) = &self.goodput {
+            let _ = writeln!(
+                s,
+                "goodput       {:.3} req/s: {} of {} requests within TTFT {} ms and TPOT {} ms",
+                g.goodput_rps,
+                g.met,
+                self.requests_ok + self.requests_failed,
+                g.slo.ttft_ms,
+                g.slo.tpot_ms
+            );
         }
         s += "\nlatency (ms)       mean        p50        p90        p99\n";
         for (name, summary) in [("TTFT", &self.ttft), ("TPOT", &self.tpot), ("ITL", &self.itl), ("E2E", &self.e2e)] {

@@ -138,6 +138,7 @@ fn options(url: String) -> ServeBenchOptions {
         shared: None,
         trace: None,
         multi_turn: None,
+        slo: None,
     }
 }
 
@@ -178,6 +179,23 @@ async fn closed_loop_counts_tokens_latencies_and_rate_limit_errors() {
     assert_eq!(json["requests_ok"], json!(9));
     assert_eq!(json["errors"][0]["count"], json!(3));
     assert_eq!(json["endpoint"], json!("completions"));
+}
+
+/// Goodput counts the successful requests within both SLOs: all of them under loose
+/// bounds, none under a TTFT bound no request can meet; failures never count.
+#[tokio::test]
+async fn goodput_counts_successes_within_both_slos() {
+    for (ttft_ms, tpot_ms, want) in [(60_000.0, 60_000.0, 9), (1e-6, 60_000.0, 0), (60_000.0, 1e-6, 0)] {
+        let url = serve(FakeServer { reject_every: 4, usage: true, ..FakeServer::default() }).await;
+        let slo = Some(SloLimits { ttft_ms, tpot_ms });
+        let report = run_ok(ServeBenchOptions { warmup: 2, slo, ..options(url) }).await;
+        let Some(g) = report.goodput else { panic!("no goodput with SLOs given") };
+        assert_eq!((report.requests_ok, g.met), (9, want), "TTFT {ttft_ms} ms, TPOT {tpot_ms} ms");
+        assert!((g.goodput_rps - want as f64 / report.duration_s).abs() < 1e-9);
+        assert!(report.table().contains(&format!("{want} of 12 requests within")), "{}", report.table());
+    }
+    let url = serve(FakeServer::default()).await;
+    assert!(run_ok(options(url)).await.goodput.is_none());
 }
 
 #[tokio::test]

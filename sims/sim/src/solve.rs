@@ -720,3 +720,52 @@ pub fn apply_to_topology_text(
     doc["disagg"]["min_prompt_tokens"] = value(i64::from(strategy.min_prompt_tokens));
     Ok(doc.to_string())
 }
+
+/// What a re-solve after a small change costs (`tessera solve --resolve`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Resolve {
+    /// What changed: the first kind one chip short, the rate 20% up.
+    pub change: String,
+    /// Wall seconds: the first solve; the re-solve with the first one's step-time
+    /// tables; the same re-solve from scratch.
+    pub first_s: f64,
+    pub reused_s: f64,
+    pub fresh_s: f64,
+    pub tables_reused: u64,
+    /// The two re-solves found the same set.
+    pub same: bool,
+}
+
+/// Times `scenario`'s analytic solve, then a re-solve after a small change — its first
+/// kind one chip short and the rate 20% up — with the first solve's step-time tables and
+/// from scratch (the measurement behind the live solver's incremental re-solves).
+pub fn resolve(scenario: &Scenario, space: &tessera_solver::Space) -> Result<Resolve, String> {
+    use std::time::Instant;
+    use tessera_solver::search::{solve, solve_with};
+    let fleet = fleet(scenario).map_err(|e| format!("{}: {e}", scenario.source))?.fleet;
+    let (work, slo) = (workload(scenario), slo(scenario));
+    let mut cache = tessera_solver::analytic::TableCache::default();
+    let t = Instant::now();
+    solve_with(&fleet, &work, &slo, space, &mut cache).map_err(|e| e.to_string())?;
+    let first_s = t.elapsed().as_secs_f64();
+    let mut smaller = fleet.clone();
+    let kind = smaller.kinds.first_mut().ok_or("the scenario has no chips")?;
+    kind.chips = kind.chips.saturating_sub(1);
+    let change = format!("one {} chip down, the rate 20% up", kind.name);
+    let faster = Workload { rate_rps: work.rate_rps * 1.2, ..work };
+    let reused_before = cache.reused;
+    let t = Instant::now();
+    let reused = solve_with(&smaller, &faster, &slo, space, &mut cache).map_err(|e| e.to_string())?;
+    let reused_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let fresh = solve(&smaller, &faster, &slo, space).map_err(|e| e.to_string())?;
+    let fresh_s = t.elapsed().as_secs_f64();
+    Ok(Resolve {
+        change,
+        first_s,
+        reused_s,
+        fresh_s,
+        tables_reused: cache.reused - reused_before,
+        same: reused == fresh,
+    })
+}

@@ -236,6 +236,40 @@ impl Tables {
     }
 }
 
+/// Step-time tables kept from one solve to the next. They depend on the kinds' figures,
+/// the model and the mean prompt and output lengths, not on the arrival rate nor on how
+/// many chips of each kind are up, so a re-solve after the rate moves or a chip goes
+/// down reuses every one of them (the search's first step for each setting of the
+/// limits); a change of kinds, model or lengths starts afresh.
+#[derive(Debug, Default)]
+pub struct TableCache {
+    key: Option<(Vec<KindSpec>, ModelShape, u64, u64)>,
+    tables: std::collections::BTreeMap<(u32, u32), std::sync::Arc<Tables>>,
+    /// Tables built, and tables reused, since the cache was made.
+    pub built: u64,
+    pub reused: u64,
+}
+
+impl TableCache {
+    /// The tables of `fleet`'s kinds for `workload` at these limits, built or reused.
+    pub fn tables(&mut self, fleet: &Fleet, workload: &Workload, budget: u32, cap: u32) -> std::sync::Arc<Tables> {
+        let kinds = fleet.kinds.iter().map(|k| KindSpec { chips: 0, ..k.clone() }).collect();
+        let key = Some((kinds, fleet.model, workload.isl.to_bits(), workload.osl.to_bits()));
+        if self.key != key {
+            self.key = key;
+            self.tables.clear();
+        }
+        if let Some(t) = self.tables.get(&(budget, cap)) {
+            self.reused += 1;
+            return t.clone();
+        }
+        self.built += 1;
+        let t = std::sync::Arc::new(Tables::new(fleet, workload, budget, cap));
+        self.tables.insert((budget, cap), t.clone());
+        t
+    }
+}
+
 /// What a strategy's chips do at one arrival rate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Load {

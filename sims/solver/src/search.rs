@@ -18,7 +18,7 @@
 //! chips of any kind, which then fits wherever the dropped one did: pairing the sides'
 //! sets is exact (a test holds it to the full search); the steps are not.
 
-use crate::analytic::{Side, Tables, decode_side, evaluate, prefill_side};
+use crate::analytic::{Side, TableCache, Tables, decode_side, evaluate, prefill_side};
 use crate::pareto::{Candidate, Frontier};
 use crate::{Fleet, Roles, Slo, Space, Strategy, Workload};
 
@@ -132,12 +132,13 @@ fn scan(
     slo: &Slo,
     space: &Space,
     per_kind: &[Vec<Roles>],
+    cache: &mut TableCache,
     skip: impl Fn(&[Roles], u32) -> bool,
 ) -> Vec<Candidate> {
     let mut frontier = Frontier::default();
     for &budget in &space.prefill_budgets {
         for &cap in &space.decode_caps {
-            let tables = Tables::new(fleet, workload, budget, cap);
+            let tables = cache.tables(fleet, workload, budget, cap);
             for &min_prompt_tokens in &space.min_prompt_tokens {
                 combinations(per_kind, |roles| {
                     if skip(roles, min_prompt_tokens) {
@@ -201,11 +202,23 @@ pub fn mode(fleet: &Fleet, workload: &Workload, space: &Space) -> Result<Mode, S
 /// The Pareto set of `fleet`'s strategies for `workload` within `slo`, searched as
 /// [`mode`] says.
 pub fn solve(fleet: &Fleet, workload: &Workload, slo: &Slo, space: &Space) -> Result<Vec<Candidate>, SearchError> {
+    solve_with(fleet, workload, slo, space, &mut TableCache::default())
+}
+
+/// [`solve`], reusing (and keeping) step-time tables in `cache`: a re-solve after the
+/// rate moved or a chip went down builds none.
+pub fn solve_with(
+    fleet: &Fleet,
+    workload: &Workload,
+    slo: &Slo,
+    space: &Space,
+    cache: &mut TableCache,
+) -> Result<Vec<Candidate>, SearchError> {
     if let Mode::Screened { steps, side_steps } = mode(fleet, workload, space)? {
-        return Ok(screen(fleet, workload, slo, space, steps, side_steps));
+        return Ok(screen_with(fleet, workload, slo, space, steps, side_steps, cache));
     }
     let per_kind: Vec<Vec<Roles>> = fleet.kinds.iter().map(|k| splits(k.chips)).collect();
-    Ok(scan(fleet, workload, slo, space, &per_kind, |roles, min| leaves_chips_unused(roles, workload, min)))
+    Ok(scan(fleet, workload, slo, space, &per_kind, cache, |roles, min| leaves_chips_unused(roles, workload, min)))
 }
 
 /// The Pareto set from every assignment of a role to every chip, one by one (4^chips
@@ -313,6 +326,19 @@ pub fn screen(
     steps: u32,
     side_steps: u32,
 ) -> Vec<Candidate> {
+    screen_with(fleet, workload, slo, space, steps, side_steps, &mut TableCache::default())
+}
+
+/// [`screen`] with step-time tables from `cache`.
+fn screen_with(
+    fleet: &Fleet,
+    workload: &Workload,
+    slo: &Slo,
+    space: &Space,
+    steps: u32,
+    side_steps: u32,
+    cache: &mut TableCache,
+) -> Vec<Candidate> {
     let grid: Vec<Vec<u32>> = fleet.kinds.iter().map(|k| levels(k.chips, steps)).collect();
     let side_grid: Vec<Vec<u32>> = fleet.kinds.iter().map(|k| levels(k.chips, side_steps)).collect();
     let price =
@@ -328,7 +354,7 @@ pub fn screen(
     let mut frontier = Frontier::default();
     for &budget in &space.prefill_budgets {
         for &cap in &space.decode_caps {
-            let tables = Tables::new(fleet, workload, budget, cap);
+            let tables = cache.tables(fleet, workload, budget, cap);
             // Each side's Pareto set, once per setting of the limits.
             let (mut prefill, mut decode) = (Vec::new(), Vec::new());
             combinations(&side_roles, |roles| {

@@ -192,3 +192,28 @@ fn chips_keep_their_duty_where_the_counts_allow() {
     // Idle stays idle while the counts leave room for one; the next idle chip starts.
     assert_eq!(assign(&[Idle, Idle, Decode], &Roles { decode: 2, ..Roles::default() }), [Idle, Decode, Decode]);
 }
+
+/// A re-solve with the tables of an earlier one gives the same set and builds no table
+/// when only the rate and the chip counts moved; new lengths start afresh.
+#[test]
+fn a_re_solve_reuses_the_tables_and_gives_the_same_set() {
+    let fleet = fleet(3, 3, 3);
+    let (slo, space) = (Slo { ttft_s: 1.0, tpot_s: 0.1 }, small_space());
+    let work = Workload { rate_rps: 20.0, isl: 512.0, osl: 128.0 };
+    let mut cache = TableCache::default();
+    let first = crate::search::solve_with(&fleet, &work, &slo, &space, &mut cache);
+    assert_eq!(first, crate::search::solve(&fleet, &work, &slo, &space));
+    let settings = (space.prefill_budgets.len() * space.decode_caps.len()) as u64;
+    assert_eq!((cache.built, cache.reused), (settings, 0));
+    // Rate up 20% and a chip down: every table reused, the same set as from scratch.
+    let mut smaller = fleet.clone();
+    smaller.kinds[0].chips -= 1;
+    let faster = Workload { rate_rps: 24.0, ..work };
+    let again = crate::search::solve_with(&smaller, &faster, &slo, &space, &mut cache);
+    assert_eq!(again, crate::search::solve(&smaller, &faster, &slo, &space));
+    assert_eq!((cache.built, cache.reused), (settings, settings));
+    // Longer prompts: new tables.
+    let longer = Workload { isl: 1024.0, ..work };
+    let _ = crate::search::solve_with(&fleet, &longer, &slo, &space, &mut cache);
+    assert_eq!(cache.built, 2 * settings);
+}
