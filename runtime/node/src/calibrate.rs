@@ -69,6 +69,8 @@ pub struct Calibration {
     pub cut_short: bool,
     /// The chips whose served steps it was fitted to; empty for a measured grid.
     pub served_by: Vec<String>,
+    /// An emulated chip's time scale (its steps were fitted divided by it), else 1.
+    pub time_scale: f64,
 }
 
 impl Calibration {
@@ -80,8 +82,17 @@ impl Calibration {
             (format!("measured on chip {}", self.chip), format!("{} shapes", self.measured.len()))
         } else {
             let steps: usize = self.measured.iter().map(|m| m.steps).sum();
+            let scaled = if self.time_scale != 1.0 {
+                format!(
+                    " (emulated: their times divided by the time scale, {}, so that a chip paced by this \n\
+                     # model at that scale takes what they took, this machine's overruns included)",
+                    self.time_scale
+                )
+            } else {
+                String::new()
+            };
             (
-                format!("fitted from the steps chips {} ran serving", self.served_by.join(", ")),
+                format!("fitted from the steps chips {} ran serving{scaled}", self.served_by.join(", ")),
                 format!("{steps} steps in {} classes", self.measured.len()),
             )
         };
@@ -113,8 +124,8 @@ impl Calibration {
             out += &format!(
                 "{:<28} {:>12.3} {:>12.3} {:>+7.1}%\n",
                 m.what,
-                m.measured_s * 1e3,
-                m.predicted_s * 1e3,
+                m.measured_s * self.time_scale * 1e3,
+                m.predicted_s * self.time_scale * 1e3,
                 (m.predicted_s / m.measured_s - 1.0) * 100.0
             );
         }
@@ -136,7 +147,7 @@ pub fn calibrate(
     opts: &CalibrateOptions,
     progress: &mut dyn FnMut(&Measured),
 ) -> Result<Calibration, NodeError> {
-    let Loaded { chip, kind, mut exec, info, shape } = load(spec, &opts.chip, opts.kernel_lib.clone())?;
+    let Loaded { chip, kind, mut exec, info, shape } = load(spec, &opts.chip, opts.kernel_lib.clone(), false)?;
     let max_context = info.max_context;
 
     let started = Instant::now();
@@ -178,15 +189,24 @@ struct Loaded<'a> {
     shape: ModelShape,
 }
 
-fn load<'a>(spec: &'a ClusterSpec, id: &str, kernel_lib: Option<PathBuf>) -> Result<Loaded<'a>, NodeError> {
+/// An emulated chip only with `emulated_too` (its served steps can be fitted, not a grid).
+fn load<'a>(
+    spec: &'a ClusterSpec,
+    id: &str,
+    kernel_lib: Option<PathBuf>,
+    emulated_too: bool,
+) -> Result<Loaded<'a>, NodeError> {
     let chip = spec.chips().map(|(_, _, c)| c).find(|c| c.id == id).ok_or_else(|| {
         let ids: Vec<&str> = spec.chips().map(|(_, _, c)| c.id.as_str()).collect();
         NodeError::Config(format!("{}: no chip `{id}`; chips: {}", spec.source, ids.join(", ")))
     })?;
-    if let Backend::Emu(kind) = &chip.backend {
+    if let Backend::Emu(kind) = &chip.backend
+        && !emulated_too
+    {
         return Err(NodeError::Config(format!(
             "chip {} is emulated (`emu:{kind}`): its steps are paced to the roofline, not measured; calibrate a \
-             chip with backend \"cpu\" or \"plugin:PATH\"",
+             chip with backend \"cpu\" or \"plugin:PATH\", or an emulated one from the steps it served \
+             (--from-steps)",
             chip.id
         )));
     }
@@ -228,6 +248,7 @@ fn fitted(
         fit,
         cut_short,
         served_by,
+        time_scale: 1.0,
     })
 }
 
@@ -246,14 +267,18 @@ pub fn calibrate_from_steps(
     log: &str,
     kernel_lib: Option<PathBuf>,
 ) -> Result<Calibration, NodeError> {
-    let Loaded { chip, kind, shape, .. } = load(spec, id, kernel_lib)?;
+    let Loaded { chip, kind, shape, .. } = load(spec, id, kernel_lib, true)?;
+    // An emulated chip's steps took their paced time or, where this machine computes
+    // slower than the pace, longer: fitted at 1/time_scale, the model paced at that
+    // scale takes what the chip took.
+    let scale = tessera_actors::solver::time_scale(spec, &chip.backend);
     let chips: Vec<&str> =
         spec.chips().map(|(_, _, c)| c).filter(|c| c.kind == chip.kind).map(|c| c.id.as_str()).collect();
     let steps = served_steps(log, &chips);
     let served_by =
         chips.iter().enumerate().filter(|(i, _)| steps.iter().any(|(c, _)| c == i)).map(|(_, c)| c.to_string());
     let served_by: Vec<String> = served_by.collect();
-    let steps: Vec<Sample> = steps.into_iter().map(|(_, s)| s).collect();
+    let steps: Vec<Sample> = steps.into_iter().map(|(_, s)| Sample { seconds: s.seconds / scale, ..s }).collect();
     let measured = step_classes(&steps);
     let has = |prefill: bool| measured.iter().any(|m| m.step.is_prefill() == prefill);
     if !has(true) || !has(false) {
@@ -271,7 +296,9 @@ pub fn calibrate_from_steps(
             chip.kind
         )));
     }
-    fitted(spec, chip, kind, shape, measured, false, served_by)
+    let mut calibration = fitted(spec, chip, kind, shape, measured, false, served_by)?;
+    calibration.time_scale = scale;
+    Ok(calibration)
 }
 
 /// The steps of `chips` in a log, each with its chip's index in `chips`: each `step
@@ -483,6 +510,46 @@ mod tests {
             (0, Sample::new(StepShape { seqs: vec![seq(1, 41)] }, 0.011)),
         ];
         assert_eq!(steps, want);
+    }
+
+    /// An emulated chip's served steps (paced: a step takes its roofline times the time
+    /// scale, or longer) fit a model that, paced at that scale, takes what they took.
+    #[test]
+    fn an_emulated_chip_is_fitted_to_its_steps_at_its_time_scale() {
+        let spec = tessera_topology::default_topology();
+        let Some(kind) = spec.chip_kind("ascend-910b") else { panic!("in the catalog") };
+        let Ok(model) = tessera_backends::cost::ServedModel::read(&spec.model, spec.dtype, std::path::Path::new("."))
+        else {
+            panic!("builtin:tiny's config")
+        };
+        let served = model.shape(tessera_topology::DType::F32);
+        let shapes: Vec<StepShape> = [16, 64, 256, 512]
+            .iter()
+            .map(|&n| StepShape { seqs: vec![SeqStep { new_tokens: n, context: n }] })
+            .chain([1, 4, 16, 32].iter().flat_map(|&b| [64, 512].map(|ctx| StepShape::decode(b, ctx))))
+            .collect();
+        let scale = spec.emulation.time_scale;
+        let paced = |step: &StepShape| spec.emulation.roofline(kind, &served, step).time_s;
+        let mut log = Vec::new();
+        for (i, step) in shapes.iter().enumerate() {
+            let shape: Vec<String> = step.seqs.iter().map(|s| format!("{}:{}", s.new_tokens, s.context)).collect();
+            let t = paced(step);
+            log.push(event("h0-ascend0", i as u64 + 1, &format!("shape={}", shape.join(",")), "step planned"));
+            log.push(event("h0-ascend0", i as u64 + 1, &format!("elapsed_s={t} span_s={t}"), "step done"));
+        }
+        let calibration = match calibrate_from_steps(&spec, "h0-ascend0", &log.join("\n"), None) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(calibration.time_scale, scale);
+        for m in &calibration.measured {
+            // Stored at 1/scale, fitted there; shown at the chip's own pace.
+            let error = m.predicted_s / m.measured_s - 1.0;
+            assert!(error.abs() < 0.25, "{}: {:.3} ms against {:.3}", m.what, m.predicted_s * 1e3, m.measured_s * 1e3);
+            assert!(m.measured_s * scale > 1e-4, "{}: not at the chip's pace", m.what);
+        }
+        assert!(calibration.table().contains("decode 32 x ctx 512"), "{}", calibration.table());
+        assert!(calibration.to_toml().contains("divided by the time scale, 5000"), "{}", calibration.to_toml());
     }
 
     #[test]
