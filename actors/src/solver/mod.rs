@@ -330,9 +330,8 @@ pub struct Solver {
     /// Telemetry windows, oldest first, within [`HORIZON_WINDOWS`].
     windows: VecDeque<Telemetry>,
     chips: BTreeMap<Addr, Seen>,
-    /// The chips up, and the arrival rate, when the last solve was started.
+    /// The chips up when the last solve was started.
     solved_up: Option<BTreeSet<Addr>>,
-    solved_rate: f64,
     solving: bool,
     /// Why to solve again once the solve in flight is done.
     again: Option<String>,
@@ -354,7 +353,6 @@ impl Solver {
             windows: VecDeque::new(),
             chips: BTreeMap::new(),
             solved_up: None,
-            solved_rate: 0.0,
             solving: false,
             again: None,
             seq: 0,
@@ -516,7 +514,6 @@ impl Solver {
             current: (current, current_id),
         };
         self.solved_up = Some(self.up_set());
-        self.solved_rate = workload.rate_rps;
         let job = Job {
             label: "solve",
             run: Box::new(move |state: &mut dyn std::any::Any, _: &mut dyn tessera_actor_core::JobCtx<Msg>| {
