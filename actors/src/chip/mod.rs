@@ -490,9 +490,19 @@ impl Chip {
         self.step_in_flight = false;
     }
 
+    /// A role that keeps everything the chip does now (`both`, or its own role, as when
+    /// unparking) is taken at once: the work it holds stays its to finish. Any other
+    /// drains first: the chip takes no new work until what it holds is done.
     fn set_role(&mut self, role: Role, fx: &mut dyn Effects<Msg>) {
-        tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "role change: draining first");
-        self.draining_to = Some(Drain::To(role));
+        let parked = self.draining_to == Some(Drain::Park);
+        if role == Role::Both || (role == self.role && (parked || self.draining_to.is_none())) {
+            tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "role change: at once");
+            self.draining_to = None;
+            self.role = role;
+        } else {
+            tracing::info!(chip = %self.config.id, from = %self.role, to = %role, "role change: draining first");
+            self.draining_to = Some(Drain::To(role));
+        }
         self.settle(fx);
     }
 

@@ -412,7 +412,7 @@ fn role_change_drains_first() {
     let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
     d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);
     d.fx.take_sent();
-    d.chip.handle(Msg::SetRole { role: Role::Both }, &mut d.fx);
+    d.chip.handle(Msg::SetRole { role: Role::Prefill }, &mut d.fx);
     assert_eq!(d.chip.role, Role::Decode, "a hand-off is in flight");
     d.chip.handle(Msg::Enqueue { seq: Box::new(SeqRequest { request_id: 10, ..seq(4, 2) }) }, &mut d.fx);
     assert!(
@@ -421,8 +421,30 @@ fn role_change_drains_first() {
             .any(|(_, m)| matches!(m, Msg::Refused { retry: Retry::Unavailable, error, .. } if error.message.contains("draining")))
     );
     d.chip.handle(Msg::KvCancel { request_id: 9, reason: "test".into() }, &mut d.fx);
-    assert_eq!(d.chip.role, Role::Both, "drained: the new role is taken");
+    assert_eq!(d.chip.role, Role::Prefill, "drained: the new role is taken");
     assert_eq!(d.used(), 0);
+}
+
+/// `both` keeps whatever the chip does, so it is taken at once, hand-off and all; a
+/// parked chip drains, takes nothing, and takes its own role back at once.
+#[test]
+fn both_is_taken_at_once_and_a_parked_chip_comes_back_at_once() {
+    let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
+    d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);
+    d.fx.take_sent();
+    d.chip.handle(Msg::SetRole { role: Role::Both }, &mut d.fx);
+    assert_eq!((d.chip.role, d.chip.draining_to), (Role::Both, None), "no drain for a wider role");
+    d.chip.handle(Msg::KvCancel { request_id: 9, reason: "test".into() }, &mut d.fx);
+    d.chip.handle(Msg::Park, &mut d.fx);
+    d.chip.handle(Msg::Enqueue { seq: Box::new(SeqRequest { request_id: 10, ..seq(4, 2) }) }, &mut d.fx);
+    assert!(
+        d.sent()
+            .iter()
+            .any(|(_, m)| matches!(m, Msg::Refused { retry: Retry::Unavailable, error, .. } if error.message.contains("parked"))),
+        "a parked chip takes no work"
+    );
+    d.chip.handle(Msg::SetRole { role: Role::Both }, &mut d.fx);
+    assert_eq!((d.chip.role, d.chip.draining_to), (Role::Both, None));
 }
 
 #[test]

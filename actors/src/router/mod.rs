@@ -809,12 +809,13 @@ impl Router {
         }
     }
 
-    /// Whether some chip is up or starting, its host alive and not draining (whatever
-    /// its breakers).
+    /// Whether some chip is up or starting, its host alive and not parked (whatever its
+    /// breakers): a chip draining into a new role takes work again once drained, so a
+    /// request waits for it rather than failing while a re-plan drains every chip.
     fn a_chip_may_take_it(&self) -> bool {
         self.chips.iter().any(|(a, c)| {
             matches!(c.report.state, ChipState::Up | ChipState::Starting)
-                && !c.report.draining
+                && !c.report.parked
                 && !self.down_hosts.contains(&a.host)
         })
     }
