@@ -176,6 +176,10 @@ mod tests {
     const CLIENT: Addr = Addr { host: HostId(0), actor: 4000 };
     const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };
 
+    fn config(max_inflight: usize) -> AdmissionConfig {
+        AdmissionConfig { max_inflight, router: ROUTER, retry: RetryPolicy::default(), id_base: 100, telemetry: None }
+    }
+
     fn ask() -> Msg {
         Msg::Admit {
             client: CLIENT,
@@ -191,14 +195,7 @@ mod tests {
 
     #[test]
     fn admits_up_to_the_limit_then_refuses_until_a_request_ends() {
-        let config = AdmissionConfig {
-            max_inflight: 2,
-            router: ROUTER,
-            retry: RetryPolicy::default(),
-            id_base: 100,
-            telemetry: None,
-        };
-        let mut a = Admission::new(config);
+        let mut a = Admission::new(config(2));
         let mut fx = TestFx::new(ME);
         // (what happens, expected reply to the client)
         for want in ["admitted 100", "admitted 101", "overloaded"] {
@@ -225,14 +222,7 @@ mod tests {
     /// counted in flight), or refused together.
     #[test]
     fn a_request_and_its_forks_are_admitted_all_or_none() {
-        let config = AdmissionConfig {
-            max_inflight: 4,
-            router: ROUTER,
-            retry: RetryPolicy::default(),
-            id_base: 100,
-            telemetry: None,
-        };
-        let mut a = Admission::new(config);
+        let mut a = Admission::new(config(4));
         let mut fx = TestFx::new(ME);
         let fork_clients = [Addr { host: HostId(0), actor: 4001 }, Addr { host: HostId(0), actor: 4002 }];
         let with_forks = || match ask() {
@@ -262,14 +252,7 @@ mod tests {
             if error.kind == ErrorKind::Overloaded)));
         assert_eq!(fx.spawned.len(), 3);
         // More sequences than could ever be in flight: a bad request, not "retry later".
-        let config = AdmissionConfig {
-            max_inflight: 2,
-            router: ROUTER,
-            retry: RetryPolicy::default(),
-            id_base: 100,
-            telemetry: None,
-        };
-        let mut a = Admission::new(config);
+        let mut a = Admission::new(config(2));
         a.handle(with_forks(), &mut fx);
         let refused = fx.take_sent();
         assert!(refused.iter().all(|(_, m)| matches!(m, Msg::Client { event: ClientEvent::Failed { error } }

@@ -5,20 +5,9 @@ use std::sync::Arc;
 use tessera_actor_core::testkit::run_job;
 use tessera_topology::perf::ModelShape;
 
-/// builtin:tiny's shape (topology/src/perf.rs): 1,000,576 parameters in f32, 2,048 KV
-/// bytes per token.
+/// builtin:tiny's shape with a KV cache of `kv`.
 fn tiny(kv: DType) -> ModelShape {
-    ModelShape {
-        num_layers: 4,
-        hidden_size: 128,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 32,
-        intermediate_size: 352,
-        vocab_size: 1024,
-        weight_bytes: 4_002_304,
-        kv_bytes_per_elem: kv.size_bytes(),
-    }
+    ModelShape { kv_bytes_per_elem: kv.size_bytes(), ..tessera_topology::perf::BUILTIN_TINY }
 }
 
 fn config_of(spec: &ClusterSpec) -> SolverConfig {

@@ -40,6 +40,20 @@ pub mod fit;
 /// so that a real configuration never comes near it.
 pub const MAX_STEP_S: f64 = 86_400.0;
 
+/// Tessera's `builtin:tiny` test model: 1,000,576 parameters in f32, f32 KV (2,048
+/// bytes a token).
+pub const BUILTIN_TINY: ModelShape = ModelShape {
+    num_layers: 4,
+    hidden_size: 128,
+    num_heads: 4,
+    num_kv_heads: 2,
+    head_dim: 32,
+    intermediate_size: 352,
+    vocab_size: 1024,
+    weight_bytes: 4_002_304,
+    kv_bytes_per_elem: 4,
+};
+
 /// The model [`reference_step`] costs: Llama-2-7B in f16 (6,738,415,616 parameters,
 /// f16 KV). A topology names its model by path or builtin name, not by shape, so
 /// validation bounds an emulated chip's pace on this one instead.
@@ -422,18 +436,7 @@ mod tests {
     /// Llama-2-7B: 6,738,415,616 parameters in f16, f16 KV.
     const LLAMA_7B: ModelShape = REFERENCE_MODEL;
 
-    /// Tessera's `builtin:tiny`: 1,000,576 parameters in f32, f32 KV.
-    const TINY: ModelShape = ModelShape {
-        num_layers: 4,
-        hidden_size: 128,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 32,
-        intermediate_size: 352,
-        vocab_size: 1024,
-        weight_bytes: 4_002_304,
-        kv_bytes_per_elem: 4,
-    };
+    const TINY: ModelShape = BUILTIN_TINY;
 
     #[test]
     fn shape_arithmetic() {
