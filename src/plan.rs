@@ -159,7 +159,7 @@ pub fn render(view: &PlanView, rows: usize) -> String {
     let w = &set.workload;
     out += &format!(
         "latest set {} ({}) at {:.1} s: {:.2} req/s measured, planned for {:.2}; prompts {:.0} tokens, \
-         outputs {:.0} tokens; SLOs TTFT {:.0} ms, TPOT {:.0} ms (p90); {} of {} chips up; figures {}\n",
+         outputs {:.0} tokens{}; SLOs TTFT {:.0} ms, TPOT {:.0} ms (p90); {} of {} chips up; figures {}\n",
         set.seq,
         set.reason,
         set.at_s,
@@ -167,6 +167,7 @@ pub fn render(view: &PlanView, rows: usize) -> String {
         w.rate_rps,
         w.isl,
         w.osl,
+        set.prefix_hit_rate.map_or(String::new(), |h| format!(", prefix hit rate {h:.3}")),
         set.slo.ttft_s * 1e3,
         set.slo.tpot_s * 1e3,
         set.chips_up,

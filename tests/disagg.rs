@@ -371,6 +371,7 @@ fn plan_apply_moves_a_decode_chip_to_prefill_under_load_and_loses_nothing() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(set["observed_rate_rps"].as_f64() > Some(0.0) && set["chips_up"] == 3, "{set:#}");
+    assert!(set["prefix_hit_rate"].as_f64().is_some_and(|h| (0.0..=1.0).contains(&h)), "{set:#}");
     let best = set["strategies"][0]["id"].as_str().expect("a strategy").to_string();
 
     // A decode chip becomes a prefill chip, under load.

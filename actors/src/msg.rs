@@ -485,6 +485,10 @@ pub struct StrategySet {
     /// Arrivals per second as measured; the workload is planned for more, the rate
     /// plus the change that sets off the next solve (`rate_change_percent`).
     pub observed_rate_rps: f64,
+    /// The cluster's prefix hit rate as the chips report it (informs the operator; the
+    /// analytic model prices every prompt token as computed).
+    #[serde(default)]
+    pub prefix_hit_rate: Option<f64>,
     pub workload: tessera_solver::Workload,
     pub slo: tessera_solver::Slo,
     pub objective: String,

@@ -360,6 +360,7 @@ fn strategy_set(p: &Parts) -> StrategySet {
         at_s: p.f as f64,
         reason: p.text.clone(),
         observed_rate_rps: p.f as f64,
+        prefix_hit_rate: p.flag.then_some(0.25),
         workload: tessera_solver::Workload { rate_rps: p.f as f64, isl: p.n as f64, osl: 3.0 },
         slo: tessera_solver::Slo { ttft_s: 1.0, tpot_s: 0.1 },
         objective: "goodput_per_usd".into(),

@@ -222,6 +222,7 @@ struct SolveInput {
     up: Vec<Vec<(String, Duty)>>,
     chips_total: usize,
     observed_rate_rps: f64,
+    prefix_hit_rate: Option<f64>,
     workload: Workload,
     slo: Slo,
     space: Space,
@@ -308,6 +309,7 @@ fn solve(input: SolveInput, cache: &mut TableCache) -> Result<StrategySet, Strin
         at_s: input.at_s,
         reason: input.reason,
         observed_rate_rps: input.observed_rate_rps,
+        prefix_hit_rate: input.prefix_hit_rate,
         workload: input.workload,
         slo: input.slo,
         objective: input.objective.to_string(),
@@ -388,6 +390,13 @@ impl Solver {
             Some(plan) => plan.duties.iter().find(|(id, _)| *id == chip.id).map_or(Duty::Idle, |(_, duty)| *duty),
             None => self.chips.get(&chip.addr).map_or(chip.duty, |s| s.duty),
         }
+    }
+
+    /// The cluster's prefix hit rate since its chips started: prompt positions whose KV
+    /// came from a prefix cache over all prompt positions (`None` before any prompt).
+    fn prefix_hit_rate(&self) -> Option<f64> {
+        let (prompt, reused) = self.chips.values().fold((0u64, 0u64), |(p, r), s| (p + s.prefix.0, r + s.prefix.1));
+        (prompt > 0).then(|| reused as f64 / prompt as f64)
     }
 
     fn is_up(&self, chip: &SolverChip) -> bool {
@@ -508,6 +517,7 @@ impl Solver {
             up,
             chips_total: self.known_chips().count(),
             observed_rate_rps: workload.rate_rps,
+            prefix_hit_rate: self.prefix_hit_rate(),
             workload: planned,
             slo: Slo { ttft_s: spec.ttft_ms as f64 / 1e3, tpot_s: spec.tpot_ms as f64 / 1e3 },
             space: space.clone(),

@@ -129,6 +129,7 @@ fn the_first_solve_waits_for_30_s_of_traffic_then_publishes_a_pareto_set_best_fi
     s.handle(window(4.0, 300, 100), &mut fx);
     let set = finish_solve(&mut s, &mut fx);
     assert_eq!((set.seq, set.reason.as_str(), set.chips_up, set.chips_total), (1, "first traffic", 3, 3));
+    assert_eq!(set.prefix_hit_rate, None, "no prompt reported yet");
     assert!((set.observed_rate_rps - 4.0).abs() < 1e-9 && (set.workload.rate_rps - 4.8).abs() < 1e-9, "{set:?}");
     // Lengths on a 2% grid, within 1% of the measured means.
     assert!((set.workload.isl / 300.0 - 1.0).abs() <= 0.01 && (set.workload.osl / 100.0 - 1.0).abs() <= 0.01);
