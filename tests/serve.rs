@@ -203,9 +203,11 @@ fn concurrent_requests_are_batched_and_match_generate() {
     assert!(most(&health) > Some(1), "no step ran more than one sequence: {health:#}");
 }
 
-/// Requests long enough to be mid-stream when a fault hits, and their no-fault answers.
+/// Requests long enough to be mid-stream when a fault hits, and their no-fault answers:
+/// 400 tokens took ~0.34 s on the tiny model, short enough that under load a victim
+/// could finish its streams between the health check that sees them and the fault.
 const FAULT_PROMPTS: usize = 8;
-const FAULT_MAX_TOKENS: usize = 400;
+const FAULT_MAX_TOKENS: usize = 1200;
 
 fn fault_prompts() -> Vec<String> {
     (0..FAULT_PROMPTS).map(|i| format!("Tell me about the {i}th chip")).collect()
