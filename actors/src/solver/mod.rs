@@ -283,23 +283,27 @@ fn solve(input: SolveInput, cache: &mut TableCache) -> Result<StrategySet, Strin
     let (current, current_id) = &input.current;
     let tables = Tables::new(&input.fleet, &input.workload, current.prefill_budget, current.decode_cap);
     let now = evaluate(&input.fleet, &tables, current, &input.workload, &input.slo);
-    let mut ranked: Vec<_> = set.into_iter().map(|c| (score(input.objective, &c.figures), c)).collect();
-    // Best on the objective; of equals, the cheaper, then the one that moves fewer chips.
+    // Best on the objective; of equals, the cheaper, then the one that moves fewer chips
+    // (counted once per strategy, not per comparison).
     let moved = |s: &Strategy| {
         let duties = duties_under(&input.up, s);
         input.up.iter().flatten().zip(&duties).filter(|((_, a), (_, b))| a != b).count()
     };
-    ranked.sort_by(|(a, x), (b, y)| {
+    let mut ranked: Vec<_> =
+        set.into_iter().map(|c| (score(input.objective, &c.figures), moved(&c.strategy), c)).collect();
+    ranked.sort_by(|(a, m, x), (b, n, y)| {
         b.total_cmp(a)
             .then(x.figures.usd_per_hour.total_cmp(&y.figures.usd_per_hour))
-            .then(moved(&x.strategy).cmp(&moved(&y.strategy)))
+            .then(m.cmp(n))
             .then(x.strategy.cmp(&y.strategy))
     });
     let strategies: Vec<StrategyView> = ranked
         .iter()
         .take(PUBLISHED)
         .enumerate()
-        .map(|(row, (_, c))| view(&input, format!("s{}-{}", input.seq, row + 1), &c.strategy, c.figures, now.as_ref()))
+        .map(|(row, (_, _, c))| {
+            view(&input, format!("s{}-{}", input.seq, row + 1), &c.strategy, c.figures, now.as_ref())
+        })
         .collect();
     let observed = Workload { rate_rps: input.observed_rate_rps, ..input.workload };
     let keeps_up = evaluate(&input.fleet, &tables, current, &observed, &input.slo).is_some();

@@ -283,19 +283,16 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
             scenario.source, work.rate_rps
         ));
     }
-    let mut strategies: Vec<Published> = set
-        .into_iter()
-        .enumerate()
-        .map(|(i, c)| Published {
-            id: i + 1,
-            describe: c.strategy.describe(&fleet.fleet),
-            analytic: c.figures,
-            simulated: None,
-            verify_error: None,
-            moves: fleet.moves(&c.strategy).unwrap_or_default(),
-            strategy: c.strategy,
-        })
-        .collect();
+    let published = |id: usize, c: tessera_solver::pareto::Candidate| Published {
+        id,
+        describe: c.strategy.describe(&fleet.fleet),
+        analytic: c.figures,
+        simulated: None,
+        verify_error: None,
+        moves: fleet.moves(&c.strategy).unwrap_or_default(),
+        strategy: c.strategy,
+    };
+    let mut strategies: Vec<Published> = set.into_iter().enumerate().map(|(i, c)| published(i + 1, c)).collect();
     let mut order: Vec<usize> = (0..strategies.len()).collect();
     order.sort_by(|&a, &b| {
         strategies[b].analytic.goodput_per_usd().total_cmp(&strategies[a].analytic.goodput_per_usd()).then(a.cmp(&b))
@@ -322,15 +319,7 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
     }
     let mut baselines = Vec::new();
     for c in tessera_solver::search::best_single_kinds(&fleet.fleet, &work, &slo, space).into_iter().flatten() {
-        let mut p = Published {
-            id: strategies.len() + baselines.len() + 1,
-            describe: c.strategy.describe(&fleet.fleet),
-            analytic: c.figures,
-            simulated: None,
-            verify_error: None,
-            moves: fleet.moves(&c.strategy).unwrap_or_default(),
-            strategy: c.strategy,
-        };
+        let mut p = published(strategies.len() + baselines.len() + 1, c);
         if verify_top > 0 {
             check(&mut p);
         }

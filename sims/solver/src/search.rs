@@ -215,7 +215,7 @@ pub fn solve_with(
     cache: &mut TableCache,
 ) -> Result<Vec<Candidate>, SearchError> {
     if let Mode::Screened { steps, side_steps } = mode(fleet, workload, space)? {
-        return Ok(screen_with(fleet, workload, slo, space, steps, side_steps, cache));
+        return Ok(screen(fleet, workload, slo, space, (steps, side_steps), cache));
     }
     let per_kind: Vec<Vec<Roles>> = fleet.kinds.iter().map(|k| splits(k.chips)).collect();
     Ok(scan(fleet, workload, slo, space, &per_kind, cache, |roles, min| leaves_chips_unused(roles, workload, min)))
@@ -316,27 +316,14 @@ fn side_frontier(mut members: Vec<(Vec<u32>, Side, f64)>) -> Vec<SideMember> {
 }
 
 /// Screens `fleet`'s strategies with each kind's counts in `steps` steps for colocated
-/// strategies and `side_steps` for each side of disaggregated ones (see the module doc):
-/// the Pareto set of what it scores.
+/// strategies and `side_steps` for each side of disaggregated ones (see the module doc),
+/// with step-time tables from `cache`: the Pareto set of what it scores.
 pub fn screen(
     fleet: &Fleet,
     workload: &Workload,
     slo: &Slo,
     space: &Space,
-    steps: u32,
-    side_steps: u32,
-) -> Vec<Candidate> {
-    screen_with(fleet, workload, slo, space, steps, side_steps, &mut TableCache::default())
-}
-
-/// [`screen`] with step-time tables from `cache`.
-fn screen_with(
-    fleet: &Fleet,
-    workload: &Workload,
-    slo: &Slo,
-    space: &Space,
-    steps: u32,
-    side_steps: u32,
+    (steps, side_steps): (u32, u32),
     cache: &mut TableCache,
 ) -> Vec<Candidate> {
     let grid: Vec<Vec<u32>> = fleet.kinds.iter().map(|k| levels(k.chips, steps)).collect();

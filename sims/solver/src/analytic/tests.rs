@@ -162,7 +162,7 @@ fn screening_by_sides_finds_what_the_full_search_finds_on_a_fleet_it_can_search_
     for rate in [10.0, 60.0] {
         let workload = Workload { rate_rps: rate, ..WORKLOAD };
         let full = solve(&f, &workload, &SLO, &small_space()).expect("searched");
-        let screened = crate::search::screen(&f, &workload, &SLO, &small_space(), 5, 5);
+        let screened = crate::search::screen(&f, &workload, &SLO, &small_space(), (5, 5), &mut TableCache::default());
         let best = |set: &[crate::pareto::Candidate], by: fn(&Figures) -> f64| {
             set.iter().map(|c| by(&c.figures)).fold(f64::NEG_INFINITY, f64::max)
         };
