@@ -317,6 +317,7 @@ fn bench_engine_json() {
         assert!(report["memory"][key].as_f64().unwrap() > 0.0, "{key}: {report}");
     }
     assert!(report["gemm_f32_gflop_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(report["matmul_precision"], "f32");
     for d in decode {
         let util = d["bandwidth_utilisation"].as_f64().unwrap();
         assert!(util > 0.0 && util.is_finite(), "{d}");

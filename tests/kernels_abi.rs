@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use tessera_backends::device::{AttnBatchView, Buffer, Device, DeviceConfig, KvCacheView};
+use tessera_backends::device::{AttnBatchView, Buffer, Device, DeviceConfig, KvCacheView, MatmulPrecision};
 use tessera_backends::dtype::DType;
 use tessera_backends::kv_format::KvLayout;
 use tessera_backends::loader::KernelLibrary;
@@ -244,6 +244,52 @@ fn check_linear(d: &Device, rng: &mut Rng, m: usize, n: usize, k: usize, dt: DTy
         }
     }
     assert_close(&format!("linear m={m} n={n} k={k} {dt} bias={with_bias}"), &got, &want, &scale, 1e-5, 1e-6);
+}
+
+/// A device opened with bf16 matmuls computes prompts' linear layers from operands
+/// rounded to bf16 (close to f32, not equal), and decode-sized calls exactly as f32 does;
+/// a CPU without bf16 dot products refuses the device with the reason.
+#[test]
+fn bf16_matmul_precision_rounds_prompts_only() {
+    let config = DeviceConfig { threads: 2, matmul_precision: MatmulPrecision::Bf16, ..Default::default() };
+    let bf = match Device::open(&lib(), &config) {
+        Ok(d) => d,
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.contains("matmul precision bf16") && msg.contains("AVX512-BF16"), "{msg}");
+            return;
+        }
+    };
+    assert_eq!(bf.matmul_precision(), MatmulPrecision::Bf16);
+    let f = dev();
+    let mut rng = Rng(11);
+    let (n, k) = (40, 300);
+    let w = rng.vec(n * k);
+    for (m, prompt) in [(5, false), (200, true)] {
+        let x = rng.vec(m * k);
+        let run = |d: &Device| {
+            let (xb, (wb, _)) = (d.upload(&x).unwrap(), upload_dt(d, &w, DType::F16));
+            let out = d.alloc(m * n * 4).unwrap();
+            d.linear(out.view(), xb.view(), wb.view(), DType::F16, None, m as u32, n as u32, k as u32).unwrap();
+            read_f32(d, &out, m * n)
+        };
+        let (got, exact) = (run(&bf), run(&f));
+        if !prompt {
+            assert_eq!(got, exact, "a decode batch of {m} computes in f32");
+            continue;
+        }
+        // Each product is off by at most ~2^-8 of its size (two roundings to 8 bits).
+        let mut differs = false;
+        for i in 0..m {
+            for j in 0..n {
+                let mag: f32 = (0..k).map(|p| (x[i * k + p] * w[j * k + p]).abs()).sum();
+                let (g, e) = (got[i * n + j], exact[i * n + j]);
+                assert!((g - e).abs() <= mag / 128.0, "({i}, {j}): {g} vs {e}, magnitude {mag}");
+                differs |= g != e;
+            }
+        }
+        assert!(differs, "a prompt of {m} rows computed exactly as f32");
+    }
 }
 
 #[test]

@@ -40,9 +40,12 @@ extern "C" {
  *       that disagree on layout can exchange KV, the receiver's kernels converting).
  *  1.2  quantized weight dtypes (ggml's block formats) for tk_embedding's table and
  *       tk_linear's w. A loader still accepts a 1.1 library for float weights and
- *       refuses to load quantized weights onto it. */
+ *       refuses to load quantized weights onto it.
+ *  1.3  tk_device_set_matmul_precision (optional symbol): a device's linear layers may
+ *       compute prompts in bfloat16. A loader still accepts a 1.1 or 1.2 library and
+ *       refuses to ask one for anything but TK_MATMUL_F32. */
 #define TK_ABI_MAJOR 1
-#define TK_ABI_MINOR 2
+#define TK_ABI_MINOR 3
 
 typedef int32_t tk_status;
 #define TK_OK 0
@@ -157,6 +160,17 @@ tk_status tk_device_create(const tk_device_config *config, tk_device **out);
 void tk_device_destroy(tk_device *dev);
 tk_status tk_device_info_get(tk_device *dev, tk_device_info *out);
 tk_status tk_synchronize(tk_device *dev);
+
+/* The arithmetic of tk_linear for prompts (since 1.3; optional: a library without the
+ * symbol computes every product in f32). TK_MATMUL_F32: f32 products of the f32
+ * activations and the weights as stored. TK_MATMUL_BF16: a library may round both
+ * operands to bfloat16 (nearest even) and sum their products in f32 where that is
+ * faster, for calls of more rows than a decode batch; decode-sized calls stay f32. A
+ * library refuses a precision it does not offer (TK_ERR_UNSUPPORTED, e.g. a CPU
+ * without bf16 dot products). Set it before the device's first op. */
+#define TK_MATMUL_F32 0
+#define TK_MATMUL_BF16 1
+tk_status tk_device_set_matmul_precision(tk_device *dev, uint32_t precision);
 
 /* ---- memory -------------------------------------------------------------------- */
 tk_status tk_alloc(tk_device *dev, uint64_t bytes, tk_buffer **out);

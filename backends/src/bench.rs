@@ -116,7 +116,10 @@ pub struct EngineBenchReport {
     /// decode row's `bytes_per_step`, with the KV the step reads).
     pub weight_read_per_step: u64,
     pub memory: MemoryBandwidth,
-    /// f32 GEMM 2048^3 through the device's `tk_linear`.
+    /// The arithmetic of prompts' linear layers (`--matmul-precision`).
+    pub matmul_precision: String,
+    /// A 2048^3 GEMM through the device's `tk_linear`, in f32 products, or in bf16
+    /// ones when `matmul_precision` is `bf16`.
     pub gemm_f32_gflop_s: f64,
     pub prefill: PrefillFigures,
     pub decode: Vec<DecodeFigures>,
@@ -130,7 +133,7 @@ impl EngineBenchReport {
         let mut s = format!(
             "device {}; weights {} ({}; {:.0}M linear params, {:.2} GB, {:.3} GB read per decode step); KV {}\n\
              machine: STREAM copy {:.1} GB/s (non-temporal copy {:.1}); \
-             f32 GEMM {:.1} GFLOP/s\n\n",
+             {} GEMM {:.1} GFLOP/s\n\n",
             self.device,
             self.weight_dtype,
             self.weight_format,
@@ -140,6 +143,7 @@ impl EngineBenchReport {
             self.kv_dtype,
             self.memory.copy_gb_s,
             self.memory.copy_nt_gb_s,
+            self.matmul_precision,
             self.gemm_f32_gflop_s
         );
         let p = &self.prefill;
@@ -433,6 +437,7 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
         weight_bytes: model.weight_bytes(),
         weight_read_per_step: model.decode_read_bytes(),
         memory,
+        matmul_precision: model.device().matmul_precision().to_string(),
         gemm_f32_gflop_s: gemm,
         prefill,
         decode,

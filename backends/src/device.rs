@@ -13,6 +13,8 @@ use crate::error::{BackendError, Result};
 use crate::kv_format::{KvLayout, KvLayoutExt};
 use crate::loader::{KernelLibrary, RawBuffer, RawDevice, raw};
 
+pub use tessera_vocab::MatmulPrecision;
+
 /// How to open a device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeviceConfig {
@@ -22,6 +24,8 @@ pub struct DeviceConfig {
     pub device_index: u32,
     /// Cap on device memory; 0 = what the device has.
     pub memory_limit_bytes: u64,
+    /// The arithmetic of prompts' linear layers (ABI 1.3).
+    pub matmul_precision: MatmulPrecision,
 }
 
 /// What the device says about itself.
@@ -38,6 +42,7 @@ pub struct DeviceInfo {
 pub struct Device {
     raw: Arc<RawDevice>,
     info: DeviceInfo,
+    matmul_precision: MatmulPrecision,
     _not_sync: PhantomData<std::cell::Cell<()>>,
 }
 
@@ -144,6 +149,22 @@ impl Device {
             reason: format!("tk_device_create failed ({}): {message}", status_name(status)),
         })?;
         let raw = Arc::new(RawDevice { lib: lib.clone(), ptr });
+        if config.matmul_precision != MatmulPrecision::F32 {
+            let precision = match config.matmul_precision {
+                MatmulPrecision::F32 => abi::TK_MATMUL_F32,
+                MatmulPrecision::Bf16 => abi::TK_MATMUL_BF16,
+            };
+            raw::set_matmul_precision(lib, ptr, precision).map_err(|(status, message)| {
+                BackendError::KernelLibrary {
+                    library: lib.path().to_path_buf(),
+                    reason: format!(
+                        "matmul precision {}: {} ({message})",
+                        config.matmul_precision,
+                        status_name(status)
+                    ),
+                }
+            })?;
+        }
         let (status, info) = raw::device_info(lib, ptr);
         if status != abi::TK_OK {
             return Err(BackendError::KernelLibrary {
@@ -158,11 +179,16 @@ impl Device {
             compute_units: info.compute_units,
             host_memory_shared: info.host_memory_shared != 0,
         };
-        Ok(Device { raw, info, _not_sync: PhantomData })
+        Ok(Device { raw, info, matmul_precision: config.matmul_precision, _not_sync: PhantomData })
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// The arithmetic of prompts' linear layers the device was opened with.
+    pub fn matmul_precision(&self) -> MatmulPrecision {
+        self.matmul_precision
     }
 
     pub fn library(&self) -> &Arc<KernelLibrary> {

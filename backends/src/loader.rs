@@ -27,6 +27,8 @@ pub(crate) struct Api {
     pub last_error: abi::LastErrorFn,
     pub device_create: abi::DeviceCreateFn,
     pub device_destroy: abi::DeviceDestroyFn,
+    /// Absent before ABI 1.3.
+    pub set_matmul_precision: Option<abi::DeviceSetMatmulPrecisionFn>,
     pub device_info_get: abi::DeviceInfoGetFn,
     pub synchronize: abi::SynchronizeFn,
     pub alloc: abi::AllocFn,
@@ -117,6 +119,8 @@ impl KernelLibrary {
             last_error: sym!("tk_last_error"),
             device_create: sym!("tk_device_create"),
             device_destroy: sym!("tk_device_destroy"),
+            // SAFETY: as `sym!`: the 1.3 header gives the symbol this type; optional.
+            set_matmul_precision: unsafe { lib.get(b"tk_device_set_matmul_precision\0") }.ok().map(|s| *s),
             device_info_get: sym!("tk_device_info_get"),
             synchronize: sym!("tk_synchronize"),
             alloc: sym!("tk_alloc"),
@@ -201,6 +205,29 @@ pub fn default_library_path() -> Option<PathBuf> {
 /// handles they receive were produced by the same library.
 pub(crate) mod raw {
     use super::*;
+
+    /// `Err` carries `TK_ERR_UNSUPPORTED` and a message when the library has no
+    /// `tk_device_set_matmul_precision` (before ABI 1.3).
+    pub fn set_matmul_precision(
+        lib: &KernelLibrary,
+        dev: *mut abi::TkDevice,
+        precision: u32,
+    ) -> std::result::Result<(), (abi::TkStatus, String)> {
+        let Some(set) = lib.api.set_matmul_precision else {
+            let (major, minor) = lib.abi_version;
+            return Err((
+                abi::TK_ERR_UNSUPPORTED,
+                format!("the library speaks kernel ABI {major}.{minor}; choosing the precision needs 1.3"),
+            ));
+        };
+        // SAFETY: `dev` came from this library's `tk_device_create` and is not yet used
+        // by another thread.
+        let status = unsafe { set(dev, precision) };
+        if status != abi::TK_OK {
+            return Err((status, lib.last_error()));
+        }
+        Ok(())
+    }
 
     pub fn device_create(
         lib: &KernelLibrary,

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 pub use catalog::{ChipKind, Confidence};
 pub use error::TopologyError;
-pub use tessera_vocab::{DType, KvLayout, Quantize, Role, RouterPolicy, TransportChoice, UnknownName};
+pub use tessera_vocab::{DType, KvLayout, MatmulPrecision, Quantize, Role, RouterPolicy, TransportChoice, UnknownName};
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
 /// that prefills and host `h1` with an emulated MetaX C500 that decodes, their KV
@@ -115,6 +115,9 @@ pub struct ChipSpec {
     /// as stored). Chips that exchange KV must load the same weights, so every
     /// prefill and decode chip of a file agrees on it.
     pub quantize: Option<Quantize>,
+    /// The arithmetic of the chip's linear layers on prompts (default f32; `bf16`
+    /// needs a chip with bf16 dot products).
+    pub matmul_precision: MatmulPrecision,
 }
 
 /// Which kernels run a chip.

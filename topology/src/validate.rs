@@ -23,7 +23,8 @@ use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
     BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DType, DisaggSpec, EmulationSpec,
-    GatewaySpec, HostPaths, HostSpec, KvLayout, PathReport, Role, RouterSpec, SolverSpec, SupervisorSpec, catalog,
+    GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, PathReport, Role, RouterSpec, SolverSpec,
+    SupervisorSpec, catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -278,6 +279,8 @@ struct RawChip {
     kv_layout: Option<Spanned<String>>,
     #[serde(default)]
     quantize: Option<Spanned<String>>,
+    #[serde(default)]
+    matmul_precision: Option<Spanned<String>>,
 }
 
 /// What every chip of the file may refer to or inherits.
@@ -1109,6 +1112,11 @@ impl Checker<'_> {
             kv_dtype,
             kv_layout: self.named(&raw.kv_layout, &format!("{key}.kv_layout"), KvLayout::HeadMajor)?,
             quantize: raw.quantize.as_ref().map(|q| self.parse(q, &format!("{key}.quantize"))).transpose()?,
+            matmul_precision: self.named(
+                &raw.matmul_precision,
+                &format!("{key}.matmul_precision"),
+                MatmulPrecision::F32,
+            )?,
         })
     }
 

@@ -1134,6 +1134,21 @@ fn a_chip_quantizes_its_weights_and_kv_peers_must_agree() {
     );
 }
 
+#[test]
+fn a_chip_chooses_the_arithmetic_of_its_prompts() {
+    use tessera_topology::MatmulPrecision;
+    assert_eq!(spec_of(ONE_CHIP).hosts[0].chips[0].matmul_precision, MatmulPrecision::F32);
+    let spec = spec_of(&format!("{ONE_CHIP}matmul_precision = \"bf16\"\n"));
+    assert_eq!(spec.hosts[0].chips[0].matmul_precision, MatmulPrecision::Bf16);
+    assert_error(
+        &format!("{ONE_CHIP}matmul_precision = \"fp8\"\n"),
+        10,
+        20,
+        "hosts[0].chips[0].matmul_precision",
+        "unknown matmul precision `fp8`; expected f32 or bf16",
+    );
+}
+
 /// `[emulation.perf_models]` points a chip kind at a calibrated model: its chips are
 /// paced by it (here, decode steps twice as slow at half the memory efficiency), files
 /// are read relative to the topology file, and every mistake names the key.

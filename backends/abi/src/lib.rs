@@ -9,8 +9,9 @@ use std::ffi::c_char;
 use std::ffi::c_void;
 
 pub const TK_ABI_MAJOR: u32 = 1;
-/// 1.1 added `TkKvCache::layout` (token-major KV blocks); 1.2 quantized weight dtypes.
-pub const TK_ABI_MINOR: u32 = 2;
+/// 1.1 added `TkKvCache::layout` (token-major KV blocks); 1.2 quantized weight dtypes;
+/// 1.3 the optional `tk_device_set_matmul_precision`.
+pub const TK_ABI_MINOR: u32 = 3;
 /// The oldest minor a loader accepts: 1.1 libraries still serve float weights.
 pub const TK_ABI_MINOR_OLDEST: u32 = 1;
 /// The minor that added the quantized weight dtypes (`TK_DTYPE_Q*`).
@@ -41,6 +42,10 @@ pub const TK_DTYPE_Q5_1: TkDtype = 19;
 pub const TK_DTYPE_Q8_0: TkDtype = 20;
 pub const TK_DTYPE_Q4_K: TkDtype = 21;
 pub const TK_DTYPE_Q6_K: TkDtype = 22;
+
+/// `tk_device_set_matmul_precision`'s values (since 1.3).
+pub const TK_MATMUL_F32: u32 = 0;
+pub const TK_MATMUL_BF16: u32 = 1;
 
 pub const TK_ROPE_NONE: u32 = 0;
 pub const TK_ROPE_LLAMA3: u32 = 1;
@@ -137,6 +142,8 @@ pub type AbiVersionFn = unsafe extern "C" fn() -> u32;
 pub type LastErrorFn = unsafe extern "C" fn() -> *const c_char;
 pub type DeviceCreateFn = unsafe extern "C" fn(config: *const TkDeviceConfig, out: *mut *mut TkDevice) -> TkStatus;
 pub type DeviceDestroyFn = unsafe extern "C" fn(dev: *mut TkDevice);
+/// Optional (since 1.3).
+pub type DeviceSetMatmulPrecisionFn = unsafe extern "C" fn(dev: *mut TkDevice, precision: u32) -> TkStatus;
 pub type DeviceInfoGetFn = unsafe extern "C" fn(dev: *mut TkDevice, out: *mut TkDeviceInfo) -> TkStatus;
 pub type SynchronizeFn = unsafe extern "C" fn(dev: *mut TkDevice) -> TkStatus;
 pub type AllocFn = unsafe extern "C" fn(dev: *mut TkDevice, bytes: u64, out: *mut *mut TkBuffer) -> TkStatus;

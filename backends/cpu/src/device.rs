@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::{KernelError, Result};
+use crate::ops::prefill_gemm::Precision;
 
 /// Alignment of every allocation.
 pub const ALIGN: usize = 64;
@@ -33,6 +34,8 @@ pub struct Device {
     pub pool: rayon::ThreadPool,
     pub threads: usize,
     pub memory_limit: u64,
+    /// The arithmetic of prompts' linear layers: `Precision as u8` (0 = F32).
+    precision: std::sync::atomic::AtomicU8,
     used: Mutex<u64>,
     buffers: Mutex<HashMap<usize, BufferEntry>>,
 }
@@ -56,6 +59,18 @@ fn layout(bytes: usize) -> Result<Layout> {
 }
 
 impl Device {
+    /// The arithmetic of prompts' linear layers.
+    pub fn precision(&self) -> Precision {
+        match self.precision.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => Precision::Bf16,
+            _ => Precision::F32,
+        }
+    }
+
+    pub fn set_precision(&self, p: Precision) {
+        self.precision.store(p as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Creates a device with `threads` workers (0 = all cores) and a memory limit
     /// (0 = physical RAM).
     pub fn new(threads: u32, memory_limit: u64) -> Result<Device> {
@@ -78,7 +93,14 @@ impl Device {
             .or_else(|_| builder().build())
             .map_err(|e| KernelError::Internal(format!("cannot build thread pool: {e}")))?;
         let memory_limit = if memory_limit == 0 { physical_memory() } else { memory_limit };
-        Ok(Device { pool, threads, memory_limit, used: Mutex::new(0), buffers: Mutex::new(HashMap::new()) })
+        Ok(Device {
+            pool,
+            threads,
+            memory_limit,
+            precision: Default::default(),
+            used: Mutex::new(0),
+            buffers: Mutex::new(HashMap::new()),
+        })
     }
 
     /// Bytes currently allocated by `alloc`.

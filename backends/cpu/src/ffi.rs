@@ -14,8 +14,10 @@ use tessera_kernel_abi::*;
 
 use crate::device::Device;
 use crate::dtype::{DType, WSlice, WSliceMut, WType};
+use crate::error::KernelError;
 use crate::error::Result;
 use crate::invalid;
+use crate::ops::prefill_gemm::{self, Precision};
 use crate::ops::{
     self,
     attention::KvView,
@@ -276,6 +278,31 @@ pub unsafe extern "C" fn tk_synchronize(dev: *mut TkDevice) -> TkStatus {
     guard("tk_synchronize", || device(dev).map(|_| ()))
 }
 
+/// # Safety
+/// `dev` must not be used by another thread during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tk_device_set_matmul_precision(dev: *mut TkDevice, precision: u32) -> TkStatus {
+    guard("tk_device_set_matmul_precision", || {
+        let d = device(dev)?;
+        let p = match precision {
+            TK_MATMUL_F32 => Precision::F32,
+            TK_MATMUL_BF16 if prefill_gemm::bf16_available() => Precision::Bf16,
+            TK_MATMUL_BF16 => {
+                return Err(KernelError::Unsupported(
+                    "bf16 matmuls need a CPU with AVX512-BF16 (bf16 dot products); this one has none".into(),
+                ));
+            }
+            other => {
+                return Err(crate::invalid!(
+                    "precision = {other} is none of TK_MATMUL_F32 ({TK_MATMUL_F32}) or TK_MATMUL_BF16 ({TK_MATMUL_BF16})"
+                ));
+            }
+        };
+        d.set_precision(p);
+        Ok(())
+    })
+}
+
 // ---- memory ----------------------------------------------------------------------
 
 /// # Safety
@@ -459,7 +486,8 @@ pub unsafe extern "C" fn tk_linear(
         // SAFETY: inputs overlapping `o` were copied above.
         let o = unsafe { output::<f32>(&o) };
         d.pool.install(|| {
-            ops::linear::linear(o, &xs, ws.view(), bs.as_ref().map(|b| b.view()), m as usize, n as usize, k as usize)
+            let (m, n, k) = (m as usize, n as usize, k as usize);
+            ops::linear::linear(o, &xs, ws.view(), bs.as_ref().map(|b| b.view()), m, n, k, d.precision())
         });
         Ok(())
     })
@@ -838,7 +866,7 @@ mod tests {
         // SAFETY: (whole test) all pointers passed are valid or deliberately bad
         // handles that the library must refuse without dereferencing.
         unsafe {
-            assert_eq!(tk_abi_version(), (1 << 16) | 2);
+            assert_eq!(tk_abi_version(), (1 << 16) | 3);
             let cfg = TkDeviceConfig { threads: 5000, device_index: 0, memory_limit_bytes: 0 };
             let mut d = std::ptr::null_mut();
             assert_eq!(tk_device_create(&cfg, &mut d), TK_ERR_INVALID_ARGUMENT);
@@ -851,6 +879,19 @@ mod tests {
             assert_eq!(name, "cpu (2 threads)");
             assert_eq!((info.memory_bytes, info.compute_units, info.host_memory_shared), (1 << 20, 2, 1));
             assert_eq!(tk_synchronize(d), TK_OK);
+            // Matmul precision: f32 always; bf16 where the CPU has bf16 dot products.
+            assert_eq!(tk_device_set_matmul_precision(d, TK_MATMUL_F32), TK_OK);
+            assert_eq!(tk_device_set_matmul_precision(d, 7), TK_ERR_INVALID_ARGUMENT);
+            assert!(last().contains("precision = 7"), "{}", last());
+            if prefill_gemm::bf16_available() {
+                assert_eq!(tk_device_set_matmul_precision(d, TK_MATMUL_BF16), TK_OK);
+                assert_eq!((*(d as *const Device)).precision(), Precision::Bf16);
+                assert_eq!(tk_device_set_matmul_precision(d, TK_MATMUL_F32), TK_OK);
+            } else {
+                assert_eq!(tk_device_set_matmul_precision(d, TK_MATMUL_BF16), TK_ERR_UNSUPPORTED);
+                assert!(last().contains("AVX512-BF16"), "{}", last());
+            }
+            assert_eq!((*(d as *const Device)).precision(), Precision::F32);
             // Memory limit.
             let mut b = std::ptr::null_mut();
             assert_eq!(tk_alloc(d, 1 << 19, &mut b), TK_OK);

@@ -31,7 +31,7 @@ use tessera_actors::msg::{
     ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome, TokenLogprob,
 };
 use tessera_backends::constraint::{Allowed, Constraint, Grammars};
-use tessera_backends::device::{Device, DeviceConfig};
+use tessera_backends::device::{Device, DeviceConfig, MatmulPrecision};
 use tessera_backends::dtype::{DType, Quantize};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
 use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
@@ -119,6 +119,8 @@ pub struct ModelExecutorConfig {
     pub kv_layout: KvLayout,
     /// Quantize float weights to this block format when loading.
     pub quantize: Option<Quantize>,
+    /// The arithmetic of prompts' linear layers.
+    pub matmul_precision: MatmulPrecision,
     pub block_size: usize,
     pub max_batch_seqs: usize,
     /// The chip's id, for metrics and logs.
@@ -233,6 +235,7 @@ impl ModelExecutor {
         let device_config = DeviceConfig {
             threads: config.threads,
             memory_limit_bytes: config.memory_limit_bytes.unwrap_or(0),
+            matmul_precision: config.matmul_precision,
             ..Default::default()
         };
         let device = Device::open(&lib, &device_config).map_err(|e| e.to_string())?;

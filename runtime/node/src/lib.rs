@@ -118,6 +118,7 @@ pub fn executor_config(
         kv_dtype: chip.kv_dtype,
         kv_layout: chip.kv_layout,
         quantize: chip.quantize,
+        matmul_precision: chip.matmul_precision,
         block_size: chip.block_size,
         max_batch_seqs: chip.max_batch_seqs,
         chip_id: chip.id.clone(),

@@ -170,6 +170,23 @@ vocabulary! {
     }
 }
 
+vocabulary! {
+    /// The arithmetic of a chip's linear layers on prompts (chunks of more rows than a
+    /// decode batch). Decode steps, bound by memory rather than arithmetic, always
+    /// compute in f32.
+    #[derive(Default)]
+    pub enum MatmulPrecision ("matmul precision") {
+        /// f32 products of the f32 activations and the weights as stored.
+        #[default]
+        F32 = "f32",
+        /// Both operands rounded to bfloat16 (8 significant bits), their products
+        /// summed in f32: about twice the prompt rate where the chip has bf16 dot
+        /// products (a CPU with AVX512-BF16), at a precision cost (PyTorch's "medium"
+        /// float32 matmul precision). A chip without them refuses it.
+        Bf16 = "bf16",
+    }
+}
+
 impl DType {
     /// Bytes of one element.
     pub const fn size_bytes(self) -> usize {

@@ -9,6 +9,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::prefill_gemm::Precision;
 use super::{SendPtr, Strided, matmul, prefill_gemm, quant, small_batch};
 use crate::dtype::WSlice;
 use crate::simd;
@@ -18,8 +19,19 @@ use crate::simd;
 const QUANT_MAX_M: usize = 2 * quant::MAX_M;
 
 /// Computes the linear layer. Slices must hold exactly `m*n`, `m*k`, `n*k` and `n`
-/// (bias) elements; the FFI layer checks that.
-pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, bias: Option<WSlice>, m: usize, n: usize, k: usize) {
+/// (bias) elements; the FFI layer checks that. `precision` applies to prompts (the
+/// cache-blocked GEMM); decode-sized calls compute in f32.
+#[allow(clippy::too_many_arguments)] // the ABI call's own arguments
+pub fn linear(
+    out: &mut [f32],
+    x: &[f32],
+    w: WSlice,
+    bias: Option<WSlice>,
+    m: usize,
+    n: usize,
+    k: usize,
+    precision: Precision,
+) {
     assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
     if m == 0 || n == 0 {
         return;
@@ -45,7 +57,7 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, bias: Option<WSlice>, m: us
     } else if prefill_gemm::available() {
         // Prompts: the cache-blocked AVX-512 GEMM (the `gemm` crate runs AVX2 kernels
         // only), each weight converted or dequantized once per call.
-        prefill_gemm::linear(out, x, w, m, n, k);
+        prefill_gemm::linear(out, x, w, m, n, k, precision);
     } else {
         match w {
             WSlice::F32(w) => gemm_f32(out, x, w, m, n, k),
@@ -179,7 +191,7 @@ mod tests {
         };
         let (wf, bf) = (w.to_vec_f32(), b.to_vec_f32());
         let mut out = vec![f32::NAN; m * n];
-        linear(&mut out, &x, w, with_bias.then_some(b), m, n, k);
+        linear(&mut out, &x, w, with_bias.then_some(b), m, n, k, Precision::F32);
         let want = naive(&x, &wf, with_bias.then_some(&bf[..]), m, n, k);
         // Errors scale with sqrt(k) for sums of k products of magnitude <= 1.
         let tol = 2e-6 * (k as f32).sqrt() + 1e-5;

@@ -1,16 +1,23 @@
 //! Linear layers for prompts (more activation rows than a decode batch) on AVX-512: a
-//! cache-blocked GEMM in the manner of BLIS, for weights of every storage type.
+//! cache-blocked GEMM in the manner of BLIS, for weights of every storage type, in one
+//! of two arithmetics ([`Precision`]).
 //!
 //! - The activations are packed once per call into panels of 64 rows, transposed so
 //!   that each column step is 4 contiguous vectors (`xp[panel][kk][64]`).
 //! - Each task takes `NC` weight rows. For each block of `KC` columns it converts those
-//!   rows to f32 once (dequantizing quantized weights once per call, not once per panel
-//!   of activations), in groups of `J` rows (`wp[row][kk]`): a micro-kernel's
-//!   broadcasts walk `J` short rows (6 KiB) that stay in L1.
+//!   rows once (dequantizing quantized weights once per call, not once per panel of
+//!   activations), in groups of `J` rows (`wp[row][kk]`): a micro-kernel's broadcasts
+//!   walk `J` short rows (6 KiB) that stay in L1.
 //! - The micro-kernel keeps a 64 x `J` tile of the output in 24 registers across the
-//!   block's columns: per column, 4 activation vectors (from L2) and `J` broadcasts feed
-//!   24 FMAs. The task's output columns accumulate across blocks in a transposed tile
-//!   (`ct[row][activation]`), written to the output once at the end.
+//!   block's columns: per column step, 4 activation vectors (from L2) and `J` broadcasts
+//!   feed 24 multiply-adds. The task's output columns accumulate across blocks in a
+//!   transposed tile (`ct[row][activation]`), written to the output once at the end.
+//!
+//! With [`Precision::F32`] a column step is one column and its multiply-adds are f32
+//! FMAs. With [`Precision::Bf16`] activations and weights are rounded to bfloat16 (to
+//! nearest even) as they are packed, a column step is a pair of columns (one 32-bit lane
+//! holds both values), and each multiply-add is a `vdpbf16ps`: two products per lane
+//! into an f32 sum, twice the FMA's work per instruction where the CPU has AVX512-BF16.
 //!
 //! The `gemm` crate runs AVX2 kernels only, and converting weight tiles for it cost a
 //! second copy; on the bench model's prompts this kernel is the faster of the two.
@@ -22,17 +29,32 @@ use rayon::prelude::*;
 use super::SendPtr;
 use crate::dtype::WSlice;
 
+/// The arithmetic of a prompt's linear layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum Precision {
+    /// f32 products of f32 activations and the weights as stored (converted to f32).
+    #[default]
+    F32 = 0,
+    /// bfloat16 products (8 significant bits per operand) summed in f32: about twice
+    /// the f32 rate on CPUs with AVX512-BF16, like PyTorch's "medium" float32 matmul
+    /// precision. Elsewhere it falls back to `F32`.
+    Bf16 = 1,
+}
+
 /// Activation rows per panel (4 vectors of 16).
 const MR: usize = 64;
 /// Weight rows per micro-kernel (broadcast operands).
 const J: usize = 6;
 /// Weight rows per task: 8 micro-kernel groups.
 const NC: usize = 8 * J;
-/// Columns per block: one group's packed panel is 6 KiB and one activation panel 64 KiB.
+/// Columns per block: one group's packed panel is 6 KiB and one activation panel 64 KiB
+/// (f32; half of that in bf16).
 const KC: usize = 256;
 
-/// The most packed activations (f32 values) kept between calls: 64 MiB, a 2,048-token
-/// chunk of an 8,192-wide layer. Longer ones are allocated for their call only.
+/// The most packed activations (in 4-byte lanes) kept between calls: 64 MiB, a
+/// 2,048-token chunk of an 8,192-wide layer in f32. Longer ones are allocated for their
+/// call only.
 const KEEP_PACKED: usize = 16 << 20;
 
 /// True when the AVX-512 kernel can run here.
@@ -40,35 +62,141 @@ pub fn available() -> bool {
     super::small_batch::available()
 }
 
+/// True when `Precision::Bf16` runs as bf16 here (AVX512-BF16).
+pub fn bf16_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        available() && std::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// `out[m][n] = x[m][k] · w[n][k]ᵀ`. Callers check `available()` and the slice lengths
 /// (`out >= m*n`, `x >= m*k`, `w >= n*k`); quantized `w` needs `KC` to be a whole number
 /// of its blocks and rows of whole blocks, as every supported format has.
-pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
+pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize, precision: Precision) {
     assert!(available());
     assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
     if m == 0 || n == 0 || k == 0 {
         out[..m * n].fill(0.0);
         return;
     }
+    if precision == Precision::Bf16 && bf16_available() {
+        gemm::<Bf16Pairs>(out, x, w, m, n, k)
+    } else {
+        gemm::<F32Lanes>(out, x, w, m, n, k)
+    }
+}
+
+/// One arithmetic: how values are packed into 4-byte lanes and multiplied.
+trait Arith {
+    /// Columns per packed lane.
+    const COLS: usize;
+    /// `dst[i]` = the lane of columns `[i * COLS, (i + 1) * COLS)` of `src` (a short
+    /// last lane padded with zeros). `dst.len() == src.len().div_ceil(COLS)`.
+    fn pack(src: &[f32], dst: &mut [u32]);
+    /// Weight columns `[start, start + dst.len() * COLS)` (clipped at `end`) packed.
+    fn pack_weights(w: WSlice, start: usize, end: usize, dst: &mut [u32], scratch: &mut Vec<f32>) {
+        scratch.resize(end - start, 0.0);
+        w.to_f32(start, scratch);
+        Self::pack(scratch, dst);
+    }
+    /// `tile[j * ld + i] (+)= Σ_p xp[p * MR + i] · wp[j * kp + p]` over `kp` lanes for
+    /// `j < J` and `i < 16 * vecs`, added to the tile's values unless `first`.
+    ///
+    /// # Safety
+    /// AVX-512 (and the arithmetic's own feature) must be available; `xp` holds
+    /// `kp * MR`, `wp` holds `kp * J` lanes, `tile` holds `(J - 1) * ld + 16 * vecs`
+    /// values; `vecs` is 1 to 4.
+    unsafe fn kernel(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool);
+}
+
+struct F32Lanes;
+
+impl Arith for F32Lanes {
+    const COLS: usize = 1;
+    fn pack(src: &[f32], dst: &mut [u32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_bits();
+        }
+    }
+    fn pack_weights(w: WSlice, start: usize, end: usize, dst: &mut [u32], _: &mut Vec<f32>) {
+        // f32 lanes are the values themselves: convert straight into place.
+        let dst: &mut [f32] = bytemuck::cast_slice_mut(&mut dst[..end - start]);
+        w.to_f32(start, dst);
+    }
+    unsafe fn kernel(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded contract.
+        unsafe {
+            x86::kernel_f32(vecs, xp, wp, kp, tile, ld, first)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "the AVX-512 GEMM runs on x86_64 only ({vecs} {} {} {kp} {} {ld} {first})",
+            xp.len(),
+            wp.len(),
+            tile.len()
+        )
+    }
+}
+
+struct Bf16Pairs;
+
+impl Arith for Bf16Pairs {
+    const COLS: usize = 2;
+    fn pack(src: &[f32], dst: &mut [u32]) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers reach this only after `bf16_available()`; lengths as documented.
+        unsafe {
+            x86::pack_bf16(src, dst)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("bf16 lanes are packed on x86_64 only ({} {})", src.len(), dst.len())
+    }
+    unsafe fn kernel(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded contract.
+        unsafe {
+            x86::kernel_bf16(vecs, xp, wp, kp, tile, ld, first)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "the AVX-512 GEMM runs on x86_64 only ({vecs} {} {} {kp} {} {ld} {first})",
+            xp.len(),
+            wp.len(),
+            tile.len()
+        )
+    }
+}
+
+fn gemm<A: Arith>(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
     let panels = m.div_ceil(MR);
     let m_pad = panels * MR;
+    // Packed lanes per row; a block of KC columns starts at lane k0 / COLS (KC is a
+    // whole number of lanes).
+    let kl = k.div_ceil(A::COLS);
     // The buffers of the last call are reused (fresh ones of this size are pages the
     // kernel must map and zero on every call). Rows past m in the last panel keep old
     // values: they only reach output rows that are never written out.
     thread_local! {
-        static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-        static TASK: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+        static PACKED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+        static TASK: RefCell<Scratch> = const { RefCell::new(Scratch::new()) };
     }
     let mut xp = PACKED.with(|b| b.try_borrow_mut().map(|mut b| std::mem::take(&mut *b)).unwrap_or_default());
-    if xp.len() < panels * k * MR {
-        xp.resize(panels * k * MR, 0.0);
+    if xp.len() < panels * kl * MR {
+        xp.resize(panels * kl * MR, 0);
     }
-    xp.par_chunks_mut(k * MR).take(panels).enumerate().for_each(|(p, panel)| {
+    xp.par_chunks_mut(kl * MR).take(panels).enumerate().for_each(|(p, panel)| {
         let rows = MR.min(m - p * MR);
+        let mut lanes = vec![0u32; kl];
         for i in 0..rows {
-            let row = &x[(p * MR + i) * k..][..k];
-            for (kk, &v) in row.iter().enumerate() {
-                panel[kk * MR + i] = v;
+            A::pack(&x[(p * MR + i) * k..][..k], &mut lanes);
+            for (l, &v) in lanes.iter().enumerate() {
+                panel[l * MR + i] = v;
             }
         }
     });
@@ -76,44 +204,44 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
     let optr = SendPtr(out.as_mut_ptr());
     (0..n.div_ceil(NC)).into_par_iter().for_each(|task| {
         TASK.with(|scratch| {
-            let mut fresh = (Vec::new(), Vec::new());
+            let mut fresh = Scratch::new();
             let mut guard = scratch.try_borrow_mut().ok();
-            let (wp, ct) = match guard.as_deref_mut() {
+            let Scratch { wp, ct, row } = match guard.as_deref_mut() {
                 Some(held) => held,
                 None => &mut fresh,
             };
-            wp.resize(wp.len().max(NC * KC), 0.0);
+            wp.resize(wp.len().max(NC * KC), 0);
             ct.resize(ct.len().max(NC * m_pad), 0.0);
             let j0 = task * NC;
             let nc = NC.min(n - j0);
             let groups = nc.div_ceil(J);
             for k0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - k0);
+                let kp = kc.div_ceil(A::COLS);
                 for jj in 0..groups * J {
-                    let row = &mut wp[jj * kc..][..kc];
+                    let lanes = &mut wp[jj * kp..][..kp];
                     if jj < nc {
-                        w.to_f32((j0 + jj) * k + k0, row);
+                        let at = (j0 + jj) * k + k0;
+                        A::pack_weights(w, at, at + kc, lanes, row);
                         // The next block of this row comes from DRAM while this one is
                         // computed.
-                        prefetch(w.byte_range((j0 + jj) * k + k0 + kc, (j0 + jj) * k + (k0 + kc + KC).min(k)));
+                        prefetch(w.byte_range(at + kc, (j0 + jj) * k + (k0 + kc + KC).min(k)));
                     } else {
-                        row.fill(0.0);
+                        lanes.fill(0);
                     }
                 }
                 for p in 0..panels {
                     let vecs = (m - p * MR).min(MR).div_ceil(16);
-                    let xpanel = &xp_all[p * k * MR + k0 * MR..][..kc * MR];
+                    let xpanel = &xp_all[p * kl * MR + k0 / A::COLS * MR..][..kp * MR];
                     for g in 0..groups {
-                        let wpanel = &wp[g * kc * J..][..kc * J];
+                        let wpanel = &wp[g * kp * J..][..kp * J];
                         let tile = &mut ct[g * J * m_pad + p * MR..];
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: avx512f was checked (asserted above); `xpanel` holds
-                        // kc * MR values, `wpanel` kc * J, and `tile` reaches the J rows
-                        // of m_pad values from its start, each of which the last panel
-                        // still covers with its `vecs` vectors.
-                        unsafe {
-                            x86::kernel(vecs, xpanel, wpanel, kc, tile, m_pad, k0 == 0)
-                        };
+                        // SAFETY: AVX-512 was checked (asserted by `linear`), and the
+                        // bf16 arithmetic is chosen only where AVX512-BF16 is;
+                        // `xpanel` holds kp * MR lanes, `wpanel` kp * J, and `tile`
+                        // reaches the J rows of m_pad values from its start, each of
+                        // which the last panel still covers with its `vecs` vectors.
+                        unsafe { A::kernel(vecs, xpanel, wpanel, kp, tile, m_pad, k0 == 0) };
                     }
                 }
             }
@@ -132,6 +260,22 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
                 *b = xp;
             }
         });
+    }
+}
+
+/// A task's buffers, kept per thread between calls.
+struct Scratch {
+    /// Packed weight lanes of a block (`NC` rows).
+    wp: Vec<u32>,
+    /// The task's output columns, transposed.
+    ct: Vec<f32>,
+    /// One weight row's block in f32, before it is packed as bf16.
+    row: Vec<f32>,
+}
+
+impl Scratch {
+    const fn new() -> Scratch {
+        Scratch { wp: Vec::new(), ct: Vec::new(), row: Vec::new() }
     }
 }
 
@@ -156,28 +300,66 @@ mod x86 {
 
     use super::{J, MR};
 
-    /// `tile[j * ld + i] (+)= Σ_kk xp[kk * MR + i] * wp[j * kc + kk]` for `j < J` and
-    /// `i < 16 * vecs`, added to the tile's values unless `first`.
+    /// `Arith::kernel` for f32 lanes: FMAs.
     ///
     /// # Safety
-    /// avx512f must be available; `xp` holds `kc * MR`, `wp` holds `kc * J` values, and
-    /// `tile` holds `(J - 1) * ld + 16 * vecs`; `vecs` is 1 to 4.
+    /// As `Arith::kernel`.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn kernel(vecs: usize, xp: &[f32], wp: &[f32], kc: usize, tile: &mut [f32], ld: usize, first: bool) {
-        debug_assert!(xp.len() >= kc * MR && wp.len() >= kc * J && tile.len() >= (J - 1) * ld + 16 * vecs);
+    pub unsafe fn kernel_f32(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool) {
+        // SAFETY: forwarded contract.
+        unsafe { by_vecs::<false>(vecs, xp, wp, kp, tile, ld, first) }
+    }
+
+    /// `Arith::kernel` for bf16 pairs: `vdpbf16ps`.
+    ///
+    /// # Safety
+    /// As `Arith::kernel`, and avx512bf16 must be available.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn kernel_bf16(
+        vecs: usize,
+        xp: &[u32],
+        wp: &[u32],
+        kp: usize,
+        tile: &mut [f32],
+        ld: usize,
+        first: bool,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { by_vecs::<true>(vecs, xp, wp, kp, tile, ld, first) }
+    }
+
+    /// Inlined into the two kernels above, so it is compiled with their features.
+    #[inline(always)]
+    unsafe fn by_vecs<const BF16: bool>(
+        vecs: usize,
+        xp: &[u32],
+        wp: &[u32],
+        kp: usize,
+        tile: &mut [f32],
+        ld: usize,
+        first: bool,
+    ) {
+        debug_assert!(xp.len() >= kp * MR && wp.len() >= kp * J && tile.len() >= (J - 1) * ld + 16 * vecs);
         // SAFETY: forwarded contract.
         unsafe {
             match vecs {
-                1 => tile_v::<1>(xp, wp, kc, tile, ld, first),
-                2 => tile_v::<2>(xp, wp, kc, tile, ld, first),
-                3 => tile_v::<3>(xp, wp, kc, tile, ld, first),
-                _ => tile_v::<4>(xp, wp, kc, tile, ld, first),
+                1 => tile_v::<1, BF16>(xp, wp, kp, tile, ld, first),
+                2 => tile_v::<2, BF16>(xp, wp, kp, tile, ld, first),
+                3 => tile_v::<3, BF16>(xp, wp, kp, tile, ld, first),
+                _ => tile_v::<4, BF16>(xp, wp, kp, tile, ld, first),
             }
         }
     }
 
-    #[target_feature(enable = "avx512f")]
-    unsafe fn tile_v<const V: usize>(xp: &[f32], wp: &[f32], kc: usize, tile: &mut [f32], ld: usize, first: bool) {
+    #[inline(always)]
+    unsafe fn tile_v<const V: usize, const BF16: bool>(
+        xp: &[u32],
+        wp: &[u32],
+        kp: usize,
+        tile: &mut [f32],
+        ld: usize,
+        first: bool,
+    ) {
         let tp = tile.as_mut_ptr();
         // SAFETY: every offset below is within the lengths the caller guarantees.
         unsafe {
@@ -190,12 +372,20 @@ mod x86 {
                 }
             }
             let (xptr, wptr) = (xp.as_ptr(), wp.as_ptr());
-            for kk in 0..kc {
-                let xs: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(xptr.add(kk * MR + v * 16)));
+            for p in 0..kp {
+                let xs: [__m512i; V] = std::array::from_fn(|v| _mm512_loadu_si512(xptr.add(p * MR + v * 16).cast()));
                 for (j, a) in acc.iter_mut().enumerate() {
-                    let b = _mm512_set1_ps(*wptr.add(j * kc + kk));
+                    let b = _mm512_set1_epi32(*wptr.add(j * kp + p) as i32);
                     for v in 0..V {
-                        a[v] = _mm512_fmadd_ps(xs[v], b, a[v]);
+                        a[v] = if BF16 {
+                            _mm512_dpbf16_ps(
+                                a[v],
+                                std::mem::transmute::<__m512i, __m512bh>(xs[v]),
+                                std::mem::transmute::<__m512i, __m512bh>(b),
+                            )
+                        } else {
+                            _mm512_fmadd_ps(_mm512_castsi512_ps(xs[v]), _mm512_castsi512_ps(b), a[v])
+                        };
                     }
                 }
             }
@@ -206,8 +396,34 @@ mod x86 {
             }
         }
     }
-}
 
+    /// `dst[i]` = the bf16 pair (low half: `src[2i]`, high half: `src[2i + 1]`, or 0
+    /// past the end), each rounded to nearest even.
+    ///
+    /// # Safety
+    /// avx512bf16 must be available; `dst.len() == src.len().div_ceil(2)`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn pack_bf16(src: &[f32], dst: &mut [u32]) {
+        debug_assert_eq!(dst.len(), src.len().div_ceil(2));
+        let mut i = 0;
+        // SAFETY: 32 values from i are in `src`, and their 16 lanes from i / 2 in `dst`.
+        unsafe {
+            while i + 32 <= src.len() {
+                let lo = _mm512_loadu_ps(src.as_ptr().add(i));
+                let hi = _mm512_loadu_ps(src.as_ptr().add(i + 16));
+                // The second operand fills the low 16 bf16 values.
+                let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(dst.as_mut_ptr().add(i / 2).cast(), packed);
+                i += 32;
+            }
+        }
+        let bits = |at: usize| src.get(at).map_or(0, |&v| half::bf16::from_f32(v).to_bits() as u32);
+        while i < src.len() {
+            dst[i / 2] = bits(i) | bits(i + 1) << 16;
+            i += 2;
+        }
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,8 +458,62 @@ mod tests {
             for (name, w) in [("f32", WSlice::F32(&w32)), ("f16", WSlice::F16(&w16)), ("bf16", WSlice::Bf16(&wb))] {
                 let want = naive(&x, &w.to_vec_f32(), m, n, k);
                 let mut out = vec![f32::NAN; m * n];
-                linear(&mut out, &x, w, m, n, k);
+                linear(&mut out, &x, w, m, n, k, Precision::F32);
                 assert_close(&out, &want, 2e-6 * (k as f32).sqrt() + 1e-5, &format!("m={m} n={n} k={k} {name}"));
+            }
+        }
+    }
+
+    fn round_bf16(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+    }
+
+    #[test]
+    fn bf16_products_are_those_of_the_operands_rounded_to_bf16() {
+        if !bf16_available() {
+            eprintln!("skipped: no AVX512-BF16 on this CPU (Precision::Bf16 runs as F32 here)");
+            return;
+        }
+        // Odd k (a zero-padded last pair), a short last block, every panel width.
+        for &(m, n, k) in &[(65, 7, 41), (100, 50, 256), (191, 49, 513), (64 * 3 + 48, 13, 301)] {
+            let mut rng = Rng((m * 7 + n * 3 + k) as u64);
+            let x = rng.vec(m * k);
+            let w32 = rng.vec(n * k);
+            let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
+            for (name, w) in [("f32", WSlice::F32(&w32)), ("f16", WSlice::F16(&w16))] {
+                let want = naive(&round_bf16(&x), &round_bf16(&w.to_vec_f32()), m, n, k);
+                let mut out = vec![f32::NAN; m * n];
+                linear(&mut out, &x, w, m, n, k, Precision::Bf16);
+                assert_close(&out, &want, 2e-6 * (k as f32).sqrt() + 1e-5, &format!("bf16 m={m} n={n} k={k} {name}"));
+                // And it is not the f32 result: the rounding is real.
+                let exact = naive(&x, &w.to_vec_f32(), m, n, k);
+                assert!(out.iter().zip(&exact).any(|(a, b)| (a - b).abs() > 1e-4), "{name}: no bf16 rounding seen");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_packing_rounds_to_nearest_even_and_pads_odd_rows() {
+        if !bf16_available() {
+            eprintln!("skipped: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let mut rng = Rng(5);
+        for len in [1, 2, 31, 32, 33, 64, 67] {
+            let mut src = rng.vec(len);
+            // Ties: 1 + 2^-8 rounds down to 1 (even), 1 + 3 * 2^-8 up to 1 + 2^-6.
+            src[0] = 1.0 + 1.0 / 256.0;
+            if len > 1 {
+                src[1] = 1.0 + 3.0 / 256.0;
+            }
+            let mut lanes = vec![u32::MAX; len.div_ceil(2)];
+            Bf16Pairs::pack(&src, &mut lanes);
+            for (i, &v) in src.iter().enumerate() {
+                let bits = (lanes[i / 2] >> (16 * (i % 2))) as u16;
+                assert_eq!(bits, bf16::from_f32(v).to_bits(), "len {len} value {i}");
+            }
+            if len % 2 == 1 {
+                assert_eq!(lanes[len / 2] >> 16, 0, "len {len}: the padding is not zero");
             }
         }
     }

@@ -827,7 +827,7 @@ mod tests {
             let cases = [1, 5, 8, 16, 17, 40, 70].map(|m| (m, 2 * kb)).into_iter().chain([(70, 10 * kb)]);
             for (m, k) in cases {
                 check_with(ty, m, 13, k, m as u64 * 7 + 1, &|out, x, w| {
-                    crate::ops::linear::linear(out, x, WSlice::Quant(ty, w), None, m, 13, k)
+                    crate::ops::linear::linear(out, x, WSlice::Quant(ty, w), None, m, 13, k, Default::default())
                 });
             }
         }
