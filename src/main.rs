@@ -307,8 +307,8 @@ struct GenerateArgs {
     /// to q8_0). A GGUF file's quantized tensors keep their formats.
     #[arg(long, value_name = "FORMAT")]
     quantize: Option<Quantize>,
-    /// KV cache dtype.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    /// KV cache dtype (f16 by default, as llama.cpp's; f32 or bf16).
+    #[arg(long, default_value = "f16", value_parser = parse_dtype)]
     kv_dtype: DType,
     /// Tokens per KV block.
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
@@ -371,8 +371,8 @@ struct BenchEngineArgs {
     /// Timed decode steps per batch size.
     #[arg(long, default_value_t = 8)]
     steps: usize,
-    /// KV cache dtype.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    /// KV cache dtype (f16 by default, as llama.cpp's; f32 or bf16).
+    #[arg(long, default_value = "f16", value_parser = parse_dtype)]
     kv_dtype: DType,
     /// Print one JSON object instead of a table.
     #[arg(long)]

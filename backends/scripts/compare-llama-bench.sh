@@ -3,29 +3,29 @@
 # dtype, in one run: for each file, thread count and length, `tessera bench engine` and
 # llama.cpp take turns (-r rounds), and the medians and their ratios are printed.
 #
-#   backends/scripts/compare-llama-bench.sh [-t "1 2"] [-r 3] [-p "128"] [-n 32] [-b 8] [-k f16] FILE.gguf...
+#   backends/scripts/compare-llama-bench.sh [-t "1 2"] [-r 3] [-p "128"] [-n 32] [-b 8] [-k f16] [-m bf16] FILE.gguf...
 #
 # For each length P of -p: prefill of a P-token prompt (llama-bench -p P), and decode of
 # n tokens at batch 1 after P tokens of context (llama-bench -n n -d P; tessera
 # `--context P --steps n`). With -b B, also decode at batch B after the first length's
 # context (llama-batched-bench -npp P -ntg n -npl B, its S_TG; tessera `--batch B`),
 # tokens/s summed over the batch. -k sets both engines' KV cache dtype (llama.cpp's
-# default is f16).
+# default is f16). -m sets Tessera's --matmul-precision (default f32).
 #
 # TESSERA: the tessera binary (default target/debug/tessera: kernels are built at
 # opt-level 3 in every profile). LLAMA_BIN: the directory holding llama-bench and
 # llama-batched-bench (default: on PATH; shared/tools/build-llama-server.sh builds them
 # into ~/.cache/tessera-ref/bin, run with LD_LIBRARY_PATH set to it).
 set -euo pipefail
-threads="1 2"; rounds=3; lengths=128; gen=32; batch=""; kv=f16
-while getopts "t:r:p:n:b:k:" o; do
+threads="1 2"; rounds=3; lengths=128; gen=32; batch=""; kv=f16; precision=f32
+while getopts "t:r:p:n:b:k:m:" o; do
   case $o in
     t) threads=$OPTARG;; r) rounds=$OPTARG;; p) lengths=$OPTARG;; n) gen=$OPTARG;;
-    b) batch=$OPTARG;; k) kv=$OPTARG;; *) exit 2;;
+    b) batch=$OPTARG;; k) kv=$OPTARG;; m) precision=$OPTARG;; *) exit 2;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { echo "usage: $0 [-t \"1 2\"] [-r 3] [-p \"128\"] [-n 32] [-b 8] [-k f16] FILE.gguf..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 [-t \"1 2\"] [-r 3] [-p \"128\"] [-n 32] [-b 8] [-k f16] [-m bf16] FILE.gguf..." >&2; exit 2; }
 tessera=${TESSERA:-target/debug/tessera}
 bin=${LLAMA_BIN:+$LLAMA_BIN/}
 out=$(mktemp)
@@ -39,7 +39,7 @@ for f in "$@"; do
         batches=1
         if [ -n "$batch" ] && [ $first = 1 ]; then batches="1,$batch"; fi
         "$tessera" bench engine --model "$f" --threads "$t" --batch "$batches" --prompt-len "$p" \
-          --context "$p" --steps "$gen" --kv-dtype "$kv" --json 2>/dev/null |
+          --context "$p" --steps "$gen" --kv-dtype "$kv" --matmul-precision "$precision" --json 2>/dev/null |
           python3 -c '
 import json, sys
 r = json.load(sys.stdin); f, t, p = sys.argv[1:4]
@@ -67,10 +67,11 @@ for line in sys.stdin:
     done
   done
 done
-python3 - "$out" "$gen" "$kv" <<'PY'
+python3 - "$out" "$gen" "$kv" "$precision" <<'PY'
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1])]
-print(f"tokens/s, medians of the rounds; decode: {sys.argv[2]} tokens after the context; KV cache {sys.argv[3]}")
+print(f"tokens/s, medians of the rounds; decode: {sys.argv[2]} tokens after the context; KV cache {sys.argv[3]}; "
+      f"Tessera's matmul precision {sys.argv[4]}")
 print(f"{'model':36} {'threads':>7} {'measure':>14} {'tessera':>9} {'llama.cpp':>9} {'ratio':>6}")
 for key in dict.fromkeys((r[0], r[1], r[2]) for r in rows):
     got = {e: [float(r[4]) for r in rows if (r[0], r[1], r[2]) == key and r[3] == e] for e in ("tessera", "llama.cpp")}

@@ -50,7 +50,7 @@ pub struct ClusterSpec {
     pub model: String,
     /// Weights dtype override; `None` keeps the checkpoint's.
     pub dtype: Option<DType>,
-    /// KV cache dtype, the default of every chip's [`ChipSpec::kv_dtype`] (default f32).
+    /// KV cache dtype, the default of every chip's [`ChipSpec::kv_dtype`] (default f16).
     pub kv_dtype: DType,
     /// KV block size in tokens, the default of every chip's [`ChipSpec::block_size`]
     /// (default 16, 1..=4096).

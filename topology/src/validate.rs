@@ -447,7 +447,7 @@ impl Checker<'_> {
         };
         let model = self.model(&cluster.model)?;
         let dtype = cluster.dtype.as_ref().map(|dtype| self.parse(dtype, "cluster.dtype")).transpose()?;
-        let kv_dtype = self.named(&cluster.kv_dtype, "cluster.kv_dtype", DType::F32)?;
+        let kv_dtype = self.named(&cluster.kv_dtype, "cluster.kv_dtype", DType::F16)?;
         let block_size = self.field(&cluster.block_size, "cluster.block_size", 16, in_range(1, MAX_BLOCK_SIZE))?;
 
         let router = self.router(raw.router.as_ref().map(Spanned::get_ref))?;

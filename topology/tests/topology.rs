@@ -645,14 +645,14 @@ fn defaults_and_values() {
         Err(e) => panic!("{e}"),
     };
     assert_eq!(spec.name, "default");
-    assert_eq!((spec.kv_dtype, spec.block_size, spec.dtype), (DType::F32, 16, None));
+    assert_eq!((spec.kv_dtype, spec.block_size, spec.dtype), (DType::F16, 16, None));
     assert_eq!(spec.gateway.host, "h0");
     assert_eq!(spec.gateway.listen.to_string(), "127.0.0.1:8000");
     assert_eq!((spec.supervisor.heartbeat_interval_ms, spec.supervisor.heartbeat_timeout_ms), (100, 1000));
     let c0 = &spec.hosts[0].chips[0];
     assert_eq!((c0.role, c0.memory_limit_bytes, c0.threads), (Role::Prefill, Some(512 << 20), 4));
     assert_eq!((c0.max_batch_tokens, c0.max_batch_seqs), (512, 64));
-    assert_eq!((c0.block_size, c0.kv_dtype, c0.kv_layout), (16, DType::F32, KvLayout::HeadMajor));
+    assert_eq!((c0.block_size, c0.kv_dtype, c0.kv_layout), (16, DType::F16, KvLayout::HeadMajor));
     let c1 = &spec.hosts[1].chips[0];
     assert_eq!((c1.role, &c1.backend), (Role::Decode, &Backend::Plugin(PathBuf::from("kernels/libx.so"))));
     assert_eq!(spec.hosts[0].transfer.to_string(), "127.0.0.1:7402");
