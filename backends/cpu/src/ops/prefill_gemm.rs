@@ -99,7 +99,8 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
 
 /// One arithmetic: how values are packed into 4-byte lanes and multiplied.
 trait Arith {
-    /// Columns per packed lane.
+    /// Columns per packed lane: 1 (f32 lanes, multiplied by FMAs) or 2 (bf16 pairs,
+    /// multiplied by `vdpbf16ps`).
     const COLS: usize;
     /// `dst[i]` = the lane of columns `[i * COLS, (i + 1) * COLS)` of `src` (a short
     /// last lane padded with zeros). `dst.len() == src.len().div_ceil(COLS)`.
@@ -117,7 +118,24 @@ trait Arith {
     /// AVX-512 (and the arithmetic's own feature) must be available; `xp` holds
     /// `kp * MR`, `wp` holds `kp * J` lanes, `tile` holds `(J - 1) * ld + 16 * vecs`
     /// values; `vecs` is 1 to 4.
-    unsafe fn kernel(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool);
+    unsafe fn kernel(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded contract.
+        unsafe {
+            if Self::COLS == 2 {
+                x86::kernel_bf16(vecs, xp, wp, kp, tile, ld, first)
+            } else {
+                x86::kernel_f32(vecs, xp, wp, kp, tile, ld, first)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "the AVX-512 GEMM runs on x86_64 only ({vecs} {} {} {kp} {} {ld} {first})",
+            xp.len(),
+            wp.len(),
+            tile.len()
+        )
+    }
 }
 
 struct F32Lanes;
@@ -134,20 +152,6 @@ impl Arith for F32Lanes {
         let dst: &mut [f32] = bytemuck::cast_slice_mut(&mut dst[..end - start]);
         w.to_f32(start, dst);
     }
-    unsafe fn kernel(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: forwarded contract.
-        unsafe {
-            x86::kernel_f32(vecs, xp, wp, kp, tile, ld, first)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!(
-            "the AVX-512 GEMM runs on x86_64 only ({vecs} {} {} {kp} {} {ld} {first})",
-            xp.len(),
-            wp.len(),
-            tile.len()
-        )
-    }
 }
 
 struct Bf16Pairs;
@@ -162,20 +166,6 @@ impl Arith for Bf16Pairs {
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("bf16 lanes are packed on x86_64 only ({} {})", src.len(), dst.len())
-    }
-    unsafe fn kernel(vecs: usize, xp: &[u32], wp: &[u32], kp: usize, tile: &mut [f32], ld: usize, first: bool) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: forwarded contract.
-        unsafe {
-            x86::kernel_bf16(vecs, xp, wp, kp, tile, ld, first)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!(
-            "the AVX-512 GEMM runs on x86_64 only ({vecs} {} {} {kp} {} {ld} {first})",
-            xp.len(),
-            wp.len(),
-            tile.len()
-        )
     }
 }
 
