@@ -14,8 +14,7 @@ use tessera_kernel_abi::*;
 
 use crate::device::Device;
 use crate::dtype::{DType, WSlice, WSliceMut, WType};
-use crate::error::KernelError;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::invalid;
 use crate::ops::prefill_gemm::{self, Precision};
 use crate::ops::{
@@ -293,7 +292,7 @@ pub unsafe extern "C" fn tk_device_set_matmul_precision(dev: *mut TkDevice, prec
                 ));
             }
             other => {
-                return Err(crate::invalid!(
+                return Err(invalid!(
                     "precision = {other} is none of TK_MATMUL_F32 ({TK_MATMUL_F32}) or TK_MATMUL_BF16 ({TK_MATMUL_BF16})"
                 ));
             }

@@ -55,8 +55,8 @@ const MC: usize = 512;
 /// (f32; half of that in bf16).
 const KC: usize = 256;
 
-/// The most packed activations (in 4-byte lanes) kept between calls: 64 MiB, a
-/// 2,048-token chunk of an 8,192-wide layer in f32. Longer ones are allocated for their
+/// The most packed activations (in 4-byte lanes) kept between calls: 64 MiB, a row
+/// block of `MC` rows of a 32,768-wide layer in f32. Wider ones are allocated for their
 /// call only.
 const KEEP_PACKED: usize = 16 << 20;
 
