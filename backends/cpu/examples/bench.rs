@@ -1,6 +1,6 @@
 //! Throughput of the hot ops through the exported ABI, against STREAM copy and a
 //! large f32 GEMM. Run: `cargo run --release -p tessera-kernels-cpu --example bench
-//! [gemv|linear|attention]` (no argument: all sections).
+//! [gemv|linear|attention|decode-attention]` (no argument: all sections).
 // It calls the library's C ABI exports directly, as a loader would.
 #![allow(unsafe_code)]
 
@@ -194,6 +194,71 @@ fn main() {
                 // SAFETY: allocated above, freed once.
                 unsafe { tk_free(dev, b.buf) };
             }
+        }
+    }
+    // Decode attention of one sequence (batch 1) and of 8, 32/8 heads of 64, f16 cache
+    // in blocks of 16, at the contexts the engine is compared at: bytes of K and V read
+    // per call against STREAM copy.
+    for &(seqs, ctx) in &[(1usize, 512usize), (1, 2048), (1, 8192), (8, 2048)] {
+        if !run("decode-attention") {
+            break;
+        }
+        let (h, kvh, hd, bs, es) = (32usize, 8usize, 64usize, 16usize, 2usize);
+        let per_seq = ctx.div_ceil(bs);
+        let nb = seqs * per_seq;
+        let (kc, vc) = (alloc(dev, nb * kvh * bs * hd * es), alloc(dev, nb * kvh * bs * hd * es));
+        let cache = TkKvCache {
+            k: kc,
+            v: vc,
+            dtype: TK_DTYPE_F16,
+            num_blocks: nb as u32,
+            block_size: bs as u32,
+            num_kv_heads: kvh as u32,
+            head_dim: hd as u32,
+            layout: TK_KV_LAYOUT_HEAD_MAJOR,
+        };
+        let (bt, cl) = (alloc(dev, nb * 4), alloc(dev, seqs * 4));
+        let table: Vec<i32> = (0..nb as i32).collect();
+        let lens = vec![ctx as i32; seqs];
+        // SAFETY: valid buffers and host sources of the buffers' sizes.
+        unsafe {
+            assert_eq!(tk_copy_h2d(dev, bt, table.as_ptr().cast(), (nb * 4) as u64), TK_OK);
+            assert_eq!(tk_copy_h2d(dev, cl, lens.as_ptr().cast(), (seqs * 4) as u64), TK_OK);
+        }
+        let (o, q) = (alloc(dev, seqs * h * hd * 4), alloc(dev, seqs * h * hd * 4));
+        let bytes = 2.0 * (seqs * ctx * kvh * hd * es) as f64;
+        let t = time(
+            || {
+                assert_eq!(
+                    // SAFETY: valid device, buffers of the right size, a cache and tables built above.
+                    unsafe {
+                        tk_paged_decode_attention(
+                            dev,
+                            o,
+                            q,
+                            &cache,
+                            bt,
+                            cl,
+                            seqs as u32,
+                            per_seq as u32,
+                            h as u32,
+                            0.125,
+                        )
+                    },
+                    TK_OK
+                )
+            },
+            ((2e9 / bytes) as usize).max(20),
+        );
+        let bw = bytes / t / 1e9;
+        println!(
+            "decode attention f16 {seqs} x {ctx} tok {h}/{kvh} heads hd {hd}: {:.3} ms, {bw:.1} GB/s of K and V ({:.0}% of STREAM copy)",
+            t * 1e3,
+            bw / stream * 100.0
+        );
+        for b in [kc, vc, bt, cl, o, q] {
+            // SAFETY: allocated above, freed once.
+            unsafe { tk_free(dev, b.buf) };
         }
     }
     // SAFETY: valid device.

@@ -12,6 +12,12 @@ use crate::ops::prefill_gemm::Precision;
 
 /// Alignment of every allocation.
 pub const ALIGN: usize = 64;
+/// Allocations from this size on are mapped on their own, 2 MiB aligned and advised to
+/// the kernel as transparent huge pages: a decode step streams every weight once, and
+/// with 4 KiB pages it walks the page tables once per 4 KiB (bench model, f16 GEMV on
+/// 2 cores: 40 -> 42 GB/s median of 8 runs each, taken in turns).
+#[cfg(target_os = "linux")]
+pub const HUGE: usize = 2 << 20;
 /// The most threads a device may be configured with.
 pub const MAX_THREADS: u32 = 4096;
 
@@ -28,6 +34,9 @@ pub struct BufferEntry {
     pub len: usize,
     /// Wrapped caller memory: never written, never freed by us.
     pub read_only: bool,
+    /// Bytes of the buffer's own mapping at `addr` (a huge-page allocation), or 0 when
+    /// it came from the heap.
+    pub mapped: usize,
 }
 
 pub struct Device {
@@ -119,9 +128,13 @@ impl Device {
             )));
         }
         let len = bytes as usize;
-        let layout = layout(len)?;
-        // SAFETY: the layout has non-zero size (at least 1 byte).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let (ptr, mapped) = match huge::map(len) {
+            Some(m) => m,
+            None => {
+                // SAFETY: the layout has non-zero size (at least 1 byte).
+                (unsafe { std::alloc::alloc_zeroed(layout(len)?) }, 0)
+            }
+        };
         if ptr.is_null() {
             return Err(KernelError::OutOfMemory(format!(
                 "the system refused {bytes} bytes ({used} of {limit} bytes in use)",
@@ -129,7 +142,7 @@ impl Device {
             )));
         }
         *used += bytes;
-        Ok(self.register(BufferEntry { addr: ptr as usize, len, read_only: false }))
+        Ok(self.register(BufferEntry { addr: ptr as usize, len, read_only: false, mapped }))
     }
 
     /// Registers caller memory as a read-only buffer and returns its handle id.
@@ -139,7 +152,7 @@ impl Device {
         if addr.checked_add(len).is_none() {
             return Err(crate::invalid!("host {addr:#x} + {bytes} bytes overflows"));
         }
-        Ok(self.register(BufferEntry { addr, len, read_only: true }))
+        Ok(self.register(BufferEntry { addr, len, read_only: true, mapped: 0 }))
     }
 
     fn register(&self, entry: BufferEntry) -> usize {
@@ -169,7 +182,11 @@ impl Device {
         if e.read_only {
             return;
         }
-        if let Ok(layout) = layout(e.len) {
+        if e.mapped > 0 {
+            // SAFETY: `e` came from `huge::map` with this address and length and was
+            // removed from the registry, so it is unmapped once.
+            unsafe { huge::unmap(e.addr as *mut u8, e.mapped) };
+        } else if let Ok(layout) = layout(e.len) {
             // SAFETY: `e` came from `alloc` with exactly this layout and was removed
             // from the registry, so it is freed once.
             unsafe { std::alloc::dealloc(e.addr as *mut u8, layout) };
@@ -179,6 +196,73 @@ impl Device {
     }
 }
 
+/// Large allocations as their own anonymous mappings (zeroed by the kernel), aligned to
+/// 2 MiB and advised as transparent huge pages.
+#[cfg(target_os = "linux")]
+mod huge {
+    use super::HUGE;
+
+    /// `(address, mapped length)` of a new zeroed mapping of at least `len` bytes, or
+    /// None below [`HUGE`] or when the system refuses (the caller falls back to the
+    /// heap).
+    pub fn map(len: usize) -> Option<(*mut u8, usize)> {
+        if len < HUGE {
+            return None;
+        }
+        let size = len.checked_next_multiple_of(HUGE)?;
+        let span = size.checked_add(HUGE)?;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                span,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        let base = base as usize;
+        let start = base.next_multiple_of(HUGE);
+        // SAFETY: the head and tail are parts of the mapping just made, outside
+        // [start, start + size), and nothing refers to them.
+        unsafe {
+            if start > base {
+                libc::munmap(base as *mut libc::c_void, start - base);
+            }
+            let tail = start + size;
+            if base + span > tail {
+                libc::munmap(tail as *mut libc::c_void, base + span - tail);
+            }
+            // Advice only: where transparent huge pages are off, 4 KiB pages serve.
+            libc::madvise(start as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
+        }
+        Some((start as *mut u8, size))
+    }
+
+    /// # Safety
+    /// `(addr, size)` must come from [`map`], unmapped once, with no references left.
+    pub unsafe fn unmap(addr: *mut u8, size: usize) {
+        // SAFETY: forwarded contract.
+        unsafe { libc::munmap(addr.cast(), size) };
+    }
+}
+
+/// Elsewhere every allocation comes from the heap.
+#[cfg(not(target_os = "linux"))]
+mod huge {
+    pub fn map(_len: usize) -> Option<(*mut u8, usize)> {
+        None
+    }
+
+    /// # Safety
+    /// Never called: `map` maps nothing.
+    pub unsafe fn unmap(_addr: *mut u8, _size: usize) {}
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         let entries: Vec<BufferEntry> =
@@ -186,5 +270,40 @@ impl Drop for Device {
         for e in entries {
             self.release(e);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_buffers_are_their_own_zeroed_mappings_and_are_accounted() {
+        let d = Device::new(1, 64 << 20).unwrap();
+        // Below, at and beyond the huge-page size: zeroed, aligned, writable end to end.
+        for bytes in [100usize, 2 << 20, (3 << 20) + 5] {
+            let id = d.alloc(bytes as u64).unwrap();
+            let e = d.lookup(id).unwrap();
+            assert_eq!(e.len, bytes);
+            assert!(e.addr.is_multiple_of(ALIGN));
+            #[cfg(target_os = "linux")]
+            if bytes >= HUGE {
+                assert!(e.addr.is_multiple_of(HUGE) && e.mapped >= bytes && e.mapped.is_multiple_of(HUGE), "{e:?}");
+            } else {
+                assert_eq!(e.mapped, 0);
+            }
+            // SAFETY: the buffer is `bytes` long and owned by `d` until freed below.
+            let mem = unsafe { std::slice::from_raw_parts_mut(e.addr as *mut u8, bytes) };
+            assert!(mem.iter().all(|&b| b == 0));
+            mem[bytes - 1] = 7;
+            mem[0] = 9;
+            assert_eq!(d.used_bytes(), bytes as u64);
+            assert!(d.free(id));
+            assert_eq!(d.used_bytes(), 0);
+            assert!(!d.free(id));
+        }
+        // Buffers still live when the device goes are released with it.
+        d.alloc(5 << 20).unwrap();
+        drop(d);
     }
 }
