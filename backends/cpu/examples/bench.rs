@@ -1,6 +1,6 @@
 //! Throughput of the hot ops through the exported ABI, against STREAM copy and a
 //! large f32 GEMM. Run: `cargo run --release -p tessera-kernels-cpu --example bench
-//! [gemv|linear|attention|decode-attention]` (no argument: all sections).
+//! [gemv|linear [MxNxK,...]|attention|decode-attention]` (no argument: all sections).
 // It calls the library's C ABI exports directly, as a loader would.
 #![allow(unsafe_code)]
 
@@ -67,6 +67,17 @@ fn main() {
     println!("tk_linear f32 2048^3: {big:.1} GFLOP/s");
 
     let section = std::env::args().nth(1);
+    // `linear` takes its shapes as a second argument, `MxNxK,...`.
+    let linear_shapes: Vec<(usize, usize, usize)> = match std::env::args().nth(2) {
+        Some(list) => list
+            .split(',')
+            .map(|t| match t.split('x').map(str::parse).collect::<Result<Vec<usize>, _>>().as_deref() {
+                Ok(&[m, n, k]) => (m, n, k),
+                _ => panic!("linear shapes are MxNxK,...: {t:?}"),
+            })
+            .collect(),
+        None => vec![(32, 2048, 2048), (32, 8192, 2048), (512, 2048, 2048), (512, 8192, 2048)],
+    };
     let run = |name: &str| section.as_deref().is_none_or(|s| s == name);
 
     // GEMV.
@@ -117,8 +128,7 @@ fn main() {
         if !run("linear") {
             break;
         }
-        for &(m, n) in &[(32usize, 2048usize), (32, 8192), (512, 2048), (512, 8192)] {
-            let k = 2048usize;
+        for &(m, n, k) in &linear_shapes {
             let es = if dt == TK_DTYPE_F32 { 4 } else { 2 };
             let (o, x, w) = (alloc(dev, m * n * 4), alloc(dev, m * k * 4), alloc(dev, n * k * es));
             let t = time(
