@@ -39,6 +39,22 @@ pub fn gemv_max_m() -> usize {
     if has_avx512() { 8 } else { 4 }
 }
 
+/// The L1 data cache of the first CPU in bytes (from sysfs), or 32 KiB where it cannot
+/// be read.
+pub fn l1d_bytes() -> usize {
+    let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    let read = |index: &str, file: &str| std::fs::read_to_string(dir.join(index).join(file)).ok();
+    (0..8)
+        .map(|i| format!("index{i}"))
+        .find(|i| {
+            read(i, "level").as_deref().map(str::trim) == Some("1")
+                && read(i, "type").as_deref().map(str::trim) == Some("Data")
+        })
+        .and_then(|i| read(&i, "size"))
+        .and_then(|s| s.trim().strip_suffix('K').and_then(|k| k.parse::<usize>().ok()))
+        .map_or(32 << 10, |k| k << 10)
+}
+
 /// f16 -> f32 conversion of a slice.
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
@@ -318,10 +334,15 @@ mod x512 {
     const PREFETCH_AHEAD_BYTES: usize = 8192;
 
     /// Columns from which one activation row is read for several weight rows at a time:
-    /// beyond 16 KiB of f32 activations the row no longer stays in L1 beside the
-    /// streaming weights, and reading it again from L2 for every weight row cost a
-    /// quarter of the bandwidth (measured on 2048 x 8192 f16: 16 vs 22 GB/s on 1 core).
-    const SHARED_X_COLS: usize = 4096;
+    /// beyond two thirds of the L1 data cache in f32 activations, the row no longer stays
+    /// in L1 beside the streaming weights, and reading it again from L2 for every weight
+    /// row cost a quarter of the bandwidth (32 KiB L1, 2048 x 8192 f16: 16 vs 22 GB/s on
+    /// 1 core). Below that one row at a time is the faster (48 KiB L1, 8192 x 4096 f16
+    /// on 2 cores: 145 vs 100 GB/s from cache; DRAM, 2048 x 8192: 41 vs 39 GB/s).
+    fn shared_x_cols() -> usize {
+        static COLS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *COLS.get_or_init(|| crate::simd::l1d_bytes() * 2 / 3 / 4)
+    }
 
     macro_rules! gemv512 {
         ($name:ident, $inner:ident, $t:ty, $load:expr, $scalar:expr) => {
@@ -424,7 +445,7 @@ mod x512 {
                 // plus activation vectors within the 32 vector registers.
                 unsafe {
                     match m {
-                        1 if k < SHARED_X_COLS => $inner::<1, 1, 4>(w, row0, rows, x, k, out),
+                        1 if k <= shared_x_cols() => $inner::<1, 1, 4>(w, row0, rows, x, k, out),
                         1 => $inner::<1, 4, 1>(w, row0, rows, x, k, out),
                         2 => $inner::<2, 4, 1>(w, row0, rows, x, k, out),
                         3 => $inner::<3, 4, 1>(w, row0, rows, x, k, out),
@@ -470,6 +491,20 @@ mod x512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn l1_data_cache_size_is_read_or_defaulted() {
+        let b = l1d_bytes();
+        assert!((8 << 10..=4 << 20).contains(&b) && b.is_multiple_of(1 << 10), "{b}");
+        let read = |f: &str| std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index0/{f}"));
+        if let (Ok(level), Ok(kind), Ok(size)) = (read("level"), read("type"), read("size"))
+            && level.trim() == "1"
+            && kind.trim() == "Data"
+            && size.trim().ends_with('K')
+        {
+            assert_eq!(format!("{}K", b >> 10), size.trim());
+        }
+    }
     use crate::ops::testutil::{Rng, assert_close};
 
     /// Every SIMD GEMV this CPU can run, called directly (the dispatcher alone would
