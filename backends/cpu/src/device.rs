@@ -13,9 +13,12 @@ use crate::ops::prefill_gemm::Precision;
 /// Alignment of every allocation.
 pub const ALIGN: usize = 64;
 /// Allocations from this size on are mapped on their own, 2 MiB aligned and advised to
-/// the kernel as transparent huge pages: a decode step streams every weight once, and
-/// with 4 KiB pages it walks the page tables once per 4 KiB (bench model, f16 GEMV on
-/// 2 cores: 40 -> 42 GB/s median of 8 runs each, taken in turns).
+/// the kernel as transparent huge pages: the KV cache, weights converted or quantized at
+/// load, and the step buffers are streamed whole, and with 4 KiB pages every 4 KiB
+/// costs a page walk (an f16 GEMV from DRAM on this round's 2 cores: 40 -> 42 GB/s,
+/// medians of 8 runs taken in turns). Weights used as stored are the model file's own
+/// mapping, which the kernel backs with huge pages itself where the file system can.
+/// The memory limit counts the bytes asked for, not the rounding up to 2 MiB.
 #[cfg(target_os = "linux")]
 pub const HUGE: usize = 2 << 20;
 /// The most threads a device may be configured with.

@@ -491,6 +491,7 @@ mod x512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::testutil::{Rng, assert_close};
 
     #[test]
     fn l1_data_cache_size_is_read_or_defaulted() {
@@ -505,7 +506,6 @@ mod tests {
             assert_eq!(format!("{}K", b >> 10), size.trim());
         }
     }
-    use crate::ops::testutil::{Rng, assert_close};
 
     /// Every SIMD GEMV this CPU can run, called directly (the dispatcher alone would
     /// only ever exercise the widest one), against the portable kernel.

@@ -283,9 +283,8 @@ struct PartState<'a> {
 /// (sequence, kv head)'s context is cut into parts of [`DECODE_PART`] tokens, attended
 /// in parallel (a part reads each of its K and V blocks once: on AVX-512 each row
 /// straight from the cache for every query head of the group, elsewhere converted to
-/// f32 a block at a time), and the parts of a head
-/// are merged in order at the end (flash-decoding): a long context keeps every thread
-/// busy even at batch 1.
+/// f32 a block at a time), and the parts of a head are merged in order at the end
+/// (flash-decoding): a long context keeps every thread busy even at batch 1.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     out: &mut [f32],
