@@ -508,7 +508,7 @@ fn merge_parts(states: &[f32], group: usize, hd: usize, o: &mut [f32]) {
 mod x512 {
     use std::arch::x86_64::*;
 
-    use super::KvView;
+    use super::{KvGeom, KvView};
     use crate::dtype::WSlice;
 
     /// f32, f16 and bf16 storage (the `DT` parameter below).
@@ -626,7 +626,7 @@ mod x512 {
         scores: &mut [f32],
     ) {
         let g = kv.geom;
-        let (hd, bs) = (g.head_dim, g.block_size);
+        let hd = g.head_dim;
         let (n, group) = (end - start, qh.len() / hd);
         debug_assert!(hd == 16 * HV && scores.len() >= group * n);
         let sp = scores.as_mut_ptr();
@@ -645,17 +645,7 @@ mod x512 {
                         }
                     })
                 });
-                let mut pos = start;
-                let fetch = |at: usize| {
-                    if g0 == 0 && at < end {
-                        g.prefetch_head_rows(kv.k, table[at / bs] as usize, kvh, bs.min(end - at));
-                    }
-                };
-                // One block ahead (measured: 2, 4 or 8 ahead are no faster).
-                fetch(pos);
-                while pos < end {
-                    let (block, rows, off) = (table[pos / bs] as usize, bs.min(end - pos), pos - start);
-                    fetch(pos + bs);
+                blocks(kv.k, &g, table, kvh, start, end, g0 == 0, |block, rows, off| {
                     let mut r = 0;
                     // Four tokens at a time where their rows fit in registers: each head's
                     // four dot products are reduced together.
@@ -692,9 +682,39 @@ mod x512 {
                             }
                         }
                     }
-                    pos += bs;
-                }
+                });
             }
+        }
+    }
+
+    /// Calls `f(block, rows, off)` for the cache blocks of tokens `start..end` (`start` on
+    /// a block boundary) in order, `off` being the block's first token less `start`; when
+    /// `fetch`, each block's rows of kv head `kvh` in `src` are asked for one block ahead
+    /// (measured: 2, 4 or 8 blocks ahead are no faster).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        src: WSlice,
+        g: &KvGeom,
+        table: &[i32],
+        kvh: usize,
+        start: usize,
+        end: usize,
+        fetch: bool,
+        mut f: impl FnMut(usize, usize, usize),
+    ) {
+        let bs = g.block_size;
+        let ask = |at: usize| {
+            if fetch && at < end {
+                g.prefetch_head_rows(src, table[at / bs] as usize, kvh, bs.min(end - at));
+            }
+        };
+        ask(start);
+        let mut pos = start;
+        while pos < end {
+            ask(pos + bs);
+            f(table[pos / bs] as usize, bs.min(end - pos), pos - start);
+            pos += bs;
         }
     }
 
@@ -725,7 +745,7 @@ mod x512 {
         acc_out: &mut [f32],
     ) {
         let g = kv.geom;
-        let (hd, bs) = (g.head_dim, g.block_size);
+        let hd = g.head_dim;
         let (n, group) = (end - start, acc_out.len() / hd);
         debug_assert!(hd == 16 * HV && p.len() >= group * n);
         let pp = p.as_ptr();
@@ -735,17 +755,7 @@ mod x512 {
             for g0 in (0..group).step_by(G) {
                 let gc = G.min(group - g0);
                 let mut acc = [[_mm512_setzero_ps(); HV]; G];
-                let mut pos = start;
-                let fetch = |at: usize| {
-                    if g0 == 0 && at < end {
-                        g.prefetch_head_rows(kv.v, table[at / bs] as usize, kvh, bs.min(end - at));
-                    }
-                };
-                // One block ahead (measured: 2, 4 or 8 ahead are no faster).
-                fetch(pos);
-                while pos < end {
-                    let (block, rows, off) = (table[pos / bs] as usize, bs.min(end - pos), pos - start);
-                    fetch(pos + bs);
+                blocks(kv.v, &g, table, kvh, start, end, g0 == 0, |block, rows, off| {
                     for r in 0..rows {
                         let row = base.add(g.index(block, kvh, r) * es);
                         let v: [__m512; HV] = std::array::from_fn(|i| load16::<DT>(row.add(16 * i * es)));
@@ -758,8 +768,7 @@ mod x512 {
                             }
                         }
                     }
-                    pos += bs;
-                }
+                });
                 for (c, ac) in acc.iter().enumerate().take(gc) {
                     for (i, a) in ac.iter().enumerate() {
                         _mm512_storeu_ps(acc_out.as_mut_ptr().add((g0 + c) * hd + 16 * i), *a);
