@@ -678,7 +678,10 @@ mod x512 {
                                 for i in 1..HV {
                                     a = _mm512_fmadd_ps(k[i], qc[i], a);
                                 }
-                                *sp.add((g0 + c) * n + off + r) = _mm512_reduce_add_ps(a) * scale;
+                                // The four-token reduction's lane 0: a token's score
+                                // never depends on which tokens share its block, so
+                                // caches of other block sizes give the same bits.
+                                *sp.add((g0 + c) * n + off + r) = _mm_cvtss_f32(reduce4([a; 4])) * scale;
                             }
                         }
                     }
@@ -1049,6 +1052,30 @@ mod tests {
                 run(&Case { h: 8, kvh: 1, hd, bs, ctx, qlen: vec![1, 1, 1], dtype, layout, seed: 13 });
             }
         }
+    }
+
+    #[test]
+    fn decode_is_bit_identical_across_block_sizes_and_layouts() {
+        // A disaggregated decode chip may hold the same context in blocks of another size
+        // and layout; its result must be the same bits (f32 cache: the transfer is exact).
+        let (h, kvh, hd, ctx) = (8usize, 2usize, 64usize, 23usize);
+        let mut rng = Rng(31);
+        let (k, v, q) = (rng.vec(ctx * kvh * hd), rng.vec(ctx * kvh * hd), rng.vec(h * hd));
+        let mut outs = Vec::new();
+        for (bs, layout) in [(4, KvLayout::HeadMajor), (3, KvLayout::TokenMajor), (16, KvLayout::HeadMajor)] {
+            let blocks = ctx.div_ceil(bs);
+            let geom = KvGeom { num_blocks: blocks, block_size: bs, num_kv_heads: kvh, head_dim: hd, layout };
+            let (mut kc, mut vc) = (vec![0.0f32; geom.elems().unwrap()], vec![0.0f32; geom.elems().unwrap()]);
+            let table: Vec<i32> = (0..blocks as i32).rev().collect();
+            let slots: Vec<i32> = (0..ctx).map(|p| table[p / bs] * bs as i32 + (p % bs) as i32).collect();
+            fill_kv_cache(&mut WSliceMut::F32(&mut kc), &mut WSliceMut::F32(&mut vc), &geom, &k, &v, &slots, ctx)
+                .unwrap();
+            let view = KvView { k: WSlice::F32(&kc), v: WSlice::F32(&vc), geom };
+            let mut out = vec![0.0f32; h * hd];
+            paged_decode_attention(&mut out, &q, &view, &table, &[ctx as i32], 1, blocks, h, 0.125).unwrap();
+            outs.push(out);
+        }
+        assert!(outs.iter().all(|o| o.iter().map(|x| x.to_bits()).eq(outs[0].iter().map(|x| x.to_bits()))));
     }
 
     #[test]
