@@ -387,13 +387,14 @@ fn attend_part(
     scores.resize(group * n, 0.0);
     #[cfg(target_arch = "x86_64")]
     if x512::usable(kv) {
+        let part = x512::Part { kv, table, kvh, start, end };
         // SAFETY: `usable` checked AVX-512, the head size and the storage type; the
         // caller validated the block table against the cache for tokens up to `end`,
         // `qh` holds `group` heads and `scores` `group * n` values.
-        unsafe { x512::scores(kv, table, kvh, start, end, qh, scale, scores) };
+        unsafe { x512::scores(&part, qh, scale, scores) };
         softmax_rows(scores, n, &mut st);
         // SAFETY: as above; `st.acc` holds `group` heads.
-        unsafe { x512::values(kv, table, kvh, start, end, scores, st.acc) };
+        unsafe { x512::values(&part, scores, st.acc) };
         return;
     }
     let blocks = (start..end).step_by(bs).map(|pos| (pos - start, bs.min(end - pos), table[pos / bs] as usize));
@@ -508,7 +509,7 @@ fn merge_parts(states: &[f32], group: usize, hd: usize, o: &mut [f32]) {
 mod x512 {
     use std::arch::x86_64::*;
 
-    use super::{KvGeom, KvView};
+    use super::KvView;
     use crate::dtype::WSlice;
 
     /// f32, f16 and bf16 storage (the `DT` parameter below).
@@ -532,7 +533,40 @@ mod x512 {
             WSlice::F32(s) => (s.as_ptr().cast(), F32, 4),
             WSlice::F16(s) => (s.as_ptr().cast(), F16, 2),
             WSlice::Bf16(s) => (s.as_ptr().cast(), BF16, 2),
-            WSlice::Quant(_, b) => (b.as_ptr(), u8::MAX, 1),
+            WSlice::Quant(..) => unreachable!("`usable` refuses block formats"),
+        }
+    }
+
+    /// One part of a decode: tokens `start..end` (`start` on a block boundary) of kv
+    /// head `kvh`, in the cache blocks `table` of its sequence.
+    pub struct Part<'a> {
+        pub kv: &'a KvView<'a>,
+        pub table: &'a [i32],
+        pub kvh: usize,
+        pub start: usize,
+        pub end: usize,
+    }
+
+    impl Part<'_> {
+        /// Calls `f(block, rows, off)` for the part's cache blocks in order, `off` being
+        /// the block's first token less `start`; when `fetch`, each block's rows of `src`
+        /// are asked for one block ahead (measured: 2, 4 or 8 blocks ahead are no faster).
+        #[inline(always)]
+        fn blocks(&self, src: WSlice, fetch: bool, mut f: impl FnMut(usize, usize, usize)) {
+            let (g, end) = (&self.kv.geom, self.end);
+            let bs = g.block_size;
+            let ask = |at: usize| {
+                if fetch && at < end {
+                    g.prefetch_head_rows(src, self.table[at / bs] as usize, self.kvh, bs.min(end - at));
+                }
+            };
+            ask(self.start);
+            let mut pos = self.start;
+            while pos < end {
+                ask(pos + bs);
+                f(self.table[pos / bs] as usize, bs.min(end - pos), pos - self.start);
+                pos += bs;
+            }
         }
     }
 
@@ -551,7 +585,7 @@ mod x512 {
     }
 
     /// Calls `$f::<DT, HV, G>` for the cache's storage type and head size, with `G`
-    /// heads per chunk (16 accumulator registers of `HV` vectors per head).
+    /// heads per chunk (`G` heads of `HV` vectors: at most 16 accumulator registers).
     macro_rules! dispatch {
         ($f:ident, $w:expr, $hd:expr, ($($arg:expr),*)) => {{
             let (base, dt, es) = storage($w);
@@ -581,23 +615,12 @@ mod x512 {
     /// `[group][head_dim]`) over tokens `start..end` (`n` of them) of kv head `kvh`.
     ///
     /// # Safety
-    /// [`usable`] holds for `kv`; `table` covers every block of tokens `0..end` with
-    /// entries validated against the cache; `qh` holds `group` heads and `scores`
-    /// `group * n` values (`group = qh.len() / head_dim`).
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn scores(
-        kv: &KvView,
-        table: &[i32],
-        kvh: usize,
-        start: usize,
-        end: usize,
-        qh: &[f32],
-        scale: f32,
-        scores: &mut [f32],
-    ) {
-        let hd = kv.geom.head_dim;
+    /// [`usable`] holds for the part's cache; its `table` covers every block of tokens
+    /// `0..end` with entries validated against the cache; `qh` holds `group` heads and
+    /// `scores` `group * n` values (`group = qh.len() / head_dim`).
+    pub unsafe fn scores(part: &Part, qh: &[f32], scale: f32, scores: &mut [f32]) {
         // SAFETY: forwarded contract.
-        unsafe { dispatch!(scores_pass, kv.k, hd, (kv, table, kvh, start, end, qh, scale, scores)) }
+        unsafe { dispatch!(scores_pass, part.kv.k, part.kv.geom.head_dim, (part, qh, scale, scores)) }
     }
 
     /// `acc[gi] = Σ_t p[gi * n + t] · v[start + t]` for the group's heads over tokens
@@ -605,29 +628,23 @@ mod x512 {
     ///
     /// # Safety
     /// As [`scores`], with `p` holding `group * n` values and `acc` `group` heads.
-    pub unsafe fn values(kv: &KvView, table: &[i32], kvh: usize, start: usize, end: usize, p: &[f32], acc: &mut [f32]) {
-        let hd = kv.geom.head_dim;
+    pub unsafe fn values(part: &Part, p: &[f32], acc: &mut [f32]) {
         // SAFETY: forwarded contract.
-        unsafe { dispatch!(values_pass, kv.v, hd, (kv, table, kvh, start, end, p, acc)) }
+        unsafe { dispatch!(values_pass, part.kv.v, part.kv.geom.head_dim, (part, p, acc)) }
     }
 
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     unsafe fn scores_pass<const DT: u8, const HV: usize, const G: usize>(
         base: *const u8,
         es: usize,
-        kv: &KvView,
-        table: &[i32],
-        kvh: usize,
-        start: usize,
-        end: usize,
+        part: &Part,
         qh: &[f32],
         scale: f32,
         scores: &mut [f32],
     ) {
-        let g = kv.geom;
+        let (g, kvh) = (part.kv.geom, part.kvh);
         let hd = g.head_dim;
-        let (n, group) = (end - start, qh.len() / hd);
+        let (n, group) = (part.end - part.start, qh.len() / hd);
         debug_assert!(hd == 16 * HV && scores.len() >= group * n);
         let sp = scores.as_mut_ptr();
         // SAFETY: (whole function) token rows are read at cache indices from
@@ -645,7 +662,7 @@ mod x512 {
                         }
                     })
                 });
-                blocks(kv.k, &g, table, kvh, start, end, g0 == 0, |block, rows, off| {
+                part.blocks(part.kv.k, g0 == 0, |block, rows, off| {
                     let mut r = 0;
                     // Four tokens at a time where their rows fit in registers: each head's
                     // four dot products are reduced together.
@@ -656,13 +673,7 @@ mod x512 {
                         });
                         for (c, qc) in q.iter().enumerate() {
                             if c < gc {
-                                let a: [__m512; 4] = std::array::from_fn(|j| {
-                                    let mut a = _mm512_mul_ps(k[j][0], qc[0]);
-                                    for i in 1..HV {
-                                        a = _mm512_fmadd_ps(k[j][i], qc[i], a);
-                                    }
-                                    a
-                                });
+                                let a: [__m512; 4] = std::array::from_fn(|j| dot(&k[j], qc));
                                 let sums = _mm_mul_ps(reduce4(a), _mm_set1_ps(scale));
                                 _mm_storeu_ps(sp.add((g0 + c) * n + off + r), sums);
                             }
@@ -674,10 +685,7 @@ mod x512 {
                         let k: [__m512; HV] = std::array::from_fn(|i| load16::<DT>(row.add(16 * i * es)));
                         for (c, qc) in q.iter().enumerate() {
                             if c < gc {
-                                let mut a = _mm512_mul_ps(k[0], qc[0]);
-                                for i in 1..HV {
-                                    a = _mm512_fmadd_ps(k[i], qc[i], a);
-                                }
+                                let a = dot(&k, qc);
                                 // The four-token reduction's lane 0: a token's score
                                 // never depends on which tokens share its block, so
                                 // caches of other block sizes give the same bits.
@@ -690,35 +698,16 @@ mod x512 {
         }
     }
 
-    /// Calls `f(block, rows, off)` for the cache blocks of tokens `start..end` (`start` on
-    /// a block boundary) in order, `off` being the block's first token less `start`; when
-    /// `fetch`, each block's rows of kv head `kvh` in `src` are asked for one block ahead
-    /// (measured: 2, 4 or 8 blocks ahead are no faster).
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn blocks(
-        src: WSlice,
-        g: &KvGeom,
-        table: &[i32],
-        kvh: usize,
-        start: usize,
-        end: usize,
-        fetch: bool,
-        mut f: impl FnMut(usize, usize, usize),
-    ) {
-        let bs = g.block_size;
-        let ask = |at: usize| {
-            if fetch && at < end {
-                g.prefetch_head_rows(src, table[at / bs] as usize, kvh, bs.min(end - at));
-            }
-        };
-        ask(start);
-        let mut pos = start;
-        while pos < end {
-            ask(pos + bs);
-            f(table[pos / bs] as usize, bs.min(end - pos), pos - start);
-            pos += bs;
+    /// The lane products of a K row and a query, summed over the row's vectors (one
+    /// vector of partial dot products).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn dot<const HV: usize>(k: &[__m512; HV], q: &[__m512; HV]) -> __m512 {
+        let mut a = _mm512_mul_ps(k[0], q[0]);
+        for i in 1..HV {
+            a = _mm512_fmadd_ps(k[i], q[i], a);
         }
+        a
     }
 
     /// The lane sums of four vectors, as the four lanes of one.
@@ -734,22 +723,17 @@ mod x512 {
         _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
     }
 
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     unsafe fn values_pass<const DT: u8, const HV: usize, const G: usize>(
         base: *const u8,
         es: usize,
-        kv: &KvView,
-        table: &[i32],
-        kvh: usize,
-        start: usize,
-        end: usize,
+        part: &Part,
         p: &[f32],
         acc_out: &mut [f32],
     ) {
-        let g = kv.geom;
+        let (g, kvh) = (part.kv.geom, part.kvh);
         let hd = g.head_dim;
-        let (n, group) = (end - start, acc_out.len() / hd);
+        let (n, group) = (part.end - part.start, acc_out.len() / hd);
         debug_assert!(hd == 16 * HV && p.len() >= group * n);
         let pp = p.as_ptr();
         // SAFETY: (whole function) as in `scores_pass`; weights at `(g0 + c) * n + t`,
@@ -758,7 +742,7 @@ mod x512 {
             for g0 in (0..group).step_by(G) {
                 let gc = G.min(group - g0);
                 let mut acc = [[_mm512_setzero_ps(); HV]; G];
-                blocks(kv.v, &g, table, kvh, start, end, g0 == 0, |block, rows, off| {
+                part.blocks(part.kv.v, g0 == 0, |block, rows, off| {
                     for r in 0..rows {
                         let row = base.add(g.index(block, kvh, r) * es);
                         let v: [__m512; HV] = std::array::from_fn(|i| load16::<DT>(row.add(16 * i * es)));
