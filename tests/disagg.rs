@@ -304,12 +304,17 @@ fn ten_streams_survive_a_worker_panic_on_the_prefill_chip() {
     ten_streams_survive_a_worker_panic_on("p-chip");
 }
 
-/// `tessera plan apply` with `--gateway`, returning its standard output.
-fn plan_cli(gw: std::net::SocketAddr, args: &[&str]) -> String {
+/// `tessera plan ARGS --gateway`: its standard output, or its standard error when it
+/// fails.
+fn try_plan_cli(gw: std::net::SocketAddr, args: &[&str]) -> Result<String, String> {
     let out = tessera().arg("plan").args(args).arg("--gateway").arg(format!("http://{gw}")).output().expect("runs");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "tessera plan {args:?}: {stderr}");
-    stdout.into_owned()
+    if out.status.success() { Ok(stdout.into_owned()) } else { Err(stderr.into_owned()) }
+}
+
+/// `tessera plan ARGS --gateway`, which must succeed, returning its standard output.
+fn plan_cli(gw: std::net::SocketAddr, args: &[&str]) -> String {
+    try_plan_cli(gw, args).unwrap_or_else(|e| panic!("tessera plan {args:?}: {e}"))
 }
 
 /// The live solver under load (issue: live re-planning): one prefill and two decode
@@ -372,7 +377,7 @@ fn plan_apply_moves_a_decode_chip_to_prefill_under_load_and_loses_nothing() {
     };
     assert!(set["observed_rate_rps"].as_f64() > Some(0.0) && set["chips_up"] == 3, "{set:#}");
     assert!(set["prefix_hit_rate"].as_f64().is_some_and(|h| (0.0..=1.0).contains(&h)), "{set:#}");
-    let best = set["strategies"][0]["id"].as_str().expect("a strategy").to_string();
+    assert!(set["strategies"][0]["id"].is_string(), "{set:#}");
 
     // A decode chip becomes a prefill chip, under load.
     let out = plan_cli(gw, &["apply", "--role", "d0=prefill"]);
@@ -392,8 +397,18 @@ fn plan_apply_moves_a_decode_chip_to_prefill_under_load_and_loses_nothing() {
         std::thread::sleep(Duration::from_millis(50));
     }
 
-    // The solver's own best strategy, by its id, under load.
-    let out = plan_cli(gw, &["apply", &best]);
+    // The solver's own best strategy, by its id, under load. The solver re-solves when
+    // duties or the traffic rate change, so the id is read from the latest set just
+    // before applying, and read again should a newer set land in between.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (best, out) = loop {
+        let latest = get(gw, "/admin/plan").json()["latest"].clone();
+        let best = latest["strategies"][0]["id"].as_str().expect("a strategy").to_string();
+        match try_plan_cli(gw, &["apply", &best]) {
+            Ok(out) => break (best, out),
+            Err(e) => assert!(e.contains("in the latest set") && Instant::now() < deadline, "apply {best}: {e}"),
+        }
+    };
     assert!(out.contains(&format!("applied {best}")), "{out}");
     let plan = get(gw, "/admin/plan").json();
     let duties: Vec<(String, String)> = plan["applied"]["duties"]
