@@ -85,7 +85,7 @@ fn main() {
         if !run("gemv") {
             break;
         }
-        for &m in &[1usize, 2, 4, 8] {
+        for &m in &[1usize, 2, 4, 6, 8] {
             let (n, k) = (8192usize, 4096usize);
             // Cycle through more weight bytes than the last-level cache holds, so the
             // figure is DRAM bandwidth, as in a real decode step.

@@ -507,7 +507,9 @@ mod x512 {
                     unsafe {
                         let wr: [*const $t; R] =
                             std::array::from_fn(|j| w.as_ptr().add((row0 + r + j.min(live - 1)) * k));
-                        let mut acc = [[_mm512_setzero_ps(); M]; R];
+                        // One flat array (accumulator `j * M + mi`): nested arrays of
+                        // 5 to 7 rows were kept on the stack.
+                        let mut acc = [_mm512_setzero_ps(); 32];
                         // Each row's prefetch runs `PREFETCH_AHEAD_BYTES` ahead of its
                         // reads; from chunk `wrap` on, that lands in the next group's
                         // rows (R rows on).
@@ -526,7 +528,7 @@ mod x512 {
                             for mi in 0..M {
                                 let xv = _mm512_loadu_ps(xc.add(mi * 16));
                                 for j in 0..R {
-                                    acc[j][mi] = _mm512_fmadd_ps(wv[j], xv, acc[j][mi]);
+                                    acc[j * M + mi] = _mm512_fmadd_ps(wv[j], xv, acc[j * M + mi]);
                                 }
                             }
                         };
@@ -538,7 +540,7 @@ mod x512 {
                         }
                         for j in 0..live {
                             for mi in 0..M {
-                                let mut s = _mm512_reduce_add_ps(acc[j][mi]);
+                                let mut s = _mm512_reduce_add_ps(acc[j * M + mi]);
                                 for t in 16 * full..k {
                                     s += scalar(*wr[j].add(t)) * *xp.add((full * M + mi) * 16 + t % 16);
                                 }
