@@ -59,6 +59,12 @@ pub fn l1d_bytes() -> usize {
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the required CPU features were detected just above.
+        unsafe { x512::f16_to_f32(src, dst) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the required CPU features were detected just above.
         unsafe { x86::f16_to_f32(src, dst) };
@@ -377,6 +383,25 @@ mod x512 {
     fn shared_x_cols() -> usize {
         static COLS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
         *COLS.get_or_init(|| crate::simd::l1d_bytes() * 2 / 3 / 4)
+    }
+
+    /// `simd::f16_to_f32` 16 values at a time (the prompt GEMM converts every weight
+    /// block with it: 4.5% of a 330-token prefill at 8 per instruction).
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+        let n = src.len();
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n = src.len() = dst.len().
+            unsafe {
+                let v = _mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i));
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), v);
+            }
+            i += 16;
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
+        }
     }
 
     macro_rules! gemv512 {

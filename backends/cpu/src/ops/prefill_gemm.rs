@@ -188,11 +188,20 @@ fn gemm<A: Arith>(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: 
     }
     xp.par_chunks_mut(kl * MR).take(panels).enumerate().for_each(|(p, panel)| {
         let rows = MR.min(m - p * MR);
-        let mut lanes = vec![0u32; kl];
-        for i in 0..rows {
-            A::pack(&x[(p * MR + i) * k..][..k], &mut lanes);
-            for (l, &v) in lanes.iter().enumerate() {
-                panel[l * MR + i] = v;
+        // A block of lanes at a time for every row: the block's panel rows (16 of MR
+        // lanes, 4 KiB) stay in L1 while the rows fill them. Whole rows at a time wrote
+        // each value to another line of a panel far larger than L1 (~2% of a served
+        // step of 8 decodes and ~300 prompt tokens).
+        const LB: usize = 16;
+        let mut lanes = [0u32; LB];
+        for l0 in (0..kl).step_by(LB) {
+            let nl = LB.min(kl - l0);
+            let cols = l0 * A::COLS..((l0 + nl) * A::COLS).min(k);
+            for i in 0..rows {
+                A::pack(&x[(p * MR + i) * k..][cols.clone()], &mut lanes[..nl]);
+                for (t, &v) in lanes[..nl].iter().enumerate() {
+                    panel[(l0 + t) * MR + i] = v;
+                }
             }
         }
     });
