@@ -87,18 +87,15 @@ fn gemv(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
     }
     // Results land as [n][m] (contiguous per chunk), then are transposed.
     let mut tmp = vec![0.0f32; n * m];
-    if simd::has_avx512() {
-        let xil = simd::interleave16(x, m, k);
-        tmp.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, o)| {
-            let rows = o.len() / m;
-            simd::gemv_interleaved(w, ci * chunk, rows, &xil, m, k, o);
-        });
-    } else {
-        tmp.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, o)| {
-            let rows = o.len() / m;
-            simd::gemv(w, ci * chunk, rows, x, m, k, o);
-        });
-    }
+    // The AVX-512 kernel reads the rows interleaved: done once here, not per task.
+    let xil = simd::has_avx512().then(|| simd::interleave16(x, m, k));
+    tmp.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, o)| {
+        let rows = o.len() / m;
+        match &xil {
+            Some(xil) => simd::gemv_interleaved(w, ci * chunk, rows, xil, m, k, o),
+            None => simd::gemv(w, ci * chunk, rows, x, m, k, o),
+        }
+    });
     for (j, r) in tmp.chunks_exact(m).enumerate() {
         for (i, v) in r.iter().enumerate() {
             out[i * n + j] = *v;
