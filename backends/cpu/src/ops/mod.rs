@@ -10,6 +10,21 @@ pub mod quant;
 pub mod rope;
 pub mod small_batch;
 
+/// Asks for the lines of `bytes` to be brought into L2 (a hint: nothing is read).
+pub(crate) fn prefetch(bytes: std::ops::Range<*const u8>) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut at = bytes.start;
+        while at < bytes.end {
+            // SAFETY: a prefetch never faults and dereferences nothing.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(at as *const i8) };
+            at = at.wrapping_add(64);
+        }
+    }
+}
+
 /// A raw pointer that may cross into rayon tasks; used only where tasks write
 /// provably disjoint parts of one output (and `gemm` needs raw pointers anyway).
 #[derive(Clone, Copy)]

@@ -26,7 +26,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::SendPtr;
+use super::{SendPtr, prefetch};
 use crate::dtype::WSlice;
 
 /// The arithmetic of a prompt's linear layers.
@@ -286,21 +286,6 @@ struct Scratch {
 impl Scratch {
     const fn new() -> Scratch {
         Scratch { wp: Vec::new(), ct: Vec::new(), row: Vec::new() }
-    }
-}
-
-/// Asks for the lines of `bytes` to be brought into L2 (a hint: nothing is read).
-fn prefetch(bytes: std::ops::Range<*const u8>) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
-    #[cfg(target_arch = "x86_64")]
-    {
-        let mut at = bytes.start;
-        while at < bytes.end {
-            // SAFETY: a prefetch never faults and dereferences nothing.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(at as *const i8) };
-            at = at.wrapping_add(64);
-        }
     }
 }
 

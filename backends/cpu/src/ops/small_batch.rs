@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::SendPtr;
+use super::{SendPtr, prefetch};
 use crate::dtype::WSlice;
 
 /// The largest m this kernel serves (4 vectors of 16 lanes).
@@ -55,6 +55,11 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
             for g in task * groups_per_task..g_end {
                 let j0 = g * rows_per_group;
                 let rows = rows_per_group.min(n - j0);
+                // The next group's weights come from DRAM while this one is computed
+                // (its rows follow this group's in memory).
+                if g + 1 < g_end {
+                    prefetch(w.byte_range((j0 + rows) * k, (j0 + rows + rows_per_group).min(n) * k));
+                }
                 let wf: &[f32] = match w {
                     WSlice::F32(s) => &s[j0 * k..(j0 + rows) * k],
                     _ => {
