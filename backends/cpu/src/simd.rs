@@ -271,62 +271,103 @@ pub(crate) mod x86 {
         }
     }
 
+    /// How far ahead of the current weight position, in each row's own stream, lines
+    /// are prefetched into L2.
+    const PREFETCH_AHEAD_BYTES: usize = 8192;
+
     /// Generates a GEMV kernel for one weight type: `$load` turns a pointer to 8
     /// weights into a __m256, `$scalar` converts one weight.
     macro_rules! gemv_kernel {
         ($name:ident, $inner:ident, $t:ty, $load:expr, $scalar:expr) => {
+            /// R weight rows at a time against M activation rows, 8 columns per step:
+            /// each activation vector is loaded once for all R rows (one row at a time
+            /// read the activations once per weight row, from L2 once they outgrow L1),
+            /// R*M accumulators, and each row's lines prefetched into L2 a few KiB
+            /// ahead in the order they are read.
             #[target_feature(enable = "avx2,fma,f16c")]
-            unsafe fn $inner<const M: usize>(w: &[$t], row0: usize, rows: usize, x: &[f32], k: usize, out: &mut [f32]) {
+            unsafe fn $inner<const M: usize, const R: usize>(
+                w: &[$t],
+                row0: usize,
+                rows: usize,
+                x: &[f32],
+                k: usize,
+                out: &mut [f32],
+            ) {
                 let load = $load;
                 let scalar = $scalar;
                 let xp = x.as_ptr();
-                for r in 0..rows {
+                let size = std::mem::size_of::<$t>();
+                let row_bytes = k * size;
+                let pf_rows = (PREFETCH_AHEAD_BYTES / row_bytes * R * row_bytes) as isize;
+                let pf_within = PREFETCH_AHEAD_BYTES % row_bytes;
+                let full = k / 8;
+                // Steps per cache line of a row: one prefetch per line.
+                let per_line = (64 / (8 * size)).max(1);
+                let mut r = 0;
+                while r < rows {
+                    let live = R.min(rows - r);
                     // SAFETY: (whole block) the caller checked that w holds
-                    // (row0 + rows) * k elements and x holds M * k; every offset below
-                    // is < k within its row.
+                    // (row0 + rows) * k elements and x holds M * k; rows past `live`
+                    // repeat the last live row (read, never stored); every offset read
+                    // is < k within its row. Prefetch addresses use wrapping arithmetic
+                    // and are never dereferenced.
                     unsafe {
-                        let wr = w.as_ptr().add((row0 + r) * k);
-                        let mut acc0 = [_mm256_setzero_ps(); M];
-                        let mut acc1 = [_mm256_setzero_ps(); M];
-                        let mut i = 0;
-                        while i + 16 <= k {
-                            let w0 = load(wr.add(i));
-                            let w1 = load(wr.add(i + 8));
+                        let wr: [*const $t; R] =
+                            std::array::from_fn(|j| w.as_ptr().add((row0 + r + j.min(live - 1)) * k));
+                        // One flat array (accumulator `j * M + mi`), kept in registers.
+                        let mut acc = [_mm256_setzero_ps(); 16];
+                        // From step `wrap` on, a row's prefetch lands in the next
+                        // group's rows (R rows on), where this row's place is read next.
+                        let wrap = (row_bytes - pf_within).div_ceil(8 * size).min(full);
+                        let pf0 = pf_rows + pf_within as isize;
+                        let pf1 = pf0 + (R * row_bytes) as isize - row_bytes as isize;
+                        let mut step = |c: usize, pf: isize| {
+                            let i = 8 * c;
+                            if c % per_line == 0 {
+                                for p in wr {
+                                    _mm_prefetch::<_MM_HINT_T1>(
+                                        (p as *const i8).wrapping_offset(pf).wrapping_add(i * size),
+                                    );
+                                }
+                            }
+                            let wv: [__m256; R] = std::array::from_fn(|j| load(wr[j].add(i)));
                             for mi in 0..M {
-                                let xr = xp.add(mi * k + i);
-                                acc0[mi] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[mi]);
-                                acc1[mi] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr.add(8)), acc1[mi]);
+                                let xv = _mm256_loadu_ps(xp.add(mi * k + i));
+                                for j in 0..R {
+                                    acc[j * M + mi] = _mm256_fmadd_ps(wv[j], xv, acc[j * M + mi]);
+                                }
                             }
-                            i += 16;
+                        };
+                        for c in 0..wrap {
+                            step(c, pf0);
                         }
-                        if i + 8 <= k {
-                            let w0 = load(wr.add(i));
+                        for c in wrap..full {
+                            step(c, pf1);
+                        }
+                        for j in 0..live {
                             for mi in 0..M {
-                                let xr = xp.add(mi * k + i);
-                                acc0[mi] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[mi]);
+                                let mut s = hsum(acc[j * M + mi]);
+                                for t in 8 * full..k {
+                                    s += scalar(*wr[j].add(t)) * *xp.add(mi * k + t);
+                                }
+                                out[(r + j) * M + mi] = s;
                             }
-                            i += 8;
-                        }
-                        for mi in 0..M {
-                            let mut s = hsum(_mm256_add_ps(acc0[mi], acc1[mi]));
-                            for j in i..k {
-                                s += scalar(*wr.add(j)) * *xp.add(mi * k + j);
-                            }
-                            out[r * M + mi] = s;
                         }
                     }
+                    r += R;
                 }
             }
 
             #[target_feature(enable = "avx2,fma,f16c")]
             pub unsafe fn $name(w: &[$t], row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
-                // SAFETY: forwarded caller contract.
+                // SAFETY: forwarded caller contract. R keeps the R*M accumulators, R
+                // weight vectors and an activation vector within 16 registers.
                 unsafe {
                     match m {
-                        1 => $inner::<1>(w, row0, rows, x, k, out),
-                        2 => $inner::<2>(w, row0, rows, x, k, out),
-                        3 => $inner::<3>(w, row0, rows, x, k, out),
-                        _ => $inner::<4>(w, row0, rows, x, k, out),
+                        1 => $inner::<1, 4>(w, row0, rows, x, k, out),
+                        2 => $inner::<2, 4>(w, row0, rows, x, k, out),
+                        3 => $inner::<3, 3>(w, row0, rows, x, k, out),
+                        _ => $inner::<4, 2>(w, row0, rows, x, k, out),
                     }
                 }
             }

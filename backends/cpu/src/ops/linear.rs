@@ -1,8 +1,9 @@
 //! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (one or two passes, each up to
 //! 4 rows, 8 with AVX-512), an AVX-512 register-blocked kernel for decode batches up to
-//! 64 rows, and an AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). Without
-//! AVX-512, the `gemm` crate beyond the GEMV (directly for f32 weights; on f32 tiles of
-//! converted weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s
+//! 64 rows, and an AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2
+//! that GEMM takes the decode batches beyond the GEMV (up to 64 rows). Elsewhere, the
+//! `gemm` crate (directly for f32 weights; on f32 tiles of converted weight rows for
+//! f16/bf16 weights). Quantized weights take [`quant`]'s
 //! integer kernels up to `QUANT_MAX_M` rows (decode), and dequantized tiles through the
 //! float paths beyond (prefill, where the tile's conversion is shared by every row).
 
@@ -54,9 +55,10 @@ pub fn linear(
         }
     } else if m <= small_batch::MAX_M && small_batch::available() {
         small_batch::linear(out, x, w, m, n, k);
-    } else if prefill_gemm::available() {
-        // Prompts: the cache-blocked AVX-512 GEMM (the `gemm` crate runs AVX2 kernels
-        // only), each weight converted or dequantized once per call.
+    } else if prefill_gemm::available() && (simd::has_avx512() || m <= small_batch::MAX_M) {
+        // Prompts on AVX-512, decode batches on AVX2: the cache-blocked GEMM, each
+        // weight converted or dequantized once per call (see its module for why AVX2
+        // prompts stay with the `gemm` crate).
         prefill_gemm::linear(out, x, w, m, n, k, precision);
     } else {
         match w {
