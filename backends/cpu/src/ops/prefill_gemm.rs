@@ -3,7 +3,8 @@
 //! in one of two arithmetics ([`Precision`]).
 //!
 //! - The activations are packed once per call into panels of 64 rows, transposed so
-//!   that each column step is 4 contiguous vectors of 16 (`xp[panel][kk][64]`).
+//!   that each column step is 4 vectors of 16 (`xp[panel][kk][64]` on AVX-512; on AVX2
+//!   `xp[panel][run][kk][16]`, runs of 16 rows: see [`Isa::sub`]).
 //! - Each task takes `NC` weight rows. For each block of `KC` columns it converts those
 //!   rows once (dequantizing quantized weights once per call, not once per panel of
 //!   activations), in groups of `J` rows (`wp[row][kk]`): a micro-kernel's broadcasts
@@ -24,7 +25,7 @@
 //!
 //! On AVX-512 it serves prompts: the `gemm` crate it replaced converted weight tiles for
 //! every call into a second copy, and on the bench model's prompts this kernel is the
-//! faster of the two. On AVX2 it serves decode batches beyond the GEMV (17 to 64 rows),
+//! faster of the two. On AVX2 it serves decode batches beyond the GEMV (9 to 64 rows),
 //! where the `gemm` crate on converted tiles ran at half its rate (bench model, batch
 //! 32: ~1,250 against ~620 ms per step), while prompts stay with the `gemm` crate
 //! (prefill 512 tokens, in turns: 72, 72, 63 tok/s against this kernel's 63, 61, 59).
