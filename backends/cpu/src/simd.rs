@@ -189,6 +189,38 @@ pub fn gemv_interleaved(w: WSlice, row0: usize, rows: usize, xil: &[f32], m: usi
     }
 }
 
+/// How far ahead of the current weight position, in each row's own stream, the SIMD
+/// GEMVs prefetch lines into L2: far enough to keep the L2 miss queue full, which the
+/// hardware prefetcher alone does not on these kernels (measured: AVX-512 f16 DRAM GEMV
+/// 17.7 -> 23.1 GB/s on 2 cores).
+const PREFETCH_AHEAD_BYTES: usize = 8192;
+
+/// Where a GEMV reading `R` weight rows of `row_bytes` side by side, `step_bytes` of
+/// each per step over `steps` steps, prefetches: a row's step `c` asks for the line at
+/// `row + c * step_bytes + before` while `c < wrap`, and `+ after` from there on, where
+/// `PREFETCH_AHEAD_BYTES` on lands past the row's end, in the next group's rows (R rows
+/// on), where this row's place is read next.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct RowPrefetch {
+    wrap: usize,
+    before: isize,
+    after: isize,
+}
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+impl RowPrefetch {
+    fn new<const R: usize>(row_bytes: usize, step_bytes: usize, steps: usize) -> RowPrefetch {
+        let whole_groups = (PREFETCH_AHEAD_BYTES / row_bytes * R * row_bytes) as isize;
+        let within = PREFETCH_AHEAD_BYTES % row_bytes;
+        let before = whole_groups + within as isize;
+        RowPrefetch {
+            wrap: (row_bytes - within).div_ceil(step_bytes).min(steps),
+            before,
+            after: before + ((R - 1) * row_bytes) as isize,
+        }
+    }
+}
+
 /// The portable GEMV (also the reference for the SIMD one).
 pub fn gemv_scalar(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
     let mut row = vec![0.0f32; k];
@@ -271,10 +303,6 @@ pub(crate) mod x86 {
         }
     }
 
-    /// How far ahead of the current weight position, in each row's own stream, lines
-    /// are prefetched into L2.
-    const PREFETCH_AHEAD_BYTES: usize = 8192;
-
     /// Generates a GEMV kernel for one weight type: `$load` turns a pointer to 8
     /// weights into a __m256, `$scalar` converts one weight.
     macro_rules! gemv_kernel {
@@ -297,10 +325,8 @@ pub(crate) mod x86 {
                 let scalar = $scalar;
                 let xp = x.as_ptr();
                 let size = std::mem::size_of::<$t>();
-                let row_bytes = k * size;
-                let pf_rows = (PREFETCH_AHEAD_BYTES / row_bytes * R * row_bytes) as isize;
-                let pf_within = PREFETCH_AHEAD_BYTES % row_bytes;
                 let full = k / 8;
+                let pf = super::RowPrefetch::new::<R>(k * size, 8 * size, full);
                 // Steps per cache line of a row: one prefetch per line.
                 let per_line = (64 / (8 * size)).max(1);
                 let mut r = 0;
@@ -316,17 +342,12 @@ pub(crate) mod x86 {
                             std::array::from_fn(|j| w.as_ptr().add((row0 + r + j.min(live - 1)) * k));
                         // One flat array (accumulator `j * M + mi`), kept in registers.
                         let mut acc = [_mm256_setzero_ps(); 16];
-                        // From step `wrap` on, a row's prefetch lands in the next
-                        // group's rows (R rows on), where this row's place is read next.
-                        let wrap = (row_bytes - pf_within).div_ceil(8 * size).min(full);
-                        let pf0 = pf_rows + pf_within as isize;
-                        let pf1 = pf0 + (R * row_bytes) as isize - row_bytes as isize;
-                        let mut step = |c: usize, pf: isize| {
+                        let mut step = |c: usize, ahead: isize| {
                             let i = 8 * c;
                             if c % per_line == 0 {
                                 for p in wr {
                                     _mm_prefetch::<_MM_HINT_T1>(
-                                        (p as *const i8).wrapping_offset(pf).wrapping_add(i * size),
+                                        (p as *const i8).wrapping_offset(ahead).wrapping_add(i * size),
                                     );
                                 }
                             }
@@ -338,11 +359,11 @@ pub(crate) mod x86 {
                                 }
                             }
                         };
-                        for c in 0..wrap {
-                            step(c, pf0);
+                        for c in 0..pf.wrap {
+                            step(c, pf.before);
                         }
-                        for c in wrap..full {
-                            step(c, pf1);
+                        for c in pf.wrap..full {
+                            step(c, pf.after);
                         }
                         for j in 0..live {
                             for mi in 0..M {
@@ -410,10 +431,7 @@ mod x512 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
-    /// How far ahead of the current weight position lines are prefetched into L2:
-    /// far enough to keep the L2 miss queue full, which the hardware prefetcher alone
-    /// does not on this kernel (measured: f16 DRAM GEMV 17.7 -> 23.1 GB/s on 2 cores).
-    const PREFETCH_AHEAD_BYTES: usize = 8192;
+    use super::PREFETCH_AHEAD_BYTES;
 
     /// Columns from which one activation row is read for several weight rows at a time:
     /// beyond two thirds of the L1 data cache in f32 activations, the row no longer stays
@@ -558,11 +576,9 @@ mod x512 {
                 let scalar = $scalar;
                 let xp = xil.as_ptr();
                 let size = std::mem::size_of::<$t>();
-                let row_bytes = k * size;
-                // Prefetches follow the order of reading, as in the one-row kernel.
-                let pf_rows = (PREFETCH_AHEAD_BYTES / row_bytes * R * row_bytes) as isize;
-                let pf_within = PREFETCH_AHEAD_BYTES % row_bytes;
                 let full = k / 16;
+                // Prefetches follow the order of reading, as in the one-row kernel.
+                let pf = super::RowPrefetch::new::<R>(k * size, 16 * size, full);
                 let mut r = 0;
                 while r < rows {
                     let live = R.min(rows - r);
@@ -576,17 +592,11 @@ mod x512 {
                         // One flat array (accumulator `j * M + mi`): nested arrays of
                         // 5 to 7 rows were kept on the stack.
                         let mut acc = [_mm512_setzero_ps(); 32];
-                        // Each row's prefetch runs `PREFETCH_AHEAD_BYTES` ahead of its
-                        // reads; from chunk `wrap` on, that lands in the next group's
-                        // rows (R rows on).
-                        let wrap = (row_bytes - pf_within).div_ceil(16 * size).min(full);
-                        let pf0 = pf_rows + pf_within as isize;
-                        let pf1 = pf0 + (R * row_bytes) as isize - row_bytes as isize;
-                        let mut chunk = |c: usize, pf: isize| {
+                        let mut chunk = |c: usize, ahead: isize| {
                             let i = 16 * c;
                             for p in wr {
                                 _mm_prefetch::<_MM_HINT_T1>(
-                                    (p as *const i8).wrapping_offset(pf).wrapping_add(i * size),
+                                    (p as *const i8).wrapping_offset(ahead).wrapping_add(i * size),
                                 );
                             }
                             let wv: [__m512; R] = std::array::from_fn(|j| load(wr[j].add(i)));
@@ -598,11 +608,11 @@ mod x512 {
                                 }
                             }
                         };
-                        for c in 0..wrap {
-                            chunk(c, pf0);
+                        for c in 0..pf.wrap {
+                            chunk(c, pf.before);
                         }
-                        for c in wrap..full {
-                            chunk(c, pf1);
+                        for c in pf.wrap..full {
+                            chunk(c, pf.after);
                         }
                         for j in 0..live {
                             for mi in 0..M {

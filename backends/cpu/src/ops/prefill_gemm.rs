@@ -90,15 +90,17 @@ impl Isa {
         }
     }
 
+    /// True when this CPU runs it.
+    pub(crate) fn here(self) -> bool {
+        match self {
+            Isa::Avx512 => crate::simd::has_avx512(),
+            Isa::Avx2 => crate::simd::has_avx2(),
+        }
+    }
+
     /// The widest one this CPU runs, if any.
     pub(crate) fn best() -> Option<Isa> {
-        if crate::simd::has_avx512() {
-            Some(Isa::Avx512)
-        } else if crate::simd::has_avx2() {
-            Some(Isa::Avx2)
-        } else {
-            None
-        }
+        [Isa::Avx512, Isa::Avx2].into_iter().find(|isa| isa.here())
     }
 }
 
@@ -139,7 +141,7 @@ pub(crate) fn linear_on(
     k: usize,
     precision: Precision,
 ) {
-    assert!(isa == Isa::Avx512 && crate::simd::has_avx512() || isa == Isa::Avx2 && crate::simd::has_avx2());
+    assert!(isa.here());
     assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
     if m == 0 || n == 0 || k == 0 {
         out[..m * n].fill(0.0);
@@ -560,10 +562,7 @@ mod tests {
 
     #[test]
     fn blocks_panels_and_tasks_of_every_size_match_naive() {
-        let isas: Vec<Isa> = [(Isa::Avx512, crate::simd::has_avx512()), (Isa::Avx2, crate::simd::has_avx2())]
-            .into_iter()
-            .filter_map(|(isa, here)| here.then_some(isa))
-            .collect();
+        let isas: Vec<Isa> = [Isa::Avx512, Isa::Avx2].into_iter().filter(|isa| isa.here()).collect();
         if isas.is_empty() {
             eprintln!("skipped: neither AVX-512 nor AVX2 on this CPU (linear's tests cover the gemm crate path)");
             return;
