@@ -1,5 +1,5 @@
-//! Vector kernels: the small-m GEMV over f32/f16/bf16 weights (AVX2+FMA+F16C with a
-//! portable fallback, chosen at run time) and conversion / dot-product helpers.
+//! Vector kernels: the small-m GEMV over f32/f16/bf16 weights (AVX-512, AVX2+FMA+F16C
+//! or a portable fallback, chosen at run time) and conversion / dot-product helpers.
 
 use half::{bf16, f16};
 
@@ -33,15 +33,20 @@ pub fn has_avx512() -> bool {
     }
 }
 
-/// The most activation rows `gemv` serves on this CPU.
+/// The most activation rows `gemv` serves.
 #[inline]
 pub fn gemv_max_m() -> usize {
-    if has_avx512() { 8 } else { 4 }
+    8
 }
 
 /// The L1 data cache of the first CPU in bytes (from sysfs), or 32 KiB where it cannot
-/// be read.
+/// be read (once; later calls return the first answer).
 pub fn l1d_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(read_l1d_bytes)
+}
+
+fn read_l1d_bytes() -> usize {
     let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
     let read = |index: &str, file: &str| std::fs::read_to_string(dir.join(index).join(file)).ok();
     (0..8)
@@ -154,37 +159,56 @@ pub fn gemv(w: WSlice, row0: usize, rows: usize, x: &[f32], m: usize, k: usize, 
     gemv_scalar(w, row0, rows, x, m, k, out);
 }
 
-/// `x` (`m` rows of `k`) as groups of 16 columns, each row's 16 after the other:
-/// `xil[(c * m + i) * 16 + l] = x[i * k + 16 * c + l]`, a short last group padded with
-/// zeros. The AVX-512 GEMV of several rows reads them so: one pointer walks every row.
-pub fn interleave16(x: &[f32], m: usize, k: usize) -> Vec<f32> {
-    let groups = k.div_ceil(16);
-    let mut xil = vec![0.0f32; groups * m * 16];
+/// `x` (`m` rows of `k`) as groups of `lanes` columns, each row's group after the
+/// other: `xil[(c * m + i) * lanes + l] = x[i * k + lanes * c + l]`, a short last group
+/// padded with zeros. The GEMVs of several rows read them so: one pointer walks every
+/// row, and a block of columns of every row is one contiguous run (rows `k` apart would
+/// share the same few L1 sets).
+pub fn interleave(x: &[f32], m: usize, k: usize, lanes: usize) -> Vec<f32> {
+    let groups = k.div_ceil(lanes);
+    let mut xil = vec![0.0f32; groups * m * lanes];
     for i in 0..m {
-        for (c, src) in x[i * k..(i + 1) * k].chunks(16).enumerate() {
-            xil[(c * m + i) * 16..][..src.len()].copy_from_slice(src);
+        for (c, src) in x[i * k..(i + 1) * k].chunks(lanes).enumerate() {
+            xil[(c * m + i) * lanes..][..src.len()].copy_from_slice(src);
         }
     }
     xil
 }
 
-/// [`gemv`] for 2 to `gemv_max_m()` activation rows given as [`interleave16`] lays
-/// them out, on AVX-512 only (`has_avx512()`): a product split into tasks interleaves
-/// its activations once.
+/// The vector width in f32 lanes of the activations [`gemv_interleaved`] reads for `m`
+/// rows on this CPU ([`interleave`]), or `None` where `gemv` reads them row by row.
+pub fn interleave_lanes(m: usize) -> Option<usize> {
+    if has_avx512() && m >= 2 {
+        Some(16)
+    } else if has_avx2() && m >= 5 {
+        Some(8)
+    } else {
+        None
+    }
+}
+
+/// [`gemv`] for activation rows given as [`interleave`] lays them out with
+/// [`interleave_lanes`]`(m)` lanes (which must be `Some`): a product split into tasks
+/// interleaves its activations once.
 pub fn gemv_interleaved(w: WSlice, row0: usize, rows: usize, xil: &[f32], m: usize, k: usize, out: &mut [f32]) {
-    assert!(has_avx512() && (2..=gemv_max_m()).contains(&m));
+    assert!((1..=gemv_max_m()).contains(&m));
+    let lanes = interleave_lanes(m).expect("gemv_interleaved serves the m for which interleave_lanes is Some");
     assert!(!matches!(w, WSlice::Quant(..)), "quantized weights take ops::quant's kernels");
-    assert!(xil.len() >= k.div_ceil(16) * m * 16 && out.len() >= rows * m);
+    assert!(xil.len() >= k.div_ceil(lanes) * m * lanes && out.len() >= rows * m);
     assert!(w.len() >= (row0 + rows) * k);
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512 was asserted, and the asserts above guarantee every row read
-    // (`w[(row0 + r) * k ..][..k]`, 16 * m values of `xil` per 16 columns) is in bounds.
+    // SAFETY: interleave_lanes is Some only where the kernel's CPU features were
+    // detected, and the asserts above guarantee every row read (`w[(row0 + r) * k
+    // ..][..k]`, `lanes * m` values of `xil` per `lanes` columns) is in bounds.
     unsafe {
-        match w {
-            WSlice::F32(s) => x512::gemv_f32_il(s, row0, rows, xil, m, k, out),
-            WSlice::F16(s) => x512::gemv_f16_il(s, row0, rows, xil, m, k, out),
-            WSlice::Bf16(s) => x512::gemv_bf16_il(s, row0, rows, xil, m, k, out),
-            WSlice::Quant(..) => {}
+        match (lanes, w) {
+            (16, WSlice::F32(s)) => x512::gemv_f32_il(s, row0, rows, xil, m, k, out),
+            (16, WSlice::F16(s)) => x512::gemv_f16_il(s, row0, rows, xil, m, k, out),
+            (16, WSlice::Bf16(s)) => x512::gemv_bf16_il(s, row0, rows, xil, m, k, out),
+            (_, WSlice::F32(s)) => x86::gemv_f32_il(s, row0, rows, xil, m, k, out),
+            (_, WSlice::F16(s)) => x86::gemv_f16_il(s, row0, rows, xil, m, k, out),
+            (_, WSlice::Bf16(s)) => x86::gemv_bf16_il(s, row0, rows, xil, m, k, out),
+            (_, WSlice::Quant(..)) => {}
         }
     }
 }
@@ -306,7 +330,7 @@ pub(crate) mod x86 {
     /// Generates a GEMV kernel for one weight type: `$load` turns a pointer to 8
     /// weights into a __m256, `$scalar` converts one weight.
     macro_rules! gemv_kernel {
-        ($name:ident, $inner:ident, $t:ty, $load:expr, $scalar:expr) => {
+        ($name:ident, $il:ident, $inner:ident, $blocked:ident, $t:ty, $load:expr, $scalar:expr) => {
             /// R weight rows at a time against M activation rows, 8 columns per step:
             /// each activation vector is loaded once for all R rows (one row at a time
             /// read the activations once per weight row, from L2 once they outgrow L1),
@@ -379,6 +403,91 @@ pub(crate) mod x86 {
                 }
             }
 
+            /// M (5 to 8) activation rows, interleaved ([`super::interleave`], 8
+            /// lanes), one weight row at a time over blocks of columns. Eight rows of
+            /// decode activations outgrow L1 (8 x 4,096 f32 is 128 KiB), and streaming
+            /// them from L2 for every weight row is slower than the weights from DRAM:
+            /// the eight rows cost as much as two passes of four. So a band of weight
+            /// rows is read one block of columns at a time while that block of the M
+            /// activation rows (half of L1, one contiguous run) stays in L1, and the
+            /// band's accumulators wait in a small buffer between blocks. Each lane
+            /// still sums its columns in order: the results are bit-identical to the
+            /// kernel above and to one row at a time.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn $blocked<const M: usize>(
+                w: &[$t],
+                row0: usize,
+                rows: usize,
+                xil: &[f32],
+                k: usize,
+                out: &mut [f32],
+            ) {
+                // Weight rows whose accumulators wait between blocks (8 KiB at M = 8).
+                const BAND: usize = 32;
+                let load = $load;
+                let scalar = $scalar;
+                let xp = xil.as_ptr();
+                let size = std::mem::size_of::<$t>();
+                let full = k / 8;
+                let block = (super::l1d_bytes() / 2 / (M * 32)).clamp(1, full.max(1));
+                let blocks = full.div_ceil(block);
+                // Segments (one row's block) between reading one and prefetching it.
+                let ahead = super::PREFETCH_AHEAD_BYTES.div_ceil(block * 8 * size);
+                let per_line = (64 / (8 * size)).max(1);
+                let mut waiting = [[_mm256_setzero_ps(); M]; BAND];
+                let mut band0 = 0;
+                while band0 < rows {
+                    let band = BAND.min(rows - band0);
+                    waiting[..band].fill([_mm256_setzero_ps(); M]);
+                    for b in 0..blocks {
+                        let (c0, c1) = (b * block, ((b + 1) * block).min(full));
+                        for (g, acc) in waiting[..band].iter_mut().enumerate() {
+                            // The segment read `ahead` segments later: further on in
+                            // this band, or in the next band's first blocks.
+                            let s = b * band + g + ahead;
+                            let (pb, pg) = if s < blocks * band {
+                                (s / band, s % band)
+                            } else {
+                                ((s - blocks * band) / BAND, band + (s - blocks * band) % BAND)
+                            };
+                            // Never dereferenced: wrapping arithmetic.
+                            let pf = w.as_ptr().wrapping_add((row0 + band0 + pg) * k + pb * block * 8) as *const i8;
+                            // SAFETY: the caller checked that w holds (row0 + rows) * k
+                            // elements and xil k.div_ceil(8) * M * 8; every column read
+                            // is < 8 * full <= k within its row.
+                            unsafe {
+                                let wr = w.as_ptr().add((row0 + band0 + g) * k);
+                                let mut a = *acc;
+                                for c in c0..c1 {
+                                    if (c - c0) % per_line == 0 {
+                                        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add((c - c0) * 8 * size));
+                                    }
+                                    let wv = load(wr.add(8 * c));
+                                    for mi in 0..M {
+                                        a[mi] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add((c * M + mi) * 8)), a[mi]);
+                                    }
+                                }
+                                *acc = a;
+                            }
+                        }
+                    }
+                    for (g, acc) in waiting[..band].iter().enumerate() {
+                        // SAFETY: as above; the tail columns 8 * full..k are in bounds.
+                        unsafe {
+                            let wr = w.as_ptr().add((row0 + band0 + g) * k);
+                            for mi in 0..M {
+                                let mut s = hsum(acc[mi]);
+                                for t in 8 * full..k {
+                                    s += scalar(*wr.add(t)) * *xp.add((full * M + mi) * 8 + t % 8);
+                                }
+                                out[(band0 + g) * M + mi] = s;
+                            }
+                        }
+                    }
+                    band0 += band;
+                }
+            }
+
             #[target_feature(enable = "avx2,fma,f16c")]
             pub unsafe fn $name(w: &[$t], row0: usize, rows: usize, x: &[f32], m: usize, k: usize, out: &mut [f32]) {
                 // SAFETY: forwarded caller contract. R keeps the R*M accumulators, R
@@ -388,7 +497,24 @@ pub(crate) mod x86 {
                         1 => $inner::<1, 4>(w, row0, rows, x, k, out),
                         2 => $inner::<2, 4>(w, row0, rows, x, k, out),
                         3 => $inner::<3, 3>(w, row0, rows, x, k, out),
-                        _ => $inner::<4, 2>(w, row0, rows, x, k, out),
+                        4 => $inner::<4, 2>(w, row0, rows, x, k, out),
+                        _ => $il(w, row0, rows, &super::interleave(x, m, k, 8), m, k, out),
+                    }
+                }
+            }
+
+            /// As the GEMV above for 5 to 8 activation rows given interleaved
+            /// ([`super::interleave`], 8 lanes), as callers that split one product into
+            /// tasks interleave them once.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $il(w: &[$t], row0: usize, rows: usize, xil: &[f32], m: usize, k: usize, out: &mut [f32]) {
+                // SAFETY: forwarded caller contract.
+                unsafe {
+                    match m {
+                        5 => $blocked::<5>(w, row0, rows, xil, k, out),
+                        6 => $blocked::<6>(w, row0, rows, xil, k, out),
+                        7 => $blocked::<7>(w, row0, rows, xil, k, out),
+                        _ => $blocked::<8>(w, row0, rows, xil, k, out),
                     }
                 }
             }
@@ -397,7 +523,9 @@ pub(crate) mod x86 {
 
     gemv_kernel!(
         gemv_f32,
+        gemv_f32_il,
         gemv_f32_m,
+        gemv_f32_blocked,
         f32,
         // SAFETY: callers pass pointers with 8 readable elements.
         |p: *const f32| unsafe { _mm256_loadu_ps(p) },
@@ -405,7 +533,9 @@ pub(crate) mod x86 {
     );
     gemv_kernel!(
         gemv_f16,
+        gemv_f16_il,
         gemv_f16_m,
+        gemv_f16_blocked,
         f16,
         // SAFETY: callers pass pointers with 8 readable elements.
         |p: *const f16| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) },
@@ -413,7 +543,9 @@ pub(crate) mod x86 {
     );
     gemv_kernel!(
         gemv_bf16,
+        gemv_bf16_il,
         gemv_bf16_m,
+        gemv_bf16_blocked,
         bf16,
         // SAFETY: callers pass pointers with 8 readable elements.
         |p: *const bf16| unsafe {
@@ -558,7 +690,7 @@ mod x512 {
                 }
             }
 
-            /// M >= 2 activation rows, interleaved ([`interleave16`]) so that one pointer
+            /// M >= 2 activation rows, interleaved ([`interleave`], 16 lanes) so that one pointer
             /// walks them all: R weight vectors are loaded once per 16 columns, then each
             /// activation vector in turn serves all R of them. R*M accumulators, R weight
             /// vectors and one activation vector stay in registers (rows of `x` side by
@@ -641,12 +773,12 @@ mod x512 {
                         }
                         return;
                     }
-                    $il(w, row0, rows, &super::interleave16(x, m, k), m, k, out)
+                    $il(w, row0, rows, &super::interleave(x, m, k, 16), m, k, out)
                 }
             }
 
             /// As the GEMV above for 2 to 8 activation rows given interleaved
-            /// ([`super::interleave16`]), as callers that split one product into tasks
+            /// ([`super::interleave`], 16 lanes), as callers that split one product into tasks
             /// interleave them once.
             #[target_feature(enable = "avx512f,avx512bw")]
             pub unsafe fn $il(w: &[$t], row0: usize, rows: usize, xil: &[f32], m: usize, k: usize, out: &mut [f32]) {
@@ -719,6 +851,58 @@ mod tests {
         }
     }
 
+    /// Each activation row's outputs do not depend on the other rows that share the
+    /// call: the kernels of 2 to 8 rows (on AVX2, 5 to 8 read the weights in blocks of
+    /// columns, across several bands of weight rows here) sum every output in one order,
+    /// so a decode step's logits do not depend on its batch. On AVX2 one row alone sums
+    /// in that order too (on AVX-512 it takes four accumulators per row).
+    #[test]
+    fn gemv_rows_are_bit_identical_to_one_row_at_a_time() {
+        let mut rng = Rng(11);
+        for &k in &[45usize, 4109] {
+            let n = 70;
+            let w32 = rng.vec(n * k);
+            let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
+            let wb: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
+            let x = rng.vec(8 * k);
+            for w in [WSlice::F32(&w32), WSlice::F16(&w16), WSlice::Bf16(&wb)] {
+                // Each row beside a copy of itself.
+                let mut alone = vec![0.0f32; 8 * n];
+                for i in 0..8 {
+                    let pair = [&x[i * k..(i + 1) * k], &x[i * k..(i + 1) * k]].concat();
+                    let mut o = vec![0.0f32; 2 * n];
+                    gemv(w, 0, n, &pair, 2, k, &mut o);
+                    for r in 0..n {
+                        alone[i * n + r] = o[2 * r];
+                    }
+                }
+                let fewest = if has_avx512() { 2 } else { 1 };
+                for m in fewest..=8 {
+                    let mut got = vec![f32::NAN; n * m];
+                    gemv(w, 0, n, &x, m, k, &mut got);
+                    let mut il = vec![f32::NAN; n * m];
+                    if let Some(lanes) = interleave_lanes(m) {
+                        gemv_interleaved(w, 0, n, &interleave(&x, m, k, lanes), m, k, &mut il);
+                        assert_eq!(
+                            il.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            "interleaved m={m} k={k}"
+                        );
+                    }
+                    for r in 0..n {
+                        for i in 0..m {
+                            assert_eq!(
+                                got[r * m + i].to_bits(),
+                                alone[i * n + r].to_bits(),
+                                "m={m} k={k} row {r} act {i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Every SIMD GEMV this CPU can run, called directly (the dispatcher alone would
     /// only ever exercise the widest one), against the portable kernel.
     #[test]
@@ -741,7 +925,7 @@ mod tests {
                     let tol = 1e-5 * (k as f32).sqrt();
                     #[cfg(target_arch = "x86_64")]
                     {
-                        if m <= 4 && has_avx2() {
+                        if has_avx2() {
                             let mut got = vec![f32::NAN; n * m];
                             // SAFETY: features detected; lengths as gemv asserts.
                             unsafe {

@@ -1,7 +1,7 @@
 //! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (one or two passes, each up to
-//! 4 rows, 8 with AVX-512), an AVX-512 register-blocked kernel for decode batches up to
-//! 64 rows, and an AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2
-//! that GEMM takes the decode batches beyond the GEMV (up to 64 rows). Elsewhere, the
+//! 8 rows), an AVX-512 register-blocked kernel for decode batches up to 64 rows, and an
+//! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2 that GEMM takes
+//! the decode batches beyond the GEMV (17 to 64 rows). Elsewhere, the
 //! `gemm` crate (directly for f32 weights; on f32 tiles of converted weight rows for
 //! f16/bf16 weights). Quantized weights take [`quant`]'s
 //! integer kernels up to `QUANT_MAX_M` rows (decode), and dequantized tiles through the
@@ -48,7 +48,9 @@ pub fn linear(
     } else if m <= 2 * simd::gemv_max_m() && !matches!(w, WSlice::Quant(..)) {
         // Up to two GEMV passes over the weights: still memory-bound, and faster than
         // the decode-batch kernel at one 16-lane vector (measured: m = 16 on the bench
-        // model, 280 vs 330 ms per step).
+        // model, 280 vs 330 ms per step). On AVX2, against the cache-blocked GEMM, as
+        // fast at 16 rows and faster at 12 (bench model, in turns: 415 / 357 against
+        // 454 / 422 ms per step).
         let h = simd::gemv_max_m();
         for (o, xs) in out.chunks_mut(h * n).zip(x[..m * k].chunks(h * k)) {
             gemv(o, xs, w, xs.len() / k, n, k);
@@ -89,8 +91,8 @@ fn gemv(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
     }
     // Results land as [n][m] (contiguous per chunk), then are transposed.
     let mut tmp = vec![0.0f32; n * m];
-    // The AVX-512 kernel reads the rows interleaved: done once here, not per task.
-    let xil = simd::has_avx512().then(|| simd::interleave16(x, m, k));
+    // The kernels of several rows read them interleaved: done once here, not per task.
+    let xil = simd::interleave_lanes(m).map(|lanes| simd::interleave(x, m, k, lanes));
     tmp.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, o)| {
         let rows = o.len() / m;
         match &xil {
