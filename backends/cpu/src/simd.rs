@@ -33,10 +33,10 @@ pub fn has_avx512() -> bool {
     }
 }
 
-/// The most activation rows `gemv` serves.
+/// The most activation rows `gemv` serves on this CPU in one pass over the weights.
 #[inline]
 pub fn gemv_max_m() -> usize {
-    8
+    if has_avx2() || has_avx512() { 8 } else { 4 }
 }
 
 /// The L1 data cache of the first CPU in bytes (from sysfs), or 32 KiB where it cannot
@@ -877,7 +877,7 @@ mod tests {
                     }
                 }
                 let fewest = if has_avx512() { 2 } else { 1 };
-                for m in fewest..=8 {
+                for m in fewest..=gemv_max_m() {
                     let mut got = vec![f32::NAN; n * m];
                     gemv(w, 0, n, &x, m, k, &mut got);
                     let mut il = vec![f32::NAN; n * m];
