@@ -327,6 +327,15 @@ pub(crate) mod x86 {
         }
     }
 
+    /// One output of the GEMVs: the 8 lanes of its accumulator summed, then the
+    /// products of the `k % 8` tail columns in column order. Every AVX2 GEMV kernel
+    /// finishes here, so each sums an output in the same order whatever the rows.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn lane_sum(acc: __m256, tail: impl Iterator<Item = f32>) -> f32 {
+        // SAFETY: the features were enabled by the caller's target_feature.
+        tail.fold(unsafe { hsum(acc) }, |s, p| s + p)
+    }
+
     /// Generates a GEMV kernel for one weight type: `$load` turns a pointer to 8
     /// weights into a __m256, `$scalar` converts one weight.
     macro_rules! gemv_kernel {
@@ -391,11 +400,10 @@ pub(crate) mod x86 {
                         }
                         for j in 0..live {
                             for mi in 0..M {
-                                let mut s = hsum(acc[j * M + mi]);
-                                for t in 8 * full..k {
-                                    s += scalar(*wr[j].add(t)) * *xp.add(mi * k + t);
-                                }
-                                out[(r + j) * M + mi] = s;
+                                out[(r + j) * M + mi] = lane_sum(
+                                    acc[j * M + mi],
+                                    (8 * full..k).map(|t| scalar(*wr[j].add(t)) * *xp.add(mi * k + t)),
+                                );
                             }
                         }
                     }
@@ -445,10 +453,9 @@ pub(crate) mod x86 {
                             // The segment read `ahead` segments later: further on in
                             // this band, or in the next band's first blocks.
                             let s = b * band + g + ahead;
-                            let (pb, pg) = if s < blocks * band {
-                                (s / band, s % band)
-                            } else {
-                                ((s - blocks * band) / BAND, band + (s - blocks * band) % BAND)
+                            let (pb, pg) = match s.checked_sub(blocks * band) {
+                                None => (s / band, s % band),
+                                Some(next) => (next / BAND, band + next % BAND),
                             };
                             // Never dereferenced: wrapping arithmetic.
                             let pf = w.as_ptr().wrapping_add((row0 + band0 + pg) * k + pb * block * 8) as *const i8;
@@ -476,11 +483,10 @@ pub(crate) mod x86 {
                         unsafe {
                             let wr = w.as_ptr().add((row0 + band0 + g) * k);
                             for mi in 0..M {
-                                let mut s = hsum(acc[mi]);
-                                for t in 8 * full..k {
-                                    s += scalar(*wr.add(t)) * *xp.add((full * M + mi) * 8 + t % 8);
-                                }
-                                out[(band0 + g) * M + mi] = s;
+                                out[(band0 + g) * M + mi] = lane_sum(
+                                    acc[mi],
+                                    (8 * full..k).map(|t| scalar(*wr.add(t)) * *xp.add((full * M + mi) * 8 + t % 8)),
+                                );
                             }
                         }
                     }
