@@ -2,6 +2,7 @@
 //! pool (the FFI layer calls them inside the device's `pool.install`).
 
 pub mod attention;
+pub mod dot_tiles;
 pub mod linear;
 pub mod misc;
 pub mod norm;

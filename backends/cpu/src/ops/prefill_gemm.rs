@@ -25,10 +25,11 @@
 //!
 //! On AVX-512 it serves prompts: the `gemm` crate it replaced converted weight tiles for
 //! every call into a second copy, and on the bench model's prompts this kernel is the
-//! faster of the two. On AVX2 it serves decode batches beyond the GEMV (17 to 64 rows),
-//! where the `gemm` crate on converted tiles ran at half its rate (bench model, batch
-//! 32: ~1,250 against ~620 ms per step), while prompts stay with the `gemm` crate
-//! (prefill 512 tokens, in turns: 72, 72, 63 tok/s against this kernel's 63, 61, 59).
+//! faster of the two. On AVX2 it serves decode batches beyond the GEMV (17 to 64 rows)
+//! of weights other than f16/bf16 (those take `dot_tiles`), where the `gemm` crate on
+//! converted tiles ran at half its rate (bench model, batch 32: ~1,250 against ~620 ms
+//! per step); prompts of f32 or quantized weights stay with the `gemm` crate (prefill
+//! 512 tokens, in turns: 72, 72, 63 tok/s against this kernel's 63, 61, 59).
 
 use std::cell::RefCell;
 
