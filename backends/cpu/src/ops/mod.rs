@@ -136,6 +136,18 @@ pub(crate) mod testutil {
         }
     }
 
+    /// `x[m][k] · w[n][k]ᵀ`, each output summed in f64.
+    pub fn naive_linear(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k).map(|kk| x[i * k + kk] as f64 * w[j * k + kk] as f64).sum();
+                out[i * n + j] = s as f32;
+            }
+        }
+        out
+    }
+
     pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
         assert_eq!(got.len(), want.len(), "{what}: length");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {

@@ -550,17 +550,6 @@ mod tests {
     use crate::ops::testutil::*;
     use half::{bf16, f16};
 
-    fn naive(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
-        let mut out = vec![0.0; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let s: f64 = (0..k).map(|kk| x[i * k + kk] as f64 * w[j * k + kk] as f64).sum();
-                out[i * n + j] = s as f32;
-            }
-        }
-        out
-    }
-
     #[test]
     fn blocks_panels_and_tasks_of_every_size_match_naive() {
         let isas: Vec<Isa> = [Isa::Avx512, Isa::Avx2].into_iter().filter(|isa| isa.here()).collect();
@@ -585,7 +574,7 @@ mod tests {
             let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
             let wb: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
             for (name, w) in [("f32", WSlice::F32(&w32)), ("f16", WSlice::F16(&w16)), ("bf16", WSlice::Bf16(&wb))] {
-                let want = naive(&x, &w.to_vec_f32(), m, n, k);
+                let want = naive_linear(&x, &w.to_vec_f32(), m, n, k);
                 let mut first: Option<Vec<f32>> = None;
                 for &isa in &isas {
                     let mut out = vec![f32::NAN; m * n];
@@ -619,12 +608,12 @@ mod tests {
             let w32 = rng.vec(n * k);
             let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
             for (name, w) in [("f32", WSlice::F32(&w32)), ("f16", WSlice::F16(&w16))] {
-                let want = naive(&round_bf16(&x), &round_bf16(&w.to_vec_f32()), m, n, k);
+                let want = naive_linear(&round_bf16(&x), &round_bf16(&w.to_vec_f32()), m, n, k);
                 let mut out = vec![f32::NAN; m * n];
                 linear(&mut out, &x, w, m, n, k, Precision::Bf16);
                 assert_close(&out, &want, 2e-6 * (k as f32).sqrt() + 1e-5, &format!("bf16 m={m} n={n} k={k} {name}"));
                 // And it is not the f32 result: the rounding is real.
-                let exact = naive(&x, &w.to_vec_f32(), m, n, k);
+                let exact = naive_linear(&x, &w.to_vec_f32(), m, n, k);
                 assert!(out.iter().zip(&exact).any(|(a, b)| (a - b).abs() > 1e-4), "{name}: no bf16 rounding seen");
             }
         }
