@@ -1,4 +1,5 @@
-//! Prompts on AVX2 with f16/bf16 weights: dot-product tiles over the whole of k, as
+//! Linear layers of f16/bf16 weights on AVX2 beyond the GEMV (decode batches of 17
+//! rows and more, and prompts): dot-product tiles over the whole of k, as
 //! llama.cpp's tinyBLAS computes them. Weights and activations are both contiguous
 //! along k, so neither is packed nor converted into a second copy: a tile of 3 weight
 //! rows x 4 activation rows keeps 12 accumulators of 8 lanes and, per 8 columns,
