@@ -327,11 +327,36 @@ pub(crate) mod x86 {
         }
     }
 
-    /// One output of the GEMVs: the 8 lanes of its accumulator summed, then the
-    /// products of the `k % 8` tail columns in column order. Every AVX2 GEMV kernel
-    /// finishes here, so each sums an output in the same order whatever the rows.
+    /// 8 f16 weights from `p` as f32.
+    ///
+    /// # Safety
+    /// F16C must be present; `p` addresses 8 readable elements.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(crate) unsafe fn load8_f16(p: *const f16) -> __m256 {
+        // SAFETY: forwarded contract.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    /// 8 bf16 weights from `p` as f32 (each the high half of its f32).
+    ///
+    /// # Safety
+    /// AVX2 must be present; `p` addresses 8 readable elements.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(crate) unsafe fn load8_bf16(p: *const bf16) -> __m256 {
+        // SAFETY: forwarded contract.
+        unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
+        }
+    }
+
+    /// One output of the GEMVs and the dot tiles: the 8 lanes of its accumulator
+    /// summed, then the products of the `k % 8` tail columns in column order. Every
+    /// AVX2 kernel of weight rows against activation rows finishes here, so each sums
+    /// an output in the same order whatever the rows.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn lane_sum(acc: __m256, tail: impl Iterator<Item = f32>) -> f32 {
+    pub(crate) unsafe fn lane_sum(acc: __m256, tail: impl Iterator<Item = f32>) -> f32 {
         // SAFETY: the features were enabled by the caller's target_feature.
         tail.fold(unsafe { hsum(acc) }, |s, p| s + p)
     }
@@ -544,7 +569,7 @@ pub(crate) mod x86 {
         gemv_f16_blocked,
         f16,
         // SAFETY: callers pass pointers with 8 readable elements.
-        |p: *const f16| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) },
+        |p: *const f16| unsafe { load8_f16(p) },
         |v: f16| v.to_f32()
     );
     gemv_kernel!(
@@ -554,9 +579,7 @@ pub(crate) mod x86 {
         gemv_bf16_blocked,
         bf16,
         // SAFETY: callers pass pointers with 8 readable elements.
-        |p: *const bf16| unsafe {
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
-        },
+        |p: *const bf16| unsafe { load8_bf16(p) },
         |v: bf16| v.to_f32()
     );
 }

@@ -67,7 +67,7 @@ mod x86 {
 
     use super::{RW, RX, SendPtr};
     use crate::dtype::WSlice;
-    use crate::simd::x86::hsum;
+    use crate::simd::x86::{lane_sum, load8_bf16, load8_f16};
 
     /// One job: weight rows `rows` (in groups of RW) against activation rows `acts`
     /// (in tiles of RX).
@@ -89,11 +89,9 @@ mod x86 {
         load: impl Fn(*const T) -> __m256 + Copy,
         scalar: impl Fn(T) -> f32 + Copy,
     ) {
-        let mut j = rows.start;
-        while j < rows.end {
+        for j in rows.clone().step_by(RW) {
             let rw = RW.min(rows.end - j);
-            let mut i = acts.start;
-            while i < acts.end {
+            for i in acts.clone().step_by(RX) {
                 let rx = RX.min(acts.end - i);
                 let t = Tile { out, x, w, n, k, i, j };
                 // SAFETY: forwarded contract; the tile lies inside the job.
@@ -113,9 +111,7 @@ mod x86 {
                         _ => t.run::<1, 1>(load, scalar),
                     }
                 }
-                i += rx;
             }
-            j += rw;
         }
     }
 
@@ -166,11 +162,7 @@ mod x86 {
                 for b in 0..X {
                     let o = self.out.get().add((self.i + b) * self.n + self.j);
                     for a in 0..W {
-                        let mut s = hsum(acc[b][a]);
-                        for t in full..k {
-                            s += scalar(*wp[a].add(t)) * *xp[b].add(t);
-                        }
-                        *o.add(a) = s;
+                        *o.add(a) = lane_sum(acc[b][a], (full..k).map(|t| scalar(*wp[a].add(t)) * *xp[b].add(t)));
                     }
                 }
             }
@@ -194,31 +186,8 @@ mod x86 {
         // SAFETY: forwarded contract; the loads read 8 elements the tile's bounds allow.
         unsafe {
             match w {
-                WSlice::F16(w) => job(
-                    out,
-                    x,
-                    w,
-                    n,
-                    k,
-                    acts,
-                    rows,
-                    |p: *const f16| _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
-                    f16::to_f32,
-                ),
-                WSlice::Bf16(w) => job(
-                    out,
-                    x,
-                    w,
-                    n,
-                    k,
-                    acts,
-                    rows,
-                    |p: *const bf16| {
-                        let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
-                        _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16))
-                    },
-                    bf16::to_f32,
-                ),
+                WSlice::F16(w) => job(out, x, w, n, k, acts, rows, |p: *const f16| load8_f16(p), f16::to_f32),
+                WSlice::Bf16(w) => job(out, x, w, n, k, acts, rows, |p: *const bf16| load8_bf16(p), bf16::to_f32),
                 _ => {}
             }
         }
