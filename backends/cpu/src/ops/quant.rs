@@ -71,16 +71,24 @@ impl Path {
 }
 
 /// Dequantizes whole blocks of `ty` into `out` (as [`GgmlType::dequantize`], which it
-/// equals exactly): with AVX-512 for Q4_0, Q4_1 and Q8_0 — the prefill path converts
-/// every weight once per 64 prompt rows, so this is much of a quantized prefill's cost.
+/// equals exactly): with AVX-512 or AVX2 for Q4_0, Q4_1 and Q8_0 — the prefill paths
+/// convert every weight once per block of prompt rows, so this is much of a quantized
+/// prefill's cost.
 pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
     let (n, bb) = (ty.block_elements() as usize, ty.block_bytes() as usize);
     assert_eq!(bytes.len() / bb * n, out.len(), "{ty}: whole blocks");
     #[cfg(target_arch = "x86_64")]
-    if matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) && crate::simd::has_avx512() {
-        // SAFETY: avx512f was detected; `bytes` holds out.len() / 32 blocks of `ty`.
-        unsafe { x86::dequantize_avx512(ty, bytes, out) };
-        return;
+    if matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
+        if crate::simd::has_avx512() {
+            // SAFETY: avx512f was detected; `bytes` holds out.len() / 32 blocks of `ty`.
+            unsafe { x86::dequantize_avx512(ty, bytes, out) };
+            return;
+        }
+        if crate::simd::has_avx2() {
+            // SAFETY: avx2 and f16c were detected; `bytes` holds out.len() / 32 blocks.
+            unsafe { x86::dequantize_avx2(ty, bytes, out) };
+            return;
+        }
     }
     ty.dequantize(bytes, out);
 }
@@ -666,6 +674,47 @@ mod x86 {
         }
     }
 
+    /// [`super::dequantize`] of Q4_0, Q4_1 or Q8_0 blocks on AVX2: 8 values per vector.
+    ///
+    /// # Safety
+    /// The CPU has avx2 and f16c; `bytes` holds `out.len() / 32` blocks of `ty`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn dequantize_avx2(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+        let bb = ty.block_bytes() as usize;
+        let m4 = _mm_set1_epi8(0x0f);
+        // SAFETY: each block's loads stay inside its `bb` bytes (scales first, then 16
+        // nibble bytes or 32 code bytes); the stores write its 32 outputs, 8 at a time.
+        unsafe {
+            for (blk, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(QK)) {
+                let p = blk.as_ptr();
+                let (d, m) = f16x2_at(p);
+                let load = |at: usize| _mm_loadu_si128(p.add(at) as *const __m128i);
+                // Values 0..16 and 16..32 as 16 bytes each.
+                let halves = match ty {
+                    GgmlType::Q8_0 => [load(2), load(18)],
+                    GgmlType::Q4_0 => [_mm_and_si128(load(2), m4), _mm_and_si128(_mm_srli_epi16(load(2), 4), m4)],
+                    _ => [_mm_and_si128(load(4), m4), _mm_and_si128(_mm_srli_epi16(load(4), 4), m4)],
+                };
+                let (dv, mv) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
+                for (h, bytes16) in halves.into_iter().enumerate() {
+                    for (e, b) in [bytes16, _mm_srli_si128(bytes16, 8)].into_iter().enumerate() {
+                        // As the reference computes each value: Q8_0 q * d, Q4_0
+                        // (u - 8) * d, Q4_1 u * d + m (multiply, then add).
+                        let v = match ty {
+                            GgmlType::Q8_0 => _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), dv),
+                            GgmlType::Q4_0 => {
+                                let u = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+                                _mm256_mul_ps(_mm256_sub_ps(u, _mm256_set1_ps(8.0)), dv)
+                            }
+                            _ => _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), dv), mv),
+                        };
+                        _mm256_storeu_ps(y.as_mut_ptr().add(h * 16 + e * 8), v);
+                    }
+                }
+            }
+        }
+    }
+
     /// One group's contribution to activation rows `i0..i0 + M`: `w` are its codes
     /// (signed bytes when `SIGNED`, else unsigned), `dw` and `cw` its scales.
     #[inline(always)]
@@ -854,14 +903,28 @@ mod tests {
         let mut rng = Rng(17);
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let bytes = random_row(ty, 32 * 7, &mut rng);
-            let (mut want, mut got) = (vec![0.0f32; 32 * 7], vec![f32::NAN; 32 * 7]);
+            let mut want = vec![0.0f32; 32 * 7];
             ty.dequantize(&bytes, &mut want);
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let mut got = vec![f32::NAN; 32 * 7];
             dequantize(ty, &bytes, &mut got);
-            assert_eq!(
-                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{ty}"
-            );
+            assert_eq!(bits(&got), bits(&want), "{ty}");
+            // Each SIMD variant this CPU runs, not only the one `dequantize` picks.
+            #[cfg(target_arch = "x86_64")]
+            {
+                if crate::simd::has_avx2() {
+                    got.fill(f32::NAN);
+                    // SAFETY: avx2/f16c detected; `bytes` holds 7 blocks.
+                    unsafe { x86::dequantize_avx2(ty, &bytes, &mut got) };
+                    assert_eq!(bits(&got), bits(&want), "{ty} avx2");
+                }
+                if crate::simd::has_avx512() {
+                    got.fill(f32::NAN);
+                    // SAFETY: avx512f detected; `bytes` holds 7 blocks.
+                    unsafe { x86::dequantize_avx512(ty, &bytes, &mut got) };
+                    assert_eq!(bits(&got), bits(&want), "{ty} avx512");
+                }
+            }
         }
     }
 
