@@ -1,9 +1,11 @@
-//! Linear layers of f16/bf16 weights on AVX2 beyond the GEMV (decode batches of 17
-//! rows and more, and prompts): dot-product tiles over the whole of k, as
-//! llama.cpp's tinyBLAS computes them. Weights and activations are both contiguous
-//! along k, so neither is packed nor converted into a second copy: a tile of 3 weight
-//! rows x 4 activation rows keeps 12 accumulators of 8 lanes and, per 8 columns,
-//! converts 3 weight vectors and loads 4 activation vectors for 12 FMAs.
+//! Linear layers on AVX2 beyond the GEMV (decode batches of 17 rows and more, and
+//! prompts) for f16/bf16 and quantized weights: dot-product tiles over the whole of k,
+//! as llama.cpp's tinyBLAS computes them. Weights and activations are both contiguous
+//! along k, so f16/bf16 weights are neither packed nor converted into a second copy: a
+//! tile of 3 weight rows x 4 activation rows keeps 12 accumulators of 8 lanes and, per
+//! 8 columns, converts 3 weight vectors and loads 4 activation vectors for 12 FMAs.
+//! Quantized weights are dequantized a job's rows at a time (12 rows, in L1 or L2 at
+//! these widths) into f32, which the job's tiles then load as they are.
 //!
 //! Work is cut into jobs of 12 weight rows x a block of about 72 activation rows; the
 //! jobs of one activation block run one after the other across the weights, so the
@@ -32,10 +34,15 @@ pub fn available() -> bool {
     crate::simd::has_avx2()
 }
 
-/// `out[m][n] = x[m][k] · w[n][k]ᵀ` for f16 or bf16 weights. Callers check
-/// `available()`, the dtype and the slice lengths (`out >= m*n`, `x >= m*k`, `w >= n*k`).
+/// True for the weight storage this kernel takes: f16, bf16 and quantized blocks.
+pub fn takes(w: WSlice) -> bool {
+    matches!(w, WSlice::F16(_) | WSlice::Bf16(_) | WSlice::Quant(..))
+}
+
+/// `out[m][n] = x[m][k] · w[n][k]ᵀ` for weights that [`takes`] accepts. Callers check
+/// `available()` and the slice lengths (`out >= m*n`, `x >= m*k`, `w >= n*k`).
 pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usize) {
-    assert!(available() && matches!(w, WSlice::F16(_) | WSlice::Bf16(_)));
+    assert!(available() && takes(w));
     assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
     // Activation rows in blocks of about BLOCK_TILES tiles, of near-equal size.
     let tiles = m.div_ceil(RX);
@@ -43,19 +50,32 @@ pub fn linear(out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: usize, k: usiz
     let per_block = tiles.div_ceil(blocks) * RX;
     let groups = n.div_ceil(JOB_ROWS);
     let optr = SendPtr(out.as_mut_ptr());
-    (0..groups * blocks).into_par_iter().for_each(|job| {
+    // Quantized weights: each job's rows dequantized into its thread's scratch.
+    let scratch = || if matches!(w, WSlice::Quant(..)) { vec![0.0f32; JOB_ROWS * k] } else { Vec::new() };
+    (0..groups * blocks).into_par_iter().for_each_init(scratch, |scratch, job| {
         let (g, b) = (job % groups, job / groups);
         let (j0, j1) = (g * JOB_ROWS, ((g + 1) * JOB_ROWS).min(n));
         let (i0, i1) = (b * per_block, ((b + 1) * per_block).min(m));
+        let rows = match w {
+            WSlice::Quant(..) => {
+                let rows = &mut scratch[..(j1 - j0) * k];
+                w.to_f32(j0 * k, rows);
+                WSlice::F32(rows)
+            }
+            WSlice::F16(s) => WSlice::F16(&s[j0 * k..]),
+            WSlice::Bf16(s) => WSlice::Bf16(&s[j0 * k..]),
+            WSlice::F32(s) => WSlice::F32(&s[j0 * k..]),
+        };
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2/FMA/F16C were asserted; this job writes only rows [i0, i1) x
         // columns [j0, j1) of the m x n output, disjoint from every other job's;
-        // lengths as asserted.
+        // `rows` starts at weight row j0 (as stored, or dequantized) and lengths are
+        // as asserted.
         unsafe {
-            x86::weights_job(optr, x, w, n, k, i0..i1, j0..j1)
+            x86::weights_job(optr, x, rows, n, k, i0..i1, j0..j1)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (optr, i0, i1, j0, j1);
+        let _ = (optr, i0, i1, j0, j1, rows);
     });
 }
 
@@ -70,12 +90,12 @@ mod x86 {
     use crate::simd::x86::{lane_sum, load8_bf16, load8_f16};
 
     /// One job: weight rows `rows` (in groups of RW) against activation rows `acts`
-    /// (in tiles of RX).
+    /// (in tiles of RX); `w` starts at weight row `rows.start`.
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be present; `out` addresses an m x n f32 matrix with
-    /// `acts.end <= m`; `x` holds m * k, `w` n * k with `rows.end <= n`; no one else
-    /// touches `acts` x `rows` of `out` during the call.
+    /// `acts.end <= m`; `x` holds m * k, `w` at least `rows.len() * k` with
+    /// `rows.end <= n`; no one else touches `acts` x `rows` of `out` during the call.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)] // the product's shape and the job's place
     unsafe fn job<T: Copy>(
@@ -93,7 +113,7 @@ mod x86 {
             let rw = RW.min(rows.end - j);
             for i in acts.clone().step_by(RX) {
                 let rx = RX.min(acts.end - i);
-                let t = Tile { out, x, w, n, k, i, j };
+                let t = Tile { out, x, w: &w[(j - rows.start) * k..], n, k, i, j };
                 // SAFETY: forwarded contract; the tile lies inside the job.
                 unsafe {
                     match (rw, rx) {
@@ -115,7 +135,8 @@ mod x86 {
         }
     }
 
-    /// A tile's place: activation rows from `i`, weight rows from `j`.
+    /// A tile's place: activation rows from `i`, weight rows (and output columns) from
+    /// `j`, whose weights `w` starts at.
     struct Tile<'a, T> {
         out: SendPtr,
         x: &'a [f32],
@@ -139,10 +160,10 @@ mod x86 {
             scalar: impl Fn(T) -> f32,
         ) {
             let (k, full) = (self.k, self.k / 8 * 8);
-            // SAFETY: (whole body) rows j..j + W of w and i..i + X of x exist, every
+            // SAFETY: (whole body) W rows of w and rows i..i + X of x exist, every
             // column read is < k, and the outputs written are this job's.
             unsafe {
-                let wp: [*const T; W] = std::array::from_fn(|a| self.w.as_ptr().add((self.j + a) * k));
+                let wp: [*const T; W] = std::array::from_fn(|a| self.w.as_ptr().add(a * k));
                 let xp: [*const f32; X] = std::array::from_fn(|b| self.x.as_ptr().add((self.i + b) * k));
                 let mut acc = [[_mm256_setzero_ps(); W]; X];
                 let mut c = 0;
@@ -169,7 +190,7 @@ mod x86 {
         }
     }
 
-    /// [`job`] for f16 or bf16 weights (other storage types compute nothing).
+    /// [`job`] for f16, bf16 or f32 weights (quantized ones compute nothing).
     ///
     /// # Safety
     /// As [`job`].
@@ -188,7 +209,8 @@ mod x86 {
             match w {
                 WSlice::F16(w) => job(out, x, w, n, k, acts, rows, |p: *const f16| load8_f16(p), f16::to_f32),
                 WSlice::Bf16(w) => job(out, x, w, n, k, acts, rows, |p: *const bf16| load8_bf16(p), bf16::to_f32),
-                _ => {}
+                WSlice::F32(w) => job(out, x, w, n, k, acts, rows, |p: *const f32| _mm256_loadu_ps(p), |v| v),
+                WSlice::Quant(..) => {}
             }
         }
     }
@@ -199,10 +221,12 @@ mod tests {
     use super::*;
     use crate::ops::testutil::*;
     use half::{bf16, f16};
+    use tessera_quant::GgmlType;
 
     /// Every tile shape (weight rows 29 = 2 jobs + 5, activation rows up to 3 blocks
-    /// with short tiles), columns with and without a tail, both dtypes: close to the
-    /// f64 sum, and each row bit-identical to the same row computed alone.
+    /// with short tiles), columns with and without a tail, f16, bf16 and quantized
+    /// weights: close to the f64 sum of the weights as stored, and each row
+    /// bit-identical to the same row computed alone.
     #[test]
     fn tiles_match_naive_and_rows_are_independent() {
         if !available() {
@@ -210,22 +234,46 @@ mod tests {
             return;
         }
         let n = 29;
-        for &k in &[45, 1031] {
+        for &k in &[45, 1024, 1031] {
             for &m in &[1, 2, 3, 5, 71, 150] {
                 let mut rng = Rng((m * 7 + k) as u64);
                 let x = rng.vec(m * k);
                 let w32 = rng.vec(n * k);
                 let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
                 let wb: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
-                for w in [WSlice::F16(&w16), WSlice::Bf16(&wb)] {
+                let mut weights = vec![WSlice::F16(&w16), WSlice::Bf16(&wb)];
+                let quantized: Vec<(GgmlType, Vec<u8>)> = if k % 32 == 0 {
+                    [GgmlType::Q4_0, GgmlType::Q8_0]
+                        .into_iter()
+                        .map(|ty| {
+                            let mut q = vec![0u8; n * k / 32 * ty.block_bytes() as usize];
+                            tessera_quant::quantize(ty, &w32, &mut q).unwrap();
+                            (ty, q)
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                weights.extend(quantized.iter().map(|(ty, q)| WSlice::Quant(*ty, q)));
+                for w in weights {
                     let mut out = vec![f32::NAN; m * n];
                     linear(&mut out, &x, w, m, n, k);
                     let tol = 2e-6 * (k as f32).sqrt() + 1e-5;
-                    assert_close(&out, &naive_linear(&x, &w.to_vec_f32(), m, n, k), tol, &format!("m={m} k={k}"));
+                    let what = match w {
+                        WSlice::Quant(ty, _) => ty.to_string(),
+                        WSlice::Bf16(_) => "bf16".into(),
+                        _ => "f16".into(),
+                    };
+                    assert_close(
+                        &out,
+                        &naive_linear(&x, &w.to_vec_f32(), m, n, k),
+                        tol,
+                        &format!("{what} m={m} k={k}"),
+                    );
                     for i in [0, m / 2, m - 1] {
                         let mut one = vec![f32::NAN; n];
                         linear(&mut one, &x[i * k..(i + 1) * k], w, 1, n, k);
-                        assert_eq!(one, out[i * n..(i + 1) * n], "row {i} of {m}, k={k}");
+                        assert_eq!(one, out[i * n..(i + 1) * n], "{what}: row {i} of {m}, k={k}");
                     }
                 }
             }
