@@ -1,13 +1,12 @@
 //! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (one or two passes, each up to
 //! 8 rows), an AVX-512 register-blocked kernel for decode batches up to 64 rows, and an
-//! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2, f16/bf16 weights
-//! beyond the GEMV and quantized weights beyond the integer kernels take [`dot_tiles`]
-//! (decode batches and prompts alike), and that GEMM takes f32 weights' decode batches
-//! (17 to 64 rows). Elsewhere, the `gemm` crate (directly for f32 weights; on f32 tiles
-//! of converted weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s
-//! integer kernels up to `QUANT_MAX_M` rows (decode; `QUANT_MAX_M_AVX2` on AVX2), and
-//! dequantized rows or tiles through the float paths beyond (prefill, where the
-//! conversion is shared by every row).
+//! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2, f16/bf16 and
+//! quantized weights take [`dot_tiles`] from `AVX2_TILES_MIN_M` rows up (decode batches
+//! and prompts alike), and that GEMM takes f32 weights' decode batches (17 to 64 rows).
+//! Elsewhere, the `gemm` crate (directly for f32 weights; on f32 tiles of converted
+//! weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s integer kernels
+//! up to `QUANT_MAX_M` rows (decode; fewer on AVX2), and dequantized tiles through the
+//! float paths beyond (prefill, where the tile's conversion is shared by every row).
 
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -21,16 +20,15 @@ use crate::simd;
 /// `quant::MAX_M` rows reads the weights once).
 const QUANT_MAX_M: usize = 2 * quant::MAX_M;
 
-/// The same on AVX2 without AVX-512, where [`dot_tiles`] on dequantized rows takes over
-/// sooner. SmolLM2's linears at Q4_0, 2 threads, in turns, integer kernels against dot
-/// tiles: 2 / 4 rows 0.75-0.79 / 0.77-0.87x the time, 6 rows 1.01-1.07x, 8 rows
-/// 1.14-1.21x, 12 / 16 rows 1.39-1.54x.
-const QUANT_MAX_M_AVX2: usize = 5;
-
-/// Activation rows up to which quantized weights take the integer kernels here.
-fn quant_max_m() -> usize {
-    if !simd::has_avx512() && dot_tiles::available() { QUANT_MAX_M_AVX2 } else { QUANT_MAX_M }
-}
+/// Activation rows from which [`dot_tiles`] take the weights they can on AVX2 without
+/// AVX-512: there they beat the GEMV on f16/bf16 weights (bench model shapes, 2 threads,
+/// in turns, time of the GEMV over the tiles: 2 rows 0.70-1.12, 3 rows 0.78-1.22, 4 rows
+/// 1.01-1.30, 5 rows 0.78-1.25, 6 rows 1.06-1.26, 8 rows 1.14-1.69, 16 rows 1.20-1.57;
+/// both sum each output in the same order, so the outputs are identical) and the integer
+/// kernels on quantized weights (SmolLM2's linears at Q4_0, integer kernels over dot
+/// tiles: 2 / 4 rows 0.75-0.79 / 0.77-0.87, 6 rows 1.01-1.07, 8 rows 1.14-1.21, 12 / 16
+/// rows 1.39-1.54).
+const AVX2_TILES_MIN_M: usize = 6;
 
 /// Computes the linear layer. Slices must hold exactly `m*n`, `m*k`, `n*k` and `n`
 /// (bias) elements; the FFI layer checks that. `precision` applies to prompts (the
@@ -53,9 +51,20 @@ pub fn linear(
     let out = &mut out[..m * n];
     if k == 0 {
         out.fill(0.0);
+    } else if m >= AVX2_TILES_MIN_M && !simd::has_avx512() && dot_tiles::available() && dot_tiles::takes(w) {
+        // f16/bf16 weights on AVX2: dot-product tiles on the weights as stored, faster
+        // than the GEMV (see AVX2_TILES_MIN_M), the cache-blocked GEMM on decode batches (32 / 48 / 64
+        // rows: 1.2-1.7 / 1.0-1.4 / 1.1-1.3x) and the `gemm` crate on converted tiles
+        // on prompts (96 / 256 / 512 / 2,048 rows: 1.5 / 1.1-1.2 / 0.95-1.1 /
+        // 1.0-1.6x), bench model shapes, 2 threads, in turns. Quantized weights: on
+        // rows dequantized per job, faster than the integer kernels (idem) and the
+        // GEMMs on dequantized weights (SmolLM2 at Q4_0, in turns: 17 / 32 / 64 / 71
+        // rows 1.8 / 1.1-1.2 / 1.3 / 1.4x, 128-384 rows 1.05-1.2x, 512 / 1,024 rows
+        // 0.83-1.07 / 0.99-1.15x).
+        dot_tiles::linear(out, x, w, m, n, k);
     } else if let WSlice::Quant(ty, bytes) = w
         && quant::supports(ty)
-        && m <= quant_max_m()
+        && m <= QUANT_MAX_M
     {
         quant::linear(out, x, ty, bytes, m, n, k, quant::Path::best());
     } else if m <= 2 * simd::gemv_max_m() && !matches!(w, WSlice::Quant(..)) {
@@ -70,17 +79,6 @@ pub fn linear(
         }
     } else if m <= small_batch::MAX_M && small_batch::available() {
         small_batch::linear(out, x, w, m, n, k);
-    } else if !simd::has_avx512() && dot_tiles::available() && dot_tiles::takes(w) {
-        // f16/bf16 weights on AVX2, from 17 rows up: dot-product tiles on the weights as
-        // stored, faster than the cache-blocked GEMM on decode batches (32 / 48 / 64
-        // rows: 1.2-1.7 / 1.0-1.4 / 1.1-1.3x) and than the `gemm` crate on converted
-        // tiles on prompts (96 / 256 / 512 / 2,048 rows: 1.5 / 1.1-1.2 / 0.95-1.1 /
-        // 1.0-1.6x), bench model shapes, 2 threads, in turns. Quantized weights past
-        // the integer kernels: on rows dequantized per job, faster than the GEMMs on
-        // dequantized weights (SmolLM2 at Q4_0, in turns: 17 / 32 / 64 / 71 rows
-        // 1.8 / 1.1-1.2 / 1.3 / 1.4x, 128-384 rows 1.05-1.2x, 512 / 1,024 rows
-        // 0.83-1.07 / 0.99-1.15x).
-        dot_tiles::linear(out, x, w, m, n, k);
     } else if prefill_gemm::available() && (simd::has_avx512() || m <= small_batch::MAX_M) {
         // Prompts on AVX-512, decode batches on AVX2: the cache-blocked GEMM, each
         // weight converted or dequantized once per call (see its module for why AVX2
