@@ -53,14 +53,14 @@ pub fn linear(
         out.fill(0.0);
     } else if m >= AVX2_TILES_MIN_M && !simd::has_avx512() && dot_tiles::available() && dot_tiles::takes(w) {
         // f16/bf16 weights on AVX2: dot-product tiles on the weights as stored, faster
-        // than the GEMV (see AVX2_TILES_MIN_M), the cache-blocked GEMM on decode batches (32 / 48 / 64
-        // rows: 1.2-1.7 / 1.0-1.4 / 1.1-1.3x) and the `gemm` crate on converted tiles
-        // on prompts (96 / 256 / 512 / 2,048 rows: 1.5 / 1.1-1.2 / 0.95-1.1 /
-        // 1.0-1.6x), bench model shapes, 2 threads, in turns. Quantized weights: on
-        // rows dequantized per job, faster than the integer kernels (idem) and the
-        // GEMMs on dequantized weights (SmolLM2 at Q4_0, in turns: 17 / 32 / 64 / 71
-        // rows 1.8 / 1.1-1.2 / 1.3 / 1.4x, 128-384 rows 1.05-1.2x, 512 / 1,024 rows
-        // 0.83-1.07 / 0.99-1.15x).
+        // than the GEMV (see AVX2_TILES_MIN_M), the cache-blocked GEMM on decode
+        // batches (32 / 48 / 64 rows: 1.2-1.7 / 1.0-1.4 / 1.1-1.3x) and the `gemm`
+        // crate on converted tiles on prompts (96 / 256 / 512 / 2,048 rows: 1.5 /
+        // 1.1-1.2 / 0.95-1.1 / 1.0-1.6x), bench model shapes, 2 threads, in turns.
+        // Quantized weights: on rows dequantized per job, faster than the integer
+        // kernels (idem) and the GEMMs on dequantized weights (SmolLM2 at Q4_0, in
+        // turns: 17 / 32 / 64 / 71 rows 1.8 / 1.1-1.2 / 1.3 / 1.4x, 128-384 rows
+        // 1.05-1.2x, 512 / 1,024 rows 0.83-1.07 / 0.99-1.15x).
         dot_tiles::linear(out, x, w, m, n, k);
     } else if let WSlice::Quant(ty, bytes) = w
         && quant::supports(ty)
