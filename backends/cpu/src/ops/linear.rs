@@ -2,7 +2,7 @@
 //! 8 rows), an AVX-512 register-blocked kernel for decode batches up to 64 rows, and an
 //! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2, f16/bf16 and
 //! quantized weights take [`dot_tiles`] from `AVX2_TILES_MIN_M` rows up (decode batches
-//! and prompts alike), and that GEMM takes f32 weights' decode batches (17 to 64 rows).
+//! and prompts alike; see `avx2_tiles`), and that GEMM takes f32 weights' decode batches (17 to 64 rows).
 //! Elsewhere, the `gemm` crate (directly for f32 weights; on f32 tiles of converted
 //! weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s integer kernels
 //! up to `QUANT_MAX_M` rows (decode; fewer on AVX2), and dequantized tiles through the
@@ -10,6 +10,7 @@
 
 use gemm::Parallelism;
 use rayon::prelude::*;
+use tessera_quant::GgmlType;
 
 use super::prefill_gemm::Precision;
 use super::{SendPtr, Strided, dot_tiles, matmul, prefill_gemm, quant, small_batch};
@@ -29,6 +30,22 @@ const QUANT_MAX_M: usize = 2 * quant::MAX_M;
 /// tiles: 2 / 4 rows 0.75-0.79 / 0.77-0.87, 6 rows 1.01-1.07, 8 rows 1.14-1.21, 12 / 16
 /// rows 1.39-1.54).
 const AVX2_TILES_MIN_M: usize = 6;
+
+/// True where [`dot_tiles`] take this call: AVX2 without AVX-512, weights they take,
+/// from `AVX2_TILES_MIN_M` rows, except Q5_0 / Q5_1, whose rows dequantize slowly (no
+/// SIMD dequantizer): they keep the integer kernels through `QUANT_MAX_M` rows (768- and
+/// 1,536-wide layers, in turns, integer kernels over tiles: Q5_0 / Q5_1 0.28-0.38 at 6
+/// rows, 0.59-0.63 at 16; Q4_K 0.98 at 6, 1.09 at 8, 1.55 at 16; Q8_0 1.28 at 6; past 16
+/// rows, the GEMM on dequantized weights over tiles: Q5_0 1.27 at 17, 1.11 at 32).
+fn avx2_tiles(w: WSlice, m: usize) -> bool {
+    if simd::has_avx512() || !dot_tiles::available() || !dot_tiles::takes(w) {
+        return false;
+    }
+    match w {
+        WSlice::Quant(GgmlType::Q5_0 | GgmlType::Q5_1, _) => m > QUANT_MAX_M,
+        _ => m >= AVX2_TILES_MIN_M,
+    }
+}
 
 /// Computes the linear layer. Slices must hold exactly `m*n`, `m*k`, `n*k` and `n`
 /// (bias) elements; the FFI layer checks that. `precision` applies to prompts (the
@@ -51,7 +68,7 @@ pub fn linear(
     let out = &mut out[..m * n];
     if k == 0 {
         out.fill(0.0);
-    } else if m >= AVX2_TILES_MIN_M && !simd::has_avx512() && dot_tiles::available() && dot_tiles::takes(w) {
+    } else if avx2_tiles(w, m) {
         // f16/bf16 weights on AVX2: dot-product tiles on the weights as stored, faster
         // than the GEMV (see AVX2_TILES_MIN_M), the cache-blocked GEMM on decode
         // batches (32 / 48 / 64 rows: 1.2-1.7 / 1.0-1.4 / 1.1-1.3x) and the `gemm`
