@@ -755,7 +755,7 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::dtype::WSlice;
-    use crate::ops::testutil::Rng;
+    use crate::ops::{self, prefill_gemm::Precision, testutil::Rng};
     use proptest::prelude::*;
 
     /// Random blocks of `ty`: f16 scales of either sign (and zero), random codes.
@@ -894,6 +894,20 @@ mod tests {
             crate::ops::misc::embedding(&mut out, WSlice::Quant(ty, &table), &[4, 0, 2], 3, hidden, vocab).unwrap();
             for (r, id) in [4, 0, 2].into_iter().enumerate() {
                 assert_eq!(&out[r * hidden..][..hidden], &all[id * hidden..][..hidden], "{ty}");
+            }
+        }
+    }
+
+    /// The whole dispatch (`ops::linear`) on every block format, at row counts on both
+    /// sides of each switch (integer kernels, dot tiles, GEMMs on dequantized weights).
+    #[test]
+    fn linear_dispatch_on_quantized_weights() {
+        for ty in FORMATS.into_iter().chain([GgmlType::Q6K]) {
+            let k = 2 * ty.block_elements() as usize;
+            for (s, &m) in [1usize, 5, 6, 8, 16, 17, 40, 80].iter().enumerate() {
+                check_with(ty, m, 29, k, 7 + s as u64, &|out, x, w| {
+                    ops::linear::linear(out, x, WSlice::Quant(ty, w), None, m, 29, k, Precision::F32)
+                });
             }
         }
     }
