@@ -1,10 +1,10 @@
-//! Linear layers on AVX2 from 6 rows up (decode batches and prompts; fewer rows take
-//! the GEMV or the integer kernels) for f16/bf16 and quantized weights: dot-product
-//! tiles over the whole of k, as llama.cpp's tinyBLAS computes them. Weights and
-//! activations are both contiguous along k, so f16/bf16 weights are neither packed nor
-//! converted into a second copy: a tile of 3 weight rows x 4 activation rows keeps 12
-//! accumulators of 8 lanes and, per 8 columns, converts 3 weight vectors and loads 4
-//! activation vectors for 12 FMAs.
+//! Linear layers on AVX2 past the GEMV and the integer kernels (decode batches and
+//! prompts; `linear::avx2_tiles` says from how many rows) for f16/bf16 and quantized
+//! weights: dot-product tiles over the whole of k, as llama.cpp's tinyBLAS computes them.
+//! Weights and activations are both contiguous along k, so f16/bf16 weights are neither
+//! packed nor converted into a second copy: a tile of 3 weight rows x 4 activation rows
+//! keeps 12 accumulators of 8 lanes and, per 8 columns, converts 3 weight vectors and
+//! loads 4 activation vectors for 12 FMAs.
 //! Quantized weights are dequantized a job's rows at a time (12 rows, in L1 or L2 at
 //! these widths) into f32, which the job's tiles then load as they are.
 //!

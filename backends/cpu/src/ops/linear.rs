@@ -2,11 +2,12 @@
 //! 8 rows), an AVX-512 register-blocked kernel for decode batches up to 64 rows, and an
 //! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2, f16/bf16 and
 //! quantized weights take [`dot_tiles`] from `AVX2_TILES_MIN_M` rows up (decode batches
-//! and prompts alike; see `avx2_tiles`), and that GEMM takes f32 weights' decode batches (17 to 64 rows).
-//! Elsewhere, the `gemm` crate (directly for f32 weights; on f32 tiles of converted
-//! weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s integer kernels
-//! up to `QUANT_MAX_M` rows (decode; fewer on AVX2), and dequantized tiles through the
-//! float paths beyond (prefill, where the tile's conversion is shared by every row).
+//! and prompts alike; see `avx2_tiles`), and that GEMM takes f32 weights' decode batches
+//! (17 to 64 rows). Elsewhere, the `gemm` crate (directly for f32 weights; on f32 tiles
+//! of converted weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s
+//! integer kernels up to `QUANT_MAX_M` rows (decode; fewer on AVX2), and dequantized
+//! tiles through the float paths beyond (prefill, where the tile's conversion is shared
+//! by every row).
 
 use gemm::Parallelism;
 use rayon::prelude::*;
