@@ -1,6 +1,7 @@
 //! Linear layers on AVX2 past the GEMV and the integer kernels (decode batches and
 //! prompts; `linear::avx2_tiles` says from how many rows) for f16/bf16 and quantized
-//! weights: dot-product tiles over the whole of k, as llama.cpp's tinyBLAS computes them.
+//! weights, f16 prompts excepted (they take [`panel_tiles`](super::panel_tiles)):
+//! dot-product tiles over the whole of k, as llama.cpp's tinyBLAS computes them.
 //! Weights and activations are both contiguous along k, so f16/bf16 weights are neither
 //! packed nor converted into a second copy: a tile of 3 weight rows x 4 activation rows
 //! keeps 12 accumulators of 8 lanes and, per 8 columns, converts 3 weight vectors and

@@ -1,9 +1,10 @@
 //! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (one or two passes, each up to
 //! 8 rows), an AVX-512 register-blocked kernel for decode batches up to 64 rows, and an
-//! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2, f16/bf16 and
-//! quantized weights take [`dot_tiles`] from `AVX2_TILES_MIN_M` rows up (decode batches
-//! and prompts alike; see `avx2_tiles`), and that GEMM takes f32 weights' decode batches
-//! (17 to 64 rows). Elsewhere, the `gemm` crate (directly for f32 weights; on f32 tiles
+//! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2, f16 weights take
+//! [`panel_tiles`] from `PANEL_TILES_MIN_M` rows up (prompts and mixed steps); below
+//! that, and for bf16 and quantized weights at any size, [`dot_tiles`] from
+//! `AVX2_TILES_MIN_M` rows up (see `avx2_tiles`); that GEMM takes f32 weights' decode
+//! batches (17 to 64 rows). Elsewhere, the `gemm` crate (directly for f32 weights; on f32 tiles
 //! of converted weight rows for f16/bf16 weights). Quantized weights take [`quant`]'s
 //! integer kernels up to `QUANT_MAX_M` rows (decode; fewer on AVX2), and dequantized
 //! tiles through the float paths beyond (prefill, where the tile's conversion is shared
@@ -14,7 +15,7 @@ use rayon::prelude::*;
 use tessera_quant::GgmlType;
 
 use super::prefill_gemm::Precision;
-use super::{SendPtr, Strided, dot_tiles, matmul, prefill_gemm, quant, small_batch};
+use super::{SendPtr, Strided, dot_tiles, matmul, panel_tiles, prefill_gemm, quant, small_batch};
 use crate::dtype::WSlice;
 use crate::simd;
 
@@ -31,6 +32,19 @@ const QUANT_MAX_M: usize = 2 * quant::MAX_M;
 /// tiles: 2 / 4 rows 0.75-0.79 / 0.77-0.87, 6 rows 1.01-1.07, 8 rows 1.14-1.21, 12 / 16
 /// rows 1.39-1.54).
 const AVX2_TILES_MIN_M: usize = 6;
+
+/// Activation rows from which [`panel_tiles`] take f16 weights on AVX2 without AVX-512,
+/// where their per-call packing has paid for itself (bench model shapes, 2 threads, in
+/// turns, time of the dot tiles over the panels: 16 / 32 rows 0.79-0.94 / 0.81-0.92,
+/// 48 rows 0.94-1.07, 64 rows 0.98-1.09, 96 rows 1.07-1.19, 168 to 2,000 rows
+/// 1.07-1.19).
+const PANEL_TILES_MIN_M: usize = 64;
+
+/// True where [`panel_tiles`] take this call: AVX2 without AVX-512, f16 weights, from
+/// `PANEL_TILES_MIN_M` rows (prompts and mixed steps).
+fn avx2_panels(w: WSlice, m: usize) -> bool {
+    !simd::has_avx512() && panel_tiles::available() && panel_tiles::takes(w) && m >= PANEL_TILES_MIN_M
+}
 
 /// True where [`dot_tiles`] take this call: AVX2 without AVX-512, weights they take,
 /// from `AVX2_TILES_MIN_M` rows, except Q5_0 / Q5_1, whose rows dequantize slowly (no
@@ -69,12 +83,17 @@ pub fn linear(
     let out = &mut out[..m * n];
     if k == 0 {
         out.fill(0.0);
+    } else if avx2_panels(w, m) {
+        // f16 prompts on AVX2: outer-product tiles on panels packed per job, at 90-96%
+        // of the FMA peak where the dot tiles reach 75-86% (see PANEL_TILES_MIN_M).
+        panel_tiles::linear(out, x, w, m, n, k);
     } else if avx2_tiles(w, m) {
-        // f16/bf16 weights on AVX2: dot-product tiles on the weights as stored, faster
-        // than the GEMV (see AVX2_TILES_MIN_M), the cache-blocked GEMM on decode
-        // batches (32 / 48 / 64 rows: 1.2-1.7 / 1.0-1.4 / 1.1-1.3x) and the `gemm`
-        // crate on converted tiles on prompts (96 / 256 / 512 / 2,048 rows: 1.5 /
-        // 1.1-1.2 / 0.95-1.1 / 1.0-1.6x), bench model shapes, 2 threads, in turns.
+        // f16 decode batches, bf16 and quantized weights on AVX2: dot-product tiles on
+        // the weights as stored, faster than the GEMV (see AVX2_TILES_MIN_M), the
+        // cache-blocked GEMM on decode batches (32 / 48 / 64 rows: 1.2-1.7 / 1.0-1.4 /
+        // 1.1-1.3x) and the `gemm` crate on converted tiles on prompts (96 / 256 / 512
+        // / 2,048 rows: 1.5 / 1.1-1.2 / 0.95-1.1 / 1.0-1.6x), bench model shapes, 2
+        // threads, in turns.
         // Quantized weights: on rows dequantized per job, faster than the integer
         // kernels (idem) and the GEMMs on dequantized weights (SmolLM2 at Q4_0, in
         // turns: 17 / 32 / 64 / 71 rows 1.8 / 1.1-1.2 / 1.3 / 1.4x, 128-384 rows

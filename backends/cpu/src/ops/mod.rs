@@ -6,6 +6,7 @@ pub mod dot_tiles;
 pub mod linear;
 pub mod misc;
 pub mod norm;
+pub mod panel_tiles;
 pub mod prefill_gemm;
 pub mod quant;
 pub mod rope;
