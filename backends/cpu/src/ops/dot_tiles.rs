@@ -263,25 +263,12 @@ mod tests {
                 };
                 weights.extend(quantized.iter().map(|(ty, q)| WSlice::Quant(*ty, q)));
                 for w in weights {
-                    let mut out = vec![f32::NAN; m * n];
-                    linear(&mut out, &x, w, m, n, k);
-                    let tol = 2e-6 * (k as f32).sqrt() + 1e-5;
                     let what = match w {
                         WSlice::Quant(ty, _) => ty.to_string(),
                         WSlice::Bf16(_) => "bf16".into(),
                         _ => "f16".into(),
                     };
-                    assert_close(
-                        &out,
-                        &naive_linear(&x, &w.to_vec_f32(), m, n, k),
-                        tol,
-                        &format!("{what} m={m} k={k}"),
-                    );
-                    for i in [0, m / 2, m - 1] {
-                        let mut one = vec![f32::NAN; n];
-                        linear(&mut one, &x[i * k..(i + 1) * k], w, 1, n, k);
-                        assert_eq!(one, out[i * n..(i + 1) * n], "{what}: row {i} of {m}, k={k}");
-                    }
+                    assert_tiles_match_naive(linear, &x, w, (m, n, k), &format!("{what} m={m} k={k}"));
                 }
             }
         }

@@ -116,6 +116,8 @@ pub(crate) unsafe fn matmul_into(
 
 #[cfg(test)]
 pub(crate) mod testutil {
+    use crate::dtype::WSlice;
+
     /// A small deterministic PRNG for tests.
     pub struct Rng(pub u64);
     impl Rng {
@@ -147,6 +149,27 @@ pub(crate) mod testutil {
             }
         }
         out
+    }
+
+    /// A tiled linear kernel's contract: `linear(out, x, w, m, n, k)` is close to the f64
+    /// sum of the weights as stored, and its first, middle and last rows are
+    /// bit-identical to the same row computed alone.
+    pub fn assert_tiles_match_naive(
+        linear: fn(&mut [f32], &[f32], WSlice, usize, usize, usize),
+        x: &[f32],
+        w: WSlice,
+        (m, n, k): (usize, usize, usize),
+        what: &str,
+    ) {
+        let mut out = vec![f32::NAN; m * n];
+        linear(&mut out, x, w, m, n, k);
+        let tol = 2e-6 * (k as f32).sqrt() + 1e-5;
+        assert_close(&out, &naive_linear(x, &w.to_vec_f32(), m, n, k), tol, what);
+        for i in [0, m / 2, m - 1] {
+            let mut one = vec![f32::NAN; n];
+            linear(&mut one, &x[i * k..(i + 1) * k], w, 1, n, k);
+            assert_eq!(one, out[i * n..(i + 1) * n], "{what}: row {i} of {m}");
+        }
     }
 
     pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {

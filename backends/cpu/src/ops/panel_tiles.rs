@@ -256,17 +256,8 @@ mod tests {
                     let x = rng.vec(m * k);
                     let w32 = rng.vec(n * k);
                     let w16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
-                    let w = WSlice::F16(&w16);
-                    let mut out = vec![f32::NAN; m * n];
-                    linear(&mut out, &x, w, m, n, k);
-                    let tol = 2e-6 * (k as f32).sqrt() + 1e-5;
                     let what = format!("m={m} n={n} k={k}");
-                    assert_close(&out, &naive_linear(&x, &w.to_vec_f32(), m, n, k), tol, &what);
-                    for i in [0, m / 2, m - 1] {
-                        let mut one = vec![f32::NAN; n];
-                        linear(&mut one, &x[i * k..(i + 1) * k], w, 1, n, k);
-                        assert_eq!(one, out[i * n..(i + 1) * n], "row {i} of {what}");
-                    }
+                    assert_tiles_match_naive(linear, &x, WSlice::F16(&w16), (m, n, k), &what);
                 }
             }
         }
