@@ -4,7 +4,7 @@
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::misc::KvGeom;
+use super::misc::{CacheLevel, KvGeom};
 use super::{SendPtr, Strided, matmul, matmul_into};
 use crate::dtype::WSlice;
 use crate::error::Result;
@@ -402,7 +402,7 @@ fn attend_part(
     let ahead = |src: WSlice, from: usize| {
         let pos = start + from;
         if pos < end {
-            g.prefetch_head_rows(src, table[pos / bs] as usize, kvh, bs.min(end - pos));
+            g.prefetch_head_rows(src, table[pos / bs] as usize, kvh, bs.min(end - pos), CacheLevel::L1);
         }
     };
     ahead(kv.k, 0);
@@ -509,7 +509,7 @@ fn merge_parts(states: &[f32], group: usize, hd: usize, o: &mut [f32]) {
 mod x512 {
     use std::arch::x86_64::*;
 
-    use super::KvView;
+    use super::{CacheLevel, KvView};
     use crate::dtype::WSlice;
 
     /// f32, f16 and bf16 storage (the `DT` parameter below).
@@ -537,6 +537,14 @@ mod x512 {
         }
     }
 
+    /// Blocks between a prefetch and its use. The K pass asks for each block's K and V
+    /// rows into L2 (a part's V, 32 KiB at 256 tokens of 64 f16 lanes, is then there
+    /// for the V pass). Measured with caches of written values from DRAM (the kernel
+    /// bench's `decode-attention`, Zen 4, 2 threads), 1 x 2,048 tokens: L1 prefetches 1
+    /// or 4 blocks ahead 0.27-0.29 ms, none 0.31-0.32; L2 prefetches 1 ahead 0.21, 4
+    /// ahead 0.19-0.20, 8 ahead 0.21, 16 ahead 0.28.
+    const AHEAD: usize = 4;
+
     /// One part of a decode: tokens `start..end` (`start` on a block boundary) of kv
     /// head `kvh`, in the cache blocks `table` of its sequence.
     pub struct Part<'a> {
@@ -549,21 +557,23 @@ mod x512 {
 
     impl Part<'_> {
         /// Calls `f(block, rows, off)` for the part's cache blocks in order, `off` being
-        /// the block's first token less `start`; when `fetch`, each block's rows of `src`
-        /// are asked for one block ahead (measured: 2, 4 or 8 blocks ahead are no faster).
+        /// the block's first token less `start`; each block's rows of `fetch` (if any)
+        /// are asked into L2 [`AHEAD`] blocks before `f` reaches it.
         #[inline(always)]
-        fn blocks(&self, src: WSlice, fetch: bool, mut f: impl FnMut(usize, usize, usize)) {
+        fn blocks(&self, fetch: Option<WSlice>, mut f: impl FnMut(usize, usize, usize)) {
             let (g, end) = (&self.kv.geom, self.end);
             let bs = g.block_size;
             let ask = |at: usize| {
-                if fetch && at < end {
-                    g.prefetch_head_rows(src, self.table[at / bs] as usize, self.kvh, bs.min(end - at));
+                if let Some(src) = fetch.filter(|_| at < end) {
+                    g.prefetch_head_rows(src, self.table[at / bs] as usize, self.kvh, bs.min(end - at), CacheLevel::L2);
                 }
             };
-            ask(self.start);
+            for b in 0..AHEAD {
+                ask(self.start + b * bs);
+            }
             let mut pos = self.start;
             while pos < end {
-                ask(pos + bs);
+                ask(pos + AHEAD * bs);
                 f(self.table[pos / bs] as usize, bs.min(end - pos), pos - self.start);
                 pos += bs;
             }
@@ -662,7 +672,7 @@ mod x512 {
                         }
                     })
                 });
-                part.blocks(part.kv.k, g0 == 0, |block, rows, off| {
+                part.blocks((g0 == 0).then_some(part.kv.k), |block, rows, off| {
                     let mut r = 0;
                     // Four tokens at a time where their rows fit in registers: each head's
                     // four dot products are reduced together.
@@ -742,7 +752,7 @@ mod x512 {
             for g0 in (0..group).step_by(G) {
                 let gc = G.min(group - g0);
                 let mut acc = [[_mm512_setzero_ps(); HV]; G];
-                part.blocks(part.kv.v, g0 == 0, |block, rows, off| {
+                part.blocks((g0 == 0).then_some(part.kv.v), |block, rows, off| {
                     for r in 0..rows {
                         let row = base.add(g.index(block, kvh, r) * es);
                         let v: [__m512; HV] = std::array::from_fn(|i| load16::<DT>(row.add(16 * i * es)));

@@ -59,6 +59,15 @@ impl KvLayout {
     }
 }
 
+/// The cache a prefetch asks lines into: L1 for what the next few hundred
+/// instructions read, L2 for lines asked for further ahead (more of them can be in
+/// flight, and they do not evict the data being worked on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheLevel {
+    L1,
+    L2,
+}
+
 /// Geometry of one layer's paged KV cache.
 #[derive(Debug, Clone, Copy)]
 pub struct KvGeom {
@@ -85,14 +94,14 @@ impl KvGeom {
     }
 
     /// Asks the CPU to start loading `rows` tokens of kv head `head` of `block` (from
-    /// offset 0) into its caches: a paged cache's blocks lie apart, so the hardware
-    /// prefetcher, which follows one run at a time, stalls at every block boundary.
-    /// Only a hint: it changes no result.
+    /// offset 0) into its caches, `into` L1 or only L2: a paged cache's blocks lie
+    /// apart, so the hardware prefetcher, which follows one run at a time, stalls at
+    /// every block boundary. Only a hint: it changes no result.
     #[inline]
-    pub fn prefetch_head_rows(&self, src: WSlice, block: usize, head: usize, rows: usize) {
+    pub fn prefetch_head_rows(&self, src: WSlice, block: usize, head: usize, rows: usize, into: CacheLevel) {
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
             let (base, es) = match src {
                 WSlice::F32(s) => (s.as_ptr().cast::<u8>(), 4),
                 WSlice::F16(s) => (s.as_ptr().cast::<u8>(), 2),
@@ -108,12 +117,18 @@ impl KvGeom {
                 let start = base.wrapping_add(self.index(block, head, r) * es);
                 for at in (0..run_bytes).step_by(64) {
                     // SAFETY: a prefetch only hints; it never faults, whatever the address.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(at).cast::<i8>()) };
+                    unsafe {
+                        let p = start.wrapping_add(at).cast::<i8>();
+                        match into {
+                            CacheLevel::L1 => _mm_prefetch::<_MM_HINT_T0>(p),
+                            CacheLevel::L2 => _mm_prefetch::<_MM_HINT_T1>(p),
+                        }
+                    }
                 }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (src, block, head, rows);
+        let _ = (src, block, head, rows, into);
     }
 
     /// Converts `rows` consecutive tokens of kv head `head`, from offset 0 of `block`,
