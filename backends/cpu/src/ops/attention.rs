@@ -537,12 +537,14 @@ mod x512 {
         }
     }
 
-    /// Blocks between a prefetch and its use. The K pass asks for each block's K and V
-    /// rows into L2 (a part's V, 32 KiB at 256 tokens of 64 f16 lanes, is then there
-    /// for the V pass). Measured with caches of written values from DRAM (the kernel
-    /// bench's `decode-attention`, Zen 4, 2 threads), 1 x 2,048 tokens: L1 prefetches 1
-    /// or 4 blocks ahead 0.27-0.29 ms, none 0.31-0.32; L2 prefetches 1 ahead 0.21, 4
-    /// ahead 0.19-0.20, 8 ahead 0.21, 16 ahead 0.28.
+    /// Blocks between a prefetch and its use; each pass asks for its own tensor's
+    /// blocks into L2. Measured with caches of written values from DRAM (the kernel
+    /// bench's `decode-attention`, Zen 4, 2 threads), 1 x 2,048 tokens: L1 prefetches
+    /// 1 or 4 blocks ahead 0.27-0.29 ms, none 0.31-0.32; L2 prefetches 1 ahead 0.21,
+    /// 4 ahead 0.19-0.20, 8 ahead 0.21, 16 ahead 0.28; V asked for during the K pass
+    /// (for the V pass to find in L2) 0.24-0.25. Three runs in turns of the kernel
+    /// before (L1, one ahead) and after: 0.30-0.32 against 0.22-0.27 ms, and at 8,192
+    /// tokens 1.16-1.37 against 1.01-1.07.
     const AHEAD: usize = 4;
 
     /// One part of a decode: tokens `start..end` (`start` on a block boundary) of kv
