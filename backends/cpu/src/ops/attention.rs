@@ -537,14 +537,16 @@ mod x512 {
         }
     }
 
-    /// Blocks between a prefetch and its use; each pass asks for its own tensor's
-    /// blocks into L2. Measured with caches of written values from DRAM (the kernel
-    /// bench's `decode-attention`, Zen 4, 2 threads), 1 x 2,048 tokens: L1 prefetches
-    /// 1 or 4 blocks ahead 0.27-0.29 ms, none 0.31-0.32; L2 prefetches 1 ahead 0.21,
-    /// 4 ahead 0.19-0.20, 8 ahead 0.21, 16 ahead 0.28; V asked for during the K pass
-    /// (for the V pass to find in L2) 0.24-0.25. Three runs in turns of the kernel
-    /// before (L1, one ahead) and after: 0.30-0.32 against 0.22-0.27 ms, and at 8,192
-    /// tokens 1.16-1.37 against 1.01-1.07.
+    /// Blocks between a prefetch and its use: the K pass asks for its blocks into L2
+    /// this far ahead, and over its last blocks for the V pass's first; the V pass then
+    /// asks for the rest of its own. Measured with caches of written values from DRAM
+    /// (the kernel bench's `decode-attention`, Zen 4, 2 threads), 1 x 2,048 tokens: L1
+    /// prefetches 1 or 4 blocks ahead 0.27-0.29 ms, none 0.31-0.32; L2 prefetches 1
+    /// ahead 0.21, 4 ahead 0.19-0.20, 8 ahead 0.21, 16 ahead 0.28; all of V asked for
+    /// during the K pass 0.24-0.25. Three runs in turns: the kernel before (L1, one
+    /// ahead) 0.30-0.32 ms against 0.22-0.27 with each pass asking 4 ahead for itself;
+    /// that against the K pass also asking for V's first blocks, 0.218-0.223 against
+    /// 0.205-0.222, and at 8,192 tokens 0.97-1.08 against 0.88-0.90 (before: 1.16-1.37).
     const AHEAD: usize = 4;
 
     /// One part of a decode: tokens `start..end` (`start` on a block boundary) of kv
@@ -559,19 +561,30 @@ mod x512 {
 
     impl Part<'_> {
         /// Calls `f(block, rows, off)` for the part's cache blocks in order, `off` being
-        /// the block's first token less `start`; each block's rows of `fetch` (if any)
-        /// are asked into L2 [`AHEAD`] blocks before `f` reaches it.
+        /// the block's first token less `start`. Each block's rows of `fetch` (if any)
+        /// are asked into L2 [`AHEAD`] blocks before `f` reaches it (the first `AHEAD`
+        /// at the start unless `asked`: a pass before this one asked for them), and over
+        /// the last `AHEAD` blocks the first ones of `then`, the next pass's tensor.
         #[inline(always)]
-        fn blocks(&self, fetch: Option<WSlice>, mut f: impl FnMut(usize, usize, usize)) {
-            let (g, end) = (&self.kv.geom, self.end);
+        fn blocks(
+            &self,
+            fetch: Option<WSlice>,
+            asked: bool,
+            then: Option<WSlice>,
+            mut f: impl FnMut(usize, usize, usize),
+        ) {
+            let (g, start, end) = (&self.kv.geom, self.start, self.end);
             let bs = g.block_size;
             let ask = |at: usize| {
-                if let Some(src) = fetch.filter(|_| at < end) {
+                let (src, at) = if at < end { (fetch, at) } else { (then, start + (at - end)) };
+                if let Some(src) = src.filter(|_| at < end) {
                     g.prefetch_head_rows(src, self.table[at / bs] as usize, self.kvh, bs.min(end - at), CacheLevel::L2);
                 }
             };
-            for b in 0..AHEAD {
-                ask(self.start + b * bs);
+            if !asked {
+                for b in 0..AHEAD {
+                    ask(start + b * bs);
+                }
             }
             let mut pos = self.start;
             while pos < end {
@@ -674,7 +687,8 @@ mod x512 {
                         }
                     })
                 });
-                part.blocks((g0 == 0).then_some(part.kv.k), |block, rows, off| {
+                let (k, v) = (part.kv.k, part.kv.v);
+                part.blocks((g0 == 0).then_some(k), false, (g0 == 0).then_some(v), |block, rows, off| {
                     let mut r = 0;
                     // Four tokens at a time where their rows fit in registers: each head's
                     // four dot products are reduced together.
@@ -754,7 +768,7 @@ mod x512 {
             for g0 in (0..group).step_by(G) {
                 let gc = G.min(group - g0);
                 let mut acc = [[_mm512_setzero_ps(); HV]; G];
-                part.blocks((g0 == 0).then_some(part.kv.v), |block, rows, off| {
+                part.blocks((g0 == 0).then_some(part.kv.v), true, None, |block, rows, off| {
                     for r in 0..rows {
                         let row = base.add(g.index(block, kvh, r) * es);
                         let v: [__m512; HV] = std::array::from_fn(|i| load16::<DT>(row.add(16 * i * es)));
