@@ -17,14 +17,16 @@ fn alloc(dev: *mut TkDevice, bytes: usize) -> TkPtr {
     TkPtr { buf: b, offset: 0 }
 }
 
-/// `alloc` of `bytes` holding f16 values in [0.125, 0.25) written through the ABI: a
-/// buffer never written reads the kernel's shared zero page, which sits in cache and
-/// would make a DRAM-bound kernel look several times faster than it is.
-fn filled_f16(dev: *mut TkDevice, bytes: usize) -> TkPtr {
+/// `alloc` of `bytes` written through the ABI with 16-bit values in [0x3000, 0x3400):
+/// small normal numbers read as f16 or bf16, and in pairs as f32. A buffer never
+/// written reads the kernel's shared zero page, which sits in cache and would make a
+/// DRAM-bound kernel look several times faster than it is.
+fn filled(dev: *mut TkDevice, bytes: usize) -> TkPtr {
     let b = alloc(dev, bytes);
-    let vals: Vec<u16> = (0..bytes / 2).map(|i| 0x3000 + (i.wrapping_mul(2_654_435_761) % 1024) as u16).collect();
-    // SAFETY: valid device, a buffer of `bytes` and a host source of `bytes / 2` u16s.
-    assert_eq!(unsafe { tk_copy_h2d(dev, b, vals.as_ptr().cast(), (vals.len() * 2) as u64) }, TK_OK);
+    let vals: Vec<u16> =
+        (0..bytes.div_ceil(2)).map(|i| 0x3000 + (i.wrapping_mul(2_654_435_761) % 1024) as u16).collect();
+    // SAFETY: valid device, a buffer of `bytes` and a host source of at least `bytes`.
+    assert_eq!(unsafe { tk_copy_h2d(dev, b, vals.as_ptr().cast(), bytes as u64) }, TK_OK);
     b
 }
 
@@ -63,7 +65,7 @@ fn main() {
 
     // Big f32 GEMM through tk_linear.
     let s = 2048usize;
-    let (o, x, w) = (alloc(dev, s * s * 4), alloc(dev, s * s * 4), alloc(dev, s * s * 4));
+    let (o, x, w) = (alloc(dev, s * s * 4), filled(dev, s * s * 4), filled(dev, s * s * 4));
     let t = time(
         || {
             assert_eq!(
@@ -101,7 +103,7 @@ fn main() {
             // Cycle through more weight bytes than the last-level cache holds, so the
             // figure is DRAM bandwidth, as in a real decode step.
             let copies = (1usize << 30).div_ceil(n * k * es);
-            let (o, x) = (alloc(dev, m * n * 4), alloc(dev, m * k * 4));
+            let (o, x) = (alloc(dev, m * n * 4), filled(dev, m * k * 4));
             let fill = vec![0x3c00u16 as u8; n * k * es];
             let ws: Vec<TkPtr> = (0..copies)
                 .map(|_| {
@@ -141,7 +143,7 @@ fn main() {
         }
         for &(m, n, k) in &linear_shapes {
             let es = if dt == TK_DTYPE_F32 { 4 } else { 2 };
-            let (o, x, w) = (alloc(dev, m * n * 4), alloc(dev, m * k * 4), alloc(dev, n * k * es));
+            let (o, x, w) = (alloc(dev, m * n * 4), filled(dev, m * k * 4), filled(dev, n * k * es));
             let t = time(
                 // SAFETY: as above.
                 || assert_eq!(unsafe { tk_linear(dev, o, x, w, dt, TkPtr::NULL, m as u32, n as u32, k as u32) }, TK_OK),
@@ -161,8 +163,8 @@ fn main() {
             }
             let (hd, bs) = (64usize, 16usize);
             let nb = tq / bs;
-            let kc = alloc(dev, nb * kvh * bs * hd * es);
-            let vc = alloc(dev, nb * kvh * bs * hd * es);
+            let kc = filled(dev, nb * kvh * bs * hd * es);
+            let vc = filled(dev, nb * kvh * bs * hd * es);
             let cache = TkKvCache {
                 k: kc,
                 v: vc,
@@ -190,7 +192,7 @@ fn main() {
                 context_lens: cl,
                 block_tables: bt,
             };
-            let (o, q) = (alloc(dev, tq * h * hd * 4), alloc(dev, tq * h * hd * 4));
+            let (o, q) = (alloc(dev, tq * h * hd * 4), filled(dev, tq * h * hd * 4));
             let pairs = (tq * (tq + 1) / 2) as f64;
             let flop = 4.0 * hd as f64 * pairs * h as f64;
             // About a second of work at 50 GFLOP/s, at least twice.
@@ -219,7 +221,7 @@ fn main() {
     }
     // Decode attention of one sequence (batch 1) and of 8, 32/8 heads of 64, f16 cache
     // in blocks of 16, at the contexts the engine is compared at: bytes of K and V read
-    // per call against STREAM copy. The caches hold written values (see `filled_f16`).
+    // per call against STREAM copy. The caches hold written values (see `filled`).
     for &(seqs, ctx) in &[(1usize, 512usize), (1, 2048), (1, 8192), (8, 2048)] {
         if !run("decode-attention") {
             break;
@@ -233,8 +235,8 @@ fn main() {
         let copies = (256usize << 20).div_ceil(2 * cache_bytes);
         let caches: Vec<TkKvCache> = (0..copies)
             .map(|_| TkKvCache {
-                k: filled_f16(dev, cache_bytes),
-                v: filled_f16(dev, cache_bytes),
+                k: filled(dev, cache_bytes),
+                v: filled(dev, cache_bytes),
                 dtype: TK_DTYPE_F16,
                 num_blocks: nb as u32,
                 block_size: bs as u32,
@@ -251,7 +253,7 @@ fn main() {
             assert_eq!(tk_copy_h2d(dev, bt, table.as_ptr().cast(), (nb * 4) as u64), TK_OK);
             assert_eq!(tk_copy_h2d(dev, cl, lens.as_ptr().cast(), (seqs * 4) as u64), TK_OK);
         }
-        let (o, q) = (alloc(dev, seqs * h * hd * 4), alloc(dev, seqs * h * hd * 4));
+        let (o, q) = (alloc(dev, seqs * h * hd * 4), filled(dev, seqs * h * hd * 4));
         let bytes = 2.0 * (seqs * ctx * kvh * hd * es) as f64;
         let mut next = 0;
         let t = time(
