@@ -687,8 +687,8 @@ mod x512 {
                         }
                     })
                 });
-                let (k, v) = (part.kv.k, part.kv.v);
-                part.blocks((g0 == 0).then_some(k), false, (g0 == 0).then_some(v), |block, rows, off| {
+                let first = g0 == 0;
+                part.blocks(first.then_some(part.kv.k), false, first.then_some(part.kv.v), |block, rows, off| {
                     let mut r = 0;
                     // Four tokens at a time where their rows fit in registers: each head's
                     // four dot products are reduced together.
