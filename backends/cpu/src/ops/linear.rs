@@ -1,6 +1,7 @@
-//! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (one or two passes, each up to
-//! 8 rows), an AVX-512 register-blocked kernel for decode batches up to 64 rows, and an
-//! AVX-512 cache-blocked GEMM for prompts ([`prefill_gemm`]). On AVX2, f16 weights take
+//! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (passes of up to 8 rows each:
+//! up to four on AVX-512, two elsewhere), an AVX-512 register-blocked kernel for decode
+//! batches of narrow layers ([`small_batch`]), and an AVX-512 cache-blocked GEMM for
+//! the rest, wide layers' decode batches and prompts ([`prefill_gemm`]). On AVX2, f16 weights take
 //! [`panel_tiles`] from `PANEL_TILES_MIN_M` rows up (prompts and mixed steps); below
 //! that, and for bf16 and quantized weights at any size, [`dot_tiles`] from
 //! `AVX2_TILES_MIN_M` rows up (see `avx2_tiles`); that GEMM takes f32 weights' decode
@@ -22,6 +23,20 @@ use crate::simd;
 /// Activation rows up to which quantized weights take the integer kernels (each pass of
 /// `quant::MAX_M` rows reads the weights once).
 const QUANT_MAX_M: usize = 2 * quant::MAX_M;
+
+/// GEMV passes (of `simd::gemv_max_m()` rows each) before a call takes a GEMM: on AVX-512
+/// four, where they beat the cache-blocked GEMM on f16 weights (bench model, 2 threads,
+/// `bench engine` ms per decode step, in turns: 20 rows 216-260 against 350-364, 24 rows
+/// 249-265 against 356-370, 32 rows 338-351 against 355-359; at 48 rows six passes would
+/// tie it). Elsewhere two: AVX2 f32 weights' batches from 17 rows take the GEMM (f16,
+/// bf16 and quantized weights take tiles or integer kernels before the GEMV is asked).
+fn gemv_passes() -> usize {
+    if simd::has_avx512() { 4 } else { 2 }
+}
+
+/// Activation rows up to which AVX2 takes [`prefill_gemm`] for f32 weights (decode
+/// batches); prompts stay with the `gemm` crate there (see that module).
+const AVX2_GEMM_MAX_M: usize = 64;
 
 /// Activation rows from which [`dot_tiles`] take the weights they can on AVX2 without
 /// AVX-512: there they beat the GEMV on f16/bf16 weights (bench model shapes, 2 threads,
@@ -104,22 +119,29 @@ pub fn linear(
         && m <= QUANT_MAX_M
     {
         quant::linear(out, x, ty, bytes, m, n, k, quant::Path::best());
-    } else if m <= 2 * simd::gemv_max_m() && !matches!(w, WSlice::Quant(..)) {
-        // Up to two GEMV passes over the weights: still memory-bound, and faster than
-        // the decode-batch kernel at one 16-lane vector (measured: m = 16 on the bench
-        // model, 280 vs 330 ms per step). On AVX2, against the cache-blocked GEMM, as
-        // fast at 16 rows and faster at 12 (bench model, in turns: 415 / 357 against
-        // 454 / 422 ms per step).
+    } else if m <= gemv_passes() * simd::gemv_max_m() && !matches!(w, WSlice::Quant(..)) {
+        // GEMV passes over the weights (see `gemv_passes`): each pass reads the weights
+        // once and feeds every value loaded to 8 rows' FMAs. On AVX2, against the
+        // cache-blocked GEMM, as fast at 16 rows and faster at 12 (bench model, in
+        // turns: 415 / 357 against 454 / 422 ms per step).
         let h = simd::gemv_max_m();
         for (o, xs) in out.chunks_mut(h * n).zip(x[..m * k].chunks(h * k)) {
             gemv(o, xs, w, xs.len() / k, n, k);
         }
-    } else if m <= small_batch::MAX_M && small_batch::available() {
+    } else if small_batch::available() && small_batch::takes(m, k) {
+        // Decode batches of narrow layers (quantized ones from 17 rows, float ones from
+        // 33) on AVX-512: whole rows at a time, while the transposed activations stay
+        // in L2 (see `small_batch::MAX_XT_BYTES`).
         small_batch::linear(out, x, w, m, n, k);
-    } else if prefill_gemm::available() && (simd::has_avx512() || m <= small_batch::MAX_M) {
-        // Prompts on AVX-512, decode batches on AVX2: the cache-blocked GEMM, each
-        // weight converted or dequantized once per call (see its module for why AVX2
-        // prompts stay with the `gemm` crate).
+    } else if prefill_gemm::available() && (simd::has_avx512() || m <= AVX2_GEMM_MAX_M) {
+        // Decode batches beyond the GEMV and prompts on AVX-512, decode batches on
+        // AVX2: the cache-blocked GEMM, each weight converted or dequantized once per
+        // call (see its module for why AVX2 prompts stay with the `gemm` crate). On
+        // AVX-512 it takes the wide layers' decode batches from `small_batch`, whose
+        // transposed activations (1 MiB at 32 rows of 8,192 columns) outgrow L2 (bench
+        // model, ms per decode step, in turns: 24 rows 352-407 against 414-426, 32 rows
+        // 376-406 against 425-437, 48 rows 498-519 against 574-599, 64 rows 641-688
+        // against 695-708).
         prefill_gemm::linear(out, x, w, m, n, k, precision);
     } else {
         match w {
@@ -295,9 +317,10 @@ mod tests {
 
     #[test]
     fn every_kernel_regime_matches_naive() {
-        // m: GEMV (1..=4, or 8 with AVX-512), each vector count of the AVX-512 decode-batch kernel (5..=16,
-        // 17..=32, 33..=48, 49..=64), and gemm (65+). n: full and short last row groups.
-        for &m in &[1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 31, 33, 48, 49, 64, 65, 80] {
+        // m: each GEMV pass count (rows of 4, or 8 with AVX2/AVX-512; up to 4 passes on
+        // AVX-512), each vector count of the GEMM's last panel (1..=16, 17..=32, 33..=48,
+        // 49..=64), whole panels and more (65+). n: full and short last row groups.
+        for &m in &[1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 24, 25, 31, 32, 33, 48, 49, 64, 65, 80] {
             for &n in &[1, 11, 12, 25, 97] {
                 for dt in 0..3 {
                     check(m, n, 67, dt, m % 2 == 0, (m * 131 + n) as u64);

@@ -23,9 +23,10 @@
 //! (one 32-bit lane holds both values), and each multiply-add is a `vdpbf16ps`: two
 //! products per lane into an f32 sum, twice the FMA's work per instruction.
 //!
-//! On AVX-512 it serves prompts: the `gemm` crate it replaced converted weight tiles for
-//! every call into a second copy, and on the bench model's prompts this kernel is the
-//! faster of the two. On AVX2 it serves decode batches beyond the GEMV (17 to 64 rows)
+//! On AVX-512 it serves prompts and decode batches beyond the GEMV (33 rows up): the
+//! `gemm` crate it replaced converted weight tiles for every call into a second copy,
+//! and on the bench model's prompts this kernel is the faster of the two. On AVX2 it
+//! serves decode batches beyond the GEMV (17 to 64 rows)
 //! of weights other than f16/bf16 (those take `dot_tiles`), where the `gemm` crate on
 //! converted tiles ran at half its rate (bench model, batch 32: ~1,250 against ~620 ms
 //! per step); prompts of f32 or quantized weights stay with the `gemm` crate (prefill

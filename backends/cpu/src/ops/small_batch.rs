@@ -1,7 +1,7 @@
-//! Linear layers for decode batches (m = 5..=64 activation rows) on AVX-512: the
-//! activations are transposed once into `xt[k][m_pad]` (small), each group of weight
-//! rows is converted to f32 once (no transpose — a plain contiguous conversion), and a
-//! register-blocked kernel accumulates `out[i][j]` for up to 64 rows `i` (as 1–4 vectors)
+//! Linear layers for decode batches (up to 64 activation rows) of narrow layers on
+//! AVX-512 (see [`takes`]): the activations are transposed once into `xt[k][m_pad]`
+//! (small), each group of weight rows is converted to f32 once (no transpose — a plain
+//! contiguous conversion), and a register-blocked kernel accumulates `out[i][j]` for up to 64 rows `i` (as 1–4 vectors)
 //! times 6–12 weight rows `j` (broadcast) over the full k. Weights are read from memory
 //! once per call, which is what a decode step must do; everything else stays in cache.
 
@@ -12,6 +12,20 @@ use crate::dtype::WSlice;
 
 /// The largest m this kernel serves (4 vectors of 16 lanes).
 pub const MAX_M: usize = 64;
+
+/// The most bytes of transposed activations (`k` x `m` rounded up to 16 rows, f32) it
+/// takes: every group of weight rows streams them from L2, and past about a fifth of
+/// Zen 4's 1 MiB they lost to the cache-blocked GEMM (bench model, ms per decode step,
+/// in turns, 24 rows 352-407 for the GEMM against 414-426 with 256 KiB at 2,048 columns
+/// and 1 MiB at 8,192; SmolLM2 at Q4_1, whose layers are 576 and 1,536 wide, 32 rows
+/// 70-72 here against 75 for the GEMM, 48 rows 106-112 against 112-133).
+const MAX_XT_BYTES: usize = 192 << 10;
+
+/// True when this kernel takes `m` rows of `k` columns: `m <= MAX_M` and the transposed
+/// activations within `MAX_XT_BYTES`.
+pub fn takes(m: usize, k: usize) -> bool {
+    m <= MAX_M && k * m.div_ceil(16) * 16 * 4 <= MAX_XT_BYTES
+}
 
 /// True when the AVX-512 kernel can run here.
 pub fn available() -> bool {
