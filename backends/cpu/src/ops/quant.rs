@@ -867,7 +867,8 @@ mod tests {
     #[test]
     fn the_linear_op_serves_every_format_in_every_regime() {
         // Integer kernels (m <= 16, one or two passes), then dequantized tiles through
-        // the cache-blocked GEMM (or gemm, or AVX2's tiles); Q6_K always dequantizes.
+        // the decode-batch kernel or the cache-blocked GEMM (or gemm, or AVX2's tiles);
+        // Q6_K always dequantizes.
         // The prompt GEMM dequantizes in blocks of 256 columns: rows of 10 blocks of 32
         // span a second, short column block.
         let all = FORMATS.into_iter().chain([GgmlType::Q6K]);
