@@ -137,10 +137,9 @@ pub fn linear(
         // Decode batches beyond the GEMV and prompts on AVX-512, decode batches on
         // AVX2: the cache-blocked GEMM, each weight converted or dequantized once per
         // call (see its module for why AVX2 prompts stay with the `gemm` crate). On
-        // AVX-512 it takes the wide layers' decode batches from `small_batch`, whose
-        // transposed activations (1 MiB at 32 rows of 8,192 columns) outgrow L2 (bench
-        // model, ms per decode step, in turns: 24 rows 352-407 against 414-426, 32 rows
-        // 376-406 against 425-437, 48 rows 498-519 against 574-599, 64 rows 641-688
+        // AVX-512 it takes wide layers' decode batches, where `small_batch`'s transposed
+        // activations outgrow L2 (see `small_batch::MAX_XT_BYTES`; bench model, ms per
+        // decode step, in turns: 48 rows 498-519 against 574-599, 64 rows 641-688
         // against 695-708).
         prefill_gemm::linear(out, x, w, m, n, k, precision);
     } else {
@@ -318,13 +317,27 @@ mod tests {
     #[test]
     fn every_kernel_regime_matches_naive() {
         // m: each GEMV pass count (rows of 4, or 8 with AVX2/AVX-512; up to 4 passes on
-        // AVX-512), each vector count of the GEMM's last panel (1..=16, 17..=32, 33..=48,
-        // 49..=64), whole panels and more (65+). n: full and short last row groups.
+        // AVX-512), each vector count of the decode-batch kernel (1..=16, 17..=32,
+        // 33..=48, 49..=64: 67 columns keep its activations small), and the GEMM (65+).
+        // n: full and short last row groups.
         for &m in &[1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 24, 25, 31, 32, 33, 48, 49, 64, 65, 80] {
             for &n in &[1, 11, 12, 25, 97] {
                 for dt in 0..3 {
                     check(m, n, 67, dt, m % 2 == 0, (m * 131 + n) as u64);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn wide_layers_decode_batches_take_the_gemm_and_match_naive() {
+        // Columns enough that `small_batch` passes on AVX-512 (its transposed activations
+        // past 192 KiB): the GEMM's last panel of 3 and 4 vectors at decode sizes.
+        let k = 1100;
+        for &m in &[33, 48, 49, 64] {
+            assert!(!small_batch::takes(m, k), "m={m}: still the decode-batch kernel");
+            for dt in 0..3 {
+                check(m, 11, k, dt, m % 2 == 1, (m * 17 + dt as usize) as u64);
             }
         }
     }

@@ -1,9 +1,10 @@
 //! Linear layers for decode batches (up to 64 activation rows) of narrow layers on
 //! AVX-512 (see [`takes`]): the activations are transposed once into `xt[k][m_pad]`
 //! (small), each group of weight rows is converted to f32 once (no transpose — a plain
-//! contiguous conversion), and a register-blocked kernel accumulates `out[i][j]` for up to 64 rows `i` (as 1–4 vectors)
-//! times 6–12 weight rows `j` (broadcast) over the full k. Weights are read from memory
-//! once per call, which is what a decode step must do; everything else stays in cache.
+//! contiguous conversion), and a register-blocked kernel accumulates `out[i][j]` for up
+//! to 64 rows `i` (as 1–4 vectors) times 6–12 weight rows `j` (broadcast) over the full
+//! k. Weights are read from memory once per call, which is what a decode step must do;
+//! everything else stays in cache.
 
 use rayon::prelude::*;
 
