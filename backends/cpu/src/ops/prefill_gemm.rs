@@ -332,7 +332,7 @@ fn gemm<A: Arith>(isa: Isa, out: &mut [f32], x: &[f32], w: WSlice, m: usize, n: 
                         let wpanel = &wp[g * kp * J..][..kp * J];
                         let tile = &mut ct[g * J * m_pad + p * MR..];
                         // SAFETY: `isa` was asserted by `linear_on`, and the bf16
-                        // arithmetic is chosen only on AVX-512 with AVX512-BF16;
+                        // arithmetic is chosen only where `bf16_available()`;
                         // `xpanel` holds the block's steps of every run, `wpanel`
                         // kp * J lanes, and `tile` reaches the J rows of m_pad values
                         // from its start, each of which covers the panel's rows
@@ -409,10 +409,9 @@ mod x86 {
         unsafe { by_rows::<true>(rows, xp, wp, kp, tile, ld, first) }
     }
 
-    /// The tile as whole 16-lane vectors plus, where the rows left after them fit in
-    /// 8 lanes, one 8-lane half: on 256-bit units (Zen 4) a half costs half a vector's
-    /// multiply-adds, so a prompt of 178 rows computes 184, not 192. Inlined into the
-    /// two kernels above, so it is compiled with their features.
+    /// The tile in halves of 8 rows: whole 16-lane vectors, and one 256-bit half where
+    /// the rows left fit in it (see the module's notes). Inlined into the two kernels
+    /// above, so it is compiled with their features.
     #[inline(always)]
     unsafe fn by_rows<const BF16: bool>(
         rows: usize,
@@ -429,14 +428,14 @@ mod x86 {
         );
         // SAFETY: forwarded contract.
         unsafe {
-            match (rows / 16, rows % 16) {
-                (0, 1..=8) => tile_v::<0, true, BF16>(xp, wp, kp, tile, ld, first),
-                (0, _) | (1, 0) => tile_v::<1, false, BF16>(xp, wp, kp, tile, ld, first),
-                (1, 1..=8) => tile_v::<1, true, BF16>(xp, wp, kp, tile, ld, first),
-                (1, _) | (2, 0) => tile_v::<2, false, BF16>(xp, wp, kp, tile, ld, first),
-                (2, 1..=8) => tile_v::<2, true, BF16>(xp, wp, kp, tile, ld, first),
-                (2, _) | (3, 0) => tile_v::<3, false, BF16>(xp, wp, kp, tile, ld, first),
-                (3, 1..=8) => tile_v::<3, true, BF16>(xp, wp, kp, tile, ld, first),
+            match rows.div_ceil(8) {
+                1 => tile_v::<0, true, BF16>(xp, wp, kp, tile, ld, first),
+                2 => tile_v::<1, false, BF16>(xp, wp, kp, tile, ld, first),
+                3 => tile_v::<1, true, BF16>(xp, wp, kp, tile, ld, first),
+                4 => tile_v::<2, false, BF16>(xp, wp, kp, tile, ld, first),
+                5 => tile_v::<2, true, BF16>(xp, wp, kp, tile, ld, first),
+                6 => tile_v::<3, false, BF16>(xp, wp, kp, tile, ld, first),
+                7 => tile_v::<3, true, BF16>(xp, wp, kp, tile, ld, first),
                 _ => tile_v::<4, false, BF16>(xp, wp, kp, tile, ld, first),
             }
         }
