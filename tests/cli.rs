@@ -521,3 +521,74 @@ fn solve_picks_a_strategy_for_the_default_topology_and_writes_it_as_a_topology()
     bad(&["solve", "--topology", topology.to_str().unwrap(), "--workload", s], "a workload file names no topology");
     bad(&["solve", s, "--verify", "0", "--rate", "1000000"], "no strategy serves");
 }
+
+/// `TESSERA_CPU_ISA` caps the CPU kernels: capped to AVX2 or to the portable code, the
+/// engine takes those paths for every op (prompt GEMMs, the GEMV, attention, quantized
+/// dot products) and gives the completion of the uncapped run, its logits equal up to
+/// the order of summation; a cap that names no instruction set is refused with the
+/// names it takes. On a CPU without AVX-512 (or AVX2) a cap above it changes nothing,
+/// and the comparison still holds.
+#[test]
+fn capped_instruction_sets_give_the_same_completion() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    make_tiny(&dir, &[]);
+    let vocab = vocab_size(&dir);
+    let long: Vec<String> = (0..40).map(|i| ((i * 7 + 3) % vocab).to_string()).collect();
+    let long = long.join(",");
+    let generate = |isa: &str, prompt: &str, extra: &[&str]| {
+        let npy = tmp.path().join(format!("logits-{isa}.npy"));
+        let mut cmd = Command::new(BIN);
+        cmd.args(["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", prompt, "--max-tokens", "6"])
+            .args(["--ignore-eos", "--threads", "2", "--dump-logits", npy.to_str().unwrap()])
+            .args(extra)
+            .env_remove("TESSERA_KERNEL_LIB")
+            .env("TESSERA_CPU_ISA", isa);
+        let (_, stderr) = ok(cmd.output().expect("run tessera"));
+        (token_ids(&stderr), read_npy(&npy).1)
+    };
+    // Float weights differ only in the order of summation (measured: up to 5e-5 of the
+    // logits' scale). Quantized weights' prompts of up to `QUANT_MAX_M` rows take the
+    // integer kernels on AVX-512 (activations rounded to 8 bits, as llama.cpp's) and
+    // the dequantized weights in f32 below it (measured: 7e-3 at q8_0).
+    let cases = [
+        (&[][..], 1e-4),
+        (&["--dtype", "f16"], 1e-4),
+        (&["--dtype", "bf16"], 1e-4),
+        (&["--quantize", "q8_0"], 0.03),
+        (&["--quantize", "q4_0"], 0.03),
+    ];
+    for (extra, tol) in cases {
+        for prompt in ["5,6,7,8,9", long.as_str()] {
+            let (want_ids, want) = generate("", prompt, extra);
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for isa in ["avx2", "portable"] {
+                let (ids, got) = generate(isa, prompt, extra);
+                let what = format!("{extra:?}, {} prompt tokens, {isa}", prompt.split(',').count());
+                // Step by step while the completions agree; where they part, the
+                // uncapped run's two best tokens must be within the tolerance (a tie).
+                for (step, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+                    let err = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                    eprintln!("{what}, step {step}: max logit difference {err:.2e} of their scale");
+                    assert!(err < tol, "{what}, step {step}: logits differ by {err:.2e} of their scale");
+                    if ids[step] != want_ids[step] {
+                        let best = w[want_ids[step] as usize];
+                        let margin = (best - w[ids[step] as usize]) / scale;
+                        assert!(margin < 2.0 * tol, "{what}, step {step}: token {} for {}", ids[step], want_ids[step]);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let out = Command::new(BIN)
+        .args(["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,2", "--max-tokens", "1"])
+        .env_remove("TESSERA_KERNEL_LIB")
+        .env("TESSERA_CPU_ISA", "sse4")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("TESSERA_CPU_ISA=\"sse4\"") && stderr.contains("avx512, avx2, portable"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

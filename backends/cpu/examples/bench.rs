@@ -1,14 +1,18 @@
 //! Throughput of the hot ops through the exported ABI, against STREAM copy and a
 //! large f32 GEMM. Run: `cargo run --release -p tessera-kernels-cpu --example bench
-//! [gemv|linear [MxNxK,...]|attention|decode-attention]` (no argument: all sections).
+//! [gemv|linear [MxNxK,...]|prompt [MxNxK,...]|attention|decode-attention]` (no argument:
+//! all sections but `prompt`, which calls two of the library's f16 prompt kernels directly).
 // It calls the library's C ABI exports directly, as a loader would.
 #![allow(unsafe_code)]
 
 use std::time::Instant;
 
+use half::f16;
 use rayon::prelude::*;
 use tessera_kernel_abi::*;
+use tessera_kernels_cpu::dtype::WSlice;
 use tessera_kernels_cpu::ffi::*;
+use tessera_kernels_cpu::ops::{panel_tiles, prefill_gemm};
 
 fn alloc(dev: *mut TkDevice, bytes: usize) -> TkPtr {
     let mut b = std::ptr::null_mut();
@@ -143,6 +147,48 @@ fn main() {
             );
             let gf = 2.0 * (m * n * k) as f64 / t / 1e9;
             println!("linear {name} m={m} n={n} k={k}: {gf:.1} GFLOP/s ({:.0}% of big f32 GEMM)", gf / big * 100.0);
+        }
+    }
+
+    // The two f16 prompt kernels of AVX-512 CPUs side by side, in turns in this process
+    // (machine states that last minutes tilt comparisons across runs): the cache-blocked
+    // GEMM and the 256-bit panel tiles, which `linear` picks on Zen 4. Shapes as for
+    // `linear`; without them, the bench model's prompt shapes.
+    if section.as_deref() == Some("prompt") && panel_tiles::available() && prefill_gemm::available() {
+        let shapes = match std::env::args().nth(2) {
+            Some(_) => linear_shapes.clone(),
+            None => vec![(64, 2048, 2048), (178, 2048, 2048), (178, 8192, 2048), (178, 2048, 8192), (512, 2048, 2048)],
+        };
+        const CALLS: usize = 15;
+        for (m, n, k) in shapes {
+            let x: Vec<f32> = (0..m * k).map(|i| (i.wrapping_mul(7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+            let w: Vec<f16> =
+                (0..n * k).map(|i| f16::from_f32((i.wrapping_mul(104_729) % 1000) as f32 * 1e-3 - 0.5)).collect();
+            let (mut gemm_out, mut tiles_out) = (vec![0f32; m * n], vec![0f32; m * n]);
+            let (mut gemm, mut tiles) = (Vec::new(), Vec::new());
+            pool.install(|| {
+                for _ in 0..CALLS {
+                    let t = Instant::now();
+                    prefill_gemm::linear(&mut gemm_out, &x, WSlice::F16(&w), m, n, k, prefill_gemm::Precision::F32);
+                    gemm.push(t.elapsed().as_secs_f64());
+                    let t = Instant::now();
+                    panel_tiles::linear(&mut tiles_out, &x, WSlice::F16(&w), m, n, k);
+                    tiles.push(t.elapsed().as_secs_f64());
+                }
+            });
+            assert!(gemm_out == tiles_out, "{m}x{n}x{k}: the two kernels' outputs differ");
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[CALLS / 2]
+            };
+            let (g, t) = (median(&mut gemm), median(&mut tiles));
+            let flop = 2.0 * (m * n * k) as f64 / 1e9;
+            println!(
+                "prompt f16 m={m} n={n} k={k}: GEMM {:.1}, panel tiles {:.1} GFLOP/s (medians of {CALLS} in turns); tiles' time {:.3} of the GEMM's, same bits",
+                flop / g,
+                flop / t,
+                t / g
+            );
         }
     }
 

@@ -86,6 +86,9 @@ impl Device {
     /// Creates a device with `threads` workers (0 = all cores) and a memory limit
     /// (0 = physical RAM).
     pub fn new(threads: u32, memory_limit: u64) -> Result<Device> {
+        if let Err(message) = crate::simd::isa_cap() {
+            return Err(crate::invalid!("{message}"));
+        }
         if threads > MAX_THREADS {
             return Err(crate::invalid!("config.threads = {threads} exceeds the maximum of {MAX_THREADS}"));
         }

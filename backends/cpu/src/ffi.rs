@@ -255,7 +255,7 @@ pub unsafe extern "C" fn tk_device_info_get(dev: *mut TkDevice, out: *mut TkDevi
         let d = device(dev)?;
         check_out_ptr(out, "out")?;
         let mut info = TkDeviceInfo::default();
-        let name = format!("cpu ({} threads)", d.threads);
+        let name = format!("cpu ({} threads, {})", d.threads, crate::simd::IsaLevel::in_use().name());
         for (dst, b) in info.name.iter_mut().zip(name.bytes().take(63)) {
             *dst = b as c_char;
         }
@@ -875,7 +875,7 @@ mod tests {
             let mut info = TkDeviceInfo::default();
             assert_eq!(tk_device_info_get(d, &mut info), TK_OK);
             let name = CStr::from_ptr(info.name.as_ptr()).to_str().unwrap();
-            assert_eq!(name, "cpu (2 threads)");
+            assert_eq!(name, format!("cpu (2 threads, {})", crate::simd::IsaLevel::in_use().name()));
             assert_eq!((info.memory_bytes, info.compute_units, info.host_memory_shared), (1 << 20, 2, 1));
             assert_eq!(tk_synchronize(d), TK_OK);
             // Matmul precision: f32 always; bf16 where the CPU has bf16 dot products.

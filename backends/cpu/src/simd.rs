@@ -5,12 +5,85 @@ use half::{bf16, f16};
 
 use crate::dtype::WSlice;
 
-/// True when the AVX2 + FMA + F16C kernels can run on this CPU.
+/// The x86 kernels' instruction sets, lowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IsaLevel {
+    /// No SIMD kernels: the portable code (what a CPU other than x86-64 runs).
+    Portable,
+    /// AVX2 with FMA and F16C.
+    Avx2,
+    /// AVX-512 (F and BW; VNNI, VL and BF16 where the CPU has them).
+    Avx512,
+}
+
+impl IsaLevel {
+    /// The names `TESSERA_CPU_ISA` takes.
+    pub const NAMES: [&str; 3] = ["avx512", "avx2", "portable"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            IsaLevel::Avx512 => "avx512",
+            IsaLevel::Avx2 => "avx2",
+            IsaLevel::Portable => "portable",
+        }
+    }
+
+    /// The widest level this CPU runs under the cap (the one the kernels take).
+    pub fn in_use() -> IsaLevel {
+        if has_avx512() {
+            IsaLevel::Avx512
+        } else if has_avx2() {
+            IsaLevel::Avx2
+        } else {
+            IsaLevel::Portable
+        }
+    }
+}
+
+/// The environment variable that caps the kernels' instruction set: `avx512`, `avx2` or
+/// `portable` (as oneDNN's `ONEDNN_MAX_CPU_ISA` does). The kernels a cap leaves out
+/// are never called, so one machine can run (and test, and time) the code paths of a
+/// CPU without AVX-512 or without x86 SIMD. A cap above what the CPU has changes
+/// nothing. Read once per process. The `gemm` crate, which serves the prompts of f32
+/// and quantized weights where AVX-512 is not used, picks its instructions itself.
+pub const ISA_ENV: &str = "TESSERA_CPU_ISA";
+
+/// The cap `TESSERA_CPU_ISA` sets: `Ok(None)` when it is unset or empty, an error
+/// message when it names no level (then the device refuses to start: see
+/// `Device::new`; the kernels themselves run uncapped).
+pub fn isa_cap() -> &'static Result<Option<IsaLevel>, String> {
+    static CAP: std::sync::OnceLock<Result<Option<IsaLevel>, String>> = std::sync::OnceLock::new();
+    CAP.get_or_init(|| parse_isa_cap(std::env::var_os(ISA_ENV).as_deref()))
+}
+
+fn parse_isa_cap(value: Option<&std::ffi::OsStr>) -> Result<Option<IsaLevel>, String> {
+    let Some(value) = value else { return Ok(None) };
+    let text = value.to_str().map(str::trim).unwrap_or("\u{fffd}");
+    if text.is_empty() {
+        return Ok(None);
+    }
+    [IsaLevel::Avx512, IsaLevel::Avx2, IsaLevel::Portable]
+        .into_iter()
+        .find(|level| level.name().eq_ignore_ascii_case(text))
+        .map(Some)
+        .ok_or_else(|| {
+            format!("{ISA_ENV}={value:?} names no instruction set: expected one of {}", IsaLevel::NAMES.join(", "))
+        })
+}
+
+/// True unless `TESSERA_CPU_ISA` caps the kernels below `level`.
+#[inline]
+pub fn isa_allows(level: IsaLevel) -> bool {
+    !matches!(isa_cap(), Ok(Some(cap)) if *cap < level)
+}
+
+/// True when the AVX2 + FMA + F16C kernels can run on this CPU (and the cap allows them).
 #[inline]
 pub fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2")
+        isa_allows(IsaLevel::Avx2)
+            && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
     }
@@ -20,17 +93,49 @@ pub fn has_avx2() -> bool {
     }
 }
 
-/// True when the AVX-512 (F + BW) kernels can run on this CPU.
+/// True when the AVX-512 (F + BW) kernels can run on this CPU (and the cap allows them).
 #[inline]
 pub fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+        isa_allows(IsaLevel::Avx512)
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
     }
+}
+
+/// True where the CPU runs AVX-512 on 256-bit units: AMD's Zen 4 (family 19h; Zen 3,
+/// the same family, has no AVX-512). A 512-bit FMA there is two 256-bit ones, so the
+/// 256-bit kernels' peak is AVX-512's, and where their loop is the better one they are
+/// the faster (see `ops::linear`'s use of it).
+pub fn avx512_on_256_bit_units() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ZEN4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        has_avx512() && *ZEN4.get_or_init(|| amd_family() == Some(0x19))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The CPU's family (base plus extended, as CPUID reports it) on an AMD CPU.
+#[cfg(target_arch = "x86_64")]
+fn amd_family() -> Option<u32> {
+    use std::arch::x86_64::__cpuid;
+    let vendor = __cpuid(0);
+    let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
+    if name != b"AuthenticAMD" {
+        return None;
+    }
+    let eax = __cpuid(1).eax;
+    let base = (eax >> 8) & 0xf;
+    Some(if base == 0xf { base + ((eax >> 20) & 0xff) } else { base })
 }
 
 /// The most activation rows `gemv` serves on this CPU in one pass over the weights.
@@ -865,6 +970,19 @@ mod x512 {
 mod tests {
     use super::*;
     use crate::ops::testutil::{Rng, assert_close};
+
+    #[test]
+    fn the_isa_cap_names_a_level_or_says_which_it_takes() {
+        use std::ffi::OsStr;
+        assert_eq!(parse_isa_cap(None), Ok(None));
+        assert_eq!(parse_isa_cap(Some(OsStr::new(" "))), Ok(None));
+        assert_eq!(parse_isa_cap(Some(OsStr::new("avx2"))), Ok(Some(IsaLevel::Avx2)));
+        assert_eq!(parse_isa_cap(Some(OsStr::new("AVX512"))), Ok(Some(IsaLevel::Avx512)));
+        assert_eq!(parse_isa_cap(Some(OsStr::new("portable\n"))), Ok(Some(IsaLevel::Portable)));
+        let err = parse_isa_cap(Some(OsStr::new("sse4"))).unwrap_err();
+        assert!(err.contains("TESSERA_CPU_ISA=\"sse4\"") && err.contains("avx512, avx2, portable"), "{err}");
+        assert!(IsaLevel::Portable < IsaLevel::Avx2 && IsaLevel::Avx2 < IsaLevel::Avx512);
+    }
 
     #[test]
     fn l1_data_cache_size_is_read_or_defaulted() {

@@ -1,7 +1,9 @@
 //! `out[m][n] = x[m][k] . w[n][k]^T (+ bias)`: a SIMD GEMV (passes of up to 8 rows each:
 //! up to four on AVX-512, two elsewhere), an AVX-512 register-blocked kernel for decode
 //! batches of narrow layers ([`small_batch`]), and an AVX-512 cache-blocked GEMM for
-//! the rest, wide layers' decode batches and prompts ([`prefill_gemm`]). On AVX2, f16 weights take
+//! the rest, wide layers' decode batches and prompts ([`prefill_gemm`]), except f16
+//! prompts in f32 arithmetic where AVX-512 runs on 256-bit units (Zen 4): those take
+//! AVX2's [`panel_tiles`] (see `avx2_panels`). On AVX2, f16 weights take
 //! [`panel_tiles`] from `PANEL_TILES_MIN_M` rows up (prompts and mixed steps); below
 //! that, and for bf16 and quantized weights at any size, [`dot_tiles`] from
 //! `AVX2_TILES_MIN_M` rows up (see `avx2_tiles`); that GEMM takes f32 weights' decode
@@ -55,10 +57,16 @@ const AVX2_TILES_MIN_M: usize = 6;
 /// 1.07-1.19).
 const PANEL_TILES_MIN_M: usize = 64;
 
-/// True where [`panel_tiles`] take this call: AVX2 without AVX-512, f16 weights, from
-/// `PANEL_TILES_MIN_M` rows (prompts and mixed steps).
-fn avx2_panels(w: WSlice, m: usize) -> bool {
-    !simd::has_avx512() && panel_tiles::available() && panel_tiles::takes(w) && m >= PANEL_TILES_MIN_M
+/// True where [`panel_tiles`] take this call: f16 weights from `PANEL_TILES_MIN_M` rows
+/// (prompts and mixed steps) on AVX2 without AVX-512, and in f32 arithmetic on AVX-512
+/// that runs on 256-bit units (Zen 4), where these 256-bit tiles outrun the AVX-512
+/// GEMM ([`prefill_gemm`]): bench model shapes, 2 threads, medians of 15 calls of each
+/// in turns in one process (`examples/bench prompt`), time of the tiles over the GEMM:
+/// 178 rows 0.86-0.96, 64 rows 0.92-0.95, 512 rows 0.95-1.02. Both sum each output's
+/// products in column order with FMAs, so they give the same bits.
+fn avx2_panels(w: WSlice, m: usize, precision: Precision) -> bool {
+    let tiles_win = !simd::has_avx512() || (simd::avx512_on_256_bit_units() && precision == Precision::F32);
+    tiles_win && panel_tiles::available() && panel_tiles::takes(w) && m >= PANEL_TILES_MIN_M
 }
 
 /// True where [`dot_tiles`] take this call: AVX2 without AVX-512, weights they take,
@@ -98,7 +106,7 @@ pub fn linear(
     let out = &mut out[..m * n];
     if k == 0 {
         out.fill(0.0);
-    } else if avx2_panels(w, m) {
+    } else if avx2_panels(w, m, precision) {
         // f16 prompts on AVX2: outer-product tiles on panels packed per job, at 90-96%
         // of the FMA peak where the dot tiles reach 75-86% (see PANEL_TILES_MIN_M).
         panel_tiles::linear(out, x, w, m, n, k);

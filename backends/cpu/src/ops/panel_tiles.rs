@@ -1,5 +1,7 @@
-//! Prompts' linear layers on f16 weights on AVX2 without AVX-512: outer-product tiles
-//! over weight panels packed per job, in the manner of BLIS's micro-kernels.
+//! Prompts' linear layers on f16 weights on AVX2 without AVX-512, and on AVX-512 that
+//! runs on 256-bit units (Zen 4), where they outrun the AVX-512 GEMM (`linear`'s
+//! `avx2_panels` has the figures): outer-product tiles over weight panels packed per
+//! job, in the manner of BLIS's micro-kernels.
 //!
 //! - A job takes `PANELS` panels of 16 weight rows and a block of activation rows. It
 //!   first transposes its panels into its thread's scratch (`[k][16]` f16 per panel,

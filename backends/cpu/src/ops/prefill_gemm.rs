@@ -27,7 +27,8 @@
 //! (one 32-bit lane holds both values), and each multiply-add is a `vdpbf16ps`: two
 //! products per lane into an f32 sum, twice the FMA's work per instruction.
 //!
-//! On AVX-512 it serves prompts and decode batches beyond the GEMV (33 rows up): the
+//! On AVX-512 it serves prompts and decode batches beyond the GEMV (33 rows up; but f16
+//! prompts in f32 arithmetic on Zen 4's 256-bit units take AVX2's `panel_tiles`): the
 //! `gemm` crate it replaced converted weight tiles for every call into a second copy,
 //! and on the bench model's prompts this kernel is the faster of the two. On AVX2 it
 //! serves decode batches beyond the GEMV (17 to 64 rows)

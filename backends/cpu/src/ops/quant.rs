@@ -49,15 +49,10 @@ impl Path {
         {
             match self {
                 Path::Scalar => true,
-                Path::Avx2 => {
-                    std::is_x86_feature_detected!("avx2")
-                        && std::is_x86_feature_detected!("fma")
-                        && std::is_x86_feature_detected!("f16c")
-                }
+                Path::Avx2 => crate::simd::has_avx2(),
                 Path::Avx512Vnni => {
                     Path::Avx2.available()
-                        && std::is_x86_feature_detected!("avx512f")
-                        && std::is_x86_feature_detected!("avx512bw")
+                        && crate::simd::has_avx512()
                         && std::is_x86_feature_detected!("avx512vl")
                         && std::is_x86_feature_detected!("avx512vnni")
                 }

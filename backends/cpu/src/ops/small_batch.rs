@@ -30,14 +30,7 @@ pub fn takes(m: usize, k: usize) -> bool {
 
 /// True when the AVX-512 kernel can run here.
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::simd::has_avx512()
 }
 
 /// `out[m][n] = x[m][k] · w[n][k]ᵀ` for `m <= MAX_M`. Callers check `available()` and
