@@ -264,4 +264,25 @@ mod tests {
             }
         }
     }
+
+    /// The tiles and the cache-blocked GEMM in f32 arithmetic give the same bits (each
+    /// output's products summed in column order with FMAs), so `linear` may hand f16
+    /// prompts to either: to the tiles on Zen 4.
+    #[test]
+    fn tiles_give_the_cache_blocked_gemms_bits() {
+        if !available() || !super::super::prefill_gemm::available() {
+            eprintln!("skipped: no AVX2 on this CPU");
+            return;
+        }
+        for &(m, n, k) in &[(64, 37, 300), (71, 16, 1031), (BLOCK_ROWS + 13, PANELS * NR + 21, 257)] {
+            let mut rng = Rng((m + n + k) as u64);
+            let x = rng.vec(m * k);
+            let w16: Vec<f16> = rng.vec(n * k).iter().map(|&v| f16::from_f32(v)).collect();
+            let (mut tiles, mut gemm) = (vec![0f32; m * n], vec![0f32; m * n]);
+            linear(&mut tiles, &x, WSlice::F16(&w16), m, n, k);
+            let precision = super::super::prefill_gemm::Precision::F32;
+            super::super::prefill_gemm::linear(&mut gemm, &x, WSlice::F16(&w16), m, n, k, precision);
+            assert!(tiles == gemm, "m={m} n={n} k={k}: the tiles' outputs are not the GEMM's");
+        }
+    }
 }
