@@ -17,9 +17,10 @@ pub enum IsaLevel {
 }
 
 impl IsaLevel {
-    /// The names `TESSERA_CPU_ISA` takes.
-    pub const NAMES: [&str; 3] = ["avx512", "avx2", "portable"];
+    /// Every level, widest first.
+    pub const ALL: [IsaLevel; 3] = [IsaLevel::Avx512, IsaLevel::Avx2, IsaLevel::Portable];
 
+    /// The level's name, as `TESSERA_CPU_ISA` takes it.
     pub fn name(self) -> &'static str {
         match self {
             IsaLevel::Avx512 => "avx512",
@@ -62,18 +63,15 @@ fn parse_isa_cap(value: Option<&std::ffi::OsStr>) -> Result<Option<IsaLevel>, St
     if text.is_empty() {
         return Ok(None);
     }
-    [IsaLevel::Avx512, IsaLevel::Avx2, IsaLevel::Portable]
-        .into_iter()
-        .find(|level| level.name().eq_ignore_ascii_case(text))
-        .map(Some)
-        .ok_or_else(|| {
-            format!("{ISA_ENV}={value:?} names no instruction set: expected one of {}", IsaLevel::NAMES.join(", "))
-        })
+    IsaLevel::ALL.into_iter().find(|level| level.name().eq_ignore_ascii_case(text)).map(Some).ok_or_else(|| {
+        let names: Vec<&str> = IsaLevel::ALL.iter().map(|level| level.name()).collect();
+        format!("{ISA_ENV}={value:?} names no instruction set: expected one of {}", names.join(", "))
+    })
 }
 
 /// True unless `TESSERA_CPU_ISA` caps the kernels below `level`.
 #[inline]
-pub fn isa_allows(level: IsaLevel) -> bool {
+fn isa_allows(level: IsaLevel) -> bool {
     !matches!(isa_cap(), Ok(Some(cap)) if *cap < level)
 }
 

@@ -239,6 +239,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::prefill_gemm;
     use crate::ops::testutil::*;
 
     /// Every tile height (activation rows up to 2 blocks, with short tiles), short
@@ -270,7 +271,7 @@ mod tests {
     /// prompts to either: to the tiles on Zen 4.
     #[test]
     fn tiles_give_the_cache_blocked_gemms_bits() {
-        if !available() || !super::super::prefill_gemm::available() {
+        if !available() || !prefill_gemm::available() {
             eprintln!("skipped: no AVX2 on this CPU");
             return;
         }
@@ -280,8 +281,7 @@ mod tests {
             let w16: Vec<f16> = rng.vec(n * k).iter().map(|&v| f16::from_f32(v)).collect();
             let (mut tiles, mut gemm) = (vec![0f32; m * n], vec![0f32; m * n]);
             linear(&mut tiles, &x, WSlice::F16(&w16), m, n, k);
-            let precision = super::super::prefill_gemm::Precision::F32;
-            super::super::prefill_gemm::linear(&mut gemm, &x, WSlice::F16(&w16), m, n, k, precision);
+            prefill_gemm::linear(&mut gemm, &x, WSlice::F16(&w16), m, n, k, prefill_gemm::Precision::F32);
             assert!(tiles == gemm, "m={m} n={n} k={k}: the tiles' outputs are not the GEMM's");
         }
     }
