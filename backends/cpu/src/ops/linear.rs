@@ -2,8 +2,9 @@
 //! up to four on AVX-512, two elsewhere), an AVX-512 register-blocked kernel for decode
 //! batches of narrow layers ([`small_batch`]), and an AVX-512 cache-blocked GEMM for
 //! the rest, wide layers' decode batches and prompts ([`prefill_gemm`]), except f16
-//! prompts in f32 arithmetic where AVX-512 runs on 256-bit units (Zen 4): those take
-//! AVX2's [`panel_tiles`] (see `avx2_panels`). On AVX2, f16 weights take
+//! weights in f32 arithmetic where AVX-512 runs on 256-bit units (Zen 4): past the GEMV
+//! passes (decode batches from 33 rows, prompts) those take AVX2's [`panel_tiles`] (see
+//! `avx2_panels`). On AVX2, f16 weights take
 //! [`panel_tiles`] from `PANEL_TILES_MIN_M` rows up (prompts and mixed steps); below
 //! that, and for bf16 and quantized weights at any size, [`dot_tiles`] from
 //! `AVX2_TILES_MIN_M` rows up (see `avx2_tiles`); that GEMM takes f32 weights' decode
@@ -59,14 +60,27 @@ const PANEL_TILES_MIN_M: usize = 64;
 
 /// True where [`panel_tiles`] take this call: f16 weights from `PANEL_TILES_MIN_M` rows
 /// (prompts and mixed steps) on AVX2 without AVX-512, and in f32 arithmetic on AVX-512
-/// that runs on 256-bit units (Zen 4), where these 256-bit tiles outrun the AVX-512
-/// GEMM ([`prefill_gemm`]): bench model shapes, 2 threads, medians of 15 calls of each
-/// in turns in one process (`examples/bench prompt`), time of the tiles over the GEMM:
-/// 178 rows 0.86-0.96, 64 rows 0.92-0.95, 512 rows 0.95-1.02. Both sum each output's
-/// products in column order with FMAs, so they give the same bits.
+/// that runs on 256-bit units (Zen 4) from the first row past the GEMV passes, where
+/// these 256-bit tiles outrun the AVX-512 kernels. Bench model shapes, 2 threads, in
+/// turns in one process, time of the tiles over the kernel they replace:
+/// - prompts against the GEMM ([`prefill_gemm`]), medians of 15 calls of each
+///   (`examples/bench prompt`): 178 rows 0.86-0.96, 64 rows 0.92-0.95, 512 rows
+///   0.95-1.02. Both sum each output's products in column order with FMAs, so they
+///   give the same bits;
+/// - decode batches of 33 to 63 rows against [`small_batch`] and the GEMM, medians of
+///   21 calls of each on weights cycled through from DRAM, two runs: 33 rows
+///   0.72-0.89, 40 rows 0.73-1.00, 48 rows 0.91-1.00 (one 1.44), 56 rows 0.84-1.08,
+///   63 rows 0.90-1.02. Up to 32 rows the GEMV passes stay ahead of the tiles (16 rows
+///   1.24-1.37, 32 rows 1.03-1.20).
 fn avx2_panels(w: WSlice, m: usize, precision: Precision) -> bool {
-    let tiles_win = !simd::has_avx512() || (simd::avx512_on_256_bit_units() && precision == Precision::F32);
-    tiles_win && panel_tiles::available() && panel_tiles::takes(w) && m >= PANEL_TILES_MIN_M
+    if !panel_tiles::available() || !panel_tiles::takes(w) {
+        return false;
+    }
+    if !simd::has_avx512() {
+        m >= PANEL_TILES_MIN_M
+    } else {
+        simd::avx512_on_256_bit_units() && precision == Precision::F32 && m > gemv_passes() * simd::gemv_max_m()
+    }
 }
 
 /// True where [`dot_tiles`] take this call: AVX2 without AVX-512, weights they take,
@@ -107,7 +121,8 @@ pub fn linear(
     if k == 0 {
         out.fill(0.0);
     } else if avx2_panels(w, m, precision) {
-        // f16 prompts on AVX2 and on Zen 4: outer-product tiles on panels packed per
+        // f16 prompts on AVX2, f16 prompts and decode batches past the GEMV passes on
+        // Zen 4: outer-product tiles on panels packed per
         // job, at 90-96% of the FMA peak where the dot tiles reach 75-86% (see
         // PANEL_TILES_MIN_M) and 0.86-0.96 of the AVX-512 GEMM's time (see avx2_panels).
         panel_tiles::linear(out, x, w, m, n, k);
@@ -341,7 +356,8 @@ mod tests {
     #[test]
     fn wide_layers_decode_batches_take_the_gemm_and_match_naive() {
         // Columns enough that `small_batch` passes on AVX-512 (its transposed activations
-        // past 192 KiB): the GEMM's last panel of 3 and 4 vectors at decode sizes.
+        // past 192 KiB): the GEMM's last panel of 3 and 4 vectors at decode sizes (f16
+        // weights on Zen 4: the panel tiles, past the GEMV passes).
         let k = 1100;
         for &m in &[33, 48, 49, 64] {
             assert!(!small_batch::takes(m, k), "m={m}: still the decode-batch kernel");
