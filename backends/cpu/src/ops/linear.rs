@@ -353,6 +353,25 @@ mod tests {
         }
     }
 
+    /// Where AVX-512 runs on 256-bit units, f16 weights in f32 arithmetic leave the GEMV
+    /// passes for the panel tiles at the first row past them; bf16 arithmetic and other
+    /// weights keep the AVX-512 kernels.
+    #[test]
+    fn zen4_takes_the_panel_tiles_past_the_gemv_passes() {
+        if !(simd::has_avx512() && simd::avx512_on_256_bit_units() && panel_tiles::available()) {
+            eprintln!("skipped: not AVX-512 on 256-bit units");
+            return;
+        }
+        let (w16, w32) = (vec![f16::ZERO; 4], vec![0f32; 4]);
+        let last_gemv = gemv_passes() * simd::gemv_max_m();
+        assert!(!avx2_panels(WSlice::F16(&w16), last_gemv, Precision::F32));
+        for m in [last_gemv + 1, 63, 64, 512] {
+            assert!(avx2_panels(WSlice::F16(&w16), m, Precision::F32), "m={m}");
+            assert!(!avx2_panels(WSlice::F16(&w16), m, Precision::Bf16), "m={m}, bf16 arithmetic");
+            assert!(!avx2_panels(WSlice::F32(&w32), m, Precision::F32), "m={m}, f32 weights");
+        }
+    }
+
     #[test]
     fn wide_layers_decode_batches_take_the_gemm_and_match_naive() {
         // Columns enough that `small_batch` passes on AVX-512 (its transposed activations
