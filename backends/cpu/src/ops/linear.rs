@@ -121,10 +121,10 @@ pub fn linear(
     if k == 0 {
         out.fill(0.0);
     } else if avx2_panels(w, m, precision) {
-        // f16 prompts on AVX2, f16 prompts and decode batches past the GEMV passes on
-        // Zen 4: outer-product tiles on panels packed per
-        // job, at 90-96% of the FMA peak where the dot tiles reach 75-86% (see
-        // PANEL_TILES_MIN_M) and 0.86-0.96 of the AVX-512 GEMM's time (see avx2_panels).
+        // f16 prompts on AVX2, and on Zen 4 f16 prompts and decode batches past the
+        // GEMV passes: outer-product tiles on panels packed per job, at 90-96% of the
+        // FMA peak where the dot tiles reach 75-86% (see PANEL_TILES_MIN_M) and
+        // 0.86-0.96 of the AVX-512 GEMM's time (see avx2_panels).
         panel_tiles::linear(out, x, w, m, n, k);
     } else if avx2_tiles(w, m) {
         // f16 decode batches, bf16 and quantized weights on AVX2: dot-product tiles on
