@@ -315,14 +315,16 @@ fn bench_engine_json() {
     let batches: Vec<u64> = decode.iter().map(|d| d["batch"].as_u64().unwrap()).collect();
     assert_eq!(batches, vec![1, 2]);
     assert!(decode.iter().all(|d| d["tokens_per_s"].as_f64().unwrap() > 0.0));
-    for key in ["copy_gb_s", "copy_nt_gb_s"] {
+    for key in ["copy_gb_s", "copy_nt_gb_s", "read_gb_s"] {
         assert!(report["memory"][key].as_f64().unwrap() > 0.0, "{key}: {report}");
     }
     assert!(report["gemm_f32_gflop_s"].as_f64().unwrap() > 0.0);
     assert_eq!(report["matmul_precision"], "f32");
     for d in decode {
-        let util = d["bandwidth_utilisation"].as_f64().unwrap();
-        assert!(util > 0.0 && util.is_finite(), "{d}");
+        for key in ["bandwidth_utilisation", "bandwidth_utilisation_vs_nt_copy", "bandwidth_utilisation_vs_read"] {
+            let util = d[key].as_f64().unwrap();
+            assert!(util > 0.0 && util.is_finite(), "{key}: {d}");
+        }
         assert!(d["bytes_per_step"].as_f64().unwrap() > 0.0);
     }
     assert!(report.get("profile").is_none(), "no profile unless asked");
