@@ -24,6 +24,8 @@ pub enum BackendError {
     Gguf { path: PathBuf, reason: crate::gguf::GgufError },
     #[error("cannot quantize tensor {name:?}: {reason}")]
     Quantize { name: String, reason: String },
+    #[error("TESSERA_MAP_WEIGHTS={value:?} is none of auto, yes, no")]
+    WeightPlacement { value: String },
     #[error("{path}: tokenizer: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
     #[error("kernel library {library}: {reason}")]

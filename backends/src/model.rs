@@ -17,6 +17,7 @@ use crate::device::{AttnBatchView, Buffer, Device};
 use crate::dtype::{DType, DTypeExt, GgmlType, GgmlTypeExt, Quantize};
 use crate::error::{BackendError, Result};
 use crate::kv::PagedKvCache;
+use crate::mmap::Placement;
 use crate::weights::Checkpoint;
 
 /// A linear layer's weight `[out_features, in_features]` and optional bias.
@@ -128,6 +129,8 @@ struct WeightLoader<'a> {
     device: &'a Device,
     dtype: DType,
     quantize: Option<GgmlType>,
+    /// Whether weights used as stored stay in the file's map (`TESSERA_MAP_WEIGHTS`).
+    placement: Placement,
     bytes: u64,
     params: u64,
     fingerprint: WeightsFingerprint,
@@ -161,7 +164,7 @@ impl WeightLoader<'_> {
     }
 
     fn upload(&mut self, name: &str, shape: &[usize], ty: GgmlType) -> Result<Buffer> {
-        let buf = self.ckpt.upload(self.device, name, shape, ty)?;
+        let buf = self.ckpt.upload(self.device, name, shape, ty, self.placement)?;
         self.bytes += buf.len_bytes() as u64;
         self.params += shape.iter().product::<usize>() as u64;
         let entry = self.ckpt.get(name, shape)?;
@@ -271,6 +274,7 @@ impl Model {
             device: &device,
             dtype,
             quantize,
+            placement: Placement::from_env()?,
             bytes: 0,
             params: 0,
             fingerprint: WeightsFingerprint::new(),

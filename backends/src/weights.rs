@@ -5,14 +5,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use memmap2::Mmap;
 
 use crate::device::{Buffer, Device};
 use crate::dtype::{DType, DTypeExt, GgmlType, GgmlTypeExt};
 use crate::error::{BackendError, Result};
-use crate::mmap::map_file;
+use crate::mmap::{Placement, map_file};
 
 /// Where one tensor lives.
 #[derive(Debug, Clone)]
@@ -35,14 +35,15 @@ pub struct Checkpoint {
 
 /// Where a checkpoint's tensor bytes live.
 enum Storage {
-    Map(Arc<Mmap>),
+    /// A file's map, and whether its weights stay in it (decided at the first upload).
+    Map(Arc<Mmap>, OnceLock<bool>),
     Owned(Vec<u8>),
 }
 
 impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
-            Storage::Map(m) => m,
+            Storage::Map(m, _) => m,
             Storage::Owned(v) => v,
         }
     }
@@ -114,7 +115,7 @@ impl Checkpoint {
                     return Err(st_err(format!("tensor {name:?} appears in more than one shard")));
                 }
             }
-            maps.push(Storage::Map(map));
+            maps.push(Storage::Map(map, OnceLock::new()));
         }
         Ok(Checkpoint { dir: dir.to_path_buf(), maps, tensors })
     }
@@ -128,7 +129,7 @@ impl Checkpoint {
         let fail = |reason: GgufError| BackendError::Gguf { path: path.to_path_buf(), reason };
         let config = hf::hf_config(&g).map_err(fail)?;
         let map = g.map().ok_or_else(|| fail(GgufError::Tensor { name: "*".into(), what: "not mapped".into() }))?;
-        let mut maps = vec![Storage::Map(map.clone())];
+        let mut maps = vec![Storage::Map(map.clone(), OnceLock::new())];
         let mut tensors = HashMap::new();
         for info in g.tensors() {
             let Some(name) = hf::hf_name(&info.name) else { continue };
@@ -193,17 +194,25 @@ impl Checkpoint {
     }
 
     /// Puts a tensor on `device` as `ty`: as stored when that is `ty` (when the device
-    /// shares host memory, the map itself becomes the buffer: no copy), else converted,
-    /// dequantized or quantized (per row of the last dimension; see
-    /// [`tessera_quant::quantize`]).
-    pub fn upload(&self, device: &Device, name: &str, shape: &[usize], ty: GgmlType) -> Result<Buffer> {
+    /// shares host memory and `placement` keeps the weights in the file's map, the map
+    /// itself becomes the buffer: no copy), else converted, dequantized or quantized
+    /// (per row of the last dimension; see [`tessera_quant::quantize`]).
+    pub fn upload(
+        &self,
+        device: &Device,
+        name: &str,
+        shape: &[usize],
+        ty: GgmlType,
+        placement: Placement,
+    ) -> Result<Buffer> {
         let entry = self.get(name, shape)?;
         let bytes = self.bytes(entry);
         if entry.ty == ty {
             let aligned = entry.range.start.is_multiple_of(ty.block_bytes().min(4) as usize);
-            if let Storage::Map(map) = &self.maps[entry.file]
+            if let Storage::Map(map, keep) = &self.maps[entry.file]
                 && device.info().host_memory_shared
                 && aligned
+                && *keep.get_or_init(|| placement.keeps(&map[..]))
             {
                 return device.wrap_host(map.clone(), entry.range.clone());
             }

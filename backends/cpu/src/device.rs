@@ -17,7 +17,8 @@ pub const ALIGN: usize = 64;
 /// load, and the step buffers are streamed whole, and with 4 KiB pages every 4 KiB
 /// costs a page walk (an f16 GEMV from DRAM on this round's 2 cores: 40 -> 42 GB/s,
 /// medians of 8 runs taken in turns). Weights used as stored are the model file's own
-/// mapping, which the kernel backs with huge pages itself where the file system can.
+/// mapping where the kernel backs it with huge pages itself, and copied here where it
+/// does not (the host's choice: `TESSERA_MAP_WEIGHTS`).
 /// The memory limit counts the bytes asked for, not the rounding up to 2 MiB.
 #[cfg(target_os = "linux")]
 pub const HUGE: usize = 2 << 20;
