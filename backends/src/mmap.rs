@@ -50,17 +50,19 @@ impl Placement {
         }
     }
 
-    /// Whether weights used as stored stay in `map`. Copies go to the device's
-    /// buffers, which the CPU device backs with 2 MiB pages: a mapping of 4 KiB pages
-    /// costs a page walk every 4 KiB of a decode step's stream of weights (on a Zen 4
-    /// whose ext4 gave the file 4 KiB pages, batch-1 decode steps of the bench model
-    /// took 0.91-0.96 of the mapped weights' time copied, five runs of each in turns).
-    pub fn keeps(self, map: &[u8]) -> bool {
+    /// Whether weights used as stored stay in their file's map, given `eligible`, the
+    /// map's [`huge_page_eligible`] (asked only under `Auto`). Copies go to the
+    /// device's buffers, which the CPU device backs with 2 MiB pages: a mapping of
+    /// 4 KiB pages costs a page walk every 4 KiB of a decode step's stream of weights
+    /// (on a Zen 4 whose ext4 gave the file 4 KiB pages, batch-1 decode steps of the
+    /// bench model took 0.90-0.96 of the mapped weights' time copied, 11 runs of each
+    /// in turns).
+    pub fn keeps(self, eligible: impl FnOnce() -> Option<bool>) -> bool {
         match self {
             Placement::Map => true,
             Placement::Copy => false,
             // Where it cannot be told, as before: no copy.
-            Placement::Auto => huge_page_eligible(map).unwrap_or(true),
+            Placement::Auto => eligible().unwrap_or(true),
         }
     }
 }
@@ -122,7 +124,10 @@ THPeligible:           0
         assert_eq!(Placement::parse("no").unwrap(), Placement::Copy);
         let e = Placement::parse("sometimes").unwrap_err().to_string();
         assert_eq!(e, "TESSERA_MAP_WEIGHTS=\"sometimes\" is none of auto, yes, no");
-        assert!(Placement::Map.keeps(&[0u8; 4]) && !Placement::Copy.keeps(&[0u8; 4]));
+        let asked = |answer| move || -> Option<bool> { answer };
+        assert!(Placement::Map.keeps(asked(Some(false))) && !Placement::Copy.keeps(asked(Some(true))));
+        assert!(Placement::Auto.keeps(asked(Some(true))) && !Placement::Auto.keeps(asked(Some(false))));
+        assert!(Placement::Auto.keeps(asked(None)), "where it cannot be told, the map");
     }
 
     /// This process's own mapping of a file answers (on Linux, where /proc is).

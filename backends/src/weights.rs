@@ -12,7 +12,7 @@ use memmap2::Mmap;
 use crate::device::{Buffer, Device};
 use crate::dtype::{DType, DTypeExt, GgmlType, GgmlTypeExt};
 use crate::error::{BackendError, Result};
-use crate::mmap::{Placement, map_file};
+use crate::mmap::{Placement, huge_page_eligible, map_file};
 
 /// Where one tensor lives.
 #[derive(Debug, Clone)]
@@ -35,8 +35,9 @@ pub struct Checkpoint {
 
 /// Where a checkpoint's tensor bytes live.
 enum Storage {
-    /// A file's map, and whether its weights stay in it (decided at the first upload).
-    Map(Arc<Mmap>, OnceLock<bool>),
+    /// A file's map, and whether the kernel may back it with huge pages (read from
+    /// /proc at most once, when a placement first asks).
+    Map(Arc<Mmap>, OnceLock<Option<bool>>),
     Owned(Vec<u8>),
 }
 
@@ -209,10 +210,10 @@ impl Checkpoint {
         let bytes = self.bytes(entry);
         if entry.ty == ty {
             let aligned = entry.range.start.is_multiple_of(ty.block_bytes().min(4) as usize);
-            if let Storage::Map(map, keep) = &self.maps[entry.file]
+            if let Storage::Map(map, eligible) = &self.maps[entry.file]
                 && device.info().host_memory_shared
                 && aligned
-                && *keep.get_or_init(|| placement.keeps(&map[..]))
+                && placement.keeps(|| *eligible.get_or_init(|| huge_page_eligible(&map[..])))
             {
                 return device.wrap_host(map.clone(), entry.range.clone());
             }
