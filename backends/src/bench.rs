@@ -390,7 +390,15 @@ pub fn run_engine_bench(mut model: Model, opts: &EngineBenchOptions) -> Result<E
     }
     let p_s = median(prefill_times);
     let p_len = opts.prompt_len;
-    let p_flops = 2.0 * (body_params * p_len + head_params) as f64 + attention_flops(&model, p_len, p_len);
+    // Past its K and V the last layer runs on the one row whose logits are wanted
+    // (see `Model::forward_observed`): its q projection on every row, the rest on one.
+    let (q_params, kv_params) =
+        (c.hidden_size * c.num_heads * c.head_dim, 2 * c.hidden_size * c.num_kv_heads * c.head_dim);
+    let tail = body_params / c.num_layers - q_params - kv_params;
+    let layers = c.num_layers as f64;
+    let p_flops = 2.0 * ((body_params - tail) * p_len + tail + head_params) as f64
+        + attention_flops(&model, p_len, p_len) * (layers - 1.0) / layers
+        + attention_flops(&model, 1, p_len) / layers;
     let prefill = PrefillFigures {
         tokens: p_len,
         seconds_median: p_s,
