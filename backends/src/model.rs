@@ -572,8 +572,7 @@ impl Model {
         if narrow_last && !rows.is_empty() {
             let kept: Vec<usize> = (0..num_seqs).filter(|&si| batch[si].logits != LogitsWanted::None).collect();
             let ctx: Vec<i32> = kept.iter().map(|&si| ctx_lens[si]).collect();
-            let tab: Vec<i32> =
-                kept.iter().flat_map(|&si| &tables[si * max_blocks.max(1)..][..max_blocks.max(1)]).copied().collect();
+            let tab: Vec<i32> = kept.iter().flat_map(|&si| &tables[si * max_blocks..][..max_blocks]).copied().collect();
             dev.write(last_ctx_b, &ctx)?;
             dev.write(last_tab_b, &tab)?;
         }
