@@ -1015,7 +1015,8 @@ mod tests {
     /// call: the kernels of 2 to 8 rows (on AVX2, 5 to 8 read the weights in blocks of
     /// columns, across several bands of weight rows here) sum every output in one order,
     /// so a decode step's logits do not depend on its batch. On AVX2 one row alone sums
-    /// in that order too (on AVX-512 it takes eight accumulators per row, or four rows side by side).
+    /// in that order too (on AVX-512 it takes eight accumulators per row, or four rows
+    /// side by side).
     #[test]
     fn gemv_rows_are_bit_identical_to_one_row_at_a_time() {
         let mut rng = Rng(11);
