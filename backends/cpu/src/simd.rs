@@ -765,20 +765,23 @@ mod x512 {
                         let mut acc = [[[_mm512_setzero_ps(); M]; U]; R];
                         let mut i = 0;
                         while i + step <= k {
-                            for p in wr.into_iter().filter(|_| PF) {
-                                // Past the row's end the address lands R rows on,
-                                // where this row's place will be read next.
-                                let mut at = i * size + pf_within;
-                                let mut skip = pf_rows;
-                                if at >= row_bytes {
-                                    at -= row_bytes;
-                                    skip += (R * row_bytes) as isize;
-                                }
-                                let pf = (p as *const i8).wrapping_offset(skip).wrapping_add(at);
-                                let mut off = 0;
-                                while off < step * size {
-                                    _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(off));
-                                    off += 64;
+                            // Off (PF false) where one row is one stream.
+                            if PF {
+                                for p in wr {
+                                    // Past the row's end the address lands R rows on,
+                                    // where this row's place will be read next.
+                                    let mut at = i * size + pf_within;
+                                    let mut skip = pf_rows;
+                                    if at >= row_bytes {
+                                        at -= row_bytes;
+                                        skip += (R * row_bytes) as isize;
+                                    }
+                                    let pf = (p as *const i8).wrapping_offset(skip).wrapping_add(at);
+                                    let mut off = 0;
+                                    while off < step * size {
+                                        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(off));
+                                        off += 64;
+                                    }
                                 }
                             }
                             for u in 0..U {
