@@ -23,6 +23,7 @@ use std::time::Instant;
 
 use half::f16;
 use rayon::prelude::*;
+use tessera_kernels_cpu::device::Device;
 use tessera_kernels_cpu::dtype::WSlice;
 use tessera_kernels_cpu::simd;
 
@@ -113,24 +114,14 @@ mod x86 {
     }
 }
 
-/// A zeroed anonymous mapping advised as huge pages, as the device maps weights.
-fn mapped(bytes: usize) -> &'static mut [u8] {
-    const HUGE: usize = 2 << 20;
-    // SAFETY: a fresh private anonymous mapping, never unmapped (the process ends).
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            bytes + HUGE,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert!(p != libc::MAP_FAILED, "mmap of {bytes} bytes failed");
-        let start = (p as usize).next_multiple_of(HUGE);
-        libc::madvise(start as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE);
-        std::slice::from_raw_parts_mut(start as *mut u8, bytes)
-    }
+/// `bytes` of zeroed device memory (the device maps large buffers on huge pages, as it
+/// does the weights), alive while `dev` is.
+fn mapped(dev: &Device, bytes: usize) -> &mut [u8] {
+    let id = dev.alloc(bytes as u64).expect("device memory");
+    let e = dev.lookup(id).expect("a buffer just allocated");
+    // SAFETY: the buffer holds `bytes` and is freed only with the device, which the
+    // returned slice borrows.
+    unsafe { std::slice::from_raw_parts_mut(e.addr as *mut u8, bytes) }
 }
 
 fn main() {
@@ -146,10 +137,11 @@ fn main() {
 fn run() {
     let rounds: usize = std::env::args().nth(1).map(|s| s.parse().expect("rounds: a number")).unwrap_or(15);
     let row_bytes = K / 64 * GROUP;
-    let plain = mapped(ROWS * K * 2);
-    // SAFETY: the mapping is 2 MiB-aligned and holds ROWS * K f16 (any bits are one).
+    let dev = Device::new(1, 0).expect("a CPU device");
+    let plain = mapped(&dev, ROWS * K * 2);
+    // SAFETY: the buffer is 64-byte aligned and holds ROWS * K f16 (any bits are one).
     let plain: &mut [f16] = unsafe { std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast(), ROWS * K) };
-    let packed = mapped(ROWS * row_bytes);
+    let packed = mapped(&dev, ROWS * row_bytes);
     plain.par_chunks_mut(K).zip(packed.par_chunks_mut(row_bytes)).enumerate().for_each(|(r, (row, dst))| {
         let mut s = (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         for w in row.iter_mut() {
