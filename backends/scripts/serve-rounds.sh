@@ -23,31 +23,38 @@ shift $((OPTIND - 1))
 here=$(cd "$(dirname "$0")" && pwd)
 compare=${SERVE_COMPARE:-$here/../../../shared/tools/serve-compare.sh}
 [ -x "$compare" ] || { echo "serve-compare.sh not found at $compare (set SERVE_COMPARE)" >&2; exit 2; }
+# `report run I DIR` prints one run; `report summary TARGET DIR...` the median over them.
+report() {
+  python3 - "$@" <<'PY'
+import json, statistics, sys
+def load(d):
+    return json.load(open(d + "/tessera.json")), json.load(open(d + "/llama.json"))
+mode, *args = sys.argv[1:]
+if mode == "run":
+    i, d = args
+    t, l = load(d)
+    print(f"run {i}: wall {t['duration_s']:.2f} / {l['duration_s']:.2f} s = {t['duration_s'] / l['duration_s']:.3f}"
+          f"  TTFT p50 {t['ttft']['p50_ms']:.0f} / {l['ttft']['p50_ms']:.0f}"
+          f"  TPOT p50 {t['tpot']['p50_ms']:.1f} / {l['tpot']['p50_ms']:.1f}"
+          f"  ours p99/p50 {t['tpot']['p99_ms'] / t['tpot']['p50_ms']:.2f}"
+          f"  failed {t['requests_failed']} / {l['requests_failed']}")
+else:
+    target, *dirs = args
+    runs = [load(d) for d in dirs]
+    ratios = [t["duration_s"] / l["duration_s"] for t, l in runs]
+    failed = sum(t["requests_failed"] + l["requests_failed"] for t, l in runs)
+    met = sum(r <= float(target) for r in ratios)
+    print(f"wall ratio over {len(ratios)} runs: median {statistics.median(ratios):.3f}, "
+          f"{min(ratios):.3f}-{max(ratios):.3f}; {met} of {len(ratios)} at or under {target}; "
+          f"{failed} requests failed")
+PY
+}
 dirs=()
 for i in $(seq "$runs"); do
   log=$("$compare" "$@" 2>&1) || { echo "run $i failed:" >&2; echo "$log" >&2; exit 1; }
   dir=$(sed -n 's/^raw results: //p' <<<"$log")
   [ -f "$dir/tessera.json" ] && [ -f "$dir/llama.json" ] || { echo "run $i left no results:" >&2; echo "$log" >&2; exit 1; }
   dirs+=("$dir")
-  python3 - "$i" "$dir" <<'PY'
-import json, sys
-i, d = sys.argv[1:3]
-t = json.load(open(d + "/tessera.json")); l = json.load(open(d + "/llama.json"))
-print(f"run {i}: wall {t['duration_s']:.2f} / {l['duration_s']:.2f} s = {t['duration_s'] / l['duration_s']:.3f}"
-      f"  TTFT p50 {t['ttft']['p50_ms']:.0f} / {l['ttft']['p50_ms']:.0f}"
-      f"  TPOT p50 {t['tpot']['p50_ms']:.1f} / {l['tpot']['p50_ms']:.1f}"
-      f"  ours p99/p50 {t['tpot']['p99_ms'] / t['tpot']['p50_ms']:.2f}"
-      f"  failed {t['requests_failed']} / {l['requests_failed']}", flush=True)
-PY
+  report run "$i" "$dir"
 done
-python3 - "$target" "${dirs[@]}" <<'PY'
-import json, statistics, sys
-target = float(sys.argv[1]); ratios = []; failed = 0
-for d in sys.argv[2:]:
-    t = json.load(open(d + "/tessera.json")); l = json.load(open(d + "/llama.json"))
-    ratios.append(t["duration_s"] / l["duration_s"]); failed += t["requests_failed"] + l["requests_failed"]
-met = sum(r <= target for r in ratios)
-print(f"wall ratio over {len(ratios)} runs: median {statistics.median(ratios):.3f}, "
-      f"{min(ratios):.3f}-{max(ratios):.3f}; {met} of {len(ratios)} at or under {target}; "
-      f"{failed} requests failed")
-PY
+report summary "$target" "${dirs[@]}"
