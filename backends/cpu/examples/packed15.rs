@@ -114,14 +114,11 @@ mod x86 {
     }
 }
 
-/// `bytes` of zeroed device memory (the device maps large buffers on huge pages, as it
-/// does the weights), alive while `dev` is.
-fn mapped(dev: &Device, bytes: usize) -> &mut [u8] {
+/// The address of `bytes` of new zeroed device memory (the device maps large buffers on
+/// huge pages, as it does the weights), alive while `dev` is.
+fn buffer(dev: &Device, bytes: usize) -> usize {
     let id = dev.alloc(bytes as u64).expect("device memory");
-    let e = dev.lookup(id).expect("a buffer just allocated");
-    // SAFETY: the buffer holds `bytes` and is freed only with the device, which the
-    // returned slice borrows.
-    unsafe { std::slice::from_raw_parts_mut(e.addr as *mut u8, bytes) }
+    dev.lookup(id).expect("a buffer just allocated").addr
 }
 
 fn main() {
@@ -138,10 +135,14 @@ fn run() {
     let rounds: usize = std::env::args().nth(1).map(|s| s.parse().expect("rounds: a number")).unwrap_or(15);
     let row_bytes = K / 64 * GROUP;
     let dev = Device::new(1, 0).expect("a CPU device");
-    let plain = mapped(&dev, ROWS * K * 2);
-    // SAFETY: the buffer is 64-byte aligned and holds ROWS * K f16 (any bits are one).
-    let plain: &mut [f16] = unsafe { std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast(), ROWS * K) };
-    let packed = mapped(&dev, ROWS * row_bytes);
+    // SAFETY: two new buffers, 64-byte aligned, of ROWS * K f16 (any bits are one) and
+    // ROWS * row_bytes bytes, each reached only through its slice while `dev` lives.
+    let (plain, packed) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(buffer(&dev, ROWS * K * 2) as *mut f16, ROWS * K),
+            std::slice::from_raw_parts_mut(buffer(&dev, ROWS * row_bytes) as *mut u8, ROWS * row_bytes),
+        )
+    };
     plain.par_chunks_mut(K).zip(packed.par_chunks_mut(row_bytes)).enumerate().for_each(|(r, (row, dst))| {
         let mut s = (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         for w in row.iter_mut() {
