@@ -7,7 +7,9 @@
 #
 # For each length P of -p: prefill of a P-token prompt (llama-bench -p P), and decode of
 # n tokens at batch 1 after P tokens of context (llama-bench -n n -d P; tessera
-# `--context P --steps n`). With -b B, also decode at batch B after the first length's
+# `--context P --steps n`); where P + n + 1 passes the model's context (8192 for a P of
+# 8192), the decode is measured after as many tokens as fit, for both engines, and its
+# label names that depth. With -b B, also decode at batch B after the first length's
 # context (llama-batched-bench -npp P -ntg n -npl B, its S_TG; tessera `--batch B`),
 # tokens/s summed over the batch. -k sets both engines' KV cache dtype (llama.cpp's
 # default is f16). -m sets Tessera's --matmul-precision (default f32).
@@ -32,35 +34,39 @@ out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 # One line per measurement: file threads metric engine tokens/s
 for f in "$@"; do
+  # The model's context, so that decode after P tokens fits it (`model info` reads GGUF).
+  maxctx=$("$tessera" model info --json "$f" 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["context"])' 2>/dev/null || true)
   for t in $threads; do
     for _ in $(seq "$rounds"); do
       first=1
       for p in $lengths; do
+        d=$p
+        if [ -n "$maxctx" ] && [ $((p + gen + 1)) -gt "$maxctx" ]; then d=$((maxctx - gen - 1)); fi
         batches=1
         if [ -n "$batch" ] && [ $first = 1 ]; then batches="1,$batch"; fi
         "$tessera" bench engine --model "$f" --threads "$t" --batch "$batches" --prompt-len "$p" \
-          --context "$p" --steps "$gen" --kv-dtype "$kv" --matmul-precision "$precision" --json 2>/dev/null |
+          --context "$d" --steps "$gen" --kv-dtype "$kv" --matmul-precision "$precision" --json 2>/dev/null |
           python3 -c '
 import json, sys
-r = json.load(sys.stdin); f, t, p = sys.argv[1:4]
+r = json.load(sys.stdin); f, t, p, depth = sys.argv[1:5]
 print(f, t, "prefill" + p, "tessera", r["prefill"]["tokens_per_s"])
 for d in r["decode"]:
-    print(f, t, ("decode@" if d["batch"] == 1 else "batch%d@" % d["batch"]) + p, "tessera", d["tokens_per_s"])
-' "$f" "$t" "$p" >>"$out" || echo "tessera bench engine failed at $p tokens (run it alone to see why)" >&2
+    print(f, t, ("decode@" if d["batch"] == 1 else "batch%d@" % d["batch"]) + depth, "tessera", d["tokens_per_s"])
+' "$f" "$t" "$p" "$d" >>"$out" || echo "tessera bench engine failed at $p tokens (run it alone to see why)" >&2
         "${bin}llama-bench" -m "$f" -t "$t" -p "$p" -n 0 -ctk "$kv" -ctv "$kv" -r 1 -o json 2>/dev/null |
           python3 -c 'import json,sys; r=json.load(sys.stdin)[0]; print(sys.argv[1], sys.argv[2], "prefill"+sys.argv[3], "llama.cpp", r["avg_ts"])' "$f" "$t" "$p" >>"$out" || echo "llama-bench failed at $p prompt tokens" >&2
-        "${bin}llama-bench" -m "$f" -t "$t" -p 0 -n "$gen" -d "$p" -ctk "$kv" -ctv "$kv" -r 1 -o json 2>/dev/null |
-          python3 -c 'import json,sys; r=json.load(sys.stdin)[0]; print(sys.argv[1], sys.argv[2], "decode@"+sys.argv[3], "llama.cpp", r["avg_ts"])' "$f" "$t" "$p" >>"$out" || echo "llama-bench failed at depth $p" >&2
+        "${bin}llama-bench" -m "$f" -t "$t" -p 0 -n "$gen" -d "$d" -ctk "$kv" -ctv "$kv" -r 1 -o json 2>/dev/null |
+          python3 -c 'import json,sys; r=json.load(sys.stdin)[0]; print(sys.argv[1], sys.argv[2], "decode@"+sys.argv[3], "llama.cpp", r["avg_ts"])' "$f" "$t" "$d" >>"$out" || echo "llama-bench failed at depth $d" >&2
         if [ -n "$batch" ] && [ $first = 1 ]; then
-          ctx=$(( batch * (p + gen) + 64 ))
-          "${bin}llama-batched-bench" -m "$f" -t "$t" -c "$ctx" -npp "$p" -ntg "$gen" -npl "$batch" \
+          ctx=$(( batch * (d + gen) + 64 ))
+          "${bin}llama-batched-bench" -m "$f" -t "$t" -c "$ctx" -npp "$d" -ntg "$gen" -npl "$batch" \
             -ctk "$kv" -ctv "$kv" --output-format jsonl 2>/dev/null |
             python3 -c '
 import json, sys
 for line in sys.stdin:
     if line.startswith("{") and "speed_tg" in line:
         print(sys.argv[1], sys.argv[2], "batch%s@%s" % (sys.argv[4], sys.argv[3]), "llama.cpp", json.loads(line)["speed_tg"])
-' "$f" "$t" "$p" "$batch" >>"$out" || echo "llama-batched-bench failed" >&2
+' "$f" "$t" "$d" "$batch" >>"$out" || echo "llama-batched-bench failed" >&2
         fi
         first=0
       done
