@@ -1,8 +1,9 @@
 //! Measures a lossless 15-bit packing of f16 weights for the batch-1 GEMV, the one lever
-//! left on a decode step that reads its weights at the memory's ceiling (README, "An
-//! eighth session"). Not used by the engine: on 2 Zen 4 cores the unpacking caps it
-//! near 39 GB/s, so it wins only where the memory reads slower than that (a step 0.79-0.94
-//! of the f16 one at 63-88 ms) and loses where it reads faster (1.07-1.41 at 38-43 ms).
+//! left on a decode step that reads its weights at the memory's ceiling
+//! (`docs/speed-history.md`, the Zen 4's eighth session). Not used by the engine: on 2
+//! Zen 4 cores the unpacking caps it near 39 GB/s, so it wins only where the memory
+//! reads slower than that (a step 0.79-0.94 of the f16 one at 63-88 ms) and loses where
+//! it reads faster (1.07-1.41 at 38-43 ms).
 //!
 //! Where every weight of a matrix has |w| < 2, the top bit of its f16 exponent is 0. A
 //! group of 64 weights then takes 120 bytes instead of 128: their 64 low bytes, then
