@@ -8,8 +8,8 @@
  * pages where transparent huge pages are `madvise`, as llama-server's map of the
  * file). Both on the same number of threads.
  *
- * usage: paired-gemv STEPS THREADS [HIDDEN KV_DIM FFN LAYERS VOCAB] [-v]
- * (defaults: the `bench` preset, 2048 512 8192 14 32768) */
+ * usage: paired-gemv [STEPS [THREADS [HIDDEN KV_DIM FFN LAYERS VOCAB]]] [-v]
+ * (defaults: 100 steps, 2 threads, the `bench` preset's 2048 512 8192 14 32768) */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,11 +54,11 @@ static int by_mean(const void *a, const void *b) {
 int main(int argc, char **argv) {
     int verbose = argc > 1 && strcmp(argv[argc - 1], "-v") == 0;
     if (verbose) argc--;
-    if (argc != 3 && argc != 8) {
-        fprintf(stderr, "usage: %s STEPS THREADS [HIDDEN KV_DIM FFN LAYERS VOCAB] [-v]\n", argv[0]);
+    if (argc > 3 && argc != 8) {
+        fprintf(stderr, "usage: paired-gemv.sh [STEPS [THREADS [HIDDEN KV_DIM FFN LAYERS VOCAB]]] [-v]\n");
         return 2;
     }
-    int steps = atoi(argv[1]), threads = atoi(argv[2]);
+    int steps = argc > 1 ? atoi(argv[1]) : 100, threads = argc > 2 ? atoi(argv[2]) : 2;
     int hidden = 2048, kvd = 512, ffn = 8192, layers = 14, vocab = 32768;
     if (argc == 8) {
         hidden = atoi(argv[3]), kvd = atoi(argv[4]), ffn = atoi(argv[5]);
@@ -73,16 +73,21 @@ int main(int argc, char **argv) {
                              {hidden, ffn},    {hidden, ffn}, {ffn, hidden}};
     int nmat = layers * 7 + 1;
     int *K = malloc(nmat * sizeof *K), *N = malloc(nmat * sizeof *N);
-    size_t weights = 0;
+    size_t weights = 0, outputs = 0;
     for (int i = 0; i < nmat; i++) {
         K[i] = i < layers * 7 ? shape[i % 7][0] : hidden;
         N[i] = i < layers * 7 ? shape[i % 7][1] : vocab;
         weights += (size_t)K[i] * N[i];
+        outputs += N[i];
     }
     int widest = ffn > vocab ? ffn : vocab;
     widest = widest > hidden ? widest : hidden;
 
-    struct ggml_init_params params = {weights * 2 + (size_t)nmat * 1024 + (size_t)4 * widest * 2 + (64u << 20), NULL, false};
+    /* Two inputs, the weights and the products' outputs, the tensors' and graph's headers. */
+    size_t graph_size = 2 * (size_t)nmat + 16;
+    size_t mem = ((size_t)hidden + ffn + outputs) * 4 + weights * 2 + (2 * (size_t)nmat + 2) * ggml_tensor_overhead() +
+                 ggml_graph_overhead_custom(graph_size, false) + (1u << 20);
+    struct ggml_init_params params = {mem, NULL, false};
     struct ggml_context *ctx = ggml_init(params);
     if (!ctx) {
         fprintf(stderr, "ggml_init failed (%zu bytes)\n", params.mem_size);
@@ -94,7 +99,7 @@ int main(int argc, char **argv) {
     for (int j = 0; j < widest; j++) x[j] = (float)(j % 7 - 3) * 0.01f;
     memcpy(xh->data, x, (size_t)hidden * 4);
     memcpy(xf->data, x, (size_t)ffn * 4);
-    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, 2 * nmat + 16, false);
+    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, graph_size, false);
 
     tk_device_config config = {(uint32_t)threads, 0, 0};
     tk_device *dev;

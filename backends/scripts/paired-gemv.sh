@@ -10,7 +10,7 @@
 # GB per step). -v prints every pair. LLAMA_BIN: the directory build-llama-server.sh
 # prints (its ggml libraries); LLAMA_SRC: llama.cpp's source tree (ggml's headers;
 # default: the one that script unpacks beside LLAMA_BIN). Our kernel library is
-# target/release/libtessera_kernels_cpu.so, built if missing.
+# target/release/libtessera_kernels_cpu.so, brought up to date first.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -18,12 +18,9 @@ lb=${LLAMA_BIN:?set LLAMA_BIN (see build-llama-server.sh)}
 src=${LLAMA_SRC:-$( (ls -d "$lb"/../llama_cpp_python-*/vendor/llama.cpp 2>/dev/null || true) | tail -1)}
 [ -n "$src" ] && [ -f "$src/ggml/include/ggml.h" ] || { echo "ggml headers not found: set LLAMA_SRC to llama.cpp's source tree" >&2; exit 2; }
 lib=$root/target/release
-[ -f "$lib/libtessera_kernels_cpu.so" ] || (cd "$root" && cargo build --release -p tessera-kernels-cpu >&2)
+(cd "$root" && cargo build -q --release -p tessera-kernels-cpu >&2)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 cc -O2 -o "$out/paired-gemv" "$here/paired-gemv.c" -I"$src/ggml/include" -I"$root/backends/include" \
   -L"$lb" -lggml -lggml-base -lggml-cpu -L"$lib" -ltessera_kernels_cpu -Wl,-rpath,"$lb:$lib"
-args=("$@"); [ ${#args[@]} -eq 0 ] || [ "${args[0]}" = "-v" ] && args=(100 "${args[@]}")
-[ ${#args[@]} -eq 1 ] && args+=(2)
-[ "${args[1]:-}" = "-v" ] && args=("${args[0]}" 2 -v)
-"$out/paired-gemv" "${args[@]}"
+"$out/paired-gemv" "$@"
