@@ -691,7 +691,7 @@ fn solve(args: SolveArgs) -> Result<()> {
     } else {
         args.min_prompt_tokens.clone()
     };
-    let space = tessera_solver::Space {
+    let space = tessera_planner::Space {
         prefill_budgets: args.budgets.clone(),
         decode_caps: args.caps.clone(),
         min_prompt_tokens,

@@ -451,7 +451,7 @@ impl Telemetry {
 }
 
 /// What one chip does under a strategy (a role, or parked).
-pub use tessera_solver::Duty;
+pub use tessera_planner::Duty;
 
 /// A strategy as the solver publishes it: every chip's duty, the batch limits, and its
 /// figures for the traffic it was solved for.
@@ -464,7 +464,7 @@ pub struct StrategyView {
     pub duties: Vec<(String, Duty)>,
     pub max_batch_tokens: u32,
     pub max_batch_seqs: u32,
-    pub figures: tessera_solver::Figures,
+    pub figures: tessera_planner::Figures,
     /// The objective's value (higher is better).
     pub score: f64,
     /// Chips that change duty from what they do now, and a bound on how long they take
@@ -489,8 +489,8 @@ pub struct StrategySet {
     /// analytic model prices every prompt token as computed).
     #[serde(default)]
     pub prefix_hit_rate: Option<f64>,
-    pub workload: tessera_solver::Workload,
-    pub slo: tessera_solver::Slo,
+    pub workload: tessera_planner::Workload,
+    pub slo: tessera_planner::Slo,
     pub objective: String,
     /// Chips up when solved, of all the topology's.
     pub chips_up: usize,

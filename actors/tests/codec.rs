@@ -328,9 +328,9 @@ fn duty(p: &Parts) -> Duty {
     [Duty::Prefill, Duty::Decode, Duty::Both, Duty::Idle][p.n % 4]
 }
 
-fn figures(p: &Parts) -> tessera_solver::Figures {
+fn figures(p: &Parts) -> tessera_planner::Figures {
     let x = p.f as f64;
-    tessera_solver::Figures {
+    tessera_planner::Figures {
         goodput_rps: x,
         ttft_p90_s: x / 2.0,
         tpot_p90_s: x / 3.0,
@@ -361,8 +361,8 @@ fn strategy_set(p: &Parts) -> StrategySet {
         reason: p.text.clone(),
         observed_rate_rps: p.f as f64,
         prefix_hit_rate: p.flag.then_some(0.25),
-        workload: tessera_solver::Workload { rate_rps: p.f as f64, isl: p.n as f64, osl: 3.0 },
-        slo: tessera_solver::Slo { ttft_s: 1.0, tpot_s: 0.1 },
+        workload: tessera_planner::Workload { rate_rps: p.f as f64, isl: p.n as f64, osl: 3.0 },
+        slo: tessera_planner::Slo { ttft_s: 1.0, tpot_s: 0.1 },
         objective: "goodput_per_usd".into(),
         chips_up: p.n,
         chips_total: p.n + 1,

@@ -14,7 +14,7 @@
 //! changes to its chips; each chip drains what it holds before it takes its new role,
 //! so no request is lost.
 //!
-//! The search itself (`tessera-solver`) runs as a job on the solver's own worker, so a
+//! The search itself (`tessera-planner`) runs as a job on the solver's own worker, so a
 //! large fleet's solve never holds up the actor; in virtual time it takes no time.
 
 use crate::host::chip_addr;
@@ -26,8 +26,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tessera_actor_core::actor::WorkerState;
 use tessera_actor_core::{Addr, Behavior, Effects, HostId, Job, Moment, WorkerId, WorkerSpec};
-use tessera_solver::analytic::{TableCache, Tables, evaluate};
-use tessera_solver::{Figures, Fleet, KindSpec, Roles, Slo, Space, Strategy, Workload};
+use tessera_planner::analytic::{TableCache, Tables, evaluate};
+use tessera_planner::{Figures, Fleet, KindSpec, Roles, Slo, Space, Strategy, Workload};
 use tessera_topology::perf::{Link, ModelShape, PerfModel, Power};
 use tessera_topology::{Backend, ClusterSpec, DType, Role, SolverObjective, SolverSpec};
 
@@ -243,7 +243,7 @@ fn duties_under(up: &[Vec<(String, Duty)>], strategy: &Strategy) -> Vec<(String,
     let mut out = Vec::new();
     for (chips, roles) in up.iter().zip(&strategy.roles) {
         let now: Vec<Duty> = chips.iter().map(|(_, d)| *d).collect();
-        out.extend(chips.iter().map(|(id, _)| id.clone()).zip(tessera_solver::assign(&now, roles)));
+        out.extend(chips.iter().map(|(id, _)| id.clone()).zip(tessera_planner::assign(&now, roles)));
     }
     out
 }
@@ -259,7 +259,7 @@ fn view(input: &SolveInput, id: String, strategy: &Strategy, figures: Figures, n
         .filter(|((_, from), (_, to))| from != to)
         .map(|((chip, from), (_, to))| (chip.clone(), *from, *to))
         .collect();
-    let drain_s = tessera_solver::drain_estimate(moves.iter().map(|m| m.1), input.workload.osl, now);
+    let drain_s = tessera_planner::drain_estimate(moves.iter().map(|m| m.1), input.workload.osl, now);
     StrategyView {
         id,
         summary: strategy.describe(&input.fleet),
@@ -277,7 +277,7 @@ fn view(input: &SolveInput, id: String, strategy: &Strategy, figures: Figures, n
 /// with the step-time tables of earlier solves reused from `cache`.
 fn solve(input: SolveInput, cache: &mut TableCache) -> Result<StrategySet, String> {
     let (built, reused) = (cache.built, cache.reused);
-    let set = tessera_solver::search::solve_with(&input.fleet, &input.workload, &input.slo, &input.space, cache)
+    let set = tessera_planner::search::solve_with(&input.fleet, &input.workload, &input.slo, &input.space, cache)
         .map_err(|e| e.to_string())?;
     let (tables_built, tables_reused) = (cache.built - built, cache.reused - reused);
     let (current, current_id) = &input.current;
@@ -548,8 +548,8 @@ impl Solver {
         self.solving = false;
         match result {
             Ok(set) => {
-                metrics::counter!("tessera_solver_solves_total").increment(1);
-                metrics::gauge!("tessera_solver_strategies").set(set.strategies.len() as f64);
+                metrics::counter!("tessera_planner_solves_total").increment(1);
+                metrics::gauge!("tessera_planner_strategies").set(set.strategies.len() as f64);
                 tracing::info!(
                     set = set.seq,
                     reason = %set.reason,
@@ -565,7 +565,7 @@ impl Solver {
                 }
             }
             Err(error) => {
-                metrics::counter!("tessera_solver_failures_total").increment(1);
+                metrics::counter!("tessera_planner_failures_total").increment(1);
                 tracing::warn!(%error, "solver: the solve failed");
             }
         }
@@ -699,10 +699,10 @@ impl Solver {
         for (chip, duty) in &duties {
             for d in [Duty::Prefill, Duty::Decode, Duty::Both, Duty::Idle] {
                 let labels = [("chip", chip.clone()), ("duty", d.to_string())];
-                metrics::gauge!("tessera_solver_chip_duty", &labels).set(f64::from(u8::from(*duty == d)));
+                metrics::gauge!("tessera_planner_chip_duty", &labels).set(f64::from(u8::from(*duty == d)));
             }
         }
-        metrics::counter!("tessera_solver_plans_applied_total", "by" => by.to_string()).increment(1);
+        metrics::counter!("tessera_planner_plans_applied_total", "by" => by.to_string()).increment(1);
         let plan = AppliedPlan {
             id,
             summary,

@@ -5,7 +5,7 @@
 //! behaviors like any other scenario.
 
 use tessera_actors::solver::{Costing, FleetError, fleet_of};
-use tessera_solver::{Duty, Fleet, Slo, Strategy, Workload};
+use tessera_planner::{Duty, Fleet, Slo, Strategy, Workload};
 use tessera_topology::perf::Link;
 use tessera_topology::{ChipSpec, Role};
 use tessera_workload::LengthDist;
@@ -31,7 +31,7 @@ pub struct Move {
 }
 
 impl ScenarioFleet {
-    /// Every chip's id and its duty under `strategy` (see [`tessera_solver::assign`]:
+    /// Every chip's id and its duty under `strategy` (see [`tessera_planner::assign`]:
     /// chips keep their duty where the counts allow).
     pub fn duties(&self, strategy: &Strategy) -> Result<Vec<(String, Duty)>, SolveError> {
         if strategy.roles.len() != self.chips.len() {
@@ -39,7 +39,7 @@ impl ScenarioFleet {
         }
         let mut out = Vec::new();
         for ((roles, ids), now) in strategy.roles.iter().zip(&self.chips).zip(&self.now) {
-            out.extend(ids.iter().cloned().zip(tessera_solver::assign(now, roles)));
+            out.extend(ids.iter().cloned().zip(tessera_planner::assign(now, roles)));
         }
         Ok(out)
     }
@@ -227,7 +227,7 @@ pub struct Published {
     pub id: usize,
     pub strategy: Strategy,
     pub describe: String,
-    pub analytic: tessera_solver::Figures,
+    pub analytic: tessera_planner::Figures,
     pub simulated: Option<Simulated>,
     /// Why the simulator could not run it.
     pub verify_error: Option<String>,
@@ -242,7 +242,7 @@ pub struct Current {
     pub strategy: Strategy,
     pub describe: String,
     /// `None` when it cannot keep up with the offered rate (the analytic model's view).
-    pub analytic: Option<tessera_solver::Figures>,
+    pub analytic: Option<tessera_planner::Figures>,
     pub simulated: Option<Simulated>,
     pub verify_error: Option<String>,
 }
@@ -255,7 +255,7 @@ pub struct Solution {
     pub workload: Workload,
     pub slo: Slo,
     /// How the space was searched.
-    pub search: tessera_solver::search::Mode,
+    pub search: tessera_planner::search::Mode,
     pub strategies: Vec<Published>,
     /// Per kind, the best cluster of that kind alone with every chip doing both phases
     /// (by analytic goodput per $), verified alongside: what a mix has to beat.
@@ -272,18 +272,18 @@ pub struct Solution {
 
 /// Solves `scenario` over `space`, then verifies in the simulator the `verify`
 /// strategies of the set with the best analytic goodput per $.
-pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usize) -> Result<Solution, String> {
+pub fn solve(scenario: &Scenario, space: &tessera_planner::Space, verify_top: usize) -> Result<Solution, String> {
     let fleet = fleet(scenario).map_err(|e| format!("{}: {e}", scenario.source))?;
     let (work, slo) = (workload(scenario), slo(scenario));
-    let search = tessera_solver::search::mode(&fleet.fleet, &work, space).map_err(|e| e.to_string())?;
-    let set = tessera_solver::search::solve(&fleet.fleet, &work, &slo, space).map_err(|e| e.to_string())?;
+    let search = tessera_planner::search::mode(&fleet.fleet, &work, space).map_err(|e| e.to_string())?;
+    let set = tessera_planner::search::solve(&fleet.fleet, &work, &slo, space).map_err(|e| e.to_string())?;
     if set.is_empty() {
         return Err(format!(
             "{}: no strategy serves any request within the SLOs at {} req/s (the analytic model's view); try a lower --rate",
             scenario.source, work.rate_rps
         ));
     }
-    let published = |id: usize, c: tessera_solver::pareto::Candidate| Published {
+    let published = |id: usize, c: tessera_planner::pareto::Candidate| Published {
         id,
         describe: c.strategy.describe(&fleet.fleet),
         analytic: c.figures,
@@ -318,7 +318,7 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
         }
     }
     let mut baselines = Vec::new();
-    for c in tessera_solver::search::best_single_kinds(&fleet.fleet, &work, &slo, space).into_iter().flatten() {
+    for c in tessera_planner::search::best_single_kinds(&fleet.fleet, &work, &slo, space).into_iter().flatten() {
         let mut p = published(strategies.len() + baselines.len() + 1, c);
         if verify_top > 0 {
             check(&mut p);
@@ -340,7 +340,7 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
     let current = current(scenario, &fleet, &work, &slo, verify_top > 0);
     let drain_s = chosen.and_then(|id| {
         let moves = &strategies.iter().chain(&baselines).find(|p| p.id == id)?.moves;
-        tessera_solver::drain_estimate(moves.iter().map(|m| m.from), work.osl, current.analytic.as_ref())
+        tessera_planner::drain_estimate(moves.iter().map(|m| m.from), work.osl, current.analytic.as_ref())
     });
     Ok(Solution {
         scenario: scenario.source.clone(),
@@ -357,7 +357,7 @@ pub fn solve(scenario: &Scenario, space: &tessera_solver::Space, verify_top: usi
 
 /// The topology as written as a strategy, scored (and verified when `verify`).
 fn current(scenario: &Scenario, fleet: &ScenarioFleet, work: &Workload, slo: &Slo, verify_it: bool) -> Current {
-    let roles = fleet.now.iter().map(|duties| tessera_solver::Roles::of(duties)).collect();
+    let roles = fleet.now.iter().map(|duties| tessera_planner::Roles::of(duties)).collect();
     let first = scenario.topology.chips().next().map(|(_, _, c)| c);
     let strategy = Strategy {
         roles,
@@ -366,8 +366,8 @@ fn current(scenario: &Scenario, fleet: &ScenarioFleet, work: &Workload, slo: &Sl
         min_prompt_tokens: u32::try_from(scenario.topology.disagg.min_prompt_tokens).unwrap_or(u32::MAX),
     };
     let tables =
-        tessera_solver::analytic::Tables::new(&fleet.fleet, work, strategy.prefill_budget, strategy.decode_cap);
-    let analytic = tessera_solver::analytic::evaluate(&fleet.fleet, &tables, &strategy, work, slo);
+        tessera_planner::analytic::Tables::new(&fleet.fleet, work, strategy.prefill_budget, strategy.decode_cap);
+    let analytic = tessera_planner::analytic::evaluate(&fleet.fleet, &tables, &strategy, work, slo);
     let (mut simulated, mut verify_error) = (None, None);
     if verify_it {
         match crate::run(scenario, None) {
@@ -412,7 +412,7 @@ impl Solution {
                 opt(per, 1)
             )
         };
-        let analytic_row = |tag: &str, a: &tessera_solver::Figures| {
+        let analytic_row = |tag: &str, a: &tessera_planner::Figures| {
             row(
                 tag,
                 a.goodput_rps,
@@ -728,12 +728,12 @@ pub struct Resolve {
 /// Times `scenario`'s analytic solve, then a re-solve after a small change — its first
 /// kind one chip short and the rate 20% up — with the first solve's step-time tables and
 /// from scratch (the measurement behind the live solver's incremental re-solves).
-pub fn resolve(scenario: &Scenario, space: &tessera_solver::Space) -> Result<Resolve, String> {
+pub fn resolve(scenario: &Scenario, space: &tessera_planner::Space) -> Result<Resolve, String> {
     use std::time::Instant;
-    use tessera_solver::search::{solve, solve_with};
+    use tessera_planner::search::{solve, solve_with};
     let fleet = fleet(scenario).map_err(|e| format!("{}: {e}", scenario.source))?.fleet;
     let (work, slo) = (workload(scenario), slo(scenario));
-    let mut cache = tessera_solver::analytic::TableCache::default();
+    let mut cache = tessera_planner::analytic::TableCache::default();
     let t = Instant::now();
     solve_with(&fleet, &work, &slo, space, &mut cache).map_err(|e| e.to_string())?;
     let first_s = t.elapsed().as_secs_f64();

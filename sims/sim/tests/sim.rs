@@ -545,7 +545,7 @@ fn founding_mixed() -> Scenario {
 
 #[test]
 fn a_strategy_applies_to_the_topology_as_roles_and_limits_and_idle_chips_leave() {
-    use tessera_solver::{Roles, Strategy};
+    use tessera_planner::{Roles, Strategy};
     let s = founding_mixed();
     let fleet = tessera_sim::solve::fleet(&s).expect("a fleet");
     let kinds: Vec<(&str, u32)> = fleet.fleet.kinds.iter().map(|k| (k.name.as_str(), k.chips)).collect();
@@ -598,7 +598,7 @@ fn a_strategy_applies_to_the_topology_as_roles_and_limits_and_idle_chips_leave()
 #[test]
 fn the_solver_verifies_its_best_strategies_in_the_simulator_and_chooses_one_that_lost_nothing() {
     let s = founding_mixed();
-    let space = tessera_solver::Space {
+    let space = tessera_planner::Space {
         prefill_budgets: vec![512, 2048],
         decode_caps: vec![64, 256],
         min_prompt_tokens: vec![32],
@@ -622,7 +622,7 @@ fn the_solver_verifies_its_best_strategies_in_the_simulator_and_chooses_one_that
 
 #[test]
 fn a_strategy_written_into_a_topology_file_keeps_the_rest_and_moves_the_gateway_off_a_host_left_empty() {
-    use tessera_solver::{Roles, Strategy};
+    use tessera_planner::{Roles, Strategy};
     let path = here().join("../../topology/default.toml");
     let text = std::fs::read_to_string(&path).expect("the default topology");
     let s = scenario::load(&here().join("../scenarios/default-poisson.toml")).expect("the default scenario");
