@@ -13,6 +13,7 @@ mod disagg;
 mod gguf;
 mod kernels_abi;
 mod model;
+mod parallel;
 mod quantize;
 mod serve;
 mod structured;

@@ -562,7 +562,7 @@ fn bad_requests_are_refused_and_change_nothing() {
     let ck = TempCkpt::tiny("errors", SynthArch::Llama, 71, None, 1);
     // 8 blocks of 4: at most 32 tokens of prompt + output.
     let mut e = engine(ck.path(), 4, 8, 64);
-    let (vocab, ctx) = (e.model().config().vocab_size, e.model().config().max_context);
+    let (vocab, ctx) = (e.config().vocab_size, e.config().max_context);
     assert_eq!((vocab, ctx), (1024, 2048));
     let ok_prompt = tokens(10, 11, vocab);
     let long_prompt = tokens(ctx, 12, vocab);
@@ -672,7 +672,7 @@ fn stop_tokens_context_limit_and_abort_finish_cleanly() {
     cfg["max_position_embeddings"] = 16.into();
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let mut e = engine(ck.path(), 4, 64, 32);
-    assert_eq!(e.model().config().max_context, 16);
+    assert_eq!(e.config().max_context, 16);
     e.add_request(0, &prompt, greedy(12)).unwrap();
     let done = e.run_to_completion().unwrap().remove(0);
     assert_eq!((done.finish, done.tokens.len()), (Finish::Length, 4));

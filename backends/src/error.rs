@@ -43,6 +43,10 @@ pub enum BackendError {
     KvCache(String),
     #[error("invalid request: {0}")]
     Request(String),
+    /// A shard of a model (a pipeline stage, a tensor-parallel rank) that cannot be made
+    /// or run as asked.
+    #[error("model shard: {0}")]
+    Shard(String),
 }
 
 pub type Result<T> = std::result::Result<T, BackendError>;

@@ -13,6 +13,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod gguf;
+pub mod instance;
 pub mod kv;
 pub mod kv_format;
 #[allow(unsafe_code)]
@@ -23,6 +24,7 @@ pub mod model;
 pub mod npy;
 pub mod profile;
 pub mod sampling;
+pub mod shard;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;

@@ -7,6 +7,7 @@
 //! each layer's KV to its decode chip as soon as that layer is in the cache, so decode
 //! can begin before the whole prefill is done (DESIGN.md §6).
 
+use std::ops::Range;
 use std::path::Path;
 
 use tessera_kernel_abi as abi;
@@ -18,7 +19,8 @@ use crate::dtype::{DType, DTypeExt, GgmlType, GgmlTypeExt, Quantize};
 use crate::error::{BackendError, Result};
 use crate::kv::PagedKvCache;
 use crate::mmap::Placement;
-use crate::weights::Checkpoint;
+use crate::shard::{AllReduce, Shard};
+use crate::weights::{Checkpoint, Part};
 
 /// A linear layer's weight `[out_features, in_features]` and optional bias.
 pub struct LinearWeights {
@@ -107,15 +109,32 @@ pub struct LoadOptions {
     pub quantize: Option<Quantize>,
 }
 
-/// A loaded model on one device.
+/// What a pipeline stage past the first takes in place of token ids: the residual
+/// stream the stage before it ends with, `hidden_size` f32 values per token.
+#[derive(Debug, Clone, Copy)]
+pub enum StageInput<'a> {
+    Tokens,
+    Hidden(&'a [f32]),
+}
+
+/// A loaded model on one device: the whole model, or one shard of it (a pipeline
+/// stage's layers, a tensor-parallel rank's heads and FFN columns; see [`Shard`]).
 pub struct Model {
+    /// The whole model's config, whatever part of it is loaded.
     config: ModelConfig,
+    shard: Shard,
+    /// The config as this shard holds it: its layers, heads and FFN columns.
+    local: ModelConfig,
     dtype: DType,
     device: Device,
-    embed: Buffer,
+    /// On the first stage, and on the last when the LM head is the tied embedding.
+    embed: Option<Buffer>,
     embed_ty: GgmlType,
     layers: Vec<LayerWeights>,
-    norm: Buffer,
+    /// The norm after this shard's last layer: the model's final norm on the last
+    /// stage, else the next stage's first input norm (its output is not used: the next
+    /// stage norms the residual it receives itself).
+    out_norm: Buffer,
     lm_head: Option<LinearWeights>,
     rope: abi::TkRope,
     weight_bytes: u64,
@@ -143,20 +162,40 @@ struct WeightLoader<'a> {
 }
 
 impl WeightLoader<'_> {
-    /// A float tensor (norms, biases) in `dtype`.
-    fn tensor(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<Buffer> {
-        self.upload(name, shape, dtype.ggml())
+    /// Counts a tensor of the whole model in its fingerprint, whether or not this shard
+    /// loads it, so every shard of one model fingerprints alike.
+    fn account(&mut self, name: &str, shape: &[usize]) -> Result<()> {
+        let entry = self.ckpt.get(name, shape)?;
+        self.fingerprint.add(name, shape, self.ckpt.bytes(entry), entry.ty);
+        Ok(())
     }
 
-    /// A weight matrix: quantized as stored, else in `quantize` when set and its rows
-    /// are whole blocks, else in the float dtype.
-    fn matrix(&mut self, name: &str, shape: [usize; 2], quantize: Option<GgmlType>) -> Result<(Buffer, GgmlType)> {
+    /// A float tensor (norms, biases) in `dtype`, loaded when `part` is given.
+    fn tensor(&mut self, name: &str, shape: &[usize], dtype: DType, part: Option<&Part>) -> Result<Option<Buffer>> {
+        self.account(name, shape)?;
+        part.map(|p| self.load(name, shape, dtype.ggml(), p)).transpose()
+    }
+
+    /// The device type of a weight matrix: quantized as stored, else in `quantize` when
+    /// set and its rows are whole blocks, else in the float dtype.
+    fn matrix_type(&self, name: &str, shape: [usize; 2], quantize: Option<GgmlType>) -> Result<GgmlType> {
         let stored = self.ckpt.get(name, &shape)?.ty;
-        let ty = match quantize {
+        Ok(match quantize {
             _ if stored.is_quantized() => stored,
             Some(q) if q.row_bytes(shape[1]).is_some() => q,
             _ => self.dtype.ggml(),
-        };
+        })
+    }
+
+    /// A weight matrix (see [`matrix_type`](Self::matrix_type)), loaded when `part` is given.
+    fn matrix(
+        &mut self,
+        name: &str,
+        shape: [usize; 2],
+        quantize: Option<GgmlType>,
+        part: Option<&Part>,
+    ) -> Result<(Option<Buffer>, GgmlType)> {
+        let ty = self.matrix_type(name, shape, quantize)?;
         if ty.is_quantized() {
             let lib = self.device.library();
             quantized_weights_supported(lib.abi_version(), lib.path(), name, ty)?;
@@ -164,18 +203,25 @@ impl WeightLoader<'_> {
                 self.formats.insert(at, ty);
             }
         }
-        Ok((self.upload(name, &shape, ty)?, ty))
+        self.account(name, &shape)?;
+        Ok((part.map(|p| self.load(name, &shape, ty, p)).transpose()?, ty))
     }
 
-    fn upload(&mut self, name: &str, shape: &[usize], ty: GgmlType) -> Result<Buffer> {
-        let buf = self.ckpt.upload(self.device, name, shape, ty, self.placement)?;
+    /// Puts (part of) a tensor on the device, counting its bytes and parameters.
+    fn load(&mut self, name: &str, shape: &[usize], ty: GgmlType, part: &Part) -> Result<Buffer> {
+        let buf = self.ckpt.upload_part(self.device, name, shape, ty, self.placement, part)?;
         self.bytes += buf.len_bytes() as u64;
-        self.params += shape.iter().product::<usize>() as u64;
-        let entry = self.ckpt.get(name, shape)?;
-        self.fingerprint.add(name, shape, self.ckpt.bytes(entry), entry.ty);
+        let whole: usize = shape.iter().product();
+        self.params += match part {
+            Part::Whole => whole,
+            Part::Rows(r) => whole / shape[0].max(1) * r.len(),
+            Part::Cols(c) => whole / shape[shape.len() - 1].max(1) * c.len(),
+        } as u64;
         Ok(buf)
     }
 
+    /// A linear layer `[out_features, in_features]`, loaded (as `part`) when `part` is
+    /// given: a row part keeps some outputs (and their bias), a column part some inputs.
     fn linear(
         &mut self,
         name: &str,
@@ -183,11 +229,27 @@ impl WeightLoader<'_> {
         in_features: usize,
         bias: bool,
         quantize: Option<GgmlType>,
-    ) -> Result<LinearWeights> {
-        let (w, ty) = self.matrix(&format!("{name}.weight"), [out_features, in_features], quantize)?;
+        part: Option<&Part>,
+    ) -> Result<Option<LinearWeights>> {
+        let (w, ty) = self.matrix(&format!("{name}.weight"), [out_features, in_features], quantize, part)?;
         let bias_dtype = if ty.is_quantized() { DType::F32 } else { self.dtype };
-        let bias = if bias { Some(self.tensor(&format!("{name}.bias"), &[out_features], bias_dtype)?) } else { None };
-        Ok(LinearWeights { w, ty, bias, out_features, in_features })
+        let bias_part = part.map(|p| match p {
+            Part::Rows(r) => Part::Rows(r.clone()),
+            _ => Part::Whole,
+        });
+        let bias = if bias {
+            self.tensor(&format!("{name}.bias"), &[out_features], bias_dtype, bias_part.as_ref())?
+        } else {
+            None
+        };
+        Ok(w.map(|w| {
+            let (out_features, in_features) = match part {
+                Some(Part::Rows(r)) => (r.len(), in_features),
+                Some(Part::Cols(c)) => (out_features, c.len()),
+                _ => (out_features, in_features),
+            };
+            LinearWeights { w, ty, bias, out_features, in_features }
+        }))
     }
 }
 
@@ -260,10 +322,21 @@ impl Model {
 
     /// [`load`](Self::load) with every option.
     pub fn load_with(dir: &Path, device: Device, options: LoadOptions) -> Result<Model> {
+        Model::load_shard(dir, device, options, None)
+    }
+
+    /// [`load_with`](Self::load_with) of one shard of the model (`None`: the whole). A
+    /// shard loads its layers (its rank's part of each), the embedding when it is the
+    /// first stage, and the final norm and LM head when it computes logits; its
+    /// fingerprint and weight format are the whole model's, so it exchanges KV with a
+    /// chip holding the whole model as that chip would.
+    pub fn load_shard(dir: &Path, device: Device, options: LoadOptions, shard: Option<Shard>) -> Result<Model> {
         if !crate::gguf::is_model_file(dir) {
             std::fs::read_dir(dir).map_err(|e| BackendError::io(dir, e))?;
         }
         let config = ModelConfig::from_dir(dir)?;
+        let shard = shard.unwrap_or_else(|| Shard::whole(&config));
+        shard.check(&config)?;
         let ckpt = Checkpoint::open(dir)?;
         let (h, v) = (config.hidden_size, config.vocab_size);
         let dtype = match options.dtype {
@@ -284,39 +357,81 @@ impl Model {
             fingerprint: WeightsFingerprint::new(),
             formats: Vec::new(),
         };
-        let qd = config.num_heads * config.head_dim;
-        let kvd = config.num_kv_heads * config.head_dim;
-        let inter = config.intermediate_size;
-        let (embed, embed_ty) = ld.matrix("model.embed_tokens.weight", [v, h], quantize_head)?;
-        let mut layers = Vec::with_capacity(config.num_layers);
+        let (hd, inter) = (config.head_dim, config.intermediate_size);
+        let qd = config.num_heads * hd;
+        let kvd = config.num_kv_heads * hd;
+        // A rank's rows of Q/K/V and gate/up, its columns of O and down.
+        let heads = shard.heads(&config);
+        let down_ty = ld.matrix_type("model.layers.0.mlp.down_proj.weight", [h, inter], quantize)?;
+        let ffn = shard.ffn(&config, down_ty.block_elements() as usize)?;
+        let tp = shard.tp_size > 1;
+        let rows = |r: &Range<usize>| if tp { Part::Rows(r.start * hd..r.end * hd) } else { Part::Whole };
+        let (q_part, kv_part) = (rows(&heads.q), rows(&heads.kv));
+        let o_part = if tp { Part::Cols(heads.q.start * hd..heads.q.end * hd) } else { Part::Whole };
+        let (up_part, down_part) =
+            if tp { (Part::Rows(ffn.clone()), Part::Cols(ffn.clone())) } else { (Part::Whole, Part::Whole) };
+        let logits = shard.computes_logits(&config);
+        let tied = config.tie_word_embeddings && !ckpt.contains("lm_head.weight");
+        let whole = Part::Whole;
+        let embed_part = (shard.is_first() || (logits && tied)).then_some(&whole);
+        let (embed, embed_ty) = ld.matrix("model.embed_tokens.weight", [v, h], quantize_head, embed_part)?;
+        let mut layers = Vec::with_capacity(shard.layers.len());
         let mut read = 0u64;
+        let unloaded = |name: &str| BackendError::Shard(format!("tensor {name:?} was not loaded"));
         for i in 0..config.num_layers {
             let p = format!("model.layers.{i}");
+            let here = shard.layers.contains(&i);
+            let part = |part: &Part| here.then(|| part.clone());
             let (b, q) = (config.qkv_bias, ld.quantize);
+            let input_norm = ld.tensor(&format!("{p}.input_layernorm.weight"), &[h], dtype, part(&whole).as_ref())?;
+            let wq = ld.linear(&format!("{p}.self_attn.q_proj"), qd, h, b, q, part(&q_part).as_ref())?;
+            let wk = ld.linear(&format!("{p}.self_attn.k_proj"), kvd, h, b, q, part(&kv_part).as_ref())?;
+            let wv = ld.linear(&format!("{p}.self_attn.v_proj"), kvd, h, b, q, part(&kv_part).as_ref())?;
+            let wo = ld.linear(&format!("{p}.self_attn.o_proj"), h, qd, false, q, part(&o_part).as_ref())?;
+            let post_norm =
+                ld.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h], dtype, part(&whole).as_ref())?;
+            let gate = ld.linear(&format!("{p}.mlp.gate_proj"), inter, h, false, q, part(&up_part).as_ref())?;
+            let up = ld.linear(&format!("{p}.mlp.up_proj"), inter, h, false, q, part(&up_part).as_ref())?;
+            let down = ld.linear(&format!("{p}.mlp.down_proj"), h, inter, false, q, part(&down_part).as_ref())?;
+            if !here {
+                continue;
+            }
             let layer = LayerWeights {
-                input_norm: ld.tensor(&format!("{p}.input_layernorm.weight"), &[h], dtype)?,
-                q: ld.linear(&format!("{p}.self_attn.q_proj"), qd, h, b, q)?,
-                k: ld.linear(&format!("{p}.self_attn.k_proj"), kvd, h, b, q)?,
-                v: ld.linear(&format!("{p}.self_attn.v_proj"), kvd, h, b, q)?,
-                o: ld.linear(&format!("{p}.self_attn.o_proj"), h, qd, false, q)?,
-                post_norm: ld.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h], dtype)?,
-                gate: ld.linear(&format!("{p}.mlp.gate_proj"), inter, h, false, q)?,
-                up: ld.linear(&format!("{p}.mlp.up_proj"), inter, h, false, q)?,
-                down: ld.linear(&format!("{p}.mlp.down_proj"), h, inter, false, q)?,
+                input_norm: input_norm.ok_or_else(|| unloaded(&p))?,
+                q: wq.ok_or_else(|| unloaded(&p))?,
+                k: wk.ok_or_else(|| unloaded(&p))?,
+                v: wv.ok_or_else(|| unloaded(&p))?,
+                o: wo.ok_or_else(|| unloaded(&p))?,
+                post_norm: post_norm.ok_or_else(|| unloaded(&p))?,
+                gate: gate.ok_or_else(|| unloaded(&p))?,
+                up: up.ok_or_else(|| unloaded(&p))?,
+                down: down.ok_or_else(|| unloaded(&p))?,
             };
             read += layer.bytes();
             layers.push(layer);
         }
-        let norm = ld.tensor("model.norm.weight", &[h], dtype)?;
-        // Tied checkpoints may still ship an lm_head copy; use it if present.
-        let lm_head = if config.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
-            None
-        } else {
-            Some(ld.linear("lm_head", v, h, false, quantize_head)?)
+        let last = shard.is_last(&config);
+        let norm = ld.tensor("model.norm.weight", &[h], dtype, last.then_some(&whole))?;
+        let out_norm = match norm {
+            Some(norm) => norm,
+            // The next stage's first input norm: loaded, not counted in the fingerprint
+            // (that stage counts it).
+            None => ld.load(
+                &format!("model.layers.{}.input_layernorm.weight", shard.layers.end),
+                &[h],
+                dtype.ggml(),
+                &whole,
+            )?,
         };
+        // Tied checkpoints may still ship an lm_head copy; use it if present.
+        let lm_head =
+            if tied { None } else { ld.linear("lm_head", v, h, false, quantize_head, logits.then_some(&whole))? };
         // A decode step reads every layer, the final norm and the LM head (the tied
         // embedding when there is none), plus one embedding row per token.
-        read += norm.len_bytes() as u64 + lm_head.as_ref().map_or(embed.len_bytes() as u64, LinearWeights::bytes);
+        read += out_norm.len_bytes() as u64;
+        if logits {
+            read += lm_head.as_ref().map_or(embed.as_ref().map_or(0, |e| e.len_bytes() as u64), LinearWeights::bytes);
+        }
         let weight_format = if ld.formats.is_empty() {
             "float".to_owned()
         } else {
@@ -324,14 +439,21 @@ impl Model {
         };
         let (weight_bytes, param_count, weights_fingerprint) = (ld.bytes, ld.params, ld.fingerprint.finish());
         let rope = rope_params(&config);
+        let mut local = config.clone();
+        local.num_layers = shard.layers.len();
+        local.num_heads = heads.q.len();
+        local.num_kv_heads = heads.kv.len();
+        local.intermediate_size = ffn.len();
         Ok(Model {
             config,
+            shard,
+            local,
             dtype,
             device,
             embed,
             embed_ty,
             layers,
-            norm,
+            out_norm,
             lm_head,
             rope,
             weight_bytes,
@@ -341,6 +463,17 @@ impl Model {
             weight_format,
             scratch: Scratch::default(),
         })
+    }
+
+    /// The part of the model this one holds.
+    pub fn shard(&self) -> &Shard {
+        &self.shard
+    }
+
+    /// The config as this shard holds it (its layers, heads and FFN columns): what its
+    /// KV cache is made for. The whole model's config for a whole model.
+    pub fn shard_config(&self) -> &ModelConfig {
+        &self.local
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -396,7 +529,7 @@ impl Model {
     /// Grows the step buffers to hold `tokens` tokens, `seqs` sequences with tables of
     /// `table` entries, and `rows` logits rows.
     fn ensure_scratch(&mut self, tokens: usize, seqs: usize, table: usize, rows: usize) -> Result<()> {
-        let c = &self.config;
+        let c = &self.local;
         let (h, qd, kvd, i) =
             (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
         let mut sizes = [0usize; S_COUNT];
@@ -456,12 +589,45 @@ impl Model {
         batch: &[SeqChunk<'_>],
         on_layer: &mut dyn FnMut(usize, &Device) -> Result<()>,
     ) -> Result<Vec<f32>> {
-        let c = self.config.clone();
+        if self.shard != Shard::whole(&self.config) {
+            return Err(BackendError::Shard(format!(
+                "a forward pass of the whole model on a shard of layers {:?}, rank {} of {}",
+                self.shard.layers, self.shard.tp_rank, self.shard.tp_size
+            )));
+        }
+        self.forward_stage(kv, batch, StageInput::Tokens, on_layer, None)
+    }
+
+    /// One forward step of this shard. The first stage embeds the batch's tokens; a
+    /// later one takes the residual stream of the stage before (`input`). The batch's
+    /// chunks are the whole step's either way (positions, slots and logits wanted), and
+    /// `kv` holds this shard's layers (`on_layer` gets the shard's own layer index).
+    /// Tensor-parallel ranks join their O and down projections' partial sums through
+    /// `reduce`, each rank calling this with the same batch. Returns the logits rows
+    /// wanted on the shard that computes logits, the residual stream (`hidden_size` f32
+    /// values per token) on a stage before the last, and nothing on the last stage's
+    /// other ranks.
+    pub fn forward_stage(
+        &mut self,
+        kv: &PagedKvCache,
+        batch: &[SeqChunk<'_>],
+        input: StageInput<'_>,
+        on_layer: &mut dyn FnMut(usize, &Device) -> Result<()>,
+        mut reduce: Option<&mut dyn AllReduce>,
+    ) -> Result<Vec<f32>> {
+        let c = self.local.clone();
         let f = kv.format();
         if (f.num_layers, f.num_kv_heads, f.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim) {
             return Err(BackendError::Request(format!(
                 "the KV cache ({f}) was not made for this model ({} layers x {} kv heads x {} dims)",
                 c.num_layers, c.num_kv_heads, c.head_dim
+            )));
+        }
+        if (self.shard.tp_size > 1) != reduce.is_some() {
+            return Err(BackendError::Shard(format!(
+                "a rank of a tensor-parallel group of {} steps {} an all-reduce",
+                self.shard.tp_size,
+                if reduce.is_some() { "with" } else { "without" }
             )));
         }
         let num_seqs = batch.len();
@@ -567,8 +733,10 @@ impl Model {
         // on those rows alone, each as a one-token decode query over its whole context.
         // A 178-token prompt of the bench model then does 6.4% fewer FLOPs (1,428 ->
         // 1,343 ms). A step that wants no row stops after the last layer's K and V.
-        let narrow_last =
-            rows.len() < total && batch.iter().all(|s| s.tokens.len() == 1 || !matches!(s.logits, LogitsWanted::All));
+        let last_stage = self.shard.is_last(&self.config);
+        let narrow_last = last_stage
+            && rows.len() < total
+            && batch.iter().all(|s| s.tokens.len() == 1 || !matches!(s.logits, LogitsWanted::All));
         if narrow_last && !rows.is_empty() {
             let kept: Vec<usize> = (0..num_seqs).filter(|&si| batch[si].logits != LogitsWanted::None).collect();
             let ctx: Vec<i32> = kept.iter().map(|&si| ctx_lens[si]).collect();
@@ -594,7 +762,29 @@ impl Model {
         };
         let all_decode = batch.iter().all(|s| s.tokens.len() == 1);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        dev.embedding(residual, self.embed.view(), self.embed_ty, ids_b, t, h, c.vocab_size as u32)?;
+        match (input, &self.embed) {
+            (StageInput::Tokens, Some(embed)) if self.shard.is_first() => {
+                dev.embedding(residual, embed.view(), self.embed_ty, ids_b, t, h, c.vocab_size as u32)?
+            }
+            (StageInput::Hidden(hidden), _) if !self.shard.is_first() && hidden.len() == total * c.hidden_size => {
+                dev.write(residual, hidden)?
+            }
+            (StageInput::Hidden(hidden), _) if !self.shard.is_first() => {
+                return Err(BackendError::Shard(format!(
+                    "the stage of layers {:?} got {} hidden values for {total} tokens of {}",
+                    self.shard.layers,
+                    hidden.len(),
+                    c.hidden_size
+                )));
+            }
+            _ => {
+                return Err(BackendError::Shard(format!(
+                    "the stage of layers {:?} takes {}",
+                    self.shard.layers,
+                    if self.shard.is_first() { "tokens" } else { "the stage before's hidden states" }
+                )));
+            }
+        }
         dev.rms_norm(hbuf, residual, self.layers[0].input_norm.view(), dt, t, h, eps)?;
         for (li, layer) in self.layers.iter().enumerate() {
             lin(q, hbuf, &layer.q, t)?;
@@ -642,15 +832,24 @@ impl Model {
                 dev.prefill_attention(attn, q, &cache, &ab, t, nh, scale)?;
             }
             lin(tmp, attn, &layer.o, m)?;
+            if let Some(group) = reduce.as_deref_mut() {
+                group.all_reduce(dev, tmp, m as usize * c.hidden_size)?;
+            }
             dev.add_rms_norm(residual, tmp, layer.post_norm.view(), dt, hbuf, m, h, eps)?;
             lin(gate, hbuf, &layer.gate, m)?;
             lin(up, hbuf, &layer.up, m)?;
             dev.silu_and_mul(act, gate, up, m, c.intermediate_size as u32)?;
             lin(tmp, act, &layer.down, m)?;
-            let next_norm = self.layers.get(li + 1).map_or(&self.norm, |l| &l.input_norm);
+            if let Some(group) = reduce.as_deref_mut() {
+                group.all_reduce(dev, tmp, m as usize * c.hidden_size)?;
+            }
+            let next_norm = self.layers.get(li + 1).map_or(&self.out_norm, |l| &l.input_norm);
             dev.add_rms_norm(residual, tmp, next_norm.view(), dt, hbuf, m, h, eps)?;
         }
-        if rows.is_empty() {
+        if !last_stage {
+            return dev.read_vec(residual, total * c.hidden_size);
+        }
+        if rows.is_empty() || !self.shard.computes_logits(&self.config) {
             return Ok(Vec::new());
         }
         let row_bytes = 4 * c.hidden_size;
@@ -663,9 +862,10 @@ impl Model {
             (rows_b, rows.len() as u32)
         };
         let vocab = c.vocab_size as u32;
-        match &self.lm_head {
-            Some(head) => lin(logits_b, rows_in, head, r)?,
-            None => dev.linear(logits_b, rows_in, self.embed.view(), self.embed_ty, None, r, vocab, h)?,
+        match (&self.lm_head, &self.embed) {
+            (Some(head), _) => lin(logits_b, rows_in, head, r)?,
+            (None, Some(embed)) => dev.linear(logits_b, rows_in, embed.view(), self.embed_ty, None, r, vocab, h)?,
+            (None, None) => return Err(BackendError::Shard("the shard that computes logits has no LM head".into())),
         }
         dev.read_vec(logits_b, rows.len() * c.vocab_size)
     }

@@ -238,6 +238,92 @@ impl Checkpoint {
     }
 }
 
+/// Which part of a 2-D tensor `[rows, cols]` a shard loads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    Whole,
+    /// Rows `r` (a row-split linear: some of its outputs).
+    Rows(Range<usize>),
+    /// Columns `c` of every row (a column-split linear: some of its inputs).
+    Cols(Range<usize>),
+}
+
+impl Checkpoint {
+    /// [`upload`](Self::upload) of part of a tensor `[rows, cols]` (or a vector, split
+    /// as rows). Bytes stored as `ty` are sliced as stored: a column range must then
+    /// start and end on a block of `ty`, so the part's blocks are the whole tensor's.
+    /// Other tensors are converted first and sliced after, as `upload` converts them.
+    pub fn upload_part(
+        &self,
+        device: &Device,
+        name: &str,
+        shape: &[usize],
+        ty: GgmlType,
+        placement: Placement,
+        part: &Part,
+    ) -> Result<Buffer> {
+        if *part == Part::Whole {
+            return self.upload(device, name, shape, ty, placement);
+        }
+        let entry = self.get(name, shape)?;
+        let cols = if shape.len() > 1 { shape[shape.len() - 1] } else { 1 };
+        let rows = shape.iter().product::<usize>() / cols.max(1);
+        let bad = |what: String| BackendError::Shard(format!("tensor {name:?} {shape:?}: {what}"));
+        let range = match part {
+            Part::Rows(r) | Part::Cols(r) => r.clone(),
+            Part::Whole => 0..0,
+        };
+        let limit = if matches!(part, Part::Rows(_)) { rows } else { cols };
+        if range.is_empty() || range.end > limit {
+            return Err(bad(format!("{part:?} is outside its {limit}")));
+        }
+        let bytes = self.bytes(entry);
+        if entry.ty == ty {
+            let row_bytes = ty.row_bytes(cols).ok_or_else(|| bad(format!("rows are not whole {ty} blocks")))?;
+            return match part {
+                Part::Rows(r) => device.upload(&bytes[r.start * row_bytes..r.end * row_bytes]),
+                _ => {
+                    let per_block = ty.block_elements() as usize;
+                    if !range.start.is_multiple_of(per_block) || !range.end.is_multiple_of(per_block) {
+                        return Err(bad(format!(
+                            "columns {range:?} do not start and end on {ty} blocks of {per_block}"
+                        )));
+                    }
+                    let (from, to) = (range.start / per_block, range.end / per_block);
+                    let block = ty.block_bytes() as usize;
+                    let mut out = Vec::with_capacity(rows * (to - from) * block);
+                    for row in bytes.chunks_exact(row_bytes) {
+                        out.extend_from_slice(&row[from * block..to * block]);
+                    }
+                    device.upload(&out)
+                }
+            };
+        }
+        let values = entry_to_f32(bytes, entry.ty);
+        let (values, part_cols) = match part {
+            Part::Rows(r) => (values[r.start * cols..r.end * cols].to_vec(), cols),
+            _ => (values.chunks_exact(cols).flat_map(|row| &row[range.clone()]).copied().collect(), range.len()),
+        };
+        match ty.float() {
+            Some(dtype) => device.upload(&f32_to_bytes(&values, dtype)),
+            None => {
+                let out_bytes = ty.row_bytes(part_cols).map(|r| r * (values.len() / part_cols.max(1)));
+                let mut out = vec![0u8; out_bytes.unwrap_or(0)];
+                if out_bytes.is_none() || tessera_quant::quantize(ty, &values, &mut out).is_err() {
+                    return Err(BackendError::Quantize {
+                        name: name.to_string(),
+                        reason: format!(
+                            "rows of {part_cols} values are not whole {ty} blocks of {}",
+                            ty.block_elements()
+                        ),
+                    });
+                }
+                device.upload(&out)
+            }
+        }
+    }
+}
+
 /// A tensor's bytes of type `ty` as f32 values (float types converted, block formats
 /// dequantized).
 pub fn entry_to_f32(bytes: &[u8], ty: GgmlType) -> Vec<f32> {

@@ -30,9 +30,11 @@ use tessera_actors::chip::executor::{KvInstall, StepExecutor, stage_groups};
 use tessera_actors::msg::{
     ChipInfo, KvCompat, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome, TokenLogprob,
 };
+use tessera_backends::config::ModelConfig;
 use tessera_backends::constraint::{Allowed, Constraint, Grammars};
 use tessera_backends::device::{Device, DeviceConfig, MatmulPrecision};
 use tessera_backends::dtype::{DType, Quantize};
+use tessera_backends::instance::{InstanceSpec, ShardedModel};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
 use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
@@ -134,9 +136,45 @@ pub struct ModelExecutorConfig {
 /// KV memory used when a chip has no memory limit.
 const DEFAULT_KV_BYTES: u64 = 256 << 20;
 
+/// What runs a chip's forward passes: a whole model on its device, or a model instance
+/// across several (pipeline stages, tensor-parallel ranks; `tessera_backends::instance`).
+enum Engine {
+    Whole { model: Model, kv: PagedKvCache },
+    Sharded(ShardedModel),
+}
+
+impl Engine {
+    fn config(&self) -> &ModelConfig {
+        match self {
+            Engine::Whole { model, .. } => model.config(),
+            Engine::Sharded(m) => m.config(),
+        }
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        match self {
+            Engine::Whole { model, .. } => model.weight_bytes(),
+            Engine::Sharded(m) => m.weight_bytes(),
+        }
+    }
+
+    fn copy_blocks(&self, pairs: &[(u32, u32)]) -> tessera_backends::error::Result<()> {
+        match self {
+            Engine::Whole { model, kv } => kv.copy_blocks(model.device(), pairs),
+            Engine::Sharded(m) => m.copy_blocks(pairs),
+        }
+    }
+
+    fn write_tokens(&self, layer: usize, k: &[f32], v: &[f32], slots: &[i32]) -> tessera_backends::error::Result<()> {
+        match self {
+            Engine::Whole { model, kv } => kv.write_tokens(model.device(), layer, k, v, slots),
+            Engine::Sharded(m) => m.write_tokens(layer, k, v, slots),
+        }
+    }
+}
+
 pub struct ModelExecutor {
-    model: Model,
-    kv: PagedKvCache,
+    engine: Engine,
     samplers: HashMap<u64, SeqSampler>,
     /// The grammars of structured outputs, over the model's tokenizer: loaded when a
     /// sequence first asks for one.
@@ -268,26 +306,54 @@ impl ModelExecutor {
             transfer: config.transfer.clone(),
             emulation: config.emulation.clone(),
         };
-        Self::build(model, kv, config.kv_layout, attach)
+        Self::build(Self::whole(model, kv, config.kv_layout)?, attach)
     }
 
     /// An executor over `model`, already loaded, with a head-major cache of `kv`: a chip
     /// of its own, with no transfer engine and no emulation (the local engine's).
     pub fn local(model: Model, kv: KvCacheConfig) -> Result<(ModelExecutor, ChipInfo), String> {
         let attach = Attachments { chip_id: "local".into(), tokenizer: None, transfer: None, emulation: None };
-        Self::build(model, kv, KvLayout::HeadMajor, attach)
+        Self::build(Self::whole(model, kv, KvLayout::HeadMajor)?, attach)
     }
 
-    fn build(
-        model: Model,
-        kv_config: KvCacheConfig,
-        kv_layout: KvLayout,
-        attach: Attachments,
-    ) -> Result<(ModelExecutor, ChipInfo), String> {
+    /// An executor over a model instance across several devices (each stage's KV on its
+    /// own devices), with no transfer engine and no emulation: `tessera generate` over
+    /// an instance, the model-parallelism tests.
+    pub fn instance(spec: &InstanceSpec, chip_id: &str) -> Result<(ModelExecutor, ChipInfo), String> {
+        let sharded = ShardedModel::load(spec).map_err(|e| e.to_string())?;
+        let attach = Attachments {
+            chip_id: chip_id.to_string(),
+            tokenizer: Some(spec.model_dir.clone()),
+            transfer: None,
+            emulation: None,
+        };
+        Self::build(Engine::Sharded(sharded), attach)
+    }
+
+    fn whole(model: Model, kv_config: KvCacheConfig, kv_layout: KvLayout) -> Result<Engine, String> {
+        let kv = PagedKvCache::with_layout(model.device(), model.shard_config(), kv_config, kv_layout)
+            .map_err(|e| e.to_string())?;
+        Ok(Engine::Whole { model, kv })
+    }
+
+    fn build(engine: Engine, attach: Attachments) -> Result<(ModelExecutor, ChipInfo), String> {
         let Attachments { chip_id, tokenizer, transfer, emulation } = attach;
-        let mc = model.config().clone();
+        let mc = engine.config().clone();
+        let (kv_config, kv_layout, block_bytes, compat) = match &engine {
+            Engine::Whole { model, kv } => (*kv.config(), kv.layout(), kv.format().block_bytes(), model.compat_info()),
+            Engine::Sharded(m) => {
+                let format = KvFormat {
+                    num_layers: mc.num_layers,
+                    num_kv_heads: mc.num_kv_heads,
+                    head_dim: mc.head_dim,
+                    block_size: m.kv_config().block_size,
+                    layout: m.kv_layout(),
+                    dtype: m.kv_config().dtype,
+                };
+                (*m.kv_config(), m.kv_layout(), format.block_bytes(), m.compat_info())
+            }
+        };
         let KvCacheConfig { block_size, num_blocks, dtype: kv_dtype } = kv_config;
-        let kv = PagedKvCache::with_layout(model.device(), &mc, kv_config, kv_layout).map_err(|e| e.to_string())?;
         let format = KvFormatDesc {
             num_layers: mc.num_layers,
             num_kv_heads: mc.num_kv_heads,
@@ -297,16 +363,16 @@ impl ModelExecutor {
             layout: kv_layout,
             dtype: kv_dtype,
         };
-        let compat = kv_compat(&model.compat_info());
+        let compat = kv_compat(&compat);
         let staging = match &transfer {
             Some(engine) => {
-                let bytes = 2 * mc.num_layers * num_blocks * kv.format().block_bytes();
+                let bytes = 2 * mc.num_layers * num_blocks * block_bytes;
                 Some(engine.register(bytes).map_err(|e| format!("cannot register a KV staging region: {e}"))?)
             }
             None => None,
         };
         let emulation = emulation.map(|emu| {
-            let shape = model_shape(&model, kv_dtype);
+            let shape = mc.cost_shape(engine.weight_bytes(), kv_dtype);
             let labels = [("chip", chip_id.clone()), ("kind", emu.kind.name.clone())];
             metrics::gauge!("tessera_emu_time_scale", &labels).set(emu.spec.time_scale);
             tracing::warn!(
@@ -337,8 +403,7 @@ impl ModelExecutor {
             eos_token_ids: mc.eos_token_ids.clone(),
         };
         let exec = ModelExecutor {
-            model,
-            kv,
+            engine,
             samplers: HashMap::new(),
             grammars: match tokenizer {
                 Some(dir) => GrammarVocab::From(dir),
@@ -358,8 +423,22 @@ impl ModelExecutor {
         Ok((exec, info))
     }
 
-    pub fn model(&self) -> &Model {
-        &self.model
+    /// The model, when it is whole on this chip's device (not an instance across several).
+    pub fn model(&self) -> Option<&Model> {
+        match &self.engine {
+            Engine::Whole { model, .. } => Some(model),
+            Engine::Sharded(_) => None,
+        }
+    }
+
+    /// The whole model's config.
+    pub fn config(&self) -> &ModelConfig {
+        self.engine.config()
+    }
+
+    /// The cost shape of the model with this chip's KV cache, for the performance models.
+    pub fn cost_shape(&self) -> ModelShape {
+        self.engine.config().cost_shape(self.engine.weight_bytes(), self.format.dtype)
     }
 
     /// Keeps (from the next step on) the logits row each token is sampled from, for
@@ -531,11 +610,15 @@ impl StepExecutor for ModelExecutor {
             error: None,
             elapsed_s: 0.0,
         };
-        let layers = self.model.config().num_layers;
+        let layers = self.engine.config().num_layers;
         let stage = plan.seqs.iter().any(|s| s.stage);
         // Told to the chip when a group's last layer is staged.
         let mut groups = stage_groups(layers).peekable();
-        let (kv, staging, format) = (&self.kv, self.staging.as_ref(), &self.format);
+        let (staging, format) = (self.staging.as_ref(), &self.format);
+        let (model, kv, sharded) = match &mut self.engine {
+            Engine::Whole { model, kv } => (Some(model), Some(&*kv), None),
+            Engine::Sharded(m) => (None, None, Some(m)),
+        };
         // Host time the job was held back to post a layer at its model time, not computing.
         let mut held = Duration::ZERO;
         let mut on_layer = |layer: usize, dev: &Device| -> tessera_backends::error::Result<()> {
@@ -543,6 +626,11 @@ impl StepExecutor for ModelExecutor {
                 let Some(staging) = staging else {
                     return Err(tessera_backends::error::BackendError::KvCache(
                         "a sequence is prefilled for a decode chip but this chip has no staging region".into(),
+                    ));
+                };
+                let Some(kv) = kv else {
+                    return Err(tessera_backends::error::BackendError::Shard(
+                        "a model instance across several chips does not prefill for a decode chip yet".into(),
                     ));
                 };
                 let staged_seqs = stage_layer(kv, dev, staging, format, plan, layer)?;
@@ -567,7 +655,6 @@ impl StepExecutor for ModelExecutor {
             .filter(|id| self.samplers.get(id).is_some_and(|x| x.constraint.is_some()))
             .collect();
         let samplers = &mut self.samplers;
-        let model = &mut self.model;
         let (forward, mut masks) = std::thread::scope(|scope| {
             let masker = (!constrained.is_empty()).then(|| {
                 scope.spawn(|| {
@@ -580,18 +667,25 @@ impl StepExecutor for ModelExecutor {
                     masks
                 })
             });
-            let forward = model.forward_observed(kv, &chunks, &mut on_layer);
+            let forward = match (model, kv, sharded) {
+                (Some(model), Some(kv), _) => model.forward_observed(kv, &chunks, &mut on_layer),
+                (_, _, Some(_)) if stage => Err(tessera_backends::error::BackendError::Shard(
+                    "a model instance across several chips does not prefill for a decode chip yet".into(),
+                )),
+                (_, _, Some(m)) => m.forward(&chunks),
+                _ => Err(tessera_backends::error::BackendError::Shard("the chip has no model".into())),
+            };
             // A panic in the masker leaves the masks to be computed when sampling.
             (forward, masker.and_then(|h| h.join().ok()).unwrap_or_default())
         });
         // Forks' copies of their parent's partial last block, now that it is written.
         let forward = forward.and_then(|logits| {
-            self.kv.copy_blocks(self.model.device(), &plan.copies)?;
+            self.engine.copy_blocks(&plan.copies)?;
             Ok(logits)
         });
         match forward {
             Ok(logits) => {
-                let vocab = self.model.config().vocab_size;
+                let vocab = self.engine.config().vocab_size;
                 let mut any_logprobs = false;
                 let mut rows = logits.chunks_exact(vocab);
                 for s in &plan.seqs {
@@ -742,9 +836,7 @@ impl StepExecutor for ModelExecutor {
                 })
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
-            self.kv
-                .write_tokens(self.model.device(), layer, &self.k_rows, &self.v_rows, job.dst_slots())
-                .map_err(|e| e.to_string())?;
+            self.engine.write_tokens(layer, &self.k_rows, &self.v_rows, job.dst_slots()).map_err(|e| e.to_string())?;
         }
         Ok(())
     }

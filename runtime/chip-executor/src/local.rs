@@ -16,7 +16,9 @@ use tessera_actors::batcher::{Batcher, BatcherLimits, Inadmissible, admissible};
 use tessera_actors::chip::executor::StepExecutor;
 use tessera_actors::kv::KvPool;
 use tessera_actors::msg::{ChipInfo, Delivery, Finish, Msg, SamplingSpec, SeqRequest};
+use tessera_backends::config::ModelConfig;
 use tessera_backends::error::BackendError;
+use tessera_backends::instance::InstanceSpec;
 use tessera_backends::kv::KvCacheConfig;
 use tessera_backends::model::Model;
 use tessera_backends::sampling::SamplingParams;
@@ -120,7 +122,22 @@ impl LocalEngine {
         if config.max_batch_tokens == 0 || config.max_batch_seqs == 0 {
             return Err(EngineError::Limits);
         }
-        let (mut exec, info) = ModelExecutor::local(model, kv).map_err(EngineError::Setup)?;
+        let built = ModelExecutor::local(model, kv).map_err(EngineError::Setup)?;
+        Self::over(built, config)
+    }
+
+    /// An engine running a model instance across several devices (pipeline stages,
+    /// tensor-parallel ranks): the same batcher, pool and sampling over its forward passes.
+    pub fn instance(spec: &InstanceSpec, config: EngineConfig) -> Result<LocalEngine, EngineError> {
+        if config.max_batch_tokens == 0 || config.max_batch_seqs == 0 {
+            return Err(EngineError::Limits);
+        }
+        let built = ModelExecutor::instance(spec, "local").map_err(EngineError::Setup)?;
+        Self::over(built, config)
+    }
+
+    fn over(built: (ModelExecutor, ChipInfo), config: EngineConfig) -> Result<LocalEngine, EngineError> {
+        let (mut exec, info) = built;
         exec.keep_logits(config.keep_logits);
         let limits = BatcherLimits {
             max_batch_tokens: config.max_batch_tokens,
@@ -139,8 +156,14 @@ impl LocalEngine {
         })
     }
 
-    pub fn model(&self) -> &Model {
+    /// The model, when it is whole on one device.
+    pub fn model(&self) -> Option<&Model> {
         self.exec.model()
+    }
+
+    /// The whole model's config.
+    pub fn config(&self) -> &ModelConfig {
+        self.exec.config()
     }
 
     /// The chip's KV pool (every block free once no request is left).

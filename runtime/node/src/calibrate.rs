@@ -23,7 +23,7 @@ use tessera_actors::batcher::{PlannedSeq, StepPlan};
 use tessera_actors::chip::STEP_TRACE;
 use tessera_actors::chip::executor::StepExecutor;
 use tessera_actors::msg::{ChipInfo, Msg};
-use tessera_chip_executor::{ModelExecutor, model_shape};
+use tessera_chip_executor::ModelExecutor;
 use tessera_topology::perf::fit::{self, Fit, Sample};
 use tessera_topology::perf::{ModelShape, SeqStep, StepShape, roofline};
 use tessera_topology::{Backend, ChipKind, ChipSpec, ClusterSpec};
@@ -216,7 +216,7 @@ fn load<'a>(
     let model_dir = resolve_model(&spec.model)?;
     let config = executor_config(spec, chip, &model_dir, kernel_lib, None)?;
     let (exec, info) = ModelExecutor::load(&config).map_err(|e| NodeError::Config(format!("chip {}: {e}", chip.id)))?;
-    let shape = model_shape(exec.model(), chip.kv_dtype);
+    let shape = exec.cost_shape();
     Ok(Loaded { chip, kind, exec, info, shape })
 }
 

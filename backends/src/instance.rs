@@ -1,0 +1,625 @@
+//! One model over several devices: a model instance of pipeline stages, each stage a
+//! group of tensor-parallel ranks, every rank a [`Shard`] on a device of its own, run
+//! by a worker thread of its own (a device's ops are issued from one thread).
+//!
+//! A step's sequences are cut into micro-batches (as many as there are stages, when
+//! there are that many sequences) that flow through the stages in order: stage `s`
+//! works on micro-batch `m + 1` while stage `s + 1` works on `m`, so a pipeline of `S`
+//! stages is idle for `(S - 1) / (M + S - 1)` of a step (the bubble). Activations go
+//! from a stage's rank 0 to every rank of the next as one buffer per micro-batch, in
+//! memory (the ranks of one instance share a process); the ranks of a stage join their
+//! partial sums through a [`LocalGroup`]. Each stage keeps the KV of its own layers:
+//! its KV cache has the instance's block count, so one block table addresses a
+//! sequence's blocks on every stage.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::compat::CompatInfo;
+use crate::config::ModelConfig;
+use crate::device::{Device, DeviceConfig};
+use crate::dtype::DType;
+use crate::error::{BackendError, Result};
+use crate::kv::{KvCacheConfig, PagedKvCache};
+use crate::kv_format::KvLayout;
+use crate::loader::KernelLibrary;
+use crate::model::{LoadOptions, LogitsWanted, Model, SeqChunk, StageInput};
+use crate::shard::{AllReduce, LocalGroup, Shard, stage_ranges};
+
+/// One device of an instance.
+#[derive(Debug, Clone)]
+pub struct ShardDevice {
+    /// A name for errors and logs (the chip's id).
+    pub label: String,
+    /// None: the CPU kernel library built with Tessera.
+    pub kernel_lib: Option<PathBuf>,
+    pub device: DeviceConfig,
+}
+
+/// A pipeline stage: its layers and its tensor-parallel devices (one per rank).
+#[derive(Debug, Clone)]
+pub struct StageSpec {
+    pub layers: Range<usize>,
+    pub devices: Vec<ShardDevice>,
+}
+
+/// How to bring up an instance.
+#[derive(Debug, Clone)]
+pub struct InstanceSpec {
+    pub model_dir: PathBuf,
+    pub options: LoadOptions,
+    pub stages: Vec<StageSpec>,
+    pub block_size: usize,
+    pub kv_dtype: DType,
+    pub kv_layout: KvLayout,
+    /// KV memory of a shard whose device has no memory limit.
+    pub default_kv_bytes: u64,
+    /// No more blocks than this (what the instance's batches can use).
+    pub max_blocks: usize,
+}
+
+impl InstanceSpec {
+    /// Stages of `counts` layers each, every stage of `tp` devices made by `device(stage,
+    /// rank)`.
+    pub fn stages_of(counts: &[usize], tp: usize, device: impl Fn(usize, usize) -> ShardDevice) -> Vec<StageSpec> {
+        stage_ranges(counts)
+            .into_iter()
+            .enumerate()
+            .map(|(s, layers)| StageSpec { layers, devices: (0..tp).map(|r| device(s, r)).collect() })
+            .collect()
+    }
+}
+
+/// A micro-batch's chunks, owned so they can cross to the workers.
+#[derive(Debug, Clone)]
+struct OwnedChunk {
+    tokens: Vec<u32>,
+    start_pos: usize,
+    block_table: Vec<u32>,
+    slots: Vec<i32>,
+    logits: LogitsWanted,
+}
+
+impl OwnedChunk {
+    fn of(c: &SeqChunk<'_>) -> OwnedChunk {
+        OwnedChunk {
+            tokens: c.tokens.to_vec(),
+            start_pos: c.start_pos,
+            block_table: c.block_table.to_vec(),
+            slots: c.slots.to_vec(),
+            logits: c.logits,
+        }
+    }
+
+    fn view(&self) -> SeqChunk<'_> {
+        SeqChunk {
+            tokens: &self.tokens,
+            start_pos: self.start_pos,
+            block_table: &self.block_table,
+            slots: &self.slots,
+            logits: self.logits,
+        }
+    }
+}
+
+enum Cmd {
+    Forward {
+        step: u64,
+        mb: usize,
+        batch: Arc<Vec<OwnedChunk>>,
+        input: Option<Arc<Vec<f32>>>,
+    },
+    MakeKv {
+        config: KvCacheConfig,
+        layout: KvLayout,
+        reply: Sender<Result<()>>,
+    },
+    CopyBlocks {
+        pairs: Vec<(u32, u32)>,
+        reply: Sender<Result<()>>,
+    },
+    /// f32 rows of every KV head; each rank writes its own heads.
+    WriteTokens {
+        layer: usize,
+        k_rows: Arc<Vec<f32>>,
+        v_rows: Arc<Vec<f32>>,
+        slots: Arc<Vec<i32>>,
+        reply: Sender<Result<()>>,
+    },
+}
+
+/// What the workers tell the instance.
+enum Event {
+    /// A micro-batch's logits rows, from the last stage's rank 0, or why it failed.
+    Done { step: u64, mb: usize, result: Result<Vec<f32>>, compute: Duration },
+}
+
+/// What a worker reports once its shard is loaded.
+struct Loaded {
+    weight_bytes: u64,
+    memory_limit: u64,
+    compat: CompatInfo,
+    weight_format: String,
+    local: ModelConfig,
+}
+
+struct Worker {
+    tx: Sender<Cmd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A model instance across devices (see the module doc).
+pub struct ShardedModel {
+    config: ModelConfig,
+    stages: Vec<Range<usize>>,
+    tp: Vec<usize>,
+    /// `[stage][rank]`.
+    workers: Vec<Vec<Worker>>,
+    events: Receiver<Event>,
+    step: u64,
+    kv: KvCacheConfig,
+    kv_layout: KvLayout,
+    weight_bytes: u64,
+    compat: CompatInfo,
+    weight_format: String,
+    last_step: StepTiming,
+}
+
+/// Where the time of the last step went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTiming {
+    pub wall_s: f64,
+    /// Summed over stages (rank 0 of each): time inside forward passes.
+    pub compute_s: f64,
+    pub microbatches: usize,
+}
+
+impl ShardedModel {
+    /// Loads every shard on its own worker thread, then sizes one KV cache per shard to
+    /// the block count all of them can hold: what each device's memory limit leaves
+    /// after its weights (an eighth kept for step buffers), or `default_kv_bytes`.
+    pub fn load(spec: &InstanceSpec) -> Result<ShardedModel> {
+        let config = ModelConfig::from_dir(&spec.model_dir)?;
+        check_stages(&config, spec)?;
+        let (events_tx, events) = mpsc::channel();
+        let mut workers: Vec<Vec<Worker>> = Vec::new();
+        let mut loading = Vec::new();
+        // Built from the last stage back, so each stage knows the next one's workers.
+        let mut next: Vec<Sender<Cmd>> = Vec::new();
+        for stage in spec.stages.iter().rev() {
+            let groups = LocalGroup::new(stage.devices.len());
+            let mut row = Vec::new();
+            for (rank, (dev, group)) in stage.devices.iter().zip(groups).enumerate() {
+                let (tx, rx) = mpsc::channel();
+                let (ready_tx, ready_rx) = mpsc::channel();
+                let shard = Shard { layers: stage.layers.clone(), tp_rank: rank, tp_size: stage.devices.len() };
+                let job = WorkerJob {
+                    model_dir: spec.model_dir.clone(),
+                    options: spec.options,
+                    device: dev.clone(),
+                    shard,
+                    group: (stage.devices.len() > 1).then_some(group),
+                    next: if rank == 0 { next.clone() } else { Vec::new() },
+                    events: events_tx.clone(),
+                };
+                let thread = std::thread::Builder::new()
+                    .name(format!("shard-{}", dev.label))
+                    .spawn(move || job.run(rx, ready_tx))
+                    .map_err(|e| BackendError::Shard(format!("cannot start the worker of {}: {e}", dev.label)))?;
+                row.push(Worker { tx, thread: Some(thread) });
+                loading.push((dev.label.clone(), ready_rx));
+            }
+            next = row.iter().map(|w| w.tx.clone()).collect();
+            workers.push(row);
+        }
+        workers.reverse();
+        let mut loaded = Vec::new();
+        for (label, ready) in loading {
+            let shard = ready
+                .recv()
+                .map_err(|_| BackendError::Shard(format!("the worker of {label} stopped while loading")))?
+                .map_err(|e| BackendError::Shard(format!("{label}: {e}")))?;
+            loaded.push((label, shard));
+        }
+        let mut num_blocks = spec.max_blocks.max(1);
+        for (label, l) in &loaded {
+            let kv_bytes = match l.memory_limit {
+                0 => spec.default_kv_bytes,
+                limit => {
+                    let rest = limit.checked_sub(l.weight_bytes).ok_or_else(|| {
+                        BackendError::Shard(format!(
+                            "{label}: its memory limit ({limit} bytes) is smaller than its shard's weights ({} bytes)",
+                            l.weight_bytes
+                        ))
+                    })?;
+                    rest - rest / 8
+                }
+            };
+            let blocks = PagedKvCache::blocks_for_bytes(&l.local, spec.block_size, spec.kv_dtype, kv_bytes);
+            if blocks == 0 {
+                return Err(BackendError::Shard(format!(
+                    "{label}: no memory is left for even one KV block of {} tokens",
+                    spec.block_size
+                )));
+            }
+            num_blocks = num_blocks.min(blocks);
+        }
+        let kv = KvCacheConfig { block_size: spec.block_size, num_blocks, dtype: spec.kv_dtype };
+        let mut replies = Vec::new();
+        for w in workers.iter().flatten() {
+            let (reply, rx) = mpsc::channel();
+            send(&w.tx, Cmd::MakeKv { config: kv, layout: spec.kv_layout, reply })?;
+            replies.push(rx);
+        }
+        wait_all(replies)?;
+        let (_, first) = &loaded[0];
+        Ok(ShardedModel {
+            stages: spec.stages.iter().map(|s| s.layers.clone()).collect(),
+            tp: spec.stages.iter().map(|s| s.devices.len()).collect(),
+            weight_bytes: loaded.iter().map(|(_, l)| l.weight_bytes).sum(),
+            compat: first.compat.clone(),
+            weight_format: first.weight_format.clone(),
+            config,
+            workers,
+            events,
+            step: 0,
+            kv,
+            kv_layout: spec.kv_layout,
+            last_step: StepTiming::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Each stage's layers, in order.
+    pub fn stages(&self) -> &[Range<usize>] {
+        &self.stages
+    }
+
+    /// Each stage's tensor-parallel degree.
+    pub fn tp_degrees(&self) -> &[usize] {
+        &self.tp
+    }
+
+    /// The KV cache every shard holds (its block count is the instance's).
+    pub fn kv_config(&self) -> &KvCacheConfig {
+        &self.kv
+    }
+
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv_layout
+    }
+
+    /// Weight bytes over all shards.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// What a peer chip must match to exchange KV with this instance: the whole model's.
+    pub fn compat_info(&self) -> CompatInfo {
+        self.compat.clone()
+    }
+
+    pub fn weight_format(&self) -> &str {
+        &self.weight_format
+    }
+
+    /// Where the last step's time went.
+    pub fn last_step(&self) -> StepTiming {
+        self.last_step
+    }
+
+    /// One forward step of the whole model over `batch`: the logits rows wanted, in
+    /// batch order, `vocab_size` floats each (as [`Model::forward`]).
+    pub fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>> {
+        if batch.is_empty() {
+            return Err(BackendError::Request("a forward step needs at least one token".into()));
+        }
+        let started = Instant::now();
+        self.step += 1;
+        let step = self.step;
+        let parts = microbatches(batch, self.stages.len());
+        for (mb, part) in parts.iter().enumerate() {
+            let chunks = Arc::new(part.iter().map(OwnedChunk::of).collect::<Vec<_>>());
+            for w in &self.workers[0] {
+                send(&w.tx, Cmd::Forward { step, mb, batch: chunks.clone(), input: None })?;
+            }
+        }
+        let mut rows: Vec<Option<Vec<f32>>> = vec![None; parts.len()];
+        let mut compute = Duration::ZERO;
+        let mut left = parts.len();
+        while left > 0 {
+            // A worker that stopped drops its senders; every worker holds one, so a
+            // timeout also bounds a wedged one.
+            let event = self
+                .events
+                .recv_timeout(crate::shard::ALL_REDUCE_TIMEOUT * 2)
+                .map_err(|_| BackendError::Shard("the instance's workers stopped answering".into()))?;
+            match event {
+                Event::Done { step: s, .. } if s != step => continue, // a failed step's straggler
+                Event::Done { mb, result, compute: c, .. } => {
+                    rows[mb] = Some(result?);
+                    compute += c;
+                    left -= 1;
+                }
+            }
+        }
+        self.last_step = StepTiming {
+            wall_s: started.elapsed().as_secs_f64(),
+            compute_s: compute.as_secs_f64(),
+            microbatches: parts.len(),
+        };
+        Ok(rows.into_iter().flatten().flatten().collect())
+    }
+
+    /// Copies whole blocks, `(source, destination)` pairs, in every layer of every shard.
+    pub fn copy_blocks(&self, pairs: &[(u32, u32)]) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let mut replies = Vec::new();
+        for w in self.workers.iter().flatten() {
+            let (reply, rx) = mpsc::channel();
+            send(&w.tx, Cmd::CopyBlocks { pairs: pairs.to_vec(), reply })?;
+            replies.push(rx);
+        }
+        wait_all(replies)
+    }
+
+    /// Writes f32 K and V rows (`[slots][num_kv_heads][head_dim]`, every head of the
+    /// model) of layer `layer` at `slots` on the stage that owns the layer, each rank its
+    /// own heads (see [`PagedKvCache::write_tokens`]).
+    pub fn write_tokens(&self, layer: usize, k_rows: &[f32], v_rows: &[f32], slots: &[i32]) -> Result<()> {
+        let stage = self.stage_of(layer)?;
+        let (k_rows, v_rows, slots) = (Arc::new(k_rows.to_vec()), Arc::new(v_rows.to_vec()), Arc::new(slots.to_vec()));
+        let mut replies = Vec::new();
+        for w in &self.workers[stage] {
+            let (reply, rx) = mpsc::channel();
+            let (k_rows, v_rows, slots) = (k_rows.clone(), v_rows.clone(), slots.clone());
+            send(&w.tx, Cmd::WriteTokens { layer, k_rows, v_rows, slots, reply })?;
+            replies.push(rx);
+        }
+        wait_all(replies)
+    }
+
+    /// The stage holding model layer `layer`.
+    pub fn stage_of(&self, layer: usize) -> Result<usize> {
+        self.stages.iter().position(|r| r.contains(&layer)).ok_or_else(|| {
+            BackendError::KvCache(format!("layer {layer} does not exist (the model has {})", self.config.num_layers))
+        })
+    }
+}
+
+impl Drop for ShardedModel {
+    fn drop(&mut self) {
+        // Dropping the senders ends each worker's loop.
+        let threads: Vec<_> = self.workers.iter_mut().flatten().filter_map(|w| w.thread.take()).collect();
+        self.workers.clear();
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The stages must cover the model's layers in order, each with one device or more.
+fn check_stages(config: &ModelConfig, spec: &InstanceSpec) -> Result<()> {
+    let mut at = 0;
+    for (i, s) in spec.stages.iter().enumerate() {
+        if s.layers.start != at || s.layers.is_empty() || s.devices.is_empty() {
+            return Err(BackendError::Shard(format!(
+                "stage {i} (layers {:?}, {} devices) does not continue the stages before it at layer {at} \
+                 with one device or more",
+                s.layers,
+                s.devices.len()
+            )));
+        }
+        at = s.layers.end;
+    }
+    if at != config.num_layers || spec.stages.is_empty() {
+        return Err(BackendError::Shard(format!(
+            "the stages cover layers 0..{at} of a {}-layer model",
+            config.num_layers
+        )));
+    }
+    Ok(())
+}
+
+/// `batch` cut into at most `parts` contiguous groups of whole sequences, of about equal
+/// tokens each, in batch order (so their logits rows concatenate in batch order).
+fn microbatches<'a, 'b>(batch: &'b [SeqChunk<'a>], parts: usize) -> Vec<&'b [SeqChunk<'a>]> {
+    let parts = parts.clamp(1, batch.len().max(1));
+    let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
+    let mut out = Vec::with_capacity(parts);
+    let (mut start, mut seen) = (0, 0);
+    for (i, s) in batch.iter().enumerate() {
+        seen += s.tokens.len();
+        let left_seqs = batch.len() - i - 1;
+        let left_parts = parts - out.len() - 1;
+        // Close a group once it holds its share of tokens, keeping a sequence for every
+        // group still to come.
+        let share = seen * parts >= total * (out.len() + 1) && left_seqs >= left_parts;
+        if left_parts > 0 && (share || left_seqs == left_parts) {
+            out.push(&batch[start..=i]);
+            start = i + 1;
+        }
+    }
+    if start < batch.len() {
+        out.push(&batch[start..]);
+    }
+    out
+}
+
+fn send(tx: &Sender<Cmd>, cmd: Cmd) -> Result<()> {
+    tx.send(cmd).map_err(|_| BackendError::Shard("a worker of the instance has stopped".into()))
+}
+
+fn wait_all(replies: Vec<Receiver<Result<()>>>) -> Result<()> {
+    for rx in replies {
+        rx.recv().map_err(|_| BackendError::Shard("a worker of the instance has stopped".into()))??;
+    }
+    Ok(())
+}
+
+/// What one worker thread is given.
+struct WorkerJob {
+    model_dir: PathBuf,
+    options: LoadOptions,
+    device: ShardDevice,
+    shard: Shard,
+    group: Option<LocalGroup>,
+    /// The next stage's workers (rank 0 forwards its activations to them).
+    next: Vec<Sender<Cmd>>,
+    events: Sender<Event>,
+}
+
+impl WorkerJob {
+    fn run(mut self, rx: Receiver<Cmd>, ready: Sender<Result<Loaded>>) {
+        let mut model = match self.open() {
+            Ok(model) => model,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        let loaded = Loaded {
+            weight_bytes: model.weight_bytes(),
+            memory_limit: self.device.device.memory_limit_bytes,
+            compat: model.compat_info(),
+            weight_format: model.weight_format().to_string(),
+            local: model.shard_config().clone(),
+        };
+        if ready.send(Ok(loaded)).is_err() {
+            return;
+        }
+        let mut kv: Option<PagedKvCache> = None;
+        let no_kv = || BackendError::KvCache("the shard's KV cache is not made yet".into());
+        while let Ok(cmd) = rx.recv() {
+            match cmd {
+                Cmd::MakeKv { config, layout, reply } => {
+                    let made = PagedKvCache::with_layout(model.device(), model.shard_config(), config, layout);
+                    let _ = reply.send(made.map(|c| kv = Some(c)));
+                }
+                Cmd::CopyBlocks { pairs, reply } => {
+                    let done = kv.as_ref().ok_or_else(no_kv).and_then(|kv| kv.copy_blocks(model.device(), &pairs));
+                    let _ = reply.send(done);
+                }
+                Cmd::WriteTokens { layer, k_rows, v_rows, slots, reply } => {
+                    let done = kv
+                        .as_ref()
+                        .ok_or_else(no_kv)
+                        .and_then(|kv| self.write_tokens(&model, kv, layer, &k_rows, &v_rows, &slots));
+                    let _ = reply.send(done);
+                }
+                Cmd::Forward { step, mb, batch, input } => {
+                    let started = Instant::now();
+                    let chunks: Vec<SeqChunk<'_>> = batch.iter().map(OwnedChunk::view).collect();
+                    let input = match &input {
+                        Some(hidden) => StageInput::Hidden(hidden),
+                        None => StageInput::Tokens,
+                    };
+                    let reduce = self.group.as_mut().map(|g| g as &mut dyn AllReduce);
+                    let result = match kv.as_ref() {
+                        Some(kv) => model.forward_stage(kv, &chunks, input, &mut |_, _| Ok(()), reduce),
+                        None => Err(no_kv()),
+                    };
+                    let compute = started.elapsed();
+                    let last = model.shard().is_last(model.config());
+                    match result {
+                        Err(e) => {
+                            if let Some(g) = &self.group {
+                                g.abort(&e.to_string());
+                            }
+                            let e = BackendError::Shard(format!("{}: {e}", self.device.label));
+                            let _ = self.events.send(Event::Done { step, mb, result: Err(e), compute });
+                        }
+                        Ok(_) if self.shard.tp_rank != 0 => {}
+                        Ok(rows) if last => {
+                            let _ = self.events.send(Event::Done { step, mb, result: Ok(rows), compute });
+                        }
+                        Ok(hidden) => {
+                            let hidden = Arc::new(hidden);
+                            for tx in &self.next {
+                                let cmd = Cmd::Forward { step, mb, batch: batch.clone(), input: Some(hidden.clone()) };
+                                if tx.send(cmd).is_err() {
+                                    let e = BackendError::Shard("the next stage's worker has stopped".into());
+                                    let _ = self.events.send(Event::Done { step, mb, result: Err(e), compute });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Opens this shard's device on this thread and loads the shard onto it.
+    fn open(&self) -> Result<Model> {
+        let lib = match &self.device.kernel_lib {
+            Some(path) => KernelLibrary::load(path),
+            None => KernelLibrary::load_default(),
+        }?;
+        let device = Device::open(&lib, &self.device.device)?;
+        Model::load_shard(&self.model_dir, device, self.options, Some(self.shard.clone()))
+    }
+
+    /// This rank's heads of every row, written at `slots` of the shard's layer.
+    fn write_tokens(
+        &self,
+        model: &Model,
+        kv: &PagedKvCache,
+        layer: usize,
+        k_rows: &[f32],
+        v_rows: &[f32],
+        slots: &[i32],
+    ) -> Result<()> {
+        let local = layer - self.shard.layers.start;
+        if self.shard.tp_size == 1 {
+            return kv.write_tokens(model.device(), local, k_rows, v_rows, slots);
+        }
+        let c = model.config();
+        let heads = self.shard.heads(c).kv;
+        let (row, hd) = (c.num_kv_heads * c.head_dim, c.head_dim);
+        let mine = |rows: &[f32]| -> Vec<f32> {
+            rows.chunks_exact(row).flat_map(|r| &r[heads.start * hd..heads.end * hd]).copied().collect()
+        };
+        if k_rows.len() != slots.len() * row || v_rows.len() != slots.len() * row {
+            return Err(BackendError::KvCache(format!(
+                "{} slots need {} K and V values, got {} and {}",
+                slots.len(),
+                slots.len() * row,
+                k_rows.len(),
+                v_rows.len()
+            )));
+        }
+        kv.write_tokens(model.device(), local, &mine(k_rows), &mine(v_rows), slots)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(tokens: &[u32]) -> SeqChunk<'_> {
+        SeqChunk { tokens, start_pos: 0, block_table: &[], slots: &[], logits: LogitsWanted::Last }
+    }
+
+    #[test]
+    fn microbatches_are_contiguous_balanced_and_never_empty() {
+        let (a, b, c, d) = ([1u32; 10], [1u32; 1], [1u32; 1], [1u32; 8]);
+        let batch = [chunk(&a), chunk(&b), chunk(&c), chunk(&d)];
+        let sizes = |parts| microbatches(&batch, parts).iter().map(|p| p.len()).collect::<Vec<_>>();
+        for (parts, want) in
+            [(1, vec![4]), (2, vec![1, 3]), (3, vec![1, 2, 1]), (4, vec![1, 1, 1, 1]), (9, vec![1, 1, 1, 1])]
+        {
+            assert_eq!(sizes(parts), want, "{parts} parts");
+        }
+        let one = [chunk(&a)];
+        assert_eq!(microbatches(&one, 3).len(), 1);
+    }
+}
