@@ -158,6 +158,36 @@ enum BenchCommand {
     /// The region-owning peer of `bench transfer` (started by it).
     #[command(hide = true)]
     TransferPeer(TransferPeerArgs),
+    /// A model instance across several devices (pipeline stages x tensor-parallel
+    /// ranks) beside the whole model on one device of as many threads, under one batched
+    /// greedy workload: throughput ratio, the stages' idle share, the activation
+    /// transfer's share, and the all-reduce's time against the copy bandwidth.
+    Instance(BenchInstanceArgs),
+}
+
+#[derive(Args)]
+struct BenchInstanceArgs {
+    /// Checkpoint directory, GGUF file or `builtin:tiny|small|bench`.
+    #[arg(long, default_value = "builtin:small", value_name = "DIR|FILE")]
+    model: String,
+    /// Layers of each pipeline stage, e.g. `3,3` (default: two halves).
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    stages: Option<Vec<usize>>,
+    /// Tensor-parallel devices per stage.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Sequences run together.
+    #[arg(long, default_value_t = 8)]
+    seqs: usize,
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Threads of each device of the instance (the one device gets as many in all).
+    #[arg(long, default_value_t = 1)]
+    threads_per_device: u32,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -322,6 +352,16 @@ struct GenerateArgs {
     /// Write the logits each token was sampled from: float32 [tokens, vocab] .npy.
     #[arg(long, value_name = "FILE.npy")]
     dump_logits: Option<PathBuf>,
+    /// Run the model as an instance over several CPU devices: the layers of each
+    /// pipeline stage, e.g. `10,20` (stages may differ in size).
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    stages: Option<Vec<usize>>,
+    /// Tensor-parallel devices per stage (alone: one stage of that many devices).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Memory limit of each device of the instance, bytes (default: none).
+    #[arg(long, value_name = "BYTES")]
+    device_memory_bytes: Option<u64>,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -615,6 +655,7 @@ fn main() {
         Command::Bench(BenchCommand::BusPeer(args)) => bench_bus_peer(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
+        Command::Bench(BenchCommand::Instance(args)) => bench_instance(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
         Command::Sim(args) => sim(args),
         Command::Solve(args) => solve(args),
@@ -852,8 +893,14 @@ fn load_model(model: &str, options: LoadOptions, device: &DeviceArgs) -> Result<
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let (dir, model) =
-        load_model(&args.model, LoadOptions { dtype: args.dtype, quantize: args.quantize }, &args.device)?;
+    let options = LoadOptions { dtype: args.dtype, quantize: args.quantize };
+    let sharded = args.stages.is_some() || args.tp.is_some() || args.device_memory_bytes.is_some();
+    let (dir, model) = if sharded {
+        (resolve_model(&args.model)?, None)
+    } else {
+        let (dir, model) = load_model(&args.model, options, &args.device)?;
+        (dir, Some(model))
+    };
     let tokenizer = TextTokenizer::from_dir(&dir)?;
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => tokenizer.encode(text, true)?,
@@ -876,15 +923,41 @@ fn generate(args: GenerateArgs) -> Result<()> {
         ignore_eos: args.ignore_eos,
         penalties: Default::default(),
     };
-    let vocab = model.config().vocab_size;
-    let longest = prompt.len().saturating_add(args.max_tokens).min(model.config().max_context);
-    let kv = KvCacheConfig {
-        block_size: args.block_size,
-        num_blocks: longest.div_ceil(args.block_size.max(1)).max(1),
-        dtype: args.kv_dtype,
-    };
+    let model_config = tessera_backends::config::ModelConfig::from_dir(&dir)?;
+    let vocab = model_config.vocab_size;
+    let longest = prompt.len().saturating_add(args.max_tokens).min(model_config.max_context);
+    let num_blocks = longest.div_ceil(args.block_size.max(1)).max(1);
+    let kv = KvCacheConfig { block_size: args.block_size, num_blocks, dtype: args.kv_dtype };
     let config = EngineConfig { keep_logits: args.dump_logits.is_some(), ..Default::default() };
-    let mut engine = LocalEngine::new(model, kv, config)?;
+    let mut engine = match model {
+        Some(model) => LocalEngine::new(model, kv, config)?,
+        None => {
+            let stages = args.stages.clone().unwrap_or_else(|| vec![model_config.num_layers]);
+            let tp = args.tp.unwrap_or(1);
+            let device = |s: usize, r: usize| tessera_backends::instance::ShardDevice {
+                label: format!("stage{s}-rank{r}"),
+                kernel_lib: args.device.kernel_lib.clone(),
+                device: DeviceConfig {
+                    threads: args.device.threads,
+                    memory_limit_bytes: args.device_memory_bytes.unwrap_or(0),
+                    matmul_precision: args.device.matmul_precision,
+                    ..Default::default()
+                },
+            };
+            let spec = tessera_backends::instance::InstanceSpec {
+                model_dir: dir.clone(),
+                options,
+                stages: tessera_backends::instance::InstanceSpec::stages_of(&stages, tp, device),
+                block_size: args.block_size,
+                kv_dtype: args.kv_dtype,
+                kv_layout: tessera_backends::kv_format::KvLayout::HeadMajor,
+                default_kv_bytes: 256 << 20,
+                max_blocks: num_blocks,
+            };
+            eprintln!("[an instance of {} stages ({stages:?} layers) x tp {tp}]", stages.len());
+            LocalEngine::instance(&spec, config)?
+        }
+    };
     engine.add_request(0, &prompt, params.clone())?;
     let started = Instant::now();
     let mut first_token_s = None;
@@ -969,6 +1042,36 @@ fn trace_gen(args: TraceGenArgs) -> Result<()> {
         None => print!("{text}"),
     }
     eprintln!("{} requests; oracle hit rate {:.3}", t.len(), trace::oracle_hit_rate(&t));
+    Ok(())
+}
+
+fn bench_instance(args: BenchInstanceArgs) -> Result<()> {
+    let dir = resolve_model(&args.model)?;
+    let stages = match args.stages {
+        Some(stages) => stages,
+        None => {
+            let layers = tessera_backends::config::ModelConfig::from_dir(&dir)?.num_layers;
+            vec![layers / 2, layers - layers / 2]
+        }
+    };
+    let opts = tessera_chip_executor::bench::InstanceBenchOptions {
+        model_dir: dir,
+        options: LoadOptions::default(),
+        stages,
+        tp: args.tp,
+        seqs: args.seqs,
+        prompt_tokens: args.prompt_tokens,
+        max_tokens: args.max_tokens,
+        threads_per_device: args.threads_per_device,
+        block_size: DEFAULT_BLOCK_SIZE,
+        kv_dtype: DType::F16,
+    };
+    let report = tessera_chip_executor::bench::run(&opts).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
     Ok(())
 }
 

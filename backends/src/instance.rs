@@ -107,11 +107,13 @@ impl OwnedChunk {
 }
 
 enum Cmd {
+    /// `spent`: the stages before's compute time for this micro-batch.
     Forward {
         step: u64,
         mb: usize,
         batch: Arc<Vec<OwnedChunk>>,
         input: Option<Arc<Vec<f32>>>,
+        spent: Duration,
     },
     MakeKv {
         config: KvCacheConfig,
@@ -166,16 +168,31 @@ pub struct ShardedModel {
     weight_bytes: u64,
     compat: CompatInfo,
     weight_format: String,
-    last_step: StepTiming,
+    timing: StepTiming,
 }
 
-/// Where the time of the last step went.
+/// Where the time of an instance's steps went, summed over steps.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTiming {
+    pub steps: u64,
     pub wall_s: f64,
-    /// Summed over stages (rank 0 of each): time inside forward passes.
+    /// Time inside forward passes, summed over the stages (each stage's rank 0): a
+    /// pipeline of `S` stages kept busy would show `S * wall_s`.
     pub compute_s: f64,
-    pub microbatches: usize,
+    pub microbatches: u64,
+    /// Activation bytes sent stage to stage (to each rank of the next stage).
+    pub activation_bytes: u64,
+}
+
+impl StepTiming {
+    /// The share of the stages' time not spent computing: the pipeline bubble, the
+    /// activation hand-offs and the all-reduce waits, `1 - compute / (stages * wall)`.
+    pub fn idle_share(&self, stages: usize) -> f64 {
+        if self.wall_s <= 0.0 {
+            return 0.0;
+        }
+        (1.0 - self.compute_s / (stages as f64 * self.wall_s)).max(0.0)
+    }
 }
 
 impl ShardedModel {
@@ -269,7 +286,7 @@ impl ShardedModel {
             step: 0,
             kv,
             kv_layout: spec.kv_layout,
-            last_step: StepTiming::default(),
+            timing: StepTiming::default(),
         })
     }
 
@@ -310,9 +327,9 @@ impl ShardedModel {
         &self.weight_format
     }
 
-    /// Where the last step's time went.
-    pub fn last_step(&self) -> StepTiming {
-        self.last_step
+    /// Where the time of the steps so far went.
+    pub fn timing(&self) -> StepTiming {
+        self.timing
     }
 
     /// One forward step of the whole model over `batch`: the logits rows wanted, in
@@ -328,7 +345,7 @@ impl ShardedModel {
         for (mb, part) in parts.iter().enumerate() {
             let chunks = Arc::new(part.iter().map(OwnedChunk::of).collect::<Vec<_>>());
             for w in &self.workers[0] {
-                send(&w.tx, Cmd::Forward { step, mb, batch: chunks.clone(), input: None })?;
+                send(&w.tx, Cmd::Forward { step, mb, batch: chunks.clone(), input: None, spent: Duration::ZERO })?;
             }
         }
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; parts.len()];
@@ -350,11 +367,14 @@ impl ShardedModel {
                 }
             }
         }
-        self.last_step = StepTiming {
-            wall_s: started.elapsed().as_secs_f64(),
-            compute_s: compute.as_secs_f64(),
-            microbatches: parts.len(),
-        };
+        let tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let hops: usize = self.tp[1..].iter().sum();
+        let t = &mut self.timing;
+        t.steps += 1;
+        t.wall_s += started.elapsed().as_secs_f64();
+        t.compute_s += compute.as_secs_f64();
+        t.microbatches += parts.len() as u64;
+        t.activation_bytes += (tokens * self.config.hidden_size * 4 * hops) as u64;
         Ok(rows.into_iter().flatten().flatten().collect())
     }
 
@@ -516,7 +536,7 @@ impl WorkerJob {
                         .and_then(|kv| self.write_tokens(&model, kv, layer, &k_rows, &v_rows, &slots));
                     let _ = reply.send(done);
                 }
-                Cmd::Forward { step, mb, batch, input } => {
+                Cmd::Forward { step, mb, batch, input, spent } => {
                     let started = Instant::now();
                     let chunks: Vec<SeqChunk<'_>> = batch.iter().map(OwnedChunk::view).collect();
                     let input = match &input {
@@ -528,7 +548,7 @@ impl WorkerJob {
                         Some(kv) => model.forward_stage(kv, &chunks, input, &mut |_, _| Ok(()), reduce),
                         None => Err(no_kv()),
                     };
-                    let compute = started.elapsed();
+                    let compute = spent + started.elapsed();
                     let last = model.shard().is_last(model.config());
                     match result {
                         Err(e) => {
@@ -545,7 +565,13 @@ impl WorkerJob {
                         Ok(hidden) => {
                             let hidden = Arc::new(hidden);
                             for tx in &self.next {
-                                let cmd = Cmd::Forward { step, mb, batch: batch.clone(), input: Some(hidden.clone()) };
+                                let cmd = Cmd::Forward {
+                                    step,
+                                    mb,
+                                    batch: batch.clone(),
+                                    input: Some(hidden.clone()),
+                                    spent: compute,
+                                };
                                 if tx.send(cmd).is_err() {
                                     let e = BackendError::Shard("the next stage's worker has stopped".into());
                                     let _ = self.events.send(Event::Done { step, mb, result: Err(e), compute });

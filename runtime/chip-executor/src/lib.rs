@@ -19,6 +19,7 @@
 //! It also runs a chip without actors (`local`: `tessera generate`, the model tests):
 //! the chip's batcher and KV pool driving this executor in a synchronous step loop.
 
+pub mod bench;
 pub mod local;
 
 use std::collections::HashMap;
@@ -34,7 +35,7 @@ use tessera_backends::config::ModelConfig;
 use tessera_backends::constraint::{Allowed, Constraint, Grammars};
 use tessera_backends::device::{Device, DeviceConfig, MatmulPrecision};
 use tessera_backends::dtype::{DType, Quantize};
-use tessera_backends::instance::{InstanceSpec, ShardedModel};
+use tessera_backends::instance::{InstanceSpec, ShardedModel, StepTiming};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
 use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
@@ -434,6 +435,14 @@ impl ModelExecutor {
     /// The whole model's config.
     pub fn config(&self) -> &ModelConfig {
         self.engine.config()
+    }
+
+    /// An instance across several devices: where its steps' time went, and its stages.
+    pub fn instance_timing(&self) -> Option<(StepTiming, usize)> {
+        match &self.engine {
+            Engine::Whole { .. } => None,
+            Engine::Sharded(m) => Some((m.timing(), m.stages().len())),
+        }
     }
 
     /// The cost shape of the model with this chip's KV cache, for the performance models.

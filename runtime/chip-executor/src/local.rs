@@ -18,7 +18,7 @@ use tessera_actors::kv::KvPool;
 use tessera_actors::msg::{ChipInfo, Delivery, Finish, Msg, SamplingSpec, SeqRequest};
 use tessera_backends::config::ModelConfig;
 use tessera_backends::error::BackendError;
-use tessera_backends::instance::InstanceSpec;
+use tessera_backends::instance::{InstanceSpec, StepTiming};
 use tessera_backends::kv::KvCacheConfig;
 use tessera_backends::model::Model;
 use tessera_backends::sampling::SamplingParams;
@@ -164,6 +164,12 @@ impl LocalEngine {
     /// The whole model's config.
     pub fn config(&self) -> &ModelConfig {
         self.exec.config()
+    }
+
+    /// On an instance across several devices: where its steps' time went, and its
+    /// number of stages.
+    pub fn instance_timing(&self) -> Option<(StepTiming, usize)> {
+        self.exec.instance_timing()
     }
 
     /// The chip's KV pool (every block free once no request is left).
