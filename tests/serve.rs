@@ -243,6 +243,35 @@ fn requests_survive_a_killed_host() {
     wait_health(gw, "h0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
 }
 
+/// A model instance of two pipeline stages (chips `h1-a` and `h1-b`, 1 and 3 layers)
+/// serves beside a whole-model chip; killing its host mid-stream loses no request: the
+/// instance is down with its host, and its requests replay on `h0`'s chip, every text
+/// equal to single-chip `generate`'s.
+#[test]
+fn requests_on_a_pipeline_instance_survive_its_host_killed() {
+    let cpu = "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".to_string();
+    let chips = [
+        ChipDef { host: "h0", id: "h0-cpu0".into(), toml: cpu.clone() },
+        ChipDef { host: "h1", id: "h1-a".into(), toml: cpu.clone() },
+        ChipDef { host: "h1", id: "h1-b".into(), toml: cpu },
+    ];
+    let instance = "[[instances]]\nid = \"h1-pp\"\nchips = [\"h1-a\", \"h1-b\"]\nsplit = [1, 3]\n";
+    let topo = topology_of(&chips, instance, "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
+    let gw = cluster.gateway;
+    fault_references();
+    cluster.wait_ready(2);
+    let health = get(gw, "/health").json();
+    assert_eq!(chip(&health, "h1-pp")["state"], "up", "the instance is one chip of the cluster: {health:#}");
+    let h1_pid = cluster.proc("h1").pid();
+    stream_through_fault(gw, "h1-pp", &fault_prompts(), fault_references(), FAULT_MAX_TOKENS, || {
+        signal(h1_pid, "KILL");
+        let limit = Duration::from_millis(HEARTBEAT_TIMEOUT_MS + 1500);
+        wait_health(gw, "h1's instance reported down", limit, |h| chip(h, "h1-pp")["state"] != "up");
+    });
+    wait_health(gw, "h0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
+}
+
 #[test]
 fn requests_survive_a_worker_panic_and_the_chip_restarts() {
     let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);

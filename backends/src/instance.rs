@@ -74,6 +74,31 @@ impl InstanceSpec {
     }
 }
 
+/// A model's weight bytes as stored, by where they live in an instance: the embedding
+/// (every rank of the first stage), one layer, and the LM head with the final norm (the
+/// last stage's rank 0; the embedding again when the head is tied).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredBytes {
+    pub embed: u64,
+    /// The largest layer's.
+    pub layer: u64,
+    pub head: u64,
+}
+
+impl StoredBytes {
+    pub fn of(dir: &std::path::Path) -> Result<StoredBytes> {
+        let config = ModelConfig::from_dir(dir)?;
+        let ckpt = crate::weights::Checkpoint::open(dir)?;
+        let embed = ckpt.stored_bytes("model.embed_tokens.");
+        let layer = (0..config.num_layers).map(|i| ckpt.stored_bytes(&format!("model.layers.{i}."))).max().unwrap_or(0);
+        let head = match ckpt.stored_bytes("lm_head.") {
+            0 => embed,
+            bytes => bytes,
+        } + ckpt.stored_bytes("model.norm.");
+        Ok(StoredBytes { embed, layer, head })
+    }
+}
+
 /// A micro-batch's chunks, owned so they can cross to the workers.
 #[derive(Debug, Clone)]
 struct OwnedChunk {

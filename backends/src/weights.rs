@@ -166,6 +166,11 @@ impl Checkpoint {
         self.tensors.contains_key(name)
     }
 
+    /// Bytes stored of the tensors whose names start with `prefix`.
+    pub fn stored_bytes(&self, prefix: &str) -> u64 {
+        self.tensors.values().filter(|e| e.name.starts_with(prefix)).map(|e| e.range.len() as u64).sum()
+    }
+
     /// The tensor `name`, which must have exactly `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<&TensorEntry> {
         let entry = self

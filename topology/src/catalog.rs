@@ -76,6 +76,13 @@ impl ChipKind {
         tessera_perf::Roof { fp16_tflops: self.fp16_tflops, memory_bw_gbs: self.memory_bw_gbs }
     }
 
+    /// The chip's link to its peers in one machine (tensor-parallel all-reduces,
+    /// pipeline activations): half its quoted interconnect bandwidth (one way), 5 us a
+    /// transfer.
+    pub fn chip_link(&self) -> tessera_perf::Link {
+        tessera_perf::Link { bandwidth_gbs: self.link_bw_gbs / 2.0, latency_s: 5e-6 }
+    }
+
     /// Peak FLOP per byte of memory traffic: above it a step is compute bound.
     pub fn ridge_flop_per_byte(&self) -> f64 {
         self.fp16_tflops * 1e3 / self.memory_bw_gbs

@@ -118,6 +118,36 @@ pub struct ChipSpec {
     /// The arithmetic of the chip's linear layers on prompts (default f32; `bf16`
     /// needs a chip with bf16 dot products).
     pub matmul_precision: MatmulPrecision,
+    /// A model instance across several chips (`[[instances]]`): this chip stands for
+    /// them in the cluster (router, supervisor, metrics), and its fields are the
+    /// instance's (its kind and backend its first chip's, its memory and threads the
+    /// chips' sums). `None`: one chip holding the whole model.
+    pub parallel: Option<ParallelSpec>,
+}
+
+/// A model instance across chips of one host: pipeline stages in order, each of `tp`
+/// like chips (tensor parallel), each stage holding a contiguous range of layers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParallelSpec {
+    /// Chips per stage (1..=64).
+    pub tp: usize,
+    /// Layers of each stage, in order; `None` (`split = "auto"`): sized to each
+    /// stage's speed and memory once the model is known.
+    pub split: Option<Vec<usize>>,
+    /// The member chips, stage-major: stage `s` is `chips[s * tp..(s + 1) * tp]`.
+    pub chips: Vec<ChipSpec>,
+}
+
+impl ParallelSpec {
+    /// Pipeline stages.
+    pub fn stages(&self) -> usize {
+        self.chips.len() / self.tp.max(1)
+    }
+
+    /// The chips of stage `s`.
+    pub fn stage(&self, s: usize) -> &[ChipSpec] {
+        &self.chips[s * self.tp..(s + 1) * self.tp]
+    }
 }
 
 /// Which kernels run a chip.
@@ -188,6 +218,33 @@ impl EmulationSpec {
     /// performance model, times `time_scale`.
     pub fn roofline(&self, kind: &ChipKind, model: &perf::ModelShape, step: &perf::StepShape) -> perf::Roofline {
         perf::roofline(kind.roof(), model, step, &self.perf_model_of(&kind.name), self.time_scale)
+    }
+
+    /// How an emulated instance paces `step` of `model`: its stages (a chip kind, its
+    /// layers and tensor-parallel degree each) pipelined over one micro-batch per stage
+    /// ([`perf::parallel::pipeline_step_s`]), times `time_scale`. Activations and
+    /// all-reduces cross each kind's chip-to-chip link.
+    pub fn instance_step_s(
+        &self,
+        stages: &[(&ChipKind, usize, usize)],
+        model: &perf::ModelShape,
+        step: &perf::StepShape,
+    ) -> f64 {
+        let perfs: Vec<perf::PerfModel> = stages.iter().map(|(k, _, _)| self.perf_model_of(&k.name)).collect();
+        let costs: Vec<perf::parallel::StageCost<'_>> = stages
+            .iter()
+            .zip(&perfs)
+            .map(|((kind, layers, tp), perf)| perf::parallel::StageCost {
+                roof: kind.roof(),
+                perf,
+                layers: *layers,
+                tp: *tp,
+                tp_link: kind.chip_link(),
+            })
+            .collect();
+        let hop = stages.first().map_or(perf::Link::ETHERNET_100G, |(k, _, _)| k.chip_link());
+        let s = perf::parallel::pipeline_step_s(model, &costs, step, stages.len(), &hop) * self.time_scale;
+        s.min(perf::MAX_STEP_S)
     }
 
     /// [`perf::reference_step`] on an emulated `kind` chip.

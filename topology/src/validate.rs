@@ -23,8 +23,8 @@ use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
     BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DType, DisaggSpec, EmulationSpec,
-    GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, PathReport, Role, RouterSpec, SolverSpec,
-    SupervisorSpec, catalog,
+    GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, ParallelSpec, PathReport, Role, RouterSpec,
+    SolverSpec, SupervisorSpec, catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -87,6 +87,21 @@ struct RawDoc {
     chip_kinds: Vec<Spanned<RawChipKind>>,
     #[serde(default)]
     hosts: Vec<Spanned<RawHost>>,
+    #[serde(default)]
+    instances: Vec<Spanned<RawInstance>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInstance {
+    id: Spanned<String>,
+    chips: Spanned<Vec<Spanned<String>>>,
+    #[serde(default)]
+    tp: Option<Spanned<usize>>,
+    #[serde(default)]
+    split: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    role: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -475,6 +490,8 @@ impl Checker<'_> {
         self.emulated_steps_fit(&raw.hosts, &hosts, &context, &emulation)?;
         // Last: the one check that depends on the machine, not on the file.
         let paths = self.local_paths(&cluster.model, &model, &raw.hosts, &hosts)?;
+        // After every per-chip check, which pairs each raw chip with its spec.
+        let hosts = self.instances(&raw.instances, hosts)?;
 
         let spec = ClusterSpec {
             source: self.source.to_owned(),
@@ -1032,6 +1049,169 @@ impl Checker<'_> {
         }
     }
 
+    /// Folds each `[[instances]]` entry's chips into one chip standing for the instance,
+    /// where its first chip was on its host.
+    fn instances(
+        &self,
+        raw: &[Spanned<RawInstance>],
+        mut hosts: Vec<HostSpec>,
+    ) -> Result<Vec<HostSpec>, TopologyError> {
+        let mut taken: HashMap<String, String> = HashMap::new();
+        for (i, spanned) in raw.iter().enumerate() {
+            let inst = spanned.get_ref();
+            let key = format!("instances[{i}]");
+            let id = self.name(&inst.id, &format!("{key}.id"))?;
+            let clash = hosts.iter().flat_map(|h| &h.chips).any(|c| c.id == id) || taken.values().any(|v| *v == id);
+            if clash {
+                return Err(self.err(
+                    inst.id.span(),
+                    format!("{key}.id"),
+                    format!("`{id}` is already the id of a chip or another instance"),
+                ));
+            }
+            let names = inst.chips.get_ref();
+            if names.len() < 2 {
+                return Err(self.err(
+                    inst.chips.span(),
+                    format!("{key}.chips"),
+                    "an instance spans two chips or more (one chip holding the whole model needs no instance)",
+                ));
+            }
+            let mut host_of = None;
+            let mut members = Vec::with_capacity(names.len());
+            for (c, name) in names.iter().enumerate() {
+                let ckey = format!("{key}.chips[{c}]");
+                let chip_id = name.get_ref();
+                if let Some(other) = taken.get(chip_id) {
+                    return Err(self.err(
+                        name.span(),
+                        ckey,
+                        format!("chip `{chip_id}` is already in instance `{other}`"),
+                    ));
+                }
+                let Some(h) = hosts.iter().position(|h| h.chips.iter().any(|x| x.id == *chip_id)) else {
+                    return Err(self.err(name.span(), ckey, format!("no chip has the id `{chip_id}`")));
+                };
+                if *host_of.get_or_insert(h) != h {
+                    return Err(self.err(
+                        name.span(),
+                        ckey,
+                        format!(
+                            "chip `{chip_id}` is on host `{}`, the instance's first chip on `{}`: the chips of an \
+                             instance share one host",
+                            hosts[h].name,
+                            hosts[host_of.unwrap_or(h)].name
+                        ),
+                    ));
+                }
+                taken.insert(chip_id.clone(), id.clone());
+                let at = hosts[h].chips.iter().position(|x| x.id == *chip_id).unwrap_or(0);
+                members.push((at, name));
+            }
+            let h = host_of.unwrap_or(0);
+            let tp = self.field(&inst.tp, &format!("{key}.tp"), 1, in_range(1, 64))?;
+            if names.len() % tp != 0 {
+                let span = inst.tp.as_ref().map_or(inst.chips.span(), Spanned::span);
+                return Err(self.err(
+                    span,
+                    format!("{key}.tp"),
+                    format!("{} chips do not make stages of {tp} (tp): give a multiple of {tp} chips", names.len()),
+                ));
+            }
+            let stages = names.len() / tp;
+            let split = match &inst.split {
+                None => None,
+                Some(v) => match v.get_ref() {
+                    toml::Value::String(s) if s == "auto" => None,
+                    toml::Value::Array(items) => {
+                        let counts: Option<Vec<usize>> = items
+                            .iter()
+                            .map(|x| x.as_integer().and_then(|n| usize::try_from(n).ok()).filter(|&n| n > 0))
+                            .collect();
+                        match counts {
+                            Some(counts) if counts.len() == stages => Some(counts),
+                            _ => {
+                                return Err(self.err(
+                                    v.span(),
+                                    format!("{key}.split"),
+                                    format!("expected {stages} positive layer counts, one per stage, or \"auto\""),
+                                ));
+                            }
+                        }
+                    }
+                    _ => {
+                        return Err(self.err(
+                            v.span(),
+                            format!("{key}.split"),
+                            "expected \"auto\" or a list of layers per stage, e.g. [10, 20]",
+                        ));
+                    }
+                },
+            };
+            let chips: Vec<ChipSpec> = members.iter().map(|(at, _)| hosts[h].chips[*at].clone()).collect();
+            let first = &chips[0];
+            for ((_, name), chip) in members.iter().zip(&chips).skip(1) {
+                let differs = [
+                    ("block_size", chip.block_size != first.block_size),
+                    ("kv_dtype", chip.kv_dtype != first.kv_dtype),
+                    ("kv_layout", chip.kv_layout != first.kv_layout),
+                    ("quantize", chip.quantize != first.quantize),
+                    ("matmul_precision", chip.matmul_precision != first.matmul_precision),
+                ];
+                if let Some((what, _)) = differs.iter().find(|(_, d)| *d) {
+                    return Err(self.err(
+                        name.span(),
+                        format!("{key}.chips"),
+                        format!(
+                            "chip `{}` has another {what} than `{}`: the chips of an instance hold one KV cache \
+                             and one set of weights",
+                            chip.id, first.id
+                        ),
+                    ));
+                }
+            }
+            for s in 0..stages {
+                let stage = &chips[s * tp..(s + 1) * tp];
+                if let Some(odd) = stage.iter().find(|c| c.kind != stage[0].kind) {
+                    return Err(self.err(
+                        inst.chips.span(),
+                        format!("{key}.chips"),
+                        format!(
+                            "stage {s} mixes `{}` ({}) and `{}` ({}): tensor-parallel chips are of one kind",
+                            stage[0].id, stage[0].kind, odd.id, odd.kind
+                        ),
+                    ));
+                }
+            }
+            let role = self.named(&inst.role, &format!("{key}.role"), first.role)?;
+            let memory_limit_bytes = chips.iter().map(|c| c.memory_limit_bytes).sum::<Option<u64>>();
+            let instance = ChipSpec {
+                id,
+                role,
+                memory_limit_bytes,
+                threads: chips.iter().map(|c| c.threads).sum(),
+                parallel: None,
+                ..first.clone()
+            };
+            let at = members.iter().map(|(at, _)| *at).min().unwrap_or(0);
+            let host = &mut hosts[h];
+            let mut folded = Vec::with_capacity(host.chips.len());
+            for (c, chip) in host.chips.drain(..).enumerate() {
+                if c == at {
+                    folded.push(ChipSpec {
+                        parallel: Some(ParallelSpec { tp, split: split.clone(), chips: chips.clone() }),
+                        ..instance.clone()
+                    });
+                }
+                if !members.iter().any(|(m, _)| *m == c) {
+                    folded.push(chip);
+                }
+            }
+            host.chips = folded;
+        }
+        Ok(hosts)
+    }
+
     fn chip(&self, spanned: &Spanned<RawChip>, key: &str, context: &ChipContext) -> Result<ChipSpec, TopologyError> {
         let raw = spanned.get_ref();
         let id = self.name(&raw.id, &format!("{key}.id"))?;
@@ -1112,6 +1292,7 @@ impl Checker<'_> {
             kv_dtype,
             kv_layout: self.named(&raw.kv_layout, &format!("{key}.kv_layout"), KvLayout::HeadMajor)?,
             quantize: raw.quantize.as_ref().map(|q| self.parse(q, &format!("{key}.quantize"))).transpose()?,
+            parallel: None,
             matmul_precision: self.named(
                 &raw.matmul_precision,
                 &format!("{key}.matmul_precision"),

@@ -35,7 +35,7 @@ use tessera_backends::config::ModelConfig;
 use tessera_backends::constraint::{Allowed, Constraint, Grammars};
 use tessera_backends::device::{Device, DeviceConfig, MatmulPrecision};
 use tessera_backends::dtype::{DType, Quantize};
-use tessera_backends::instance::{InstanceSpec, ShardedModel, StepTiming};
+use tessera_backends::instance::{InstanceSpec, ShardedModel, StageSpec, StepTiming};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
 use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
@@ -107,6 +107,9 @@ pub fn model_shape(model: &Model, kv_dtype: DType) -> ModelShape {
 pub struct Emulation {
     pub kind: ChipKind,
     pub spec: EmulationSpec,
+    /// An instance's stages (their kinds, layers and tensor-parallel degrees), paced as
+    /// a pipeline; empty for one chip.
+    pub stages: Vec<(ChipKind, usize, usize)>,
 }
 
 /// How to bring up a model on a CPU-library (or plugin) device.
@@ -122,6 +125,9 @@ pub struct ModelExecutorConfig {
     pub kv_layout: KvLayout,
     /// Quantize float weights to this block format when loading.
     pub quantize: Option<Quantize>,
+    /// A model instance across several devices (its stages, layers resolved); `None`:
+    /// the whole model on this chip's device.
+    pub parallel: Option<Vec<StageSpec>>,
     /// The arithmetic of prompts' linear layers.
     pub matmul_precision: MatmulPrecision,
     pub block_size: usize,
@@ -266,6 +272,27 @@ impl ModelExecutor {
     /// Opens the device on the calling thread (the worker), loads the model and sizes
     /// the KV cache: what the memory limit leaves after the weights, or a default.
     pub fn load(config: &ModelExecutorConfig) -> Result<(ModelExecutor, ChipInfo), String> {
+        let attach = Attachments {
+            chip_id: config.chip_id.clone(),
+            tokenizer: Some(config.model_dir.clone()),
+            transfer: config.transfer.clone(),
+            emulation: config.emulation.clone(),
+        };
+        if let Some(stages) = &config.parallel {
+            let mc = ModelConfig::from_dir(&config.model_dir).map_err(|e| e.to_string())?;
+            let spec = InstanceSpec {
+                model_dir: config.model_dir.clone(),
+                options: LoadOptions { dtype: config.dtype, quantize: config.quantize },
+                stages: stages.clone(),
+                block_size: config.block_size,
+                kv_dtype: config.kv_dtype,
+                kv_layout: config.kv_layout,
+                default_kv_bytes: DEFAULT_KV_BYTES,
+                max_blocks: (config.max_batch_seqs * mc.max_context).div_ceil(config.block_size),
+            };
+            let sharded = ShardedModel::load(&spec).map_err(|e| e.to_string())?;
+            return Self::build(Engine::Sharded(sharded), attach);
+        }
         let lib = match &config.kernel_lib {
             Some(path) => KernelLibrary::load(path),
             None => KernelLibrary::load_default(),
@@ -301,12 +328,6 @@ impl ModelExecutor {
             return Err(format!("no memory is left for even one KV block of {} tokens", config.block_size));
         }
         let kv = KvCacheConfig { block_size: config.block_size, num_blocks, dtype: config.kv_dtype };
-        let attach = Attachments {
-            chip_id: config.chip_id.clone(),
-            tokenizer: Some(config.model_dir.clone()),
-            transfer: config.transfer.clone(),
-            emulation: config.emulation.clone(),
-        };
         Self::build(Self::whole(model, kv, config.kv_layout)?, attach)
     }
 
@@ -470,6 +491,10 @@ impl ModelExecutor {
     /// The roofline time of `plan` on the emulated chip, if this chip emulates one.
     fn paced_time(&self, plan: &StepPlan) -> Option<Duration> {
         let (emu, shape) = self.emulation.as_ref()?;
+        if !emu.stages.is_empty() {
+            let stages: Vec<(&ChipKind, usize, usize)> = emu.stages.iter().map(|(k, l, t)| (k, *l, *t)).collect();
+            return Some(Duration::from_secs_f64(emu.spec.instance_step_s(&stages, shape, &plan.shape())));
+        }
         let r = emu.spec.roofline(&emu.kind, shape, &plan.shape());
         Some(Duration::from_secs_f64(r.time_s))
     }

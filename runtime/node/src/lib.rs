@@ -87,6 +87,8 @@ pub struct NodeOptions {
 
 pub use tessera_actors::host::chip_addr;
 
+mod instance;
+
 /// How chip `chip` of `spec` loads its model from `model_dir`: its kernel library (a
 /// plugin's, else `kernel_lib`, else the one built with us), threads, memory, dtypes,
 /// KV layout and batch limits; attached to `transfer` for disaggregation, and paced
@@ -98,15 +100,38 @@ pub fn executor_config(
     kernel_lib: Option<PathBuf>,
     transfer: Option<Arc<TransferEngine>>,
 ) -> Result<ModelExecutorConfig, NodeError> {
-    let emulation = match &chip.backend {
+    let kind_of = |name: &str| {
+        spec.chip_kind(name).cloned().ok_or_else(|| NodeError::Config(format!("unknown chip kind `{name}`")))
+    };
+    let mut emulation = match &chip.backend {
         Backend::Emu(kind) => {
-            let kind =
-                spec.chip_kind(kind).ok_or_else(|| NodeError::Config(format!("unknown chip kind `{kind}`")))?.clone();
-            Some(Emulation { kind, spec: spec.emulation.clone() })
+            Some(Emulation { kind: kind_of(kind)?, spec: spec.emulation.clone(), stages: Vec::new() })
         }
         Backend::Cpu | Backend::Plugin(_) => None,
     };
+    let parallel = match &chip.parallel {
+        None => None,
+        Some(par) => {
+            let stages = instance::stages(spec, chip, par, model_dir, kernel_lib.clone())?;
+            let emulated = par.chips.iter().filter(|c| c.backend.emulated_kind().is_some()).count();
+            if emulated != 0 && emulated != par.chips.len() {
+                return Err(NodeError::Config(format!(
+                    "instance `{}`: {emulated} of its {} chips are emulated; an instance is paced as one, so \
+                     its chips are all emulated or none",
+                    chip.id,
+                    par.chips.len()
+                )));
+            }
+            if let Some(emu) = emulation.as_mut() {
+                for (s, stage) in stages.iter().enumerate() {
+                    emu.stages.push((kind_of(&par.stage(s)[0].kind)?, stage.layers.len(), par.tp));
+                }
+            }
+            Some(stages)
+        }
+    };
     Ok(ModelExecutorConfig {
+        parallel,
         model_dir: model_dir.to_path_buf(),
         kernel_lib: match &chip.backend {
             Backend::Plugin(path) => Some(path.clone()),

@@ -34,6 +34,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod fit;
+pub mod parallel;
 
 /// The longest a paced step may take, in seconds (one day). [`roofline`] never paces a
 /// step longer; topology validation refuses pacings whose [`reference_step`] takes longer,
