@@ -133,6 +133,43 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
     }
 }
 
+/// A 2-stage prefill instance hands its KV to a 3-stage decode instance of another
+/// block size and layout, each layer's KV staged by the stage that computed it and
+/// installed on the stage that owns it: greedy answers equal single-chip `generate`'s,
+/// and both instances' pools drain.
+#[test]
+fn a_two_stage_prefill_instance_hands_kv_to_a_three_stage_decode_instance() {
+    const MAX_TOKENS: usize = 16;
+    let prompts: Vec<String> = vec![prompt_of(12, 4), prompt_of(70, 5), prompt_of(140, 6), "Hi".to_string()];
+    let want: Vec<Generated> = prompts.iter().map(|p| generate(p, MAX_TOKENS, true)).collect();
+    let chip = |host: &'static str, id: &str, role: &str, extra: &str| ChipDef {
+        host,
+        id: id.to_string(),
+        toml: format!("kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"{role}\"\nthreads = 1\n{extra}\n"),
+    };
+    let d_extra = "block_size = 8\nkv_layout = \"token-major\"";
+    let chips = [
+        chip("p", "p-a", "prefill", ""),
+        chip("p", "p-b", "prefill", ""),
+        chip("d", "d-a", "decode", d_extra),
+        chip("d", "d-b", "decode", d_extra),
+        chip("d", "d-c", "decode", d_extra),
+    ];
+    let extra = "[disagg]\nmin_prompt_tokens = 8\n\n\
+                 [[instances]]\nid = \"p-chip\"\nchips = [\"p-a\", \"p-b\"]\nsplit = [3, 1]\n\n\
+                 [[instances]]\nid = \"d-chip\"\nchips = [\"d-a\", \"d-b\", \"d-c\"]\nsplit = [1, 1, 2]\n";
+    let topo = topology_of(&chips, extra, "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::up(&topo);
+    let gw = cluster.gateway;
+    cluster.wait_ready(2);
+    assert_answers(gw, &prompts, &want, MAX_TOKENS, "2-stage P, 3-stage D");
+    let disaggregated = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
+    assert_eq!(disaggregated, 3.0, "the 3 long prompts were split");
+    let done = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"done\"} ");
+    assert_eq!(done, 3.0, "every hand-off acknowledged");
+    wait_health(gw, "both instances' pools free", Duration::from_secs(5), |h| drained(h, &[]));
+}
+
 /// f32 KV on the prefill chip, f16 on the decode chip: the decode chip rounds the f32
 /// values it receives to f16, exactly as a colocated f16 chip rounds what it computes,
 /// so the answer is compared with the single-chip f16-KV reference. (Positions after

@@ -99,6 +99,10 @@ impl StoredBytes {
     }
 }
 
+/// Called on a stage's worker right after model layer `layer` (the shard's `local`) of a
+/// step has its K and V in the shard's cache: e.g. to stage them for a decode chip.
+pub type LayerHook = dyn Fn(usize, usize, &Device, &PagedKvCache) -> Result<()> + Send + Sync;
+
 /// A micro-batch's chunks, owned so they can cross to the workers.
 #[derive(Debug, Clone)]
 struct OwnedChunk {
@@ -139,6 +143,7 @@ enum Cmd {
         batch: Arc<Vec<OwnedChunk>>,
         input: Option<Arc<Vec<f32>>>,
         spent: Duration,
+        hook: Option<Arc<LayerHook>>,
     },
     MakeKv {
         config: KvCacheConfig,
@@ -163,6 +168,8 @@ enum Cmd {
 enum Event {
     /// A micro-batch's logits rows, from the last stage's rank 0, or why it failed.
     Done { step: u64, mb: usize, result: Result<Vec<f32>>, compute: Duration },
+    /// The step's layer hook ran for model layer `layer`.
+    Layer { step: u64, layer: usize },
 }
 
 /// What a worker reports once its shard is loaded.
@@ -360,17 +367,39 @@ impl ShardedModel {
     /// One forward step of the whole model over `batch`: the logits rows wanted, in
     /// batch order, `vocab_size` floats each (as [`Model::forward`]).
     pub fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>> {
+        self.forward_observed(batch, None, &mut |_| Ok(()))
+    }
+
+    /// [`forward`](Self::forward), running `hook` on each stage's worker right after
+    /// each of its layers has this step's KV, then `on_layer(layer)` here, in layer
+    /// order. A hooked step is one micro-batch (each layer's KV is whole when the hook
+    /// runs) and needs stages of one device each.
+    pub fn forward_observed(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        hook: Option<Arc<LayerHook>>,
+        on_layer: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Vec<f32>> {
+        if hook.is_some() && self.tp.iter().any(|&t| t > 1) {
+            return Err(BackendError::Shard(
+                "a layer hook (staging KV for a decode chip) needs stages of one device each".into(),
+            ));
+        }
         if batch.is_empty() {
             return Err(BackendError::Request("a forward step needs at least one token".into()));
         }
         let started = Instant::now();
         self.step += 1;
         let step = self.step;
-        let parts = microbatches(batch, self.stages.len());
+        let parts = microbatches(batch, if hook.is_some() { 1 } else { self.stages.len() });
         for (mb, part) in parts.iter().enumerate() {
             let chunks = Arc::new(part.iter().map(OwnedChunk::of).collect::<Vec<_>>());
             for w in &self.workers[0] {
-                send(&w.tx, Cmd::Forward { step, mb, batch: chunks.clone(), input: None, spent: Duration::ZERO })?;
+                let hook = hook.clone();
+                send(
+                    &w.tx,
+                    Cmd::Forward { step, mb, batch: chunks.clone(), input: None, spent: Duration::ZERO, hook },
+                )?;
             }
         }
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; parts.len()];
@@ -384,7 +413,8 @@ impl ShardedModel {
                 .recv_timeout(crate::shard::ALL_REDUCE_TIMEOUT * 2)
                 .map_err(|_| BackendError::Shard("the instance's workers stopped answering".into()))?;
             match event {
-                Event::Done { step: s, .. } if s != step => continue, // a failed step's straggler
+                Event::Done { step: s, .. } | Event::Layer { step: s, .. } if s != step => continue, // a failed step's straggler
+                Event::Layer { layer, .. } => on_layer(layer)?,
                 Event::Done { mb, result, compute: c, .. } => {
                     rows[mb] = Some(result?);
                     compute += c;
@@ -561,7 +591,7 @@ impl WorkerJob {
                         .and_then(|kv| self.write_tokens(&model, kv, layer, &k_rows, &v_rows, &slots));
                     let _ = reply.send(done);
                 }
-                Cmd::Forward { step, mb, batch, input, spent } => {
+                Cmd::Forward { step, mb, batch, input, spent, hook } => {
                     let started = Instant::now();
                     let chunks: Vec<SeqChunk<'_>> = batch.iter().map(OwnedChunk::view).collect();
                     let input = match &input {
@@ -569,8 +599,19 @@ impl WorkerJob {
                         None => StageInput::Tokens,
                     };
                     let reduce = self.group.as_mut().map(|g| g as &mut dyn AllReduce);
+                    let first = self.shard.layers.start;
+                    let events = &self.events;
                     let result = match kv.as_ref() {
-                        Some(kv) => model.forward_stage(kv, &chunks, input, &mut |_, _| Ok(()), reduce),
+                        Some(kv) => {
+                            let mut on_layer = |local: usize, dev: &Device| -> Result<()> {
+                                if let Some(hook) = &hook {
+                                    hook(first + local, local, dev, kv)?;
+                                    let _ = events.send(Event::Layer { step, layer: first + local });
+                                }
+                                Ok(())
+                            };
+                            model.forward_stage(kv, &chunks, input, &mut on_layer, reduce)
+                        }
                         None => Err(no_kv()),
                     };
                     let compute = spent + started.elapsed();
@@ -596,6 +637,7 @@ impl WorkerJob {
                                     batch: batch.clone(),
                                     input: Some(hidden.clone()),
                                     spent: compute,
+                                    hook: hook.clone(),
                                 };
                                 if tx.send(cmd).is_err() {
                                     let e = BackendError::Shard("the next stage's worker has stopped".into());

@@ -1196,3 +1196,63 @@ fn a_chip_kind_is_paced_by_its_calibrated_model_file() {
     std::fs::write(&path, topology("metax-c500 = \"missing.toml\"")).expect("write");
     assert!(tessera_topology::load(&path).is_ok());
 }
+
+/// Host `h0` with chips `a`, `b`, `c`, `d` (lines 1-21), then `[[instances]]` lines.
+fn instance_file(instances: &str) -> String {
+    let mut text =
+        String::from("[cluster]\nmodel = \"builtin:tiny\"\n[[hosts]]\nname = \"h0\"\nbus = \"127.0.0.1:7400\"\n");
+    for id in ["a", "b", "c", "d"] {
+        text += &format!("[[hosts.chips]]\nid = \"{id}\"\nkind = \"cpu\"\nbackend = \"cpu\"\n");
+    }
+    text + instances
+}
+
+#[test]
+fn an_instance_folds_its_chips_into_one_chip_of_the_cluster() {
+    let spec = spec_of(&instance_file(
+        "[[instances]]\nid = \"pp\"\nchips = [\"b\", \"c\", \"d\", \"a\"]\ntp = 2\nsplit = [3, 1]\nrole = \"decode\"\n",
+    ));
+    let chips = &spec.hosts[0].chips;
+    assert_eq!(chips.len(), 1, "{chips:#?}");
+    let pp = &chips[0];
+    assert_eq!((pp.id.as_str(), pp.role, pp.threads), ("pp", Role::Decode, 4));
+    let par = pp.parallel.as_ref().expect("an instance");
+    assert_eq!((par.tp, par.split.clone(), par.stages()), (2, Some(vec![3, 1]), 2));
+    let ids = |s: usize| par.stage(s).iter().map(|c| c.id.clone()).collect::<Vec<_>>();
+    assert_eq!((ids(0), ids(1)), (vec!["b".to_string(), "c".into()], vec!["d".to_string(), "a".into()]));
+    // `split` left out is "auto"; the other chips stay where they were.
+    let spec = spec_of(&instance_file("[[instances]]\nid = \"pp\"\nchips = [\"c\", \"d\"]\n"));
+    let ids: Vec<&str> = spec.hosts[0].chips.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["a", "b", "pp"]);
+    assert_eq!(spec.hosts[0].chips[2].parallel.as_ref().map(|p| p.split.clone()), Some(None));
+}
+
+#[test]
+fn instances_that_cannot_work_are_refused_at_their_key() {
+    let cases = [
+        ("id = \"a\"\nchips = [\"b\", \"c\"]", "instances[0].id", "already the id of a chip"),
+        ("id = \"pp\"\nchips = [\"b\"]", "instances[0].chips", "two chips or more"),
+        ("id = \"pp\"\nchips = [\"b\", \"x\"]", "instances[0].chips[1]", "no chip has the id `x`"),
+        ("id = \"pp\"\nchips = [\"b\", \"c\", \"d\"]\ntp = 2", "instances[0].tp", "3 chips do not make stages of 2"),
+        (
+            "id = \"pp\"\nchips = [\"b\", \"c\"]\nsplit = [1, 2, 1]",
+            "instances[0].split",
+            "expected 2 positive layer counts",
+        ),
+        ("id = \"pp\"\nchips = [\"b\", \"c\"]\nsplit = \"even\"", "instances[0].split", "expected \"auto\" or a list"),
+        (
+            "id = \"pp\"\nchips = [\"b\", \"c\"]\ntp = 2",
+            "instances[0].role",
+            "a tensor-parallel instance (tp = 2) does not hand its KV to a decode chip yet",
+        ),
+    ];
+    for (body, key, fragment) in cases {
+        let e = error_of(&instance_file(&format!("[[instances]]\n{body}\n")));
+        assert_eq!(e.key, key, "{body}: {e}");
+        assert!(e.message.contains(fragment), "{body}: `{fragment}` not in {e}");
+    }
+    let two =
+        "[[instances]]\nid = \"p1\"\nchips = [\"a\", \"b\"]\n[[instances]]\nid = \"p2\"\nchips = [\"b\", \"c\"]\n";
+    let e = error_of(&instance_file(two));
+    assert!(e.message.contains("chip `b` is already in instance `p1`"), "{e}");
+}

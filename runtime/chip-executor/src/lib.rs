@@ -35,7 +35,7 @@ use tessera_backends::config::ModelConfig;
 use tessera_backends::constraint::{Allowed, Constraint, Grammars};
 use tessera_backends::device::{Device, DeviceConfig, MatmulPrecision};
 use tessera_backends::dtype::{DType, Quantize};
-use tessera_backends::instance::{InstanceSpec, ShardedModel, StageSpec, StepTiming};
+use tessera_backends::instance::{InstanceSpec, LayerHook, ShardedModel, StageSpec, StepTiming};
 use tessera_backends::kv::{KvCacheConfig, PagedKvCache};
 use tessera_backends::kv_format::{KvFormat, KvLayout, decode_tokens};
 use tessera_backends::loader::KernelLibrary;
@@ -511,23 +511,24 @@ impl Drop for ModelExecutor {
     }
 }
 
-/// Copies layer `layer`'s blocks of the staged sequences of `plan` into `staging`. Each
-/// run of consecutive blocks is borrowed from the region on its own, so a decode chip
-/// reading other blocks of the region over tcp meanwhile is never refused as busy.
+/// Copies model layer `layer`'s blocks (layer `kv_layer` of `kv`, which holds a stage's
+/// layers) of the staged sequences of `plan` into `staging`. Each run of consecutive
+/// blocks is borrowed from the region on its own, so a decode chip reading other blocks
+/// of the region over tcp meanwhile is never refused as busy.
 fn stage_layer(
     kv: &PagedKvCache,
     dev: &Device,
     staging: &Region,
     format: &KvFormatDesc,
     plan: &StepPlan,
+    kv_layer: usize,
     layer: usize,
-) -> tessera_backends::error::Result<Vec<(u64, usize)>> {
+) -> tessera_backends::error::Result<()> {
     let bb = kv.format().block_bytes();
     let bs = format.block_size;
     let region_error = |e: tessera_runtime::transfer::TransferError| {
         tessera_backends::error::BackendError::KvCache(format!("staging region: {e}"))
     };
-    let mut staged = Vec::new();
     for s in plan.seqs.iter().filter(|s| s.stage) {
         let end = s.start_pos + s.tokens.len();
         let blocks = &s.block_table[s.stage_from.min(s.start_pos) / bs..end.div_ceil(bs)];
@@ -543,15 +544,14 @@ fn stage_layer(
             staging
                 .with_mut(k_at, len, |k| {
                     staging
-                        .with_mut(v_at, len, |v| kv.read_blocks(dev, layer, &blocks[i..j], k, v))
+                        .with_mut(v_at, len, |v| kv.read_blocks(dev, kv_layer, &blocks[i..j], k, v))
                         .map_err(region_error)
                 })
                 .map_err(region_error)???;
             i = j;
         }
-        staged.push((s.request_id, end));
     }
-    Ok(staged)
+    Ok(())
 }
 
 /// Whether a read failed only because the bytes were being written at that moment.
@@ -649,35 +649,26 @@ impl StepExecutor for ModelExecutor {
         // Told to the chip when a group's last layer is staged.
         let mut groups = stage_groups(layers).peekable();
         let (staging, format) = (self.staging.as_ref(), &self.format);
-        let (model, kv, sharded) = match &mut self.engine {
-            Engine::Whole { model, kv } => (Some(model), Some(&*kv), None),
-            Engine::Sharded(m) => (None, None, Some(m)),
-        };
+        if stage && staging.is_none() {
+            outcome.error =
+                Some("a sequence is prefilled for a decode chip but this chip has no staging region".into());
+            return outcome;
+        }
+        let staged_seqs: Vec<(u64, usize)> =
+            plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
         // Host time the job was held back to post a layer at its model time, not computing.
         let mut held = Duration::ZERO;
-        let mut on_layer = |layer: usize, dev: &Device| -> tessera_backends::error::Result<()> {
-            if stage {
-                let Some(staging) = staging else {
-                    return Err(tessera_backends::error::BackendError::KvCache(
-                        "a sequence is prefilled for a decode chip but this chip has no staging region".into(),
-                    ));
-                };
-                let Some(kv) = kv else {
-                    return Err(tessera_backends::error::BackendError::Shard(
-                        "a model instance across several chips does not prefill for a decode chip yet".into(),
-                    ));
-                };
-                let staged_seqs = stage_layer(kv, dev, staging, format, plan, layer)?;
-                let Some(group) = groups.next_if(|g| g.end == layer + 1) else { return Ok(()) };
-                // An emulated chip stages layer l at (l+1)/L of its step's model time.
-                let due = match paced {
-                    Some(paced) => paced.mul_f64((layer + 1) as f64 / layers as f64),
-                    None => started.elapsed(),
-                };
-                let before = started.elapsed();
-                ctx.notify_at(due, Msg::KvStaged { step, layers: group, staged: staged_seqs });
-                held += started.elapsed().saturating_sub(before);
-            }
+        // Once layer `layer` is staged: the chip hears of each group's last layer.
+        let mut staged = |layer: usize| -> tessera_backends::error::Result<()> {
+            let Some(group) = groups.next_if(|g| g.end == layer + 1) else { return Ok(()) };
+            // An emulated chip stages layer l at (l+1)/L of its step's model time.
+            let due = match paced {
+                Some(paced) => paced.mul_f64((layer + 1) as f64 / layers as f64),
+                None => started.elapsed(),
+            };
+            let before = started.elapsed();
+            ctx.notify_at(due, Msg::KvStaged { step, layers: group, staged: staged_seqs.clone() });
+            held += started.elapsed().saturating_sub(before);
             Ok(())
         };
         // The grammars' masks of this step's samples, on a second thread while the
@@ -701,13 +692,24 @@ impl StepExecutor for ModelExecutor {
                     masks
                 })
             });
-            let forward = match (model, kv, sharded) {
-                (Some(model), Some(kv), _) => model.forward_observed(kv, &chunks, &mut on_layer),
-                (_, _, Some(_)) if stage => Err(tessera_backends::error::BackendError::Shard(
-                    "a model instance across several chips does not prefill for a decode chip yet".into(),
-                )),
-                (_, _, Some(m)) => m.forward(&chunks),
-                _ => Err(tessera_backends::error::BackendError::Shard("the chip has no model".into())),
+            let forward = match (&mut self.engine, staging) {
+                (Engine::Whole { model, kv }, Some(staging)) if stage => {
+                    let mut on_layer = |layer: usize, dev: &Device| {
+                        stage_layer(kv, dev, staging, format, plan, layer, layer)?;
+                        staged(layer)
+                    };
+                    model.forward_observed(kv, &chunks, &mut on_layer)
+                }
+                (Engine::Whole { model, kv }, _) => model.forward_observed(kv, &chunks, &mut |_, _| Ok(())),
+                (Engine::Sharded(m), Some(staging)) if stage => {
+                    // Each stage's worker stages its own layers, straight from its cache.
+                    let (staging, format, plan) = (staging.clone(), format.clone(), plan.clone());
+                    let hook: Arc<LayerHook> = Arc::new(move |layer, local, dev: &Device, kv: &PagedKvCache| {
+                        stage_layer(kv, dev, &staging, &format, &plan, local, layer)
+                    });
+                    m.forward_observed(&chunks, Some(hook), &mut staged)
+                }
+                (Engine::Sharded(m), _) => m.forward(&chunks),
             };
             // A panic in the masker leaves the masks to be computed when sampling.
             (forward, masker.and_then(|h| h.join().ok()).unwrap_or_default())
