@@ -29,6 +29,7 @@ use crate::kv_format::KvLayout;
 use crate::loader::KernelLibrary;
 use crate::model::{LoadOptions, LogitsWanted, Model, SeqChunk, StageInput};
 use crate::shard::{AllReduce, LocalGroup, Shard, stage_ranges};
+pub use tessera_perf::parallel::WeightParts;
 
 /// One device of an instance.
 #[derive(Debug, Clone)]
@@ -74,29 +75,18 @@ impl InstanceSpec {
     }
 }
 
-/// A model's weight bytes as stored, by where they live in an instance: the embedding
-/// (every rank of the first stage), one layer, and the LM head with the final norm (the
-/// last stage's rank 0; the embedding again when the head is tied).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StoredBytes {
-    pub embed: u64,
-    /// The largest layer's.
-    pub layer: u64,
-    pub head: u64,
-}
-
-impl StoredBytes {
-    pub fn of(dir: &std::path::Path) -> Result<StoredBytes> {
-        let config = ModelConfig::from_dir(dir)?;
-        let ckpt = crate::weights::Checkpoint::open(dir)?;
-        let embed = ckpt.stored_bytes("model.embed_tokens.");
-        let layer = (0..config.num_layers).map(|i| ckpt.stored_bytes(&format!("model.layers.{i}."))).max().unwrap_or(0);
-        let head = match ckpt.stored_bytes("lm_head.") {
-            0 => embed,
-            bytes => bytes,
-        } + ckpt.stored_bytes("model.norm.");
-        Ok(StoredBytes { embed, layer, head })
-    }
+/// A model's weight bytes as stored, by where they live in an instance (the largest
+/// layer's for `layer`; the tied embedding again for `head` when there is no LM head).
+pub fn weight_parts(dir: &std::path::Path) -> Result<WeightParts> {
+    let config = ModelConfig::from_dir(dir)?;
+    let ckpt = crate::weights::Checkpoint::open(dir)?;
+    let embed = ckpt.stored_bytes("model.embed_tokens.");
+    let layer = (0..config.num_layers).map(|i| ckpt.stored_bytes(&format!("model.layers.{i}."))).max().unwrap_or(0);
+    let head = match ckpt.stored_bytes("lm_head.") {
+        0 => embed,
+        bytes => bytes,
+    } + ckpt.stored_bytes("model.norm.");
+    Ok(WeightParts { embed, layer, head })
 }
 
 /// Called on a stage's worker right after model layer `layer` (the shard's `local`) of a

@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod catalog;
+pub mod parallel;
 /// The performance models (`tessera-perf`), which chip kinds and pacing feed.
 pub use tessera_perf as perf;
 mod error;

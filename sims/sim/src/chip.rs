@@ -15,8 +15,10 @@ use tessera_actor_core::JobCtx;
 use tessera_actors::batcher::StepPlan;
 use tessera_actors::chip::executor::{ExecutorFactory, KvInstall, StepExecutor, stage_groups};
 use tessera_actors::msg::{ChipInfo, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome};
+use tessera_topology::parallel::{WeightParts, resolve_split, stage_memory};
+use tessera_topology::perf::parallel::{StageCost, pipeline_step_s};
 use tessera_topology::perf::{Link, ModelShape, PerfModel, Roof, roofline};
-use tessera_topology::{ChipSpec, ClusterSpec};
+use tessera_topology::{ChipSpec, ClusterSpec, ParallelSpec};
 
 use crate::model::SimModel;
 use crate::scenario::Network;
@@ -30,6 +32,8 @@ pub enum ChipModelError {
     WeightsExceedMemory { memory: u64, weights: u64 },
     #[error("no memory is left for even one KV block of {block_size} tokens")]
     NoKvBlock { block_size: usize },
+    #[error("{0}")]
+    Instance(String),
 }
 
 /// Where each chip of the cluster is and how fast its links are, for hand-off times.
@@ -101,6 +105,18 @@ pub struct ModelledChip {
     shape: ModelShape,
     vocab: u64,
     links: Arc<Links>,
+    /// An instance's stages, pipelined (see `tessera_perf::parallel`); empty for one chip.
+    stages: Vec<ModelledStage>,
+}
+
+/// One stage of a modelled instance.
+#[derive(Debug, Clone)]
+struct ModelledStage {
+    roof: Roof,
+    perf: PerfModel,
+    layers: usize,
+    tp: usize,
+    link: Link,
 }
 
 pub use tessera_actors::solver::time_scale;
@@ -117,16 +133,15 @@ pub fn modelled_chip(
 ) -> Result<(ExecutorFactory, ChipInfo), ChipModelError> {
     let kind = spec.chip_kind(&chip.kind).ok_or_else(|| ChipModelError::UnknownKind(chip.kind.clone()))?;
     let shape = model.shape(chip.kv_dtype);
-    let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
-    let rest = memory
-        .checked_sub(model.weight_bytes)
-        .ok_or(ChipModelError::WeightsExceedMemory { memory, weights: model.weight_bytes })?;
-    // As the real executor: an eighth of what the weights leave is step scratch, and
-    // no more blocks than the batch could ever fill.
-    let kv_bytes = rest - rest / 8;
-    let block_bytes = (chip.block_size as u64).saturating_mul(shape.kv_bytes_per_token()).max(1);
     let most_useful = (chip.max_batch_seqs * model.config.max_context).div_ceil(chip.block_size);
-    let num_blocks = usize::try_from(kv_bytes / block_bytes).unwrap_or(usize::MAX).min(most_useful);
+    let (num_blocks, stages) = match &chip.parallel {
+        None => {
+            let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
+            (kv_blocks(memory, model.weight_bytes, chip.block_size, shape.kv_bytes_per_token())?, Vec::new())
+        }
+        Some(par) => instance_stages(spec, chip, par, &shape)?,
+    };
+    let num_blocks = num_blocks.min(most_useful);
     if num_blocks == 0 {
         return Err(ChipModelError::NoKvBlock { block_size: chip.block_size });
     }
@@ -160,17 +175,69 @@ pub fn modelled_chip(
         vocab_size: c.vocab_size,
         eos_token_ids: Vec::new(),
     };
-    let exec =
-        ModelledChip { index, roof: kind.roof(), perf, time_scale, shape, vocab: c.vocab_size.max(1) as u64, links };
+    let exec = ModelledChip {
+        index,
+        roof: kind.roof(),
+        perf,
+        time_scale,
+        shape,
+        vocab: c.vocab_size.max(1) as u64,
+        links,
+        stages,
+    };
     let ready = info.clone();
     let factory: ExecutorFactory =
         Arc::new(move || Ok((Box::new(exec.clone()) as Box<dyn StepExecutor>, ready.clone())));
     Ok((factory, info))
 }
 
+/// KV blocks of `block_size` tokens a chip of `memory` bytes holds beside `weights`: as
+/// the real executor, an eighth of what the weights leave is step scratch.
+fn kv_blocks(memory: u64, weights: u64, block_size: usize, kv_bytes_per_token: u64) -> Result<usize, ChipModelError> {
+    let rest = memory.checked_sub(weights).ok_or(ChipModelError::WeightsExceedMemory { memory, weights })?;
+    let block_bytes = (block_size as u64).saturating_mul(kv_bytes_per_token).max(1);
+    Ok(usize::try_from((rest - rest / 8) / block_bytes).unwrap_or(usize::MAX))
+}
+
+/// An instance's KV blocks (what every stage holds for its layers) and its stages, the
+/// split resolved as the live node resolves it.
+fn instance_stages(
+    spec: &ClusterSpec,
+    chip: &ChipSpec,
+    par: &ParallelSpec,
+    shape: &ModelShape,
+) -> Result<(usize, Vec<ModelledStage>), ChipModelError> {
+    let parts = WeightParts::estimate(shape);
+    let counts = resolve_split(spec, chip, par, shape, &parts).map_err(ChipModelError::Instance)?;
+    let (n, tp) = (counts.len(), par.tp);
+    let mut blocks = usize::MAX;
+    let mut stages = Vec::with_capacity(n);
+    for (s, &layers) in counts.iter().enumerate() {
+        let first = &par.stage(s)[0];
+        let kind = spec.chip_kind(&first.kind).ok_or_else(|| ChipModelError::UnknownKind(first.kind.clone()))?;
+        let memory = stage_memory(spec, par, s).unwrap_or(kind.memory_bytes);
+        let per_token = shape.kv_bytes_per_token() * layers as u64 / shape.num_layers.max(1) as u64 / tp as u64;
+        blocks = blocks.min(kv_blocks(memory, parts.of_stage(s, n, layers, tp), chip.block_size, per_token)?);
+        let perf = spec.emulation.perf_model_of(&kind.name);
+        stages.push(ModelledStage { roof: kind.roof(), perf, layers, tp, link: kind.chip_link() });
+    }
+    Ok((blocks, stages))
+}
+
 impl ModelledChip {
-    /// The roofline time of `plan` on this chip.
+    /// The roofline time of `plan` on this chip; an instance's, pipelined over one
+    /// micro-batch per stage.
     pub fn step_time(&self, plan: &StepPlan) -> Duration {
+        if !self.stages.is_empty() {
+            let costs: Vec<StageCost<'_>> = self
+                .stages
+                .iter()
+                .map(|s| StageCost { roof: s.roof, perf: &s.perf, layers: s.layers, tp: s.tp, tp_link: s.link })
+                .collect();
+            let hop = self.stages[0].link;
+            let s = pipeline_step_s(&self.shape, &costs, &plan.shape(), costs.len(), &hop) * self.time_scale;
+            return secs(s.min(tessera_topology::perf::MAX_STEP_S));
+        }
         secs(roofline(self.roof, &self.shape, &plan.shape(), &self.perf, self.time_scale).time_s)
     }
 }
@@ -252,6 +319,7 @@ mod tests {
             shape: model.shape(tessera_topology::DType::F32),
             vocab: 1024,
             links: links.clone(),
+            stages: Vec::new(),
         };
         // perf.rs's documented default-topology figures: a 512-token prefill on the 910B
         // in ~29 ms, a decode at 128 tokens of context on the C500 in ~14.8 ms.

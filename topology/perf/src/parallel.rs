@@ -24,6 +24,34 @@ pub fn stage_shape(model: &ModelShape, layers: usize, last: bool, tp: usize) -> 
     }
 }
 
+/// A model's weight bytes by where they live in an instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightParts {
+    /// The embedding (every rank of the first stage).
+    pub embed: u64,
+    /// One layer (the largest).
+    pub layer: u64,
+    /// The LM head and final norm (the last stage's rank 0).
+    pub head: u64,
+}
+
+impl WeightParts {
+    /// The parts of a model known only by its shape: its weight bytes spread over its
+    /// parameters evenly, the embedding and LM head untied.
+    pub fn estimate(model: &ModelShape) -> WeightParts {
+        let params = model.linear_params() + 2 * model.lm_head_params();
+        let per_param = model.weight_bytes as f64 / params.max(1) as f64;
+        let edge = (model.lm_head_params() as f64 * per_param) as u64;
+        WeightParts { embed: edge, layer: (model.layer_linear_params() as f64 * per_param) as u64, head: edge }
+    }
+
+    /// Bytes one chip of stage `s` (of `stages`, `tp` chips each) holds with `layers`.
+    pub fn of_stage(&self, s: usize, stages: usize, layers: usize, tp: usize) -> u64 {
+        let edges = if s == 0 { self.embed } else { 0 } + if s + 1 == stages { self.head } else { 0 };
+        layers as u64 * self.layer / tp.max(1) as u64 + edges
+    }
+}
+
 /// One stage of an instance as the model costs it.
 #[derive(Debug, Clone, Copy)]
 pub struct StageCost<'a> {
