@@ -9,6 +9,11 @@ usage: sims/scripts/gen-fleet.py
   sims/scenarios/solver/*.toml (the pools `tessera solve` picks from)
 """
 import os
+import sys
+
+if any(a in ("-h", "--help") for a in sys.argv[1:]):
+    print(__doc__)
+    sys.exit(0)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "scenarios", "fleet")
