@@ -75,6 +75,9 @@ enum TopologyCommand {
     /// Validate a topology file, check the paths of its hosts that run on this machine,
     /// and print a summary of the cluster it describes.
     Check { file: PathBuf },
+    /// Print the reference of every table and key of the schema, in Markdown
+    /// (docs/reference/topology.md is this output).
+    Reference,
 }
 
 #[derive(Args)]
@@ -616,6 +619,10 @@ fn main() {
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
+        Command::Topology { command: TopologyCommand::Reference } => {
+            print!("{}", tessera_topology::reference::markdown());
+            Ok(())
+        }
         Command::Sim(args) => sim(args),
         Command::Solve(args) => solve(args),
         Command::Plan(command) => plan::plan(command),

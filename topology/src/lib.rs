@@ -16,6 +16,7 @@ mod error;
 #[cfg(test)]
 mod fuzz_tests;
 mod local;
+pub mod reference;
 mod render;
 mod validate;
 
