@@ -4,7 +4,7 @@
 
 /// The whole process allocates through mimalloc: the simulator's actors make and drop
 /// small buffers at every event, where it takes about half of the system allocator's
-/// instructions (README, "Speed").
+/// instructions (docs/performance.md, "The simulator").
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -132,7 +132,7 @@ scenario(
 # Splitwise (ISCA'24): H100 prefill + A100 decode against all-H100 and all-A100 at equal
 # cost, on its conversation workload (prompts ~1,020 tokens, answers ~129). Splitwise
 # served Llama-70B and BLOOM-176B with 8-way tensor parallelism per DGX; a chip here
-# holds a whole model, so a 7B-class model stands in (README: "Against Splitwise").
+# holds a whole model, so a 7B-class model stands in (docs/how-to/plan-fleet.md, "Against Splitwise").
 # Equal cost at the catalog's prices (H100 = 2.15 x A100, Splitwise's own ratio):
 SPLITWISE = os.path.join(HERE, "..", "scenarios", "splitwise")
 os.makedirs(SPLITWISE, exist_ok=True)
