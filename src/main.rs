@@ -4,7 +4,7 @@
 
 /// The whole process allocates through mimalloc: the simulator's actors make and drop
 /// small buffers at every event, where it takes about half of the system allocator's
-/// instructions (README, "Speed").
+/// instructions (docs/performance.md, "The simulator").
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -75,6 +75,9 @@ enum TopologyCommand {
     /// Validate a topology file, check the paths of its hosts that run on this machine,
     /// and print a summary of the cluster it describes.
     Check { file: PathBuf },
+    /// Print the reference of every table and key of the schema, in Markdown
+    /// (docs/reference/topology.md is this output).
+    Reference,
 }
 
 #[derive(Args)]
@@ -657,6 +660,10 @@ fn main() {
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
         Command::Bench(BenchCommand::Instance(args)) => bench_instance(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
+        Command::Topology { command: TopologyCommand::Reference } => {
+            print!("{}", tessera_topology::reference::markdown());
+            Ok(())
+        }
         Command::Sim(args) => sim(args),
         Command::Solve(args) => solve(args),
         Command::Plan(command) => plan::plan(command),

@@ -407,11 +407,11 @@ fn topology_check_refuses_a_missing_local_plugin_and_says_whose_paths_it_checked
     }
 }
 
-/// Every metric the code records is described in docs/metrics.md.
+/// Every metric the code records is described in docs/reference/metrics.md.
 #[test]
 fn every_metric_is_documented() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let doc = std::fs::read_to_string(root.join("docs/metrics.md")).expect("docs/metrics.md");
+    let doc = std::fs::read_to_string(root.join("docs/reference/metrics.md")).expect("docs/reference/metrics.md");
     let mut missing = Vec::new();
     let mut seen = 0;
     let mut dirs: Vec<std::path::PathBuf> =
@@ -437,7 +437,7 @@ fn every_metric_is_documented() {
         }
     }
     assert!(seen > 40, "found only {seen} metrics: the scan is broken");
-    assert!(missing.is_empty(), "not in docs/metrics.md: {missing:?}");
+    assert!(missing.is_empty(), "not in docs/reference/metrics.md: {missing:?}");
 }
 
 /// `tessera calibrate` measures a real CPU chip and fits its model; a scenario that

@@ -424,9 +424,9 @@ fn plan_apply_moves_a_decode_chip_to_prefill_under_load_and_loses_nothing() {
         chip(h, "d0")["role"] == "prefill" && !chip(h, "d0")["draining"].as_bool().unwrap_or(true)
     });
     assert_eq!(h["plan"]["id"], "manual-1", "{h:#}");
-    assert_eq!(metric(gw, "tessera_planner_chip_duty{chip=\"d0\",duty=\"prefill\"} "), 1.0);
-    assert_eq!(metric(gw, "tessera_planner_chip_duty{chip=\"d0\",duty=\"decode\"} "), 0.0);
-    assert_eq!(metric(gw, "tessera_planner_plans_applied_total{by=\"operator\"} "), 1.0);
+    assert_eq!(metric(gw, "tessera_solver_chip_duty{chip=\"d0\",duty=\"prefill\"} "), 1.0);
+    assert_eq!(metric(gw, "tessera_solver_chip_duty{chip=\"d0\",duty=\"decode\"} "), 0.0);
+    assert_eq!(metric(gw, "tessera_solver_plans_applied_total{by=\"operator\"} "), 1.0);
     // Requests went on through the change, and now run on the new roles.
     let waited = Instant::now() + Duration::from_secs(10);
     while served.load(Ordering::Relaxed) < before + 8 {
@@ -469,7 +469,7 @@ fn plan_apply_moves_a_decode_chip_to_prefill_under_load_and_loses_nothing() {
     assert!(failures.is_empty(), "{} failed: {:?}", failures.len(), &failures[..failures.len().min(3)]);
     assert!(served.load(Ordering::Relaxed) >= 20, "too little load: {}", served.load(Ordering::Relaxed));
     assert_eq!(metric(gw, "tessera_request_failed_total "), 0.0);
-    assert_eq!(metric(gw, "tessera_planner_plans_applied_total{by=\"operator\"} "), 2.0);
+    assert_eq!(metric(gw, "tessera_solver_plans_applied_total{by=\"operator\"} "), 2.0);
     let h = wait_health(gw, "every pool drained", Duration::from_secs(5), |h| drained(h, &[]));
     assert_eq!(h["plan"]["id"], best.as_str(), "{h:#}");
 }

@@ -1,7 +1,8 @@
 //! The workspace's end-to-end and cross-crate tests, in one binary (each integration-test
 //! binary links the whole workspace): the model against a reference forward, the kernel
 //! ABI, the CLI and its refusals of bad input, serving across host processes with their
-//! faults, prefill/decode disaggregation, and a real model from a GGUF file.
+//! faults, prefill/decode disaggregation, a real model from a GGUF file, and the
+//! documentation (the README's commands run as written, every link resolves).
 
 mod common;
 #[path = "common/serve.rs"]
@@ -12,8 +13,10 @@ mod cli;
 mod disagg;
 mod gguf;
 mod kernels_abi;
+mod links;
 mod model;
 mod parallel;
 mod quantize;
+mod readme;
 mod serve;
 mod structured;

@@ -16,8 +16,9 @@
 #
 # TESSERA: the tessera binary (default target/debug/tessera: kernels are built at
 # opt-level 3 in every profile). LLAMA_BIN: the directory holding llama-bench and
-# llama-batched-bench (default: on PATH; shared/tools/build-llama-server.sh builds them
-# into ~/.cache/tessera-ref/bin, run with LD_LIBRARY_PATH set to it).
+# llama-batched-bench (default: on PATH; a llama.cpp build's bin directory, run with
+# LD_LIBRARY_PATH set to it).
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 set -euo pipefail
 threads="1 2"; rounds=3; lengths=128; gen=32; batch=""; kv=f16; precision=f32
 while getopts "t:r:p:n:b:k:m:" o; do

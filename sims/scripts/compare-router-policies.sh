@@ -12,6 +12,7 @@
 #        conversations started per second, default 3), TRACE_RATE (trace requests per
 #        second, default 4), POLICIES (default "kv-aware round-robin least-loaded dynamo").
 # Each repeat runs every policy once, in turn; the table shows the median over repeats.
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$(mktemp -d)}

@@ -9,6 +9,11 @@ usage: sims/scripts/gen-fleet.py
   sims/scenarios/solver/*.toml (the pools `tessera solve` picks from)
 """
 import os
+import sys
+
+if any(a in ("-h", "--help") for a in sys.argv[1:]):
+    print(__doc__)
+    sys.exit(0)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "scenarios", "fleet")
@@ -127,7 +132,7 @@ scenario(
 # Splitwise (ISCA'24): H100 prefill + A100 decode against all-H100 and all-A100 at equal
 # cost, on its conversation workload (prompts ~1,020 tokens, answers ~129). Splitwise
 # served Llama-70B and BLOOM-176B with 8-way tensor parallelism per DGX; a chip here
-# holds a whole model, so a 7B-class model stands in (README: "Against Splitwise").
+# holds a whole model, so a 7B-class model stands in (docs/how-to/plan-fleet.md, "Against Splitwise").
 # Equal cost at the catalog's prices (H100 = 2.15 x A100, Splitwise's own ratio):
 SPLITWISE = os.path.join(HERE, "..", "scenarios", "splitwise")
 os.makedirs(SPLITWISE, exist_ok=True)

@@ -32,6 +32,7 @@
 # repeats); closer than that, the runs cannot tell the setups apart and the figure is a
 # tie. The same rule ranks the simulated repeats, and the simulator ranks a figure as
 # the measurements do when both name the same setup or both call it a tie.
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$(mktemp -d)}

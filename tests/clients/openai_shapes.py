@@ -60,7 +60,7 @@ check("a streamed scoring request is the prompt with its figures",
 
 # Chat with logprobs and top_logprobs. A first request fills the prefix cache, so the
 # whole and the streamed runs below compute the same part of the prompt (quantized
-# kernels' numerics depend on the rows a step carries: see the README's several choices).
+# kernels' numerics depend on the rows a step carries: see docs/reference/http-api.md, "Several choices").
 messages = [{"role": "user", "content": "Say hello"}]
 client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
 r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,

@@ -17,6 +17,7 @@ mod error;
 #[cfg(test)]
 mod fuzz_tests;
 mod local;
+pub mod reference;
 mod render;
 mod validate;
 

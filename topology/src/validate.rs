@@ -1676,6 +1676,27 @@ pub(crate) fn parse_memory_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{text}` is too large"))
 }
 
+/// Each table of the schema (dotted path, empty for the top level) with the keys serde
+/// reads into it, for the reference's completeness test (`crate::reference`).
+#[cfg(test)]
+pub(crate) fn schema_tables() -> Vec<(&'static str, &'static [&'static str])> {
+    use crate::reference::introspect::fields_of;
+    vec![
+        ("", fields_of::<RawDoc>()),
+        ("cluster", fields_of::<RawCluster>()),
+        ("router", fields_of::<RawRouter>()),
+        ("supervisor", fields_of::<RawSupervisor>()),
+        ("solver", fields_of::<RawSolver>()),
+        ("gateway", fields_of::<RawGateway>()),
+        ("bus", fields_of::<RawBus>()),
+        ("emulation", fields_of::<RawEmulation>()),
+        ("disagg", fields_of::<RawDisagg>()),
+        ("chip_kinds", fields_of::<RawChipKind>()),
+        ("hosts", fields_of::<RawHost>()),
+        ("hosts.chips", fields_of::<RawChip>()),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -548,8 +548,8 @@ impl Solver {
         self.solving = false;
         match result {
             Ok(set) => {
-                metrics::counter!("tessera_planner_solves_total").increment(1);
-                metrics::gauge!("tessera_planner_strategies").set(set.strategies.len() as f64);
+                metrics::counter!("tessera_solver_solves_total").increment(1);
+                metrics::gauge!("tessera_solver_strategies").set(set.strategies.len() as f64);
                 tracing::info!(
                     set = set.seq,
                     reason = %set.reason,
@@ -565,7 +565,7 @@ impl Solver {
                 }
             }
             Err(error) => {
-                metrics::counter!("tessera_planner_failures_total").increment(1);
+                metrics::counter!("tessera_solver_failures_total").increment(1);
                 tracing::warn!(%error, "solver: the solve failed");
             }
         }
@@ -699,10 +699,10 @@ impl Solver {
         for (chip, duty) in &duties {
             for d in [Duty::Prefill, Duty::Decode, Duty::Both, Duty::Idle] {
                 let labels = [("chip", chip.clone()), ("duty", d.to_string())];
-                metrics::gauge!("tessera_planner_chip_duty", &labels).set(f64::from(u8::from(*duty == d)));
+                metrics::gauge!("tessera_solver_chip_duty", &labels).set(f64::from(u8::from(*duty == d)));
             }
         }
-        metrics::counter!("tessera_planner_plans_applied_total", "by" => by.to_string()).increment(1);
+        metrics::counter!("tessera_solver_plans_applied_total", "by" => by.to_string()).increment(1);
         let plan = AppliedPlan {
             id,
             summary,
