@@ -868,6 +868,28 @@ fn topology_check(file: &std::path::Path) -> Result<()> {
     // The error already names the file, line, column and key.
     let (spec, paths) = tessera_topology::load_with_report(file)?;
     print!("{}{}", spec.render(), paths.render());
+    // Instances' splits, where the model can be read here.
+    let instances: Vec<_> =
+        spec.hosts.iter().flat_map(|h| &h.chips).filter_map(|c| c.parallel.as_ref().map(|p| (c, p))).collect();
+    if instances.is_empty() {
+        return Ok(());
+    }
+    let Ok(dir) = resolve_model(&spec.model) else { return Ok(()) };
+    if !dir.exists() {
+        return Ok(());
+    }
+    println!("instances:");
+    for (chip, par) in instances {
+        let stages = tessera_node::instance::stages(&spec, chip, par, &dir, None)?;
+        let layers: Vec<String> = stages
+            .iter()
+            .map(|s| {
+                let ids: Vec<&str> = s.devices.iter().map(|d| d.label.as_str()).collect();
+                format!("layers {}..{} on {}", s.layers.start, s.layers.end, ids.join("+"))
+            })
+            .collect();
+        println!("  {}: {} stage(s) x tp {}: {}", chip.id, stages.len(), par.tp, layers.join("; "));
+    }
     Ok(())
 }
 

@@ -54,6 +54,12 @@ pub const TABLES: &[Table] = &[
                 "Chip kinds of the operator's own, beside the built-in catalog.",
             ),
             key("hosts", "array of tables", "required", "One per host (one runtime process), with its chips."),
+            key(
+                "instances",
+                "array of tables",
+                "none",
+                "Model instances: one model split over several chips of a host (pipeline stages, tensor parallelism).",
+            ),
         ],
     },
     Table {
@@ -405,6 +411,38 @@ pub const TABLES: &[Table] = &[
                 "`f32`, `bf16`",
                 "`f32`",
                 "The arithmetic of prompts' linear layers; `bf16` needs bf16 dot products (AVX512-BF16 on a CPU) and moves log-probabilities by ~0.1-0.2. Decode stays f32.",
+            ),
+        ],
+    },
+    Table {
+        path: "instances",
+        header: "[[instances]]",
+        about: "One model instance over several chips of one host: pipeline stages, each holding a contiguous range of layers, and within each stage `tp` chips splitting heads and FFN columns with an all-reduce. The instance serves, routes, fails and is planned as one chip. See [model parallelism](../concepts/model-parallelism.md).",
+        keys: &[
+            key(
+                "id",
+                "string, unique across the cluster's chips and instances",
+                "required",
+                "The instance's id: the chip id it serves under (in `/health`, metrics and admin calls).",
+            ),
+            key(
+                "chips",
+                "array of chip ids of one host, stage-major",
+                "required",
+                "Its chips: `stages × tp` of them, each stage's `tp` chips together (like kind and settings within a stage). A chip belongs to at most one instance.",
+            ),
+            key("tp", "1..=64, dividing the model's KV heads", "1", "Chips per stage (tensor-parallel degree)."),
+            key(
+                "split",
+                "`\"auto\"` or an array of layer counts, one per stage, summing to the model's layers",
+                "`\"auto\"`",
+                "Layers per stage: `auto` sizes stages to each chip's speed (perf model) within its `memory_limit`; a list that does not fit is refused naming the stage and the bytes.",
+            ),
+            key(
+                "role",
+                "`prefill`, `decode`, `both`",
+                "its first chip's `role`",
+                "What the instance does, as a chip's `role`.",
             ),
         ],
     },

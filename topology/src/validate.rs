@@ -1694,6 +1694,7 @@ pub(crate) fn schema_tables() -> Vec<(&'static str, &'static [&'static str])> {
         ("chip_kinds", fields_of::<RawChipKind>()),
         ("hosts", fields_of::<RawHost>()),
         ("hosts.chips", fields_of::<RawChip>()),
+        ("instances", fields_of::<RawInstance>()),
     ]
 }
 

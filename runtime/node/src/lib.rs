@@ -87,7 +87,7 @@ pub struct NodeOptions {
 
 pub use tessera_actors::host::chip_addr;
 
-mod instance;
+pub mod instance;
 
 /// How chip `chip` of `spec` loads its model from `model_dir`: its kernel library (a
 /// plugin's, else `kernel_lib`, else the one built with us), threads, memory, dtypes,
