@@ -133,41 +133,52 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
     }
 }
 
-/// A 2-stage prefill instance hands its KV to a 3-stage decode instance of another
-/// block size and layout, each layer's KV staged by the stage that computed it and
-/// installed on the stage that owns it: greedy answers equal single-chip `generate`'s,
-/// and both instances' pools drain.
+/// Prefill instances hand their KV to decode instances of other shapes, block sizes and
+/// layouts — a 2-stage prefill to a 3-stage decode, a tensor-parallel prefill (each rank
+/// staging its KV heads) to one chip, 2 stages x TP=2 to a TP=2 decode — each layer's
+/// KV staged by the ranks that computed it and installed on those that own it: greedy
+/// answers equal single-chip `generate`'s, and every pool drains.
 #[test]
-fn a_two_stage_prefill_instance_hands_kv_to_a_three_stage_decode_instance() {
+fn prefill_instances_hand_kv_to_decode_instances_of_other_shapes() {
     const MAX_TOKENS: usize = 16;
     let prompts: Vec<String> = vec![prompt_of(12, 4), prompt_of(70, 5), prompt_of(140, 6), "Hi".to_string()];
     let want: Vec<Generated> = prompts.iter().map(|p| generate(p, MAX_TOKENS, true)).collect();
-    let chip = |host: &'static str, id: &str, role: &str, extra: &str| ChipDef {
-        host,
-        id: id.to_string(),
-        toml: format!("kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"{role}\"\nthreads = 1\n{extra}\n"),
-    };
-    let d_extra = "block_size = 8\nkv_layout = \"token-major\"";
-    let chips = [
-        chip("p", "p-a", "prefill", ""),
-        chip("p", "p-b", "prefill", ""),
-        chip("d", "d-a", "decode", d_extra),
-        chip("d", "d-b", "decode", d_extra),
-        chip("d", "d-c", "decode", d_extra),
+    // (prefill chips, their instance's keys, decode chips, theirs ("": one chip), decode chips' extra keys)
+    let cases: [(usize, &str, usize, &str, &str); 3] = [
+        (2, "tp = 2", 1, "", "kv_layout = \"token-major\""),
+        (2, "split = [3, 1]", 3, "split = [1, 1, 2]", "block_size = 8\nkv_layout = \"token-major\""),
+        (4, "tp = 2\nsplit = [2, 2]", 2, "tp = 2", "block_size = 32"),
     ];
-    let extra = "[disagg]\nmin_prompt_tokens = 8\n\n\
-                 [[instances]]\nid = \"p-chip\"\nchips = [\"p-a\", \"p-b\"]\nsplit = [3, 1]\n\n\
-                 [[instances]]\nid = \"d-chip\"\nchips = [\"d-a\", \"d-b\", \"d-c\"]\nsplit = [1, 1, 2]\n";
-    let topo = topology_of(&chips, extra, "", HEARTBEAT_TIMEOUT_MS);
-    let mut cluster = Cluster::up(&topo);
-    let gw = cluster.gateway;
-    cluster.wait_ready(2);
-    assert_answers(gw, &prompts, &want, MAX_TOKENS, "2-stage P, 3-stage D");
-    let disaggregated = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
-    assert_eq!(disaggregated, 3.0, "the 3 long prompts were split");
-    let done = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"done\"} ");
-    assert_eq!(done, 3.0, "every hand-off acknowledged");
-    wait_health(gw, "both instances' pools free", Duration::from_secs(5), |h| drained(h, &[]));
+    for (p_chips, p_keys, d_chips, d_keys, d_extra) in cases {
+        let what = format!("P {p_chips} chips ({p_keys}), D {d_chips} chips ({d_keys})");
+        let chip = |host: &'static str, id: String, role: &str, extra: &str| ChipDef {
+            host,
+            id,
+            toml: format!("kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"{role}\"\nthreads = 1\n{extra}\n"),
+        };
+        let ids = |host: &str, n: usize| (0..n).map(|i| format!("{host}-{i}")).collect::<Vec<_>>();
+        let mut chips: Vec<ChipDef> = ids("p", p_chips).into_iter().map(|id| chip("p", id, "prefill", "")).collect();
+        let d_ids = if d_chips == 1 { vec!["d-chip".to_string()] } else { ids("d", d_chips) };
+        chips.extend(d_ids.iter().map(|id| chip("d", id.clone(), "decode", d_extra)));
+        let list = |v: Vec<String>| v.iter().map(|id| format!("\"{id}\"")).collect::<Vec<_>>().join(", ");
+        let mut extra = format!(
+            "[disagg]\nmin_prompt_tokens = 8\n\n[[instances]]\nid = \"p-chip\"\nchips = [{}]\n{p_keys}\n",
+            list(ids("p", p_chips))
+        );
+        if d_chips > 1 {
+            extra += &format!("\n[[instances]]\nid = \"d-chip\"\nchips = [{}]\n{d_keys}\n", list(d_ids));
+        }
+        let topo = topology_of(&chips, &extra, "", HEARTBEAT_TIMEOUT_MS);
+        let mut cluster = Cluster::up(&topo);
+        let gw = cluster.gateway;
+        cluster.wait_ready(2);
+        assert_answers(gw, &prompts, &want, MAX_TOKENS, &what);
+        let disaggregated = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
+        assert_eq!(disaggregated, 3.0, "{what}: the 3 long prompts were split");
+        let done = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"done\"} ");
+        assert_eq!(done, 3.0, "{what}: every hand-off acknowledged");
+        wait_health(gw, "both instances' pools free", Duration::from_secs(5), |h| drained(h, &[]));
+    }
 }
 
 /// f32 KV on the prefill chip, f16 on the decode chip: the decode chip rounds the f32

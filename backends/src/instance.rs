@@ -89,9 +89,10 @@ pub fn weight_parts(dir: &std::path::Path) -> Result<WeightParts> {
     Ok(WeightParts { embed, layer, head })
 }
 
-/// Called on a stage's worker right after model layer `layer` (the shard's `local`) of a
-/// step has its K and V in the shard's cache: e.g. to stage them for a decode chip.
-pub type LayerHook = dyn Fn(usize, usize, &Device, &PagedKvCache) -> Result<()> + Send + Sync;
+/// Called on each worker of a stage right after model layer `layer` (the shard's
+/// `local`) of a step has its K and V in the shard's cache, which holds the rank's KV
+/// heads `kv_heads`: e.g. to stage them for a decode chip.
+pub type LayerHook = dyn Fn(usize, usize, Range<usize>, &Device, &PagedKvCache) -> Result<()> + Send + Sync;
 
 /// A micro-batch's chunks, owned so they can cross to the workers.
 #[derive(Debug, Clone)]
@@ -360,21 +361,16 @@ impl ShardedModel {
         self.forward_observed(batch, None, &mut |_| Ok(()))
     }
 
-    /// [`forward`](Self::forward), running `hook` on each stage's worker right after
-    /// each of its layers has this step's KV, then `on_layer(layer)` here, in layer
-    /// order. A hooked step is one micro-batch (each layer's KV is whole when the hook
-    /// runs) and needs stages of one device each.
+    /// [`forward`](Self::forward), running `hook` on every worker of a stage right after
+    /// each of its layers has this step's KV, then `on_layer(layer)` here once every
+    /// rank of the stage has, in layer order. A hooked step is one micro-batch (each
+    /// layer's KV is whole when the hook runs).
     pub fn forward_observed(
         &mut self,
         batch: &[SeqChunk<'_>],
         hook: Option<Arc<LayerHook>>,
         on_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Vec<f32>> {
-        if hook.is_some() && self.tp.iter().any(|&t| t > 1) {
-            return Err(BackendError::Shard(
-                "a layer hook (staging KV for a decode chip) needs stages of one device each".into(),
-            ));
-        }
         if batch.is_empty() {
             return Err(BackendError::Request("a forward step needs at least one token".into()));
         }
@@ -393,9 +389,14 @@ impl ShardedModel {
             }
         }
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; parts.len()];
+        // Ranks that ran the hook, per layer: a layer is done when its stage's all have.
+        let mut hooked = vec![0usize; self.config.num_layers];
         let mut compute = Duration::ZERO;
         let mut left = parts.len();
-        while left > 0 {
+        // A hooked step also waits for every rank's hook of every layer: another rank's
+        // last layer may report after the rank that returns the logits is done.
+        let mut layers_left = if hook.is_some() { self.config.num_layers } else { 0 };
+        while left > 0 || layers_left > 0 {
             // A worker that stopped drops its senders; every worker holds one, so a
             // timeout also bounds a wedged one.
             let event = self
@@ -404,7 +405,14 @@ impl ShardedModel {
                 .map_err(|_| BackendError::Shard("the instance's workers stopped answering".into()))?;
             match event {
                 Event::Done { step: s, .. } | Event::Layer { step: s, .. } if s != step => continue, // a failed step's straggler
-                Event::Layer { layer, .. } => on_layer(layer)?,
+                Event::Layer { layer, .. } => {
+                    let ranks = self.tp[self.stage_of(layer)?];
+                    hooked[layer] += 1;
+                    if hooked[layer] == ranks {
+                        layers_left -= 1;
+                        on_layer(layer)?;
+                    }
+                }
                 Event::Done { mb, result, compute: c, .. } => {
                     rows[mb] = Some(result?);
                     compute += c;
@@ -590,12 +598,13 @@ impl WorkerJob {
                     };
                     let reduce = self.group.as_mut().map(|g| g as &mut dyn AllReduce);
                     let first = self.shard.layers.start;
+                    let kv_heads = self.shard.heads(model.config()).kv;
                     let events = &self.events;
                     let result = match kv.as_ref() {
                         Some(kv) => {
                             let mut on_layer = |local: usize, dev: &Device| -> Result<()> {
                                 if let Some(hook) = &hook {
-                                    hook(first + local, local, dev, kv)?;
+                                    hook(first + local, local, kv_heads.clone(), dev, kv)?;
                                     let _ = events.send(Event::Layer { step, layer: first + local });
                                 }
                                 Ok(())

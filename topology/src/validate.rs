@@ -1184,24 +1184,6 @@ impl Checker<'_> {
                 }
             }
             let role = self.named(&inst.role, &format!("{key}.role"), first.role)?;
-            // A tensor-parallel stage's KV is split by heads over its ranks; staging it
-            // for a decode chip is not built yet, so such an instance never prefills for one.
-            let others_decode = hosts
-                .iter()
-                .flat_map(|h| &h.chips)
-                .any(|c| !names.iter().any(|n| *n.get_ref() == c.id) && matches!(c.role, Role::Decode | Role::Both));
-            if tp > 1 && (role == Role::Prefill || (role == Role::Both && others_decode)) {
-                let span =
-                    inst.role.as_ref().map_or(inst.tp.as_ref().map_or(inst.chips.span(), Spanned::span), Spanned::span);
-                return Err(self.err(
-                    span,
-                    format!("{key}.role"),
-                    format!(
-                        "a tensor-parallel instance (tp = {tp}) does not hand its KV to a decode chip yet: \
-                         give it role = \"decode\", or make it the only chip that decodes"
-                    ),
-                ));
-            }
             let memory_limit_bytes = chips.iter().map(|c| c.memory_limit_bytes).sum::<Option<u64>>();
             let instance = ChipSpec {
                 id,

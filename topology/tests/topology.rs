@@ -1240,11 +1240,6 @@ fn instances_that_cannot_work_are_refused_at_their_key() {
             "expected 2 positive layer counts",
         ),
         ("id = \"pp\"\nchips = [\"b\", \"c\"]\nsplit = \"even\"", "instances[0].split", "expected \"auto\" or a list"),
-        (
-            "id = \"pp\"\nchips = [\"b\", \"c\"]\ntp = 2",
-            "instances[0].role",
-            "a tensor-parallel instance (tp = 2) does not hand its KV to a decode chip yet",
-        ),
     ];
     for (body, key, fragment) in cases {
         let e = error_of(&instance_file(&format!("[[instances]]\n{body}\n")));

@@ -514,7 +514,9 @@ impl Drop for ModelExecutor {
 /// Copies model layer `layer`'s blocks (layer `kv_layer` of `kv`, which holds a stage's
 /// layers) of the staged sequences of `plan` into `staging`. Each run of consecutive
 /// blocks is borrowed from the region on its own, so a decode chip reading other blocks
-/// of the region over tcp meanwhile is never refused as busy.
+/// of the region over tcp meanwhile is never refused as busy. A tensor-parallel rank's
+/// cache holds its KV heads alone (`heads`): it writes those heads' part of each block.
+#[allow(clippy::too_many_arguments)]
 fn stage_layer(
     kv: &PagedKvCache,
     dev: &Device,
@@ -523,12 +525,16 @@ fn stage_layer(
     plan: &StepPlan,
     kv_layer: usize,
     layer: usize,
+    heads: Option<std::ops::Range<usize>>,
 ) -> tessera_backends::error::Result<()> {
-    let bb = kv.format().block_bytes();
+    let full = kv_format(format);
+    let bb = full.block_bytes();
     let bs = format.block_size;
+    let heads = heads.filter(|h| h.len() != format.num_kv_heads);
     let region_error = |e: tessera_runtime::transfer::TransferError| {
         tessera_backends::error::BackendError::KvCache(format!("staging region: {e}"))
     };
+    let (mut k_part, mut v_part) = (Vec::new(), Vec::new());
     for s in plan.seqs.iter().filter(|s| s.stage) {
         let end = s.start_pos + s.tokens.len();
         let blocks = &s.block_table[s.stage_from.min(s.start_pos) / bs..end.div_ceil(bs)];
@@ -541,17 +547,58 @@ fn stage_layer(
             let (b0, len) = (blocks[i] as usize, (j - i) * bb);
             let k_at = staging_offset(format, bb, layer, false, b0);
             let v_at = staging_offset(format, bb, layer, true, b0);
-            staging
-                .with_mut(k_at, len, |k| {
-                    staging
-                        .with_mut(v_at, len, |v| kv.read_blocks(dev, kv_layer, &blocks[i..j], k, v))
-                        .map_err(region_error)
-                })
-                .map_err(region_error)???;
+            match &heads {
+                None => staging
+                    .with_mut(k_at, len, |k| {
+                        staging
+                            .with_mut(v_at, len, |v| kv.read_blocks(dev, kv_layer, &blocks[i..j], k, v))
+                            .map_err(region_error)
+                    })
+                    .map_err(region_error)???,
+                Some(heads) => {
+                    let part = kv.format().block_bytes() * (j - i);
+                    k_part.resize(part, 0);
+                    v_part.resize(part, 0);
+                    kv.read_blocks(dev, kv_layer, &blocks[i..j], &mut k_part, &mut v_part)?;
+                    // Only this rank's bytes of each block are borrowed: the stage's other
+                    // ranks write theirs into the same blocks meanwhile.
+                    for (at, src) in [(k_at, &k_part), (v_at, &v_part)] {
+                        for (offset, from) in head_parts(&full, heads, j - i) {
+                            let bytes = &src[from.clone()];
+                            staging
+                                .with_mut(at + offset, bytes.len(), |dst| dst.copy_from_slice(bytes))
+                                .map_err(region_error)?;
+                        }
+                    }
+                }
+            }
             i = j;
         }
     }
     Ok(())
+}
+
+/// Where `blocks` blocks holding KV heads `heads` alone (in `full`'s layout and dtype)
+/// go in whole blocks of `full`'s format: (offset in the whole blocks, range of the
+/// part), one piece per block (head-major) or per token (token-major).
+fn head_parts(full: &KvFormat, heads: &std::ops::Range<usize>, blocks: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+    let es = full.dtype.size_bytes();
+    let (bs, hd, nkv, nl) = (full.block_size, full.head_dim, full.num_kv_heads, heads.len());
+    let (part_block, whole_block) = (nl * bs * hd * es, full.block_bytes());
+    let mut out = Vec::new();
+    for b in 0..blocks {
+        let (whole, part) = (b * whole_block, b * part_block);
+        match full.layout {
+            KvLayout::HeadMajor => out.push((whole + heads.start * bs * hd * es, part..part + part_block)),
+            KvLayout::TokenMajor => {
+                let row = nl * hd * es;
+                for t in 0..bs {
+                    out.push((whole + (t * nkv + heads.start) * hd * es, part + t * row..part + (t + 1) * row));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Whether a read failed only because the bytes were being written at that moment.
@@ -695,7 +742,7 @@ impl StepExecutor for ModelExecutor {
             let forward = match (&mut self.engine, staging) {
                 (Engine::Whole { model, kv }, Some(staging)) if stage => {
                     let mut on_layer = |layer: usize, dev: &Device| {
-                        stage_layer(kv, dev, staging, format, plan, layer, layer)?;
+                        stage_layer(kv, dev, staging, format, plan, layer, layer, None)?;
                         staged(layer)
                     };
                     model.forward_observed(kv, &chunks, &mut on_layer)
@@ -704,8 +751,8 @@ impl StepExecutor for ModelExecutor {
                 (Engine::Sharded(m), Some(staging)) if stage => {
                     // Each stage's worker stages its own layers, straight from its cache.
                     let (staging, format, plan) = (staging.clone(), format.clone(), plan.clone());
-                    let hook: Arc<LayerHook> = Arc::new(move |layer, local, dev: &Device, kv: &PagedKvCache| {
-                        stage_layer(kv, dev, &staging, &format, &plan, local, layer)
+                    let hook: Arc<LayerHook> = Arc::new(move |layer, local, heads, dev: &Device, kv: &PagedKvCache| {
+                        stage_layer(kv, dev, &staging, &format, &plan, local, layer, Some(heads))
                     });
                     m.forward_observed(&chunks, Some(hook), &mut staged)
                 }
