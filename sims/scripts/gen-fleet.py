@@ -6,7 +6,9 @@ under one open-loop workload on a 7B-class model.
 usage: sims/scripts/gen-fleet.py
   rewrites sims/scenarios/fleet/fleet-{1000,32,64}.toml (the speed benchmarks) and
   sims/scenarios/splitwise/*.toml (Splitwise's iso-cost comparison) and
-  sims/scenarios/solver/*.toml (the pools `tessera solve` picks from)
+  sims/scenarios/solver/*.toml (the pools `tessera solve` picks from) and
+  sims/scenarios/parallel/*.toml (Splitwise's comparison on Llama-2-70B, each host's 8
+  chips one tensor-parallel instance)
 """
 import os
 import sys
@@ -43,7 +45,14 @@ FLEET_32 = [
 ]
 
 
-def scenario(name, fleet, rate, duration_s, about, out=OUT, isl="normal:1024,256", osl="normal:256,64"):
+LLAMA_7B = ("Llama-2-7B", "llama-2-7b")
+LLAMA_70B = ("Llama-2-70B", "llama-2-70b")
+
+
+def scenario(
+    name, fleet, rate, duration_s, about, out=OUT, isl="normal:1024,256", osl="normal:256,64", model=LLAMA_7B, tp=1
+):
+    """`tp` > 1: each host's chips are instances of `tp` chips (one stage each)."""
     chips = sum(n for _, _, n in fleet)
     kinds = len(fleet)
     lines = [
@@ -54,8 +63,8 @@ def scenario(name, fleet, rate, duration_s, about, out=OUT, isl="normal:1024,256
         "topology_toml = '''",
         "[cluster]",
         f'name = "{name}"',
-        "# Llama-2-7B's shape (config.json only), f16 weights and KV.",
-        'model = "../../models/llama-2-7b"',
+        f"# {model[0]}'s shape (config.json only), f16 weights and KV.",
+        f'model = "../../models/{model[1]}"',
         'dtype = "f16"',
         'kv_dtype = "f16"',
         "",
@@ -68,6 +77,7 @@ def scenario(name, fleet, rate, duration_s, about, out=OUT, isl="normal:1024,256
         "max_waiting_requests = 65536",
     ]
     host = 0
+    instances = []
     for kind, role, n in fleet:
         for first in range(0, n, 8):
             lines += ["", "[[hosts]]", f'name = "h{host}"', f'bus = "127.0.{host // 200}.{host % 200 + 1}:7000"']
@@ -82,7 +92,13 @@ def scenario(name, fleet, rate, duration_s, about, out=OUT, isl="normal:1024,256
                     "max_batch_tokens = 2048",
                     "max_batch_seqs = 256",
                 ]
+            members = [f"{kind}-{c}" for c in range(first, min(first + 8, n))]
+            for i in range(0, len(members) - tp + 1, tp) if tp > 1 else []:
+                ids = ", ".join(f'"{m}"' for m in members[i : i + tp])
+                at = sum(1 for x in instances if x.startswith(f'id = "{kind}-'))
+                instances += ["", "[[instances]]", f'id = "{kind}-tp{tp}-{at}"', f"chips = [{ids}]", f"tp = {tp}"]
             host += 1
+    lines += instances
     lines += [
         "'''",
         "",
@@ -177,4 +193,43 @@ scenario(
     out=SOLVER,
     isl="normal:1020,400",
     osl="normal:129,60",
+)
+
+# Splitwise's own setting: Llama-2-70B at 8-way tensor parallelism, each host's 8 chips
+# one instance (a DGX), at equal cost on the same workload. The model does not fit one
+# 80 GB chip, so these are the scenarios where a chip cannot be a replica.
+PARALLEL = os.path.join(HERE, "..", "scenarios", "parallel")
+os.makedirs(PARALLEL, exist_ok=True)
+for name, fleet, about in [
+    ("70b-all-a100", [("nvidia-a100", "both", 88)], "All A100: 11 instances of 8, $450.3/h."),
+    ("70b-all-h100", [("nvidia-h100", "both", 40)], "All H100: 5 instances of 8, $440.4/h."),
+    (
+        "70b-h100-prefill-a100-decode",
+        [("nvidia-h100", "prefill", 16), ("nvidia-a100", "decode", 48)],
+        "Splitwise-HA: 2 H100 instances prefill + 6 A100 instances decode, $421.9/h.",
+    ),
+]:
+    scenario(
+        name,
+        fleet,
+        20.0,
+        120,
+        "Splitwise's iso-cost comparison on Llama-2-70B, 8-way tensor parallel. " + about,
+        out=PARALLEL,
+        isl="normal:1020,400",
+        osl="normal:129,60",
+        model=LLAMA_70B,
+        tp=8,
+    )
+scenario(
+    "70b-pool",
+    [("nvidia-h100", "both", 40), ("nvidia-a100", "both", 88)],
+    20.0,
+    120,
+    "The 70B comparison's chips for `tessera solve`: 5 H100 and 11 A100 instances of 8 (each alone ~$445/h).",
+    out=PARALLEL,
+    isl="normal:1020,400",
+    osl="normal:129,60",
+    model=LLAMA_70B,
+    tp=8,
 )

@@ -232,20 +232,17 @@ impl EmulationSpec {
         model: &perf::ModelShape,
         step: &perf::StepShape,
     ) -> f64 {
-        let perfs: Vec<perf::PerfModel> = stages.iter().map(|(k, _, _)| self.perf_model_of(&k.name)).collect();
-        let costs: Vec<perf::parallel::StageCost<'_>> = stages
+        let stages: Vec<perf::parallel::Stage> = stages
             .iter()
-            .zip(&perfs)
-            .map(|((kind, layers, tp), perf)| perf::parallel::StageCost {
+            .map(|(kind, layers, tp)| perf::parallel::Stage {
                 roof: kind.roof(),
-                perf,
+                perf: self.perf_model_of(&kind.name),
                 layers: *layers,
                 tp: *tp,
-                tp_link: kind.chip_link(),
+                link: kind.chip_link(),
             })
             .collect();
-        let hop = stages.first().map_or(perf::Link::ETHERNET_100G, |(k, _, _)| k.chip_link());
-        let s = perf::parallel::pipeline_step_s(model, &costs, step, stages.len(), &hop) * self.time_scale;
+        let s = perf::parallel::instance_step_s(model, &stages, step) * self.time_scale;
         s.min(perf::MAX_STEP_S)
     }
 

@@ -4,7 +4,7 @@
 //! its chips' memory before anything loads. The live node and the simulator both use it.
 
 pub use crate::perf::parallel::WeightParts;
-use crate::perf::parallel::{split_layers, stage_shape};
+use crate::perf::parallel::{Stage, split_layers, stage_shape};
 use crate::perf::{self, ModelShape, StepShape};
 use crate::{ChipSpec, ClusterSpec, ParallelSpec};
 
@@ -89,4 +89,43 @@ pub fn resolve_split(
         start += layers;
     }
     Ok(counts)
+}
+
+/// An instance as the simulator and the solver cost it: its stages resolved as the live
+/// node resolves them, and the KV tokens it holds (the fewest any stage holds for its
+/// layers, an eighth of what each stage's weights leave kept as step scratch, as the
+/// real executor does).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelledInstance {
+    pub stages: Vec<Stage>,
+    pub kv_tokens: u64,
+}
+
+/// Instance `chip` (its [`ParallelSpec`] `par`) over a model of `shape`.
+pub fn model_instance(
+    spec: &ClusterSpec,
+    chip: &ChipSpec,
+    par: &ParallelSpec,
+    shape: &ModelShape,
+) -> Result<ModelledInstance, String> {
+    let parts = WeightParts::estimate(shape);
+    let counts = resolve_split(spec, chip, par, shape, &parts)?;
+    let (n, tp) = (counts.len(), par.tp);
+    let mut kv_tokens = u64::MAX;
+    let mut stages = Vec::with_capacity(n);
+    for (s, &layers) in counts.iter().enumerate() {
+        let first = &par.stage(s)[0];
+        let kind = spec.chip_kind(&first.kind).ok_or_else(|| format!("unknown chip kind `{}`", first.kind))?;
+        let memory = stage_memory(spec, par, s).unwrap_or(kind.memory_bytes);
+        let weights = parts.of_stage(s, n, layers, tp);
+        let rest = memory.checked_sub(weights).ok_or_else(|| {
+            format!("instance `{}`: stage {s}'s {weights} bytes of weights exceed its {memory} bytes", chip.id)
+        })?;
+        let per_token =
+            (shape.kv_bytes_per_token() * layers as u64 / shape.num_layers.max(1) as u64 / tp as u64).max(1);
+        kv_tokens = kv_tokens.min((rest - rest / 8) / per_token);
+        let perf = spec.emulation.perf_model_of(&kind.name);
+        stages.push(Stage { roof: kind.roof(), perf, layers, tp, link: kind.chip_link() });
+    }
+    Ok(ModelledInstance { stages, kv_tokens })
 }

@@ -28,6 +28,7 @@
 //! none, since its queues grow without bound. These are screening figures; the
 //! simulator verifies.
 
+use tessera_perf::parallel::instance_step_s;
 use tessera_perf::{ModelShape, SeqStep, StepShape, roofline};
 
 use crate::{Figures, Fleet, KindSpec, Slo, Strategy, Workload};
@@ -75,7 +76,13 @@ struct KindTable {
 
 impl KindTable {
     fn new(kind: &KindSpec, model: &ModelShape, workload: &Workload, budget: u32, cap: u32) -> KindTable {
-        let time = |step: &StepShape| roofline(kind.roof, model, step, &kind.perf, kind.time_scale).time_s;
+        let time = |step: &StepShape| {
+            if kind.stages.is_empty() {
+                roofline(kind.roof, model, step, &kind.perf, kind.time_scale).time_s
+            } else {
+                instance_step_s(model, &kind.stages, step) * kind.time_scale
+            }
+        };
         let isl = workload.isl.round().max(1.0) as usize;
         let context = (workload.isl + workload.osl / 2.0).round().max(1.0) as usize;
         let budget = budget.max(1) as usize;

@@ -19,12 +19,18 @@ pub mod search;
 use serde::{Deserialize, Serialize};
 use tessera_perf::{Link, ModelShape, PerfModel, Power, Roof};
 
-/// What the model knows of one kind of chip in the fleet.
+/// What the model knows of one kind of chip in the fleet — or of one shape of model
+/// instance (`[[instances]]`: several chips holding one model between them), which the
+/// search treats as one chip: its price and power are its chips' together.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KindSpec {
     pub name: String,
-    /// Chips of this kind in the fleet.
+    /// Chips (or instances) of this kind in the fleet.
     pub chips: u32,
+    /// An instance's stages, timed as a pipeline with tensor-parallel stages
+    /// ([`tessera_perf::parallel::instance_step_s`]); empty for one chip, timed by
+    /// `roof` and `perf`.
+    pub stages: Vec<tessera_perf::parallel::Stage>,
     pub roof: Roof,
     pub perf: PerfModel,
     /// An emulated chip's pacing scale, 1 for any other.

@@ -57,6 +57,8 @@ pub enum FleetError {
     NoPrice(String),
     #[error("unknown chip kind {0:?}")]
     UnknownKind(String),
+    #[error("{0}")]
+    Instance(String),
     #[error("chip {chip}: the weights ({weights} bytes) do not fit its memory ({memory} bytes)")]
     WeightsExceedMemory { chip: String, weights: u64, memory: u64 },
 }
@@ -89,7 +91,27 @@ pub fn time_scale(spec: &ClusterSpec, backend: &Backend) -> f64 {
     }
 }
 
-/// `spec`'s chips as a [`Fleet`] costed by `costing`.
+/// The kind name of an instance shape: its stages' kinds, tensor-parallel degree and
+/// layers, e.g. `nvidia-a100 tp8`, `nvidia-h100+nvidia-a100 tp4 pp[44,36]`.
+fn instance_kind_name(
+    par: &tessera_topology::ParallelSpec,
+    stages: &[tessera_topology::perf::parallel::Stage],
+) -> String {
+    let mut kinds: Vec<&str> = (0..par.stages()).map(|s| par.stage(s)[0].kind.as_str()).collect();
+    kinds.dedup();
+    let mut name = kinds.join("+");
+    if par.tp > 1 {
+        name += &format!(" tp{}", par.tp);
+    }
+    if stages.len() > 1 {
+        let layers: Vec<String> = stages.iter().map(|s| s.layers.to_string()).collect();
+        name += &format!(" pp[{}]", layers.join(","));
+    }
+    name
+}
+
+/// `spec`'s chips as a [`Fleet`] costed by `costing`; an instance is one chip of the
+/// kind its shape names.
 pub fn fleet_of(spec: &ClusterSpec, costing: &Costing) -> Result<FleetChips, FleetError> {
     let mut kinds: Vec<KindSpec> = Vec::new();
     let mut chips: Vec<Vec<SolverChip>> = Vec::new();
@@ -103,32 +125,55 @@ pub fn fleet_of(spec: &ClusterSpec, costing: &Costing) -> Result<FleetChips, Fle
                 supervisor: Addr::new(HostId(h as u16), well_known::SUPERVISOR),
                 duty: duty_of(chip.role),
             };
-            if let Some(k) = kinds.iter().position(|k| k.name == chip.kind) {
+            let (name, modelled) = match &chip.parallel {
+                None => (chip.kind.clone(), None),
+                Some(par) => {
+                    let shape = (costing.shape)(chip.kv_dtype);
+                    let modelled = tessera_topology::parallel::model_instance(spec, chip, par, &shape)
+                        .map_err(FleetError::Instance)?;
+                    (instance_kind_name(par, &modelled.stages), Some((par, modelled)))
+                }
+            };
+            if let Some(k) = kinds.iter().position(|k| k.name == name) {
                 kinds[k].chips += 1;
                 chips[k].push(known);
                 continue;
             }
             let kind = spec.chip_kind(&chip.kind).ok_or_else(|| FleetError::UnknownKind(chip.kind.clone()))?;
             let shape = (costing.shape)(chip.kv_dtype);
-            let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
-            let rest = memory.checked_sub(costing.weight_bytes).ok_or_else(|| FleetError::WeightsExceedMemory {
-                chip: chip.id.clone(),
-                weights: costing.weight_bytes,
-                memory,
-            })?;
-            // As a modelled chip: an eighth of what the weights leave is step scratch. The
-            // router sends nothing new to a chip past its KV breaker, so that share is what
-            // a chip's batch can use.
-            let kv_tokens =
-                (rest - rest / 8) / shape.kv_bytes_per_token().max(1) * spec.router.kv_breaker_percent as u64 / 100;
+            let breaker = |tokens: u64| tokens * spec.router.kv_breaker_percent as u64 / 100;
+            let (stages, kv_tokens, usd_per_hour, power) = match modelled {
+                None => {
+                    let memory = chip.memory_limit_bytes.unwrap_or(kind.memory_bytes);
+                    let rest = memory.checked_sub(costing.weight_bytes).ok_or_else(|| {
+                        FleetError::WeightsExceedMemory { chip: chip.id.clone(), weights: costing.weight_bytes, memory }
+                    })?;
+                    // As a modelled chip: an eighth of what the weights leave is step
+                    // scratch. The router sends nothing new to a chip past its KV
+                    // breaker, so that share is what a chip's batch can use.
+                    let kv_tokens = breaker((rest - rest / 8) / shape.kv_bytes_per_token().max(1));
+                    let usd = (costing.price)(&chip.kind).ok_or_else(|| FleetError::NoPrice(chip.kind.clone()))?;
+                    (Vec::new(), kv_tokens, usd, Power::from_tdp(kind.tdp_w))
+                }
+                Some((par, modelled)) => {
+                    // An instance costs what its chips cost, and draws their power.
+                    let (mut usd, mut tdp) = (0.0, 0.0);
+                    for c in &par.chips {
+                        usd += (costing.price)(&c.kind).ok_or_else(|| FleetError::NoPrice(c.kind.clone()))?;
+                        tdp += spec.chip_kind(&c.kind).ok_or_else(|| FleetError::UnknownKind(c.kind.clone()))?.tdp_w;
+                    }
+                    (modelled.stages, breaker(modelled.kv_tokens), usd, Power::from_tdp(tdp))
+                }
+            };
             kinds.push(KindSpec {
-                name: chip.kind.clone(),
+                name,
                 chips: 1,
+                stages,
                 roof: kind.roof(),
                 perf: (costing.perf)(&chip.kind),
                 time_scale: time_scale(spec, &chip.backend),
-                usd_per_hour: (costing.price)(&chip.kind).ok_or_else(|| FleetError::NoPrice(chip.kind.clone()))?,
-                power: Power::from_tdp(kind.tdp_w),
+                usd_per_hour,
+                power,
                 kv_tokens,
             });
             chips.push(vec![known]);

@@ -15,8 +15,8 @@ use tessera_actor_core::JobCtx;
 use tessera_actors::batcher::StepPlan;
 use tessera_actors::chip::executor::{ExecutorFactory, KvInstall, StepExecutor, stage_groups};
 use tessera_actors::msg::{ChipInfo, KvEndpointDesc, KvFormatDesc, KvRegionDesc, Msg, StepOutcome};
-use tessera_topology::parallel::{WeightParts, resolve_split, stage_memory};
-use tessera_topology::perf::parallel::{StageCost, pipeline_step_s};
+use tessera_topology::parallel::model_instance;
+use tessera_topology::perf::parallel::{Stage, instance_step_s};
 use tessera_topology::perf::{Link, ModelShape, PerfModel, Roof, roofline};
 use tessera_topology::{ChipSpec, ClusterSpec, ParallelSpec};
 
@@ -106,17 +106,7 @@ pub struct ModelledChip {
     vocab: u64,
     links: Arc<Links>,
     /// An instance's stages, pipelined (see `tessera_perf::parallel`); empty for one chip.
-    stages: Vec<ModelledStage>,
-}
-
-/// One stage of a modelled instance.
-#[derive(Debug, Clone)]
-struct ModelledStage {
-    roof: Roof,
-    perf: PerfModel,
-    layers: usize,
-    tp: usize,
-    link: Link,
+    stages: Vec<Stage>,
 }
 
 pub use tessera_actors::solver::time_scale;
@@ -206,22 +196,10 @@ fn instance_stages(
     chip: &ChipSpec,
     par: &ParallelSpec,
     shape: &ModelShape,
-) -> Result<(usize, Vec<ModelledStage>), ChipModelError> {
-    let parts = WeightParts::estimate(shape);
-    let counts = resolve_split(spec, chip, par, shape, &parts).map_err(ChipModelError::Instance)?;
-    let (n, tp) = (counts.len(), par.tp);
-    let mut blocks = usize::MAX;
-    let mut stages = Vec::with_capacity(n);
-    for (s, &layers) in counts.iter().enumerate() {
-        let first = &par.stage(s)[0];
-        let kind = spec.chip_kind(&first.kind).ok_or_else(|| ChipModelError::UnknownKind(first.kind.clone()))?;
-        let memory = stage_memory(spec, par, s).unwrap_or(kind.memory_bytes);
-        let per_token = shape.kv_bytes_per_token() * layers as u64 / shape.num_layers.max(1) as u64 / tp as u64;
-        blocks = blocks.min(kv_blocks(memory, parts.of_stage(s, n, layers, tp), chip.block_size, per_token)?);
-        let perf = spec.emulation.perf_model_of(&kind.name);
-        stages.push(ModelledStage { roof: kind.roof(), perf, layers, tp, link: kind.chip_link() });
-    }
-    Ok((blocks, stages))
+) -> Result<(usize, Vec<Stage>), ChipModelError> {
+    let modelled = model_instance(spec, chip, par, shape).map_err(ChipModelError::Instance)?;
+    let blocks = usize::try_from(modelled.kv_tokens / chip.block_size.max(1) as u64).unwrap_or(usize::MAX);
+    Ok((blocks, modelled.stages))
 }
 
 impl ModelledChip {
@@ -229,13 +207,7 @@ impl ModelledChip {
     /// micro-batch per stage.
     pub fn step_time(&self, plan: &StepPlan) -> Duration {
         if !self.stages.is_empty() {
-            let costs: Vec<StageCost<'_>> = self
-                .stages
-                .iter()
-                .map(|s| StageCost { roof: s.roof, perf: &s.perf, layers: s.layers, tp: s.tp, tp_link: s.link })
-                .collect();
-            let hop = self.stages[0].link;
-            let s = pipeline_step_s(&self.shape, &costs, &plan.shape(), costs.len(), &hop) * self.time_scale;
+            let s = instance_step_s(&self.shape, &self.stages, &plan.shape()) * self.time_scale;
             return secs(s.min(tessera_topology::perf::MAX_STEP_S));
         }
         secs(roofline(self.roof, &self.shape, &plan.shape(), &self.perf, self.time_scale).time_s)

@@ -372,9 +372,18 @@ fn report(
     let failed = failures.values().sum();
     let span_s = span.as_secs_f64();
     let per_s = |x: f64| if span_s > 0.0 { x / span_s } else { 0.0 };
-    let kind_of = |id: &str| scenario.topology.chips().find(|(_, _, c)| c.id == id).map(|(_, _, c)| c.kind.as_str());
-    let power = |id: &str| scenario.topology.chip_kind(kind_of(id)?).map(|k| Power::from_tdp(k.tdp_w));
-    let price = |id: &str| scenario.price(kind_of(id)?);
+    // An instance draws its chips' power and costs their price.
+    let kinds = |c: &tessera_topology::ChipSpec| -> Vec<String> {
+        c.parallel.as_ref().map_or_else(|| vec![c.kind.clone()], |p| p.chips.iter().map(|m| m.kind.clone()).collect())
+    };
+    let spec_of = |id: &str| scenario.topology.chips().find(|(_, _, c)| c.id == id).map(|(_, _, c)| c);
+    let chip_price = |c: &tessera_topology::ChipSpec| kinds(c).iter().map(|k| scenario.price(k)).sum::<Option<f64>>();
+    let power = |id: &str| {
+        let tdp: Option<f64> =
+            kinds(spec_of(id)?).iter().map(|k| scenario.topology.chip_kind(k).map(|k| k.tdp_w)).sum();
+        tdp.map(Power::from_tdp)
+    };
+    let price = |id: &str| chip_price(spec_of(id)?);
     let share = |s: f64| if span_s > 0.0 { (s / span_s).min(1.0) } else { 0.0 };
     let chips: Vec<report::ChipEnd> = view
         .iter()
@@ -399,7 +408,7 @@ fn report(
     let energy_j: Option<f64> = chips.iter().map(|c| c.energy_j).sum();
     let kwh_per_10k_requests = energy_j.filter(|_| completed > 0).map(|j| j / 3.6e6 * 1e4 / completed as f64);
     // Every chip of the topology is paid for, whether or not the router saw it at the end.
-    let usd_per_hour: Option<f64> = scenario.topology.chips().map(|(_, _, c)| scenario.price(&c.kind)).sum();
+    let usd_per_hour: Option<f64> = scenario.topology.chips().map(|(_, _, c)| chip_price(c)).sum();
     let usd = usd_per_hour.map(|h| h * span_s / 3600.0).filter(|usd| *usd > 0.0);
     Report {
         scenario: scenario.source.clone(),

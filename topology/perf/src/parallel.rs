@@ -63,6 +63,29 @@ pub struct StageCost<'a> {
     pub tp_link: Link,
 }
 
+/// One stage of an instance, owned: what the simulator and the solver keep of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stage {
+    pub roof: Roof,
+    pub perf: PerfModel,
+    pub layers: usize,
+    pub tp: usize,
+    /// The link between the stage's chips, and to the next stage.
+    pub link: Link,
+}
+
+/// The unscaled time of `step` on an instance of `stages`: pipelined over one
+/// micro-batch per stage ([`pipeline_step_s`]), activations crossing the first stage's
+/// link between stages.
+pub fn instance_step_s(model: &ModelShape, stages: &[Stage], step: &StepShape) -> f64 {
+    let costs: Vec<StageCost<'_>> = stages
+        .iter()
+        .map(|s| StageCost { roof: s.roof, perf: &s.perf, layers: s.layers, tp: s.tp, tp_link: s.link })
+        .collect();
+    let Some(first) = stages.first() else { return 0.0 };
+    pipeline_step_s(model, &costs, step, costs.len(), &first.link)
+}
+
 /// Seconds of the `2 * layers` all-reduces of a tensor-parallel stage over `tokens`
 /// tokens: a ring moves `2 (tp - 1) / tp` of each `hidden * 4`-byte-per-token buffer
 /// through every chip's link, in `2 (tp - 1)` hops of the link's latency.

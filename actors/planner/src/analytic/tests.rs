@@ -9,6 +9,7 @@ fn kind(name: &str, chips: u32, tflops: f64, gbs: f64, usd: f64, tdp: f64) -> Ki
     KindSpec {
         name: name.into(),
         chips,
+        stages: Vec::new(),
         roof: Roof { fp16_tflops: tflops, memory_bw_gbs: gbs },
         perf: PerfModel::flat(0.6, 0.8),
         time_scale: 1.0,
