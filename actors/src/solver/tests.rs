@@ -266,3 +266,25 @@ fn auto_mode_applies_once_keeps_it_through_its_dwell_and_replans_at_once_for_a_l
     let Some(now) = &s.applied else { panic!() };
     assert!(!now.duties.iter().any(|(id, _)| *id == used), "the dead chip kept a duty: {now:?}");
 }
+
+/// An instance is one chip of the kind its shape names, at its chips' price; two
+/// instances of one shape are one kind of two, a lone chip of the same kind its own.
+#[test]
+fn instances_are_kinds_of_their_shape_at_their_chips_price() {
+    let mut text =
+        String::from("[cluster]\nmodel = \"builtin:tiny\"\n[[hosts]]\nname = \"a\"\nbus = \"127.0.0.1:7000\"\n");
+    for id in ["a0", "a1", "a2", "a3", "lone"] {
+        text += &format!("[[hosts.chips]]\nid = \"{id}\"\nbackend = \"emu:metax-c500\"\n");
+    }
+    text += "[[instances]]\nid = \"tp-0\"\nchips = [\"a0\", \"a1\"]\ntp = 2\n";
+    text += "[[instances]]\nid = \"tp-1\"\nchips = [\"a2\", \"a3\"]\ntp = 2\n";
+    let config = config_of(&spec_of(&text));
+    let kinds: Vec<(&str, u32)> = config.fleet.fleet.kinds.iter().map(|k| (k.name.as_str(), k.chips)).collect();
+    assert_eq!(kinds, [("metax-c500 tp2", 2), ("metax-c500", 1)]);
+    let (tp, one) = (&config.fleet.fleet.kinds[0], &config.fleet.fleet.kinds[1]);
+    assert!((tp.usd_per_hour - 2.0 * one.usd_per_hour).abs() < 1e-9, "{} vs {}", tp.usd_per_hour, one.usd_per_hour);
+    assert_eq!(tp.stages.len(), 1);
+    assert!(tp.kv_tokens > one.kv_tokens, "two chips' memory hold more KV");
+    let ids: Vec<Vec<&str>> = config.fleet.chips.iter().map(|k| k.iter().map(|c| c.id.as_str()).collect()).collect();
+    assert_eq!(ids, [vec!["tp-0", "tp-1"], vec!["lone"]]);
+}

@@ -722,3 +722,27 @@ fn auto_mode_follows_a_doubled_rate_once_and_a_dead_chip_within_a_minute() {
     // Deterministic: the same scenario gives the same bytes.
     assert_eq!(simulate(&s, None).to_json(), r.to_json());
 }
+
+/// Llama-2-70B on 8-way tensor-parallel instances (two H100 instances prefill, six A100
+/// ones decode), cut to 300 requests: every request served, every block freed, the
+/// same report twice; each instance costs its 8 chips, and the solver's fleet sees two
+/// kinds of instance.
+#[test]
+fn a_70b_model_on_tensor_parallel_instances_is_simulated_deterministically_at_its_chips_cost() {
+    let path = here().join("../scenarios/parallel/70b-h100-prefill-a100-decode.toml");
+    let mut s = scenario::load(&path).expect("the 70B scenario");
+    if let scenario::WorkloadRequests::Synthetic { size, .. } = &mut s.workload.requests {
+        *size = scenario::WorkloadSize::Requests(300);
+    }
+    let r = simulate(&s, None);
+    all_served_and_all_free(&r);
+    assert_eq!(r.chips.len(), 8, "one row per instance");
+    let again = simulate(&s, None);
+    assert_eq!(serde_json::to_string(&r).expect("json"), serde_json::to_string(&again).expect("json"));
+    let price = |k: &str| s.price(k).expect("a catalog price");
+    let want = 16.0 * price("nvidia-h100") + 48.0 * price("nvidia-a100");
+    assert!((r.usd_per_hour.expect("priced") - want).abs() < 1e-6, "{:?} vs {want}", r.usd_per_hour);
+    let fleet = tessera_sim::solve::fleet(&s).expect("a fleet");
+    let kinds: Vec<(&str, u32)> = fleet.fleet.kinds.iter().map(|k| (k.name.as_str(), k.chips)).collect();
+    assert_eq!(kinds, [("nvidia-h100 tp8", 2), ("nvidia-a100 tp8", 6)]);
+}

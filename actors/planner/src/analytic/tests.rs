@@ -218,3 +218,57 @@ fn a_re_solve_reuses_the_tables_and_gives_the_same_set() {
     let _ = crate::search::solve_with(&fleet, &longer, &slo, &space, &mut cache);
     assert_eq!(cache.built, 2 * settings);
 }
+
+/// `base` as an instance of `stages` stages of `tp` chips each (layers split evenly), at
+/// its chips' price and power together.
+fn instance_of(base: &KindSpec, chips: u32, stages: usize, tp: usize) -> KindSpec {
+    let layers = REFERENCE_MODEL.num_layers;
+    let link = Link { bandwidth_gbs: 300.0, latency_s: 5e-6 };
+    let stages: Vec<tessera_perf::parallel::Stage> = (0..stages)
+        .map(|s| tessera_perf::parallel::Stage {
+            roof: base.roof,
+            perf: base.perf.clone(),
+            layers: layers * (s + 1) / stages - layers * s / stages,
+            tp,
+            link,
+        })
+        .collect();
+    let n = (stages.len() * tp) as f64;
+    KindSpec {
+        name: format!("{} x{n}", base.name),
+        chips,
+        usd_per_hour: base.usd_per_hour * n,
+        power: Power::from_tdp(base.power.prefill_w * n),
+        kv_tokens: base.kv_tokens * n as u64,
+        stages,
+        ..base.clone()
+    }
+}
+
+/// Instances are kinds like any other to the search: on a fleet of a tensor-parallel
+/// kind, a pipelined kind and single chips, the search finds the exhaustive frontier;
+/// and an instance is timed as one: a TP=2 decode step is faster than its chip's alone
+/// but, for the all-reduces, not twice as fast; two stages take as long as one chip
+/// (the same layers, one after the other) plus the hand-off.
+#[test]
+fn instances_are_searched_exactly_and_timed_as_pipelines() {
+    let base = fleet(0, 0, 0);
+    let (h100, a100, ascend) = (&base.kinds[0], &base.kinds[1], &base.kinds[2]);
+    let f = Fleet {
+        kinds: vec![instance_of(h100, 2, 1, 2), instance_of(a100, 2, 2, 1), KindSpec { chips: 3, ..ascend.clone() }],
+        ..base.clone()
+    };
+    let space = Space { prefill_budgets: vec![2048], decode_caps: vec![64], min_prompt_tokens: vec![32] };
+    for rate in [4.0, 12.0] {
+        let workload = Workload { rate_rps: rate, ..WORKLOAD };
+        let searched = solve(&f, &workload, &SLO, &space).expect("searched");
+        assert!(searched.len() > 2, "a trade-off to find: {searched:?}");
+        assert_eq!(searched, exhaustive(&f, &workload, &SLO, &space).expect("searched"));
+    }
+    let one = Tables::new(&Fleet { kinds: vec![h100.clone(), a100.clone()], ..base.clone() }, &WORKLOAD, 2048, 64);
+    let inst = Tables::new(&f, &WORKLOAD, 2048, 64);
+    let (single, tp2) = (one.kinds[0].decode_s[7], inst.kinds[0].decode_s[7]);
+    assert!(tp2 < single && tp2 > single / 2.0, "TP2 {tp2} s, one chip {single} s");
+    let (single, pp2) = (one.kinds[1].decode_s[0], inst.kinds[1].decode_s[0]);
+    assert!(pp2 >= single && pp2 < single * 1.1, "PP2 {pp2} s, one chip {single} s");
+}
