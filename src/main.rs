@@ -531,6 +531,11 @@ struct SolveArgs {
     /// from scratch, as the live solver re-solves.
     #[arg(long, conflicts_with_all = ["apply", "json", "plot"])]
     resolve: bool,
+    /// Also search instance shapes: regroup each host's chips of every kind into
+    /// tensor-parallel instances of these sizes (comma-separated; 1: single chips),
+    /// solve every combination of one size per kind, and compare the best of each.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...", conflicts_with_all = ["apply", "json", "plot", "resolve"])]
+    tp: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -761,6 +766,9 @@ fn solve(args: SolveArgs) -> Result<()> {
         }
         return Ok(());
     }
+    if !args.tp.is_empty() {
+        return solve_shapes(&scenario, &space, &args);
+    }
     let solution = tessera_sim::solve::solve(&scenario, &space, args.verify).map_err(anyhow::Error::msg)?;
     if let Some(path) = &args.plot {
         std::fs::write(path, solution.svg()).with_context(|| format!("cannot write the plot to {}", path.display()))?;
@@ -772,6 +780,73 @@ fn solve(args: SolveArgs) -> Result<()> {
     }
     if let (Some(id), Some(out)) = (&args.apply, &args.out) {
         write_applied(&scenario, &solution, id, out)?;
+    }
+    Ok(())
+}
+
+/// `tessera solve --tp`: every combination of one instance size per chip kind solved
+/// (sizes a kind's chips cannot hold the model at skipped, saying why), each shape's
+/// chosen strategy compared, best first by goodput per $ (simulated where verified).
+fn solve_shapes(scenario: &tessera_sim::Scenario, space: &tessera_planner::Space, args: &SolveArgs) -> Result<()> {
+    if let Some(bad) = args.tp.iter().find(|&&t| t == 0 || t > 64) {
+        bail!("--tp {bad}: an instance holds 1 to 64 chips");
+    }
+    let kinds = tessera_sim::solve::physical_kinds(scenario);
+    let mut combos: Vec<Vec<usize>> = vec![Vec::new()];
+    for _ in &kinds {
+        combos = combos.into_iter().flat_map(|c| args.tp.iter().map(move |&t| [c.clone(), vec![t]].concat())).collect();
+    }
+    let (mut rows, mut verified) = (Vec::new(), Vec::new());
+    for tps in combos {
+        let shape: Vec<String> = kinds.iter().zip(&tps).map(|(k, t)| format!("{k} tp{t}")).collect();
+        let shape = shape.join(", ");
+        let solved = tessera_sim::solve::reshape(scenario, &kinds, &tps)
+            .and_then(|(s, left)| Ok((tessera_sim::solve::solve(&s, space, args.verify)?, left)));
+        match solved {
+            Err(e) => println!("{shape}: not solved: {e}"),
+            Ok((solution, left)) => {
+                let chosen =
+                    solution.strategies.iter().chain(&solution.baselines).find(|p| Some(p.id) == solution.chosen);
+                let Some(p) = chosen else {
+                    println!("{shape}: nothing verified keeps up");
+                    continue;
+                };
+                let (per_usd, goodput, how) = match p.simulated {
+                    Some(s) => (s.goodput_per_usd.unwrap_or(0.0), s.goodput_rps, "simulated"),
+                    None => (p.analytic.goodput_per_usd(), p.analytic.goodput_rps, "analytic"),
+                };
+                println!(
+                    "{shape}: {} ({per_usd:.1} req/$, {goodput:.2} req/s within SLO, {how}; {left} chip(s) left out)",
+                    p.describe
+                );
+                // The best verified mix and single kind of this shape, for the comparison.
+                for p in solution.strategies.iter().chain(&solution.baselines) {
+                    if let Some(sim) = p.simulated.filter(|s| s.failed == 0) {
+                        let mix = tessera_sim::solve::is_mix(&p.strategy);
+                        verified.push((sim.goodput_per_usd.unwrap_or(0.0), mix, shape.clone(), p.describe.clone()));
+                    }
+                }
+                rows.push((per_usd, shape, p.describe.clone()));
+            }
+        }
+    }
+    rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+    match rows.first() {
+        Some((per_usd, shape, describe)) => println!("\nbest shape: {shape}: {describe} at {per_usd:.1} req/$"),
+        None => bail!("no shape of {:?} serves the workload within the SLOs", args.tp),
+    }
+    let best = |mix: bool| verified.iter().filter(|v| v.1 == mix).max_by(|a, b| a.0.total_cmp(&b.0));
+    if let (Some(m), Some(one)) = (best(true), best(false)) {
+        println!(
+            "best verified mix: {} ({}) at {:.1} req/$; best verified single-kind cluster: {} ({}) at {:.1}: the mix {:+.1}%",
+            m.3,
+            m.2,
+            m.0,
+            one.3,
+            one.2,
+            one.0,
+            (m.0 / one.0 - 1.0) * 100.0
+        );
     }
     Ok(())
 }

@@ -140,6 +140,22 @@ pub struct ParallelSpec {
     pub chips: Vec<ChipSpec>,
 }
 
+impl ChipSpec {
+    /// The chip an instance of `par`'s chips stands for, as `[[instances]]` folds them:
+    /// the first chip's settings, the chips' memory and threads together.
+    pub fn instance(id: String, role: Role, par: ParallelSpec) -> ChipSpec {
+        let first = par.chips[0].clone();
+        ChipSpec {
+            id,
+            role,
+            memory_limit_bytes: par.chips.iter().map(|c| c.memory_limit_bytes).sum::<Option<u64>>(),
+            threads: par.chips.iter().map(|c| c.threads).sum(),
+            parallel: Some(par),
+            ..first
+        }
+    }
+}
+
 impl ParallelSpec {
     /// Pipeline stages.
     pub fn stages(&self) -> usize {

@@ -1184,24 +1184,13 @@ impl Checker<'_> {
                 }
             }
             let role = self.named(&inst.role, &format!("{key}.role"), first.role)?;
-            let memory_limit_bytes = chips.iter().map(|c| c.memory_limit_bytes).sum::<Option<u64>>();
-            let instance = ChipSpec {
-                id,
-                role,
-                memory_limit_bytes,
-                threads: chips.iter().map(|c| c.threads).sum(),
-                parallel: None,
-                ..first.clone()
-            };
+            let instance = ChipSpec::instance(id, role, ParallelSpec { tp, split, chips });
             let at = members.iter().map(|(at, _)| *at).min().unwrap_or(0);
             let host = &mut hosts[h];
             let mut folded = Vec::with_capacity(host.chips.len());
             for (c, chip) in host.chips.drain(..).enumerate() {
                 if c == at {
-                    folded.push(ChipSpec {
-                        parallel: Some(ParallelSpec { tp, split: split.clone(), chips: chips.clone() }),
-                        ..instance.clone()
-                    });
+                    folded.push(instance.clone());
                 }
                 if !members.iter().any(|(m, _)| *m == c) {
                     folded.push(chip);

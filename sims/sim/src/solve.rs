@@ -758,3 +758,60 @@ pub fn resolve(scenario: &Scenario, space: &tessera_planner::Space) -> Result<Re
         same: reused == fresh,
     })
 }
+
+/// The chip kinds of `scenario`'s chips (an instance's members counted by their own
+/// kind), in order of first appearance.
+pub fn physical_kinds(scenario: &Scenario) -> Vec<String> {
+    let mut kinds: Vec<String> = Vec::new();
+    for (_, _, chip) in scenario.topology.chips() {
+        let members = chip.parallel.as_ref().map_or_else(|| vec![chip.clone()], |p| p.chips.clone());
+        for m in members {
+            if !kinds.contains(&m.kind) {
+                kinds.push(m.kind);
+            }
+        }
+    }
+    kinds
+}
+
+/// `scenario` with its chips regrouped into instance shapes: on every host, the chips of
+/// kind `kinds[k]` (instances taken apart into their chips) form instances of `tps[k]`
+/// chips each, one stage at `tp = tps[k]`, in topology order; `tps[k] = 1` leaves them
+/// single chips. A host's chips of a kind beyond a multiple of its `tp` are left out
+/// (idle); each instance takes its first chip's role. Returns the chips left out.
+pub fn reshape(scenario: &Scenario, kinds: &[String], tps: &[usize]) -> Result<(Scenario, usize), String> {
+    let mut out = scenario.clone();
+    let mut left_out = 0;
+    for host in &mut out.topology.hosts {
+        let chips: Vec<ChipSpec> = host
+            .chips
+            .drain(..)
+            .flat_map(|c| match c.parallel {
+                Some(p) => p.chips.into_iter().map(|m| ChipSpec { role: c.role, ..m }).collect(),
+                None => vec![c],
+            })
+            .collect();
+        let mut regrouped = Vec::new();
+        for (kind, &tp) in kinds.iter().zip(tps) {
+            let of_kind: Vec<&ChipSpec> = chips.iter().filter(|c| &c.kind == kind).collect();
+            if tp <= 1 {
+                regrouped.extend(of_kind.into_iter().cloned());
+                continue;
+            }
+            left_out += of_kind.len() % tp;
+            for group in of_kind.chunks_exact(tp) {
+                let members: Vec<ChipSpec> = group.iter().map(|c| (*c).clone()).collect();
+                let id = format!("{}-tp{tp}", members[0].id);
+                let par = tessera_topology::ParallelSpec { tp, split: None, chips: members };
+                let role = par.chips[0].role;
+                regrouped.push(ChipSpec::instance(id, role, par));
+            }
+        }
+        regrouped.extend(chips.into_iter().filter(|c| !kinds.contains(&c.kind)));
+        host.chips = regrouped;
+    }
+    if out.topology.chips().next().is_none() {
+        return Err(format!("no chips left in instances of {tps:?} chips"));
+    }
+    Ok((out, left_out))
+}

@@ -746,3 +746,29 @@ fn a_70b_model_on_tensor_parallel_instances_is_simulated_deterministically_at_it
     let kinds: Vec<(&str, u32)> = fleet.fleet.kinds.iter().map(|k| (k.name.as_str(), k.chips)).collect();
     assert_eq!(kinds, [("nvidia-h100 tp8", 2), ("nvidia-a100 tp8", 6)]);
 }
+
+/// `solve --tp` regroups each host's chips of a kind into instances of another size:
+/// the 70B scenario's TP8 instances taken apart and made TP4 (H100) and TP2 (A100)
+/// ones, chips beyond a multiple of the size left out, and the solver's fleet sees the
+/// new shapes.
+#[test]
+fn chips_regroup_into_instances_of_other_sizes() {
+    let path = here().join("../scenarios/parallel/70b-h100-prefill-a100-decode.toml");
+    let s = scenario::load(&path).expect("the 70B scenario");
+    let kinds = tessera_sim::solve::physical_kinds(&s);
+    assert_eq!(kinds, ["nvidia-h100", "nvidia-a100"]);
+    let (reshaped, left) = tessera_sim::solve::reshape(&s, &kinds, &[4, 2]).expect("reshaped");
+    assert_eq!(left, 0);
+    let fleet = tessera_sim::solve::fleet(&reshaped).expect("a fleet");
+    let got: Vec<(&str, u32)> = fleet.fleet.kinds.iter().map(|k| (k.name.as_str(), k.chips)).collect();
+    assert_eq!(got, [("nvidia-h100 tp4", 4), ("nvidia-a100 tp2", 24)]);
+    assert_eq!(fleet.chips[0][0], "nvidia-h100-0-tp4");
+    let roles: Vec<String> = reshaped.topology.chips().map(|(_, _, c)| c.role.to_string()).collect();
+    assert_eq!(roles.iter().filter(|r| *r == "prefill").count(), 4, "each instance takes its first chip's role");
+    let (_, left) = tessera_sim::solve::reshape(&s, &kinds, &[3, 3]).expect("reshaped");
+    assert_eq!(left, 8 * 2, "2 of each host's 8 chips");
+    // One A100 cannot hold 140 GB of weights: the fleet says so.
+    let (single, _) = tessera_sim::solve::reshape(&s, &kinds, &[8, 1]).expect("reshaped");
+    let e = tessera_sim::solve::fleet(&single).expect_err("70B on one chip");
+    assert!(e.to_string().contains("do not fit its memory"), "{e}");
+}
