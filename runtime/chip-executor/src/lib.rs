@@ -145,6 +145,8 @@ const DEFAULT_KV_BYTES: u64 = 256 << 20;
 
 /// What runs a chip's forward passes: a whole model on its device, or a model instance
 /// across several (pipeline stages, tensor-parallel ranks; `tessera_backends::instance`).
+// One per executor, made once and never moved on a hot path: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Engine {
     Whole { model: Model, kv: PagedKvCache },
     Sharded(ShardedModel),

@@ -145,8 +145,8 @@ pub fn split_layers(layers: usize, layer_s: &[f64], max_layers: &[usize]) -> Opt
     // best[s][l]: the slowest stage when stages 0..=s hold layers 0..l; with the count
     // of stage s behind it.
     let mut best = vec![vec![(f64::INFINITY, 0usize); layers + 1]; n];
-    for l in 1..=layers.min(max_layers[0]) {
-        best[0][l] = (l as f64 * layer_s[0], l);
+    for (l, cell) in best[0].iter_mut().enumerate().take(layers.min(max_layers[0]) + 1).skip(1) {
+        *cell = (l as f64 * layer_s[0], l);
     }
     for s in 1..n {
         for l in s + 1..=layers {
