@@ -233,3 +233,15 @@ scenario(
     model=LLAMA_70B,
     tp=8,
 )
+scenario(
+    "70b-llama3-pool",
+    [("nvidia-h100", "both", 40), ("nvidia-a100", "both", 88)],
+    45.0,
+    120,
+    "The 70B pool on Llama-3-70B's shape (a 128k vocabulary): 5 H100 and 11 A100 instances of 8 for `tessera solve`.",
+    out=PARALLEL,
+    isl="normal:1020,400",
+    osl="normal:129,60",
+    model=("Llama-3-70B", "llama-3-70b"),
+    tp=8,
+)
