@@ -152,3 +152,32 @@ fn instance_shapes_that_cannot_work_are_refused_clearly() {
         assert!(e.contains(want), "{counts:?} x {tp}: {e}");
     }
 }
+
+/// A worker of one stage that panics mid-step (here: rank 1 of a TP=2 stage, in a
+/// layer hook) fails the step at once rather than at the all-reduce's timeout, and the
+/// instance answers every later step with an error naming the stop: the chip holding
+/// it is down, and its supervisor restarts it.
+#[test]
+fn a_stage_worker_that_panics_fails_the_step_at_once_and_the_instance_stays_down() {
+    use std::sync::Arc;
+    use tessera_backends::instance::{LayerHook, ShardedModel};
+    use tessera_backends::model::{LogitsWanted, SeqChunk};
+    let ckpt = TempCkpt::tiny("panic", SynthArch::Llama, 5, None, 1);
+    let mut m = ShardedModel::load(&spec(ckpt.path(), &[2, 2], 2, 0)).expect("instance");
+    let prompt = tokens(6, 3, 1024);
+    let slots: Vec<i32> = (0..prompt.len() as i32).collect();
+    let chunk =
+        [SeqChunk { tokens: &prompt, start_pos: 0, block_table: &[0], slots: &slots, logits: LogitsWanted::Last }];
+    let hook: Arc<LayerHook> = Arc::new(|layer, _, heads, _, _| {
+        if layer == 2 && heads.start > 0 {
+            panic!("injected in layer 2's rank 1");
+        }
+        Ok(())
+    });
+    let started = std::time::Instant::now();
+    let e = m.forward_observed(&chunk, Some(hook), &mut |_| Ok(())).expect_err("the step fails");
+    assert!(e.to_string().contains("panicked: injected in layer 2's rank 1"), "{e}");
+    assert!(started.elapsed() < tessera_backends::shard::ALL_REDUCE_TIMEOUT, "not by the all-reduce's timeout");
+    let e = m.forward(&chunk).expect_err("the instance is down");
+    assert!(e.to_string().contains("stopped"), "{e}");
+}

@@ -600,7 +600,10 @@ impl WorkerJob {
                     let first = self.shard.layers.start;
                     let kv_heads = self.shard.heads(model.config()).kv;
                     let events = &self.events;
-                    let result = match kv.as_ref() {
+                    // A panic on this worker fails the step at once (the group's other
+                    // ranks and the lead stop waiting) and ends the worker: the instance
+                    // is down, and its chip restarts it.
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match kv.as_ref() {
                         Some(kv) => {
                             let mut on_layer = |local: usize, dev: &Device| -> Result<()> {
                                 if let Some(hook) = &hook {
@@ -612,6 +615,17 @@ impl WorkerJob {
                             model.forward_stage(kv, &chunks, input, &mut on_layer, reduce)
                         }
                         None => Err(no_kv()),
+                    }));
+                    let (result, panicked) = match ran {
+                        Ok(result) => (result, false),
+                        Err(payload) => {
+                            let why = payload
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| payload.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "a panic".into());
+                            (Err(BackendError::Shard(format!("the worker panicked: {why}"))), true)
+                        }
                     };
                     let compute = spent + started.elapsed();
                     let last = model.shard().is_last(model.config());
@@ -622,6 +636,9 @@ impl WorkerJob {
                             }
                             let e = BackendError::Shard(format!("{}: {e}", self.device.label));
                             let _ = self.events.send(Event::Done { step, mb, result: Err(e), compute });
+                            if panicked {
+                                return;
+                            }
                         }
                         Ok(_) if self.shard.tp_rank != 0 => {}
                         Ok(rows) if last => {
