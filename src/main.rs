@@ -1057,6 +1057,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 kv_layout: tessera_backends::kv_format::KvLayout::HeadMajor,
                 default_kv_bytes: 256 << 20,
                 max_blocks: num_blocks,
+                collectives: Default::default(),
             };
             eprintln!("[an instance of {} stages ({stages:?} layers) x tp {tp}]", stages.len());
             LocalEngine::instance(&spec, config)?

@@ -276,6 +276,15 @@ fn kernel_lib_partial() {
     let lib = fixture("partial");
     let out = generate(&dir, &["--kernel-lib", lib.to_str().unwrap()]);
     assert_refused(&out, &[lib.to_str().unwrap(), "missing symbol", "tk_device_create"]);
+    // At 1.4, some of the collectives without the rest are refused, naming all four.
+    let out = Command::new(BIN)
+        .env_remove("TESSERA_KERNEL_LIB")
+        .args(["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--max-tokens", "2"])
+        .args(["--kernel-lib", lib.to_str().unwrap()])
+        .env("TESSERA_FIXTURE_ABI_MINOR", "4")
+        .output()
+        .unwrap();
+    assert_refused(&out, &[lib.to_str().unwrap(), "some of the collectives", "tk_all_reduce_sum_f32"]);
 }
 
 #[test]

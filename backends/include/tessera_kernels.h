@@ -43,9 +43,14 @@ extern "C" {
  *       refuses to load quantized weights onto it.
  *  1.3  tk_device_set_matmul_precision (optional symbol): a device's linear layers may
  *       compute prompts in bfloat16. A loader still accepts a 1.1 or 1.2 library and
- *       refuses to ask one for anything but TK_MATMUL_F32. */
+ *       refuses to ask one for anything but TK_MATMUL_F32.
+ *  1.4  collectives (optional symbols, all four or none): tk_comm_create,
+ *       tk_comm_destroy, tk_comm_abort, tk_all_reduce_sum_f32. A library whose chips
+ *       can sum across each other natively (a collective library, a fabric) joins the
+ *       tensor-parallel ranks of a stage itself; Tessera gives a library without them
+ *       its own host all-reduce. A loader still accepts a 1.1 to 1.3 library. */
 #define TK_ABI_MAJOR 1
-#define TK_ABI_MINOR 3
+#define TK_ABI_MINOR 4
 
 typedef int32_t tk_status;
 #define TK_OK 0
@@ -183,6 +188,26 @@ tk_status tk_free(tk_device *dev, tk_buffer *buf);
 tk_status tk_copy_h2d(tk_device *dev, tk_ptr dst, const void *src, uint64_t bytes);
 tk_status tk_copy_d2h(tk_device *dev, void *dst, tk_ptr src, uint64_t bytes);
 tk_status tk_copy_d2d(tk_device *dev, tk_ptr dst, tk_ptr src, uint64_t bytes);
+
+/* ---- collectives (since 1.4; optional) ----------------------------------------- */
+/* A communicator joins `ranks` devices of this library in this process, one per rank,
+ * each driven by its own host thread: the tensor-parallel chips of one pipeline stage.
+ * All four symbols or none. */
+typedef struct tk_comm tk_comm;
+tk_status tk_comm_create(uint32_t ranks, tk_comm **out);
+/* After every rank's last call has returned. */
+void tk_comm_destroy(tk_comm *comm);
+/* Any thread, any time: every waiting and later tk_all_reduce_sum_f32 on comm fails
+ * (TK_ERR_INTERNAL), so ranks whose peer died stop waiting. Idempotent. */
+tk_status tk_comm_abort(tk_comm *comm);
+/* Rank `rank`'s part, called on its own thread with its own device: replaces the
+ * `count` float32 at buf with their sum over every rank's buf, added in rank order
+ * (rank 0 + rank 1 + ...), so every rank ends with the same bits and the result equals
+ * a host sum in that order. Returns once every rank's buf holds the sum. Every rank
+ * passes the same count; a mismatch fails the call on every rank. A rank that waits
+ * longer than timeout_ms for the others aborts the communicator. */
+tk_status tk_all_reduce_sum_f32(tk_comm *comm, uint32_t rank, tk_device *dev, tk_ptr buf,
+                                uint64_t count, uint32_t timeout_ms);
 
 /* ---- ops ----------------------------------------------------------------------- */
 /* out[i, :] = table[ids[i], :] as f32. table [vocab][hidden] of table_dtype (a float

@@ -11,7 +11,7 @@ use tessera_kernel_abi as abi;
 use crate::dtype::{DType, DTypeExt, GgmlTypeExt, WeightType};
 use crate::error::{BackendError, Result};
 use crate::kv_format::{KvLayout, KvLayoutExt};
-use crate::loader::{KernelLibrary, RawBuffer, RawDevice, raw};
+use crate::loader::{KernelLibrary, RawBuffer, RawComm, RawDevice, raw};
 
 pub use tessera_vocab::MatmulPrecision;
 
@@ -44,6 +44,35 @@ pub struct Device {
     info: DeviceInfo,
     matmul_precision: MatmulPrecision,
     _not_sync: PhantomData<std::cell::Cell<()>>,
+}
+
+/// A communicator of a kernel library's collectives (ABI 1.4): the ranks of one
+/// tensor-parallel group, each a device of that library on a thread of its own.
+/// Destroyed when its last owner drops it (after every rank's last call).
+pub struct Communicator {
+    raw: RawComm,
+    ranks: usize,
+}
+
+impl Communicator {
+    /// A communicator of `ranks` ranks, if `lib` has collectives.
+    pub fn new(lib: &Arc<KernelLibrary>, ranks: usize) -> Result<Communicator> {
+        let ptr = raw::comm_create(lib, ranks as u32).map_err(|(status, message)| BackendError::KernelLibrary {
+            library: lib.path().to_path_buf(),
+            reason: format!("tk_comm_create({ranks}) failed ({}): {message}", status_name(status)),
+        })?;
+        Ok(Communicator { raw: RawComm { lib: lib.clone(), ptr }, ranks })
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Ends every rank's wait, now and later.
+    pub fn abort(&self) {
+        // A failed abort leaves the ranks to their timeout; there is nothing else to do.
+        let _ = raw::comm_abort(&self.raw.lib, self.raw.ptr);
+    }
 }
 
 /// A region of device memory. Freed on drop.
@@ -205,6 +234,36 @@ impl Device {
             )));
         }
         Ok(v.abi())
+    }
+
+    /// This device's part, as rank `rank` of `comm`, of summing `len` f32 at `buf` over
+    /// every rank (ABI 1.4's `tk_all_reduce_sum_f32`).
+    pub fn all_reduce_sum(
+        &self,
+        comm: &Communicator,
+        rank: usize,
+        buf: View<'_>,
+        len: usize,
+        timeout: std::time::Duration,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(&comm.raw.lib, &self.raw.lib) {
+            return Err(BackendError::Request(format!(
+                "device {} is not of the library of its communicator ({})",
+                self.info.name,
+                comm.raw.lib.path().display()
+            )));
+        }
+        let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        let status = raw::all_reduce_sum_f32(
+            &self.raw.lib,
+            comm.raw.ptr,
+            rank as u32,
+            self.raw.ptr,
+            self.arg(buf)?,
+            len as u64,
+            timeout_ms,
+        );
+        self.check("tk_all_reduce_sum_f32", status)
     }
 
     fn opt_arg(&self, v: Option<View<'_>>) -> Result<abi::TkPtr> {

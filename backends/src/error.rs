@@ -39,6 +39,9 @@ pub enum BackendError {
     AbiVersion { library: PathBuf, found_major: u32, found_minor: u32, need_major: u32, need_minor: u32 },
     #[error("kernel {op} failed on {device} ({status}): {message}")]
     Kernel { op: &'static str, device: String, status: &'static str, message: String },
+    /// The link to a pipeline stage on another host (`addr`: the other end).
+    #[error("stage link {addr}: {reason}")]
+    StageLink { addr: String, reason: String },
     #[error("KV cache: {0}")]
     KvCache(String),
     #[error("invalid request: {0}")]

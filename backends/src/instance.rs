@@ -8,10 +8,19 @@
 //! stages is idle for `(S - 1) / (M + S - 1)` of a step (the bubble). Activations go
 //! from a stage's rank 0 to every rank of the next as one buffer per micro-batch, in
 //! memory (the ranks of one instance share a process); the ranks of a stage join their
-//! partial sums through a [`LocalGroup`]. Each stage keeps the KV of its own layers:
-//! its KV cache has the instance's block count, so one block table addresses a
-//! sequence's blocks on every stage.
+//! partial sums through the kernel library's collectives where it has them (ABI 1.4),
+//! else through Tessera's host all-reduce ([`crate::shard::group`]). Each stage keeps
+//! the KV of its own layers: its KV cache has the instance's block count, so one block
+//! table addresses a sequence's blocks on every stage.
+//!
+//! A stage on another host ([`RemoteStage`]) is loaded and run by that host's stage
+//! server; here one worker thread stands for it, sending each micro-batch and its
+//! activations over the stage's link ([`crate::stage_link`]) and passing the answer on.
+//! The same structure serves the other end: a stage server runs its stage as a
+//! *part* of an instance ([`ShardedModel::load_part`]), whose last stage answers with
+//! its activations.
 
+use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,8 +36,9 @@ use crate::error::{BackendError, Result};
 use crate::kv::{KvCacheConfig, PagedKvCache};
 use crate::kv_format::KvLayout;
 use crate::loader::KernelLibrary;
-use crate::model::{LoadOptions, LogitsWanted, Model, SeqChunk, StageInput};
-use crate::shard::{AllReduce, LocalGroup, Shard, stage_ranges};
+use crate::model::{LoadOptions, Model, SeqChunk, StageInput};
+use crate::shard::{AllReduce, Collectives, Shard, stage_ranges};
+use crate::stage_link::{StageClient, WireChunk};
 pub use tessera_perf::parallel::WeightParts;
 
 /// One device of an instance.
@@ -46,6 +56,17 @@ pub struct ShardDevice {
 pub struct StageSpec {
     pub layers: Range<usize>,
     pub devices: Vec<ShardDevice>,
+    /// Where the stage runs when its devices are on another host; `None`: here.
+    pub remote: Option<RemoteStage>,
+}
+
+/// A stage whose devices are on another host: that host's stage server loads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteStage {
+    /// The stage server's address.
+    pub addr: SocketAddr,
+    /// The instance's id, by which the server finds the stage in its topology.
+    pub instance: String,
 }
 
 /// How to bring up an instance.
@@ -61,6 +82,8 @@ pub struct InstanceSpec {
     pub default_kv_bytes: u64,
     /// No more blocks than this (what the instance's batches can use).
     pub max_blocks: usize,
+    /// Which all-reduce joins each stage's ranks.
+    pub collectives: Collectives,
 }
 
 impl InstanceSpec {
@@ -70,7 +93,7 @@ impl InstanceSpec {
         stage_ranges(counts)
             .into_iter()
             .enumerate()
-            .map(|(s, layers)| StageSpec { layers, devices: (0..tp).map(|r| device(s, r)).collect() })
+            .map(|(s, layers)| StageSpec { layers, devices: (0..tp).map(|r| device(s, r)).collect(), remote: None })
             .collect()
     }
 }
@@ -94,44 +117,12 @@ pub fn weight_parts(dir: &std::path::Path) -> Result<WeightParts> {
 /// heads `kv_heads`: e.g. to stage them for a decode chip.
 pub type LayerHook = dyn Fn(usize, usize, Range<usize>, &Device, &PagedKvCache) -> Result<()> + Send + Sync;
 
-/// A micro-batch's chunks, owned so they can cross to the workers.
-#[derive(Debug, Clone)]
-struct OwnedChunk {
-    tokens: Vec<u32>,
-    start_pos: usize,
-    block_table: Vec<u32>,
-    slots: Vec<i32>,
-    logits: LogitsWanted,
-}
-
-impl OwnedChunk {
-    fn of(c: &SeqChunk<'_>) -> OwnedChunk {
-        OwnedChunk {
-            tokens: c.tokens.to_vec(),
-            start_pos: c.start_pos,
-            block_table: c.block_table.to_vec(),
-            slots: c.slots.to_vec(),
-            logits: c.logits,
-        }
-    }
-
-    fn view(&self) -> SeqChunk<'_> {
-        SeqChunk {
-            tokens: &self.tokens,
-            start_pos: self.start_pos,
-            block_table: &self.block_table,
-            slots: &self.slots,
-            logits: self.logits,
-        }
-    }
-}
-
 enum Cmd {
     /// `spent`: the stages before's compute time for this micro-batch.
     Forward {
         step: u64,
         mb: usize,
-        batch: Arc<Vec<OwnedChunk>>,
+        batch: Arc<Vec<WireChunk>>,
         input: Option<Arc<Vec<f32>>>,
         spent: Duration,
         hook: Option<Arc<LayerHook>>,
@@ -166,10 +157,19 @@ enum Event {
 /// What a worker reports once its shard is loaded.
 struct Loaded {
     weight_bytes: u64,
-    memory_limit: u64,
+    /// The most KV blocks its device holds beside its weights.
+    max_blocks: usize,
     compat: CompatInfo,
     weight_format: String,
-    local: ModelConfig,
+}
+
+/// How a worker sizes its KV cache: what its device's memory limit leaves after its
+/// weights (an eighth kept for step buffers), or `default_bytes` without a limit.
+#[derive(Debug, Clone, Copy)]
+struct KvSizing {
+    block_size: usize,
+    dtype: DType,
+    default_bytes: u64,
 }
 
 struct Worker {
@@ -182,6 +182,8 @@ pub struct ShardedModel {
     config: ModelConfig,
     stages: Vec<Range<usize>>,
     tp: Vec<usize>,
+    /// Each stage's all-reduce: "library", "host", or "none" (one rank).
+    all_reduce: Vec<&'static str>,
     /// `[stage][rank]`.
     workers: Vec<Vec<Worker>>,
     events: Receiver<Event>,
@@ -223,25 +225,93 @@ impl ShardedModel {
     /// the block count all of them can hold: what each device's memory limit leaves
     /// after its weights (an eighth kept for step buffers), or `default_kv_bytes`.
     pub fn load(spec: &InstanceSpec) -> Result<ShardedModel> {
+        let (mut model, num_blocks) = Self::start(spec, false)?;
+        model.make_kv(num_blocks)?;
+        Ok(model)
+    }
+
+    /// A part of an instance: consecutive stages (all of them here) that need not start
+    /// at layer 0 or end at the model's last, as a stage server runs a stage of an
+    /// instance on another host. Its first stage takes activations, its last answers
+    /// with them (or with logits, if it is the model's last). No KV cache is made yet:
+    /// the most blocks every shard can hold is returned, for [`make_kv`](Self::make_kv)
+    /// with the whole instance's count.
+    pub fn load_part(spec: &InstanceSpec) -> Result<(ShardedModel, usize)> {
+        if let Some(s) = spec.stages.iter().position(|s| s.remote.is_some()) {
+            return Err(BackendError::Shard(format!("stage {s} of a part is on another host; a part runs here")));
+        }
+        Self::start(spec, true)
+    }
+
+    /// Loads the shards and starts their workers; the KV cache is made by `make_kv`.
+    fn start(spec: &InstanceSpec, part: bool) -> Result<(ShardedModel, usize)> {
         let config = ModelConfig::from_dir(&spec.model_dir)?;
-        check_stages(&config, spec)?;
+        check_stages(&config, spec, part)?;
+        let sizing =
+            KvSizing { block_size: spec.block_size, dtype: spec.kv_dtype, default_bytes: spec.default_kv_bytes };
         let (events_tx, events) = mpsc::channel();
         let mut workers: Vec<Vec<Worker>> = Vec::new();
         let mut loading = Vec::new();
         // Built from the last stage back, so each stage knows the next one's workers.
         let mut next: Vec<Sender<Cmd>> = Vec::new();
-        for stage in spec.stages.iter().rev() {
-            let groups = LocalGroup::new(stage.devices.len());
+        // One load per library file, so every rank of a stage shares its library (and
+        // so may share its communicator).
+        let mut libs: Vec<(Option<PathBuf>, Arc<KernelLibrary>)> = Vec::new();
+        let mut all_reduce = Vec::new();
+        for (s, stage) in spec.stages.iter().enumerate().rev() {
+            if let Some(remote) = &stage.remote {
+                let (tx, rx) = mpsc::channel();
+                let (ready_tx, ready_rx) = mpsc::channel();
+                let label = format!("stage {s} on {}", remote.addr);
+                let job = RemoteJob {
+                    remote: remote.clone(),
+                    stage: s,
+                    layers: stage.layers.clone(),
+                    label: label.clone(),
+                    next: next.clone(),
+                    events: events_tx.clone(),
+                };
+                let thread = std::thread::Builder::new()
+                    .name(format!("stage-link-{s}"))
+                    .spawn(move || job.run(rx, ready_tx))
+                    .map_err(|e| BackendError::Shard(format!("cannot start the link of {label}: {e}")))?;
+                next = vec![tx.clone()];
+                workers.push(vec![Worker { tx, thread: Some(thread) }]);
+                all_reduce.push("remote");
+                loading.push((label, ready_rx));
+                continue;
+            }
+            let mut stage_libs = Vec::new();
+            for dev in &stage.devices {
+                let lib = match libs.iter().find(|(p, _)| *p == dev.kernel_lib) {
+                    Some((_, lib)) => lib.clone(),
+                    None => {
+                        let lib = match &dev.kernel_lib {
+                            Some(path) => KernelLibrary::load(path),
+                            None => KernelLibrary::load_default(),
+                        }
+                        .map_err(|e| BackendError::Shard(format!("{}: {e}", dev.label)))?;
+                        libs.push((dev.kernel_lib.clone(), lib.clone()));
+                        lib
+                    }
+                };
+                stage_libs.push(lib);
+            }
+            let shared = stage_libs.iter().all(|l| Arc::ptr_eq(l, &stage_libs[0])).then(|| &stage_libs[0]);
+            let (groups, kind) = crate::shard::group(shared, stage.devices.len(), spec.collectives)?;
+            all_reduce.push(if stage.devices.len() > 1 { kind } else { "none" });
             let mut row = Vec::new();
-            for (rank, (dev, group)) in stage.devices.iter().zip(groups).enumerate() {
+            for (rank, ((dev, group), lib)) in stage.devices.iter().zip(groups).zip(stage_libs).enumerate() {
                 let (tx, rx) = mpsc::channel();
                 let (ready_tx, ready_rx) = mpsc::channel();
                 let shard = Shard { layers: stage.layers.clone(), tp_rank: rank, tp_size: stage.devices.len() };
                 let job = WorkerJob {
+                    lib,
                     model_dir: spec.model_dir.clone(),
                     options: spec.options,
                     device: dev.clone(),
                     shard,
+                    sizing,
                     group: (stage.devices.len() > 1).then_some(group),
                     next: if rank == 0 { next.clone() } else { Vec::new() },
                     events: events_tx.clone(),
@@ -257,60 +327,50 @@ impl ShardedModel {
             workers.push(row);
         }
         workers.reverse();
+        all_reduce.reverse();
+        // In stage order, so the first stage's shard speaks for the instance.
+        loading.reverse();
         let mut loaded = Vec::new();
         for (label, ready) in loading {
             let shard = ready
                 .recv()
                 .map_err(|_| BackendError::Shard(format!("the worker of {label} stopped while loading")))?
                 .map_err(|e| BackendError::Shard(format!("{label}: {e}")))?;
-            loaded.push((label, shard));
+            loaded.push(shard);
         }
-        let mut num_blocks = spec.max_blocks.max(1);
-        for (label, l) in &loaded {
-            let kv_bytes = match l.memory_limit {
-                0 => spec.default_kv_bytes,
-                limit => {
-                    let rest = limit.checked_sub(l.weight_bytes).ok_or_else(|| {
-                        BackendError::Shard(format!(
-                            "{label}: its memory limit ({limit} bytes) is smaller than its shard's weights ({} bytes)",
-                            l.weight_bytes
-                        ))
-                    })?;
-                    rest - rest / 8
-                }
-            };
-            let blocks = PagedKvCache::blocks_for_bytes(&l.local, spec.block_size, spec.kv_dtype, kv_bytes);
-            if blocks == 0 {
-                return Err(BackendError::Shard(format!(
-                    "{label}: no memory is left for even one KV block of {} tokens",
-                    spec.block_size
-                )));
-            }
-            num_blocks = num_blocks.min(blocks);
-        }
-        let kv = KvCacheConfig { block_size: spec.block_size, num_blocks, dtype: spec.kv_dtype };
-        let mut replies = Vec::new();
-        for w in workers.iter().flatten() {
-            let (reply, rx) = mpsc::channel();
-            send(&w.tx, Cmd::MakeKv { config: kv, layout: spec.kv_layout, reply })?;
-            replies.push(rx);
-        }
-        wait_all(replies)?;
-        let (_, first) = &loaded[0];
-        Ok(ShardedModel {
+        let num_blocks = loaded.iter().map(|l| l.max_blocks).fold(spec.max_blocks.max(1), usize::min);
+        let first = &loaded[0];
+        let model = ShardedModel {
             stages: spec.stages.iter().map(|s| s.layers.clone()).collect(),
             tp: spec.stages.iter().map(|s| s.devices.len()).collect(),
-            weight_bytes: loaded.iter().map(|(_, l)| l.weight_bytes).sum(),
+            all_reduce,
+            weight_bytes: loaded.iter().map(|l| l.weight_bytes).sum(),
             compat: first.compat.clone(),
             weight_format: first.weight_format.clone(),
             config,
             workers,
             events,
             step: 0,
-            kv,
+            kv: KvCacheConfig { block_size: spec.block_size, num_blocks: 0, dtype: spec.kv_dtype },
             kv_layout: spec.kv_layout,
             timing: StepTiming::default(),
-        })
+        };
+        Ok((model, num_blocks))
+    }
+
+    /// Makes every shard's KV cache, of `num_blocks` blocks (at most what
+    /// [`load_part`](Self::load_part) said each shard can hold).
+    pub fn make_kv(&mut self, num_blocks: usize) -> Result<()> {
+        let kv = KvCacheConfig { num_blocks, ..self.kv };
+        let mut replies = Vec::new();
+        for w in self.workers.iter().flatten() {
+            let (reply, rx) = mpsc::channel();
+            send(&w.tx, Cmd::MakeKv { config: kv, layout: self.kv_layout, reply })?;
+            replies.push(rx);
+        }
+        wait_all(replies)?;
+        self.kv = kv;
+        Ok(())
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -325,6 +385,12 @@ impl ShardedModel {
     /// Each stage's tensor-parallel degree.
     pub fn tp_degrees(&self) -> &[usize] {
         &self.tp
+    }
+
+    /// Each stage's all-reduce: `"library"` (the kernel library's collectives),
+    /// `"host"` (Tessera's), or `"none"` (a stage of one rank).
+    pub fn all_reduce(&self) -> &[&'static str] {
+        &self.all_reduce
     }
 
     /// The KV cache every shard holds (its block count is the instance's).
@@ -371,21 +437,65 @@ impl ShardedModel {
         hook: Option<Arc<LayerHook>>,
         on_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Vec<f32>> {
+        if hook.is_some()
+            && let Some(s) = self.all_reduce.iter().position(|k| *k == "remote")
+        {
+            return Err(BackendError::Shard(format!(
+                "stage {s} is on another host, which cannot stage its layers' KV for a decode chip: a prefill \
+                 instance keeps its stages on one host"
+            )));
+        }
+        let parts = if hook.is_some() { 1 } else { self.stages.len() };
+        self.step_with(batch, None, parts, hook, on_layer)
+    }
+
+    /// One step of a part ([`load_part`](Self::load_part)) over one micro-batch: its
+    /// first stage takes `input` (the activations of the stage before, `hidden_size`
+    /// values a token; `None` where the part begins at layer 0), and the rows its last
+    /// stage ends with come back: activations, or logits rows wanted.
+    pub fn forward_part(&mut self, batch: &[SeqChunk<'_>], input: Option<&[f32]>) -> Result<Vec<f32>> {
+        let tokens: usize = batch.iter().map(|c| c.tokens.len()).sum();
+        let first = self.stages.first().map_or(0, |r| r.start);
+        match input {
+            Some(hidden) if hidden.len() != tokens * self.config.hidden_size => {
+                return Err(BackendError::Request(format!(
+                    "{} activation values for {tokens} tokens of hidden size {}",
+                    hidden.len(),
+                    self.config.hidden_size
+                )));
+            }
+            None if first != 0 => {
+                return Err(BackendError::Request(format!("a part from layer {first} needs activations")));
+            }
+            Some(_) if first == 0 => {
+                return Err(BackendError::Request("a part from layer 0 takes tokens, not activations".into()));
+            }
+            _ => {}
+        }
+        self.step_with(batch, input, 1, None, &mut |_| Ok(()))
+    }
+
+    fn step_with(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        input: Option<&[f32]>,
+        parts: usize,
+        hook: Option<Arc<LayerHook>>,
+        on_layer: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Vec<f32>> {
         if batch.is_empty() {
             return Err(BackendError::Request("a forward step needs at least one token".into()));
         }
         let started = Instant::now();
         self.step += 1;
         let step = self.step;
-        let parts = microbatches(batch, if hook.is_some() { 1 } else { self.stages.len() });
+        let parts = microbatches(batch, parts);
+        let input = input.map(|hidden| Arc::new(hidden.to_vec()));
         for (mb, part) in parts.iter().enumerate() {
-            let chunks = Arc::new(part.iter().map(OwnedChunk::of).collect::<Vec<_>>());
+            let chunks = Arc::new(part.iter().map(WireChunk::of).collect::<Vec<_>>());
             for w in &self.workers[0] {
-                let hook = hook.clone();
-                send(
-                    &w.tx,
-                    Cmd::Forward { step, mb, batch: chunks.clone(), input: None, spent: Duration::ZERO, hook },
-                )?;
+                let (hook, input) = (hook.clone(), input.clone());
+                send(&w.tx, Cmd::Forward { step, mb, batch: chunks.clone(), input, spent: Duration::ZERO, hook })?;
             }
         }
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; parts.len()];
@@ -480,9 +590,11 @@ impl Drop for ShardedModel {
     }
 }
 
-/// The stages must cover the model's layers in order, each with one device or more.
-fn check_stages(config: &ModelConfig, spec: &InstanceSpec) -> Result<()> {
-    let mut at = 0;
+/// The stages must cover the model's layers in order (a part: some of them, from any
+/// layer), each with one device or more; an instance's first stage runs here.
+fn check_stages(config: &ModelConfig, spec: &InstanceSpec, part: bool) -> Result<()> {
+    let begin = if part { spec.stages.first().map_or(0, |s| s.layers.start) } else { 0 };
+    let mut at = begin;
     for (i, s) in spec.stages.iter().enumerate() {
         if s.layers.start != at || s.layers.is_empty() || s.devices.is_empty() {
             return Err(BackendError::Shard(format!(
@@ -494,10 +606,17 @@ fn check_stages(config: &ModelConfig, spec: &InstanceSpec) -> Result<()> {
         }
         at = s.layers.end;
     }
-    if at != config.num_layers || spec.stages.is_empty() {
+    let covered = if part { at <= config.num_layers } else { at == config.num_layers };
+    if !covered || spec.stages.is_empty() {
         return Err(BackendError::Shard(format!(
-            "the stages cover layers 0..{at} of a {}-layer model",
+            "the stages cover layers {begin}..{at} of a {}-layer model",
             config.num_layers
+        )));
+    }
+    if let Some(remote) = spec.stages.first().and_then(|s| s.remote.as_ref()) {
+        return Err(BackendError::Shard(format!(
+            "the first stage is on another host ({}): an instance runs on the host of its first stage",
+            remote.addr
         )));
     }
     Ok(())
@@ -539,14 +658,115 @@ fn wait_all(replies: Vec<Receiver<Result<()>>>) -> Result<()> {
     Ok(())
 }
 
+/// What a stage's rank 0 ends a micro-batch with.
+struct StageOutput {
+    step: u64,
+    mb: usize,
+    batch: Arc<Vec<WireChunk>>,
+    /// Activations, or logits rows after the model's last layer.
+    rows: Vec<f32>,
+    /// Compute time of this micro-batch so far, over the stages.
+    compute: Duration,
+    hook: Option<Arc<LayerHook>>,
+}
+
+impl StageOutput {
+    /// To every rank of the next stage; after the last stage (of the model, or of a
+    /// part), back to the instance.
+    fn pass_on(self, next: &[Sender<Cmd>], events: &Sender<Event>) {
+        let StageOutput { step, mb, batch, rows, compute, hook } = self;
+        if next.is_empty() {
+            let _ = events.send(Event::Done { step, mb, result: Ok(rows), compute });
+            return;
+        }
+        let hidden = Arc::new(rows);
+        for tx in next {
+            let input = Some(hidden.clone());
+            let cmd = Cmd::Forward { step, mb, batch: batch.clone(), input, spent: compute, hook: hook.clone() };
+            if tx.send(cmd).is_err() {
+                let e = BackendError::Shard("the next stage's worker has stopped".into());
+                let _ = events.send(Event::Done { step, mb, result: Err(e), compute });
+            }
+        }
+    }
+}
+
+/// The worker that stands for a stage on another host: each command goes over the
+/// stage's link. A broken link (or a failed step there) fails the step and ends this
+/// worker, so the instance is down, as when a local worker panics.
+struct RemoteJob {
+    remote: RemoteStage,
+    stage: usize,
+    layers: Range<usize>,
+    label: String,
+    next: Vec<Sender<Cmd>>,
+    events: Sender<Event>,
+}
+
+impl RemoteJob {
+    fn run(self, rx: Receiver<Cmd>, ready: Sender<Result<Loaded>>) {
+        let timeout = crate::shard::ALL_REDUCE_TIMEOUT * 2;
+        let connected =
+            StageClient::connect(self.remote.addr, &self.remote.instance, self.stage, self.layers.clone(), timeout);
+        let mut link = match connected {
+            Ok((link, l)) => {
+                let loaded = Loaded {
+                    weight_bytes: l.weight_bytes,
+                    max_blocks: l.max_blocks,
+                    compat: l.compat,
+                    weight_format: l.weight_format,
+                };
+                if ready.send(Ok(loaded)).is_err() {
+                    return;
+                }
+                link
+            }
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        while let Ok(cmd) = rx.recv() {
+            match cmd {
+                Cmd::MakeKv { config, reply, .. } => {
+                    let _ = reply.send(link.make_kv(config.num_blocks));
+                }
+                Cmd::CopyBlocks { pairs, reply } => {
+                    let _ = reply.send(link.copy_blocks(&pairs));
+                }
+                Cmd::WriteTokens { layer, k_rows, v_rows, slots, reply } => {
+                    let _ = reply.send(link.write_tokens(layer, &k_rows, &v_rows, &slots));
+                }
+                Cmd::Forward { step, mb, batch, input, spent, hook } => {
+                    let ran = link.forward(batch.to_vec(), input.as_deref().map(Vec::as_slice));
+                    match ran {
+                        Ok((rows, compute)) => {
+                            let out = StageOutput { step, mb, batch, rows, compute: spent + compute, hook };
+                            out.pass_on(&self.next, &self.events);
+                        }
+                        Err(e) => {
+                            let e = BackendError::Shard(format!("{}: {e}", self.label));
+                            let _ = self.events.send(Event::Done { step, mb, result: Err(e), compute: spent });
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// What one worker thread is given.
 struct WorkerJob {
+    lib: Arc<KernelLibrary>,
     model_dir: PathBuf,
     options: LoadOptions,
     device: ShardDevice,
     shard: Shard,
-    group: Option<LocalGroup>,
-    /// The next stage's workers (rank 0 forwards its activations to them).
+    sizing: KvSizing,
+    group: Option<Box<dyn AllReduce + Send>>,
+    /// The next stage's workers (rank 0 forwards its activations to them); none after
+    /// the last stage of a part, which answers with its activations.
     next: Vec<Sender<Cmd>>,
     events: Sender<Event>,
 }
@@ -560,14 +780,13 @@ impl WorkerJob {
                 return;
             }
         };
-        let loaded = Loaded {
+        let loaded = self.max_blocks(&model).map(|max_blocks| Loaded {
             weight_bytes: model.weight_bytes(),
-            memory_limit: self.device.device.memory_limit_bytes,
+            max_blocks,
             compat: model.compat_info(),
             weight_format: model.weight_format().to_string(),
-            local: model.shard_config().clone(),
-        };
-        if ready.send(Ok(loaded)).is_err() {
+        });
+        if ready.send(loaded).is_err() {
             return;
         }
         let mut kv: Option<PagedKvCache> = None;
@@ -591,12 +810,12 @@ impl WorkerJob {
                 }
                 Cmd::Forward { step, mb, batch, input, spent, hook } => {
                     let started = Instant::now();
-                    let chunks: Vec<SeqChunk<'_>> = batch.iter().map(OwnedChunk::view).collect();
+                    let chunks: Vec<SeqChunk<'_>> = batch.iter().map(WireChunk::view).collect();
                     let input = match &input {
                         Some(hidden) => StageInput::Hidden(hidden),
                         None => StageInput::Tokens,
                     };
-                    let reduce = self.group.as_mut().map(|g| g as &mut dyn AllReduce);
+                    let reduce = self.group.as_deref_mut().map(|g| g as &mut dyn AllReduce);
                     let first = self.shard.layers.start;
                     let kv_heads = self.shard.heads(model.config()).kv;
                     let events = &self.events;
@@ -628,7 +847,6 @@ impl WorkerJob {
                         }
                     };
                     let compute = spent + started.elapsed();
-                    let last = model.shard().is_last(model.config());
                     match result {
                         Err(e) => {
                             if let Some(g) = &self.group {
@@ -641,25 +859,9 @@ impl WorkerJob {
                             }
                         }
                         Ok(_) if self.shard.tp_rank != 0 => {}
-                        Ok(rows) if last => {
-                            let _ = self.events.send(Event::Done { step, mb, result: Ok(rows), compute });
-                        }
-                        Ok(hidden) => {
-                            let hidden = Arc::new(hidden);
-                            for tx in &self.next {
-                                let cmd = Cmd::Forward {
-                                    step,
-                                    mb,
-                                    batch: batch.clone(),
-                                    input: Some(hidden.clone()),
-                                    spent: compute,
-                                    hook: hook.clone(),
-                                };
-                                if tx.send(cmd).is_err() {
-                                    let e = BackendError::Shard("the next stage's worker has stopped".into());
-                                    let _ = self.events.send(Event::Done { step, mb, result: Err(e), compute });
-                                }
-                            }
+                        Ok(rows) => {
+                            let out = StageOutput { step, mb, batch, rows, compute, hook };
+                            out.pass_on(&self.next, &self.events);
                         }
                     }
                 }
@@ -667,13 +869,30 @@ impl WorkerJob {
         }
     }
 
+    /// The most KV blocks this shard's device holds beside its weights.
+    fn max_blocks(&self, model: &Model) -> Result<usize> {
+        let KvSizing { block_size, dtype, default_bytes } = self.sizing;
+        let weights = model.weight_bytes();
+        let kv_bytes = match self.device.device.memory_limit_bytes {
+            0 => default_bytes,
+            limit => {
+                let rest = limit.checked_sub(weights).ok_or_else(|| {
+                    BackendError::Shard(format!(
+                        "its memory limit ({limit} bytes) is smaller than its shard's weights ({weights} bytes)"
+                    ))
+                })?;
+                rest - rest / 8
+            }
+        };
+        match PagedKvCache::blocks_for_bytes(model.shard_config(), block_size, dtype, kv_bytes) {
+            0 => Err(BackendError::Shard(format!("no memory is left for even one KV block of {block_size} tokens"))),
+            blocks => Ok(blocks),
+        }
+    }
+
     /// Opens this shard's device on this thread and loads the shard onto it.
     fn open(&self) -> Result<Model> {
-        let lib = match &self.device.kernel_lib {
-            Some(path) => KernelLibrary::load(path),
-            None => KernelLibrary::load_default(),
-        }?;
-        let device = Device::open(&lib, &self.device.device)?;
+        let device = Device::open(&self.lib, &self.device.device)?;
         Model::load_shard(&self.model_dir, device, self.options, Some(self.shard.clone()))
     }
 
@@ -713,6 +932,7 @@ impl WorkerJob {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::LogitsWanted;
 
     fn chunk(tokens: &[u32]) -> SeqChunk<'_> {
         SeqChunk { tokens, start_pos: 0, block_table: &[], slots: &[], logits: LogitsWanted::Last }

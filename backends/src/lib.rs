@@ -25,6 +25,7 @@ pub mod npy;
 pub mod profile;
 pub mod sampling;
 pub mod shard;
+pub mod stage_link;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;

@@ -29,6 +29,8 @@ pub(crate) struct Api {
     pub device_destroy: abi::DeviceDestroyFn,
     /// Absent before ABI 1.3.
     pub set_matmul_precision: Option<abi::DeviceSetMatmulPrecisionFn>,
+    /// Absent before ABI 1.4, and in a library that offers no collectives.
+    pub collectives: Option<Collectives>,
     pub device_info_get: abi::DeviceInfoGetFn,
     pub synchronize: abi::SynchronizeFn,
     pub alloc: abi::AllocFn,
@@ -48,6 +50,15 @@ pub(crate) struct Api {
     pub paged_decode_attention: abi::PagedDecodeAttentionFn,
     pub argmax: abi::ArgmaxFn,
     pub log_softmax: abi::LogSoftmaxFn,
+}
+
+/// ABI 1.4's collective entry points, all present or none.
+#[derive(Clone, Copy)]
+pub(crate) struct Collectives {
+    pub comm_create: abi::CommCreateFn,
+    pub comm_destroy: abi::CommDestroyFn,
+    pub comm_abort: abi::CommAbortFn,
+    pub all_reduce_sum_f32: abi::AllReduceSumF32Fn,
 }
 
 /// A loaded, version-checked kernel library.
@@ -115,12 +126,42 @@ impl KernelLibrary {
                 *s
             }};
         }
+        macro_rules! optional {
+            ($name:literal) => {
+                // SAFETY: as `sym!`: the header of the minor that added the symbol gives
+                // it this type; it may be absent.
+                unsafe { lib.get(concat!($name, "\0").as_bytes()) }.ok().map(|s| *s)
+            };
+        }
+        let collectives = if found_minor >= abi::TK_ABI_MINOR_COLLECTIVES {
+            let found = (
+                optional!("tk_comm_create"),
+                optional!("tk_comm_destroy"),
+                optional!("tk_comm_abort"),
+                optional!("tk_all_reduce_sum_f32"),
+            );
+            match found {
+                (Some(comm_create), Some(comm_destroy), Some(comm_abort), Some(all_reduce_sum_f32)) => {
+                    Some(Collectives { comm_create, comm_destroy, comm_abort, all_reduce_sum_f32 })
+                }
+                (None, None, None, None) => None,
+                _ => {
+                    return Err(lib_err(format!(
+                        "it exports some of the collectives of kernel ABI 1.4 but not all of {}; export all or none",
+                        abi::COLLECTIVE_SYMBOLS.join(", ")
+                    )));
+                }
+            }
+        } else {
+            None
+        };
         let api = Api {
             last_error: sym!("tk_last_error"),
             device_create: sym!("tk_device_create"),
             device_destroy: sym!("tk_device_destroy"),
             // SAFETY: as `sym!`: the 1.3 header gives the symbol this type; optional.
-            set_matmul_precision: unsafe { lib.get(b"tk_device_set_matmul_precision\0") }.ok().map(|s| *s),
+            set_matmul_precision: optional!("tk_device_set_matmul_precision"),
+            collectives,
             device_info_get: sym!("tk_device_info_get"),
             synchronize: sym!("tk_synchronize"),
             alloc: sym!("tk_alloc"),
@@ -167,6 +208,11 @@ impl KernelLibrary {
 
     pub fn abi_version(&self) -> (u32, u32) {
         self.abi_version
+    }
+
+    /// Whether the library sums across its own devices (ABI 1.4's collectives).
+    pub fn has_collectives(&self) -> bool {
+        self.api.collectives.is_some()
     }
 
     /// The calling thread's last error message from this library.
@@ -227,6 +273,57 @@ pub(crate) mod raw {
             return Err((status, lib.last_error()));
         }
         Ok(())
+    }
+
+    /// `tk_comm_create`; the library must have collectives.
+    pub fn comm_create(
+        lib: &KernelLibrary,
+        ranks: u32,
+    ) -> std::result::Result<*mut abi::TkComm, (abi::TkStatus, String)> {
+        let Some(c) = lib.api.collectives else {
+            return Err((abi::TK_ERR_UNSUPPORTED, "the library has no collectives".into()));
+        };
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `out` is a valid out-pointer.
+        let status = unsafe { (c.comm_create)(ranks, &mut out) };
+        if status != abi::TK_OK || out.is_null() {
+            return Err((status, lib.last_error()));
+        }
+        Ok(out)
+    }
+
+    pub fn comm_destroy(lib: &KernelLibrary, comm: *mut abi::TkComm) {
+        if let Some(c) = lib.api.collectives {
+            // SAFETY: `comm` came from this library's `tk_comm_create` and is destroyed
+            // once, when its last owner (every rank is done) drops it.
+            unsafe { (c.comm_destroy)(comm) }
+        }
+    }
+
+    pub fn comm_abort(lib: &KernelLibrary, comm: *mut abi::TkComm) -> abi::TkStatus {
+        match lib.api.collectives {
+            // SAFETY: `comm` is live (its owner holds it); abort is thread-safe.
+            Some(c) => unsafe { (c.comm_abort)(comm) },
+            None => abi::TK_ERR_UNSUPPORTED,
+        }
+    }
+
+    pub fn all_reduce_sum_f32(
+        lib: &KernelLibrary,
+        comm: *mut abi::TkComm,
+        rank: u32,
+        dev: *mut abi::TkDevice,
+        buf: abi::TkPtr,
+        count: u64,
+        timeout_ms: u32,
+    ) -> abi::TkStatus {
+        match lib.api.collectives {
+            // SAFETY: `comm` is live; `dev` is this thread's device of the same library
+            // and `buf` one of its buffers (borrowed by the caller for the call), which
+            // the library bounds-checks.
+            Some(c) => unsafe { (c.all_reduce_sum_f32)(comm, rank, dev, buf, count, timeout_ms) },
+            None => abi::TK_ERR_UNSUPPORTED,
+        }
     }
 
     pub fn device_create(
@@ -411,6 +508,26 @@ unsafe impl Sync for RawDevice {}
 impl Drop for RawDevice {
     fn drop(&mut self) {
         raw::device_destroy(&self.lib, self.ptr);
+    }
+}
+
+/// A communicator handle (ABI 1.4); destroyed on drop, when its last owner (every
+/// rank is done with it) drops it.
+pub(crate) struct RawComm {
+    pub lib: Arc<KernelLibrary>,
+    pub ptr: *mut abi::TkComm,
+}
+
+// SAFETY: a communicator is made to be called from every rank's thread at once
+// (tk_all_reduce_sum_f32 and tk_comm_abort are thread-safe by the ABI); it is destroyed
+// only by Drop, when no call can be running.
+unsafe impl Send for RawComm {}
+// SAFETY: see above.
+unsafe impl Sync for RawComm {}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        raw::comm_destroy(&self.lib, self.ptr);
     }
 }
 

@@ -46,7 +46,7 @@ struct LayerWeights {
 }
 
 /// Which logits a sequence wants from a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum LogitsWanted {
     /// None (a prefill chunk that does not end the prompt).
     None,

@@ -1,7 +1,8 @@
 //! Model parallelism on the data plane: which part of a model one chip holds (a
 //! [`Shard`]: a pipeline stage's contiguous layers and, within the stage, one
 //! tensor-parallel rank's attention heads and FFN columns) and the all-reduce that joins
-//! the ranks of a stage ([`AllReduce`]; [`LocalGroup`] for ranks in one process).
+//! the ranks of a stage ([`AllReduce`]: [`LibraryGroup`], the kernel library's own
+//! collectives where it has them (ABI 1.4), else [`LocalGroup`], Tessera's host sum).
 //!
 //! Tensor parallelism splits Q/K/V and gate/up by rows (each rank its heads and FFN
 //! columns) and O/down by columns, so each rank's O and down produce a partial sum of
@@ -15,8 +16,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::config::ModelConfig;
-use crate::device::{Device, View};
+use crate::device::{Communicator, Device, View};
 use crate::error::{BackendError, Result};
+use crate::loader::KernelLibrary;
 
 /// The part of a model one chip holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +127,77 @@ pub trait AllReduce {
     /// Replaces the `len` f32 values at `buf` on `device` with their sum over every rank
     /// of the group, added in rank order, so every rank ends with the same bits.
     fn all_reduce(&mut self, device: &Device, buf: View<'_>, len: usize) -> Result<()>;
+
+    /// Ends every wait of the group, now and later: a rank that failed calls it so the
+    /// others stop waiting for it.
+    fn abort(&self, why: &str);
+}
+
+/// Which all-reduce joins the ranks of a stage.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Collectives {
+    /// The kernel library's own (ABI 1.4) where every rank's device is of one library
+    /// that has them; Tessera's host all-reduce otherwise.
+    #[default]
+    Library,
+    /// Tessera's host all-reduce ([`LocalGroup`]) always.
+    Host,
+}
+
+/// The members of one group of `ranks` (rank order), and the name of the all-reduce
+/// they use. `lib` is the library of every rank's device, where they share one.
+pub fn group(
+    lib: Option<&Arc<KernelLibrary>>,
+    ranks: usize,
+    choice: Collectives,
+) -> Result<(Vec<Box<dyn AllReduce + Send>>, &'static str)> {
+    match lib {
+        Some(lib) if choice == Collectives::Library && lib.has_collectives() => {
+            Ok((boxed(LibraryGroup::new(lib, ranks)?), "library"))
+        }
+        _ => Ok((boxed(LocalGroup::new(ranks)), "host")),
+    }
+}
+
+/// A group's members as trait objects.
+pub fn boxed<G: AllReduce + Send + 'static>(members: Vec<G>) -> Vec<Box<dyn AllReduce + Send>> {
+    members.into_iter().map(|g| Box::new(g) as Box<dyn AllReduce + Send>).collect()
+}
+
+/// The all-reduce of a kernel library's collectives (ABI 1.4's
+/// `tk_all_reduce_sum_f32`): the library sums the ranks' buffers where they are, in
+/// rank order, so the bits equal [`LocalGroup`]'s.
+pub struct LibraryGroup {
+    comm: Arc<Communicator>,
+    /// Why a rank aborted the group: the ABI's abort carries no reason, so the ranks
+    /// whose wait it ends report this one.
+    aborted: Arc<Mutex<Option<String>>>,
+    rank: usize,
+}
+
+impl LibraryGroup {
+    /// The `ranks` members of one group, rank order.
+    pub fn new(lib: &Arc<KernelLibrary>, ranks: usize) -> Result<Vec<LibraryGroup>> {
+        let comm = Arc::new(Communicator::new(lib, ranks)?);
+        let aborted = Arc::new(Mutex::new(None));
+        Ok((0..ranks).map(|rank| LibraryGroup { comm: comm.clone(), aborted: aborted.clone(), rank }).collect())
+    }
+}
+
+impl AllReduce for LibraryGroup {
+    fn all_reduce(&mut self, device: &Device, buf: View<'_>, len: usize) -> Result<()> {
+        device.all_reduce_sum(&self.comm, self.rank, buf, len, ALL_REDUCE_TIMEOUT).map_err(|e| {
+            match self.aborted.lock().unwrap_or_else(|p| p.into_inner()).as_deref() {
+                Some(why) => BackendError::Shard(format!("all-reduce aborted: {why}")),
+                None => e,
+            }
+        })
+    }
+
+    fn abort(&self, why: &str) {
+        self.aborted.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(|| why.to_string());
+        self.comm.abort();
+    }
 }
 
 /// How long a rank waits for the others at an all-reduce before the step fails: a rank
@@ -164,13 +237,6 @@ impl LocalGroup {
             changed: Condvar::new(),
         });
         (0..ranks).map(|rank| LocalGroup { shared: shared.clone(), rank, sum: Vec::new() }).collect()
-    }
-
-    /// Ends every wait of the group, now and later, with `why`.
-    pub fn abort(&self, why: &str) {
-        let mut g = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner());
-        g.aborted.get_or_insert_with(|| why.to_string());
-        self.shared.changed.notify_all();
     }
 
     /// Waits until every rank has arrived at this phase.
@@ -231,6 +297,12 @@ impl AllReduce for LocalGroup {
         let written = released.and_then(|()| device.write(buf, &sum));
         self.sum = sum;
         written
+    }
+
+    fn abort(&self, why: &str) {
+        let mut g = self.shared.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.aborted.get_or_insert_with(|| why.to_string());
+        self.shared.changed.notify_all();
     }
 }
 

@@ -80,6 +80,9 @@ pub struct HostSpec {
     pub events: SocketAddr,
     /// The host's KV transfer listener (default: the bus port + 2).
     pub transfer: SocketAddr,
+    /// The host's stage server (default: the bus port + 3): set where the host holds a
+    /// pipeline stage of an instance that runs on another host, else `None`.
+    pub stages: Option<SocketAddr>,
     pub chips: Vec<ChipSpec>,
 }
 
@@ -127,8 +130,10 @@ pub struct ChipSpec {
     pub parallel: Option<ParallelSpec>,
 }
 
-/// A model instance across chips of one host: pipeline stages in order, each of `tp`
-/// like chips (tensor parallel), each stage holding a contiguous range of layers.
+/// A model instance across chips: pipeline stages in order, each of `tp` like chips of
+/// one host (tensor parallel), each stage holding a contiguous range of layers. The
+/// instance runs on its first stage's host; a stage on another host is served there by
+/// that host's stage server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParallelSpec {
     /// Chips per stage (1..=64).
@@ -138,6 +143,8 @@ pub struct ParallelSpec {
     pub split: Option<Vec<usize>>,
     /// The member chips, stage-major: stage `s` is `chips[s * tp..(s + 1) * tp]`.
     pub chips: Vec<ChipSpec>,
+    /// The host of each stage's chips, by name.
+    pub stage_hosts: Vec<String>,
 }
 
 impl ChipSpec {

@@ -263,6 +263,8 @@ struct RawHost {
     #[serde(default)]
     transfer: Option<Spanned<String>>,
     #[serde(default)]
+    stages: Option<Spanned<String>>,
+    #[serde(default)]
     chips: Vec<Spanned<RawChip>>,
 }
 
@@ -492,6 +494,7 @@ impl Checker<'_> {
         let paths = self.local_paths(&cluster.model, &model, &raw.hosts, &hosts)?;
         // After every per-chip check, which pairs each raw chip with its spec.
         let hosts = self.instances(&raw.instances, hosts)?;
+        let hosts = self.stage_servers(&raw.hosts, hosts, &gateway)?;
 
         let spec = ClusterSpec {
             source: self.source.to_owned(),
@@ -1017,7 +1020,11 @@ impl Checker<'_> {
                 chip_ids.insert(id, (chip_key, raw_chip.get_ref().id.span()));
                 chips.push(chip);
             }
-            hosts.push(HostSpec { name, bus, events, transfer, chips });
+            let stages = match &host.stages {
+                Some(value) => Some(self.address(value, &format!("{key}.stages"))?),
+                None => None,
+            };
+            hosts.push(HostSpec { name, bus, events, transfer, stages, chips });
         }
         Ok(hosts)
     }
@@ -1077,7 +1084,6 @@ impl Checker<'_> {
                     "an instance spans two chips or more (one chip holding the whole model needs no instance)",
                 ));
             }
-            let mut host_of = None;
             let mut members = Vec::with_capacity(names.len());
             for (c, name) in names.iter().enumerate() {
                 let ckey = format!("{key}.chips[{c}]");
@@ -1092,23 +1098,11 @@ impl Checker<'_> {
                 let Some(h) = hosts.iter().position(|h| h.chips.iter().any(|x| x.id == *chip_id)) else {
                     return Err(self.err(name.span(), ckey, format!("no chip has the id `{chip_id}`")));
                 };
-                if *host_of.get_or_insert(h) != h {
-                    return Err(self.err(
-                        name.span(),
-                        ckey,
-                        format!(
-                            "chip `{chip_id}` is on host `{}`, the instance's first chip on `{}`: the chips of an \
-                             instance share one host",
-                            hosts[h].name,
-                            hosts[host_of.unwrap_or(h)].name
-                        ),
-                    ));
-                }
                 taken.insert(chip_id.clone(), id.clone());
                 let at = hosts[h].chips.iter().position(|x| x.id == *chip_id).unwrap_or(0);
-                members.push((at, name));
+                members.push((h, at, name));
             }
-            let h = host_of.unwrap_or(0);
+            let h = members[0].0;
             let tp = self.field(&inst.tp, &format!("{key}.tp"), 1, in_range(1, 64))?;
             if names.len() % tp != 0 {
                 let span = inst.tp.as_ref().map_or(inst.chips.span(), Spanned::span);
@@ -1148,9 +1142,9 @@ impl Checker<'_> {
                     }
                 },
             };
-            let chips: Vec<ChipSpec> = members.iter().map(|(at, _)| hosts[h].chips[*at].clone()).collect();
+            let chips: Vec<ChipSpec> = members.iter().map(|(mh, at, _)| hosts[*mh].chips[*at].clone()).collect();
             let first = &chips[0];
-            for ((_, name), chip) in members.iter().zip(&chips).skip(1) {
+            for ((_, _, name), chip) in members.iter().zip(&chips).skip(1) {
                 let differs = [
                     ("block_size", chip.block_size != first.block_size),
                     ("kv_dtype", chip.kv_dtype != first.kv_dtype),
@@ -1170,8 +1164,25 @@ impl Checker<'_> {
                     ));
                 }
             }
+            let mut stage_hosts = Vec::with_capacity(stages);
             for s in 0..stages {
                 let stage = &chips[s * tp..(s + 1) * tp];
+                let stage_members = &members[s * tp..(s + 1) * tp];
+                if let Some((oh, _, name)) = stage_members.iter().find(|(mh, _, _)| *mh != stage_members[0].0) {
+                    return Err(self.err(
+                        name.span(),
+                        format!("{key}.chips"),
+                        format!(
+                            "stage {s} has `{}` on host `{}` and `{}` on `{}`: the tensor-parallel chips of a stage \
+                             share one host (stages may be on different hosts)",
+                            stage[0].id,
+                            hosts[stage_members[0].0].name,
+                            name.get_ref(),
+                            hosts[*oh].name
+                        ),
+                    ));
+                }
+                stage_hosts.push(hosts[stage_members[0].0].name.clone());
                 if let Some(odd) = stage.iter().find(|c| c.kind != stage[0].kind) {
                     return Err(self.err(
                         inst.chips.span(),
@@ -1184,19 +1195,92 @@ impl Checker<'_> {
                 }
             }
             let role = self.named(&inst.role, &format!("{key}.role"), first.role)?;
-            let instance = ChipSpec::instance(id, role, ParallelSpec { tp, split, chips });
-            let at = members.iter().map(|(at, _)| *at).min().unwrap_or(0);
-            let host = &mut hosts[h];
-            let mut folded = Vec::with_capacity(host.chips.len());
-            for (c, chip) in host.chips.drain(..).enumerate() {
-                if c == at {
-                    folded.push(instance.clone());
-                }
-                if !members.iter().any(|(m, _)| *m == c) {
-                    folded.push(chip);
-                }
+            let spans_hosts = stage_hosts.iter().any(|n| *n != stage_hosts[0]);
+            if spans_hosts && role == Role::Prefill {
+                let span = inst.role.as_ref().map_or(inst.chips.span(), Spanned::span);
+                return Err(self.err(
+                    span,
+                    format!("{key}.role"),
+                    format!(
+                        "instance `{id}` has stages on hosts {}: a stage on another host cannot stage its layers' \
+                         KV for a decode chip, so a prefill instance keeps its stages on one host (role \
+                         \"decode\" or \"both\" may span hosts)",
+                        stage_hosts.join(", ")
+                    ),
+                ));
             }
-            host.chips = folded;
+            let instance = ChipSpec::instance(id, role, ParallelSpec { tp, split, chips, stage_hosts });
+            // Where its first chip was on the first stage's host; its chips leave every host.
+            let at = members.iter().filter(|(mh, _, _)| *mh == h).map(|(_, at, _)| *at).min().unwrap_or(0);
+            for (hi, host) in hosts.iter_mut().enumerate() {
+                let mut folded = Vec::with_capacity(host.chips.len());
+                for (c, chip) in host.chips.drain(..).enumerate() {
+                    if hi == h && c == at {
+                        folded.push(instance.clone());
+                    }
+                    if !members.iter().any(|(mh, m, _)| *mh == hi && *m == c) {
+                        folded.push(chip);
+                    }
+                }
+                host.chips = folded;
+            }
+        }
+        Ok(hosts)
+    }
+
+    /// Each host that holds a stage of an instance running on another host gets its
+    /// stage server's address (its `stages`, or the bus port + 3), distinct from every
+    /// other socket of the cluster.
+    fn stage_servers(
+        &self,
+        raw: &[Spanned<RawHost>],
+        mut hosts: Vec<HostSpec>,
+        gateway: &GatewaySpec,
+    ) -> Result<Vec<HostSpec>, TopologyError> {
+        let serving: Vec<bool> = hosts
+            .iter()
+            .map(|h| {
+                hosts
+                    .iter()
+                    .flat_map(|o| &o.chips)
+                    .filter_map(|c| c.parallel.as_ref())
+                    .any(|p| p.stage_hosts.iter().any(|n| *n == h.name) && p.stage_hosts[0] != h.name)
+            })
+            .collect();
+        for (i, (raw_host, host)) in raw.iter().zip(hosts.iter_mut()).enumerate() {
+            if !serving[i] {
+                continue;
+            }
+            let r = raw_host.get_ref();
+            let key = format!("hosts[{i}]");
+            let bus = host.bus;
+            host.stages = Some(self.next_to_bus(&r.stages, &r.bus, bus, &key, "stages", 3)?);
+        }
+        let mut others: Vec<(SocketAddr, String)> = vec![(gateway.listen, "gateway.listen".into())];
+        for (i, h) in hosts.iter().enumerate() {
+            for (a, f) in [(h.bus, "bus"), (h.events, "events"), (h.transfer, "transfer")] {
+                others.push((a, format!("hosts[{i}].{f}")));
+            }
+        }
+        for (i, (raw_host, host)) in raw.iter().zip(&hosts).enumerate() {
+            let Some(addr) = host.stages else { continue };
+            let clash = others.iter().find(|(a, _)| *a == addr).map(|(_, k)| k.clone()).or_else(|| {
+                hosts[..i].iter().position(|o| o.stages == Some(addr)).map(|j| format!("hosts[{j}].stages"))
+            });
+            if let Some(other) = clash {
+                let r = raw_host.get_ref();
+                let (span, note) = match &r.stages {
+                    Some(v) => (v.span(), ""),
+                    None => (r.bus.span(), " (by default: the bus port + 3)"),
+                };
+                return Err(self.err(
+                    span,
+                    format!("hosts[{i}].stages"),
+                    format!(
+                        "the stage server's address {addr}{note} is also {other}; give `hosts[{i}].stages` another"
+                    ),
+                ));
+            }
         }
         Ok(hosts)
     }

@@ -10,12 +10,16 @@ use std::ffi::c_void;
 
 pub const TK_ABI_MAJOR: u32 = 1;
 /// 1.1 added `TkKvCache::layout` (token-major KV blocks); 1.2 quantized weight dtypes;
-/// 1.3 the optional `tk_device_set_matmul_precision`.
-pub const TK_ABI_MINOR: u32 = 3;
+/// 1.3 the optional `tk_device_set_matmul_precision`; 1.4 the optional collectives
+/// (`tk_comm_*`, `tk_all_reduce_sum_f32`).
+pub const TK_ABI_MINOR: u32 = 4;
 /// The oldest minor a loader accepts: 1.1 libraries still serve float weights.
 pub const TK_ABI_MINOR_OLDEST: u32 = 1;
 /// The minor that added the quantized weight dtypes (`TK_DTYPE_Q*`).
 pub const TK_ABI_MINOR_QUANT: u32 = 2;
+
+/// The minor that added the optional collectives.
+pub const TK_ABI_MINOR_COLLECTIVES: u32 = 4;
 
 /// `(MAJOR << 16) | MINOR`, what `tk_abi_version` returns.
 pub const fn abi_version(major: u32, minor: u32) -> u32 {
@@ -91,6 +95,12 @@ impl Default for TkDeviceInfo {
     }
 }
 
+/// Opaque communicator handle (`tk_comm`, since 1.4): the ranks of one group.
+#[repr(C)]
+pub struct TkComm {
+    _private: [u8; 0],
+}
+
 /// A tensor argument: buffer + byte offset. A null `buf` means "absent".
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -144,6 +154,18 @@ pub type DeviceCreateFn = unsafe extern "C" fn(config: *const TkDeviceConfig, ou
 pub type DeviceDestroyFn = unsafe extern "C" fn(dev: *mut TkDevice);
 /// Optional (since 1.3).
 pub type DeviceSetMatmulPrecisionFn = unsafe extern "C" fn(dev: *mut TkDevice, precision: u32) -> TkStatus;
+/// Optional (since 1.4), all four or none.
+pub type CommCreateFn = unsafe extern "C" fn(ranks: u32, out: *mut *mut TkComm) -> TkStatus;
+pub type CommDestroyFn = unsafe extern "C" fn(comm: *mut TkComm);
+pub type CommAbortFn = unsafe extern "C" fn(comm: *mut TkComm) -> TkStatus;
+pub type AllReduceSumF32Fn = unsafe extern "C" fn(
+    comm: *mut TkComm,
+    rank: u32,
+    dev: *mut TkDevice,
+    buf: TkPtr,
+    count: u64,
+    timeout_ms: u32,
+) -> TkStatus;
 pub type DeviceInfoGetFn = unsafe extern "C" fn(dev: *mut TkDevice, out: *mut TkDeviceInfo) -> TkStatus;
 pub type SynchronizeFn = unsafe extern "C" fn(dev: *mut TkDevice) -> TkStatus;
 pub type AllocFn = unsafe extern "C" fn(dev: *mut TkDevice, bytes: u64, out: *mut *mut TkBuffer) -> TkStatus;
@@ -268,3 +290,7 @@ pub const REQUIRED_SYMBOLS: &[&str] = &[
     "tk_argmax",
     "tk_log_softmax",
 ];
+
+/// The collectives (since 1.4): a library exports all of them or none.
+pub const COLLECTIVE_SYMBOLS: &[&str] =
+    &["tk_comm_create", "tk_comm_destroy", "tk_comm_abort", "tk_all_reduce_sum_f32"];

@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use half::{bf16, f16};
 use tessera_kernel_abi::*;
 
+use crate::comm::Comm;
 use crate::device::Device;
 use crate::dtype::{DType, WSlice, WSliceMut, WType};
 use crate::error::{KernelError, Result};
@@ -29,6 +30,9 @@ thread_local! {
 
 /// Addresses of live devices, so a stale or foreign device handle is refused.
 static LIVE_DEVICES: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+/// Addresses of live communicators (ABI 1.4), so a stale or foreign handle is refused.
+static LIVE_COMMS: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
 
 fn set_last_error(msg: String) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
@@ -300,6 +304,90 @@ pub unsafe extern "C" fn tk_device_set_matmul_precision(dev: *mut TkDevice, prec
         d.set_precision(p);
         Ok(())
     })
+}
+
+// ---- collectives (ABI 1.4) ---------------------------------------------------------
+
+fn comm<'a>(comm: *mut TkComm) -> Result<&'a Comm> {
+    let live = LIVE_COMMS.lock().unwrap_or_else(|e| e.into_inner());
+    if comm.is_null() || !live.as_ref().is_some_and(|s| s.contains(&(comm as usize))) {
+        return Err(invalid!("comm {comm:p} is not a live communicator of this library"));
+    }
+    // SAFETY: the address is in LIVE_COMMS, so it is a Box<Comm> we leaked in
+    // tk_comm_create; the ABI destroys it only after every rank's last call returned.
+    Ok(unsafe { &*(comm as *const Comm) })
+}
+
+/// # Safety
+/// `out` must be null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tk_comm_create(ranks: u32, out: *mut *mut TkComm) -> TkStatus {
+    guard("tk_comm_create", || {
+        check_out_ptr(out, "out")?;
+        let p = Box::into_raw(Box::new(Comm::new(ranks as usize)?));
+        LIVE_COMMS.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashSet::new).insert(p as usize);
+        // SAFETY: out is non-null and, per the ABI, writable.
+        unsafe { *out = p as *mut TkComm };
+        Ok(())
+    })
+}
+
+/// # Safety
+/// No rank may be inside a call on `comm`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tk_comm_destroy(comm: *mut TkComm) {
+    let _ = guard("tk_comm_destroy", || {
+        let removed =
+            LIVE_COMMS.lock().unwrap_or_else(|e| e.into_inner()).as_mut().is_some_and(|s| s.remove(&(comm as usize)));
+        if removed {
+            // SAFETY: the address was live (created by Box::into_raw) and is now
+            // removed from the set, so it is dropped exactly once.
+            drop(unsafe { Box::from_raw(comm as *mut Comm) });
+        }
+        Ok(())
+    });
+}
+
+/// # Safety
+/// Any thread, any time before `tk_comm_destroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tk_comm_abort(c: *mut TkComm) -> TkStatus {
+    guard("tk_comm_abort", || {
+        comm(c)?.abort("tk_comm_abort was called");
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Every handle and tensor argument is validated; `dev` is driven by this thread alone.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tk_all_reduce_sum_f32(
+    c: *mut TkComm,
+    rank: u32,
+    dev: *mut TkDevice,
+    buf: TkPtr,
+    count: u64,
+    timeout_ms: u32,
+) -> TkStatus {
+    let mut group = None;
+    let status = guard("tk_all_reduce_sum_f32", || {
+        let g = comm(c)?;
+        group = Some(g);
+        let d = device(dev)?;
+        let count = usize::try_from(count).map_err(|_| invalid!("count {count} does not fit this host"))?;
+        let b = arg(d, "buf", buf, count, 4, true)?;
+        let timeout = std::time::Duration::from_millis(timeout_ms.into());
+        // SAFETY: `b` is a checked, writable, aligned range of `count` f32 inside a live
+        // buffer of `d`, which this thread alone drives during the call.
+        unsafe { g.all_reduce_sum(rank as usize, b.addr, count, timeout) }
+    });
+    // A rank that fails (a bad argument, a panic) must not leave the others waiting.
+    if status != TK_OK
+        && let Some(g) = group
+    {
+        g.abort(&LAST_ERROR.with(|e| e.borrow().to_string_lossy().into_owned()));
+    }
+    status
 }
 
 // ---- memory ----------------------------------------------------------------------

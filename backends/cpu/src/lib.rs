@@ -10,7 +10,10 @@
 
 // `unsafe` is denied by the workspace's lints but for the modules whose SAFETY contracts
 // need it: host allocations (`device`), the C ABI exports (`ffi`), raw `gemm` calls and
-// disjoint writes from rayon tasks (`ops`), and SIMD intrinsics (`simd`).
+// disjoint writes from rayon tasks (`ops`), SIMD intrinsics (`simd`), and the
+// collectives' disjoint writes into every rank's buffer (`comm`).
+#[allow(unsafe_code)]
+pub mod comm;
 #[allow(unsafe_code)]
 pub mod device;
 pub mod dtype;

@@ -2,7 +2,8 @@
 //! tensor-parallel ranks) beside the whole model on one device of the same total
 //! threads and memory, under one batched greedy workload, run back to back in one
 //! process; with where the instance's time went (stages idle: bubble, activation
-//! hand-offs, all-reduce waits) and the all-reduce's time per call against the
+//! hand-offs, all-reduce waits) and the all-reduce's time per call — the kernel
+//! library's collectives (ABI 1.4) beside Tessera's host all-reduce — against the
 //! machine's copy bandwidth.
 
 use std::path::PathBuf;
@@ -16,7 +17,7 @@ use tessera_backends::kv_format::KvLayout;
 use tessera_backends::loader::KernelLibrary;
 use tessera_backends::model::{LoadOptions, Model};
 use tessera_backends::sampling::SamplingParams;
-use tessera_backends::shard::{AllReduce, LocalGroup};
+use tessera_backends::shard::{AllReduce, LibraryGroup, LocalGroup, boxed};
 
 use crate::local::{EngineConfig, LocalEngine};
 
@@ -62,7 +63,11 @@ pub struct InstanceBenchReport {
 pub struct AllReduceFigure {
     pub ranks: usize,
     pub bytes: usize,
-    pub median_us: f64,
+    /// Median per call of Tessera's host all-reduce.
+    pub host_us: f64,
+    /// Median per call of the kernel library's collectives (what an instance uses);
+    /// None where the library has none.
+    pub library_us: Option<f64>,
     /// The same bytes at the copy bandwidth.
     pub copy_us: f64,
 }
@@ -99,6 +104,7 @@ pub fn run(opts: &InstanceBenchOptions) -> Result<InstanceBenchReport, String> {
         kv_layout: KvLayout::HeadMajor,
         default_kv_bytes: 1 << 40,
         max_blocks: num_blocks,
+        collectives: Default::default(),
     };
     let engine = LocalEngine::instance(&spec, EngineConfig::default()).map_err(|e| e.to_string())?;
     let (inst_s, timing) = {
@@ -157,9 +163,10 @@ impl InstanceBenchReport {
             self.copy_gbs
         );
         for f in &self.all_reduce {
+            let library = f.library_us.map_or_else(|| "-".to_string(), |us| format!("{us:.1}"));
             out += &format!(
-                "all-reduce of {} ranks, {:>8} bytes: median {:>8.1} us (the bytes at the copy bandwidth: {:.1} us)\n",
-                f.ranks, f.bytes, f.median_us, f.copy_us
+                "all-reduce of {} ranks, {:>8} bytes: median {:>8} us library, {:>8.1} us host (the bytes at the copy bandwidth: {:.1} us)\n",
+                f.ranks, f.bytes, library, f.host_us, f.copy_us
             );
         }
         out
@@ -196,15 +203,32 @@ fn copy_bandwidth_gbs() -> f64 {
     n as f64 / best / 1e9
 }
 
-/// The median time of an all-reduce of `values` f32 over `ranks` devices on threads.
+/// The median time of an all-reduce of `values` f32 over `ranks` devices on threads,
+/// through the host's all-reduce and through the library's collectives.
 fn all_reduce_figure(
     lib: &std::sync::Arc<KernelLibrary>,
     ranks: usize,
     values: usize,
     copy_gbs: f64,
 ) -> Result<AllReduceFigure, String> {
+    let host_us = all_reduce_median_us(lib, boxed(LocalGroup::new(ranks)), values)?;
+    let library_us = if lib.has_collectives() {
+        let groups = LibraryGroup::new(lib, ranks).map_err(|e| e.to_string())?;
+        Some(all_reduce_median_us(lib, boxed(groups), values)?)
+    } else {
+        None
+    };
+    let bytes = values * 4;
+    Ok(AllReduceFigure { ranks, bytes, host_us, library_us, copy_us: bytes as f64 / (copy_gbs * 1e9) * 1e6 })
+}
+
+/// Rank 0's median time per call of `groups`' all-reduce of `values` f32.
+fn all_reduce_median_us(
+    lib: &std::sync::Arc<KernelLibrary>,
+    groups: Vec<Box<dyn AllReduce + Send>>,
+    values: usize,
+) -> Result<f64, String> {
     const CALLS: usize = 60;
-    let groups = LocalGroup::new(ranks);
     let times = std::thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
@@ -230,7 +254,5 @@ fn all_reduce_figure(
     })?;
     let mut rank0 = times.into_iter().next().unwrap_or_default();
     rank0.sort_by(f64::total_cmp);
-    let median_us = rank0.get(rank0.len() / 2).copied().unwrap_or(0.0) * 1e6;
-    let bytes = values * 4;
-    Ok(AllReduceFigure { ranks, bytes, median_us, copy_us: bytes as f64 / (copy_gbs * 1e9) * 1e6 })
+    Ok(rank0.get(rank0.len() / 2).copied().unwrap_or(0.0) * 1e6)
 }

@@ -270,6 +270,26 @@ struct Attachments {
     emulation: Option<Emulation>,
 }
 
+impl ModelExecutorConfig {
+    /// The instance this chip stands for, if it is one: its stages (each stage's layers
+    /// and devices) over the model, with the chip's dtypes, KV format and batch limits.
+    pub fn instance_spec(&self) -> Result<Option<InstanceSpec>, String> {
+        let Some(stages) = &self.parallel else { return Ok(None) };
+        let mc = ModelConfig::from_dir(&self.model_dir).map_err(|e| e.to_string())?;
+        Ok(Some(InstanceSpec {
+            model_dir: self.model_dir.clone(),
+            options: LoadOptions { dtype: self.dtype, quantize: self.quantize },
+            stages: stages.clone(),
+            block_size: self.block_size,
+            kv_dtype: self.kv_dtype,
+            kv_layout: self.kv_layout,
+            default_kv_bytes: DEFAULT_KV_BYTES,
+            max_blocks: (self.max_batch_seqs * mc.max_context).div_ceil(self.block_size),
+            collectives: Default::default(),
+        }))
+    }
+}
+
 impl ModelExecutor {
     /// Opens the device on the calling thread (the worker), loads the model and sizes
     /// the KV cache: what the memory limit leaves after the weights, or a default.
@@ -280,18 +300,7 @@ impl ModelExecutor {
             transfer: config.transfer.clone(),
             emulation: config.emulation.clone(),
         };
-        if let Some(stages) = &config.parallel {
-            let mc = ModelConfig::from_dir(&config.model_dir).map_err(|e| e.to_string())?;
-            let spec = InstanceSpec {
-                model_dir: config.model_dir.clone(),
-                options: LoadOptions { dtype: config.dtype, quantize: config.quantize },
-                stages: stages.clone(),
-                block_size: config.block_size,
-                kv_dtype: config.kv_dtype,
-                kv_layout: config.kv_layout,
-                default_kv_bytes: DEFAULT_KV_BYTES,
-                max_blocks: (config.max_batch_seqs * mc.max_context).div_ceil(config.block_size),
-            };
+        if let Some(spec) = config.instance_spec()? {
             let sharded = ShardedModel::load(&spec).map_err(|e| e.to_string())?;
             return Self::build(Engine::Sharded(sharded), attach);
         }

@@ -1,12 +1,14 @@
 //! An `[[instances]]` entry made concrete once the model is known: each stage's layers
 //! (`tessera_topology::parallel::resolve_split`: the file's split checked against each
-//! chip's memory, or `split = "auto"` solved) and devices.
+//! chip's memory, or `split = "auto"` solved) and devices, or for a stage on another
+//! host, that host's stage server; and the stage server, which loads and runs such a
+//! stage for the instance's host.
 
 use std::path::{Path, PathBuf};
 
 use tessera_backends::config::ModelConfig;
 use tessera_backends::device::DeviceConfig;
-use tessera_backends::instance::{ShardDevice, StageSpec, weight_parts};
+use tessera_backends::instance::{InstanceSpec, RemoteStage, ShardDevice, StageSpec, weight_parts};
 use tessera_topology::parallel::resolve_split;
 use tessera_topology::{Backend, ChipSpec, ClusterSpec, ParallelSpec};
 
@@ -46,8 +48,91 @@ pub fn stages(
                 },
             })
             .collect();
-        stages.push(StageSpec { layers: start..start + layers, devices });
+        let remote = match par.stage_hosts.get(s) {
+            Some(host) if *host != par.stage_hosts[0] => {
+                let addr = spec.hosts.iter().find(|h| h.name == *host).and_then(|h| h.stages).ok_or_else(|| {
+                    NodeError::Config(format!(
+                        "instance `{}`: stage {s} is on host `{host}`, which has no stage server",
+                        chip.id
+                    ))
+                })?;
+                Some(RemoteStage { addr, instance: chip.id.clone() })
+            }
+            _ => None,
+        };
+        stages.push(StageSpec { layers: start..start + layers, devices, remote });
         start += layers;
     }
     Ok(stages)
+}
+
+/// What the stage server of host `me` loads for stage `stage` of instance `instance`:
+/// that stage alone, with this host's devices, as the instance's host resolved it.
+pub fn resolve_stage(
+    spec: &ClusterSpec,
+    me: &str,
+    instance: &str,
+    stage: usize,
+    model_dir: &Path,
+    kernel_lib: Option<PathBuf>,
+) -> Result<InstanceSpec, NodeError> {
+    let chip = spec
+        .hosts
+        .iter()
+        .flat_map(|h| &h.chips)
+        .find(|c| c.id == instance && c.parallel.is_some())
+        .ok_or_else(|| NodeError::Config(format!("this host's topology has no instance `{instance}`")))?;
+    let par = chip.parallel.as_ref().ok_or_else(|| NodeError::Config(format!("`{instance}` is no instance")))?;
+    match par.stage_hosts.get(stage) {
+        Some(host) if host == me => {}
+        Some(host) => {
+            return Err(NodeError::Config(format!(
+                "stage {stage} of instance `{instance}` is on host `{host}`, not on `{me}`"
+            )));
+        }
+        None => {
+            return Err(NodeError::Config(format!("instance `{instance}` has {} stages", par.stage_hosts.len())));
+        }
+    }
+    let config = crate::executor_config(spec, chip, model_dir, kernel_lib, None)?;
+    let mut whole = config
+        .instance_spec()
+        .map_err(NodeError::Config)?
+        .ok_or_else(|| NodeError::Config(format!("`{instance}` is no instance")))?;
+    let mut one = whole.stages.swap_remove(stage);
+    one.remote = None;
+    whole.stages = vec![one];
+    Ok(whole)
+}
+
+/// Serves the stages this host holds for instances on other hosts, a thread per
+/// connection (one connection per stage), until the process ends.
+pub fn serve_stages(
+    listener: std::net::TcpListener,
+    resolve: std::sync::Arc<dyn Fn(&str, usize) -> Result<InstanceSpec, NodeError> + Send + Sync>,
+) {
+    for conn in listener.incoming() {
+        let stream = match conn {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "stage server: a connection failed");
+                continue;
+            }
+        };
+        let resolve = resolve.clone();
+        let spawned = std::thread::Builder::new().name("stage-server".into()).spawn(move || {
+            let peer = stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
+            tracing::info!(%peer, "stage server: an instance connected");
+            let resolve = |instance: &str, stage: usize| {
+                resolve(instance, stage).map_err(|e| tessera_backends::error::BackendError::Shard(e.to_string()))
+            };
+            match tessera_backends::stage_link::serve_connection(stream, &resolve) {
+                Ok(()) => tracing::info!(%peer, "stage server: the instance closed its link; stage dropped"),
+                Err(e) => tracing::warn!(%peer, error = %e, "stage server: link ended; stage dropped"),
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "stage server: cannot start a connection's thread");
+        }
+    }
 }

@@ -239,6 +239,20 @@ pub fn run_node(
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
 
+    // The stages this host holds for instances on other hosts.
+    if let Some(addr) = me.stages {
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(ctx(format!("host {host_name}: starting the stage server on {addr}")))?;
+        let (spec_c, me_c, dir_c, lib_c) = (spec.clone(), me.name.clone(), model_dir.clone(), opts.kernel_lib.clone());
+        let resolve = Arc::new(move |inst: &str, stage: usize| {
+            instance::resolve_stage(&spec_c, &me_c, inst, stage, &dir_c, lib_c.clone())
+        });
+        std::thread::Builder::new()
+            .name(format!("stage-server-{host_name}"))
+            .spawn(move || instance::serve_stages(listener, resolve))
+            .map_err(ctx(format!("host {host_name}: starting the stage server thread")))?;
+    }
+
     // Request ids based on the start time (the one clock read here, in the adapter): a
     // restarted gateway's ids do not meet old ones still on chips.
     let id_base = std::time::SystemTime::now()

@@ -802,7 +802,8 @@ pub fn reshape(scenario: &Scenario, kinds: &[String], tps: &[usize]) -> Result<(
             for group in of_kind.chunks_exact(tp) {
                 let members: Vec<ChipSpec> = group.iter().map(|c| (*c).clone()).collect();
                 let id = format!("{}-tp{tp}", members[0].id);
-                let par = tessera_topology::ParallelSpec { tp, split: None, chips: members };
+                let stage_hosts = vec![host.name.clone()];
+                let par = tessera_topology::ParallelSpec { tp, split: None, chips: members, stage_hosts };
                 let role = par.chips[0].role;
                 regrouped.push(ChipSpec::instance(id, role, par));
             }
