@@ -189,6 +189,10 @@ struct BenchInstanceArgs {
     /// Threads of each device of the instance (the one device gets as many in all).
     #[arg(long, default_value_t = 1)]
     threads_per_device: u32,
+    /// Also run the instance with every stage after the first behind a stage server on
+    /// a loopback port (as on another host), beside the in-process instance.
+    #[arg(long)]
+    remote_stages: bool,
     #[arg(long)]
     json: bool,
 }
@@ -960,7 +964,8 @@ fn topology_check(file: &std::path::Path) -> Result<()> {
             .iter()
             .map(|s| {
                 let ids: Vec<&str> = s.devices.iter().map(|d| d.label.as_str()).collect();
-                format!("layers {}..{} on {}", s.layers.start, s.layers.end, ids.join("+"))
+                let remote = s.remote.as_ref().map_or(String::new(), |r| format!(" (stage server {})", r.addr));
+                format!("layers {}..{} on {}{remote}", s.layers.start, s.layers.end, ids.join("+"))
             })
             .collect();
         println!("  {}: {} stage(s) x tp {}: {}", chip.id, stages.len(), par.tp, layers.join("; "));
@@ -1170,6 +1175,7 @@ fn bench_instance(args: BenchInstanceArgs) -> Result<()> {
         threads_per_device: args.threads_per_device,
         block_size: DEFAULT_BLOCK_SIZE,
         kv_dtype: DType::F16,
+        remote_stages: args.remote_stages,
     };
     let report = tessera_chip_executor::bench::run(&opts).map_err(|e| anyhow::anyhow!("{e}"))?;
     if args.json {

@@ -272,6 +272,35 @@ fn requests_on_a_pipeline_instance_survive_its_host_killed() {
     wait_health(gw, "h0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
 }
 
+/// An instance whose second stage is on another host: h0 runs it, h1's stage server
+/// runs layers 1..4 for it, activations crossing over the stage link. Killing h1 (the
+/// stage's host) mid-stream fails the instance's next step: it goes down on h0 and its
+/// requests replay on h0's other chip, every stream whole.
+#[test]
+fn requests_on_an_instance_survive_its_second_stages_host_killed() {
+    let cpu = "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".to_string();
+    let chips = [
+        ChipDef { host: "h0", id: "h0-cpu0".into(), toml: cpu.clone() },
+        ChipDef { host: "h0", id: "h0-a".into(), toml: cpu.clone() },
+        ChipDef { host: "h1", id: "h1-b".into(), toml: cpu },
+    ];
+    let instance = "[[instances]]\nid = \"h0-pp\"\nchips = [\"h0-a\", \"h1-b\"]\nsplit = [1, 3]\n";
+    let topo = topology_of(&chips, instance, "", HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
+    let gw = cluster.gateway;
+    fault_references();
+    cluster.wait_ready(2);
+    let health = get(gw, "/health").json();
+    assert_eq!(chip(&health, "h0-pp")["host"], "h0", "the instance runs on its first stage's host: {health:#}");
+    let h1_pid = cluster.proc("h1").pid();
+    stream_through_fault(gw, "h0-pp", &fault_prompts(), fault_references(), FAULT_MAX_TOKENS, || {
+        signal(h1_pid, "KILL");
+        let limit = Duration::from_millis(HEARTBEAT_TIMEOUT_MS + 1500);
+        wait_health(gw, "the instance down on h0", limit, |h| chip(h, "h0-pp")["state"] != "up");
+    });
+    wait_health(gw, "h0-cpu0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
+}
+
 #[test]
 fn requests_survive_a_worker_panic_and_the_chip_restarts() {
     let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);

@@ -33,8 +33,9 @@ pub const STAGE_LINK_VERSION: u32 = 1;
 const MAX_HEADER_BYTES: u32 = 64 << 20;
 /// A payload larger than this is refused before anything is allocated for it.
 const MAX_PAYLOAD_BYTES: u64 = 8 << 30;
-/// How long a client waits to connect to a stage server.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a client keeps trying to connect to a stage server: the hosts of a cluster
+/// start together, and the stage's host may be a moment behind the instance's.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One sequence's chunk of a micro-batch, as it crosses the link.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -186,8 +187,17 @@ impl StageClient {
         timeout: Duration,
     ) -> Result<(StageClient, RemoteLoaded)> {
         let err = |reason: String| BackendError::StageLink { addr: addr.to_string(), reason };
-        let stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
-            .map_err(|e| err(format!("cannot connect to the stage server: {e}")))?;
+        let deadline = std::time::Instant::now() + CONNECT_TIMEOUT;
+        let stream = loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(100))) {
+                Ok(stream) => break stream,
+                Err(e) if left.is_zero() => {
+                    return Err(err(format!("cannot connect to the stage server within {CONNECT_TIMEOUT:?}: {e}")));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
         let _ = stream.set_nodelay(true);
         stream.set_read_timeout(Some(timeout)).map_err(|e| err(e.to_string()))?;
         let reader = BufReader::new(stream.try_clone().map_err(|e| err(e.to_string()))?);

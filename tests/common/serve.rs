@@ -68,7 +68,7 @@ pub fn topology_of(chips: &[ChipDef], cluster_extra: &str, gateway_extra: &str, 
             hosts.push(c.host);
         }
     }
-    let ports = free_ports(1 + 3 * hosts.len());
+    let ports = free_ports(1 + 4 * hosts.len());
     let gateway: SocketAddr = format!("127.0.0.1:{}", ports[0]).parse().unwrap();
     let mut toml = format!(
         "[cluster]\nname = \"serve-test\"\nmodel = \"builtin:tiny\"\n\n{cluster_extra}\n\n\
@@ -79,10 +79,12 @@ pub fn topology_of(chips: &[ChipDef], cluster_extra: &str, gateway_extra: &str, 
     );
     for (i, host) in hosts.iter().enumerate() {
         toml.push_str(&format!(
-            "\n[[hosts]]\nname = \"{host}\"\nbus = \"127.0.0.1:{}\"\nevents = \"127.0.0.1:{}\"\ntransfer = \"127.0.0.1:{}\"\n",
-            ports[1 + 3 * i],
-            ports[2 + 3 * i],
-            ports[3 + 3 * i]
+            "\n[[hosts]]\nname = \"{host}\"\nbus = \"127.0.0.1:{}\"\nevents = \"127.0.0.1:{}\"\ntransfer = \"127.0.0.1:{}\"\n\
+             stages = \"127.0.0.1:{}\"\n",
+            ports[1 + 4 * i],
+            ports[2 + 4 * i],
+            ports[3 + 4 * i],
+            ports[4 + 4 * i]
         ));
         for c in chips.iter().filter(|c| c.host == *host) {
             toml.push_str(&format!("\n[[hosts.chips]]\nid = \"{}\"\n{}\n", c.id, c.toml));

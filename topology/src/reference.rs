@@ -58,7 +58,7 @@ pub const TABLES: &[Table] = &[
                 "instances",
                 "array of tables",
                 "none",
-                "Model instances: one model split over several chips of a host (pipeline stages, tensor parallelism).",
+                "Model instances: one model split over several chips (pipeline stages, on one host or several; tensor parallelism within a host).",
             ),
         ],
     },
@@ -346,6 +346,12 @@ pub const TABLES: &[Table] = &[
             key("events", "`IP:PORT` or `tcp://IP:PORT`", "the bus port + 1", "The host's ZeroMQ PUB socket."),
             key("transfer", "`IP:PORT` or `tcp://IP:PORT`", "the bus port + 2", "The host's KV transfer listener."),
             key(
+                "stages",
+                "`IP:PORT` or `tcp://IP:PORT`",
+                "the bus port + 3",
+                "The host's stage server: where an instance on another host reaches the pipeline stages this host holds for it (one TCP link per stage). Bound only on a host that holds such a stage.",
+            ),
+            key(
                 "chips",
                 "array of tables",
                 "none",
@@ -417,7 +423,7 @@ pub const TABLES: &[Table] = &[
     Table {
         path: "instances",
         header: "[[instances]]",
-        about: "One model instance over several chips of one host: pipeline stages, each holding a contiguous range of layers, and within each stage `tp` chips splitting heads and FFN columns with an all-reduce. The instance serves, routes, fails and is planned as one chip. See [model parallelism](../concepts/model-parallelism.md).",
+        about: "One model instance over several chips: pipeline stages, each holding a contiguous range of layers, and within each stage `tp` chips of one host splitting heads and FFN columns with an all-reduce. Stages may be on different hosts: the instance runs on its first stage's host and reaches the others through their hosts' stage servers. The instance serves, routes, fails and is planned as one chip. See [model parallelism](../concepts/model-parallelism.md).",
         keys: &[
             key(
                 "id",
@@ -427,7 +433,7 @@ pub const TABLES: &[Table] = &[
             ),
             key(
                 "chips",
-                "array of chip ids of one host, stage-major",
+                "array of chip ids, stage-major; a stage's chips on one host",
                 "required",
                 "Its chips: `stages × tp` of them, each stage's `tp` chips together (like kind and settings within a stage). A chip belongs to at most one instance.",
             ),
@@ -442,7 +448,7 @@ pub const TABLES: &[Table] = &[
                 "role",
                 "`prefill`, `decode`, `both`",
                 "its first chip's `role`",
-                "What the instance does, as a chip's `role`.",
+                "What the instance does, as a chip's `role`; an instance with stages on several hosts is `decode` or `both` (a stage on another host does not stage KV for a decode chip).",
             ),
         ],
     },

@@ -1244,7 +1244,7 @@ impl Checker<'_> {
                     .iter()
                     .flat_map(|o| &o.chips)
                     .filter_map(|c| c.parallel.as_ref())
-                    .any(|p| p.stage_hosts.iter().any(|n| *n == h.name) && p.stage_hosts[0] != h.name)
+                    .any(|p| p.stage_hosts.contains(&h.name) && p.stage_hosts[0] != h.name)
             })
             .collect();
         for (i, (raw_host, host)) in raw.iter().zip(hosts.iter_mut()).enumerate() {

@@ -1251,3 +1251,40 @@ fn instances_that_cannot_work_are_refused_at_their_key() {
     let e = error_of(&instance_file(two));
     assert!(e.message.contains("chip `b` is already in instance `p1`"), "{e}");
 }
+
+/// `instance_file` with a second host `h1` (bus 7500) of chips `e` and `f`, `h1_extra`
+/// among its keys, then `[[instances]]` lines.
+fn two_host_file(h1_extra: &str, instances: &str) -> String {
+    let mut text = instance_file("");
+    text += &format!("[[hosts]]\nname = \"h1\"\nbus = \"127.0.0.1:7500\"\n{h1_extra}\n");
+    for id in ["e", "f"] {
+        text += &format!("[[hosts.chips]]\nid = \"{id}\"\nkind = \"cpu\"\nbackend = \"cpu\"\n");
+    }
+    text + instances
+}
+
+#[test]
+fn an_instances_stages_may_span_hosts_and_its_stage_hosts_serve_them() {
+    let spec = spec_of(&two_host_file(
+        "",
+        "[[instances]]\nid = \"pp\"\nchips = [\"a\", \"b\", \"e\", \"f\"]\ntp = 2\nrole = \"both\"\n",
+    ));
+    let h0: Vec<&str> = spec.hosts[0].chips.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(h0, ["pp", "c", "d"], "the instance runs on its first stage's host");
+    assert!(spec.hosts[1].chips.is_empty(), "its chips leave h1: {:#?}", spec.hosts[1].chips);
+    let par = spec.hosts[0].chips[0].parallel.as_ref().expect("an instance");
+    assert_eq!(par.stage_hosts, ["h0", "h1"]);
+    assert_eq!(spec.hosts[1].stages, Some("127.0.0.1:7503".parse().unwrap()), "the bus port + 3");
+    assert_eq!(spec.hosts[0].stages, None, "h0 serves no stage of another host's instance");
+
+    let e = error_of(&two_host_file("", "[[instances]]\nid = \"pp\"\nchips = [\"a\", \"e\"]\ntp = 2\n"));
+    assert_eq!(e.key, "instances[0].chips");
+    assert!(e.message.contains("stage 0 has `a` on host `h0` and `e` on `h1`"), "{e}");
+    let e = error_of(&two_host_file("", "[[instances]]\nid = \"pp\"\nchips = [\"a\", \"e\"]\nrole = \"prefill\"\n"));
+    assert_eq!(e.key, "instances[0].role");
+    assert!(e.message.contains("stages on hosts h0, h1") && e.message.contains("a prefill instance"), "{e}");
+    let e =
+        error_of(&two_host_file("stages = \"127.0.0.1:7400\"", "[[instances]]\nid = \"pp\"\nchips = [\"a\", \"e\"]\n"));
+    assert_eq!(e.key, "hosts[1].stages");
+    assert!(e.message.contains("is also hosts[0].bus"), "{e}");
+}

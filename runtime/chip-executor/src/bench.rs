@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use tessera_backends::device::{Device, DeviceConfig};
 use tessera_backends::dtype::DType;
-use tessera_backends::instance::{InstanceSpec, ShardDevice};
+use tessera_backends::instance::{InstanceSpec, RemoteStage, ShardDevice, StepTiming};
 use tessera_backends::kv::KvCacheConfig;
 use tessera_backends::kv_format::KvLayout;
 use tessera_backends::loader::KernelLibrary;
@@ -36,6 +36,9 @@ pub struct InstanceBenchOptions {
     pub threads_per_device: u32,
     pub block_size: usize,
     pub kv_dtype: DType,
+    /// Also run the instance with every stage after the first behind a stage server on
+    /// a loopback port (as on another host), side by side with the in-process one.
+    pub remote_stages: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -57,6 +60,17 @@ pub struct InstanceBenchReport {
     pub activation_share: f64,
     pub copy_gbs: f64,
     pub all_reduce: Vec<AllReduceFigure>,
+    /// With `remote_stages`: the same instance, its later stages over stage links.
+    pub linked: Option<LinkedFigure>,
+}
+
+/// The instance with its later stages behind a loopback stage server.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LinkedFigure {
+    pub tokens_per_s: f64,
+    /// Over the in-process instance's tokens/s, same workload, same run.
+    pub ratio: f64,
+    pub idle_share: f64,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -106,16 +120,16 @@ pub fn run(opts: &InstanceBenchOptions) -> Result<InstanceBenchReport, String> {
         max_blocks: num_blocks,
         collectives: Default::default(),
     };
-    let engine = LocalEngine::instance(&spec, EngineConfig::default()).map_err(|e| e.to_string())?;
-    let (inst_s, timing) = {
-        let mut engine = engine;
-        let started = Instant::now();
-        for (id, p) in prompts.iter().enumerate() {
-            engine.add_request(id as u64, p, greedy(opts.max_tokens)).map_err(|e| e.to_string())?;
-        }
-        engine.run_to_completion().map_err(|e| e.to_string())?;
-        let (timing, _) = engine.instance_timing().ok_or("the instance reported no timing")?;
-        (started.elapsed().as_secs_f64(), timing)
+    let (inst_s, timing) = run_instance(&spec, &prompts, opts.max_tokens)?;
+    let linked = if opts.remote_stages && opts.stages.len() > 1 {
+        let (link_s, link_timing) = run_linked(&spec, &prompts, opts.max_tokens)?;
+        Some(LinkedFigure {
+            tokens_per_s: generated as f64 / link_s,
+            ratio: inst_s / link_s,
+            idle_share: link_timing.idle_share(opts.stages.len()),
+        })
+    } else {
+        None
     };
     let copy_gbs = copy_bandwidth_gbs();
     let activation_s = 2.0 * timing.activation_bytes as f64 / (copy_gbs * 1e9);
@@ -140,7 +154,54 @@ pub fn run(opts: &InstanceBenchOptions) -> Result<InstanceBenchReport, String> {
         activation_share: activation_s / timing.wall_s.max(1e-9),
         copy_gbs,
         all_reduce,
+        linked,
     })
+}
+
+/// Seconds to run every prompt to the end together on the instance of `spec`, and where
+/// its time went.
+fn run_instance(spec: &InstanceSpec, prompts: &[Vec<u32>], max_tokens: usize) -> Result<(f64, StepTiming), String> {
+    let mut engine = LocalEngine::instance(spec, EngineConfig::default()).map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    for (id, p) in prompts.iter().enumerate() {
+        engine.add_request(id as u64, p, greedy(max_tokens)).map_err(|e| e.to_string())?;
+    }
+    engine.run_to_completion().map_err(|e| e.to_string())?;
+    let (timing, _) = engine.instance_timing().ok_or("the instance reported no timing")?;
+    Ok((started.elapsed().as_secs_f64(), timing))
+}
+
+/// [`run_instance`] with every stage after the first served by a stage server on a
+/// loopback port, one link (and server thread) per stage, as another host serves it.
+fn run_linked(spec: &InstanceSpec, prompts: &[Vec<u32>], max_tokens: usize) -> Result<(f64, StepTiming), String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let links = spec.stages.len() - 1;
+    let whole = spec.clone();
+    let server = std::thread::spawn(move || {
+        std::thread::scope(|scope| {
+            for _ in 0..links {
+                let Ok((stream, _)) = listener.accept() else { return };
+                let whole = &whole;
+                scope.spawn(move || {
+                    let resolve = |_: &str, stage: usize| {
+                        let mut one = whole.clone();
+                        one.stages = vec![whole.stages[stage].clone()];
+                        Ok(one)
+                    };
+                    let _ = tessera_backends::stage_link::serve_connection(stream, &resolve);
+                });
+            }
+        })
+    });
+    let mut linked = spec.clone();
+    for stage in &mut linked.stages[1..] {
+        stage.remote = Some(RemoteStage { addr, instance: "bench".into() });
+    }
+    let ran = run_instance(&linked, prompts, max_tokens);
+    // The instance is dropped, so every link has closed and the server threads end.
+    server.join().map_err(|_| "the stage server panicked".to_string())?;
+    ran
 }
 
 impl InstanceBenchReport {
@@ -162,6 +223,15 @@ impl InstanceBenchReport {
             100.0 * self.activation_share,
             self.copy_gbs
         );
+        if let Some(l) = &self.linked {
+            out += &format!(
+                "stages after the first over loopback stage links: {:.1} tokens/s (linked / in-process = {:.3}); \
+                 stages idle {:.1}%\n",
+                l.tokens_per_s,
+                l.ratio,
+                100.0 * l.idle_share
+            );
+        }
         for f in &self.all_reduce {
             let library = f.library_us.map_or_else(|| "-".to_string(), |us| format!("{us:.1}"));
             out += &format!(

@@ -105,12 +105,12 @@ pub fn resolve_stage(
     Ok(whole)
 }
 
+/// Resolves (instance id, stage index) to what this host's stage server loads.
+pub type StageResolver = std::sync::Arc<dyn Fn(&str, usize) -> Result<InstanceSpec, NodeError> + Send + Sync>;
+
 /// Serves the stages this host holds for instances on other hosts, a thread per
 /// connection (one connection per stage), until the process ends.
-pub fn serve_stages(
-    listener: std::net::TcpListener,
-    resolve: std::sync::Arc<dyn Fn(&str, usize) -> Result<InstanceSpec, NodeError> + Send + Sync>,
-) {
+pub fn serve_stages(listener: std::net::TcpListener, resolve: StageResolver) {
     for conn in listener.incoming() {
         let stream = match conn {
             Ok(stream) => stream,
