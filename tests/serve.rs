@@ -243,62 +243,46 @@ fn requests_survive_a_killed_host() {
     wait_health(gw, "h0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
 }
 
-/// A model instance of two pipeline stages (chips `h1-a` and `h1-b`, 1 and 3 layers)
-/// serves beside a whole-model chip; killing its host mid-stream loses no request: the
-/// instance is down with its host, and its requests replay on `h0`'s chip, every text
-/// equal to single-chip `generate`'s.
-#[test]
-fn requests_on_a_pipeline_instance_survive_its_host_killed() {
+/// A model instance of two pipeline stages (1 and 3 layers) on chips `a` and `b` of
+/// the hosts named, beside a whole-model chip on `h0`, serves as chip `id`, running on
+/// `a`'s host; killing `h1` mid-stream loses no request: the instance is down (with its
+/// host, or on its next step over the broken stage link), and its requests replay on
+/// `h0`'s chip, every text equal to single-chip `generate`'s.
+fn instance_survives_h1_killed(id: &str, a: (&'static str, &str), b: (&'static str, &str)) {
     let cpu = "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".to_string();
     let chips = [
         ChipDef { host: "h0", id: "h0-cpu0".into(), toml: cpu.clone() },
-        ChipDef { host: "h1", id: "h1-a".into(), toml: cpu.clone() },
-        ChipDef { host: "h1", id: "h1-b".into(), toml: cpu },
+        ChipDef { host: a.0, id: a.1.into(), toml: cpu.clone() },
+        ChipDef { host: b.0, id: b.1.into(), toml: cpu },
     ];
-    let instance = "[[instances]]\nid = \"h1-pp\"\nchips = [\"h1-a\", \"h1-b\"]\nsplit = [1, 3]\n";
-    let topo = topology_of(&chips, instance, "", HEARTBEAT_TIMEOUT_MS);
+    let instance = format!("[[instances]]\nid = \"{id}\"\nchips = [\"{}\", \"{}\"]\nsplit = [1, 3]\n", a.1, b.1);
+    let topo = topology_of(&chips, &instance, "", HEARTBEAT_TIMEOUT_MS);
     let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
     let gw = cluster.gateway;
     fault_references();
     cluster.wait_ready(2);
     let health = get(gw, "/health").json();
-    assert_eq!(chip(&health, "h1-pp")["state"], "up", "the instance is one chip of the cluster: {health:#}");
+    assert_eq!(chip(&health, id)["state"], "up", "the instance is one chip of the cluster: {health:#}");
+    assert_eq!(chip(&health, id)["host"], a.0, "it runs on its first stage's host: {health:#}");
     let h1_pid = cluster.proc("h1").pid();
-    stream_through_fault(gw, "h1-pp", &fault_prompts(), fault_references(), FAULT_MAX_TOKENS, || {
+    stream_through_fault(gw, id, &fault_prompts(), fault_references(), FAULT_MAX_TOKENS, || {
         signal(h1_pid, "KILL");
         let limit = Duration::from_millis(HEARTBEAT_TIMEOUT_MS + 1500);
-        wait_health(gw, "h1's instance reported down", limit, |h| chip(h, "h1-pp")["state"] != "up");
+        wait_health(gw, "the instance reported down", limit, |h| chip(h, id)["state"] != "up");
     });
     wait_health(gw, "h0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
 }
 
-/// An instance whose second stage is on another host: h0 runs it, h1's stage server
-/// runs layers 1..4 for it, activations crossing over the stage link. Killing h1 (the
-/// stage's host) mid-stream fails the instance's next step: it goes down on h0 and its
-/// requests replay on h0's other chip, every stream whole.
+#[test]
+fn requests_on_a_pipeline_instance_survive_its_host_killed() {
+    instance_survives_h1_killed("h1-pp", ("h1", "h1-a"), ("h1", "h1-b"));
+}
+
+/// The second stage on another host: h0 runs the instance, h1's stage server runs
+/// layers 1..4 for it, activations crossing over the stage link.
 #[test]
 fn requests_on_an_instance_survive_its_second_stages_host_killed() {
-    let cpu = "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".to_string();
-    let chips = [
-        ChipDef { host: "h0", id: "h0-cpu0".into(), toml: cpu.clone() },
-        ChipDef { host: "h0", id: "h0-a".into(), toml: cpu.clone() },
-        ChipDef { host: "h1", id: "h1-b".into(), toml: cpu },
-    ];
-    let instance = "[[instances]]\nid = \"h0-pp\"\nchips = [\"h0-a\", \"h1-b\"]\nsplit = [1, 3]\n";
-    let topo = topology_of(&chips, instance, "", HEARTBEAT_TIMEOUT_MS);
-    let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
-    let gw = cluster.gateway;
-    fault_references();
-    cluster.wait_ready(2);
-    let health = get(gw, "/health").json();
-    assert_eq!(chip(&health, "h0-pp")["host"], "h0", "the instance runs on its first stage's host: {health:#}");
-    let h1_pid = cluster.proc("h1").pid();
-    stream_through_fault(gw, "h0-pp", &fault_prompts(), fault_references(), FAULT_MAX_TOKENS, || {
-        signal(h1_pid, "KILL");
-        let limit = Duration::from_millis(HEARTBEAT_TIMEOUT_MS + 1500);
-        wait_health(gw, "the instance down on h0", limit, |h| chip(h, "h0-pp")["state"] != "up");
-    });
-    wait_health(gw, "h0-cpu0's KV freed", Duration::from_secs(5), |h| drained(h, &["h0-cpu0"]));
+    instance_survives_h1_killed("h0-pp", ("h0", "h0-a"), ("h1", "h1-b"));
 }
 
 #[test]
