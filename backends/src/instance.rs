@@ -182,8 +182,11 @@ pub struct ShardedModel {
     config: ModelConfig,
     stages: Vec<Range<usize>>,
     tp: Vec<usize>,
-    /// Each stage's all-reduce: "library", "host", or "none" (one rank).
+    /// Each stage's all-reduce: "library", "host", "none" (one rank), or "remote" (run
+    /// on another host).
     all_reduce: Vec<&'static str>,
+    /// The first stage that runs on another host, if any.
+    first_remote: Option<usize>,
     /// `[stage][rank]`.
     workers: Vec<Vec<Worker>>,
     events: Receiver<Event>,
@@ -344,6 +347,7 @@ impl ShardedModel {
             stages: spec.stages.iter().map(|s| s.layers.clone()).collect(),
             tp: spec.stages.iter().map(|s| s.devices.len()).collect(),
             all_reduce,
+            first_remote: spec.stages.iter().position(|s| s.remote.is_some()),
             weight_bytes: loaded.iter().map(|l| l.weight_bytes).sum(),
             compat: first.compat.clone(),
             weight_format: first.weight_format.clone(),
@@ -438,7 +442,7 @@ impl ShardedModel {
         on_layer: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Vec<f32>> {
         if hook.is_some()
-            && let Some(s) = self.all_reduce.iter().position(|k| *k == "remote")
+            && let Some(s) = self.first_remote
         {
             return Err(BackendError::Shard(format!(
                 "stage {s} is on another host, which cannot stage its layers' KV for a decode chip: a prefill \
