@@ -150,6 +150,7 @@ pub fn build_host<E>(
             retry: RetryPolicy::default(),
             id_base,
             telemetry: solver.as_ref().map(|_| Duration::from_millis(spec.solver.telemetry_interval_ms)),
+            tenants: spec.tenants.clone(),
         };
         actors.push((well_known::ADMISSION, Box::new(Admission::new(config))));
         if let Some(config) = solver {

@@ -47,6 +47,8 @@ pub enum ErrorKind {
     Overloaded,
     Unavailable,
     Internal,
+    /// Over one of its tenant's quotas (429 with `Retry-After`); `public` names the limit.
+    QuotaExceeded,
 }
 
 /// Why a request cannot be served, classified once, where it is decided.
@@ -247,6 +249,10 @@ pub struct AdmitAsk {
     /// prompt is computed: each one's client mailbox and seed.
     #[serde(default)]
     pub forks: Vec<ForkAsk>,
+    /// The tenant it is served for: an index into admission's tenants (0 in a cluster
+    /// with one open tenant).
+    #[serde(default)]
+    pub tenant: u32,
 }
 
 /// One more sequence of an [`AdmitAsk`]: where its events go and its seed.

@@ -273,6 +273,7 @@ fn run(seed: u64, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Run {
                 sampling: SamplingSpec::greedy(),
                 delivery: Delivery::Stream,
                 forks: Vec::new(),
+                tenant: 0,
             },
         ));
     }
@@ -400,6 +401,7 @@ fn three_times_capacity_gives_429s_with_retry_after_and_full_recovery() {
                 sampling: SamplingSpec::greedy(),
                 delivery: Delivery::Stream,
                 forks: Vec::new(),
+                tenant: 0,
             },
         ));
     }

@@ -253,6 +253,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
                 sampling: seq.sampling.clone(),
                 delivery: seq.delivery,
                 forks: vec![ForkAsk { client: addr(p.b), seed: p.flag.then_some(p.a) }],
+                tenant: p.b as u32,
             }),
         },
         42 => Msg::Admitted { request_id: p.a, request: addr(p.b) },

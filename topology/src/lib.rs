@@ -27,7 +27,9 @@ use std::path::{Path, PathBuf};
 
 pub use catalog::{ChipKind, Confidence};
 pub use error::TopologyError;
-pub use tessera_vocab::{DType, KvLayout, MatmulPrecision, Quantize, Role, RouterPolicy, TransportChoice, UnknownName};
+pub use tessera_vocab::{
+    DType, KvLayout, MatmulPrecision, PriorityClass, Quantize, Role, RouterPolicy, TransportChoice, UnknownName,
+};
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
 /// that prefills and host `h1` with an emulated MetaX C500 that decodes, their KV
@@ -68,6 +70,42 @@ pub struct ClusterSpec {
     pub emulation: EmulationSpec,
     pub disagg: DisaggSpec,
     pub solver: SolverSpec,
+    /// Who shares the cluster (`[[tenants]]`), in file order. Empty: one open tenant,
+    /// [`OPEN_TENANT`], with no limits and no key needed (unless `gateway.keys_file` is set).
+    pub tenants: Vec<TenantSpec>,
+}
+
+/// The tenant of a cluster without `[[tenants]]`.
+pub const OPEN_TENANT: &str = "default";
+
+/// One tenant of a shared cluster: its share, class and limits. Its API keys are in the
+/// keys file (`gateway.keys_file`), each naming it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantSpec {
+    pub name: String,
+    /// Its share of the cluster when tenants compete (default 1, 1..=1000).
+    pub weight: u32,
+    pub priority: PriorityClass,
+    /// The served model names its keys may ask for; `None`: any.
+    pub models: Option<Vec<String>>,
+    /// Its prompts may reuse cached blocks of other tenants that share too (default
+    /// false: its prefix cache is its own, so no tenant can time another's prompts).
+    pub share_prefix_cache: bool,
+    pub limits: TenantLimits,
+}
+
+/// A tenant's quotas over the whole cluster (`[tenants.limits]`); `None`: no limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TenantLimits {
+    /// Requests admitted in any 60 s (a request with `n` sequences counts `n`).
+    pub requests_per_min: Option<u64>,
+    /// Prompt plus output tokens in any 60 s; a request reserves its prompt and its
+    /// `max_tokens` when admitted, and what it did not use is given back when it ends.
+    pub tokens_per_min: Option<u64>,
+    /// Sequences in flight at once.
+    pub max_concurrent: Option<usize>,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens: Option<usize>,
 }
 
 /// One host (one process of the runtime) and the chips it drives.
@@ -475,6 +513,14 @@ pub struct GatewaySpec {
     /// Largest prompt accepted, in bytes (1..=1 GiB); `None`: derived from the model by
     /// the gateway.
     pub max_prompt_bytes: Option<usize>,
+    /// The API keys file (`tessera keys add`), resolved against the topology's directory.
+    /// Set: every `/v1/*` request needs a key, and `/admin/*` an operator's or admin's.
+    /// `None`: `/v1/*` is open (no `[[tenants]]` allowed) and `tessera up` makes an admin
+    /// token for `/admin/*`.
+    pub keys_file: Option<PathBuf>,
+    /// The audit log; `None`: `audit.log` beside the keys file, or under `$TESSERA_HOME`
+    /// without one.
+    pub audit_log: Option<PathBuf>,
 }
 
 /// The host-to-host message bus; `[bus]`.

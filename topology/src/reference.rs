@@ -60,6 +60,12 @@ pub const TABLES: &[Table] = &[
                 "none",
                 "Model instances: one model split over several chips (pipeline stages, on one host or several; tensor parallelism within a host).",
             ),
+            key(
+                "tenants",
+                "array of tables",
+                "one open tenant",
+                "Who shares the cluster: weights, priority classes and quotas; needs `gateway.keys_file`. See [tenancy](../how-to/tenancy.md).",
+            ),
         ],
     },
     Table {
@@ -231,6 +237,18 @@ pub const TABLES: &[Table] = &[
                 "1..=1073741824",
                 "derived from the model",
                 "Largest prompt accepted, in bytes of text (413 above it, before tokenizing).",
+            ),
+            key(
+                "keys_file",
+                "a path",
+                "none",
+                "The API keys file (`tessera keys add`), relative to the topology's directory; re-read when it changes. Set: `/v1/*` needs a key and `/admin/*` an `operator` or `admin` key. Unset: `/v1/*` is open and `tessera up` writes an admin token under `$TESSERA_HOME/admin/`.",
+            ),
+            key(
+                "audit_log",
+                "a path",
+                "`audit.log` beside the keys file, else under `$TESSERA_HOME/audit/`",
+                "The hash-chained audit log (`tessera audit verify`).",
             ),
         ],
     },
@@ -450,6 +468,55 @@ pub const TABLES: &[Table] = &[
                 "its first chip's `role`",
                 "What the instance does, as a chip's `role`; an instance with stages on several hosts is `decode` or `both` (a stage on another host does not stage KV for a decode chip).",
             ),
+        ],
+    },
+    Table {
+        path: "tenants",
+        header: "[[tenants]]",
+        about: "One tenant of a shared cluster. Its keys, in `gateway.keys_file`, name it; see [tenancy](../how-to/tenancy.md).",
+        keys: &[
+            key(
+                "name",
+                "letters, digits, `-`, `_`, `.` (at most 64)",
+                "required",
+                "Unique; the `tenant` label of its metrics.",
+            ),
+            key("weight", "1..=1000", "1", "Its share of the cluster when tenants compete."),
+            key(
+                "priority",
+                "`interactive`, `standard`, `batch`",
+                "`standard`",
+                "Its priority class: higher classes are served first.",
+            ),
+            key("models", "array of served model names", "any", "The models its keys may ask for."),
+            key(
+                "share_prefix_cache",
+                "boolean",
+                "false",
+                "Its prompts may reuse cached KV blocks of other sharing tenants; otherwise its prefix cache is its own.",
+            ),
+            key("limits", "table", "no limits", "Its quotas over the whole cluster."),
+        ],
+    },
+    Table {
+        path: "tenants.limits",
+        header: "[tenants.limits]",
+        about: "A tenant's quotas, enforced by admission for the whole cluster; over one, a request gets 429 with `Retry-After` and a message naming the limit.",
+        keys: &[
+            key(
+                "requests_per_min",
+                "1..=1099511627776",
+                "none",
+                "Requests admitted in any 60 s (one with `n` sequences counts `n`).",
+            ),
+            key(
+                "tokens_per_min",
+                "1..=1099511627776",
+                "none",
+                "Prompt plus output tokens in any 60 s: a request reserves its prompt and `max_tokens` when admitted and gets back what it did not use when it ends.",
+            ),
+            key("max_concurrent", "1..=1048576", "none", "Sequences in flight at once."),
+            key("max_tokens", "1..=1048576", "none", "Largest `max_tokens` a request may ask for."),
         ],
     },
 ];

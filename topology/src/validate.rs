@@ -23,8 +23,8 @@ use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
     BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DType, DisaggSpec, EmulationSpec,
-    GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, ParallelSpec, PathReport, Role, RouterSpec,
-    SolverSpec, SupervisorSpec, catalog,
+    GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, ParallelSpec, PathReport, PriorityClass, Role,
+    RouterSpec, SolverSpec, SupervisorSpec, TenantLimits, TenantSpec, catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -89,6 +89,37 @@ struct RawDoc {
     hosts: Vec<Spanned<RawHost>>,
     #[serde(default)]
     instances: Vec<Spanned<RawInstance>>,
+    #[serde(default)]
+    tenants: Vec<Spanned<RawTenant>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenant {
+    name: Spanned<String>,
+    #[serde(default)]
+    weight: Option<Spanned<u32>>,
+    #[serde(default)]
+    priority: Option<Spanned<String>>,
+    #[serde(default)]
+    models: Option<Spanned<Vec<Spanned<String>>>>,
+    #[serde(default)]
+    share_prefix_cache: Option<Spanned<bool>>,
+    #[serde(default)]
+    limits: Option<Spanned<RawTenantLimits>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenantLimits {
+    #[serde(default)]
+    requests_per_min: Option<Spanned<u64>>,
+    #[serde(default)]
+    tokens_per_min: Option<Spanned<u64>>,
+    #[serde(default)]
+    max_concurrent: Option<Spanned<usize>>,
+    #[serde(default)]
+    max_tokens: Option<Spanned<usize>>,
 }
 
 #[derive(Deserialize)]
@@ -242,6 +273,10 @@ struct RawGateway {
     header_read_timeout_ms: Option<Spanned<u64>>,
     #[serde(default)]
     max_prompt_bytes: Option<Spanned<usize>>,
+    #[serde(default)]
+    keys_file: Option<Spanned<String>>,
+    #[serde(default)]
+    audit_log: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -495,6 +530,7 @@ impl Checker<'_> {
         // After every per-chip check, which pairs each raw chip with its spec.
         let hosts = self.instances(&raw.instances, hosts)?;
         let hosts = self.stage_servers(&raw.hosts, hosts, &gateway)?;
+        let tenants = self.tenants(&raw.tenants, raw.gateway.as_ref().map(Spanned::get_ref), &gateway)?;
 
         let spec = ClusterSpec {
             source: self.source.to_owned(),
@@ -512,6 +548,7 @@ impl Checker<'_> {
             emulation,
             disagg,
             solver,
+            tenants,
         };
         Ok((spec, paths))
     }
@@ -1445,6 +1482,8 @@ impl Checker<'_> {
             max_connections: 1024,
             header_read_timeout_ms: 10_000,
             max_prompt_bytes: None,
+            keys_file: None,
+            audit_log: None,
         };
         let Some(raw) = raw else { return Ok(defaults) };
         let host = match &raw.host {
@@ -1495,6 +1534,10 @@ impl Checker<'_> {
             .is_some()
             .then(|| self.field(&raw.max_prompt_bytes, "gateway.max_prompt_bytes", 0, in_range(1, MAX_PROMPT_BYTES)))
             .transpose()?;
+        let path = |value: &Option<Spanned<String>>, key: &str| match value {
+            Some(path) if path.get_ref().trim().is_empty() => Err(self.err(path.span(), key, "must not be empty")),
+            other => Ok(other.as_ref().map(|path| self.resolve(path.get_ref()))),
+        };
         Ok(GatewaySpec {
             host,
             listen,
@@ -1503,7 +1546,82 @@ impl Checker<'_> {
             max_connections,
             header_read_timeout_ms,
             max_prompt_bytes,
+            keys_file: path(&raw.keys_file, "gateway.keys_file")?,
+            audit_log: path(&raw.audit_log, "gateway.audit_log")?,
         })
+    }
+
+    /// `[[tenants]]`: distinct names, and keys to tell them apart.
+    fn tenants(
+        &self,
+        raw: &[Spanned<RawTenant>],
+        raw_gateway: Option<&RawGateway>,
+        gateway: &GatewaySpec,
+    ) -> Result<Vec<TenantSpec>, TopologyError> {
+        let Some(first) = raw.first() else { return Ok(Vec::new()) };
+        if gateway.keys_file.is_none() {
+            let span = raw_gateway.map_or_else(|| first.span(), |_| first.get_ref().name.span());
+            return Err(self.err(
+                span,
+                "tenants",
+                "tenants are told apart by their API keys: set gateway.keys_file and add keys with `tessera keys add --file FILE --tenant NAME`",
+            ));
+        }
+        let mut tenants: Vec<TenantSpec> = Vec::with_capacity(raw.len());
+        for (i, tenant) in raw.iter().enumerate() {
+            let tenant = tenant.get_ref();
+            let key = |k: &str| format!("tenants[{i}].{k}");
+            let name = self.name(&tenant.name, &key("name"))?;
+            if name.len() > 64 {
+                return Err(self.err(tenant.name.span(), key("name"), "is longer than 64 characters"));
+            }
+            if tenants.iter().any(|t| t.name == name) {
+                return Err(self.err(tenant.name.span(), key("name"), format!("tenant `{name}` is listed twice")));
+            }
+            let models = match &tenant.models {
+                None => None,
+                Some(models) if models.get_ref().is_empty() => {
+                    return Err(self.err(
+                        models.span(),
+                        key("models"),
+                        "an empty list lets the tenant use no model; leave it out to allow every model",
+                    ));
+                }
+                Some(models) => Some(models.get_ref().iter().map(|m| m.get_ref().clone()).collect()),
+            };
+            let limits = match tenant.limits.as_ref().map(Spanned::get_ref) {
+                None => TenantLimits::default(),
+                Some(limits) => {
+                    let positive = |value: &Option<Spanned<u64>>, k: &str| {
+                        value
+                            .is_some()
+                            .then(|| self.field(value, &key(&format!("limits.{k}")), 0, in_range(1, 1 << 40)))
+                            .transpose()
+                    };
+                    let count = |value: &Option<Spanned<usize>>, k: &str| {
+                        value
+                            .is_some()
+                            .then(|| self.field(value, &key(&format!("limits.{k}")), 0, in_range(1, MAX_REQUESTS)))
+                            .transpose()
+                    };
+                    TenantLimits {
+                        requests_per_min: positive(&limits.requests_per_min, "requests_per_min")?,
+                        tokens_per_min: positive(&limits.tokens_per_min, "tokens_per_min")?,
+                        max_concurrent: count(&limits.max_concurrent, "max_concurrent")?,
+                        max_tokens: count(&limits.max_tokens, "max_tokens")?,
+                    }
+                }
+            };
+            tenants.push(TenantSpec {
+                name,
+                weight: self.field(&tenant.weight, &key("weight"), 1, in_range(1, 1000))?,
+                priority: self.named(&tenant.priority, &key("priority"), PriorityClass::Standard)?,
+                models,
+                share_prefix_cache: tenant.share_prefix_cache.as_ref().is_some_and(|s| *s.get_ref()),
+                limits,
+            });
+        }
+        Ok(tenants)
     }
 
     fn bus(&self, raw: Option<&RawBus>) -> Result<BusSpec, TopologyError> {
@@ -1750,6 +1868,8 @@ pub(crate) fn schema_tables() -> Vec<(&'static str, &'static [&'static str])> {
         ("hosts", fields_of::<RawHost>()),
         ("hosts.chips", fields_of::<RawChip>()),
         ("instances", fields_of::<RawInstance>()),
+        ("tenants", fields_of::<RawTenant>()),
+        ("tenants.limits", fields_of::<RawTenantLimits>()),
     ]
 }
 

@@ -1,15 +1,22 @@
 //! Admission: the door of the cluster. It gives each admitted request its id and its
-//! Request actor, and refuses (429) once `max_inflight` requests are in flight, so a
-//! virtual-time run sees the same request path, refusals included, as the gateway does.
+//! Request actor, refuses (429) once `max_inflight` requests are in flight, and holds
+//! each tenant to its quotas (`quota`), so a virtual-time run sees the same request
+//! path, refusals included, as the gateway does. There is one admission per cluster (on
+//! the gateway's host), so a tenant's quotas hold for the whole cluster.
 //!
-//! Invariant: every admitted request is counted until its Request actor ends (it always
-//! reports, whatever the outcome); nothing else frees a slot.
+//! Invariant: every admitted request is counted — in flight, and against its tenant —
+//! until its Request actor ends (it always reports, whatever the outcome); nothing else
+//! frees a slot or refunds a reservation.
+
+pub mod quota;
 
 use crate::msg::{AdmitAsk, ClientEvent, ErrorKind, Fork, Msg, ServeError, Telemetry, topic};
 use crate::request::{Request, RequestSpec, RetryPolicy};
-use std::collections::BTreeSet;
+use quota::Ledger;
+use std::collections::BTreeMap;
 use std::time::Duration;
 use tessera_actor_core::{Addr, Behavior, Effects, Moment};
+use tessera_topology::{OPEN_TENANT, TenantSpec};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdmissionConfig {
@@ -23,23 +30,46 @@ pub struct AdmissionConfig {
     pub id_base: u64,
     /// Publish the traffic on `topic::TELEMETRY` this often (for the solver), or never.
     pub telemetry: Option<Duration>,
+    /// The cluster's tenants (`AdmitAsk::tenant` indexes them); empty: one open tenant
+    /// without limits.
+    pub tenants: Vec<TenantSpec>,
+}
+
+/// An admitted sequence: its tenant and the output tokens it reserved.
+#[derive(Debug, Clone, Copy)]
+struct Seat {
+    tenant: usize,
+    max_tokens: usize,
 }
 
 pub struct Admission {
     config: AdmissionConfig,
     next: u64,
-    inflight: BTreeSet<u64>,
+    inflight: BTreeMap<u64, Seat>,
+    /// Per tenant, in the order of `config.tenants` (one for the open tenant).
+    ledgers: Vec<Ledger>,
     /// The traffic since the window began.
     window: Telemetry,
     window_start: Moment,
 }
 
 impl Admission {
-    pub fn new(config: AdmissionConfig) -> Admission {
+    pub fn new(mut config: AdmissionConfig) -> Admission {
+        if config.tenants.is_empty() {
+            config.tenants.push(TenantSpec {
+                name: OPEN_TENANT.to_owned(),
+                weight: 1,
+                priority: Default::default(),
+                models: None,
+                share_prefix_cache: true,
+                limits: Default::default(),
+            });
+        }
         Admission {
             next: config.id_base,
+            ledgers: vec![Ledger::default(); config.tenants.len()],
             config,
-            inflight: BTreeSet::new(),
+            inflight: BTreeMap::new(),
             window: Telemetry::default(),
             window_start: Moment::default(),
         }
@@ -59,8 +89,12 @@ impl Admission {
     fn admit(&mut self, client: Addr, ask: AdmitAsk, fx: &mut dyn Effects<Msg>) {
         let clients = std::iter::once(client).chain(ask.forks.iter().map(|f| f.client));
         let sequences = 1 + ask.forks.len();
-        if self.inflight.len() + sequences > self.config.max_inflight {
-            let (reason, error) = if sequences > self.config.max_inflight {
+        let tenant = ask.tenant as usize;
+        let refusal = if tenant >= self.config.tenants.len() {
+            let why = format!("tenant #{tenant} is not one of the cluster's {}", self.config.tenants.len());
+            Some(("unknown_tenant", ServeError::new(ErrorKind::Internal, why)))
+        } else if self.inflight.len() + sequences > self.config.max_inflight {
+            Some(if sequences > self.config.max_inflight {
                 // It would never fit: retrying cannot help.
                 let why = format!(
                     "{sequences} sequences (n or best_of) exceed the gateway's max_inflight_requests = {}",
@@ -70,8 +104,22 @@ impl Admission {
             } else {
                 let why = format!("the gateway already serves {} requests; retry later", self.config.max_inflight);
                 ("overloaded", ServeError::new(ErrorKind::Overloaded, why).retry_after(1))
-            };
-            metrics::counter!("tessera_admission_refused_total", "reason" => reason).increment(1);
+            })
+        } else {
+            let spec = &self.config.tenants[tenant];
+            let want = quota::Ask { sequences, prompt_tokens: ask.prompt.len(), max_tokens: ask.max_tokens };
+            self.ledgers[tenant].check(&spec.limits, &spec.name, want, fx.now()).err().map(|refused| {
+                let error = match refused.retry_after_s {
+                    Some(s) => ServeError::new(ErrorKind::QuotaExceeded, refused.message.clone()).retry_after(s),
+                    // It would never fit: a bad request, not "retry later".
+                    None => ServeError::new(ErrorKind::BadRequest, refused.message.clone()),
+                };
+                (refused.limit, error.with_public(refused.message))
+            })
+        };
+        if let Some((reason, error)) = refusal {
+            let tenant = self.config.tenants.get(tenant).map_or("unknown", |t| t.name.as_str()).to_owned();
+            metrics::counter!("tessera_admission_refused_total", "reason" => reason, "tenant" => tenant).increment(1);
             // Counted above; logged only at debug, as a flood of refusals would flood the log.
             tracing::debug!(error = %error.message, "request refused");
             for client in clients {
@@ -91,21 +139,29 @@ impl Admission {
                 forks,
             }
         };
+        let seat = Seat { tenant, max_tokens: ask.max_tokens };
         let mut forks = Vec::with_capacity(ask.forks.len());
         for f in &ask.forks {
             let request_id = self.take_id();
             let request =
                 Request::forked(spec(request_id, f.seed, Vec::new()), f.client, self.config.router, self.config.retry);
-            let req = self.start(request_id, f.client, request, fx);
+            self.ledgers[tenant].charge(request_id, ask.max_tokens as u64, None, fx.now());
+            let req = self.start(request_id, seat, f.client, request, fx);
             forks.push(Fork { request_id, req, seed: f.seed });
         }
         let request_id = self.take_id();
         self.window.admitted += 1;
         self.window.prompt_tokens += ask.prompt.len() as u64;
         Telemetry::count(&mut self.window.prompt_hist, ask.prompt.len());
+        let name = self.config.tenants[tenant].name.clone();
+        metrics::counter!("tessera_tenant_requests_total", "tenant" => name.clone()).increment(1);
+        metrics::counter!("tessera_tenant_tokens_total", "tenant" => name, "kind" => "prompt")
+            .increment(ask.prompt.len() as u64);
+        let reserved = (ask.prompt.len() + ask.max_tokens) as u64;
+        self.ledgers[tenant].charge(request_id, reserved, Some(sequences as u64), fx.now());
         let request =
             Request::new(spec(request_id, ask.sampling.seed, forks), client, self.config.router, self.config.retry);
-        self.start(request_id, client, request, fx);
+        self.start(request_id, seat, client, request, fx);
     }
 
     fn take_id(&mut self) -> u64 {
@@ -115,9 +171,16 @@ impl Admission {
     }
 
     /// Spawns an admitted request's actor and tells its client.
-    fn start(&mut self, request_id: u64, client: Addr, request: Request, fx: &mut dyn Effects<Msg>) -> Addr {
+    fn start(
+        &mut self,
+        request_id: u64,
+        seat: Seat,
+        client: Addr,
+        request: Request,
+        fx: &mut dyn Effects<Msg>,
+    ) -> Addr {
         let actor = fx.spawn(Box::new(request.reporting_to(fx.me())));
-        self.inflight.insert(request_id);
+        self.inflight.insert(request_id, seat);
         metrics::gauge!("tessera_gateway_inflight_requests").set(self.inflight.len() as f64);
         if fx.send(client, Msg::Admitted { request_id, request: actor }).is_err() {
             // The client left already: the request has nobody to serve.
@@ -149,7 +212,12 @@ impl Behavior<Msg> for Admission {
                 }
             }
             Msg::RequestEnded { request_id, output_tokens } => {
-                if self.inflight.remove(&request_id) {
+                if let Some(seat) = self.inflight.remove(&request_id) {
+                    let unused = seat.max_tokens.saturating_sub(output_tokens);
+                    self.ledgers[seat.tenant].refund(request_id, unused as u64);
+                    let name = self.config.tenants[seat.tenant].name.clone();
+                    metrics::counter!("tessera_tenant_tokens_total", "tenant" => name, "kind" => "output")
+                        .increment(output_tokens as u64);
                     self.window.ended += 1;
                     self.window.output_tokens += output_tokens as u64;
                     Telemetry::count(&mut self.window.output_hist, output_tokens);
@@ -177,7 +245,14 @@ mod tests {
     const ROUTER: Addr = Addr { host: HostId(0), actor: 2 };
 
     fn config(max_inflight: usize) -> AdmissionConfig {
-        AdmissionConfig { max_inflight, router: ROUTER, retry: RetryPolicy::default(), id_base: 100, telemetry: None }
+        AdmissionConfig {
+            max_inflight,
+            router: ROUTER,
+            retry: RetryPolicy::default(),
+            id_base: 100,
+            telemetry: None,
+            tenants: Vec::new(),
+        }
     }
 
     fn ask() -> Msg {
@@ -189,6 +264,7 @@ mod tests {
                 sampling: SamplingSpec::greedy(),
                 delivery: Delivery::Stream,
                 forks: Vec::new(),
+                tenant: 0,
             }),
         }
     }

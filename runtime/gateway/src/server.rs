@@ -198,6 +198,10 @@ fn api_error(e: &ServeError) -> ApiError {
             ..ApiError::unavailable(public("No chip can serve the request right now; retry later."))
         },
         ErrorKind::Internal => ApiError::internal(public("The server could not complete the request.")),
+        ErrorKind::QuotaExceeded => ApiError {
+            retry_after_s: Some(e.retry_after_s.unwrap_or(1)),
+            ..ApiError::quota_exceeded(public("Your tenant is over one of its quotas; retry later."))
+        },
     }
 }
 
@@ -378,6 +382,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         // must be matched as the text grows (to stop the generation early).
         delivery: if req.stream || !req.stop.is_empty() { Delivery::Stream } else { Delivery::Whole },
         forks: Vec::new(),
+        tenant: 0,
     };
     // `n` choices (or `best_of` candidates), choice i sampled with `seed + i`. The
     // others fork from the first where it samples its first token: one prefill, the

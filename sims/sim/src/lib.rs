@@ -186,6 +186,7 @@ pub fn run_with_progress(
                 // token by token (TPOT is their mean gap).
                 delivery: Delivery::Whole,
                 forks: Vec::new(),
+                tenant: 0,
             };
             ((at_s * 1e9).round() as u64, ask)
         }));

@@ -161,6 +161,21 @@ vocabulary! {
 }
 
 vocabulary! {
+    /// A tenant's priority class (`[[tenants]] priority`): admission, the router and the
+    /// batchers serve higher classes first, and under KV pressure preempt lower ones
+    /// first. Ordered from the highest.
+    #[derive(Default)]
+    pub enum PriorityClass ("priority class") {
+        /// Chat and agents: a person is waiting.
+        Interactive = "interactive",
+        #[default]
+        Standard = "standard",
+        /// Offline work: served when nothing above it waits.
+        Batch = "batch",
+    }
+}
+
+vocabulary! {
     /// A block format a chip quantizes float weights to when it loads them (ggml's
     /// Q8_0: 8.5 bits per weight; Q4_0: 4.5). Weights already quantized in a GGUF file
     /// keep their own formats.

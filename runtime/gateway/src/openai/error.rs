@@ -131,6 +131,18 @@ impl ApiError {
         }
     }
 
+    /// 429: the caller's tenant is over a quota; the message names the limit.
+    pub fn quota_exceeded(message: impl Into<String>) -> Self {
+        Self {
+            status: 429,
+            message: message.into(),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("rate_limit_exceeded".to_owned()),
+            retry_after_s: None,
+        }
+    }
+
     /// 503: no healthy chip can serve the request right now.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {
