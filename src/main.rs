@@ -8,6 +8,7 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod access;
 mod bench_router;
 mod plan;
 mod up;
@@ -63,6 +64,12 @@ enum Command {
     /// Measure a real chip of a topology over a grid of step shapes and fit its
     /// performance model, for the simulator (a scenario's `[perf_models]`).
     Calibrate(CalibrateArgs),
+    /// API keys of a shared cluster: add, list, revoke.
+    #[command(subcommand)]
+    Keys(access::KeysCommand),
+    /// The audit log: verify its hash chain.
+    #[command(subcommand)]
+    Audit(access::AuditCommand),
     /// Cluster topology files.
     Topology {
         #[command(subcommand)]
@@ -676,6 +683,8 @@ fn main() {
         Command::Sim(args) => sim(args),
         Command::Solve(args) => solve(args),
         Command::Plan(command) => plan::plan(command),
+        Command::Keys(command) => access::keys(command),
+        Command::Audit(command) => access::audit(command),
         Command::Calibrate(args) => calibrate(args),
     };
     if let Err(e) = result {

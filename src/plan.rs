@@ -24,6 +24,27 @@ pub struct GatewayArg {
     /// The cluster's gateway.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     gateway: String,
+    /// An operator's or admin's key (default: `$TESSERA_API_KEY`, else the admin token
+    /// `tessera up` wrote on this machine for that gateway).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+}
+
+impl GatewayArg {
+    /// The key admin calls carry: the one given, the environment's, or the gateway's
+    /// generated admin token if it runs on this machine.
+    fn key(&self) -> Option<String> {
+        if let Some(key) = self.api_key.clone().or_else(|| std::env::var("TESSERA_API_KEY").ok()) {
+            return Some(key);
+        }
+        let url = reqwest::Url::parse(&self.gateway).ok()?;
+        let host = match url.host_str()? {
+            "localhost" => std::net::IpAddr::from([127, 0, 0, 1]),
+            other => other.trim_start_matches('[').trim_end_matches(']').parse().ok()?,
+        };
+        let addr = std::net::SocketAddr::new(host, url.port_or_known_default()?);
+        tessera_access::token::read(&tessera_backends::builtin::cache_dir(), addr)
+    }
 }
 
 #[derive(Args)]
@@ -55,7 +76,7 @@ pub fn plan(command: PlanCommand) -> Result<()> {
     rt.block_on(async {
         match command {
             PlanCommand::Show(args) => {
-                let body = call(&args.gateway.gateway, "GET", "/admin/plan", None).await?;
+                let body = call(&args.gateway, "GET", "/admin/plan", None).await?;
                 if args.json {
                     println!("{}", serde_json::to_string_pretty(&body)?);
                     return Ok(());
@@ -78,7 +99,7 @@ pub fn plan(command: PlanCommand) -> Result<()> {
                         json!({ "roles": roles })
                     }
                 };
-                let plan = call(&args.gateway.gateway, "POST", "/admin/plan/apply", Some(body)).await?;
+                let plan = call(&args.gateway, "POST", "/admin/plan/apply", Some(body)).await?;
                 let moves = plan["moves"].as_array().map_or(0, Vec::len);
                 println!("applied {}: {}", plan["id"].as_str().unwrap_or("?"), plan["summary"].as_str().unwrap_or("?"));
                 for m in plan["moves"].as_array().into_iter().flatten() {
@@ -91,7 +112,7 @@ pub fn plan(command: PlanCommand) -> Result<()> {
                 Ok(())
             }
             PlanCommand::Solve(args) => {
-                call(&args.gateway, "POST", "/admin/plan/solve", None).await?;
+                call(&args, "POST", "/admin/plan/solve", None).await?;
                 println!("solving; `tessera plan show` lists the new set when it is done");
                 Ok(())
             }
@@ -100,18 +121,28 @@ pub fn plan(command: PlanCommand) -> Result<()> {
 }
 
 /// One admin call; an error reply becomes an error carrying the gateway's message.
-async fn call(gateway: &str, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
+async fn call(gateway: &GatewayArg, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
+    let key = gateway.key();
+    let gateway = &gateway.gateway;
     let url = format!("{}{path}", gateway.trim_end_matches('/'));
     let client = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
-    let request = match method {
+    let mut request = match method {
         "POST" => client.post(&url).json(&body.unwrap_or(Value::Null)),
         _ => client.get(&url),
     };
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
     let response = request.send().await.with_context(|| format!("cannot reach the gateway at {gateway}"))?;
     let status = response.status();
     let value: Value = response.json().await.with_context(|| format!("{url}: the reply is not JSON"))?;
     if !status.is_success() {
         let message = value["error"]["message"].as_str().unwrap_or("(no message)");
+        if status == reqwest::StatusCode::UNAUTHORIZED {
+            bail!(
+                "{url}: {status}: {message} (pass an operator's key with --api-key or TESSERA_API_KEY; a gateway without a keys file takes the admin token in $TESSERA_HOME/admin/, which this machine's CLI reads by itself)"
+            );
+        }
         bail!("{url}: {status}: {message}");
     }
     Ok(value)

@@ -8,6 +8,7 @@
 //! retries are the actors' (`tessera-actors`).
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod listener;
 pub mod openai;
 pub mod server;

@@ -8,12 +8,13 @@
 //! on blocking threads, a few at a time (`prompt_workers`), after the prompt's text has
 //! been checked against a bound derived from the model's context (`max_prompt_bytes`).
 
+use crate::access::{self, Access, Caller};
 use crate::listener::{self, HttpLimits};
 use crate::openai::{self, ApiError, ChatTemplate, FinishReason, GenerationRequest, Prompt, StopMatcher, Usage};
 use axum::Router as HttpRouter;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Extension, State};
 use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -47,6 +48,8 @@ pub struct GatewayConfig {
     pub max_prompt_bytes: usize,
     /// Connections, header and idle timeouts.
     pub http: HttpLimits,
+    /// Keys, roles, tenants and the audit log.
+    pub access: Arc<Access>,
 }
 
 /// The longest prompt text that could fit `max_context` tokens: no token stands for more
@@ -98,6 +101,7 @@ impl GatewayState {
 /// bodies over the limit, is OpenAI error JSON.
 pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
     let body_limit = max_body_bytes(state.config.max_prompt_bytes);
+    let access = state.config.access.clone();
     HttpRouter::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -113,6 +117,8 @@ pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::from_fn(move |req, next| refuse_announced_oversize(req, next, body_limit)))
+        // Outermost: a caller is known (or refused) before its body is read.
+        .layer(axum::middleware::from_fn(move |req, next| access::authorize(access.clone(), req, next)))
         .with_state(state)
 }
 
@@ -165,7 +171,7 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn error_response(e: ApiError) -> Response {
+pub(crate) fn error_response(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     metrics::counter!("tessera_gateway_errors_total", "status" => e.status.to_string()).increment(1);
     let retry_after = e.retry_after_s.map(|s| [(axum::http::header::RETRY_AFTER, s.to_string())]);
@@ -211,16 +217,32 @@ enum Endpoint {
     Chat,
 }
 
-async fn completions(State(st): State<Arc<GatewayState>>, body: Result<Bytes, BytesRejection>) -> Response {
+/// The caller the access layer found; the open tenant where it found none.
+fn caller_or_open(caller: Option<Extension<Caller>>) -> Caller {
+    caller.map_or_else(
+        || Caller { key_id: "anonymous".into(), tenant: 0, tenant_name: tessera_topology::OPEN_TENANT.into() },
+        |Extension(c)| c,
+    )
+}
+
+async fn completions(
+    State(st): State<Arc<GatewayState>>,
+    caller: Option<Extension<Caller>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     match body_or_error(&st, body) {
-        Ok(body) => generate(st, body, Endpoint::Completions).await,
+        Ok(body) => generate(st, body, Endpoint::Completions, caller_or_open(caller)).await,
         Err(e) => error_response(e),
     }
 }
 
-async fn chat_completions(State(st): State<Arc<GatewayState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(
+    State(st): State<Arc<GatewayState>>,
+    caller: Option<Extension<Caller>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     match body_or_error(&st, body) {
-        Ok(body) => generate(st, body, Endpoint::Chat).await,
+        Ok(body) => generate(st, body, Endpoint::Chat, caller_or_open(caller)).await,
         Err(e) => error_response(e),
     }
 }
@@ -308,7 +330,7 @@ fn prompt_ids(st: &GatewayState, req: &GenerationRequest) -> Result<Vec<u32>, Ap
     }
 }
 
-async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Response {
+async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint, caller: Caller) -> Response {
     let started = Instant::now();
     let prepared = {
         // The semaphore is never closed; a wait for it is a queue, not a failure.
@@ -382,7 +404,7 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         // must be matched as the text grows (to stop the generation early).
         delivery: if req.stream || !req.stop.is_empty() { Delivery::Stream } else { Delivery::Whole },
         forks: Vec::new(),
-        tenant: 0,
+        tenant: caller.tenant,
     };
     // `n` choices (or `best_of` candidates), choice i sampled with `seed + i`. The
     // others fork from the first where it samples its first token: one prefill, the
@@ -402,7 +424,9 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         Ok(a) => admitted.push(a),
         Err(e) => return error_response(e),
     }
-    metrics::histogram!("tessera_request_ttft_seconds").record(started.elapsed().as_secs_f64());
+    let ttft = started.elapsed();
+    metrics::histogram!("tessera_request_ttft_seconds", "tenant" => caller.tenant_name.clone())
+        .record(ttft.as_secs_f64());
     for mailbox in fork_mailboxes {
         match await_admitted(&st, mailbox).await {
             Ok(a) => admitted.push(a),
@@ -435,6 +459,8 @@ async fn generate(st: Arc<GatewayState>, body: Bytes, endpoint: Endpoint) -> Res
         }),
         output: max_tokens > 0,
         tools: req.tools.active(),
+        tenant: caller.tenant_name,
+        ttft,
     };
     if req.stream {
         stream_response(st, ctx, admitted, req.include_usage)
@@ -505,6 +531,24 @@ struct Completion {
     output: bool,
     /// The answer is parsed for tool calls.
     tools: bool,
+    /// The caller's tenant (the `tenant` label of its metrics) and its time to the first
+    /// token.
+    tenant: String,
+    ttft: Duration,
+}
+
+impl Completion {
+    /// Records the end of a request that produced `completion_tokens` (its sequences'
+    /// sum over `sequences`).
+    fn record_end(&self, completion_tokens: usize, sequences: usize) {
+        let e2e = self.started.elapsed();
+        metrics::histogram!("tessera_request_e2e_seconds", "tenant" => self.tenant.clone()).record(e2e.as_secs_f64());
+        let per_sequence = completion_tokens / sequences.max(1);
+        if per_sequence > 1 {
+            let tpot = e2e.saturating_sub(self.ttft).as_secs_f64() / (per_sequence - 1) as f64;
+            metrics::histogram!("tessera_request_tpot_seconds", "tenant" => self.tenant.clone()).record(tpot);
+        }
+    }
 }
 
 /// A prompt echoed back: its text as the client sent it, and its tokens.
@@ -662,11 +706,12 @@ async fn whole_response(
     }
     choices.sort_by_key(|(i, _)| *i);
     let completion_tokens: usize = choices.iter().map(|(_, c)| c.completion_tokens).sum();
+    let sequences = choices.len();
     if best_of {
         choices.sort_by(|(i, a), (j, b)| b.logprob.total_cmp(&a.logprob).then(i.cmp(j)));
     }
     choices.truncate(n);
-    metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
+    ctx.record_end(completion_tokens, sequences);
     let Some(mut body) = choices.first().map(|(_, c)| c.body.clone()) else {
         return error_response(ApiError::internal("the request ended without a result"));
     };
@@ -782,6 +827,7 @@ fn stream_response(st: Arc<GatewayState>, ctx: Completion, admitted: Vec<Admitte
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     tokio::spawn(async move {
         let ctx = Arc::new(ctx);
+        let sequences = admitted.len();
         let mut tasks = tokio::task::JoinSet::new();
         for (i, a) in admitted.into_iter().enumerate() {
             tasks.spawn(stream_choice(st.clone(), ctx.clone(), a, i, tx.clone()));
@@ -802,7 +848,7 @@ fn stream_response(st: Arc<GatewayState>, ctx: Completion, admitted: Vec<Admitte
                 let chunk = openai::usage_chunk(&ctx.id, ctx.created, &ctx.model, object, usage);
                 let _ = tx.send(Ok(Event::default().data(chunk.to_string()))).await;
             }
-            metrics::histogram!("tessera_request_e2e_seconds").record(ctx.started.elapsed().as_secs_f64());
+            ctx.record_end(completion_tokens, sequences);
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
     });

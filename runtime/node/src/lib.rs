@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tessera_access::AuditLog;
+use tessera_access::token::AdminToken;
 use tessera_actors::chip::executor::{ExecutorFactory, StepExecutor};
 use tessera_actors::host::{HostBuildError, build_host};
 use tessera_actors::msg::Msg;
@@ -25,6 +27,7 @@ use tessera_backends::cost::ServedModel;
 use tessera_backends::synth::Preset;
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_chip_executor::{Emulation, ModelExecutor, ModelExecutorConfig};
+use tessera_gateway::access::{Access, AccessConfig, TenantView};
 use tessera_gateway::listener::HttpLimits;
 use tessera_gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
@@ -56,6 +59,63 @@ pub enum NodeError {
         #[source]
         cause: BoxError,
     },
+}
+
+/// Who may call the gateway: the keys file, or an admin token made for this start (so
+/// admin routes are never open), and the audit log, which records the start and the
+/// tenants' limits.
+fn gateway_access(spec: &ClusterSpec, served_model: &str) -> Result<Arc<Access>, NodeError> {
+    let home = tessera_backends::builtin::cache_dir();
+    let listen = spec.gateway.listen;
+    let admin_token = match &spec.gateway.keys_file {
+        Some(_) => None,
+        None => {
+            let (token, path) = AdminToken::create(&home, listen)
+                .map_err(ctx(format!("gateway: writing the admin token under {}", home.display())))?;
+            eprintln!(
+                "tessera: no keys file (gateway.keys_file): admin routes take the token in {} (the CLI on this machine reads it)",
+                path.display()
+            );
+            Some(token)
+        }
+    };
+    let audit = spec.gateway.audit_log.clone().unwrap_or_else(|| match &spec.gateway.keys_file {
+        Some(keys) => keys.with_file_name("audit.log"),
+        None => home.join("audit").join(format!("{}_{}.log", listen.ip(), listen.port()).replace([':', '[', ']'], "-")),
+    });
+    let tenants = spec.tenants.iter().map(|t| TenantView { name: t.name.clone(), models: t.models.clone() }).collect();
+    let config = AccessConfig {
+        keys_file: spec.gateway.keys_file.clone(),
+        admin_token,
+        audit: AuditLog::new(audit),
+        tenants,
+        served_model: served_model.to_owned(),
+    };
+    let access = Access::new(config).map_err(|e| match &e {
+        tessera_access::KeysError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            NodeError::Config(format!("{e}; make it with `tessera keys add --file FILE --tenant NAME`"))
+        }
+        _ => NodeError::Config(e.to_string()),
+    })?;
+    let limits: Vec<serde_json::Value> = spec
+        .tenants
+        .iter()
+        .map(|t| {
+            serde_json::json!({
+                "tenant": t.name, "weight": t.weight, "priority": t.priority.as_str(),
+                "requests_per_min": t.limits.requests_per_min, "tokens_per_min": t.limits.tokens_per_min,
+                "max_concurrent": t.limits.max_concurrent, "max_tokens": t.limits.max_tokens,
+                "share_prefix_cache": t.share_prefix_cache,
+            })
+        })
+        .collect();
+    let details = serde_json::json!({
+        "listen": listen.to_string(), "topology": spec.source, "keys": access.key_count(),
+        "keys_file": spec.gateway.keys_file.as_ref().map(|p| p.display().to_string()), "tenants": limits,
+    });
+    access.append("gateway_started", "tessera", details);
+    eprintln!("tessera: audit log {}", access.audit().path().display());
+    Ok(Arc::new(access))
 }
 
 /// Wraps an error with what was being done, for `map_err`.
@@ -298,6 +358,7 @@ pub fn run_node(
                 max_connections: spec.gateway.max_connections,
                 header_read_timeout: Duration::from_millis(spec.gateway.header_read_timeout_ms),
             },
+            access: gateway_access(spec, &served_model)?,
         };
         let state = Arc::new(GatewayState::new(host.clone(), tokenizer, config).map_err(NodeError::Config)?);
         let listen = spec.gateway.listen;

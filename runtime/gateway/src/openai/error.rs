@@ -131,6 +131,43 @@ impl ApiError {
         }
     }
 
+    /// 401: no key, or not a valid one; `reason` (`missing`, `invalid`, `revoked`)
+    /// becomes the code.
+    pub fn unauthorized(message: impl Into<String>, reason: &str) -> Self {
+        Self {
+            status: 401,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some(if reason == "missing" { "missing_api_key" } else { "invalid_api_key" }.to_owned()),
+            retry_after_s: None,
+        }
+    }
+
+    /// 403: a valid key that may not do this.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self {
+            status: 403,
+            message: message.into(),
+            kind: "permission_error",
+            param: None,
+            code: Some("forbidden".to_owned()),
+            retry_after_s: None,
+        }
+    }
+
+    /// 404: the caller's tenant may not use the served model.
+    pub fn model_not_allowed(model: &str) -> Self {
+        Self {
+            status: 404,
+            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            kind: "invalid_request_error",
+            param: Some("model".to_owned()),
+            code: Some("model_not_found".to_owned()),
+            retry_after_s: None,
+        }
+    }
+
     /// 429: the caller's tenant is over a quota; the message names the limit.
     pub fn quota_exceeded(message: impl Into<String>) -> Self {
         Self {
