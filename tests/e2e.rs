@@ -1,7 +1,8 @@
 //! The workspace's end-to-end and cross-crate tests, in one binary (each integration-test
 //! binary links the whole workspace): the model against a reference forward, the kernel
 //! ABI, the CLI and its refusals of bad input, serving across host processes with their
-//! faults, prefill/decode disaggregation, a real model from a GGUF file, and the
+//! faults, a cluster shared by tenants (keys, quotas, roles, audit), prefill/decode
+//! disaggregation, a real model from a GGUF file, and the
 //! documentation (the README's commands run as written, every link resolves).
 
 mod common;
@@ -20,3 +21,4 @@ mod quantize;
 mod readme;
 mod serve;
 mod structured;
+mod tenancy;

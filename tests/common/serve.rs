@@ -368,13 +368,28 @@ impl Read for Body {
     }
 }
 
-/// Sends one request (`Connection: close`) and reads the status line and headers.
+/// Sends one request (`Connection: close`) and reads the status line and headers. An
+/// `/admin/*` request carries the admin token `tessera up` made for the gateway at `addr`
+/// (if it made one, in the shared home).
 fn send(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> std::io::Result<(u16, Headers, Body)> {
+    let token = path.starts_with("/admin").then(|| tessera_access::token::read(&tessera_home(), addr)).flatten();
+    send_as(addr, method, path, body, token.as_deref())
+}
+
+/// [`send`] with `key` (if any) as its `Authorization: Bearer` key.
+fn send_as(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    key: Option<&str>,
+) -> std::io::Result<(u16, Headers, Body)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     stream.set_read_timeout(Some(Duration::from_secs(60)))?;
     let body = body.unwrap_or("");
+    let auth = key.map_or_else(String::new, |key| format!("Authorization: Bearer {key}\r\n"));
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{auth}\
          Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
@@ -412,7 +427,18 @@ fn send(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> std::
 }
 
 pub fn try_request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> std::io::Result<HttpResponse> {
-    let (status, headers, mut b) = send(addr, method, path, body)?;
+    let (status, headers, b) = send(addr, method, path, body)?;
+    read_whole(status, headers, b)
+}
+
+/// One request with `key` as its bearer key (or none), read whole.
+pub fn request_as(addr: SocketAddr, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> HttpResponse {
+    send_as(addr, method, path, body, key)
+        .and_then(|(status, headers, b)| read_whole(status, headers, b))
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+fn read_whole(status: u16, headers: Headers, mut b: Body) -> std::io::Result<HttpResponse> {
     let mut bytes = Vec::new();
     b.read_to_end(&mut bytes)?;
     Ok(HttpResponse { status, headers, body: String::from_utf8(bytes).expect("the body is UTF-8") })
@@ -461,8 +487,13 @@ impl Sse {
 
 /// POSTs `body` and returns the event stream, or the whole response if it is not a 200.
 pub fn post_stream(addr: SocketAddr, path: &str, body: &Value) -> Result<Sse, HttpResponse> {
+    post_stream_as(addr, path, body, None)
+}
+
+/// [`post_stream`] with `key` as its bearer key.
+pub fn post_stream_as(addr: SocketAddr, path: &str, body: &Value, key: Option<&str>) -> Result<Sse, HttpResponse> {
     let (status, headers, mut b) =
-        send(addr, "POST", path, Some(&body.to_string())).unwrap_or_else(|e| panic!("POST {path}: {e}"));
+        send_as(addr, "POST", path, Some(&body.to_string()), key).unwrap_or_else(|e| panic!("POST {path}: {e}"));
     if status != 200 {
         let mut text = String::new();
         let _ = b.read_to_string(&mut text);
