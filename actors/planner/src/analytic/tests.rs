@@ -227,7 +227,7 @@ fn instance_of(base: &KindSpec, chips: u32, stages: usize, tp: usize) -> KindSpe
     let stages: Vec<tessera_perf::parallel::Stage> = (0..stages)
         .map(|s| tessera_perf::parallel::Stage {
             roof: base.roof,
-            perf: base.perf.clone(),
+            perf: base.perf,
             layers: layers * (s + 1) / stages - layers * s / stages,
             tp,
             link,
