@@ -70,7 +70,10 @@ fn keys_quotas_roles_and_the_audit_log() {
          [[tenants]]\nname = \"conc\"\n[tenants.limits]\nmax_concurrent = 1\n\n\
          [[tenants]]\nname = \"small\"\n[tenants.limits]\nmax_tokens = 8\n\n\
          [[tenants]]\nname = \"free\"\nmodels = [\"{MODEL}\"]\n\n\
-         [[tenants]]\nname = \"elsewhere\"\nmodels = [\"another-model\"]\n"
+         [[tenants]]\nname = \"elsewhere\"\nmodels = [\"another-model\"]\n\n\
+         [[tenants]]\nname = \"own_a\"\n\n[[tenants]]\nname = \"own_b\"\n\n\
+         [[tenants]]\nname = \"shared_a\"\nshare_prefix_cache = true\n\n\
+         [[tenants]]\nname = \"shared_b\"\nshare_prefix_cache = true\n"
     );
     let gateway_extra = format!("keys_file = \"{}\"", keys_file.display());
     let chips = [ChipDef {
@@ -79,10 +82,11 @@ fn keys_quotas_roles_and_the_audit_log() {
         toml: "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1\n".into(),
     }];
     let topo = topology_of(&chips, &tenants, &gateway_extra, 1000);
-    let keys: Vec<(&str, String)> = ["rpm", "tpm", "conc", "small", "free", "elsewhere"]
-        .into_iter()
-        .map(|tenant| (tenant, add_key(&keys_file, tenant, "user")))
-        .collect();
+    let keys: Vec<(&str, String)> =
+        ["rpm", "tpm", "conc", "small", "free", "elsewhere", "own_a", "own_b", "shared_a", "shared_b"]
+            .into_iter()
+            .map(|tenant| (tenant, add_key(&keys_file, tenant, "user")))
+            .collect();
     let key = |tenant: &str| keys.iter().find(|(t, _)| *t == tenant).map(|(_, k)| k.as_str()).unwrap();
     let operator = add_key(&keys_file, "free", "operator");
     let revoked = add_key(&keys_file, "free", "user");
@@ -144,6 +148,31 @@ fn keys_quotas_roles_and_the_audit_log() {
     assert_eq!(completion(gw, Some(key("free")), 4).status, 200);
     while sse.next_data().is_some() {}
     eventually("the stream's seat is freed", || completion(gw, Some(key("conc")), 4).status == 200);
+
+    // Prefix isolation: an identical prompt of another tenant reuses no cached block,
+    // unless both tenants share their caches.
+    let reused = || -> f64 {
+        let text = get(gw, "/metrics").body;
+        text.lines()
+            .filter(|l| l.starts_with("tessera_prefix_reused_tokens_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let long = "The committee reviewed every proposal submitted this quarter and agreed that the \
+                shared cluster should keep each team's cached prompts apart unless both teams ask.";
+    let ask = |tenant: &str, tail: &str| {
+        let body = json!({"model": MODEL, "prompt": format!("{long} {tail}"), "max_tokens": 1, "temperature": 0});
+        let r = request_as(gw, "POST", "/v1/completions", Some(&body.to_string()), Some(key(tenant)));
+        assert_eq!(r.status, 200, "{}", r.body);
+    };
+    // (tenant, reuses the blocks cached before it)
+    for (tenant, hit) in [("own_a", false), ("own_b", false), ("own_a", true), ("shared_a", false), ("shared_b", true)]
+    {
+        let before = reused();
+        ask(tenant, tenant);
+        let after = reused();
+        assert_eq!(after > before, hit, "{tenant}: reused tokens {before} -> {after}");
+    }
 
     // Roles: a user key is refused on every admin route; an operator's is let through.
     for &(method, path, body) in ADMIN_ROUTES {

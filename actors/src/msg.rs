@@ -226,6 +226,10 @@ pub struct SeqRequest {
     /// token: they share its prompt's KV and sample from the same logits.
     #[serde(default)]
     pub forks: Vec<Fork>,
+    /// What its first KV block's hash chains to (see `kv::salted_prefix_hashes`): its
+    /// tenant's salt when the tenant does not share its prefix cache.
+    #[serde(default)]
+    pub cache_salt: Option<u64>,
 }
 
 /// A sequence forked from another after its prompt: its own request actor, and its
@@ -778,6 +782,9 @@ pub enum Msg {
         /// cached prefix the router looks up.
         #[serde(default)]
         prompt: Vec<u32>,
+        /// The salt of its blocks' hashes (`SeqRequest::cache_salt`).
+        #[serde(default)]
+        cache_salt: Option<u64>,
     },
     /// Router -> request: decode (or colocated) on `chip`; prefill on `prefill` first
     /// when the request is disaggregated.

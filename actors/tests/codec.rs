@@ -146,6 +146,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         sampling: sampling.clone(),
         delivery: if p.flag { Delivery::Whole } else { Delivery::Stream },
         forks: vec![Fork { request_id: p.b, req: addr(p.a), seed: p.flag.then_some(p.n as u64) }],
+        cache_salt: p.flag.then_some(p.a),
     };
     match kind {
         0 => Msg::Route {
@@ -155,6 +156,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
             prompt_tokens: p.n / 2,
             exclude: vec![addr(p.a), addr(p.b)],
             prompt: p.tokens.clone(),
+            cache_salt: p.flag.then_some(p.b),
         },
         1 => Msg::Routed { request_id: p.a, chip: addr(p.b), prefill: p.flag.then(|| addr(p.a)) },
         2 => Msg::RouteFailed { request_id: p.a, error: error(p) },

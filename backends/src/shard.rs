@@ -314,12 +314,8 @@ mod tests {
     // One part is a table row like the others: the whole range in a one-element list.
     #[allow(clippy::single_range_in_vec_init)]
     fn splits_are_balanced_contiguous_and_cover_everything() {
-        let table: [(usize, usize, &[Range<usize>]); 4] = [
-            (9, 2, &[0..4, 4..9]),
-            (3, 2, &[0..1, 1..3]),
-            (8, 4, &[0..2, 2..4, 4..6, 6..8]),
-            (4, 1, &[0..4]),
-        ];
+        let table: [(usize, usize, &[Range<usize>]); 4] =
+            [(9, 2, &[0..4, 4..9]), (3, 2, &[0..1, 1..3]), (8, 4, &[0..2, 2..4, 4..6, 6..8]), (4, 1, &[0..4])];
         for (n, parts, want) in table {
             let got: Vec<_> = (0..parts).map(|r| split(n, parts, r)).collect();
             assert_eq!(got, want, "{n} over {parts}");

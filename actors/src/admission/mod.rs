@@ -127,6 +127,7 @@ impl Admission {
             }
             return;
         }
+        let salt = cache_salt(&self.config.tenants[tenant]);
         let spec = |request_id, seed, forks| {
             let mut sampling = ask.sampling.clone();
             sampling.seed = seed;
@@ -137,6 +138,7 @@ impl Admission {
                 sampling,
                 delivery: ask.delivery,
                 forks,
+                cache_salt: salt,
             }
         };
         let seat = Seat { tenant, max_tokens: ask.max_tokens };
@@ -188,6 +190,13 @@ impl Admission {
         }
         actor
     }
+}
+
+/// The salt of a tenant's KV block hashes: its own unless it shares its prefix cache, so
+/// no tenant's prompt can hit (and so time) another's cached blocks.
+pub fn cache_salt(tenant: &TenantSpec) -> Option<u64> {
+    let salt = || xxhash_rust::xxh3::xxh3_64(format!("tessera tenant {}", tenant.name).as_bytes());
+    (!tenant.share_prefix_cache).then(salt)
 }
 
 impl Behavior<Msg> for Admission {
@@ -334,5 +343,75 @@ mod tests {
         assert!(refused.iter().all(|(_, m)| matches!(m, Msg::Client { event: ClientEvent::Failed { error } }
             if error.kind == ErrorKind::BadRequest && error.message.contains("max_inflight_requests = 2"))));
         assert_eq!(refused.len(), 3);
+    }
+
+    /// A tenant over its quota is refused (429, its limit named, a retry time) while
+    /// another is admitted; a request's end gives back its seat and unused tokens; a
+    /// tenant that keeps its cache to itself salts its requests' block hashes.
+    #[test]
+    fn each_tenant_is_held_to_its_own_quotas() {
+        use tessera_topology::{PriorityClass, TenantLimits};
+        let tenant = |name: &str, limits: TenantLimits, share_prefix_cache: bool| TenantSpec {
+            name: name.into(),
+            weight: 1,
+            priority: PriorityClass::Standard,
+            models: None,
+            share_prefix_cache,
+            limits,
+        };
+        let mut config = config(16);
+        config.tenants = vec![
+            tenant(
+                "a",
+                TenantLimits { max_concurrent: Some(1), tokens_per_min: Some(20), ..Default::default() },
+                false,
+            ),
+            tenant("b", TenantLimits::default(), true),
+        ];
+        let mut a = Admission::new(config.clone());
+        let mut fx = TestFx::new(ME);
+        let ask_for = |tenant: u32| match ask() {
+            Msg::Admit { client, mut ask } => {
+                ask.tenant = tenant;
+                Msg::Admit { client, ask }
+            }
+            _ => unreachable!(),
+        };
+        let reply = |fx: &mut TestFx| match fx.take_sent().pop() {
+            Some((_, Msg::Admitted { request_id, .. })) => format!("admitted {request_id}"),
+            Some((_, Msg::Client { event: ClientEvent::Failed { error } })) => {
+                format!("{:?} {:?} {}", error.kind, error.retry_after_s, error.public.unwrap_or_default())
+            }
+            other => panic!("unexpected {other:?}"),
+        };
+        a.handle(ask_for(0), &mut fx);
+        assert_eq!(reply(&mut fx), "admitted 100");
+        a.handle(ask_for(0), &mut fx);
+        let refused = reply(&mut fx);
+        assert!(refused.starts_with("QuotaExceeded Some(1)") && refused.contains("tenant `a`"), "{refused}");
+        a.handle(ask_for(1), &mut fx);
+        assert_eq!(reply(&mut fx), "admitted 101", "another tenant is admitted meanwhile");
+        // Request 100 reserved 2 + 4 tokens and used 1: its seat and 3 tokens come back.
+        a.handle(Msg::RequestEnded { request_id: 100, output_tokens: 1 }, &mut fx);
+        // (event, the reply to the next ask of tenant a): 6 tokens reserved per ask.
+        let steps: [(Option<(u64, usize)>, &str); 4] = [
+            (None, "admitted 102"),
+            (None, "sequences in flight"), // 102 is in flight
+            (Some((102, 4)), "admitted 103"),
+            (Some((103, 4)), "tokens per minute"), // 3 + 6 + 6 used, 6 more is over 20
+        ];
+        for (end, want) in steps {
+            if let Some((request_id, output_tokens)) = end {
+                a.handle(Msg::RequestEnded { request_id, output_tokens }, &mut fx);
+            }
+            a.handle(ask_for(0), &mut fx);
+            let got = reply(&mut fx);
+            assert!(got.contains(want), "{want}: {got}");
+        }
+        assert_eq!(cache_salt(&config.tenants[1]), None);
+        assert!(cache_salt(&config.tenants[0]).is_some());
+        // An unknown tenant index is refused, never admitted.
+        a.handle(ask_for(9), &mut fx);
+        assert!(reply(&mut fx).starts_with("Internal"));
     }
 }

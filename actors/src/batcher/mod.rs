@@ -63,6 +63,8 @@ struct Seq {
     sampler_live: bool,
     mode: Mode,
     delivery: Delivery,
+    /// What its first block's hash chains to (its tenant's salt, if any).
+    salt: Option<u64>,
     /// Sampled tokens not sent yet ([`Delivery::Whole`]), and their log-probabilities
     /// when asked for.
     held: Vec<u32>,
@@ -97,6 +99,7 @@ impl Seq {
             sampler_live: false,
             mode,
             delivery: seq.delivery,
+            salt: seq.cache_salt,
             held: Vec::new(),
             held_logprobs: Vec::new(),
             // A replay has sampled already: its siblings forked before.
@@ -673,6 +676,7 @@ impl Batcher {
                 sampling,
                 delivery: parent.delivery,
                 forks: Vec::new(),
+                cache_salt: parent.salt,
             };
             let mut seq = Seq::new(request, parent.arrival, Mode::Local);
             seq.cached = parent.cached;
@@ -796,7 +800,7 @@ fn reuse_prefix(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
         Mode::PrefillFor { kv_tokens } => kv_tokens,
         Mode::Receiving { .. } => return,
     };
-    let mut parent = None;
+    let mut parent = seq.salt;
     for block in seq.tokens[..compute_to.saturating_sub(1)].chunks_exact(bs) {
         let hash = chained_block_hash(parent, block);
         let Some(b) = pool.acquire(hash) else { break };
@@ -889,7 +893,7 @@ fn seal_full_blocks(seq: &mut Seq, bs: usize, pool: &mut KvPool) {
     if to <= from {
         return;
     }
-    let parent = seq.hashes.last().copied();
+    let parent = seq.hashes.last().copied().or(seq.salt);
     let tokens = &seq.tokens[from * bs..to * bs];
     for e in pool.seal_run(&seq.blocks[from..to], parent, tokens, &mut seq.hashes) {
         tracing::error!(error = %e, request_id = seq.request_id, "KV block seal failed");

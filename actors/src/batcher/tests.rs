@@ -26,6 +26,7 @@ fn seq_of(id: u64, tokens: Vec<u32>, max_new: usize) -> SeqRequest {
         sampling: SamplingSpec { stop_token_ids: vec![2], ..SamplingSpec::greedy() },
         delivery: Delivery::Stream,
         forks: Vec::new(),
+        cache_salt: None,
     }
 }
 
@@ -134,6 +135,27 @@ fn a_cached_prefix_is_reused_not_recomputed() {
     other[0] = 99;
     b.enqueue(seq_of(4, other, 1));
     assert_eq!(run_step(&mut b, &mut p).0, vec![(4, 0, 12, true)]);
+}
+
+/// A tenant's salt keeps its cached blocks to sequences of the same salt: another
+/// tenant's identical prompt computes everything (so it cannot time the first's
+/// prompts), a sequence of the same salt reuses them, and so does the router's lookup.
+#[test]
+fn salted_prefixes_are_reused_only_under_the_same_salt() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(32);
+    let prompt: Vec<u32> = (10..23).collect(); // three full blocks and one token
+    let salted = |id, salt| SeqRequest { cache_salt: salt, ..seq_of(id, prompt.clone(), 1) };
+    // (request, its salt, the first position it computes)
+    let table: [(u64, Option<u64>, usize); 5] =
+        [(1, Some(7), 0), (2, Some(8), 0), (3, None, 0), (4, Some(7), 12), (5, None, 12)];
+    for (id, salt, start) in table {
+        b.enqueue(salted(id, salt));
+        assert_eq!(run_step(&mut b, &mut p).0, vec![(id, start, 13 - start, true)], "request {id}");
+    }
+    assert_eq!(p.cached(), 9, "three blocks for each of salts 7, 8 and none");
+    let held = |salt| crate::kv::salted_prefix_hashes(&prompt, 4, salt).iter().all(|&h| p.find(h).is_some());
+    assert!(held(Some(7)) && held(Some(8)) && held(None) && !held(Some(9)));
 }
 
 /// Reused blocks of a prefill for a decode chip are staged with the rest: the decode

@@ -153,6 +153,7 @@ fn seq(prompt: usize, max_new: usize) -> SeqRequest {
         sampling: SamplingSpec { ignore_eos: true, ..SamplingSpec::greedy() },
         delivery: Delivery::Stream,
         forks: Vec::new(),
+        cache_salt: None,
     }
 }
 

@@ -75,7 +75,14 @@ fn block_bytes(buf: &mut [u8], parent: Option<u64>, tokens: &[u32]) -> usize {
 
 /// The chained hashes of the full blocks of `tokens`, in order.
 pub fn prefix_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
-    let mut parent = None;
+    salted_prefix_hashes(tokens, block_size, None)
+}
+
+/// [`prefix_hashes`] of a sequence whose first block chains to `salt` (its tenant's,
+/// when its tenant keeps its prefix cache to itself): equal prompts of differently
+/// salted sequences never share a block.
+pub fn salted_prefix_hashes(tokens: &[u32], block_size: usize, salt: Option<u64>) -> Vec<u64> {
+    let mut parent = salt;
     let mut bytes = Vec::with_capacity(9 + 4 * block_size);
     tokens
         .chunks_exact(block_size.max(1))

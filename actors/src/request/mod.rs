@@ -28,6 +28,9 @@ pub struct RequestSpec {
     pub delivery: Delivery,
     /// Its siblings (`n` > 1), forked from it where its first token is sampled.
     pub forks: Vec<Fork>,
+    /// The salt of its KV blocks' hashes (its tenant's, unless the tenant shares its
+    /// prefix cache).
+    pub cache_salt: Option<u64>,
 }
 
 /// How persistent a request is.
@@ -179,6 +182,7 @@ impl Request {
             prompt_tokens: self.spec.prompt.len() + self.generated.len(),
             exclude: self.avoid.clone(),
             prompt: self.spec.prompt.iter().chain(&self.generated).copied().collect(),
+            cache_salt: self.spec.cache_salt,
         };
         if let Err(e) = fx.send(self.router, msg) {
             self.fail(ServeError::new(ErrorKind::Unavailable, format!("the router is unreachable: {e}")), fx);
@@ -202,6 +206,7 @@ impl Request {
             delivery: self.spec.delivery,
             // Once it has sampled, its siblings forked (or went their own way).
             forks: if self.generated.is_empty() { self.spec.forks.clone() } else { Vec::new() },
+            cache_salt: self.spec.cache_salt,
         };
         let (to, msg) = match prefill {
             Some(p) => (p, Msg::Prefill { seq: Box::new(seq), decode: chip }),

@@ -19,6 +19,7 @@ fn request(max_tokens: usize) -> Request {
         sampling: SamplingSpec::greedy(),
         delivery: Delivery::Stream,
         forks: Vec::new(),
+        cache_salt: None,
     };
     Request::new(spec, CLIENT, ROUTER, RetryPolicy::default())
 }
@@ -310,6 +311,7 @@ fn whole_on(chip: Addr, max_tokens: usize, sampling: SamplingSpec) -> (TestFx, R
         sampling,
         delivery: Delivery::Whole,
         forks: Vec::new(),
+        cache_salt: None,
     };
     let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
     r.on_start(&mut fx);
@@ -384,6 +386,7 @@ fn fork_of(max_tokens: usize) -> (TestFx, Request) {
         sampling: SamplingSpec { seed: Some(8), ..SamplingSpec::greedy() },
         delivery: Delivery::Stream,
         forks: Vec::new(),
+        cache_salt: None,
     };
     let mut fx = TestFx::new(ME);
     let mut r = Request::forked(spec, CLIENT, ROUTER, RetryPolicy::default());
@@ -453,6 +456,7 @@ fn a_request_that_ends_before_sampling_releases_its_forks() {
         sampling: SamplingSpec::greedy(),
         delivery: Delivery::Stream,
         forks: vec![fork.clone()],
+        cache_salt: None,
     };
     let mut fx = TestFx::new(ME);
     let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());

@@ -18,7 +18,7 @@ pub mod breaker;
 pub mod cost;
 pub mod index;
 
-use crate::kv::prefix_hashes;
+use crate::kv::salted_prefix_hashes;
 use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic};
 use breaker::{ErrorBreaker, kv_full};
 use cost::{Ask, MeanFactor, Pace, PaceClass, Work};
@@ -713,12 +713,14 @@ impl Router {
     }
 
     /// Where the policy places a request of `prompt_tokens` prompt tokens (`prompt`,
-    /// hashed for the cache lookup) and `tokens` tokens in all (`turn`: round-robin's).
-    /// Changes nothing.
+    /// hashed with `cache_salt` for the cache lookup) and `tokens` tokens in all (`turn`:
+    /// round-robin's). Changes nothing.
+    #[allow(clippy::too_many_arguments)]
     pub fn decide(
         &self,
         request_id: u64,
         prompt: &[u32],
+        cache_salt: Option<u64>,
         prompt_tokens: usize,
         tokens: usize,
         exclude: &[Addr],
@@ -726,7 +728,9 @@ impl Router {
     ) -> Decision {
         let bs = self.block_size;
         let held = match self.policy {
-            RouterPolicy::KvAware | RouterPolicy::Dynamo => self.index.prefix_blocks(&prefix_hashes(prompt, bs)),
+            RouterPolicy::KvAware | RouterPolicy::Dynamo => {
+                self.index.prefix_blocks(&salted_prefix_hashes(prompt, bs, cache_salt))
+            }
             RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random => BTreeMap::new(),
         };
         let mean_work_s = self.total_work_s / self.chips.len().max(1) as f64;
@@ -823,7 +827,8 @@ impl Router {
     /// Places `ask` if a chip can take it now; gives it back otherwise.
     fn place_now(&mut self, ask: RouteAsk, fx: &mut dyn Effects<Msg>) -> Option<RouteAsk> {
         let turn = self.turns;
-        let decision = self.decide(ask.request_id, &ask.prompt, ask.prompt_tokens, ask.tokens, &ask.exclude, turn);
+        let decision =
+            self.decide(ask.request_id, &ask.prompt, ask.cache_salt, ask.prompt_tokens, ask.tokens, &ask.exclude, turn);
         let Some(Placed { decode, prefill }) = decision.placed else { return Some(ask) };
         self.turns += 1;
         // A re-route replaces whatever the request held.
@@ -962,6 +967,7 @@ struct RouteAsk {
     prompt_tokens: usize,
     exclude: Vec<Addr>,
     prompt: Vec<u32>,
+    cache_salt: Option<u64>,
 }
 
 impl Behavior<Msg> for Router {
@@ -976,8 +982,8 @@ impl Behavior<Msg> for Router {
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
-            Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt } => {
-                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt }, fx)
+            Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt } => {
+                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt }, fx)
             }
             Msg::KvEvents { chip, incarnation, events } => {
                 let applied = self.index.apply(chip, incarnation, &events);

@@ -4,7 +4,15 @@ use crate::msg::Role::{self, Both, Decode, Prefill};
 
 /// A `Route` from request `id` (its actor at host 0, 5000 + `id`).
 fn ask(id: u64, tokens: usize, prompt_tokens: usize, exclude: Vec<Addr>, prompt: Vec<u32>) -> Msg {
-    Msg::Route { request_id: id, req: Addr::new(HostId(0), 5000 + id), tokens, prompt_tokens, exclude, prompt }
+    Msg::Route {
+        request_id: id,
+        req: Addr::new(HostId(0), 5000 + id),
+        tokens,
+        prompt_tokens,
+        exclude,
+        prompt,
+        cache_salt: None,
+    }
 }
 
 fn chip(host: u16, n: u64, state: ChipState, load: usize) -> (Addr, ChipView) {

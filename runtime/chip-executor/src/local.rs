@@ -211,6 +211,7 @@ impl LocalEngine {
             sampling,
             delivery: Delivery::Stream,
             forks: Vec::new(),
+            cache_salt: None,
         };
         let need = self.batcher.blocks_to_finish(&seq);
         admissible(&seq, self.info.vocab_size, self.info.max_context, need, self.pool.capacity())?;
