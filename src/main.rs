@@ -615,6 +615,10 @@ struct ServeArgs {
     /// ... and whose TPOT is within this many ms (a one-token answer has none to miss).
     #[arg(long, requires = "slo_ttft_ms", value_parser = positive_ms)]
     slo_tpot_ms: Option<f64>,
+    /// A tenant's key, sent as `Authorization: Bearer KEY` (default:
+    /// `$TESSERA_API_KEY`; none if unset).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -1349,6 +1353,7 @@ fn bench_serve(args: ServeArgs) -> Result<()> {
             .zip(args.turns)
             .map(|(conversations, turns)| loadgen::MultiTurn { conversations, turns }),
         slo: args.slo_ttft_ms.zip(args.slo_tpot_ms).map(|(ttft_ms, tpot_ms)| loadgen::SloLimits { ttft_ms, tpot_ms }),
+        api_key: args.api_key.or_else(|| std::env::var("TESSERA_API_KEY").ok()),
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
     let report = runtime.block_on(loadgen::run(opts))?;

@@ -122,6 +122,9 @@ pub struct ServeBenchOptions {
     pub multi_turn: Option<MultiTurn>,
     /// Count the requests within these SLOs (goodput).
     pub slo: Option<SloLimits>,
+    /// Sent as `Authorization: Bearer KEY` on every request (a shared cluster's tenant
+    /// key).
+    pub api_key: Option<String>,
 }
 
 /// The service level a request must meet to count towards goodput: its TTFT and its
@@ -236,9 +239,16 @@ pub async fn run(opts: ServeBenchOptions) -> Result<ServeBenchReport, LoadgenErr
     // timeout, or a limit of requests per connection as llama.cpp's server has) just
     // as the next request goes out on it, which would count as a failure that never
     // reached it. A connect on the loopback is a fraction of a millisecond of TTFT.
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(key) = &opts.api_key {
+        let value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+            .map_err(|_| LoadgenError::InvalidOptions("--api-key is not a valid header value".into()))?;
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
     let client = reqwest::Client::builder()
         .connect_timeout(timeout.min(Duration::from_secs(10)))
         .pool_max_idle_per_host(0)
+        .default_headers(headers)
         .build()
         .map_err(LoadgenError::Client)?;
     let model = match opts.model.clone() {

@@ -27,6 +27,8 @@ struct FakeServer {
     usage: bool,
     /// Never answer: for the timeout.
     hang: bool,
+    /// The bearer key every request must carry, if any (401 otherwise).
+    key: Option<&'static str>,
 }
 
 const RATE_LIMITED: &str = "Rate limit exceeded";
@@ -40,9 +42,15 @@ async fn models() -> Json<Value> {
     Json(json!({"object": "list", "data": [{"id": "test-model", "object": "model"}, {"id": "other"}]}))
 }
 
-async fn complete(State(fake): State<FakeServer>, Json(req): Json<Value>) -> Response {
+async fn complete(State(fake): State<FakeServer>, headers: axum::http::HeaderMap, Json(req): Json<Value>) -> Response {
     if fake.hang {
         std::future::pending::<()>().await;
+    }
+    if let Some(key) = fake.key {
+        let sent = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if sent != Some(&format!("Bearer {key}")) {
+            return error(StatusCode::UNAUTHORIZED, "Incorrect API key provided.");
+        }
     }
     let hit = fake.hits.fetch_add(1, Ordering::SeqCst) + 1;
     if fake.reject_every > 0 && hit % fake.reject_every == 0 {
@@ -139,7 +147,18 @@ fn options(url: String) -> ServeBenchOptions {
         trace: None,
         multi_turn: None,
         slo: None,
+        api_key: None,
     }
+}
+
+#[tokio::test]
+async fn every_request_carries_the_api_key() {
+    let fake = FakeServer { usage: true, key: Some("tsk_k"), ..FakeServer::default() };
+    let url = serve(fake).await;
+    let report = run_ok(ServeBenchOptions { api_key: Some("tsk_k".into()), model: Some("given".into()), ..options(url.clone()) }).await;
+    assert_eq!((report.requests_ok, report.requests_failed), (12, 0));
+    let report = run_ok(ServeBenchOptions { model: Some("given".into()), ..options(url) }).await;
+    assert_eq!((report.requests_ok, report.requests_failed), (0, 12), "without the key every request is refused");
 }
 
 async fn run_ok(opts: ServeBenchOptions) -> ServeBenchReport {
