@@ -9,6 +9,7 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod access;
+mod bench_admission;
 mod bench_router;
 mod plan;
 mod up;
@@ -158,6 +159,9 @@ enum BenchCommand {
     /// The router's decision time on a large synthetic cluster (chips x indexed KV
     /// blocks) and its index's event apply rate.
     Router(BenchRouterArgs),
+    /// The decision for one request of a shared cluster: its key checked among many,
+    /// its tenant's quotas, the admission.
+    Admission(BenchAdmissionArgs),
     /// The echo peer of `bench bus` (started by it).
     #[command(hide = true)]
     BusPeer(BusPeerArgs),
@@ -266,6 +270,22 @@ struct BenchRouterArgs {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchAdmissionArgs {
+    /// API keys in the store.
+    #[arg(long, default_value_t = 10_000)]
+    keys: usize,
+    /// Tenants the keys are spread over, each with every quota set.
+    #[arg(long, default_value_t = 100)]
+    tenants: usize,
+    /// Decisions timed.
+    #[arg(long, default_value_t = 100_000)]
+    decisions: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -674,6 +694,7 @@ fn main() {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve(args),
         Command::Bench(BenchCommand::Bus(args)) => bench_bus(args),
         Command::Bench(BenchCommand::Router(args)) => bench_router(args),
+        Command::Bench(BenchCommand::Admission(args)) => bench_admission(args),
         Command::Bench(BenchCommand::TraceGen(args)) => trace_gen(args),
         Command::Bench(BenchCommand::BusPeer(args)) => bench_bus_peer(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
@@ -1208,6 +1229,18 @@ fn bench_router(args: BenchRouterArgs) -> Result<()> {
         block_size: args.block_size,
     };
     let report = bench_router::run(&opts);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
+fn bench_admission(args: BenchAdmissionArgs) -> Result<()> {
+    let opts =
+        bench_admission::AdmissionBenchOptions { keys: args.keys, tenants: args.tenants, decisions: args.decisions };
+    let report = bench_admission::run(&opts)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -208,6 +208,11 @@ impl KeyStore {
         KeyStore::from_file(&read(path)?, path)
     }
 
+    /// A store of `records` (checked as a keys file's would be).
+    pub fn from_records(records: Vec<KeyRecord>) -> Result<KeyStore, KeysError> {
+        KeyStore::from_file(&KeysFile { version: FILE_VERSION, keys: records }, Path::new("(in memory)"))
+    }
+
     fn from_file(file: &KeysFile, path: &Path) -> Result<KeyStore, KeysError> {
         let mut by_id = HashMap::with_capacity(file.keys.len());
         for (index, record) in file.keys.iter().enumerate() {
