@@ -1288,3 +1288,50 @@ fn an_instances_stages_may_span_hosts_and_its_stage_hosts_serve_them() {
     assert_eq!(e.key, "hosts[1].stages");
     assert!(e.message.contains("is also hosts[0].bus"), "{e}");
 }
+
+/// `[[tenants]]`: read with their limits, and refused (naming the key) where a tenant
+/// could not be told apart, is listed twice, allows no model, or asks for scheduling
+/// that is not built.
+#[test]
+fn tenants_are_read_and_bad_ones_refused() {
+    let keys = "[gateway]\nkeys_file = \"keys.json\"\n\n";
+    let text = format!(
+        "{ONE_CHIP}{keys}[[tenants]]\nname = \"a\"\nmodels = [\"m\"]\n[tenants.limits]\ntokens_per_min = 500\n\n\
+         [[tenants]]\nname = \"b\"\nshare_prefix_cache = true\n"
+    );
+    let spec = spec_of(&text);
+    assert_eq!(spec.gateway.keys_file.as_deref(), Some(std::path::Path::new("keys.json")));
+    let names: Vec<&str> = spec.tenants.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(spec.tenants[0].limits.tokens_per_min, Some(500));
+    assert_eq!(spec.tenants[0].limits.requests_per_min, None);
+    assert_eq!(spec.tenants[0].models.as_deref(), Some(&["m".to_owned()][..]));
+    assert!(!spec.tenants[0].share_prefix_cache && spec.tenants[1].share_prefix_cache);
+    assert!(spec_of(ONE_CHIP).tenants.is_empty(), "no tenants: one open tenant");
+    // (tenants table, the key named, a fragment of the message)
+    let table = [
+        ("", "[[tenants]]\nname = \"a\"\n", "tenants", "set gateway.keys_file"),
+        (keys, "[[tenants]]\nname = \"a\"\n[[tenants]]\nname = \"a\"\n", "tenants[1].name", "listed twice"),
+        (keys, "[[tenants]]\nname = \"a b\"\n", "tenants[0].name", "contains ' '"),
+        (keys, "[[tenants]]\nname = \"a\"\nmodels = []\n", "tenants[0].models", "no model"),
+        (
+            keys,
+            "[[tenants]]\nname = \"a\"\n[tenants.limits]\nmax_tokens = 0\n",
+            "tenants[0].limits.max_tokens",
+            "out of range",
+        ),
+        (keys, "[[tenants]]\nname = \"a\"\nweight = 3\n", "tenants[0].weight", "not built yet"),
+        (keys, "[[tenants]]\nname = \"a\"\npriority = \"batch\"\n", "tenants[0].priority", "not steer scheduling"),
+        (
+            keys,
+            "[[tenants]]\nname = \"a\"\npriority = \"urgent\"\n",
+            "tenants[0].priority",
+            "interactive, standard or batch",
+        ),
+    ];
+    for (gateway, tenants, key, fragment) in table {
+        let e = error_of(&format!("{ONE_CHIP}{gateway}{tenants}"));
+        assert_eq!(e.key, key, "{e}");
+        assert!(e.message.contains(fragment), "`{fragment}` not in: {e}");
+    }
+}

@@ -155,7 +155,12 @@ fn options(url: String) -> ServeBenchOptions {
 async fn every_request_carries_the_api_key() {
     let fake = FakeServer { usage: true, key: Some("tsk_k"), ..FakeServer::default() };
     let url = serve(fake).await;
-    let report = run_ok(ServeBenchOptions { api_key: Some("tsk_k".into()), model: Some("given".into()), ..options(url.clone()) }).await;
+    let report = run_ok(ServeBenchOptions {
+        api_key: Some("tsk_k".into()),
+        model: Some("given".into()),
+        ..options(url.clone())
+    })
+    .await;
     assert_eq!((report.requests_ok, report.requests_failed), (12, 0));
     let report = run_ok(ServeBenchOptions { model: Some("given".into()), ..options(url) }).await;
     assert_eq!((report.requests_ok, report.requests_failed), (0, 12), "without the key every request is refused");

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Serving throughput with tenancy on against off, side by side: the same one-host
+# cluster, once open (no keys file) and once with a keys file and a tenant whose quotas
+# (requests/min, tokens/min, sequences in flight, max_tokens) are all set but do not
+# bind, so every request pays the key check and the quota accounting. Each repeat runs
+# both, in turn, under the same `bench serve` load; prints each repeat's output tok/s
+# and their ratio, then the median ratio (on / off).
+#
+# usage: sims/scripts/compare-auth.sh [OUTDIR] [REPEATS]
+#   env: TESSERA (the binary; default target/release/tessera), MODEL (default
+#        builtin:small), PORT (gateway port, default 8100), REQUESTS (default 200),
+#        CONCURRENCY (default 8), ISL (default 128), OSL (default 64).
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+set -euo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+out=${1:-$(mktemp -d)}
+repeats=${2:-9}
+bin=${TESSERA:-$here/target/release/tessera}
+model=${MODEL:-builtin:small}
+port=${PORT:-8100}
+url="http://127.0.0.1:$port"
+[ -x "$bin" ] || { echo "no tessera binary at $bin (cargo build --release, or set TESSERA)" >&2; exit 1; }
+mkdir -p "$out"
+
+base() {
+    printf '[cluster]\nmodel = "%s"\n\n[gateway]\nlisten = "127.0.0.1:%s"\n%s\n' "$model" "$port" "$1"
+    printf '[[hosts]]\nname = "h0"\nbus = "127.0.0.1:%s"\n\n' $((port + 10))
+    printf '[[hosts.chips]]\nid = "h0-cpu0"\nkind = "cpu"\nbackend = "cpu"\nrole = "both"\nthreads = 2\n\n'
+}
+base "" > "$out/off.toml"
+rm -f "$out/keys.json" "$out/audit.log"
+key=$("$bin" keys add --file "$out/keys.json" --tenant bench)
+{
+    base "keys_file = \"$out/keys.json\""
+    printf '[[tenants]]\nname = "bench"\n[tenants.limits]\nrequests_per_min = 1000000\n'
+    printf 'tokens_per_min = 1000000000\nmax_concurrent = 1024\nmax_tokens = 4096\n'
+} > "$out/on.toml"
+
+run() { # mode repeat
+    local mode=$1 r=$2 pid
+    "$bin" up "$out/$mode.toml" --in-process > "$out/up-$mode-$r.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do
+        curl -s "$url/health" | grep -q '"chips_up":1' && break
+        sleep 0.5
+    done
+    local auth=()
+    [ "$mode" = on ] && auth=(--api-key "$key")
+    "$bin" bench serve --url "$url" --concurrency "${CONCURRENCY:-8}" --requests "${REQUESTS:-200}" \
+        --isl "${ISL:-128}" --osl "${OSL:-64}" --seed "$r" --warmup 4 "${auth[@]}" --json > "$out/$mode-$r.json" || true
+    kill -INT "$pid"
+    wait "$pid" || true
+}
+
+for r in $(seq 1 "$repeats"); do
+    for mode in off on; do
+        echo "repeat $r: tenancy $mode" >&2
+        run "$mode" "$r"
+    done
+done
+
+python3 - "$out" "$repeats" <<'PY'
+import json, statistics, sys
+out, repeats = sys.argv[1], int(sys.argv[2])
+def tok_s(mode, r):
+    try:
+        with open(f"{out}/{mode}-{r}.json") as f:
+            rep = json.load(f)
+        return rep["output_throughput_tok_s"] if rep["requests_failed"] == 0 else None
+    except (OSError, ValueError, KeyError):
+        return None
+ratios = []
+print(f"{'repeat':>6} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7}")
+for r in range(1, repeats + 1):
+    off, on = tok_s("off", r), tok_s("on", r)
+    if off and on:
+        ratios.append(on / off)
+        print(f"{r:>6} {off:>10.1f} {on:>10.1f} {on / off:>7.3f}")
+    else:
+        print(f"{r:>6} a run failed (see {out}/up-*-{r}.log)")
+if ratios:
+    print(f"median on/off over {len(ratios)} repeats: {statistics.median(ratios):.3f}")
+PY
