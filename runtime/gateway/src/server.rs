@@ -219,10 +219,7 @@ enum Endpoint {
 
 /// The caller the access layer found; the open tenant where it found none.
 fn caller_or_open(caller: Option<Extension<Caller>>) -> Caller {
-    caller.map_or_else(
-        || Caller { key_id: "anonymous".into(), tenant: 0, tenant_name: tessera_topology::OPEN_TENANT.into() },
-        |Extension(c)| c,
-    )
+    caller.map_or_else(Caller::open, |Extension(c)| c)
 }
 
 async fn completions(
