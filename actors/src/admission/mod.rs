@@ -48,6 +48,8 @@ pub struct Admission {
     inflight: BTreeMap<u64, Seat>,
     /// Per tenant, in the order of `config.tenants` (one for the open tenant).
     ledgers: Vec<Ledger>,
+    /// Each tenant's [`cache_salt`], worked out once.
+    salts: Vec<Option<u64>>,
     /// The traffic since the window began.
     window: Telemetry,
     window_start: Moment,
@@ -68,6 +70,7 @@ impl Admission {
         Admission {
             next: config.id_base,
             ledgers: vec![Ledger::default(); config.tenants.len()],
+            salts: config.tenants.iter().map(cache_salt).collect(),
             config,
             inflight: BTreeMap::new(),
             window: Telemetry::default(),
@@ -127,7 +130,7 @@ impl Admission {
             }
             return;
         }
-        let salt = cache_salt(&self.config.tenants[tenant]);
+        let salt = self.salts[tenant];
         let spec = |request_id, seed, forks| {
             let mut sampling = ask.sampling.clone();
             sampling.seed = seed;

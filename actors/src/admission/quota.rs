@@ -69,16 +69,6 @@ fn seconds_until(now: Moment, at: Moment) -> u32 {
 }
 
 impl Ledger {
-    pub fn inflight(&self) -> usize {
-        self.inflight
-    }
-
-    /// Tokens charged in the window ending `now`.
-    pub fn tokens_in_window(&mut self, now: Moment) -> u64 {
-        self.expire(now);
-        self.tokens_in_window
-    }
-
     fn expire(&mut self, now: Moment) {
         while let Some(&(at, n)) = self.requests.front() {
             if now.since(at) < WINDOW {

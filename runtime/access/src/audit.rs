@@ -147,9 +147,7 @@ fn entry(seq: u64, prev: &str, event: &str, who: &str, details: Value) -> (Strin
     fields.insert("event".into(), event.into());
     fields.insert("who".into(), who.into());
     fields.remove("hash");
-    let object = Value::Object(fields);
-    let hash = crate::hex(&Sha256::digest(canonical(&object).as_bytes()));
-    let Value::Object(mut fields) = object else { unreachable!("built as an object") };
+    let hash = crate::hex(&Sha256::digest(canonical(&Value::Object(fields.clone())).as_bytes()));
     fields.insert("hash".into(), hash.clone().into());
     (canonical(&Value::Object(fields)), hash)
 }

@@ -15,8 +15,13 @@ const PREFIX: &str = "tsa_";
 
 /// Where the admin token of the gateway listening on `gateway` is kept.
 pub fn path(home: &Path, gateway: SocketAddr) -> PathBuf {
-    let name = format!("{}_{}.token", gateway.ip(), gateway.port()).replace([':', '[', ']'], "-");
-    home.join("admin").join(name)
+    home.join("admin").join(format!("{}.token", file_stem(gateway)))
+}
+
+/// A file name for what belongs to the gateway at `gateway`: `127.0.0.1_8000`
+/// (an IPv6 address's colons and brackets as `-`).
+pub fn file_stem(gateway: SocketAddr) -> String {
+    format!("{}_{}", gateway.ip(), gateway.port()).replace([':', '[', ']'], "-")
 }
 
 /// What the gateway checks requests against: the token's hash, not the token.
@@ -56,12 +61,6 @@ impl AdminToken {
             return Err(AuthError::Invalid);
         }
         Ok(Identity { key_id: TOKEN_ID.to_owned(), tenant: String::new(), role: Role::Admin })
-    }
-
-    /// Whether a header's key looks like a generated token (so a failed check against
-    /// the keys file may try this one instead).
-    pub fn looks_like(authorization: Option<&str>) -> bool {
-        bearer(authorization).is_ok_and(|t| t.starts_with(PREFIX))
     }
 }
 

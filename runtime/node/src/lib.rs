@@ -81,7 +81,7 @@ fn gateway_access(spec: &ClusterSpec, served_model: &str) -> Result<Arc<Access>,
     };
     let audit = spec.gateway.audit_log.clone().unwrap_or_else(|| match &spec.gateway.keys_file {
         Some(keys) => keys.with_file_name("audit.log"),
-        None => home.join("audit").join(format!("{}_{}.log", listen.ip(), listen.port()).replace([':', '[', ']'], "-")),
+        None => home.join("audit").join(format!("{}.log", tessera_access::token::file_stem(listen))),
     });
     let tenants = spec.tenants.iter().map(|t| TenantView { name: t.name.clone(), models: t.models.clone() }).collect();
     let config = AccessConfig {
