@@ -115,6 +115,7 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
             exclude: vec![],
             prompt: vec![],
             cache_salt: None,
+            share: Default::default(),
         };
         router.handle(route, &mut fx);
     }

@@ -14,9 +14,10 @@ use crate::router::{Limits, Router};
 use crate::solver::{Solver, SolverConfig};
 use crate::supervisor::{Supervisor, SupervisorConfig};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 use tessera_actor_core::{Addr, Behavior, HostId};
-use tessera_topology::{ChipSpec, ClusterSpec, EmulationSpec, HostSpec};
+use tessera_topology::{ChipSpec, ClusterSpec, EmulationSpec, HostSpec, OPEN_TENANT};
 
 /// The address of chip `i` of host `host` (in topology order).
 pub fn chip_addr(host: usize, i: usize) -> Addr {
@@ -107,6 +108,12 @@ pub fn build_host<E>(
     }
 
     let mut actors: Vec<(u64, Box<dyn Behavior<Msg>>)> = Vec::new();
+    let paces = modelled_paces(spec);
+    // As admission numbers them: the open tenant alone when none are configured.
+    let tenants: Arc<[String]> = match spec.tenants.is_empty() {
+        true => Arc::from([OPEN_TENANT.to_owned()]),
+        false => spec.tenants.iter().map(|t| t.name.clone()).collect(),
+    };
     let sup = &spec.supervisor;
     let supervising = Supervisor::new(SupervisorConfig {
         host,
@@ -141,7 +148,7 @@ pub fn build_host<E>(
             .with_block_size(spec.block_size)
             .with_policy(r.policy)
             .with_limits(limits)
-            .with_paces(modelled_paces(spec));
+            .with_paces(paces.clone());
         actors.push((well_known::ROUTER, Box::new(routing)));
         let solver = solver.filter(|_| spec.solver.enabled);
         let config = AdmissionConfig {
@@ -158,6 +165,7 @@ pub fn build_host<E>(
         }
     }
 
+    let h = index;
     for (i, chip) in me.chips.iter().enumerate() {
         let factory =
             executor(me, chip).map_err(|source| HostBuildError::Executor { chip: chip.id.clone(), source })?;
@@ -170,6 +178,8 @@ pub fn build_host<E>(
             max_mixed_step: chip.max_mixed_step_ms.map(Duration::from_millis),
             supervisor,
             kv_lease: Duration::from_millis(spec.disagg.lease_ms),
+            pace: paces.get(&chip_addr(h, i)).copied().unwrap_or(Pace::UNKNOWN),
+            tenants: tenants.clone(),
         };
         actors.push((well_known::CHIP_BASE + i as u64, Box::new(Chip::new(config, factory))));
     }

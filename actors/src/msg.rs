@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tessera_actor_core::{Addr, HostId, Message};
 /// The vocabulary the messages carry; each travels as its name ("decode", "head-major",
 /// "f16"), as it always has.
-pub use tessera_vocab::{DType, GrammarKind, KvLayout, Role};
+pub use tessera_vocab::{DType, GrammarKind, KvLayout, PriorityClass, Role};
 
 /// Well-known actor ids, the same on every host.
 pub mod well_known {
@@ -230,6 +230,27 @@ pub struct SeqRequest {
     /// tenant's salt when the tenant does not share its prefix cache.
     #[serde(default)]
     pub cache_salt: Option<u64>,
+    /// Its tenant's class and fair-queuing weight, which the batcher schedules by.
+    #[serde(default)]
+    pub share: TenantShare,
+}
+
+/// What the schedulers owe a sequence's tenant: its priority class (served before the
+/// classes below it, preempted after them) and its weight in fair queuing between the
+/// tenants of one class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantShare {
+    /// The tenant: an index into admission's tenants.
+    pub tenant: u32,
+    pub weight: u32,
+    pub class: PriorityClass,
+}
+
+impl Default for TenantShare {
+    /// The open tenant's: standard class, weight 1.
+    fn default() -> TenantShare {
+        TenantShare { tenant: 0, weight: 1, class: PriorityClass::Standard }
+    }
 }
 
 /// A sequence forked from another after its prompt: its own request actor, and its
@@ -348,6 +369,10 @@ pub struct ChipReport {
     pub busy_prefill_s: f64,
     #[serde(default)]
     pub busy_decode_s: f64,
+    /// Model seconds served to each tenant (by index), by the chip's performance model,
+    /// since it first started: what fair queuing charges them.
+    #[serde(default)]
+    pub tenant_service_s: Vec<f64>,
 }
 
 /// A chip's observed pace: moving averages over its recent steps, which the router
@@ -422,6 +447,7 @@ impl ChipReport {
             prefix_reused_tokens: 0,
             busy_prefill_s: 0.0,
             busy_decode_s: 0.0,
+            tenant_service_s: Vec::new(),
         }
     }
 }
@@ -785,6 +811,9 @@ pub enum Msg {
         /// The salt of its blocks' hashes (`SeqRequest::cache_salt`).
         #[serde(default)]
         cache_salt: Option<u64>,
+        /// Its tenant's class: higher classes leave the router's queue first.
+        #[serde(default)]
+        share: TenantShare,
     },
     /// Router -> request: decode (or colocated) on `chip`; prefill on `prefill` first
     /// when the request is disaggregated.

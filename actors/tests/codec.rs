@@ -68,7 +68,12 @@ fn report(p: &Parts) -> ChipReport {
         prefix_reused_tokens: p.a,
         busy_prefill_s: p.f as f64,
         busy_decode_s: p.f as f64 * 2.0,
+        tenant_service_s: vec![p.f as f64; p.n % 3],
     }
+}
+
+fn share(p: &Parts) -> TenantShare {
+    TenantShare { tenant: p.a as u32, weight: p.n as u32 + 1, class: PriorityClass::ALL[p.n % 3] }
 }
 
 fn compat(p: &Parts) -> KvCompat {
@@ -147,6 +152,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         delivery: if p.flag { Delivery::Whole } else { Delivery::Stream },
         forks: vec![Fork { request_id: p.b, req: addr(p.a), seed: p.flag.then_some(p.n as u64) }],
         cache_salt: p.flag.then_some(p.a),
+        share: share(p),
     };
     match kind {
         0 => Msg::Route {
@@ -157,6 +163,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
             exclude: vec![addr(p.a), addr(p.b)],
             prompt: p.tokens.clone(),
             cache_salt: p.flag.then_some(p.b),
+            share: share(p),
         },
         1 => Msg::Routed { request_id: p.a, chip: addr(p.b), prefill: p.flag.then(|| addr(p.a)) },
         2 => Msg::RouteFailed { request_id: p.a, error: error(p) },

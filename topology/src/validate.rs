@@ -1614,21 +1614,6 @@ impl Checker<'_> {
             };
             let weight = self.field(&tenant.weight, &key("weight"), 1, in_range(1, 1000))?;
             let priority = self.named(&tenant.priority, &key("priority"), PriorityClass::Standard)?;
-            // Refused rather than ignored until the schedulers use them.
-            if let Some(value) = tenant.weight.as_ref().filter(|_| weight != 1) {
-                return Err(self.err(
-                    value.span(),
-                    key("weight"),
-                    "weighted fair queuing between tenants is not built yet; leave the weight at 1",
-                ));
-            }
-            if let Some(value) = tenant.priority.as_ref().filter(|_| priority != PriorityClass::Standard) {
-                return Err(self.err(
-                    value.span(),
-                    key("priority"),
-                    "priority classes do not steer scheduling yet; leave the priority at `standard`",
-                ));
-            }
             tenants.push(TenantSpec {
                 name,
                 weight,

@@ -1307,6 +1307,8 @@ fn tenants_are_read_and_bad_ones_refused() {
     assert_eq!(spec.tenants[0].limits.requests_per_min, None);
     assert_eq!(spec.tenants[0].models.as_deref(), Some(&["m".to_owned()][..]));
     assert!(!spec.tenants[0].share_prefix_cache && spec.tenants[1].share_prefix_cache);
+    let classed = spec_of(&format!("{ONE_CHIP}{keys}[[tenants]]\nname = \"a\"\nweight = 3\npriority = \"batch\"\n"));
+    assert_eq!((classed.tenants[0].weight, classed.tenants[0].priority), (3, tessera_topology::PriorityClass::Batch));
     assert!(spec_of(ONE_CHIP).tenants.is_empty(), "no tenants: one open tenant");
     // (tenants table, the key named, a fragment of the message)
     let table = [
@@ -1320,8 +1322,7 @@ fn tenants_are_read_and_bad_ones_refused() {
             "tenants[0].limits.max_tokens",
             "out of range",
         ),
-        (keys, "[[tenants]]\nname = \"a\"\nweight = 3\n", "tenants[0].weight", "not built yet"),
-        (keys, "[[tenants]]\nname = \"a\"\npriority = \"batch\"\n", "tenants[0].priority", "not steer scheduling"),
+        (keys, "[[tenants]]\nname = \"a\"\nweight = 0\n", "tenants[0].weight", "out of range"),
         (
             keys,
             "[[tenants]]\nname = \"a\"\npriority = \"urgent\"\n",

@@ -1,6 +1,7 @@
 //! Admission: the door of the cluster. It gives each admitted request its id and its
 //! Request actor, refuses (429) once `max_inflight` requests are in flight, and holds
-//! each tenant to its quotas (`quota`), so a virtual-time run sees the same request
+//! each tenant to its quotas (`quota`) and its share of those slots (see
+//! [`Admission::over_share`]: one tenant's flood cannot lock the others out), so a virtual-time run sees the same request
 //! path, refusals included, as the gateway does. There is one admission per cluster (on
 //! the gateway's host), so a tenant's quotas hold for the whole cluster.
 //!
@@ -10,7 +11,7 @@
 
 pub mod quota;
 
-use crate::msg::{AdmitAsk, ClientEvent, ErrorKind, Fork, Msg, ServeError, Telemetry, topic};
+use crate::msg::{AdmitAsk, ClientEvent, ErrorKind, Fork, Msg, ServeError, Telemetry, TenantShare, topic};
 use crate::request::{Request, RequestSpec, RetryPolicy};
 use quota::Ledger;
 use std::collections::BTreeMap;
@@ -46,6 +47,8 @@ pub struct Admission {
     config: AdmissionConfig,
     next: u64,
     inflight: BTreeMap<u64, Seat>,
+    /// Per tenant: sequences in flight.
+    held: Vec<usize>,
     /// Per tenant, in the order of `config.tenants` (one for the open tenant).
     ledgers: Vec<Ledger>,
     /// Each tenant's [`cache_salt`], worked out once.
@@ -70,6 +73,7 @@ impl Admission {
         Admission {
             next: config.id_base,
             ledgers: vec![Ledger::default(); config.tenants.len()],
+            held: vec![0; config.tenants.len()],
             salts: config.tenants.iter().map(cache_salt).collect(),
             config,
             inflight: BTreeMap::new(),
@@ -108,6 +112,8 @@ impl Admission {
                 let why = format!("the gateway already serves {} requests; retry later", self.config.max_inflight);
                 ("overloaded", ServeError::new(ErrorKind::Overloaded, why).retry_after(1))
             })
+        } else if let Some(why) = self.over_share(tenant, sequences) {
+            Some(("fair_share", ServeError::new(ErrorKind::Overloaded, why).retry_after(1)))
         } else {
             let spec = &self.config.tenants[tenant];
             let want = quota::Ask { sequences, prompt_tokens: ask.prompt.len(), max_tokens: ask.max_tokens };
@@ -131,6 +137,8 @@ impl Admission {
             return;
         }
         let salt = self.salts[tenant];
+        let t = &self.config.tenants[tenant];
+        let share = TenantShare { tenant: tenant as u32, weight: t.weight, class: t.priority };
         let spec = |request_id, seed, forks| {
             let mut sampling = ask.sampling.clone();
             sampling.seed = seed;
@@ -142,6 +150,7 @@ impl Admission {
                 delivery: ask.delivery,
                 forks,
                 cache_salt: salt,
+                share,
             }
         };
         let seat = Seat { tenant, max_tokens: ask.max_tokens };
@@ -169,6 +178,38 @@ impl Admission {
         self.start(request_id, seat, client, request, fx);
     }
 
+    /// Why `sequences` more of `tenant` would take slots held back for the others, if so.
+    /// Each tenant is guaranteed its weighted share of `max_inflight`; beyond it, it may
+    /// borrow free slots but leaves each other tenant a quarter of its guarantee (or what
+    /// it has not used of it, if less), so a tenant with a light load is never locked
+    /// out by another's flood.
+    fn over_share(&self, tenant: usize, sequences: usize) -> Option<String> {
+        let tenants = &self.config.tenants;
+        if tenants.len() < 2 {
+            return None;
+        }
+        let max = self.config.max_inflight;
+        let total_weight: u64 = tenants.iter().map(|t| u64::from(t.weight)).sum();
+        let guarantee = |u: usize| (max as u64 * u64::from(tenants[u].weight)).div_ceil(total_weight.max(1)) as usize;
+        if self.held[tenant] + sequences <= guarantee(tenant) {
+            return None;
+        }
+        let held_back: usize = (0..tenants.len())
+            .filter(|&u| u != tenant)
+            .map(|u| guarantee(u).saturating_sub(self.held[u]).min(guarantee(u).div_ceil(4)))
+            .sum();
+        let free = max.saturating_sub(self.inflight.len());
+        (sequences + held_back > free).then(|| {
+            format!(
+                "tenant `{}` holds {} of the gateway's {max} request slots, more than its share ({}); the \
+                 {held_back} free slots left are held for the other tenants; retry later",
+                tenants[tenant].name,
+                self.held[tenant],
+                guarantee(tenant)
+            )
+        })
+    }
+
     fn take_id(&mut self) -> u64 {
         let id = self.next;
         self.next = self.next.wrapping_add(1);
@@ -186,6 +227,7 @@ impl Admission {
     ) -> Addr {
         let actor = fx.spawn(Box::new(request.reporting_to(fx.me())));
         self.inflight.insert(request_id, seat);
+        self.held[seat.tenant] += 1;
         metrics::gauge!("tessera_gateway_inflight_requests").set(self.inflight.len() as f64);
         if fx.send(client, Msg::Admitted { request_id, request: actor }).is_err() {
             // The client left already: the request has nobody to serve.
@@ -225,6 +267,7 @@ impl Behavior<Msg> for Admission {
             }
             Msg::RequestEnded { request_id, output_tokens } => {
                 if let Some(seat) = self.inflight.remove(&request_id) {
+                    self.held[seat.tenant] -= 1;
                     let unused = seat.max_tokens.saturating_sub(output_tokens);
                     self.ledgers[seat.tenant].refund(request_id, unused as u64);
                     let name = self.config.tenants[seat.tenant].name.clone();
@@ -416,5 +459,46 @@ mod tests {
         // An unknown tenant index is refused, never admitted.
         a.handle(ask_for(9), &mut fx);
         assert!(reply(&mut fx).starts_with("Internal"));
+    }
+
+    /// A flooding tenant borrows the idle slots but not the last quarter of the other's
+    /// guarantee: the light tenant still gets in, then the cluster's limit holds for all.
+    #[test]
+    fn a_flood_leaves_slots_for_the_other_tenants() {
+        use tessera_topology::PriorityClass;
+        let tenant = |name: &str, weight| TenantSpec {
+            name: name.into(),
+            weight,
+            priority: PriorityClass::Standard,
+            models: None,
+            share_prefix_cache: true,
+            limits: Default::default(),
+        };
+        // Of 16 slots, a (weight 3) is guaranteed 12, b (weight 1) 4, of which 1 is
+        // held back for b while a borrows.
+        let mut config = config(16);
+        config.tenants = vec![tenant("a", 3), tenant("b", 1)];
+        let mut a = Admission::new(config);
+        let mut fx = TestFx::new(ME);
+        let mut admit = |tenant: u32, fx: &mut TestFx| {
+            let Msg::Admit { client, mut ask } = ask() else { unreachable!() };
+            ask.tenant = tenant;
+            a.handle(Msg::Admit { client, ask }, fx);
+            match fx.take_sent().pop() {
+                Some((_, Msg::Admitted { .. })) => "admitted".to_string(),
+                Some((_, Msg::Client { event: ClientEvent::Failed { error } })) => {
+                    assert_eq!((error.kind, error.retry_after_s), (ErrorKind::Overloaded, Some(1)));
+                    error.message
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        for n in 0..15 {
+            assert_eq!(admit(0, &mut fx), "admitted", "a's ask #{n}");
+        }
+        let refused = admit(0, &mut fx);
+        assert!(refused.contains("tenant `a` holds 15") && refused.contains("share (12)"), "{refused}");
+        assert_eq!(admit(1, &mut fx), "admitted", "the slot held back for b");
+        assert!(admit(1, &mut fx).contains("already serves 16"), "then the cluster is full");
     }
 }

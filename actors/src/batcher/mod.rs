@@ -1,8 +1,13 @@
 //! Continuous batching for one chip, as a pure policy the chip actor drives: every step
 //! carries the decode tokens of running sequences first, then prefill chunks (of
-//! sequences part-way through their prompt, then of new arrivals, in arrival order)
-//! under a token budget, so new requests join running batches. When KV blocks run out
-//! a decoding sequence preempts the latest arrival by recompute. A sequence that starts
+//! sequences part-way through their prompt, then of new arrivals) under a token budget,
+//! so new requests join running batches. Sequences are served by their tenant's
+//! priority class first (interactive, standard, batch); new arrivals of one class start
+//! in fair-queuing order between tenants ([`fair`]: weighted VTC), first come first
+//! served within a tenant. When KV blocks run out a decoding sequence preempts by
+//! recompute the lowest class's latest arrival, and a waiting sequence of a higher class
+//! preempts running ones of lower classes to start: a preempted sequence waits and
+//! resumes, it is never lost. A sequence that starts
 //! (or restarts) takes the leading blocks of its prompt that the pool still holds —
 //! sealed by a running sequence or cached after an ended one — and computes only the
 //! rest (prefix reuse; at least its last prompt token is always computed, so it has
@@ -10,10 +15,15 @@
 //! single-chip local engine of `tessera-chip-executor` (`tessera generate`) both drive
 //! this batcher over a `KvPool`: one scheduler, one block allocator.
 
+pub mod fair;
+
 pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
-use crate::msg::{Delivery, Finish, Fork, SamplingSpec, SeqRequest, TokenLogprob};
+use crate::msg::{Delivery, Finish, Fork, SamplingSpec, SeqRequest, TenantShare, TokenLogprob};
+use crate::router::cost::Pace;
+use fair::FairQueue;
 use smallvec::SmallVec;
+use std::collections::BTreeMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tessera_actor_core::Addr;
@@ -65,6 +75,8 @@ struct Seq {
     delivery: Delivery,
     /// What its first block's hash chains to (its tenant's salt, if any).
     salt: Option<u64>,
+    /// Its tenant's class and weight.
+    share: TenantShare,
     /// Sampled tokens not sent yet ([`Delivery::Whole`]), and their log-probabilities
     /// when asked for.
     held: Vec<u32>,
@@ -100,6 +112,7 @@ impl Seq {
             mode,
             delivery: seq.delivery,
             salt: seq.cache_salt,
+            share: seq.share,
             held: Vec::new(),
             held_logprobs: Vec::new(),
             // A replay has sampled already: its siblings forked before.
@@ -319,6 +332,19 @@ pub struct Batcher {
     /// Most prompt tokens a step that carries decode tokens may add (stall-free
     /// batching); `None`: only the token budget.
     mixed_prefill_cap: Option<usize>,
+    /// Tenants' virtual counters: which waiting sequence of a class starts next.
+    fair: FairQueue,
+    /// Preemptions since `take_preemptions`.
+    preemptions: Preemptions,
+}
+
+/// Sequences preempted, by why.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Preemptions {
+    /// A running sequence needed KV blocks.
+    pub kv: u64,
+    /// A waiting sequence of a higher class needed KV blocks to start.
+    pub priority: u64,
 }
 
 impl Batcher {
@@ -341,6 +367,77 @@ impl Batcher {
             unforked: Vec::new(),
             plans: 0,
             mixed_prefill_cap: None,
+            fair: FairQueue::default(),
+            preemptions: Preemptions::default(),
+        }
+    }
+
+    /// Preemptions since the last call.
+    pub fn take_preemptions(&mut self) -> Preemptions {
+        std::mem::take(&mut self.preemptions)
+    }
+
+    /// Costs tenants' service at this chip's `pace` (the router's model of it).
+    pub fn set_pace(&mut self, pace: Pace) {
+        self.fair.set_pace(pace);
+    }
+
+    /// Chip seconds served to each tenant (by index) since the last call.
+    pub fn take_service(&mut self) -> BTreeMap<u32, f64> {
+        self.fair.take_service()
+    }
+
+    /// A sequence of `share`'s tenant arrives: a tenant with nothing here catches up
+    /// with the counters of those present (VTC's lift).
+    fn arrive(&mut self, share: TenantShare) {
+        let mut present = self.running.iter().chain(&self.waiting).map(|s| s.share.tenant);
+        if present.any(|t| t == share.tenant) {
+            return;
+        }
+        let present: Vec<u32> = self.running.iter().chain(&self.waiting).map(|s| s.share.tenant).collect();
+        self.fair.arrive(share.tenant, present);
+    }
+
+    /// The waiting sequence to start next: the highest class, then the tenant least
+    /// served (VTC), then the earliest arrival.
+    fn next_waiting(&self) -> Option<usize> {
+        let key = |s: &Seq| (s.share.class, self.fair.counter(s.share.tenant), s.arrival);
+        (0..self.waiting.len()).min_by(|&a, &b| {
+            let (ka, kb) = (key(&self.waiting[a]), key(&self.waiting[b]));
+            ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1)).then(ka.2.cmp(&kb.2))
+        })
+    }
+
+    /// Takes running sequence `j` back to waiting by recompute (a prefill for a decode
+    /// chip goes back to the chip instead).
+    fn preempt(&mut self, j: usize, pool: &mut KvPool) {
+        let mut seq = self.running.remove(j);
+        release_blocks(&mut seq, pool);
+        if matches!(seq.mode, Mode::PrefillFor { .. }) {
+            self.dropped.push((seq.request_id, seq.req));
+            return;
+        }
+        seq.cached = 0;
+        let at = self.waiting.iter().position(|w| w.arrival > seq.arrival).unwrap_or(self.waiting.len());
+        self.waiting.insert(at, seq);
+    }
+
+    /// Makes room for the next waiting sequence when it outranks running ones: the
+    /// lowest class's latest arrivals give their blocks up until its first chunk fits.
+    fn preempt_for_class(&mut self, pool: &mut KvPool) {
+        let Some(next) = self.next_waiting() else { return };
+        let (class, need) = {
+            let s = &self.waiting[next];
+            let first = s.pending().min(self.limits.max_batch_tokens);
+            (s.share.class, blocks_needed(s, first, self.limits.block_size))
+        };
+        while need > pool.free() {
+            // `running` is in (class, arrival) order: the last lower-class one is the victim.
+            let Some(j) = self.running.iter().rposition(|s| s.share.class > class && s.preemptible()) else {
+                break;
+            };
+            self.preempt(j, pool);
+            self.preemptions.priority += 1;
         }
     }
 
@@ -394,12 +491,14 @@ impl Batcher {
     }
 
     pub fn enqueue(&mut self, seq: SeqRequest) {
+        self.arrive(seq.share);
         self.arrivals += 1;
         self.waiting.push_back(Seq::new(seq, self.arrivals, Mode::Local));
     }
 
     /// Queues the prefill of positions 0..kv_tokens of `seq` for a decode chip.
     pub fn enqueue_prefill(&mut self, seq: SeqRequest, kv_tokens: usize) {
+        self.arrive(seq.share);
         self.arrivals += 1;
         let kv_tokens = kv_tokens.min(seq.tokens.len());
         self.waiting.push_back(Seq::new(seq, self.arrivals, Mode::PrefillFor { kv_tokens }));
@@ -414,6 +513,7 @@ impl Batcher {
         if kv_tokens == 0 || kv_tokens >= seq.tokens.len() || kv_tokens.div_ceil(bs) > pool.free() {
             return None;
         }
+        self.arrive(seq.share);
         self.arrivals += 1;
         let mut s = Seq::new(seq, self.arrivals, Mode::Receiving { ready: false });
         s.cached = kv_tokens;
@@ -512,9 +612,10 @@ impl Batcher {
         self.plans += 1;
         let this_plan = self.plans;
         let mut preempted = false;
-        self.running.sort_by_key(|s| s.arrival);
+        self.preempt_for_class(pool);
+        self.running.sort_by_key(|s| (s.share.class, s.arrival));
 
-        // 1. Decode tokens (one pending token), earliest arrival first.
+        // 1. Decode tokens (one pending token), highest class first, then earliest arrival.
         let mut i = 0;
         while i < self.running.len() && seqs_left > 0 && budget > 0 {
             if self.running[i].pending() != 1 || !self.running[i].plannable() {
@@ -523,21 +624,15 @@ impl Batcher {
             }
             let need = blocks_needed(&self.running[i], 1, bs);
             while need > pool.free() {
-                // Recompute the latest arrival that is not already in this step.
+                // Recompute the lowest class's latest arrival that is not already in
+                // this step (the order makes it the last such).
                 let victim = (0..self.running.len())
                     .rev()
                     .find(|&j| j > i && self.running[j].preemptible() && self.running[j].planned_in != this_plan);
                 let Some(j) = victim else { break };
                 preempted = true;
-                let mut seq = self.running.remove(j);
-                release_blocks(&mut seq, pool);
-                if matches!(seq.mode, Mode::PrefillFor { .. }) {
-                    self.dropped.push((seq.request_id, seq.req));
-                    continue;
-                }
-                seq.cached = 0;
-                let at = self.waiting.iter().position(|w| w.arrival > seq.arrival).unwrap_or(self.waiting.len());
-                self.waiting.insert(at, seq);
+                self.preempt(j, pool);
+                self.preemptions.kv += 1;
             }
             if need <= pool.free() {
                 self.running[i].planned_in = this_plan;
@@ -546,6 +641,10 @@ impl Batcher {
                 seqs_left -= 1;
             }
             i += 1;
+        }
+        let decoding = planned.len();
+        for s in self.running.iter().filter(|s| s.planned_in == this_plan) {
+            self.fair.charge_decode(s.share, decoding);
         }
 
         // A step that decodes adds only as many prompt tokens as keep it short.
@@ -565,15 +664,17 @@ impl Batcher {
             if chunk > 0 {
                 seq.planned_in = this_plan;
                 planned.push(schedule(seq, chunk, bs, pool));
+                self.fair.charge_prefill(seq.share, chunk);
                 budget -= chunk;
                 seqs_left -= 1;
             }
         }
 
-        // 3. New arrivals join, first come first served — unless this step had to
+        // 3. New arrivals join, by class then fair share — unless this step had to
         // preempt: the freed blocks go to the running sequences, not back and forth.
         while !preempted && seqs_left > 0 && budget > 0 {
-            let Some(front) = self.waiting.front_mut() else { break };
+            let Some(next) = self.next_waiting() else { break };
+            let front = &mut self.waiting[next];
             let starting = front.cached == 0 && front.blocks.is_empty();
             if starting {
                 reuse_prefix(front, bs, pool);
@@ -585,12 +686,13 @@ impl Batcher {
                 front.cached = 0;
                 break;
             }
-            let Some(mut seq) = self.waiting.pop_front() else { break };
+            let Some(mut seq) = self.waiting.remove(next) else { break };
             if starting {
                 self.prefix_stats.0 += seq.pending() as u64 + seq.cached as u64;
                 self.prefix_stats.1 += seq.reused as u64;
             }
             planned.push(schedule(&mut seq, chunk, bs, pool));
+            self.fair.charge_prefill(seq.share, chunk);
             self.running.push(seq);
             budget -= chunk;
             seqs_left -= 1;
@@ -677,6 +779,7 @@ impl Batcher {
                 delivery: parent.delivery,
                 forks: Vec::new(),
                 cache_salt: parent.salt,
+                share: parent.share,
             };
             let mut seq = Seq::new(request, parent.arrival, Mode::Local);
             seq.cached = parent.cached;

@@ -1,5 +1,6 @@
 use super::*;
 use crate::kv::BlockState;
+use crate::msg::PriorityClass;
 use std::collections::{BTreeMap, HashSet};
 use tessera_actor_core::HostId;
 
@@ -27,6 +28,7 @@ fn seq_of(id: u64, tokens: Vec<u32>, max_new: usize) -> SeqRequest {
         delivery: Delivery::Stream,
         forks: Vec::new(),
         cache_salt: None,
+        share: Default::default(),
     }
 }
 
@@ -572,4 +574,106 @@ fn decode_steps_share_the_block_table_until_a_block_is_added() {
     let plan = b.plan(&mut p).expect("a step");
     assert!(!Arc::ptr_eq(&plan.seqs[0].block_table, &old));
     assert_eq!(Some(plan.seqs[0].block_table.clone()), b.block_table(1));
+}
+
+fn of_class(s: SeqRequest, tenant: u32, weight: u32, class: PriorityClass) -> SeqRequest {
+    SeqRequest { share: TenantShare { tenant, weight, class }, ..s }
+}
+
+/// Runs the batcher dry; returns the requests in the order they started and the
+/// requests each finished one after (every request must finish: none is lost).
+fn drain(b: &mut Batcher, p: &mut KvPool, requests: usize) -> Vec<u64> {
+    let mut started = Vec::new();
+    let mut finished = HashSet::new();
+    for _ in 0..10_000 {
+        if !b.has_work() {
+            break;
+        }
+        let plan = b.plan(p).expect("a step while there is work");
+        for s in plan.seqs.iter().filter(|s| s.start_pos == 0) {
+            started.push(s.request_id);
+        }
+        let sampled: Vec<(u64, u32)> = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
+        for e in b.complete(&sampled, &[], p) {
+            if e.finish.is_some() {
+                assert!(finished.insert(e.request_id), "request {} finished twice", e.request_id);
+            }
+        }
+    }
+    assert_eq!(finished.len(), requests, "every request finishes");
+    assert_eq!(p.used(), 0, "the pool is all free after");
+    started
+}
+
+/// Under KV pressure the victim is the lowest class's latest arrival: the batch-class
+/// request goes though it came first, and comes back once the interactive one is done.
+#[test]
+fn out_of_blocks_preempts_the_lower_class_first() {
+    use PriorityClass::{Batch, Interactive};
+    let mut b = Batcher::new(limits(64, 8, 2), vec![]);
+    let mut p = pool_of(4, 2);
+    b.enqueue(of_class(seq(1, 4, 4), 1, 1, Batch));
+    b.enqueue(of_class(seq(2, 4, 4), 0, 1, Interactive));
+    run_step(&mut b, &mut p);
+    assert_eq!(p.free(), 0);
+    // Request 2 needs a third block: request 1, of the lower class, is preempted.
+    let (got, _) = run_step(&mut b, &mut p);
+    assert_eq!(got, vec![(2, 4, 1, true)]);
+    assert_eq!(b.take_preemptions(), Preemptions { kv: 1, priority: 0 });
+    // Request 1 recomputes from the start once there is room; both finish.
+    assert_eq!(drain(&mut b, &mut p, 2), vec![1]);
+}
+
+/// A waiting sequence of a higher class takes the blocks of running lower-class ones
+/// to start at once, rather than wait for them to finish.
+#[test]
+fn a_waiting_higher_class_preempts_running_lower_classes_to_start() {
+    use PriorityClass::{Batch, Interactive, Standard};
+    let mut b = Batcher::new(limits(64, 8, 2), vec![]);
+    let mut p = pool_of(6, 2);
+    b.enqueue(of_class(seq(1, 4, 2), 1, 1, Batch)); // 2 blocks, 3 at most
+    b.enqueue(of_class(seq(2, 4, 2), 1, 1, Standard)); // 2 blocks, 3 at most
+    run_step(&mut b, &mut p);
+    b.enqueue(of_class(seq(3, 6, 2), 0, 1, Interactive)); // 3 blocks
+    // Two blocks free, three wanted: the batch request gives its two up.
+    let (got, _) = run_step(&mut b, &mut p);
+    assert_eq!(got, vec![(2, 4, 1, true), (3, 0, 6, true)]);
+    assert_eq!(b.take_preemptions(), Preemptions { kv: 0, priority: 1 });
+    // Request 2 ended in that step (its second token); 3, then 1 again, finish after.
+    assert_eq!(drain(&mut b, &mut p, 2), vec![1]);
+}
+
+/// Tenants of one class start in fair-queuing order, not arrival order: a light tenant
+/// arriving behind a flood starts next; with weights, service follows them.
+#[test]
+fn waiting_sequences_start_in_weighted_fair_order() {
+    use PriorityClass::Standard;
+    let pace = Pace { prefill_s_per_token: 1e-3, decode_step_s: 1e-2, decode_s_per_seq: 1e-3 };
+    // (weights of tenants 0 and 1, arrivals as (request id, tenant), the start order)
+    let cases: [((u32, u32), Vec<(u64, u32)>, Vec<u64>); 3] = [
+        // One at a time: tenant 1's two requests, behind four of tenant 0's, alternate
+        // with tenant 0's from the second start on.
+        ((1, 1), vec![(1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 1)], vec![1, 5, 2, 6, 3, 4]),
+        // Weight 2 against 1: two of tenant 0's for each of tenant 1's.
+        ((2, 1), vec![(1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 1), (7, 1)], vec![1, 5, 2, 3, 6, 4, 7]),
+        // A single tenant is served first come first served.
+        ((1, 1), vec![(1, 0), (2, 0), (3, 0)], vec![1, 2, 3]),
+    ];
+    for ((w0, w1), arrivals, want) in cases {
+        let mut b = Batcher::new(limits(64, 1, 4), vec![]);
+        b.set_pace(pace);
+        let mut p = pool(64);
+        let n = arrivals.len();
+        for (id, tenant) in arrivals {
+            let weight = if tenant == 0 { w0 } else { w1 };
+            b.enqueue(of_class(seq(id, 8, 4), tenant, weight, Standard));
+        }
+        assert_eq!(drain(&mut b, &mut p, n), want, "weights {w0}:{w1}");
+        // Each request is charged its 8 prompt tokens and 3 decode steps at the pace.
+        let per_request = 8.0 * 1e-3 + 3.0 * 1e-2;
+        for (tenant, seconds) in b.take_service() {
+            let requests = want.iter().filter(|&&id| (id >= 5) == (tenant == 1)).count() as f64;
+            assert!((seconds - requests * per_request).abs() < 1e-9, "tenant {tenant}: {seconds} s");
+        }
+    }
 }

@@ -18,6 +18,7 @@ use crate::msg::{
     ChipInfo, ChipReport, ChipState, ErrorKind, Fault, KvCompat, Msg, Retry, Role, SeqRequest, ServeError, StepSpeed,
     topic,
 };
+use crate::router::cost::Pace;
 use executor::{ExecutorFactory, StepExecutor};
 use handoff::Handoffs;
 use std::sync::Arc;
@@ -53,6 +54,10 @@ pub struct ChipConfig {
     /// Stall-free batching: how long a step that carries decode tokens may take (the
     /// topology's `max_mixed_step_ms`); `None`: no limit but the token budget.
     pub max_mixed_step: Option<Duration>,
+    /// The chip's modelled pace (the router's): what fair queuing charges tenants.
+    pub pace: Pace,
+    /// The cluster's tenants' names, by index (metric labels).
+    pub tenants: Arc<[String]>,
 }
 
 /// What a draining chip does once it holds no work.
@@ -97,6 +102,8 @@ pub struct Chip {
     step_shape: (usize, usize, usize),
     /// Prompt tokens of sequences started here, and of those, tokens reused from cache.
     prefix_tokens: (u64, u64),
+    /// Model seconds served to each tenant (by index) since the chip first started.
+    service_s: Vec<f64>,
     /// Model seconds of steps with prompt tokens, and of decode-only steps.
     busy_s: (f64, f64),
     /// What every report names, shared rather than copied into each.
@@ -179,6 +186,7 @@ impl Chip {
             speed: StepSpeed::default(),
             step_shape: (0, 0, 0),
             prefix_tokens: (0, 0),
+            service_s: Vec::new(),
             busy_s: (0.0, 0.0),
             shown,
             last_report: None,
@@ -258,6 +266,7 @@ impl Chip {
             prefix_reused_tokens: self.prefix_tokens.1,
             busy_prefill_s: self.busy_s.0,
             busy_decode_s: self.busy_s.1,
+            tenant_service_s: self.service_s.clone(),
         };
         if let Some(m) = &self.metrics {
             m.blocks_used.set(used as f64);
@@ -337,6 +346,24 @@ impl Chip {
             batcher.set_mixed_prefill_cap(mixed_prefill_tokens(limit, &self.speed, pool.block_size()));
         }
         let plan = batcher.plan(pool);
+        for (tenant, seconds) in batcher.take_service() {
+            let t = tenant as usize;
+            if self.service_s.len() <= t {
+                self.service_s.resize(t + 1, 0.0);
+            }
+            self.service_s[t] += seconds;
+            let name = self.config.tenants.get(t).map_or_else(|| tenant.to_string(), String::clone);
+            let chip = self.config.id.clone();
+            metrics::gauge!("tessera_chip_tenant_service_seconds", "chip" => chip, "tenant" => name)
+                .set(self.service_s[t]);
+        }
+        let preempted = batcher.take_preemptions();
+        for (reason, n) in [("kv", preempted.kv), ("priority", preempted.priority)] {
+            if n > 0 {
+                let chip = self.config.id.clone();
+                metrics::counter!("tessera_chip_preemptions_total", "chip" => chip, "reason" => reason).increment(n);
+            }
+        }
         let (prompt, reused) = batcher.take_prefix_stats();
         if prompt > 0 {
             self.prefix_tokens.0 += prompt;
@@ -571,7 +598,9 @@ impl Behavior<Msg> for Chip {
                 };
                 self.pool = Some(KvPool::new(fx.me(), info.num_blocks, info.block_size));
                 self.pool_runs += 1;
-                self.batcher = Some(Batcher::new(limits, info.eos_token_ids.clone()));
+                let mut batcher = Batcher::new(limits, info.eos_token_ids.clone());
+                batcher.set_pace(self.config.pace);
+                self.batcher = Some(batcher);
                 tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
                 self.shown.emulated = info.emulated.as_deref().map(Arc::from);
                 self.shown.compat = Some(Arc::new(info.compat.clone()));

@@ -94,6 +94,8 @@ impl Side {
             supervisor: SUP,
             kv_lease: Duration::from_secs(5),
             max_mixed_step: None,
+            pace: crate::router::cost::Pace::UNKNOWN,
+            tenants: Arc::from([]),
         };
         let mut chip = Chip::new(config, factory);
         let mut fx = TestFx::new(me);
@@ -154,6 +156,7 @@ fn seq(prompt: usize, max_new: usize) -> SeqRequest {
         delivery: Delivery::Stream,
         forks: Vec::new(),
         cache_salt: None,
+        share: Default::default(),
     }
 }
 

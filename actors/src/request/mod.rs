@@ -12,7 +12,8 @@
 //! at most `unavailable_timeout` in all.
 
 use crate::msg::{
-    ClientEvent, Delivery, ErrorKind, Finish, Fork, Msg, Retry, SamplingSpec, SeqRequest, ServeError, TokenLogprob,
+    ClientEvent, Delivery, ErrorKind, Finish, Fork, Msg, Retry, SamplingSpec, SeqRequest, ServeError, TenantShare,
+    TokenLogprob,
 };
 use std::time::Duration;
 use tessera_actor_core::Addr;
@@ -31,6 +32,8 @@ pub struct RequestSpec {
     /// The salt of its KV blocks' hashes (its tenant's, unless the tenant shares its
     /// prefix cache).
     pub cache_salt: Option<u64>,
+    /// Its tenant's class and weight (see [`TenantShare`]).
+    pub share: TenantShare,
 }
 
 /// How persistent a request is.
@@ -183,6 +186,7 @@ impl Request {
             exclude: self.avoid.clone(),
             prompt: self.spec.prompt.iter().chain(&self.generated).copied().collect(),
             cache_salt: self.spec.cache_salt,
+            share: self.spec.share,
         };
         if let Err(e) = fx.send(self.router, msg) {
             self.fail(ServeError::new(ErrorKind::Unavailable, format!("the router is unreachable: {e}")), fx);
@@ -207,6 +211,7 @@ impl Request {
             // Once it has sampled, its siblings forked (or went their own way).
             forks: if self.generated.is_empty() { self.spec.forks.clone() } else { Vec::new() },
             cache_salt: self.spec.cache_salt,
+            share: self.spec.share,
         };
         let (to, msg) = match prefill {
             Some(p) => (p, Msg::Prefill { seq: Box::new(seq), decode: chip }),

@@ -20,6 +20,7 @@ fn request(max_tokens: usize) -> Request {
         delivery: Delivery::Stream,
         forks: Vec::new(),
         cache_salt: None,
+        share: Default::default(),
     };
     Request::new(spec, CLIENT, ROUTER, RetryPolicy::default())
 }
@@ -312,6 +313,7 @@ fn whole_on(chip: Addr, max_tokens: usize, sampling: SamplingSpec) -> (TestFx, R
         delivery: Delivery::Whole,
         forks: Vec::new(),
         cache_salt: None,
+        share: Default::default(),
     };
     let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());
     r.on_start(&mut fx);
@@ -387,6 +389,7 @@ fn fork_of(max_tokens: usize) -> (TestFx, Request) {
         delivery: Delivery::Stream,
         forks: Vec::new(),
         cache_salt: None,
+        share: Default::default(),
     };
     let mut fx = TestFx::new(ME);
     let mut r = Request::forked(spec, CLIENT, ROUTER, RetryPolicy::default());
@@ -457,6 +460,7 @@ fn a_request_that_ends_before_sampling_releases_its_forks() {
         delivery: Delivery::Stream,
         forks: vec![fork.clone()],
         cache_salt: None,
+        share: Default::default(),
     };
     let mut fx = TestFx::new(ME);
     let mut r = Request::new(spec, CLIENT, ROUTER, RetryPolicy::default());

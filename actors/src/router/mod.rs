@@ -10,8 +10,9 @@
 //! fast and a slow chip are compared fairly. A hot spot (work ahead above twice the
 //! mean plus this prompt's prefill) gets no credit for its cache. Ties go to the lowest
 //! address. Chips whose [`breaker`] is open take nothing new; when no chip can take a
-//! request, it waits in a bounded queue until one can or its deadline passes (then a
-//! 429 with `Retry-After`). When a chip goes down the router tells every request placed
+//! request, it waits in a bounded queue — higher priority classes ahead, first come
+//! first served within a class — until one can or its deadline passes (then a 429 with
+//! `Retry-After`). When a chip goes down the router tells every request placed
 //! there, so they re-route and replay.
 
 pub mod breaker;
@@ -19,7 +20,7 @@ pub mod cost;
 pub mod index;
 
 use crate::kv::salted_prefix_hashes;
-use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, topic};
+use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, PriorityClass, Role, ServeError, topic};
 use breaker::{ErrorBreaker, kv_full};
 use cost::{Ask, MeanFactor, Pace, PaceClass, Work};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -791,9 +792,11 @@ impl Router {
         for chip in left {
             self.failed_on(chip, now);
         }
-        // New requests queue behind those already waiting; re-routes go first.
+        // New requests queue behind those of their class or above already waiting;
+        // re-routes go first.
         let new = !self.placements.contains_key(&ask.request_id);
-        if new && (!self.waiting.is_empty() || self.placements.len() >= self.limits.max_queued_requests) {
+        let queued_ahead = self.waiting.iter().any(|w| w.ask.class <= ask.class);
+        if new && (queued_ahead || self.placements.len() >= self.limits.max_queued_requests) {
             self.wait(ask, fx);
             return;
         }
@@ -870,7 +873,9 @@ impl Router {
             return;
         }
         fx.timer(self.limits.queue_timeout, Msg::Tick);
-        self.waiting.push_back(Waiting { ask, deadline: fx.now().after(self.limits.queue_timeout) });
+        // After every request of its class or a higher one.
+        let at = self.waiting.iter().position(|w| w.ask.class > ask.class).unwrap_or(self.waiting.len());
+        self.waiting.insert(at, Waiting { ask, deadline: fx.now().after(self.limits.queue_timeout) });
         metrics::gauge!("tessera_router_waiting_requests").set(self.waiting.len() as f64);
     }
 
@@ -883,7 +888,7 @@ impl Router {
     }
 
     /// Refuses the waiting requests whose deadline passed, then places waiting requests
-    /// in arrival order while chips take them.
+    /// in class order, then arrival order, while chips take them.
     fn drain(&mut self, fx: &mut dyn Effects<Msg>) {
         if self.waiting.is_empty() {
             return;
@@ -968,6 +973,8 @@ struct RouteAsk {
     exclude: Vec<Addr>,
     prompt: Vec<u32>,
     cache_salt: Option<u64>,
+    /// Its tenant's class: the queue is kept in class order, FIFO within a class.
+    class: PriorityClass,
 }
 
 impl Behavior<Msg> for Router {
@@ -982,8 +989,9 @@ impl Behavior<Msg> for Router {
 
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
-            Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt } => {
-                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt }, fx)
+            Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, share } => {
+                let class = share.class;
+                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, class }, fx)
             }
             Msg::KvEvents { chip, incarnation, events } => {
                 let applied = self.index.apply(chip, incarnation, &events);

@@ -12,6 +12,7 @@ fn ask(id: u64, tokens: usize, prompt_tokens: usize, exclude: Vec<Addr>, prompt:
         exclude,
         prompt,
         cache_salt: None,
+        share: Default::default(),
     }
 }
 

@@ -212,6 +212,7 @@ impl LocalEngine {
             delivery: Delivery::Stream,
             forks: Vec::new(),
             cache_salt: None,
+            share: Default::default(),
         };
         let need = self.batcher.blocks_to_finish(&seq);
         admissible(&seq, self.info.vocab_size, self.info.max_context, need, self.pool.capacity())?;
