@@ -650,7 +650,8 @@ fn waiting_sequences_start_in_weighted_fair_order() {
     use PriorityClass::Standard;
     let pace = Pace { prefill_s_per_token: 1e-3, decode_step_s: 1e-2, decode_s_per_seq: 1e-3 };
     // (weights of tenants 0 and 1, arrivals as (request id, tenant), the start order)
-    let cases: [((u32, u32), Vec<(u64, u32)>, Vec<u64>); 3] = [
+    type Case = ((u32, u32), Vec<(u64, u32)>, Vec<u64>);
+    let cases: [Case; 3] = [
         // One at a time: tenant 1's two requests, behind four of tenant 0's, alternate
         // with tenant 0's from the second start on.
         ((1, 1), vec![(1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 1)], vec![1, 5, 2, 6, 3, 4]),
