@@ -27,6 +27,18 @@ use std::path::{Path, PathBuf};
 
 pub use catalog::{ChipKind, Confidence};
 pub use error::TopologyError;
+
+/// Whether `name` may name a host, chip or tenant: not empty, ASCII letters, digits,
+/// '-', '_' and '.' only.
+pub fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    match name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))) {
+        Some(bad) => Err(format!("`{name}` contains {bad:?}; use ASCII letters, digits, '-', '_' and '.'")),
+        None => Ok(()),
+    }
+}
 pub use tessera_vocab::{
     DType, KvLayout, MatmulPrecision, PriorityClass, Quantize, Role, RouterPolicy, TransportChoice, UnknownName,
 };

@@ -483,15 +483,15 @@ pub const TABLES: &[Table] = &[
             ),
             key(
                 "weight",
+                "1..=1000",
                 "1",
-                "1",
-                "Its share of the cluster when tenants compete; only 1 until weighted fair queuing is built (another value is refused).",
+                "Its share of the chips when tenants of its class compete (weighted fair queuing, charged in chip time).",
             ),
             key(
                 "priority",
+                "`interactive`, `standard`, `batch`",
                 "`standard`",
-                "`standard`",
-                "Its priority class (`interactive`, `standard`, `batch`); only `standard` until the schedulers serve classes in order (another value is refused).",
+                "Its priority class: higher classes are served first and preempted last.",
             ),
             key("models", "array of served model names", "any", "The models its keys may ask for."),
             key(

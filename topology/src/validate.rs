@@ -852,16 +852,7 @@ impl Checker<'_> {
     /// Host names and chip ids end up in bus identities and metric labels.
     fn name(&self, value: &Spanned<String>, key: &str) -> Result<String, TopologyError> {
         let name = value.get_ref();
-        if name.is_empty() {
-            return Err(self.err(value.span(), key, "must not be empty"));
-        }
-        if let Some(bad) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))) {
-            return Err(self.err(
-                value.span(),
-                key,
-                format!("`{name}` contains {bad:?}; use ASCII letters, digits, '-', '_' and '.'"),
-            ));
-        }
+        crate::check_name(name).map_err(|why| self.err(value.span(), key, why))?;
         Ok(name.clone())
     }
 

@@ -64,7 +64,8 @@ impl FairQueue {
         self.charge(share, self.pace.decode_s(batch) / batch);
     }
 
-    fn charge(&mut self, share: TenantShare, seconds: f64) {
+    /// Charges `seconds` of service (at whatever pace the caller costed it).
+    pub fn charge(&mut self, share: TenantShare, seconds: f64) {
         *self.counters.entry(share.tenant).or_insert(0.0) += seconds / f64::from(share.weight.max(1));
         *self.service.entry(share.tenant).or_insert(0.0) += seconds;
     }

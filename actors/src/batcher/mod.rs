@@ -345,6 +345,8 @@ pub struct Preemptions {
     pub kv: u64,
     /// A waiting sequence of a higher class needed KV blocks to start.
     pub priority: u64,
+    /// A waiting sequence of a tenant below its share of the batch needed room to start.
+    pub fair: u64,
 }
 
 impl Batcher {
@@ -422,23 +424,82 @@ impl Batcher {
         self.waiting.insert(at, seq);
     }
 
-    /// Makes room for the next waiting sequence when it outranks running ones: the
-    /// lowest class's latest arrivals give their blocks up until its first chunk fits.
-    fn preempt_for_class(&mut self, pool: &mut KvPool) {
+    /// Makes room for the next waiting sequence (see [`Batcher::make_room`]) for its
+    /// first chunk.
+    fn preempt_for_next(&mut self, pool: &mut KvPool) {
         let Some(next) = self.next_waiting() else { return };
-        let (class, need) = {
+        let (share, need) = {
             let s = &self.waiting[next];
             let first = s.pending().min(self.limits.max_batch_tokens);
-            (s.share.class, blocks_needed(s, first, self.limits.block_size))
+            (s.share, blocks_needed(s, first, self.limits.block_size))
         };
-        while need > pool.free() {
-            // `running` is in (class, arrival) order: the last lower-class one is the victim.
-            let Some(j) = self.running.iter().rposition(|s| s.share.class > class && s.preemptible()) else {
-                break;
-            };
+        self.make_room(share, need, pool);
+    }
+
+    /// Preempts running sequences until `need` blocks are free and a sequence slot is
+    /// open for one of `share`'s, taking them (latest arrival first) from lower classes,
+    /// then — while `share`'s tenant runs fewer sequences than its weighted share of the
+    /// batch — from the most-served tenant of its class that runs more than its share.
+    /// Returns whether the room is there. Nothing is lost: the victims wait and recompute.
+    pub fn make_room(&mut self, share: TenantShare, need: usize, pool: &mut KvPool) -> bool {
+        let full = |b: &Batcher, pool: &KvPool| need > pool.free() || b.running.len() >= b.limits.max_batch_seqs;
+        while full(self, pool) {
+            let Some((j, priority)) = self.victim(share) else { return false };
             self.preempt(j, pool);
-            self.preemptions.priority += 1;
+            if priority {
+                self.preemptions.priority += 1;
+            } else {
+                self.preemptions.fair += 1;
+            }
         }
+        true
+    }
+
+    /// The running sequence to preempt for one of `share`'s, and whether it is for
+    /// class (else for fair share).
+    fn victim(&self, share: TenantShare) -> Option<(usize, bool)> {
+        // Not one the last plan took: its step may be running on the worker now.
+        let candidates =
+            || self.running.iter().enumerate().filter(|(_, s)| s.preemptible() && s.planned_in != self.plans);
+        let lower =
+            candidates().filter(|(_, s)| s.share.class > share.class).max_by_key(|(_, s)| (s.share.class, s.arrival));
+        if let Some((j, _)) = lower {
+            return Some((j, true));
+        }
+        if self.running.iter().all(|s| s.share.tenant == share.tenant) {
+            return None; // nobody else's to take
+        }
+        // Sequences each tenant of this class runs, and its weight.
+        let mut tenants: BTreeMap<u32, (usize, u32)> = BTreeMap::new();
+        for s in self.running.iter().chain(&self.waiting).filter(|s| s.share.class == share.class) {
+            tenants.entry(s.share.tenant).or_insert((0, s.share.weight.max(1)));
+        }
+        tenants.entry(share.tenant).or_insert((0, share.weight.max(1)));
+        for s in self.running.iter().filter(|s| s.share.class == share.class) {
+            if let Some(t) = tenants.get_mut(&s.share.tenant) {
+                t.0 += 1;
+            }
+        }
+        let slots = self.running.len() + 1;
+        let total_weight: u64 = tenants.values().map(|t| u64::from(t.1)).sum();
+        // Shares of `slots` by weight, compared as counts scaled by the total weight: the
+        // newcomer must stay within its share, the victim's tenant be at or over its
+        // share even without the victim (so two tenants never trade a sequence back
+        // and forth).
+        let share_of = |t: &(usize, u32)| slots as u64 * u64::from(t.1);
+        let mine = tenants.get(&share.tenant).copied().unwrap_or((0, 1));
+        if (mine.0 as u64 + 1) * total_weight > share_of(&mine) {
+            return None;
+        }
+        let over = |t: &(usize, u32)| t.0 > 0 && (t.0 as u64 - 1) * total_weight >= share_of(t);
+        candidates()
+            .filter(|(_, s)| s.share.class == share.class && s.share.tenant != share.tenant)
+            .filter(|(_, s)| tenants.get(&s.share.tenant).is_some_and(over))
+            .max_by(|(_, a), (_, b)| {
+                let (ca, cb) = (self.fair.counter(a.share.tenant), self.fair.counter(b.share.tenant));
+                ca.total_cmp(&cb).then(a.arrival.cmp(&b.arrival))
+            })
+            .map(|(j, _)| (j, false))
     }
 
     /// Caps the prompt tokens of the steps that carry decode tokens (stall-free
@@ -612,7 +673,7 @@ impl Batcher {
         self.plans += 1;
         let this_plan = self.plans;
         let mut preempted = false;
-        self.preempt_for_class(pool);
+        self.preempt_for_next(pool);
         self.running.sort_by_key(|s| (s.share.class, s.arrival));
 
         // 1. Decode tokens (one pending token), highest class first, then earliest arrival.
@@ -624,11 +685,16 @@ impl Batcher {
             }
             let need = blocks_needed(&self.running[i], 1, bs);
             while need > pool.free() {
-                // Recompute the lowest class's latest arrival that is not already in
-                // this step (the order makes it the last such).
-                let victim = (0..self.running.len())
-                    .rev()
-                    .find(|&j| j > i && self.running[j].preemptible() && self.running[j].planned_in != this_plan);
+                // Recompute one after it in the order, not already in this step: of the
+                // lowest class, the most-served tenant's latest arrival (a light
+                // tenant's new sequence is not the one to go).
+                let key = |s: &Seq| (s.share.class, self.fair.counter(s.share.tenant), s.arrival);
+                let victim = (i + 1..self.running.len())
+                    .filter(|&j| self.running[j].preemptible() && self.running[j].planned_in != this_plan)
+                    .max_by(|&a, &b| {
+                        let (ka, kb) = (key(&self.running[a]), key(&self.running[b]));
+                        ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1)).then(ka.2.cmp(&kb.2))
+                    });
                 let Some(j) = victim else { break };
                 preempted = true;
                 self.preempt(j, pool);
@@ -652,14 +718,26 @@ impl Batcher {
             budget = budget.min(cap);
         }
 
-        // 2. Prompts part-way through their prefill.
-        for seq in self.running.iter_mut() {
+        // 2. Prompts part-way through their prefill: by class, then the tenant least
+        // served, then arrival (a light tenant's prompt is not starved of the budget).
+        let mut partial: Vec<usize> = (0..self.running.len())
+            .filter(|&j| {
+                let s = &self.running[j];
+                s.planned_in != this_plan && s.pending() > 1 && s.plannable()
+            })
+            .collect();
+        if partial.iter().any(|&j| self.running[j].share.tenant != self.running[partial[0]].share.tenant) {
+            let key = |s: &Seq| (s.share.class, self.fair.counter(s.share.tenant), s.arrival);
+            partial.sort_by(|&a, &b| {
+                let (ka, kb) = (key(&self.running[a]), key(&self.running[b]));
+                ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1)).then(ka.2.cmp(&kb.2))
+            });
+        }
+        for j in partial {
             if seqs_left == 0 || budget == 0 {
                 break;
             }
-            if seq.planned_in == this_plan || seq.pending() <= 1 || !seq.plannable() {
-                continue;
-            }
+            let seq = &mut self.running[j];
             let chunk = fit_chunk(seq, seq.pending().min(budget), bs, pool.free());
             if chunk > 0 {
                 seq.planned_in = this_plan;

@@ -619,7 +619,7 @@ fn out_of_blocks_preempts_the_lower_class_first() {
     // Request 2 needs a third block: request 1, of the lower class, is preempted.
     let (got, _) = run_step(&mut b, &mut p);
     assert_eq!(got, vec![(2, 4, 1, true)]);
-    assert_eq!(b.take_preemptions(), Preemptions { kv: 1, priority: 0 });
+    assert_eq!(b.take_preemptions(), Preemptions { kv: 1, priority: 0, fair: 0 });
     // Request 1 recomputes from the start once there is room; both finish.
     assert_eq!(drain(&mut b, &mut p, 2), vec![1]);
 }
@@ -638,7 +638,7 @@ fn a_waiting_higher_class_preempts_running_lower_classes_to_start() {
     // Two blocks free, three wanted: the batch request gives its two up.
     let (got, _) = run_step(&mut b, &mut p);
     assert_eq!(got, vec![(2, 4, 1, true), (3, 0, 6, true)]);
-    assert_eq!(b.take_preemptions(), Preemptions { kv: 0, priority: 1 });
+    assert_eq!(b.take_preemptions(), Preemptions { kv: 0, priority: 1, fair: 0 });
     // Request 2 ended in that step (its second token); 3, then 1 again, finish after.
     assert_eq!(drain(&mut b, &mut p, 2), vec![1]);
 }
@@ -677,4 +677,27 @@ fn waiting_sequences_start_in_weighted_fair_order() {
             assert!((seconds - requests * per_request).abs() < 1e-9, "tenant {tenant}: {seconds} s");
         }
     }
+}
+
+/// A tenant running nothing takes a sequence's room from a tenant running more than its
+/// share of the batch, the most-served one's latest; a tenant at its share takes none.
+#[test]
+fn a_tenant_under_its_share_preempts_one_over_it_to_start() {
+    use PriorityClass::Standard;
+    let mut b = Batcher::new(limits(64, 3, 2), vec![]);
+    let mut p = pool_of(12, 2);
+    for id in 1..=3 {
+        b.enqueue(of_class(seq(id, 4, 4), 0, 1, Standard)); // 2 blocks, 4 at most
+    }
+    run_step(&mut b, &mut p);
+    assert_eq!(b.running(), 3, "the batch is full of tenant 0's");
+    b.enqueue(of_class(seq(4, 4, 4), 1, 1, Standard));
+    let (got, _) = run_step(&mut b, &mut p);
+    assert!(got.contains(&(4, 0, 4, true)), "tenant 1 starts at once: {got:?}");
+    assert!(!got.iter().any(|s| s.0 == 3), "tenant 0's latest waits: {got:?}");
+    assert_eq!(b.take_preemptions(), Preemptions { kv: 0, priority: 0, fair: 1 });
+    // Tenant 0, over its share, takes nothing back from tenant 1 meanwhile; request 3
+    // resumes (from its cached prefix) and all four finish.
+    drain(&mut b, &mut p, 4);
+    assert_eq!(b.take_preemptions().fair, 0);
 }

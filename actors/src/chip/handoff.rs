@@ -436,11 +436,18 @@ impl Chip {
         self.settle(fx);
     }
 
-    /// Claims waiting offers, in order, while their blocks fit.
+    /// Claims waiting offers, in order, while their blocks fit — making room for one by
+    /// preemption where its tenant's class or share entitles it (`Batcher::make_room`).
     pub(super) fn admit_offers(&mut self, fx: &mut dyn Effects<Msg>) {
         while let Some(offer) = self.handoffs.waiting.front() {
             let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
-            let Some(slots) = batcher.admit_received(offer.seq.clone(), offer.kv_tokens, pool) else { return };
+            let mut admitted = batcher.admit_received(offer.seq.clone(), offer.kv_tokens, pool);
+            if admitted.is_none()
+                && batcher.make_room(offer.seq.share, offer.kv_tokens.div_ceil(pool.block_size()), pool)
+            {
+                admitted = batcher.admit_received(offer.seq.clone(), offer.kv_tokens, pool);
+            }
+            let Some(slots) = admitted else { return };
             let Some(offer) = self.handoffs.waiting.pop_front() else { return };
             let request_id = offer.seq.request_id;
             let layers = offer.format.num_layers;

@@ -358,7 +358,7 @@ impl Chip {
                 .set(self.service_s[t]);
         }
         let preempted = batcher.take_preemptions();
-        for (reason, n) in [("kv", preempted.kv), ("priority", preempted.priority)] {
+        for (reason, n) in [("kv", preempted.kv), ("priority", preempted.priority), ("fair", preempted.fair)] {
             if n > 0 {
                 let chip = self.config.id.clone();
                 metrics::counter!("tessera_chip_preemptions_total", "chip" => chip, "reason" => reason).increment(n);

@@ -10,17 +10,20 @@
 //! fast and a slow chip are compared fairly. A hot spot (work ahead above twice the
 //! mean plus this prompt's prefill) gets no credit for its cache. Ties go to the lowest
 //! address. Chips whose [`breaker`] is open take nothing new; when no chip can take a
-//! request, it waits in a bounded queue — higher priority classes ahead, first come
-//! first served within a class — until one can or its deadline passes (then a 429 with
-//! `Retry-After`). When a chip goes down the router tells every request placed
+//! request, it waits in a bounded queue — higher priority classes ahead, tenants of a
+//! class in weighted fair order (VTC, each charged what its requests cost at the paces
+//! of the chips they were placed on), first come first served within a tenant — until
+//! one can or its deadline passes (then a 429 with `Retry-After`). When a chip goes
+//! down the router tells every request placed
 //! there, so they re-route and replay.
 
 pub mod breaker;
 pub mod cost;
 pub mod index;
 
+use crate::batcher::fair::FairQueue;
 use crate::kv::salted_prefix_hashes;
-use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, PriorityClass, Role, ServeError, topic};
+use crate::msg::{ChipReport, ChipState, ErrorKind, Msg, Role, ServeError, TenantShare, topic};
 use breaker::{ErrorBreaker, kv_full};
 use cost::{Ask, MeanFactor, Pace, PaceClass, Work};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -321,6 +324,8 @@ pub struct Router {
     /// Chips whose error breaker is open (to move to half-open when due).
     open_breakers: BTreeSet<Addr>,
     waiting: VecDeque<Waiting>,
+    /// Tenants' virtual counters: which waiting request of a class goes next.
+    fair: FairQueue,
     gauges: BTreeMap<Addr, ChipGauges>,
 }
 
@@ -351,6 +356,7 @@ impl Router {
             applied_means: (1.0, 1.0),
             open_breakers: BTreeSet::new(),
             waiting: VecDeque::new(),
+            fair: FairQueue::default(),
             gauges: BTreeMap::new(),
         };
         for a in addrs {
@@ -795,7 +801,7 @@ impl Router {
         // New requests queue behind those of their class or above already waiting;
         // re-routes go first.
         let new = !self.placements.contains_key(&ask.request_id);
-        let queued_ahead = self.waiting.iter().any(|w| w.ask.class <= ask.class);
+        let queued_ahead = self.waiting.iter().any(|w| w.ask.share.class <= ask.share.class);
         if new && (queued_ahead || self.placements.len() >= self.limits.max_queued_requests) {
             self.wait(ask, fx);
             return;
@@ -845,6 +851,7 @@ impl Router {
             }
             None => held.push((decode, ask.tokens, Work { prompt_tokens: uncached, seqs: 1 })),
         }
+        self.charge_tenant(&ask, decode, prefill, uncached);
         for &(chip, tokens, work) in &held {
             self.charge(chip, tokens, work, true);
             if let Some(v) = self.chips.get_mut(&chip) {
@@ -863,6 +870,18 @@ impl Router {
         None
     }
 
+    /// Charges `ask`'s tenant what the request will cost where it was placed: its
+    /// uncached prompt at the prefill chip's pace, its output at the decode chip's
+    /// (an equal part of a decode step as the chip's batch stands).
+    fn charge_tenant(&mut self, ask: &RouteAsk, decode: Addr, prefill: Option<Addr>, uncached: usize) {
+        let pace = |a: Addr| self.chips.get(&a).map_or(Pace::UNKNOWN, |c| c.pace);
+        let batch = self.chips.get(&decode).map_or(1, |c| c.work.seqs + 1) as f64;
+        let output = ask.tokens.saturating_sub(ask.prompt_tokens) as f64;
+        let seconds = uncached as f64 * pace(prefill.unwrap_or(decode)).prefill_s_per_token
+            + output * pace(decode).decode_s(batch) / batch;
+        self.fair.charge(ask.share, seconds);
+    }
+
     /// Queues `ask` until a chip can take it, or refuses it when the queue is full.
     fn wait(&mut self, ask: RouteAsk, fx: &mut dyn Effects<Msg>) {
         // While it waits, it holds no chip.
@@ -874,7 +893,12 @@ impl Router {
         }
         fx.timer(self.limits.queue_timeout, Msg::Tick);
         // After every request of its class or a higher one.
-        let at = self.waiting.iter().position(|w| w.ask.class > ask.class).unwrap_or(self.waiting.len());
+        let class = ask.share.class;
+        let at = self.waiting.iter().position(|w| w.ask.share.class > class).unwrap_or(self.waiting.len());
+        let tenant = ask.share.tenant;
+        if !self.waiting.iter().any(|w| w.ask.share.tenant == tenant) {
+            self.fair.arrive(tenant, self.waiting.iter().map(|w| w.ask.share.tenant));
+        }
         self.waiting.insert(at, Waiting { ask, deadline: fx.now().after(self.limits.queue_timeout) });
         metrics::gauge!("tessera_router_waiting_requests").set(self.waiting.len() as f64);
     }
@@ -887,8 +911,24 @@ impl Router {
         let _ = fx.send(ask.req, Msg::RouteFailed { request_id: ask.request_id, error });
     }
 
+    /// The waiting request to place next: the highest class, then the tenant least
+    /// served (weighted VTC, charged what its requests cost on the chips they were
+    /// placed on), then the earliest. The queue is in class order, so with one tenant
+    /// waiting it is the first.
+    fn next_waiting(&self) -> Option<usize> {
+        let first = self.waiting.front()?;
+        let class = first.ask.share.class;
+        let tenant = first.ask.share.tenant;
+        let same_class = self.waiting.iter().take_while(|w| w.ask.share.class == class);
+        if same_class.clone().all(|w| w.ask.share.tenant == tenant) {
+            return Some(0);
+        }
+        let key = |(i, w): (usize, &Waiting)| (self.fair.counter(w.ask.share.tenant), i);
+        same_class.enumerate().map(key).min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1))).map(|(_, i)| i)
+    }
+
     /// Refuses the waiting requests whose deadline passed, then places waiting requests
-    /// in class order, then arrival order, while chips take them.
+    /// in class order, then fair order between tenants, while chips take them.
     fn drain(&mut self, fx: &mut dyn Effects<Msg>) {
         if self.waiting.is_empty() {
             return;
@@ -902,14 +942,15 @@ impl Router {
             let why = format!("no chip could take the request within {:?}", self.limits.queue_timeout);
             self.refuse(w.ask, "deadline", why, fx);
         }
-        while let Some(w) = self.waiting.pop_front() {
+        while let Some(next) = self.next_waiting() {
+            let Some(w) = self.waiting.remove(next) else { break };
             let new = !self.placements.contains_key(&w.ask.request_id);
             if new && self.placements.len() >= self.limits.max_queued_requests {
-                self.waiting.push_front(w);
+                self.waiting.insert(next, w);
                 break;
             }
             if let Some(ask) = self.place_now(w.ask, fx) {
-                self.waiting.push_front(Waiting { ask, deadline: w.deadline });
+                self.waiting.insert(next, Waiting { ask, deadline: w.deadline });
                 break;
             }
         }
@@ -973,8 +1014,9 @@ struct RouteAsk {
     exclude: Vec<Addr>,
     prompt: Vec<u32>,
     cache_salt: Option<u64>,
-    /// Its tenant's class: the queue is kept in class order, FIFO within a class.
-    class: PriorityClass,
+    /// Its tenant's class and weight: the queue is kept in class order, and fair
+    /// between tenants within a class.
+    share: TenantShare,
 }
 
 impl Behavior<Msg> for Router {
@@ -990,8 +1032,7 @@ impl Behavior<Msg> for Router {
     fn handle(&mut self, msg: Msg, fx: &mut dyn Effects<Msg>) {
         match msg {
             Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, share } => {
-                let class = share.class;
-                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, class }, fx)
+                self.route(RouteAsk { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, share }, fx)
             }
             Msg::KvEvents { chip, incarnation, events } => {
                 let applied = self.index.apply(chip, incarnation, &events);

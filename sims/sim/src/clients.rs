@@ -21,6 +21,8 @@ pub struct Outcome {
     pub prompt_tokens: usize,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// The tenant it was sent for (an index into the topology's tenants).
+    pub tenant: u32,
 }
 
 /// Outcomes by request number.
@@ -31,6 +33,7 @@ struct Client {
     n: usize,
     admission: Addr,
     ask: Option<AdmitAsk>,
+    tenant: u32,
     sent: Moment,
     first_token: Option<Moment>,
     tokens: usize,
@@ -40,7 +43,7 @@ struct Client {
 impl Client {
     fn end(&mut self, error: Option<String>, prompt_tokens: usize, fx: &mut dyn Effects<Msg>) {
         let (sent, first_token, tokens) = (self.sent, self.first_token, self.tokens);
-        let outcome = Outcome { sent, first_token, ended: fx.now(), tokens, prompt_tokens, error };
+        let outcome = Outcome { sent, first_token, ended: fx.now(), tokens, prompt_tokens, error, tenant: self.tenant };
         if let Ok(mut o) = self.outcomes.lock() {
             o.insert(self.n, outcome);
         }
@@ -118,6 +121,7 @@ impl Behavior<Msg> for Arrivals {
             let client = Client {
                 n: self.next,
                 admission: self.admission,
+                tenant: ask.tenant,
                 ask: Some(ask),
                 sent: fx.now(),
                 first_token: None,

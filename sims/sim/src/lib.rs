@@ -148,36 +148,48 @@ pub fn run_with_progress(
 
     let w = &scenario.workload;
     let vocab = model.config.vocab_size.max(1) as u64;
-    let tokenizer = model::tokenizer(spec, &scenario.base_dir);
-    let (prompts, arrivals_s): (Prompts, Vec<f64>) = match &w.requests {
+    let tokenizer = model::tokenizer(spec, &scenario.base_dir).map(Arc::new);
+    // Every request as (arrival in s, tenant, prompt ids, output length), in arrival order.
+    let (planned, requests, last_arrival_s): (Planned, usize, f64) = match &w.requests {
         scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv, schedule } => {
             let load = Load::Poisson { rate_rps: w.rate_rps };
             let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
             let arrivals_s = arrivals(&workload, *size, w.rate_rps, *cv, schedule.as_deref());
-            let prompts: Prompts = match tokenizer {
-                Some(t) => Box::new(workload.stream().map(move |p| (prompt_ids(Some(&t), &p.prompt, vocab), p.osl))),
-                None => {
-                    // The ids `prompt_ids` gives each word, looked up rather than hashed.
-                    let ids: Vec<u32> = vocabulary().iter().map(|w| word_id(w.as_bytes(), vocab)).collect();
-                    let prompts = workload
-                        .stream_words()
-                        .map(move |(words, osl)| (words.iter().map(|&w| ids[usize::from(w)]).collect(), osl));
-                    Box::new(prompts)
-                }
-            };
-            (prompts, arrivals_s)
+            let prompts = prompt_stream(&workload, tokenizer, vocab);
+            let (n, last) = (arrivals_s.len(), arrivals_s.last().copied().unwrap_or(0.0));
+            (Box::new(prompts.zip(arrivals_s).map(|((p, osl), at)| (at, 0, p, osl))), n, last)
         }
         scenario::WorkloadRequests::Trace(trace) => {
             let (planned, arrivals_s) =
                 tessera_workload::trace::replay(trace, tessera_workload::trace::TRACE_BLOCK_TOKENS);
-            let prompts = planned.into_iter().map(move |p| (prompt_ids(tokenizer.as_ref(), &p.prompt, vocab), p.osl));
-            (Box::new(prompts), arrivals_s)
+            let prompts = planned.into_iter().map(move |p| (prompt_ids(tokenizer.as_deref(), &p.prompt, vocab), p.osl));
+            let (n, last) = (arrivals_s.len(), arrivals_s.last().copied().unwrap_or(0.0));
+            (Box::new(prompts.zip(arrivals_s).map(|((p, osl), at)| (at, 0, p, osl))), n, last)
+        }
+        scenario::WorkloadRequests::Tenants { duration_s, loads } => {
+            let mut streams = Vec::with_capacity(loads.len());
+            let (mut n, mut last) = (0, 0.0_f64);
+            for (t, l) in loads.iter().enumerate() {
+                // Each tenant's own stream: its seed apart from the others'.
+                let load = Load::Poisson { rate_rps: l.rate_rps };
+                let seed = seed ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                let workload = Workload { isl: l.isl, osl: l.osl, load, seed, shared: None };
+                let arrivals_s =
+                    arrivals(&workload, scenario::WorkloadSize::DurationS(*duration_s), l.rate_rps, None, None);
+                n += arrivals_s.len();
+                last = last.max(arrivals_s.last().copied().unwrap_or(0.0));
+                let prompts = prompt_stream(&workload, tokenizer.clone(), vocab);
+                let tenant = t as u32;
+                let planned: Planned =
+                    Box::new(prompts.zip(arrivals_s).map(move |((p, osl), at)| (at, tenant, p, osl)));
+                streams.push(planned.peekable());
+            }
+            (Box::new(Merged { streams }), n, last)
         }
     };
-    let requests = arrivals_s.len();
-    let last_arrival = arrivals_s.last().map_or(0, |s| (s * 1e9).round() as u64);
+    let last_arrival = (last_arrival_s * 1e9).round() as u64;
     let asks: Box<dyn Iterator<Item = (u64, AdmitAsk)> + Send> =
-        Box::new(prompts.zip(arrivals_s).map(move |((prompt, osl), at_s)| {
+        Box::new(planned.map(|(at_s, tenant, prompt, osl)| {
             let ask = AdmitAsk {
                 prompt,
                 max_tokens: osl as usize,
@@ -186,7 +198,7 @@ pub fn run_with_progress(
                 // token by token (TPOT is their mean gap).
                 delivery: Delivery::Whole,
                 forks: Vec::new(),
-                tenant: 0,
+                tenant,
             };
             ((at_s * 1e9).round() as u64, ask)
         }));
@@ -238,6 +250,14 @@ pub fn run_with_progress(
             vh.send_at(when, chip, msg);
         }
     }
+    // With tenants, what the chips served each while the load still arrived (every
+    // backlogged tenant then competes for the chips; afterwards backlogs drain).
+    let arriving = if spec.tenants.is_empty() {
+        None
+    } else {
+        vh.run_while(t0.after(Duration::from_nanos(last_arrival)).min(limit), &mut all_ended);
+        Some(probe(&mut vh, router)?)
+    };
     vh.run_while(limit, &mut all_ended);
     let end = vh.now();
 
@@ -247,6 +267,7 @@ pub fn run_with_progress(
     let view = probe(&mut vh, router)?;
     let outcomes = outcomes.lock().map(|o| o.clone()).unwrap_or_default();
     let mut report = report(scenario, seed, &model, requests, &outcomes, end.since(t0), vh.delivered(), &view);
+    report.tenants = tenant_ends(scenario, &outcomes, &view, arriving.as_deref());
     report.solver = solver_marks(&solver_log, t0);
     report.timeline = report::timeline(outcomes.values().map(|o| {
         let ok = o.error.is_none();
@@ -311,8 +332,102 @@ fn probe(vh: &mut VirtualHost<Msg>, router: Addr) -> Result<Vec<ChipReport>, Sim
     answer.ok_or(SimError::RouterSilent)
 }
 
+/// Each tenant's requests, latencies and service, from what its clients saw and what
+/// the chips report having served it; none without tenants.
+fn tenant_ends(
+    scenario: &Scenario,
+    outcomes: &BTreeMap<usize, clients::Outcome>,
+    view: &[ChipReport],
+    arriving: Option<&[ChipReport]>,
+) -> Vec<report::TenantEnd> {
+    let served = |chips: &[ChipReport], t: usize| {
+        chips.iter().map(|c| c.tenant_service_s.get(t).copied().unwrap_or(0.0)).sum::<f64>()
+    };
+    let tenants = 0..scenario.topology.tenants.len();
+    let service = |t: usize| served(view, t);
+    let total: f64 = tenants.clone().map(service).sum();
+    let arriving = arriving.unwrap_or_default();
+    let total_arriving: f64 = tenants.map(|t| served(arriving, t)).sum();
+    let share = |part: f64, of: f64| if of > 0.0 { part / of } else { 0.0 };
+    let mut ends = Vec::with_capacity(scenario.topology.tenants.len());
+    for (t, spec) in scenario.topology.tenants.iter().enumerate() {
+        let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
+        let (mut ended, mut completed, mut output_tokens) = (0, 0, 0u64);
+        for o in outcomes.values().filter(|o| o.tenant as usize == t) {
+            ended += 1;
+            if o.error.is_some() {
+                continue;
+            }
+            completed += 1;
+            output_tokens += o.tokens as u64;
+            if let Some(first) = o.first_token {
+                ttft.push(first.since(o.sent).as_secs_f64());
+                if o.tokens > 1 {
+                    tpot.push(o.ended.since(first).as_secs_f64() / (o.tokens - 1) as f64);
+                }
+            }
+        }
+        let service_s = service(t);
+        ends.push(report::TenantEnd {
+            name: spec.name.clone(),
+            weight: spec.weight,
+            priority: spec.priority.to_string(),
+            ended,
+            completed,
+            failed: ended - completed,
+            ttft: report::Latency::from_seconds(&ttft),
+            tpot: report::Latency::from_seconds(&tpot),
+            output_tokens,
+            service_s,
+            service_share: share(service_s, total),
+            arriving_service_s: served(arriving, t),
+            arriving_service_share: share(served(arriving, t), total_arriving),
+        });
+    }
+    ends
+}
+
 /// Each request's prompt ids and output length, in arrival order.
 type Prompts = Box<dyn Iterator<Item = (Vec<u32>, u32)> + Send>;
+
+/// Each request's arrival (s), tenant, prompt ids and output length, in arrival order.
+type Planned = Box<dyn Iterator<Item = (f64, u32, Vec<u32>, u32)> + Send>;
+
+/// `workload`'s prompts as ids: the model's tokenizer's, else one id a word.
+fn prompt_stream(workload: &Workload, tokenizer: Option<Arc<TextTokenizer>>, vocab: u64) -> Prompts {
+    match tokenizer {
+        Some(t) => Box::new(workload.stream().map(move |p| (prompt_ids(Some(&t), &p.prompt, vocab), p.osl))),
+        None => {
+            // The ids `prompt_ids` gives each word, looked up rather than hashed.
+            let ids: Vec<u32> = vocabulary().iter().map(|w| word_id(w.as_bytes(), vocab)).collect();
+            let prompts = workload
+                .stream_words()
+                .map(move |(words, osl)| (words.iter().map(|&w| ids[usize::from(w)]).collect(), osl));
+            Box::new(prompts)
+        }
+    }
+}
+
+/// Several tenants' planned requests merged in arrival order (ties: the lower tenant).
+struct Merged {
+    streams: Vec<std::iter::Peekable<Planned>>,
+}
+
+impl Iterator for Merged {
+    type Item = (f64, u32, Vec<u32>, u32);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let mut first: Option<(usize, f64)> = None;
+        for (i, s) in self.streams.iter_mut().enumerate() {
+            if let Some(&(at, ..)) = s.peek()
+                && first.is_none_or(|(_, f)| at < f)
+            {
+                first = Some((i, at));
+            }
+        }
+        self.streams[first?.0].next()
+    }
+}
 
 /// A completion prompt's token ids as the gateway makes them (the model's tokenizer,
 /// BOS as the model asks); without a tokenizer, one id a word (`bench serve`'s words
@@ -441,6 +556,7 @@ fn report(
         usd_per_million_output_tokens: usd.filter(|_| output_tokens > 0).map(|usd| usd / output_tokens as f64 * 1e6),
         slo_met_per_usd: usd.map(|usd| slo_met as f64 / usd),
         timeline: Vec::new(),
+        tenants: Vec::new(),
         faults: scenario.faults.iter().map(|f| report::FaultMark { at_s: f.at_s, what: f.fault.describe() }).collect(),
         solver: Vec::new(),
         chips,

@@ -187,7 +187,34 @@ pub struct Report {
     pub solver: Vec<SolverMark>,
     /// TTFT over time: the requests sent in each window of the run.
     pub timeline: Vec<Window>,
+    /// Each tenant's requests and service (a workload of several tenants).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantEnd>,
     pub chips: Vec<ChipEnd>,
+}
+
+/// One tenant's part of the run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantEnd {
+    pub name: String,
+    pub weight: u32,
+    pub priority: String,
+    /// Requests of the tenant that ended (completed or failed).
+    pub ended: usize,
+    pub completed: usize,
+    pub failed: usize,
+    pub ttft: Option<Latency>,
+    pub tpot: Option<Latency>,
+    pub output_tokens: u64,
+    /// Model seconds the chips served it (each chip's own pace: fair queuing's charge).
+    pub service_s: f64,
+    /// Its part of all tenants' service.
+    pub service_share: f64,
+    /// The same up to the last arrival, while the load still arrived: when every tenant
+    /// keeps a backlog, the split fair queuing makes (by the weights); the whole run's
+    /// includes the drain, when each tenant's backlog is served to its end.
+    pub arriving_service_s: f64,
+    pub arriving_service_share: f64,
 }
 
 /// How fast the simulator ran: wall-clock figures, different on every run.
@@ -326,6 +353,43 @@ impl Report {
         }
         if let Some(hit) = self.prefix_hit_rate {
             let _ = writeln!(t, "prefix     hit rate {hit:.3} (prompt tokens reused from prefix caches)");
+        }
+        if !self.tenants.is_empty() {
+            // service: each tenant's part of the chips' model time over the run;
+            // arriving: the same while the load still arrived (the backlogged split).
+            let _ = writeln!(
+                t,
+                "\n{:<12} {:>6} {:<11} {:>9} {:>7} {:>12} {:>12} {:>12} {:>8} {:>9}",
+                "tenant",
+                "weight",
+                "priority",
+                "completed",
+                "failed",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "TPOT p50 ms",
+                "service",
+                "arriving"
+            );
+            let ms = |l: &Option<Latency>, pick: fn(&Latency) -> f64| {
+                l.as_ref().map_or("-".into(), |l| format!("{:.2}", pick(l)))
+            };
+            for e in &self.tenants {
+                let _ = writeln!(
+                    t,
+                    "{:<12} {:>6} {:<11} {:>9} {:>7} {:>12} {:>12} {:>12} {:>7.1}% {:>8.1}%",
+                    e.name,
+                    e.weight,
+                    e.priority,
+                    e.completed,
+                    e.failed,
+                    ms(&e.ttft, |l| l.p50_ms),
+                    ms(&e.ttft, |l| l.p99_ms),
+                    ms(&e.tpot, |l| l.p50_ms),
+                    100.0 * e.service_share,
+                    100.0 * e.arriving_service_share
+                );
+            }
         }
         let _ = writeln!(
             t,

@@ -19,6 +19,14 @@
 //! bus_latency_us = 50     # a bus message between hosts
 //! kv_bandwidth_gbs = 12.5 # a KV hand-off between hosts
 //! kv_latency_us = 20
+//! # Or tenants, each its own Poisson load (the [workload] then gives duration_s, and
+//! # isl/osl as the tenants' defaults): the report gives each one's TTFT, TPOT and share.
+//! # [[workload.tenants]]
+//! # name = "chat"
+//! # rate_rps = 2.0
+//! # weight = 2              # fair queuing weight (default 1)
+//! # priority = "interactive" # interactive, standard (default) or batch
+//! # osl = "32"              # overrides the [workload]'s
 //! [perf_models]           # optional: a chip kind's calibrated model (`tessera calibrate`)
 //! cpu = "cpu-calibrated.toml"
 //! [prices]                # optional: $ per chip-hour, instead of the catalog's
@@ -90,6 +98,9 @@ impl Scenario {
             }
             WorkloadRequests::Trace(_) => {
                 Err(format!("{}: its workload replays a trace; a rate cannot replace it", self.source))
+            }
+            WorkloadRequests::Tenants { .. } => {
+                Err(format!("{}: each of its tenants has a rate of its own; one rate cannot replace them", self.source))
             }
         }
     }
@@ -177,9 +188,22 @@ pub enum WorkloadRequests {
         /// `bench serve --prefix-groups`.
         shared: Option<SharedPrefix>,
     },
+    /// Several tenants' loads, each open-loop Poisson arrivals of its own, over one
+    /// duration (`[[workload.tenants]]`); the topology's tenants are theirs.
+    Tenants { duration_s: f64, loads: Vec<TenantLoad> },
     /// A trace in Mooncake's JSONL format (`[workload] trace = "FILE"`), replayed as
     /// `bench serve --trace` does: its arrival times, lengths and shared blocks.
     Trace(Vec<tessera_workload::trace::TraceRequest>),
+}
+
+/// One tenant's load in a multi-tenant workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantLoad {
+    /// Its name, weight and class, as a topology's `[[tenants]]` gives them.
+    pub tenant: tessera_topology::TenantSpec,
+    pub rate_rps: f64,
+    pub isl: LengthDist,
+    pub osl: LengthDist,
 }
 
 /// How many requests arrive.
@@ -280,6 +304,23 @@ struct RawWorkload {
     prefix_groups: Option<Spanned<i64>>,
     #[serde(default)]
     prefix_words: Option<Spanned<i64>>,
+    #[serde(default)]
+    tenants: Vec<Spanned<RawTenantLoad>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenantLoad {
+    name: Spanned<String>,
+    rate_rps: Spanned<toml::Value>,
+    #[serde(default)]
+    weight: Option<Spanned<i64>>,
+    #[serde(default)]
+    priority: Option<Spanned<String>>,
+    #[serde(default)]
+    isl: Option<Spanned<String>>,
+    #[serde(default)]
+    osl: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -386,6 +427,13 @@ fn parse_on(text: &str, source: &str, dir: &Path, given: Option<ClusterSpec>) ->
     }
 
     let workload = workload(raw.workload.get_ref(), raw.workload.span(), dir, &at)?;
+    if let WorkloadRequests::Tenants { loads, .. } = &workload.requests {
+        if !topology.tenants.is_empty() {
+            let why = "the topology lists [[tenants]] and the workload too: give them in one place".into();
+            return Err(at(raw.workload.span(), "workload.tenants", why));
+        }
+        topology.tenants = loads.iter().map(|l| l.tenant.clone()).collect();
+    }
 
     let positive_ms = |x: f64| x > 0.0 && x <= 86_400_000.0;
     let slo = Slo {
@@ -470,6 +518,9 @@ fn workload(
 ) -> Result<WorkloadSpec, TopologyError> {
     if let Some(path) = &w.trace {
         return traced(w, path, dir, at);
+    }
+    if !w.tenants.is_empty() {
+        return tenant_loads(w, span, at);
     }
     let missing = |key: &str| at(span.clone(), "workload", format!("missing `{key}` (or give a `trace` file)"));
     let isl = w.isl.as_ref().ok_or_else(|| missing("isl"))?;
@@ -587,6 +638,93 @@ fn workload(
         schedule,
     };
     Ok(WorkloadSpec { rate_rps, requests })
+}
+
+/// Most tenants one workload may name.
+const MAX_TENANTS: usize = 1024;
+
+/// `[[workload.tenants]]`: each tenant's Poisson load over the `[workload]`'s
+/// `duration_s`, its lengths the `[workload]`'s unless it gives its own.
+fn tenant_loads(
+    w: &RawWorkload,
+    span: Range<usize>,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<WorkloadSpec, TopologyError> {
+    let not_with = |key: &str, v: Range<usize>| {
+        let why = format!("each of [[workload.tenants]] has its own load: `{key}` goes in them, or not at all");
+        at(v, &format!("workload.{key}"), why)
+    };
+    let spans = [
+        ("rate_rps", w.rate_rps.as_ref().map(Spanned::span)),
+        ("requests", w.requests.as_ref().map(Spanned::span)),
+        ("arrivals", w.arrivals.as_ref().map(Spanned::span)),
+        ("cv", w.cv.as_ref().map(Spanned::span)),
+        ("rate_schedule", w.rate_schedule.as_ref().map(Spanned::span)),
+        ("prefix_groups", w.prefix_groups.as_ref().map(Spanned::span)),
+    ];
+    if let Some((key, Some(v))) = spans.into_iter().find(|(_, v)| v.is_some()) {
+        return Err(not_with(key, v));
+    }
+    if w.tenants.len() > MAX_TENANTS {
+        return Err(at(span, "workload.tenants", format!("at most {MAX_TENANTS} tenants")));
+    }
+    let Some(d) = &w.duration_s else {
+        return Err(at(span, "workload.duration_s", "tenants' loads run for `duration_s` seconds: give it".into()));
+    };
+    let duration_s =
+        number(d, "workload.duration_s", |x| x > 0.0 && x <= MAX_DURATION_S, "more than 0 and at most 86400", at)?;
+    let dist = |s: &Spanned<String>, key: &str| {
+        s.get_ref().parse::<LengthDist>().map_err(|e| at(s.span(), key, e.to_string()))
+    };
+    let mut loads: Vec<TenantLoad> = Vec::with_capacity(w.tenants.len());
+    for (i, t) in w.tenants.iter().enumerate() {
+        let (t, tspan) = (t.get_ref(), t.span());
+        let key = |k: &str| format!("workload.tenants[{i}].{k}");
+        let name = t.name.get_ref().clone();
+        if let Err(why) = tessera_topology::check_name(&name) {
+            return Err(at(t.name.span(), &key("name"), why));
+        }
+        if loads.iter().any(|l| l.tenant.name == name) {
+            return Err(at(t.name.span(), &key("name"), format!("tenant `{name}` is listed twice")));
+        }
+        let rate_rps =
+            number(&t.rate_rps, &key("rate_rps"), |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", at)?;
+        let weight = match &t.weight {
+            Some(v) if !(1..=1000).contains(v.get_ref()) => {
+                return Err(at(v.span(), &key("weight"), format!("must be 1..=1000, got {}", v.get_ref())));
+            }
+            Some(v) => *v.get_ref() as u32,
+            None => 1,
+        };
+        let priority = match &t.priority {
+            Some(v) => v
+                .get_ref()
+                .parse()
+                .map_err(|e: tessera_topology::UnknownName| at(v.span(), &key("priority"), e.to_string()))?,
+            None => tessera_topology::PriorityClass::Standard,
+        };
+        let length = |own: &Option<Spanned<String>>, shared: &Option<Spanned<String>>, k: &str| match (own, shared) {
+            (Some(v), _) => dist(v, &key(k)),
+            (None, Some(v)) => dist(v, &format!("workload.{k}")),
+            (None, None) => Err(at(tspan.clone(), &key(k), format!("missing `{k}` (here or in [workload])"))),
+        };
+        let (isl, osl) = (length(&t.isl, &w.isl, "isl")?, length(&t.osl, &w.osl, "osl")?);
+        let tenant = tessera_topology::TenantSpec {
+            name,
+            weight,
+            priority,
+            models: None,
+            share_prefix_cache: false,
+            limits: Default::default(),
+        };
+        loads.push(TenantLoad { tenant, rate_rps, isl, osl });
+    }
+    let rate_rps: f64 = loads.iter().map(|l| l.rate_rps).sum();
+    if rate_rps * duration_s > MAX_REQUESTS as f64 {
+        let why = format!("{duration_s} s at {rate_rps} req/s in all is more than {MAX_REQUESTS} requests");
+        return Err(at(d.span(), "workload.duration_s", why));
+    }
+    Ok(WorkloadSpec { rate_rps, requests: WorkloadRequests::Tenants { duration_s, loads } })
 }
 
 /// `rate_schedule = [[0, R0], [T1, R1], ...]`: (from second, requests per second) steps,

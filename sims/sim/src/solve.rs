@@ -11,7 +11,7 @@ use tessera_topology::{ChipSpec, Role};
 use tessera_workload::LengthDist;
 
 use crate::model::SimModel;
-use crate::scenario::{Scenario, WorkloadRequests};
+use crate::scenario::{Scenario, TenantLoad, WorkloadRequests};
 
 /// A scenario's fleet, with the ids of each kind's chips in topology order and what
 /// each does in the topology as written.
@@ -112,6 +112,13 @@ pub fn workload(scenario: &Scenario) -> Workload {
     match &scenario.workload.requests {
         WorkloadRequests::Synthetic { isl, osl, shared, .. } => {
             Workload { rate_rps, isl: mean(isl) + shared.as_ref().map_or(0.0, |s| s.words as f64), osl: mean(osl) }
+        }
+        WorkloadRequests::Tenants { loads, .. } => {
+            // Means over all the tenants' requests: each tenant's weighted by its rate.
+            let mean_of = |f: &dyn Fn(&TenantLoad) -> f64| {
+                loads.iter().map(|l| l.rate_rps * f(l)).sum::<f64>() / rate_rps.max(f64::MIN_POSITIVE)
+            };
+            Workload { rate_rps, isl: mean_of(&|l| mean(&l.isl)), osl: mean_of(&|l| mean(&l.osl)) }
         }
         WorkloadRequests::Trace(requests) => {
             let n = requests.len().max(1) as f64;

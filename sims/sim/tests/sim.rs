@@ -772,3 +772,84 @@ fn chips_regroup_into_instances_of_other_sizes() {
     let e = tessera_sim::solve::fleet(&single).expect_err("70B on one chip");
     assert!(e.to_string().contains("do not fit its memory"), "{e}");
 }
+
+/// A scenario of `sims/scenarios/tenants`, its tenants' load cut to `duration_s`.
+fn tenants_scenario(name: &str, duration_s: f64) -> Scenario {
+    let path = here().join("../scenarios/tenants").join(name);
+    let mut s = match scenario::load(&path) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    match &mut s.workload.requests {
+        scenario::WorkloadRequests::Tenants { duration_s: d, .. } => *d = duration_s,
+        other => panic!("{name}: not a tenants' workload: {other:?}"),
+    }
+    s
+}
+
+fn tenant<'a>(r: &'a Report, name: &str) -> &'a tessera_sim::report::TenantEnd {
+    r.tenants.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no tenant {name} in {:?}", r.tenants))
+}
+
+/// 32 mixed chips in virtual time: a tenant flooding the cluster with several times
+/// what it serves does not hold up a light tenant's first tokens (fair queuing in the
+/// router's queue, the prefill chips' batchers and the decode chips' claims, and fair
+/// preemption), and every request of the light tenant is served, no block leaked.
+#[test]
+fn a_flooding_tenant_does_not_hold_up_a_light_one_on_32_chips() {
+    let alone = simulate(&tenants_scenario("light-alone-32.toml", 60.0), None);
+    let noisy = simulate(&tenants_scenario("noisy-neighbour-32.toml", 60.0), None);
+    let (light_alone, light, flood) = (tenant(&alone, "light"), tenant(&noisy, "light"), tenant(&noisy, "flood"));
+    for t in [light_alone, light] {
+        assert!(t.ended > 10 && t.completed == t.ended, "{t:?}");
+    }
+    assert_eq!(noisy.kv_blocks_used_at_end, 0);
+    let p50 = |t: &tessera_sim::report::TenantEnd| t.ttft.map_or(f64::INFINITY, |l| l.p50_ms);
+    // Served first come first served, the light tenant would wait behind the flood.
+    assert!(p50(light) * 20.0 < p50(flood), "light {} ms, flood {} ms", p50(light), p50(flood));
+    assert!(p50(light) < 10.0 * p50(light_alone), "light {} ms, alone {} ms", p50(light), p50(light_alone));
+}
+
+/// Two tenants both offering far more than 32 chips serve, weighted 2:1: while the
+/// load arrives the chips serve the heavier one more, and nothing fails or leaks.
+#[test]
+fn backlogged_tenants_are_served_by_their_weights_on_32_chips() {
+    let r = simulate(&tenants_scenario("weighted-32.toml", 60.0), None);
+    let (gold, silver) = (tenant(&r, "gold"), tenant(&r, "silver"));
+    assert_eq!((r.failed, r.unfinished, r.kv_blocks_used_at_end), (0, 0, 0), "{:?}", r.failures);
+    assert!((gold.arriving_service_share + silver.arriving_service_share - 1.0).abs() < 1e-9);
+    let ratio = gold.arriving_service_share / silver.arriving_service_share;
+    assert!(ratio > 1.3, "gold {gold:?} against silver {silver:?}");
+    assert!(gold.ttft.map(|l| l.p50_ms) < silver.ttft.map(|l| l.p50_ms), "the heavier weight waits less");
+}
+
+#[test]
+fn bad_tenant_loads_name_the_key() {
+    let base = "seed = 1\ntopology = \"../../topology/default.toml\"\n[slo]\nttft_ms = 500\ntpot_ms = 50\n\
+                [workload]\nduration_s = 5\nisl = \"16\"\nosl = \"8\"\n";
+    let a = "[[workload.tenants]]\nname = \"a\"\nrate_rps = 1.0\n";
+    // (what, the workload's lines and tenants, the key named, a fragment of the message)
+    let cases = [
+        ("a rate beside tenants", format!("rate_rps = 2.0\n{a}"), "workload.rate_rps", "own load"),
+        ("no duration", a.to_string(), "workload.duration_s", "give it"),
+        ("twice", format!("{a}{a}"), "workload.tenants[1].name", "twice"),
+        ("bad class", format!("{a}priority = \"urgent\"\n"), "workload.tenants[0].priority", "interactive"),
+        ("zero weight", format!("{a}weight = 0\n"), "workload.tenants[0].weight", "1..=1000"),
+    ];
+    for (what, extra, key, fragment) in cases {
+        let mut text = format!("{base}{extra}");
+        if what == "no duration" {
+            text = text.replace("duration_s = 5\n", "");
+        }
+        let e = match scenario::parse(&text, "t.toml", &here()) {
+            Ok(_) => panic!("{what}: accepted"),
+            Err(e) => e,
+        };
+        assert_eq!(e.key, key, "{what}: {e}");
+        assert!(e.message.contains(fragment), "{what}: `{fragment}` not in {e}");
+    }
+    let ok = scenario::parse(&format!("{base}{a}weight = 3\npriority = \"batch\"\n"), "t.toml", &here());
+    let s = ok.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(s.topology.tenants[0].weight, 3);
+    assert_eq!(s.topology.tenants[0].priority, tessera_topology::PriorityClass::Batch);
+}
