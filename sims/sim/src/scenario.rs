@@ -792,6 +792,7 @@ fn traced(
         ("osl", w.osl.as_ref().map(Spanned::span)),
         ("prefix_groups", w.prefix_groups.as_ref().map(Spanned::span)),
         ("prefix_words", w.prefix_words.as_ref().map(Spanned::span)),
+        ("tenants", w.tenants.first().map(Spanned::span)),
     ];
     if let Some((key, Some(span))) = others.into_iter().find(|(_, span)| span.is_some()) {
         let why = "not with `trace`: the trace gives the arrivals and lengths".to_string();

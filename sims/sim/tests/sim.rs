@@ -835,11 +835,15 @@ fn bad_tenant_loads_name_the_key() {
         ("twice", format!("{a}{a}"), "workload.tenants[1].name", "twice"),
         ("bad class", format!("{a}priority = \"urgent\"\n"), "workload.tenants[0].priority", "interactive"),
         ("zero weight", format!("{a}weight = 0\n"), "workload.tenants[0].weight", "1..=1000"),
+        ("beside a trace", format!("trace = \"t.jsonl\"\n{a}"), "workload.tenants", "not with `trace`"),
     ];
     for (what, extra, key, fragment) in cases {
         let mut text = format!("{base}{extra}");
         if what == "no duration" {
             text = text.replace("duration_s = 5\n", "");
+        }
+        if what == "beside a trace" {
+            text = text.replace("duration_s = 5\nisl = \"16\"\nosl = \"8\"\n", "");
         }
         let e = match scenario::parse(&text, "t.toml", &here()) {
             Ok(_) => panic!("{what}: accepted"),
