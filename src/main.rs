@@ -639,6 +639,15 @@ struct ServeArgs {
     /// `$TESSERA_API_KEY`; none if unset).
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
+    /// Several tenants' loads side by side, each with its own key, rate or concurrency,
+    /// requests and lengths (a TOML file of `[[tenants]]`; see docs/how-to/tenancy.md);
+    /// the report gives each tenant's latencies and refusals.
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with_all = ["api_key", "rate", "concurrency", "trace", "multi_turn", "prefix_groups"],
+    )]
+    tenants: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -1389,6 +1398,17 @@ fn bench_serve(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.or_else(|| std::env::var("TESSERA_API_KEY").ok()),
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
+    if let Some(path) = &args.tenants {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let tenants = loadgen::tenants::parse(&text, &path.display().to_string(), |var| std::env::var(var).ok())?;
+        let report = runtime.block_on(loadgen::tenants::run(opts, tenants))?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{}", report.table());
+        }
+        return Ok(());
+    }
     let report = runtime.block_on(loadgen::run(opts))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

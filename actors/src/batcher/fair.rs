@@ -3,7 +3,8 @@
 //! counter is the service it got here divided by its weight; among waiting sequences of
 //! one priority class the batcher starts the one whose tenant's counter is least. A
 //! tenant that comes back after having nothing here is lifted to the least counter of
-//! those present, so idle time banks no credit. Service is charged in this chip's
+//! those present (with nobody present, to the greatest), so idle time banks no credit
+//! and service received alone is no debt. Service is charged in this chip's
 //! modelled seconds (its [`Pace`], the router's performance model): a prompt token costs
 //! what it costs on this chip, so a tenant's share means the same on a slow chip and a
 //! fast one, and the shares summed over chips of unlike speed are comparable.
@@ -43,13 +44,15 @@ impl FairQueue {
     }
 
     /// `tenant` has just got its first sequence here while `present` tenants have some:
-    /// its counter rises to the least of theirs (it never falls).
+    /// its counter rises to the least of theirs — or, with nobody present, to the
+    /// greatest counter of all (whoever was served last) — and never falls. So no
+    /// tenant banks credit while away, nor carries a debt from having been served
+    /// alone.
     pub fn arrive(&mut self, tenant: u32, present: impl IntoIterator<Item = u32>) {
         let least = present.into_iter().filter(|&t| t != tenant).map(|t| self.counter(t)).min_by(f64::total_cmp);
+        let floor = least.or_else(|| self.counters.values().copied().max_by(f64::total_cmp)).unwrap_or(0.0);
         let counter = self.counters.entry(tenant).or_insert(0.0);
-        if let Some(least) = least {
-            *counter = counter.max(least);
-        }
+        *counter = counter.max(floor);
     }
 
     /// Charges a prompt chunk of `tokens` tokens.
@@ -103,7 +106,7 @@ mod tests {
     }
 
     #[test]
-    fn a_returning_tenant_is_lifted_to_the_least_present_counter() {
+    fn a_returning_tenant_is_lifted_to_the_least_present_counter_or_the_greatest() {
         let mut fair = FairQueue::default();
         fair.set_pace(PACE);
         fair.charge_prefill(share(0, 1), 500);
@@ -114,8 +117,9 @@ mod tests {
         // ... and one with more service than that keeps it: a counter never falls.
         fair.arrive(0, [1, 2]);
         assert!((fair.counter(0) - 0.5).abs() < 1e-12);
-        // Alone, nothing to be level with.
+        // With nobody present, level with whoever was served most: a tenant that ran
+        // alone carries no debt into the next contest.
         fair.arrive(3, []);
-        assert_eq!(fair.counter(3), 0.0);
+        assert!((fair.counter(3) - 0.5).abs() < 1e-12);
     }
 }

@@ -17,6 +17,7 @@ mod request;
 pub mod server;
 mod sse;
 mod stats;
+pub mod tenants;
 #[cfg(test)]
 mod tests;
 

@@ -166,6 +166,55 @@ async fn every_request_carries_the_api_key() {
     assert_eq!((report.requests_ok, report.requests_failed), (0, 12), "without the key every request is refused");
 }
 
+/// `--tenants`: each tenant's requests carry its own key, at its own load and count,
+/// and are reported apart (the server knows one of the two keys).
+#[tokio::test]
+async fn each_tenant_sends_its_own_key_and_is_reported_apart() {
+    let fake = FakeServer { usage: true, key: Some("tsk_a"), ..FakeServer::default() };
+    let url = serve(fake).await;
+    let file = "[[tenants]]\nname = \"a\"\nkey = \"tsk_a\"\nconcurrency = 2\nrequests = 5\n\
+                [[tenants]]\nname = \"b\"\nkey_env = \"B_KEY\"\nrate = 50.0\nosl = \"3\"\n";
+    let env = |var: &str| (var == "B_KEY").then(|| "tsk_b".to_string());
+    let tenants = match tenants::parse(file, "t.toml", env) {
+        Ok(t) => t,
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(tenants[1].osl, Some(LengthDist::Fixed(3)));
+    let report = match tenants::run(ServeBenchOptions { model: Some("given".into()), ..options(url) }, tenants).await {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let got: Vec<(&str, usize, usize)> =
+        report.tenants.iter().map(|t| (t.name.as_str(), t.report.requests_ok, t.report.requests_failed)).collect();
+    assert_eq!(got, vec![("a", 5, 0), ("b", 0, 12)], "b's key is not the server's");
+    assert_eq!(report.tenants[1].report.rate_rps, Some(50.0));
+    let table = report.table();
+    assert!(table.lines().nth(1).is_some_and(|l| l.starts_with("a ")), "{table}");
+}
+
+#[test]
+fn bad_tenants_files_say_what_is_wrong() {
+    let env = |_: &str| None;
+    // (file, a fragment of the error)
+    let cases = [
+        ("", "missing field `tenants`"),
+        ("tenants = []", "1 to 256"),
+        ("[[tenants]]\nname = \"a\"\nrate = 1.0", "`key` or `key_env`"),
+        ("[[tenants]]\nname = \"a\"\nkey_env = \"NOPE\"", "$NOPE is not set"),
+        ("[[tenants]]\nname = \"a\"\nkey = \"k\"\nrate = 1.0\nconcurrency = 2", "`rate` or `concurrency`"),
+        ("[[tenants]]\nname = \"a\"\nkey = \"k\"\nrate = -1.0", "`rate` must be positive"),
+        ("[[tenants]]\nname = \"a\"\nkey = \"k\"\nisl = \"many\"", "`isl`"),
+        ("[[tenants]]\nname = \"a\"\nkey = \"k\"\n[[tenants]]\nname = \"a\"\nkey = \"j\"", "a name of its own"),
+        ("[[tenants]]\nname = \"a\"\nkey = \"k\"\nburst = 2", "unknown field `burst`"),
+    ];
+    for (file, fragment) in cases {
+        match tenants::parse(file, "t.toml", env) {
+            Ok(t) => panic!("{file:?} accepted: {t:?}"),
+            Err(e) => assert!(e.to_string().contains(fragment) && e.to_string().contains("t.toml"), "{file:?}: {e}"),
+        }
+    }
+}
+
 async fn run_ok(opts: ServeBenchOptions) -> ServeBenchReport {
     match run(opts).await {
         Ok(r) => r,
