@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Fair queuing on a real cluster: a light tenant's TTFT alone against beside a flooding
+# tenant, side by side. The embedded default topology (or --colocated) with two tenants,
+# `flood` and `light`, and a keys file; each repeat starts the cluster, runs the light
+# tenant alone, then both at once (`bench serve --tenants`), and stops the cluster.
+# Prints each repeat's light TTFT p50 alone and beside the flood, the flood's own p50,
+# and the ratio beside/alone, then the median ratio (the issue's goal: 1.5 at most).
+#
+# usage: sims/scripts/compare-tenants.sh [OUTDIR] [REPEATS] [--colocated]
+#   env: TESSERA (the binary; default target/release/tessera), PORT (gateway port,
+#        default 8300; bus ports PORT-800 and up), LIGHT_RATE (default 2),
+#        LIGHT_REQUESTS (default 40), FLOOD_CONCURRENCY (default 64),
+#        FLOOD_REQUESTS (default 300), ISL (default 256), OSL (default 64).
+case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+set -euo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+out=${1:-$(mktemp -d)}
+repeats=${2:-9}
+colocated=()
+[ "${3:-}" = --colocated ] && colocated=(--colocated)
+bin=${TESSERA:-$here/target/release/tessera}
+port=${PORT:-8300}
+url="http://127.0.0.1:$port"
+[ -x "$bin" ] || { echo "no tessera binary at $bin (cargo build --release, or set TESSERA)" >&2; exit 1; }
+mkdir -p "$out"
+
+# The default topology on ports of its own, with a keys file and the two tenants.
+bus=$((port - 800))
+sed -e "s/127.0.0.1:8000/127.0.0.1:$port/" -e "s/127.0.0.1:7400/127.0.0.1:$bus/" \
+    -e "s/127.0.0.1:7410/127.0.0.1:$((bus + 10))/" -e "s/127.0.0.1:7401/127.0.0.1:$((bus + 1))/" \
+    -e "s/127.0.0.1:7402/127.0.0.1:$((bus + 2))/" -e "s/127.0.0.1:7411/127.0.0.1:$((bus + 11))/" \
+    -e "s/127.0.0.1:7412/127.0.0.1:$((bus + 12))/" \
+    -e 's/^max_inflight_requests = \(.*\)$/max_inflight_requests = \1\nkeys_file = "keys.json"/' \
+    "$here/topology/default.toml" > "$out/topology.toml"
+printf '\n[[tenants]]\nname = "flood"\n\n[[tenants]]\nname = "light"\n' >> "$out/topology.toml"
+rm -f "$out/keys.json" "$out/audit.log"
+FLOOD_KEY=$("$bin" keys add --file "$out/keys.json" --tenant flood | tail -1)
+LIGHT_KEY=$("$bin" keys add --file "$out/keys.json" --tenant light | tail -1)
+export FLOOD_KEY LIGHT_KEY
+light="[[tenants]]
+name = \"light\"
+key_env = \"LIGHT_KEY\"
+rate = ${LIGHT_RATE:-2}
+requests = ${LIGHT_REQUESTS:-40}
+"
+printf '%s' "$light" > "$out/light.toml"
+printf '[[tenants]]\nname = "flood"\nkey_env = "FLOOD_KEY"\nconcurrency = %s\nrequests = %s\n\n%s' \
+    "${FLOOD_CONCURRENCY:-64}" "${FLOOD_REQUESTS:-300}" "$light" > "$out/both.toml"
+
+for r in $(seq 1 "$repeats"); do
+    echo "repeat $r" >&2
+    TESSERA_HOME="$out/home" "$bin" up "$out/topology.toml" "${colocated[@]}" > "$out/up-$r.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do
+        curl -s "$url/health" | grep -q '"chips_up":2' && break
+        sleep 0.5
+    done
+    for load in light both; do
+        "$bin" bench serve --url "$url" --tenants "$out/$load.toml" --isl "${ISL:-256}" --osl "${OSL:-64}" \
+            --seed "$r" --json > "$out/$load-$r.json" || true
+    done
+    kill -INT "$pid"
+    wait "$pid" || true
+done
+
+python3 - "$out" "$repeats" <<'PY'
+import json, statistics, sys
+out, repeats = sys.argv[1], int(sys.argv[2])
+def p50(load, r, tenant):
+    try:
+        with open(f"{out}/{load}-{r}.json") as f:
+            rep = {t["name"]: t for t in json.load(f)["tenants"]}[tenant]
+        return rep["ttft"]["p50_ms"] if rep["requests_failed"] == 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+ratios = []
+print(f"{'repeat':>6} {'light alone ms':>15} {'light beside ms':>16} {'flood ms':>9} {'beside/alone':>13}")
+for r in range(1, repeats + 1):
+    alone, beside, flood = p50("light", r, "light"), p50("both", r, "light"), p50("both", r, "flood")
+    if alone and beside and flood:
+        ratios.append(beside / alone)
+        print(f"{r:>6} {alone:>15.1f} {beside:>16.1f} {flood:>9.1f} {beside / alone:>13.2f}")
+    else:
+        print(f"{r:>6} a run failed (see {out}/up-{r}.log)")
+if ratios:
+    print(f"median light TTFT p50 beside/alone over {len(ratios)} repeats: {statistics.median(ratios):.2f}")
+PY
