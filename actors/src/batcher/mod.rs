@@ -400,6 +400,12 @@ impl Batcher {
         self.fair.arrive(share.tenant, present);
     }
 
+    /// Where a sequence of `share` stands in this chip's order: its class, then its
+    /// tenant's counter (lower goes first).
+    pub fn rank(&self, share: TenantShare) -> (crate::msg::PriorityClass, f64) {
+        (share.class, self.fair.counter(share.tenant))
+    }
+
     /// The waiting sequence to start next: the highest class, then the tenant least
     /// served (VTC), then the earliest arrival.
     fn next_waiting(&self) -> Option<usize> {

@@ -439,8 +439,21 @@ impl Chip {
     /// Claims waiting offers, in order, while their blocks fit — making room for one by
     /// preemption where its tenant's class or share entitles it (`Batcher::make_room`).
     pub(super) fn admit_offers(&mut self, fx: &mut dyn Effects<Msg>) {
-        while let Some(offer) = self.handoffs.waiting.front() {
+        loop {
             let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
+            let waiting = &self.handoffs.waiting;
+            let Some(next) = (0..waiting.len()).min_by(|&a, &b| {
+                let (ra, rb) = (batcher.rank(waiting[a].seq.share), batcher.rank(waiting[b].seq.share));
+                ra.0.cmp(&rb.0).then(ra.1.total_cmp(&rb.1)).then(a.cmp(&b))
+            }) else {
+                return;
+            };
+            let offer = &waiting[next];
+            // The request moved on (re-routed) while an older sequence of it is still
+            // here: the older one is stale, and two of one request would leak.
+            if batcher.contains(offer.seq.request_id) {
+                batcher.abort(offer.seq.request_id, pool);
+            }
             let mut admitted = batcher.admit_received(offer.seq.clone(), offer.kv_tokens, pool);
             if admitted.is_none()
                 && batcher.make_room(offer.seq.share, offer.kv_tokens.div_ceil(pool.block_size()), pool)
@@ -448,7 +461,7 @@ impl Chip {
                 admitted = batcher.admit_received(offer.seq.clone(), offer.kv_tokens, pool);
             }
             let Some(slots) = admitted else { return };
-            let Some(offer) = self.handoffs.waiting.pop_front() else { return };
+            let Some(offer) = self.handoffs.waiting.remove(next) else { return };
             let request_id = offer.seq.request_id;
             let layers = offer.format.num_layers;
             self.handoffs.incoming.insert(

@@ -477,6 +477,23 @@ fn an_offer_waits_for_free_blocks_then_is_claimed() {
     assert_eq!(d.used(), 3);
 }
 
+/// The request re-routed while its old sequence is still here and its new prefill
+/// chip's offer arrives before the abort of the old one: the offer replaces the stale
+/// sequence (two of one request would leave one holding blocks forever).
+#[test]
+fn an_offer_for_a_request_still_here_replaces_its_stale_sequence() {
+    let mut d = Side::new(D, Role::Both, info(4, KvLayout::HeadMajor, 1));
+    d.chip.handle(Msg::Enqueue { seq: Box::new(seq(10, 3)) }, &mut d.fx);
+    assert_eq!(d.used(), 2, "the old sequence's first chunk is being computed");
+    d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);
+    assert!(d.sent().iter().any(|(_, m)| matches!(m, Msg::KvClaim { request_id: 9, .. })));
+    assert_eq!(d.used(), 3, "the new hand-off's blocks alone");
+    d.chip.handle(Msg::KvCancel { request_id: 9, reason: "test".into() }, &mut d.fx);
+    d.run_jobs();
+    assert_eq!(d.used(), 0, "nothing of the request is left");
+    assert!(!d.chip.batcher.as_ref().is_some_and(|b| b.contains(9)));
+}
+
 /// D cancels a hand-off after the request has already moved on to run on P alone (same
 /// request id): only the hand-off is dropped; the new sequence on P runs to its end.
 #[test]
