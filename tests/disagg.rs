@@ -213,8 +213,9 @@ fn fault_references() -> Vec<Generated> {
 }
 
 /// P is an emulated Ascend paced slowly enough that prefills and their KV transfers are
-/// still in flight when a chip is killed.
-const SLOW_PREFILL: &str = "[emulation]\ntime_scale = 20000.0";
+/// still in flight when a chip is killed; its queue is unbounded, so every prompt waits
+/// there (none runs on the decode chip instead).
+const SLOW_PREFILL: &str = "[emulation]\ntime_scale = 20000.0\n\n[router]\nmax_queued_prompt_ms = 3600000";
 
 /// The decode host is SIGKILLed while prefills stream KV to it: every request still
 /// completes with its no-fault answer (on the prefill chip, the only one left), and the

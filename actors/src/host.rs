@@ -140,6 +140,7 @@ pub fn build_host<E>(
         let limits = Limits {
             max_queued_requests: r.max_queued_requests,
             kv_breaker_percent: r.kv_breaker_percent,
+            max_queued_prompt: Duration::from_millis(r.max_queued_prompt_ms),
             max_waiting_requests: r.max_waiting_requests,
             queue_timeout: Duration::from_millis(r.queue_timeout_ms),
         };

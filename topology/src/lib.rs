@@ -388,6 +388,10 @@ pub struct RouterSpec {
     /// A chip whose KV pool is this full (percent of its blocks held by running
     /// requests) takes no new requests (default 90, 1..=100).
     pub kv_breaker_percent: u32,
+    /// A chip whose queued prompts (placed, not yet computed) would take this long at
+    /// its pace takes no new requests: the rest wait in the router's queue, where
+    /// priority and fair order apply across the cluster (default 500, 1..=3_600_000).
+    pub max_queued_prompt_ms: u64,
     /// Requests that may wait for a chip; further ones are refused with 429 at once
     /// (default 256, 0..=1_048_576).
     pub max_waiting_requests: usize,
@@ -402,6 +406,7 @@ impl Default for RouterSpec {
             policy: RouterPolicy::default(),
             max_queued_requests: 256,
             kv_breaker_percent: 90,
+            max_queued_prompt_ms: 500,
             max_waiting_requests: 256,
             queue_timeout_ms: 5000,
         }

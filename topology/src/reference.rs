@@ -114,6 +114,12 @@ pub const TABLES: &[Table] = &[
                 "A chip whose KV pool is this full takes no new requests until a heartbeat shows it below.",
             ),
             key(
+                "max_queued_prompt_ms",
+                "1..=3600000",
+                "500",
+                "A chip whose queued prompts (placed, not yet computed) would take this long at its pace takes no new requests: the rest wait in the router's queue, where priority and fair order apply across the cluster.",
+            ),
+            key(
                 "max_waiting_requests",
                 "0..=1048576",
                 "256",

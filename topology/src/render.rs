@@ -26,8 +26,13 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
     let r = &spec.router;
     writeln!(
         out,
-        "  router: {}, {} requests placed before more wait; up to {} wait {} ms; a chip past {}% KV takes none",
-        r.policy, r.max_queued_requests, r.max_waiting_requests, r.queue_timeout_ms, r.kv_breaker_percent
+        "  router: {}, {} requests placed before more wait; up to {} wait {} ms; a chip past {}% KV or {} ms of queued prompts takes none",
+        r.policy,
+        r.max_queued_requests,
+        r.max_waiting_requests,
+        r.queue_timeout_ms,
+        r.kv_breaker_percent,
+        r.max_queued_prompt_ms
     )?;
     let sol = &spec.solver;
     if sol.enabled {

@@ -211,6 +211,8 @@ struct RawRouter {
     #[serde(default)]
     kv_breaker_percent: Option<Spanned<u32>>,
     #[serde(default)]
+    max_queued_prompt_ms: Option<Spanned<u64>>,
+    #[serde(default)]
     max_waiting_requests: Option<Spanned<usize>>,
     #[serde(default)]
     queue_timeout_ms: Option<Spanned<u64>>,
@@ -894,6 +896,12 @@ impl Checker<'_> {
                 "router.kv_breaker_percent",
                 d.kv_breaker_percent,
                 in_range(1, 100),
+            )?,
+            max_queued_prompt_ms: self.field(
+                &raw.max_queued_prompt_ms,
+                "router.max_queued_prompt_ms",
+                d.max_queued_prompt_ms,
+                in_range(1, 3_600_000),
             )?,
             max_waiting_requests: self.field(
                 &raw.max_waiting_requests,

@@ -1010,6 +1010,7 @@ fn hostile_numbers_are_refused_where_they_are_written() {
         (section("router", "max_queued_requests = 1048577"), 11, 23, "router.max_queued_requests", "1..=1048576"),
         (section("router", "kv_breaker_percent = 0"), 11, 22, "router.kv_breaker_percent", "1..=100"),
         (section("router", "kv_breaker_percent = 101"), 11, 22, "router.kv_breaker_percent", "1..=100"),
+        (section("router", "max_queued_prompt_ms = 0"), 11, 24, "router.max_queued_prompt_ms", "1..=3600000"),
         (section("router", "max_waiting_requests = 1048577"), 11, 24, "router.max_waiting_requests", "0..=1048576"),
         (section("router", "queue_timeout_ms = 0"), 11, 20, "router.queue_timeout_ms", "at most one day"),
         (

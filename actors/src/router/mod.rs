@@ -42,8 +42,10 @@ pub struct ChipView {
     pub work: Work,
     /// The chip's pace: its kind's model, corrected by what it was seen to do.
     pub pace: Pace,
-    /// Circuit breakers: the pool past the KV threshold, and repeated errors.
+    /// Circuit breakers: the pool past the KV threshold, prompts queued there past the
+    /// router's limit, and repeated errors.
     pub kv_full: bool,
+    pub load_full: bool,
     pub errors: ErrorBreaker,
 }
 
@@ -56,6 +58,7 @@ impl ChipView {
             work: Work::default(),
             pace: Pace::UNKNOWN,
             kv_full: false,
+            load_full: false,
             errors: ErrorBreaker::default(),
         }
     }
@@ -67,7 +70,7 @@ impl ChipView {
 
     /// Whether its breakers let it take a new request.
     pub fn admits(&self) -> bool {
-        !self.kv_full && self.errors.admits()
+        !self.kv_full && !self.load_full && self.errors.admits()
     }
 }
 
@@ -250,6 +253,14 @@ struct Placement {
     req: Addr,
     /// (chip, tokens it was charged, work it was given) for each chip the request holds.
     chips: Vec<(Addr, usize, Work)>,
+    /// Its tenant (a fork's is not known here; it counts as its parent).
+    tenant: Option<u32>,
+}
+
+/// Whether the prompts placed on a chip and not yet computed would take it `limit` or
+/// more at its pace. A chip with no prompt queued always takes one, however long.
+fn load_full(v: &ChipView, limit: Duration) -> bool {
+    v.work.prompt_tokens > 0 && v.work.prompt_tokens as f64 * v.pace.prefill_s_per_token >= limit.as_secs_f64()
 }
 
 /// How the router meets saturation.
@@ -259,6 +270,10 @@ pub struct Limits {
     pub max_queued_requests: usize,
     /// A chip whose pool holds this share (percent) of its blocks takes nothing new.
     pub kv_breaker_percent: u32,
+    /// A chip whose queued prompts would take this long at its pace takes nothing new:
+    /// the rest wait here, where priority and fair order apply across the cluster,
+    /// rather than in one chip's queue.
+    pub max_queued_prompt: Duration,
     /// Requests that may wait for a chip; one more is refused at once (429).
     pub max_waiting_requests: usize,
     /// How long a request waits before it is refused (429 with `Retry-After`).
@@ -271,6 +286,7 @@ impl Limits {
         Limits {
             max_queued_requests,
             kv_breaker_percent: 90,
+            max_queued_prompt: Duration::from_millis(500),
             max_waiting_requests: 256,
             queue_timeout: Duration::from_secs(5),
         }
@@ -326,6 +342,9 @@ pub struct Router {
     waiting: VecDeque<Waiting>,
     /// Tenants' virtual counters: which waiting request of a class goes next.
     fair: FairQueue,
+    /// Per tenant: its requests placed and not released. A tenant with some is
+    /// backlogged for VTC's lift even with nothing waiting here: its work waits on chips.
+    placed_by_tenant: BTreeMap<u32, usize>,
     gauges: BTreeMap<Addr, ChipGauges>,
 }
 
@@ -357,6 +376,7 @@ impl Router {
             open_breakers: BTreeSet::new(),
             waiting: VecDeque::new(),
             fair: FairQueue::default(),
+            placed_by_tenant: BTreeMap::new(),
             gauges: BTreeMap::new(),
         };
         for a in addrs {
@@ -440,6 +460,7 @@ impl Router {
             v.load_tokens = v.load_tokens.saturating_sub(tokens);
             v.work.remove(work);
         }
+        v.load_full = load_full(v, self.limits.max_queued_prompt);
         self.reindex(chip);
     }
 
@@ -630,6 +651,7 @@ impl Router {
         let view = self.chips.entry(chip).or_insert_with(|| ChipView::new(report.clone()));
         view.report = report;
         view.kv_full = full;
+        view.load_full = load_full(view, self.limits.max_queued_prompt);
         match speed {
             Some(speed) => self.observe(chip, &speed),
             None => self.reindex(chip), // a role change moves it between the orders
@@ -858,7 +880,9 @@ impl Router {
                 v.errors.placed(ask.request_id);
             }
         }
-        self.placements.insert(ask.request_id, Placement { req: ask.req, chips: held });
+        *self.placed_by_tenant.entry(ask.share.tenant).or_default() += 1;
+        let tenant = Some(ask.share.tenant);
+        self.placements.insert(ask.request_id, Placement { req: ask.req, chips: held, tenant });
         let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
         let reason = if decision.cached_tokens > 0 { "prefix_hit" } else { "least_work" };
         metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);
@@ -896,8 +920,9 @@ impl Router {
         let class = ask.share.class;
         let at = self.waiting.iter().position(|w| w.ask.share.class > class).unwrap_or(self.waiting.len());
         let tenant = ask.share.tenant;
-        if !self.waiting.iter().any(|w| w.ask.share.tenant == tenant) {
-            self.fair.arrive(tenant, self.waiting.iter().map(|w| w.ask.share.tenant));
+        if !self.waiting.iter().any(|w| w.ask.share.tenant == tenant) && !self.placed_by_tenant.contains_key(&tenant) {
+            let present = self.waiting.iter().map(|w| w.ask.share.tenant).chain(self.placed_by_tenant.keys().copied());
+            self.fair.arrive(tenant, present);
         }
         self.waiting.insert(at, Waiting { ask, deadline: fx.now().after(self.limits.queue_timeout) });
         metrics::gauge!("tessera_router_waiting_requests").set(self.waiting.len() as f64);
@@ -963,6 +988,14 @@ impl Router {
         let (gone, kept): (Vec<_>, Vec<_>) = p.chips.drain(..).partition(|(c, ..)| chip.is_none_or(|x| x == *c));
         p.chips = kept;
         if p.chips.is_empty() {
+            if let Some(t) = p.tenant
+                && let Some(n) = self.placed_by_tenant.get_mut(&t)
+            {
+                *n -= 1;
+                if *n == 0 {
+                    self.placed_by_tenant.remove(&t);
+                }
+            }
             self.placements.remove(&request_id);
         }
         for (c, tokens, work) in gone {
@@ -986,7 +1019,7 @@ impl Router {
         }
         let work = Work { prompt_tokens: 0, seqs: 1 };
         self.charge(chip, tokens, work, true);
-        self.placements.insert(request_id, Placement { req, chips: vec![(chip, tokens, work)] });
+        self.placements.insert(request_id, Placement { req, chips: vec![(chip, tokens, work)], tenant: None });
     }
 
     /// The request left `chip` without failing there.
@@ -1049,7 +1082,11 @@ impl Behavior<Msg> for Router {
                 self.release(request_id, chip);
                 self.drain(fx);
             }
-            Msg::Prefilled { request_id, chip } => self.prefilled(request_id, chip),
+            Msg::Prefilled { request_id, chip } => {
+                // Its prompt no longer counts against the chip's queue: one may wait for that.
+                self.prefilled(request_id, chip);
+                self.drain(fx);
+            }
             Msg::Forked { request_id, req, chip, tokens } => self.forked(request_id, req, chip, tokens),
             Msg::Heartbeat { beat } => {
                 let beat = std::sync::Arc::unwrap_or_clone(beat);

@@ -641,3 +641,58 @@ mod candidates {
         }
     }
 }
+
+/// A chip takes new requests only while the prompts queued there are short (here 10 ms
+/// at 0.1 ms a token: two prompts of 60 tokens); the backlog waits in the router's
+/// queue, and each prompt computed lets one more go — by weighted fair order, so two
+/// backlogged tenants weighted 2:1 are placed 2:1.
+#[test]
+fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order() {
+    use crate::msg::{PriorityClass, TenantShare};
+    use crate::test_fx::TestFx;
+    let (c0, view) = chip(0, 16, ChipState::Up, 0);
+    let limits = Limits { max_queued_prompt: Duration::from_millis(10), ..Limits::new(64) };
+    let mut router = Router::new(vec![view.report], 64).with_limits(limits);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    let share = |tenant: u32, weight: u32| TenantShare { tenant, weight, class: PriorityClass::Standard };
+    let gold = share(0, 2);
+    let silver = share(1, 1);
+    let route = |id: u64, share: TenantShare| {
+        let Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, .. } =
+            ask(id, 60, 60, vec![], vec![])
+        else {
+            unreachable!()
+        };
+        Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, share }
+    };
+    let routed = |fx: &mut TestFx| -> Vec<u64> {
+        fx.take_sent()
+            .into_iter()
+            .filter_map(|(_, m)| if let Msg::Routed { request_id, .. } = m { Some(request_id) } else { None })
+            .collect()
+    };
+    router.handle(route(1, gold), &mut fx);
+    router.handle(route(2, gold), &mut fx);
+    assert_eq!(routed(&mut fx), vec![1, 2]);
+    assert!(router.chips[&c0].load_full, "120 prompt tokens queued: 12 ms");
+    for id in 3..=8 {
+        router.handle(route(id, gold), &mut fx);
+    }
+    for id in 9..=14 {
+        router.handle(route(id, silver), &mut fx);
+    }
+    assert_eq!(routed(&mut fx), Vec::<u64>::new(), "the backlog waits in the router");
+    // Each prompt computed lets exactly one waiting request go.
+    let mut placed = Vec::new();
+    let mut computing = std::collections::VecDeque::from([1, 2]);
+    for _ in 0..9 {
+        let done = computing.pop_front().expect("a request on the chip");
+        router.handle(Msg::Prefilled { request_id: done, chip: c0 }, &mut fx);
+        let next = routed(&mut fx);
+        assert_eq!(next.len(), 1, "one prompt's room, one request: {next:?}");
+        computing.extend(&next);
+        placed.extend(next);
+    }
+    let golds = placed.iter().filter(|&&id| id <= 8).count();
+    assert_eq!((golds, placed.len() - golds), (6, 3), "placed 2:1 by weight: {placed:?}");
+}

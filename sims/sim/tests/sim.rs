@@ -791,10 +791,19 @@ fn tenant<'a>(r: &'a Report, name: &str) -> &'a tessera_sim::report::TenantEnd {
     r.tenants.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no tenant {name} in {:?}", r.tenants))
 }
 
+/// Every failure of an overloaded run is the router's 429: waited for a chip past
+/// `queue_timeout_ms` (nothing lost, nothing else failing).
+fn only_overload_failures(r: &Report) {
+    for (why, n) in &r.failures {
+        assert!(why.contains("no chip could take the request within"), "{n} x {why}");
+    }
+}
+
 /// 32 mixed chips in virtual time: a tenant flooding the cluster with several times
 /// what it serves does not hold up a light tenant's first tokens (fair queuing in the
 /// router's queue, the prefill chips' batchers and the decode chips' claims, and fair
-/// preemption), and every request of the light tenant is served, no block leaked.
+/// preemption). Every request of the light tenant is served; the flood's excess gets
+/// 429s from the router's queue; no block leaks.
 #[test]
 fn a_flooding_tenant_does_not_hold_up_a_light_one_on_32_chips() {
     let alone = simulate(&tenants_scenario("light-alone-32.toml", 60.0), None);
@@ -803,24 +812,28 @@ fn a_flooding_tenant_does_not_hold_up_a_light_one_on_32_chips() {
     for t in [light_alone, light] {
         assert!(t.ended > 10 && t.completed == t.ended, "{t:?}");
     }
+    only_overload_failures(&noisy);
     assert_eq!(noisy.kv_blocks_used_at_end, 0);
     let p50 = |t: &tessera_sim::report::TenantEnd| t.ttft.map_or(f64::INFINITY, |l| l.p50_ms);
     // Served first come first served, the light tenant would wait behind the flood.
-    assert!(p50(light) * 20.0 < p50(flood), "light {} ms, flood {} ms", p50(light), p50(flood));
+    assert!(p50(light) * 10.0 < p50(flood), "light {} ms, flood {} ms", p50(light), p50(flood));
     assert!(p50(light) < 10.0 * p50(light_alone), "light {} ms, alone {} ms", p50(light), p50(light_alone));
 }
 
 /// Two tenants both offering far more than 32 chips serve, weighted 2:1: while the
-/// load arrives the chips serve the heavier one more, and nothing fails or leaks.
+/// load arrives the chips' service splits 2:1 (each chip's queue is kept short, so the
+/// backlog waits in the router's queue in weighted fair order), the heavier one waits
+/// less, and nothing but the router's 429s fails; nothing leaks.
 #[test]
 fn backlogged_tenants_are_served_by_their_weights_on_32_chips() {
     let r = simulate(&tenants_scenario("weighted-32.toml", 60.0), None);
     let (gold, silver) = (tenant(&r, "gold"), tenant(&r, "silver"));
-    assert_eq!((r.failed, r.unfinished, r.kv_blocks_used_at_end), (0, 0, 0), "{:?}", r.failures);
+    only_overload_failures(&r);
+    assert_eq!((r.unfinished, r.kv_blocks_used_at_end), (0, 0));
     assert!((gold.arriving_service_share + silver.arriving_service_share - 1.0).abs() < 1e-9);
     let ratio = gold.arriving_service_share / silver.arriving_service_share;
-    assert!(ratio > 1.3, "gold {gold:?} against silver {silver:?}");
-    assert!(gold.ttft.map(|l| l.p50_ms) < silver.ttft.map(|l| l.p50_ms), "the heavier weight waits less");
+    assert!((1.8..2.25).contains(&ratio), "service {ratio}:1; gold {gold:?} against silver {silver:?}");
+    assert!(gold.failed < silver.failed, "the heavier weight is refused less");
 }
 
 #[test]
