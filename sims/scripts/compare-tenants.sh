@@ -3,7 +3,8 @@
 # tenant, side by side. The embedded default topology (or --colocated) with two tenants,
 # `flood` and `light`, and a keys file; each repeat starts the cluster, runs the light
 # tenant alone, then both at once (`bench serve --tenants`), and stops the cluster.
-# Prints each repeat's light TTFT p50 alone and beside the flood, the flood's own p50,
+# Prints each repeat's light TTFT p50 alone and beside the flood, the flood's own p50
+# (of the requests served: the flood's excess gets 429s), the requests of each refused,
 # and the ratio beside/alone, then the median ratio (the issue's goal: 1.5 at most).
 #
 # usage: sims/scripts/compare-tenants.sh [OUTDIR] [REPEATS] [--colocated]
@@ -66,20 +67,23 @@ done
 python3 - "$out" "$repeats" <<'PY'
 import json, statistics, sys
 out, repeats = sys.argv[1], int(sys.argv[2])
-def p50(load, r, tenant):
+def row(load, r, tenant):
+    """(TTFT p50 ms of the requests served, requests refused or failed), or None."""
     try:
         with open(f"{out}/{load}-{r}.json") as f:
             rep = {t["name"]: t for t in json.load(f)["tenants"]}[tenant]
-        return rep["ttft"]["p50_ms"] if rep["requests_failed"] == 0 else None
+        return rep["ttft"]["p50_ms"], rep["requests_failed"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 ratios = []
-print(f"{'repeat':>6} {'light alone ms':>15} {'light beside ms':>16} {'flood ms':>9} {'beside/alone':>13}")
+print(f"{'repeat':>6} {'light alone ms':>15} {'light beside ms':>16} {'light failed':>13} "
+      f"{'flood ms':>9} {'flood failed':>13} {'beside/alone':>13}")
 for r in range(1, repeats + 1):
-    alone, beside, flood = p50("light", r, "light"), p50("both", r, "light"), p50("both", r, "flood")
-    if alone and beside and flood:
-        ratios.append(beside / alone)
-        print(f"{r:>6} {alone:>15.1f} {beside:>16.1f} {flood:>9.1f} {beside / alone:>13.2f}")
+    alone, beside, flood = row("light", r, "light"), row("both", r, "light"), row("both", r, "flood")
+    if alone and beside and flood and alone[1] == 0:
+        ratios.append(beside[0] / alone[0])
+        print(f"{r:>6} {alone[0]:>15.1f} {beside[0]:>16.1f} {beside[1]:>13} {flood[0]:>9.1f} {flood[1]:>13} "
+              f"{beside[0] / alone[0]:>13.2f}")
     else:
         print(f"{r:>6} a run failed (see {out}/up-{r}.log)")
 if ratios:

@@ -258,7 +258,9 @@ struct Placement {
 }
 
 /// Whether the prompts placed on a chip and not yet computed would take it `limit` or
-/// more at its pace. A chip with no prompt queued always takes one, however long.
+/// more at its pace. A chip with no prompt queued always takes one, however long. A
+/// prefill chip's prompt counts until its decode chip samples the first token, so the
+/// bound also holds back a pipeline whose decode chips are the bottleneck.
 fn load_full(v: &ChipView, limit: Duration) -> bool {
     v.work.prompt_tokens > 0 && v.work.prompt_tokens as f64 * v.pace.prefill_s_per_token >= limit.as_secs_f64()
 }
@@ -823,6 +825,9 @@ impl Router {
         // New requests queue behind those of their class or above already waiting;
         // re-routes go first.
         let new = !self.placements.contains_key(&ask.request_id);
+        if new {
+            self.arrive(ask.share.tenant);
+        }
         let queued_ahead = self.waiting.iter().any(|w| w.ask.share.class <= ask.share.class);
         if new && (queued_ahead || self.placements.len() >= self.limits.max_queued_requests) {
             self.wait(ask, fx);
@@ -895,15 +900,23 @@ impl Router {
     }
 
     /// Charges `ask`'s tenant what the request will cost where it was placed: its
-    /// uncached prompt at the prefill chip's pace, its output at the decode chip's
-    /// (an equal part of a decode step as the chip's batch stands).
+    /// uncached prompt at the prefill chip's pace over the mean chip's, and its output
+    /// at the decode chip's time per token (an equal part of a decode step as its batch
+    /// stands) over the mean chip's decode step. So a token on a slow chip costs more
+    /// than on a fast one, while a pace off by a factor common to every chip (modelled
+    /// before any step is seen, then corrected by what the chips do) charges early and
+    /// late requests alike: charged in seconds, a tenant placed before the correction
+    /// could wait behind the others for thousands of requests.
     fn charge_tenant(&mut self, ask: &RouteAsk, decode: Addr, prefill: Option<Addr>, uncached: usize) {
         let pace = |a: Addr| self.chips.get(&a).map_or(Pace::UNKNOWN, |c| c.pace);
+        let n = self.chips.len().max(1) as f64;
+        let mean = |f: fn(&Pace) -> f64| self.chips.values().map(|c| f(&c.pace)).sum::<f64>() / n;
+        let relative = |x: f64, mean: f64| if mean > 0.0 { x / mean } else { x };
         let batch = self.chips.get(&decode).map_or(1, |c| c.work.seqs + 1) as f64;
         let output = ask.tokens.saturating_sub(ask.prompt_tokens) as f64;
-        let seconds = uncached as f64 * pace(prefill.unwrap_or(decode)).prefill_s_per_token
-            + output * pace(decode).decode_s(batch) / batch;
-        self.fair.charge(ask.share, seconds);
+        let prompt = relative(pace(prefill.unwrap_or(decode)).prefill_s_per_token, mean(|p| p.prefill_s_per_token));
+        let per_output = relative(pace(decode).decode_s(batch) / batch, mean(|p| p.decode_step_s));
+        self.fair.charge(ask.share, uncached as f64 * prompt + output * per_output);
     }
 
     /// Queues `ask` until a chip can take it, or refuses it when the queue is full.
@@ -919,13 +932,19 @@ impl Router {
         // After every request of its class or a higher one.
         let class = ask.share.class;
         let at = self.waiting.iter().position(|w| w.ask.share.class > class).unwrap_or(self.waiting.len());
-        let tenant = ask.share.tenant;
-        if !self.waiting.iter().any(|w| w.ask.share.tenant == tenant) && !self.placed_by_tenant.contains_key(&tenant) {
-            let present = self.waiting.iter().map(|w| w.ask.share.tenant).chain(self.placed_by_tenant.keys().copied());
-            self.fair.arrive(tenant, present);
-        }
         self.waiting.insert(at, Waiting { ask, deadline: fx.now().after(self.limits.queue_timeout) });
         metrics::gauge!("tessera_router_waiting_requests").set(self.waiting.len() as f64);
+    }
+
+    /// A new request of `tenant` arrives: a tenant with nothing waiting or placed (its
+    /// work all done) catches up with the counters of those present (VTC's lift), whether
+    /// its request waits or is placed at once.
+    fn arrive(&mut self, tenant: u32) {
+        if self.waiting.iter().any(|w| w.ask.share.tenant == tenant) || self.placed_by_tenant.contains_key(&tenant) {
+            return;
+        }
+        let present = self.waiting.iter().map(|w| w.ask.share.tenant).chain(self.placed_by_tenant.keys().copied());
+        self.fair.arrive(tenant, present);
     }
 
     /// Refuses `ask` as overloaded, telling its client when to retry.

@@ -16,6 +16,20 @@ fn ask(id: u64, tokens: usize, prompt_tokens: usize, exclude: Vec<Addr>, prompt:
     }
 }
 
+/// [`ask`] for a prompt of `tokens` tokens and no output, from a tenant's request.
+fn ask_of(id: u64, tokens: usize, share: crate::msg::TenantShare) -> Msg {
+    match ask(id, tokens, tokens, vec![], vec![]) {
+        Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, .. } => {
+            Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, share }
+        }
+        other => other,
+    }
+}
+
+fn share(tenant: u32, weight: u32) -> crate::msg::TenantShare {
+    crate::msg::TenantShare { tenant, weight, class: crate::msg::PriorityClass::Standard }
+}
+
 fn chip(host: u16, n: u64, state: ChipState, load: usize) -> (Addr, ChipView) {
     let addr = Addr::new(HostId(host), n);
     let report = ChipReport {
@@ -648,23 +662,13 @@ mod candidates {
 /// backlogged tenants weighted 2:1 are placed 2:1.
 #[test]
 fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order() {
-    use crate::msg::{PriorityClass, TenantShare};
     use crate::test_fx::TestFx;
     let (c0, view) = chip(0, 16, ChipState::Up, 0);
     let limits = Limits { max_queued_prompt: Duration::from_millis(10), ..Limits::new(64) };
     let mut router = Router::new(vec![view.report], 64).with_limits(limits);
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
-    let share = |tenant: u32, weight: u32| TenantShare { tenant, weight, class: PriorityClass::Standard };
-    let gold = share(0, 2);
-    let silver = share(1, 1);
-    let route = |id: u64, share: TenantShare| {
-        let Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, .. } =
-            ask(id, 60, 60, vec![], vec![])
-        else {
-            unreachable!()
-        };
-        Msg::Route { request_id, req, tokens, prompt_tokens, exclude, prompt, cache_salt, share }
-    };
+    let (gold, silver) = (share(0, 2), share(1, 1));
+    let route = |id: u64, share| ask_of(id, 60, share);
     let routed = |fx: &mut TestFx| -> Vec<u64> {
         fx.take_sent()
             .into_iter()
@@ -695,4 +699,31 @@ fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order
     }
     let golds = placed.iter().filter(|&&id| id <= 8).count();
     assert_eq!((golds, placed.len() - golds), (6, 3), "placed 2:1 by weight: {placed:?}");
+}
+
+/// VTC's lift at the router: a tenant whose request arrives while none of its requests
+/// waits or runs rises to the counters of those present (with nobody present, to the
+/// greatest) — also when its request is placed at once. Otherwise a tenant that ran
+/// alone before would lose every tie to the newcomer until the newcomer's service
+/// caught up with all it got alone.
+#[test]
+fn a_tenant_arriving_is_lifted_even_when_its_request_is_placed_at_once() {
+    use crate::test_fx::TestFx;
+    let (c0, view) = chip(0, 16, ChipState::Up, 0);
+    let mut router = Router::new(vec![view.report], 64);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    let (flood, light) = (share(0, 1), share(1, 1));
+    for id in 1..=3 {
+        router.handle(ask_of(id, 60, light), &mut fx);
+        router.handle(Msg::Release { request_id: id, chip: c0 }, &mut fx);
+    }
+    let alone = router.fair.counter(1);
+    assert!(alone > 0.0);
+    router.handle(ask_of(10, 60, flood), &mut fx);
+    let placed = fx.take_sent().iter().any(|(_, m)| matches!(m, Msg::Routed { request_id: 10, .. }));
+    assert!(placed, "placed at once, never waiting");
+    assert!(router.fair.counter(0) >= alone, "lifted to {alone}: {}", router.fair.counter(0));
+    // A light request now arriving beside the flood's is lifted to the flood's counter.
+    router.handle(ask_of(11, 60, light), &mut fx);
+    assert!(router.fair.counter(1) >= router.fair.counter(0) - 1e-12);
 }
