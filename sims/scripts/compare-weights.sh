@@ -25,14 +25,11 @@ port=${PORT:-8300}
 url="http://127.0.0.1:$port"
 [ -x "$bin" ] || { echo "no tessera binary at $bin (cargo build --release, or set TESSERA)" >&2; exit 1; }
 mkdir -p "$out"
+# shellcheck source=lib/tenant-cluster.sh
+. "$here/sims/scripts/lib/tenant-cluster.sh"
 
-bus=$((port - 800))
-sed -e "s/127.0.0.1:8000/127.0.0.1:$port/" -e "s/127.0.0.1:7400/127.0.0.1:$bus/" \
-    -e "s/127.0.0.1:7410/127.0.0.1:$((bus + 10))/" -e "s/127.0.0.1:7401/127.0.0.1:$((bus + 1))/" \
-    -e "s/127.0.0.1:7402/127.0.0.1:$((bus + 2))/" -e "s/127.0.0.1:7411/127.0.0.1:$((bus + 11))/" \
-    -e "s/127.0.0.1:7412/127.0.0.1:$((bus + 12))/" \
-    -e 's/^max_inflight_requests = \(.*\)$/max_inflight_requests = \1\nkeys_file = "keys.json"/' \
-    "$here/topology/default.toml" > "$out/topology.toml"
+# The default topology on ports of its own, with a keys file and the two tenants.
+tenant_topology "$here" "$port" "$out"
 printf '\n[[tenants]]\nname = "gold"\nweight = 2\n\n[[tenants]]\nname = "silver"\nweight = 1\n' \
     >> "$out/topology.toml"
 rm -f "$out/keys.json" "$out/audit.log"
@@ -56,10 +53,7 @@ for r in $(seq 1 "$repeats"); do
     echo "repeat $r" >&2
     TESSERA_HOME="$out/home" "$bin" up "$out/topology.toml" "${colocated[@]}" > "$out/up-$r.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 240); do
-        curl -s "$url/health" | grep -q '"chips_up":2' && break
-        sleep 0.5
-    done
+    wait_chips_up "$url"
     "$bin" bench serve --url "$url" --tenants "$out/both.toml" --isl "${ISL:-256}" --osl "${OSL:-64}" \
         --seed "$r" --timeout-s 60 > "$out/bench-$r.log" 2>&1 &
     load=$!
