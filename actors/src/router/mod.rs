@@ -9,8 +9,9 @@
 //! the chip kinds' performance model corrected by the chips' observed step times, so a
 //! fast and a slow chip are compared fairly. A hot spot (work ahead above twice the
 //! mean plus this prompt's prefill) gets no credit for its cache. Ties go to the lowest
-//! address. Chips whose [`breaker`] is open take nothing new; when no chip can take a
-//! request, it waits in a bounded queue — higher priority classes ahead, tenants of a
+//! address. Chips whose [`breaker`] is open, or whose queued prompts would take them
+//! `Limits::max_queued_prompt` or more, take nothing new (so a backlog waits here, not
+//! in one chip's queue); when no chip can take a request, it waits in a bounded queue — higher priority classes ahead, tenants of a
 //! class in weighted fair order (VTC, each charged what its requests cost at the paces
 //! of the chips they were placed on), first come first served within a tenant — until
 //! one can or its deadline passes (then a 429 with `Retry-After`). When a chip goes
