@@ -16,20 +16,10 @@
 case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
-out=${1:-$(mktemp -d)}
-repeats=${2:-9}
-colocated=()
-[ "${3:-}" = --colocated ] && colocated=(--colocated)
-bin=${TESSERA:-$here/target/release/tessera}
-port=${PORT:-8300}
-url="http://127.0.0.1:$port"
-[ -x "$bin" ] || { echo "no tessera binary at $bin (cargo build --release, or set TESSERA)" >&2; exit 1; }
-mkdir -p "$out"
 # shellcheck source=lib/tenant-cluster.sh
 . "$here/sims/scripts/lib/tenant-cluster.sh"
-
-# The default topology on ports of its own, with a keys file and the two tenants.
-tenant_topology "$here" "$port" "$out"
+# out, repeats, colocated, bin, port, url; the default topology in $out (tenants below).
+tenant_setup "$here" "$@"
 printf '\n[[tenants]]\nname = "gold"\nweight = 2\n\n[[tenants]]\nname = "silver"\nweight = 1\n' \
     >> "$out/topology.toml"
 rm -f "$out/keys.json" "$out/audit.log"

@@ -1,5 +1,25 @@
 # Sourced by the tenancy measurement scripts (compare-tenants.sh, compare-weights.sh).
 
+# tenant_setup HERE [OUTDIR] [REPEATS] [--colocated]: the scripts' shared arguments and
+# environment. Sets out (default: a new temporary folder), repeats (default 9),
+# colocated (an array: `--colocated` or empty), bin ($TESSERA, default the release
+# build), port ($PORT, default 8300) and url; refuses a missing binary; writes
+# $out/topology.toml (see tenant_topology).
+tenant_setup() {
+    local here=$1
+    shift
+    out=${1:-$(mktemp -d)}
+    repeats=${2:-9}
+    colocated=()
+    if [ "${3:-}" = --colocated ]; then colocated=(--colocated); fi
+    bin=${TESSERA:-$here/target/release/tessera}
+    port=${PORT:-8300}
+    url="http://127.0.0.1:$port"
+    [ -x "$bin" ] || { echo "no tessera binary at $bin (cargo build --release, or set TESSERA)" >&2; exit 1; }
+    mkdir -p "$out"
+    tenant_topology "$here" "$port" "$out"
+}
+
 # tenant_topology HERE PORT OUT: writes OUT/topology.toml, the embedded default topology
 # with its gateway on PORT, its buses on PORT-800 and up, and a keys file (keys.json
 # beside it); the caller appends its [[tenants]].
