@@ -10,6 +10,7 @@ pub mod codec;
 #[cfg(test)]
 mod fuzz_tests;
 pub mod host;
+pub mod security;
 pub mod transfer;
 
 pub use addr::{Addr, HostId};

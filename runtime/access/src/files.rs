@@ -7,15 +7,15 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// Owner read and write only.
-pub(crate) const PRIVATE_MODE: u32 = 0o600;
+pub const PRIVATE_MODE: u32 = 0o600;
 
 /// An exclusive lock on `path`'s sidecar `<path>.lock` (not on the file itself, which a
 /// writer replaces by renaming), released when dropped.
-pub(crate) struct FileLock {
+pub struct FileLock {
     _file: File,
 }
 
-pub(crate) fn lock(path: &Path) -> std::io::Result<FileLock> {
+pub fn lock(path: &Path) -> std::io::Result<FileLock> {
     let file =
         OpenOptions::new().create(true).truncate(false).write(true).mode(PRIVATE_MODE).open(sidecar(path, "lock"))?;
     file.lock()?;
@@ -24,7 +24,7 @@ pub(crate) fn lock(path: &Path) -> std::io::Result<FileLock> {
 
 /// Replaces `path` with `bytes`: written to a private temporary file beside it, synced,
 /// then renamed over it.
-pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = sidecar(path, &format!("tmp-{}", std::process::id()));
     let result = (|| {
         let mut file = OpenOptions::new().create(true).truncate(true).write(true).mode(PRIVATE_MODE).open(&tmp)?;
@@ -39,12 +39,12 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// Opens `path` for appending, creating it private.
-pub(crate) fn append_private(path: &Path) -> std::io::Result<File> {
+pub fn append_private(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().create(true).append(true).mode(PRIVATE_MODE).open(path)
 }
 
 /// `<path>.<suffix>`.
-pub(crate) fn sidecar(path: &Path, suffix: &str) -> PathBuf {
+pub fn sidecar(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(".");
     name.push(suffix);
@@ -52,6 +52,6 @@ pub(crate) fn sidecar(path: &Path, suffix: &str) -> PathBuf {
 }
 
 /// Makes `dir` (and its parents) if missing.
-pub(crate) fn ensure_dir(dir: &Path) -> std::io::Result<()> {
+pub fn ensure_dir(dir: &Path) -> std::io::Result<()> {
     if dir.as_os_str().is_empty() { Ok(()) } else { std::fs::create_dir_all(dir) }
 }

@@ -8,7 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod audit;
-mod files;
+pub mod files;
 pub mod keys;
 pub mod token;
 
@@ -16,7 +16,7 @@ pub use audit::{AuditError, AuditLog, VerifyError, VerifyReport, verify};
 pub use keys::{AuthError, Identity, KeyRecord, KeyStore, KeysError, Role};
 
 /// Lower-case hex of `bytes`.
-pub(crate) fn hex(bytes: &[u8]) -> String {
+pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(2 * bytes.len());
     for b in bytes {
@@ -27,7 +27,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 }
 
 /// The bytes of lower- or upper-case hex, `None` if it is not hex of whole bytes.
-pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
+pub fn unhex(text: &str) -> Option<Vec<u8>> {
     if !text.len().is_multiple_of(2) {
         return None;
     }
@@ -36,7 +36,7 @@ pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
 }
 
 /// `n` bytes from the operating system's random source.
-pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N], getrandom::Error> {
+pub fn random_bytes<const N: usize>() -> Result<[u8; N], getrandom::Error> {
     let mut bytes = [0u8; N];
     getrandom::fill(&mut bytes)?;
     Ok(bytes)

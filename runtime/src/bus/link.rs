@@ -23,6 +23,9 @@ use zeromq::{
 use super::{Counters, Receiver, stopped, tcp_endpoint};
 use crate::addr::HostId;
 use crate::bus::PeerSpec;
+use crate::security::PlaneSecurity;
+use crate::security::frame::{self, Kind, Sealer};
+use crate::security::noise::{self, Grant, GrantKind, HandshakeError, Initiator};
 
 /// One connection attempt (TCP connect, retried while refused, plus the handshake).
 const CONNECT_ATTEMPT: Duration = Duration::from_secs(1);
@@ -39,6 +42,12 @@ pub(super) struct LinkCtx {
     pub max_frame_bytes: usize,
     pub handshake_timeout: Duration,
     pub reset: watch::Receiver<u64>,
+    /// Set when the bus is secured.
+    pub security: Option<PlaneSecurity>,
+    /// Our broadcast keys, to grant the peer (secured bus only).
+    pub granted: Option<watch::Receiver<Vec<Grant>>>,
+    pub rekey_after: u64,
+    pub receiver: Arc<Receiver>,
 }
 
 /// `name.host.nonce`: says who connected, and is unique per connection.
@@ -138,6 +147,30 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
         let Some((socket, mut monitor)) = connect::<DealerSocket>(&ctx, "direct", &endpoint, &mut stop).await else {
             return;
         };
+        // The receive half is polled only so that the peer's end-of-stream is noticed
+        // (it surfaces as a monitor event) and, on a secured bus, for the handshake's
+        // reply or a refusal; the peer's ROUTER sends nothing else.
+        let (mut tx_half, mut rx_half) = socket.split();
+        let mut sealer = match ctx.security.clone() {
+            None => None,
+            Some(sec) => match open_link(&mut ctx, &sec, &mut tx_half, &mut rx_half, &mut stop).await {
+                Ok(sealer) => {
+                    ctx.receiver.count_handshake_ok("connect");
+                    Some(sealer)
+                }
+                Err(LinkFailure::Stopped) => return,
+                Err(LinkFailure::Handshake(e)) => {
+                    ctx.receiver.count_handshake("connect", &e, &ctx.peer.name);
+                    pause(&ctx, &mut stop).await;
+                    continue;
+                }
+                Err(LinkFailure::Io(e)) => {
+                    tracing::debug!(peer = %ctx.peer.name, "bus handshake: {e}");
+                    pause(&ctx, &mut stop).await;
+                    continue;
+                }
+            },
+        };
         // A reset asked for while we were connecting is already served.
         ctx.reset.borrow_and_update();
         if ever_connected {
@@ -152,10 +185,14 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
             tracing::debug!(peer = %ctx.peer.name, endpoint, "bus direct link up");
         }
         ever_connected = true;
-        // The receive half is polled only so that the peer's end-of-stream is noticed
-        // (it surfaces as a monitor event); the peer's ROUTER never sends to us.
-        let (mut tx_half, mut rx_half) = socket.split();
+        let mut granted = ctx.granted.clone();
+        if let Some(g) = granted.as_mut() {
+            g.borrow_and_update();
+        }
         'link: loop {
+            // Frames to send this turn: an envelope, or keys (ours to grant, or a fresh
+            // key for this link once the current one has sealed its share).
+            let mut out: Vec<Vec<u8>> = Vec::new();
             tokio::select! {
                 biased;
                 () = stopped(&mut stop) => return,
@@ -167,41 +204,73 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
                     tracing::info!(peer = %ctx.peer.name, "bus direct link reset");
                     break 'link;
                 },
-                msg = rx_half.recv() => if let Err(e) = msg {
-                    tracing::debug!(peer = %ctx.peer.name, "bus DEALER receive: {e}");
-                    break 'link;
+                msg = rx_half.recv() => match msg {
+                    Err(e) => {
+                        tracing::debug!(peer = %ctx.peer.name, "bus DEALER receive: {e}");
+                        break 'link;
+                    }
+                    Ok(msg) if msg.iter().any(|f| frame::kind_of(f) == Some(Kind::Refused)) => {
+                        let e = HandshakeError::UnknownKey { key: "ours (the peer refused it)".into() };
+                        ctx.receiver.count_handshake("connect", &e, &ctx.peer.name);
+                        pause(&ctx, &mut stop).await;
+                        break 'link;
+                    }
+                    Ok(_) => {}
+                },
+                Some(Ok(())) = async { match granted.as_mut() { Some(g) => Some(g.changed().await), None => None } } => {
+                    if let Some(sealer) = sealer.as_mut() {
+                        let grants = granted.as_mut().map(|g| g.borrow_and_update().clone()).unwrap_or_default();
+                        out.push(sealer.seal(Kind::Control, &noise::encode_grants(&grants)));
+                    }
                 },
                 frame = rx.recv() => {
                     let Some(frame) = frame else { return };
-                    let outcome = tokio::select! {
-                        biased;
-                        () = stopped(&mut stop) => return,
-                        r = tokio::time::timeout(ctx.send_timeout, tx_half.send(ZmqMessage::from(frame))) => r,
-                    };
-                    match outcome {
-                        Ok(Ok(())) => {
-                            Counters::add(&ctx.counters.sent, 1);
-                            sent.increment(1);
+                    match sealer.as_mut() {
+                        None => out.push(frame),
+                        Some(sealer) => {
+                            out.push(sealer.seal(Kind::Data, &frame));
+                            if sealer.needs_rekey() {
+                                let Some(sec) = &ctx.security else { return };
+                                let Ok(next) = Grant::fresh(GrantKind::Direct, sealer.epoch().wrapping_add(1)) else {
+                                    tracing::warn!(peer = %ctx.peer.name, "no random source for a fresh link key; reconnecting");
+                                    break 'link;
+                                };
+                                out.push(sealer.seal(Kind::Control, &noise::encode_grants(std::slice::from_ref(&next))));
+                                sealer.rekey(sec.cipher, next.epoch, &next.key);
+                            }
                         }
-                        Ok(Err(ZmqError::ReturnToSender { .. })) => {
-                            count_discarded(&ctx, "peer_down", 1);
-                            tracing::warn!(peer = %ctx.peer.name, "bus direct link down; reconnecting");
-                            break 'link;
-                        }
-                        Ok(Err(e)) => {
-                            count_discarded(&ctx, "peer_down", 1);
-                            tracing::warn!(peer = %ctx.peer.name, "bus DEALER send failed: {e}; reconnecting");
-                            break 'link;
-                        }
-                        Err(_) => {
-                            count_discarded(&ctx, "send_timeout", 1);
-                            tracing::warn!(
-                                peer = %ctx.peer.name,
-                                timeout_ms = ctx.send_timeout.as_millis() as u64,
-                                "bus peer accepts no frames; dropping the link and reconnecting"
-                            );
-                            break 'link;
-                        }
+                    }
+                }
+            }
+            for frame in out {
+                let outcome = tokio::select! {
+                    biased;
+                    () = stopped(&mut stop) => return,
+                    r = tokio::time::timeout(ctx.send_timeout, tx_half.send(ZmqMessage::from(frame))) => r,
+                };
+                match outcome {
+                    Ok(Ok(())) => {
+                        Counters::add(&ctx.counters.sent, 1);
+                        sent.increment(1);
+                    }
+                    Ok(Err(ZmqError::ReturnToSender { .. })) => {
+                        count_discarded(&ctx, "peer_down", 1);
+                        tracing::warn!(peer = %ctx.peer.name, "bus direct link down; reconnecting");
+                        break 'link;
+                    }
+                    Ok(Err(e)) => {
+                        count_discarded(&ctx, "peer_down", 1);
+                        tracing::warn!(peer = %ctx.peer.name, "bus DEALER send failed: {e}; reconnecting");
+                        break 'link;
+                    }
+                    Err(_) => {
+                        count_discarded(&ctx, "send_timeout", 1);
+                        tracing::warn!(
+                            peer = %ctx.peer.name,
+                            timeout_ms = ctx.send_timeout.as_millis() as u64,
+                            "bus peer accepts no frames; dropping the link and reconnecting"
+                        );
+                        break 'link;
                     }
                 }
             }
@@ -210,7 +279,7 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
 }
 
 /// Takes in the peer's broadcasts; reconnects when the peer goes away.
-pub(super) async fn run_subscriber(mut ctx: LinkCtx, receiver: Arc<Receiver>, mut stop: watch::Receiver<bool>) {
+pub(super) async fn run_subscriber(mut ctx: LinkCtx, mut stop: watch::Receiver<bool>) {
     let endpoint = tcp_endpoint(ctx.peer.events);
     let mut ever_connected = false;
     loop {
@@ -239,7 +308,7 @@ pub(super) async fn run_subscriber(mut ctx: LinkCtx, receiver: Arc<Receiver>, mu
                     break;
                 },
                 msg = socket.recv() => match msg {
-                    Ok(msg) => receiver.on_event(msg, &ctx.peer.name),
+                    Ok(msg) => ctx.receiver.on_event(msg, &ctx.peer),
                     Err(e) => {
                         tracing::debug!(peer = %ctx.peer.name, "bus SUB receive: {e}");
                         break;
@@ -247,5 +316,70 @@ pub(super) async fn run_subscriber(mut ctx: LinkCtx, receiver: Arc<Receiver>, mu
                 },
             }
         }
+    }
+}
+
+/// Why a secured link did not open.
+enum LinkFailure {
+    Stopped,
+    Handshake(HandshakeError),
+    Io(String),
+}
+
+/// Waits `reconnect_max` before another attempt after a failed or refused handshake, so
+/// a misconfigured peer is not hammered.
+async fn pause(ctx: &LinkCtx, stop: &mut watch::Receiver<bool>) {
+    tokio::select! {
+        biased;
+        () = stopped(stop) => {}
+        () = tokio::time::sleep(ctx.reconnect_max) => {}
+    }
+}
+
+/// Runs the Noise handshake on a fresh DEALER connection: proves both keys, grants the
+/// link's key and our broadcast keys, and returns the sealer for the link's frames.
+async fn open_link(
+    ctx: &mut LinkCtx,
+    sec: &PlaneSecurity,
+    tx: &mut zeromq::DealerSendHalf,
+    rx: &mut zeromq::DealerRecvHalf,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<Sealer, LinkFailure> {
+    let (initiator, hello) = Initiator::start(&sec.identity, sec.mode, sec.cipher).map_err(LinkFailure::Handshake)?;
+    let within = ctx.handshake_timeout;
+    tokio::select! {
+        biased;
+        () = stopped(stop) => return Err(LinkFailure::Stopped),
+        r = send_handshake(tx, hello, within) => r?,
+    }
+    let reply = tokio::select! {
+        biased;
+        () = stopped(stop) => return Err(LinkFailure::Stopped),
+        r = tokio::time::timeout(within, rx.recv()) => match r {
+            Ok(Ok(msg)) => msg.into_vec().into_iter().next().unwrap_or_default(),
+            Ok(Err(e)) => return Err(LinkFailure::Io(e.to_string())),
+            Err(_) => return Err(LinkFailure::Io("no handshake reply in time".into())),
+        },
+    };
+    let direct = Grant::fresh(GrantKind::Direct, 0).map_err(|e| LinkFailure::Io(e.to_string()))?;
+    let mut grants = vec![direct.clone()];
+    if let Some(g) = ctx.granted.as_mut() {
+        grants.extend(g.borrow_and_update().iter().cloned());
+    }
+    let done = initiator.finish(&reply, &sec.keyring, ctx.peer.host, &grants).map_err(LinkFailure::Handshake)?;
+    tokio::select! {
+        biased;
+        () = stopped(stop) => return Err(LinkFailure::Stopped),
+        r = send_handshake(tx, done, within) => r?,
+    }
+    tracing::debug!(peer = %ctx.peer.name, "bus direct link authenticated");
+    Ok(Sealer::new(sec.mode, sec.cipher, ctx.own_host.0, direct.epoch, &direct.key).rekey_after(ctx.rekey_after))
+}
+
+async fn send_handshake(tx: &mut zeromq::DealerSendHalf, frame: Vec<u8>, within: Duration) -> Result<(), LinkFailure> {
+    match tokio::time::timeout(within, tx.send(ZmqMessage::from(frame))).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(LinkFailure::Io(e.to_string())),
+        Err(_) => Err(LinkFailure::Io("handshake send timed out".into())),
     }
 }

@@ -41,6 +41,7 @@
 
 mod link;
 mod ports;
+mod secure;
 
 pub use ports::free_loopback_ports;
 
@@ -59,6 +60,7 @@ use zeromq::{PubSocket, RouterSocket, Socket, SocketOptions, SocketRecv, SocketS
 
 use crate::addr::HostId;
 use crate::codec::{self, CodecError, Envelope};
+use crate::security::{PlaneSecurity, frame};
 
 /// Per-peer outbound frames queued before [`SendError::Full`].
 pub const DEFAULT_QUEUE_CAPACITY: usize = 4096;
@@ -95,8 +97,14 @@ pub struct BusConfig {
     /// The largest message accepted on any bus socket (all its ZeroMQ frames); a peer
     /// announcing more is disconnected before anything is allocated for it.
     pub max_frame_bytes: usize,
-    /// A connection that has not completed its ZMTP handshake by then is closed.
+    /// A connection that has not completed its ZMTP handshake by then is closed; so is a
+    /// secured link whose Noise handshake takes longer.
     pub handshake_timeout: Duration,
+    /// `None`: frames travel as plain MessagePack. `Some`: every link is opened with a
+    /// Noise handshake between listed hosts and every frame is sealed (`secure.rs`).
+    pub security: Option<PlaneSecurity>,
+    /// Frames sealed under one key before a fresh one is granted (tests lower it).
+    pub rekey_after_frames: u64,
 }
 
 impl BusConfig {
@@ -112,6 +120,8 @@ impl BusConfig {
             reconnect_max: Duration::from_secs(1),
             max_frame_bytes: codec::MAX_FRAME_BYTES,
             handshake_timeout: Duration::from_secs(5),
+            security: None,
+            rekey_after_frames: crate::security::frame::REKEY_AFTER_FRAMES,
         }
     }
 
@@ -136,6 +146,9 @@ impl BusConfig {
                 1u64 << 30,
                 self.max_frame_bytes
             )));
+        }
+        if self.rekey_after_frames < 2 {
+            return Err(BusError::Config("rekey_after_frames must be at least 2".into()));
         }
         if self.handshake_timeout.is_zero() {
             return Err(BusError::Config("handshake_timeout must be positive".into()));
@@ -170,6 +183,8 @@ pub enum BusError {
     Config(String),
     #[error("the bus must be started inside a tokio runtime")]
     NoRuntime,
+    #[error("no random source for the bus's keys: {0}")]
+    Random(#[from] getrandom::Error),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -201,6 +216,10 @@ pub struct BusStats {
     pub reconnects: u64,
     /// Outbound frames discarded because their peer went down.
     pub discarded: u64,
+    /// Secured links opened (handshakes completed, either side).
+    pub handshakes: u64,
+    /// Handshakes refused because the other side's key is not listed (either side).
+    pub refused: u64,
 }
 
 #[derive(Default)]
@@ -211,6 +230,8 @@ struct Counters {
     queue_full: AtomicU64,
     reconnects: AtomicU64,
     discarded: AtomicU64,
+    handshakes: AtomicU64,
+    refused: AtomicU64,
 }
 
 impl Counters {
@@ -226,6 +247,8 @@ impl Counters {
             queue_full: self.queue_full.load(Ordering::Relaxed),
             reconnects: self.reconnects.load(Ordering::Relaxed),
             discarded: self.discarded.load(Ordering::Relaxed),
+            handshakes: self.handshakes.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -266,6 +289,8 @@ struct Receiver {
     warn: WarnLimiter,
     received_direct: metrics::Counter,
     received_events: metrics::Counter,
+    /// Set when the bus is secured: the broadcast keys peers granted us.
+    secured: Option<secure::Secured>,
 }
 
 impl Receiver {
@@ -277,31 +302,57 @@ impl Receiver {
         }
     }
 
-    /// One frame from the ROUTER: `[identity, envelope]`.
-    fn on_direct(&self, msg: ZmqMessage) {
+    /// One frame from the ROUTER: `[identity, frame]`, split.
+    fn split_direct(&self, msg: ZmqMessage) -> Option<(Bytes, Bytes)> {
         let frames = msg.into_vec();
-        let source = frames.first().map(|id| String::from_utf8_lossy(id).into_owned()).unwrap_or_default();
-        let [_, frame] = frames.as_slice() else {
-            self.drop_frame("framing", &source, &format_args!("{} ZeroMQ frames, expected 2", frames.len()));
-            return;
-        };
+        match <[Bytes; 2]>::try_from(frames) {
+            Ok([identity, frame]) => Some((identity, frame)),
+            Err(frames) => {
+                let source = frames.first().map(|id| String::from_utf8_lossy(id).into_owned()).unwrap_or_default();
+                self.drop_frame("framing", &source, &format_args!("{} ZeroMQ frames, expected 2", frames.len()));
+                None
+            }
+        }
+    }
+
+    /// A direct envelope's bytes; `sender` is the host a secured link proved it came
+    /// from (`None` on a plain bus).
+    fn on_direct(&self, frame: &[u8], source: &dyn Fn() -> String, sender: Option<HostId>) {
         match codec::decode(frame) {
-            Ok(env) if env.to.is_some_and(|to| to.host == self.host) => {
+            Ok(env) if env.to.is_none_or(|to| to.host != self.host) => {
+                self.drop_frame("misrouted", &source(), &format_args!("addressed to {:?}", env.to))
+            }
+            Ok(env) if sender.is_some_and(|h| h != env.from.host) => self.drop_frame(
+                "spoofed",
+                &source(),
+                &format_args!("claims to be from {} on a link authenticated as {sender:?}", env.from.host),
+            ),
+            Ok(env) => {
                 Counters::add(&self.counters.received, 1);
                 self.received_direct.increment(1);
                 (self.inbound)(env);
             }
-            Ok(env) => self.drop_frame("misrouted", &source, &format_args!("addressed to {:?}", env.to)),
-            Err(e) => self.drop_frame(e.reason(), &source, &e),
+            Err(e) => self.drop_frame(e.reason(), &source(), &e),
         }
     }
 
-    /// One message from a SUB: `[topic, envelope]`.
-    fn on_event(&self, msg: ZmqMessage, peer: &str) {
+    /// One message from `peer`'s PUB: `[topic, frame]`.
+    fn on_event(&self, msg: ZmqMessage, peer: &PeerSpec) {
         let frames = msg.into_vec();
         let [_, frame] = frames.as_slice() else {
-            self.drop_frame("framing", peer, &format_args!("{} ZeroMQ frames, expected 2", frames.len()));
+            self.drop_frame("framing", &peer.name, &format_args!("{} ZeroMQ frames, expected 2", frames.len()));
             return;
+        };
+        let opened;
+        let frame = match &self.secured {
+            None => &frame[..],
+            Some(secured) => match secured.open_broadcast(peer.host, frame) {
+                Ok(body) => {
+                    opened = body;
+                    &opened[..]
+                }
+                Err(r) => return self.drop_frame(r.reason(), &peer.name, &r),
+            },
         };
         match codec::decode(frame) {
             Ok(env) => {
@@ -309,8 +360,25 @@ impl Receiver {
                 self.received_events.increment(1);
                 (self.inbound)(env);
             }
-            Err(e) => self.drop_frame(e.reason(), peer, &e),
+            Err(e) => self.drop_frame(e.reason(), &peer.name, &e),
         }
+    }
+
+    /// A handshake that did not complete (either side).
+    fn count_handshake(&self, side: &'static str, error: &crate::security::noise::HandshakeError, source: &str) {
+        let outcome = error.outcome();
+        if outcome == "refused_key" {
+            Counters::add(&self.counters.refused, 1);
+        }
+        metrics::counter!("tessera_bus_handshakes_total", "side" => side, "outcome" => outcome).increment(1);
+        if let Some(suppressed) = self.warn.allow() {
+            tracing::warn!(side, source, suppressed, "bus handshake {outcome}: {error}");
+        }
+    }
+
+    fn count_handshake_ok(&self, side: &'static str) {
+        Counters::add(&self.counters.handshakes, 1);
+        metrics::counter!("tessera_bus_handshakes_total", "side" => side, "outcome" => "ok").increment(1);
     }
 }
 
@@ -385,6 +453,12 @@ impl Bus {
 
         let counters = Arc::new(Counters::default());
         let (stop, stop_rx) = watch::channel(false);
+        let secured = config.security.clone().map(|sec| secure::Secured::new(sec, config.peers.iter().map(|p| p.host)));
+        let broadcast_keys = match &config.security {
+            Some(sec) => Some(secure::BroadcastKeys::new(sec, config.host, config.rekey_after_frames)?),
+            None => None,
+        };
+        let granted = broadcast_keys.as_ref().map(secure::BroadcastKeys::subscribe);
         let receiver = Arc::new(Receiver {
             host: config.host,
             inbound,
@@ -392,12 +466,22 @@ impl Bus {
             warn: WarnLimiter::new(),
             received_direct: metrics::counter!("tessera_bus_frames_received_total", "channel" => "direct"),
             received_events: metrics::counter!("tessera_bus_frames_received_total", "channel" => "events"),
+            secured,
         });
 
         let mut tasks = Vec::new();
-        tasks.push(tokio::spawn(run_router(router, receiver.clone(), stop_rx.clone())));
+        let sessions = config.security.as_ref().map(|_| secure::Sessions::new(config.host, config.handshake_timeout));
+        tasks.push(tokio::spawn(run_router(
+            router,
+            receiver.clone(),
+            sessions,
+            config.handshake_timeout,
+            stop_rx.clone(),
+        )));
         let (events_tx, events_rx) = mpsc::channel(config.queue_capacity);
-        tasks.push(tokio::spawn(run_publisher(publisher, events_rx, counters.clone(), stop_rx.clone())));
+        let cipher = config.security.as_ref().map(|s| s.cipher);
+        let sealing = broadcast_keys.zip(cipher);
+        tasks.push(tokio::spawn(run_publisher(publisher, events_rx, sealing, counters.clone(), stop_rx.clone())));
 
         let mut peers = HashMap::new();
         for peer in &config.peers {
@@ -413,9 +497,13 @@ impl Bus {
                 max_frame_bytes: config.max_frame_bytes,
                 handshake_timeout: config.handshake_timeout,
                 reset: reset_rx,
+                security: config.security.clone(),
+                granted: granted.clone(),
+                rekey_after: config.rekey_after_frames,
+                receiver: receiver.clone(),
             };
             tasks.push(tokio::spawn(link::run_dealer(ctx.clone(), rx, stop_rx.clone())));
-            tasks.push(tokio::spawn(link::run_subscriber(ctx, receiver.clone(), stop_rx.clone())));
+            tasks.push(tokio::spawn(link::run_subscriber(ctx, stop_rx.clone())));
             peers.insert(peer.host, PeerQueue { name: peer.name.clone(), tx, reset });
         }
         tracing::info!(host = %config.host, name = %config.name, %direct, %events, peers = peers.len(), "bus started");
@@ -513,13 +601,55 @@ impl Bus {
     }
 }
 
-async fn run_router(mut router: RouterSocket, receiver: Arc<Receiver>, mut stop: watch::Receiver<bool>) {
+async fn run_router(
+    mut router: RouterSocket,
+    receiver: Arc<Receiver>,
+    mut sessions: Option<secure::Sessions>,
+    handshake_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             biased;
             () = stopped(&mut stop) => break,
             msg = router.recv() => match msg {
-                Ok(msg) => receiver.on_direct(msg),
+                Ok(msg) => {
+                    let Some((identity, frame)) = receiver.split_direct(msg) else { continue };
+                    let source = || String::from_utf8_lossy(&identity).into_owned();
+                    let (Some(sessions), Some(secured)) = (sessions.as_mut(), receiver.secured.as_ref()) else {
+                        receiver.on_direct(&frame, &source, None);
+                        continue;
+                    };
+                    let reply = match sessions.on_frame(secured, &identity, &frame) {
+                        Ok(secure::Inbound::Deliver { host, envelope }) => {
+                            receiver.on_direct(&envelope, &source, Some(host));
+                            None
+                        }
+                        Ok(secure::Inbound::Reply(reply)) => Some(reply),
+                        Ok(secure::Inbound::Done) => {
+                            if frame::kind_of(&frame) == Some(frame::Kind::HelloDone) {
+                                receiver.count_handshake_ok("accept");
+                            }
+                            None
+                        }
+                        Err(secure::Refusal::Frame(r)) => {
+                            receiver.drop_frame(r.reason(), &source(), &r);
+                            None
+                        }
+                        Err(secure::Refusal::Handshake { error, reply }) => {
+                            receiver.count_handshake("accept", &error, &source());
+                            reply
+                        }
+                    };
+                    if let Some(reply) = reply {
+                        let msg = ZmqMessage::try_from(vec![identity.clone(), Bytes::from(reply)]);
+                        if let Ok(msg) = msg
+                            && !matches!(tokio::time::timeout(handshake_timeout, router.send(msg)).await, Ok(Ok(())))
+                        {
+                            tracing::debug!(source = %source(), "bus handshake reply not sent");
+                        }
+                    }
+                }
                 Err(e) => {
                     // Not expected from a ROUTER that waits for clients; do not spin on it.
                     tracing::warn!("bus ROUTER receive failed: {e}");
@@ -534,6 +664,7 @@ async fn run_router(mut router: RouterSocket, receiver: Arc<Receiver>, mut stop:
 async fn run_publisher(
     mut publisher: PubSocket,
     mut rx: mpsc::Receiver<(String, Vec<u8>)>,
+    mut sealing: Option<(secure::BroadcastKeys, crate::security::Cipher)>,
     counters: Arc<Counters>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -544,6 +675,11 @@ async fn run_publisher(
             () = stopped(&mut stop) => break,
             item = rx.recv() => {
                 let Some((topic, frame)) = item else { break };
+                // Sealed, the topic stays inside: subscribers take every frame anyway.
+                let (topic, frame) = match sealing.as_mut() {
+                    Some((keys, cipher)) => (String::new(), keys.seal(*cipher, &frame)),
+                    None => (topic, frame),
+                };
                 let msg = match ZmqMessage::try_from(vec![Bytes::from(topic), Bytes::from(frame)]) {
                     Ok(msg) => msg,
                     Err(_) => continue,

@@ -13,6 +13,9 @@ use tessera_runtime::{Addr, HostId};
 use tokio::sync::mpsc;
 use zeromq::{DealerSocket, Socket, SocketSend, ZmqMessage};
 
+#[path = "secure_bus.rs"]
+mod secure;
+
 const WAIT: Duration = Duration::from_secs(10);
 const A: HostId = HostId(0);
 const B: HostId = HostId(1);
