@@ -15,6 +15,19 @@ pub enum KeysCommand {
     List(FileArgs),
     /// Revoke a key by its id; a running gateway refuses it within a second.
     Revoke(RevokeArgs),
+    /// Make a host's identity for a secured cluster (`[security]`): DIR/NAME.key, readable
+    /// by its owner only, and DIR/NAME.pub, to copy into every host's keys directory.
+    GenHost(GenHostArgs),
+}
+
+#[derive(Args)]
+pub struct GenHostArgs {
+    /// The host's name in the topology (`[[hosts]] name`).
+    #[arg(long)]
+    name: String,
+    /// The directory to write to (the topology's `security.keys_dir`); made if missing.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -83,6 +96,19 @@ fn audit_key_change(file: &FileArgs, event: &str, details: serde_json::Value) ->
 
 pub fn keys(command: KeysCommand) -> Result<()> {
     match command {
+        KeysCommand::GenHost(args) => {
+            tessera_topology::check_name(&args.name).map_err(|e| anyhow::anyhow!("--name: {e}"))?;
+            let pair = tessera_runtime::security::HostKeypair::generate()?;
+            let (key, public) = pair.write(&args.out, &args.name)?;
+            eprintln!(
+                "host key for `{}`: {} (keep it on that host only) and {} (copy it into every host's keys directory); its public key, for hosts.public_key:",
+                args.name,
+                key.display(),
+                public.display()
+            );
+            println!("{}", tessera_access::hex(pair.public()));
+            Ok(())
+        }
         KeysCommand::Add(args) => {
             let (record, key) = tessera_access::keys::add(&args.file.file, &args.tenant, args.role, args.name.clone())?;
             let details = json!({ "key": record.id, "tenant": record.tenant, "role": record.role.as_str(),

@@ -40,7 +40,8 @@ pub fn check_name(name: &str) -> Result<(), String> {
     }
 }
 pub use tessera_vocab::{
-    DType, KvLayout, MatmulPrecision, PriorityClass, Quantize, Role, RouterPolicy, TransportChoice, UnknownName,
+    Cipher, DType, KvLayout, MatmulPrecision, PriorityClass, Quantize, Role, RouterPolicy, SecurityMode,
+    TransportChoice, UnknownName,
 };
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
@@ -79,6 +80,7 @@ pub struct ClusterSpec {
     pub supervisor: SupervisorSpec,
     pub gateway: GatewaySpec,
     pub bus: BusSpec,
+    pub security: SecuritySpec,
     pub emulation: EmulationSpec,
     pub disagg: DisaggSpec,
     pub solver: SolverSpec,
@@ -133,6 +135,9 @@ pub struct HostSpec {
     /// The host's stage server (default: the bus port + 3): set where the host holds a
     /// pipeline stage of an instance that runs on another host, else `None`.
     pub stages: Option<SocketAddr>,
+    /// The host's public key (X25519, 32 bytes), when the topology lists it inline
+    /// (`public_key`, hex) rather than in `security.keys_dir`.
+    pub public_key: Option<[u8; 32]>,
     pub chips: Vec<ChipSpec>,
 }
 
@@ -548,6 +553,24 @@ pub struct BusSpec {
     /// How long a connecting host may take to complete its handshake (default 5000,
     /// 100..=600_000).
     pub handshake_timeout_ms: u64,
+}
+
+/// How the planes between hosts are secured; `[security]`. See
+/// docs/how-to/secure-cluster.md.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecuritySpec {
+    /// Default: `off` when every host address is loopback, else `encrypt`.
+    pub mode: SecurityMode,
+    pub cipher: Cipher,
+    /// Where each host finds its own private key (`<host>.key`) and the hosts' public
+    /// keys (`<host>.pub`, unless listed inline); required unless `mode` is `off`.
+    pub keys_dir: Option<PathBuf>,
+}
+
+impl Default for SecuritySpec {
+    fn default() -> Self {
+        SecuritySpec { mode: SecurityMode::Off, cipher: Cipher::default(), keys_dir: None }
+    }
 }
 
 impl Default for BusSpec {

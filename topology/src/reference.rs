@@ -45,6 +45,12 @@ pub const TABLES: &[Table] = &[
             key("solver", "table", "defaults", "The live solver on the gateway's host."),
             key("gateway", "table", "defaults", "The OpenAI-compatible HTTP gateway."),
             key("bus", "table", "defaults", "Limits of the host-to-host message bus."),
+            key(
+                "security",
+                "table",
+                "off on loopback, else encrypt",
+                "Authenticated, encrypted bus and KV transfer between hosts. See [securing a cluster](../how-to/secure-cluster.md).",
+            ),
             key("emulation", "table", "defaults", "How `emu:KIND` chips are paced."),
             key("disagg", "table", "defaults", "Prefill/decode disaggregation and KV transfer."),
             key(
@@ -278,6 +284,31 @@ pub const TABLES: &[Table] = &[
         ],
     },
     Table {
+        path: "security",
+        header: "[security]",
+        about: "How the planes between hosts are secured; see [securing a cluster](../how-to/secure-cluster.md).",
+        keys: &[
+            key(
+                "mode",
+                "`\"off\"`, `\"authenticate\"` or `\"encrypt\"`",
+                "`\"off\"` when every host address is loopback, else `\"encrypt\"`",
+                "`authenticate`: hosts prove their listed keys (Noise XX handshake per connection) and every frame carries a tag; `encrypt`: and every frame is encrypted. A cluster reached beyond loopback without a `[security]` table is refused, with how to make keys.",
+            ),
+            key(
+                "cipher",
+                "`\"chacha20-poly1305\"` or `\"sm4-gcm\"`",
+                "`\"chacha20-poly1305\"`",
+                "The AEAD on every frame; SM4-GCM is China's national cipher (RFC 8998).",
+            ),
+            key(
+                "keys_dir",
+                "path",
+                "required unless `mode = \"off\"`",
+                "Holds this host's `HOST.key` (owner-only) and the hosts' `HOST.pub`, as `tessera keys gen-host --name HOST --out DIR` writes them. Re-read when an unknown key connects, so a host restarted with a new key rejoins once its `.pub` is copied here.",
+            ),
+        ],
+    },
+    Table {
         path: "emulation",
         header: "[emulation]",
         about: "How `emu:KIND` chips are paced; see [chips and emulation](../concepts/chips.md).",
@@ -368,6 +399,12 @@ pub const TABLES: &[Table] = &[
             ),
             key("bus", "`IP:PORT` or `tcp://IP:PORT`", "required", "The host's ZeroMQ ROUTER socket."),
             key("events", "`IP:PORT` or `tcp://IP:PORT`", "the bus port + 1", "The host's ZeroMQ PUB socket."),
+            key(
+                "public_key",
+                "64 hex digits",
+                "`security.keys_dir`/NAME.pub",
+                "The host's public key, as `tessera keys gen-host` prints it; listed here, it needs no `.pub` file (but changing it needs every host restarted).",
+            ),
             key("transfer", "`IP:PORT` or `tcp://IP:PORT`", "the bus port + 2", "The host's KV transfer listener."),
             key(
                 "stages",

@@ -80,6 +80,16 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
         "  bus: frames of at most {} bytes, handshakes within {} ms",
         spec.bus.max_frame_bytes, spec.bus.handshake_timeout_ms
     )?;
+    let security = &spec.security;
+    match (&security.mode, &security.keys_dir) {
+        (tessera_vocab::SecurityMode::Off, _) => writeln!(out, "  security: off (bus and KV transfer in clear)")?,
+        (mode, dir) => writeln!(
+            out,
+            "  security: {mode} with {}, host keys in {}",
+            security.cipher,
+            dir.as_ref().map_or("(none)".into(), |d| d.display().to_string())
+        )?,
+    }
     let emu = &spec.emulation;
     writeln!(
         out,

@@ -22,9 +22,10 @@ use crate::catalog::Price;
 use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
-    BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, ClusterSpec, Confidence, DType, DisaggSpec, EmulationSpec,
-    GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, ParallelSpec, PathReport, PriorityClass, Role,
-    RouterSpec, SolverSpec, SupervisorSpec, TenantLimits, TenantSpec, catalog,
+    BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, Cipher, ClusterSpec, Confidence, DType, DisaggSpec,
+    EmulationSpec, GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, ParallelSpec, PathReport,
+    PriorityClass, Role, RouterSpec, SecurityMode, SecuritySpec, SolverSpec, SupervisorSpec, TenantLimits, TenantSpec,
+    catalog,
 };
 
 const MAX_BLOCK_SIZE: usize = 4096;
@@ -79,6 +80,8 @@ struct RawDoc {
     gateway: Option<Spanned<RawGateway>>,
     #[serde(default)]
     bus: Option<Spanned<RawBus>>,
+    #[serde(default)]
+    security: Option<Spanned<RawSecurity>>,
     #[serde(default)]
     emulation: Option<Spanned<RawEmulation>>,
     #[serde(default)]
@@ -292,9 +295,22 @@ struct RawBus {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawSecurity {
+    #[serde(default)]
+    mode: Option<Spanned<String>>,
+    #[serde(default)]
+    cipher: Option<Spanned<String>>,
+    #[serde(default)]
+    keys_dir: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawHost {
     name: Spanned<String>,
     bus: Spanned<String>,
+    #[serde(default)]
+    public_key: Option<Spanned<String>>,
     #[serde(default)]
     events: Option<Spanned<String>>,
     #[serde(default)]
@@ -436,6 +452,20 @@ impl Checker<'_> {
     }
 }
 
+/// 32 bytes from 64 hex digits.
+fn parse_key(text: &str) -> Option<[u8; 32]> {
+    let text = text.trim();
+    if text.len() != 64 || !text.is_ascii() {
+        return None;
+    }
+    let mut key = [0u8; 32];
+    for (i, pair) in text.as_bytes().chunks_exact(2).enumerate() {
+        let digits = std::str::from_utf8(pair).ok()?;
+        key[i] = u8::from_str_radix(digits, 16).ok()?;
+    }
+    Some(key)
+}
+
 /// A float as a message shows it: `1e300`, not 301 digits.
 fn show(value: f64) -> String {
     if value.is_finite() && value != 0.0 && !(1e-4..1e9).contains(&value.abs()) {
@@ -523,6 +553,7 @@ impl Checker<'_> {
         emulation.perf_models = self.perf_models(raw.emulation.as_ref().map(Spanned::get_ref), &context, &hosts)?;
         let gateway = self.gateway(raw.gateway.as_ref().map(Spanned::get_ref), &hosts)?;
         let bus = self.bus(raw.bus.as_ref().map(Spanned::get_ref))?;
+        let security = self.security(raw.security.as_ref(), &raw.hosts, &hosts)?;
         self.sockets_are_distinct(&raw.hosts, &hosts, raw.gateway.as_ref().map(Spanned::get_ref), &gateway)?;
         self.some_chip_decodes(&raw.hosts, &hosts)?;
         self.kv_peers_quantize_alike(&raw.hosts, &hosts)?;
@@ -547,6 +578,7 @@ impl Checker<'_> {
             supervisor,
             gateway,
             bus,
+            security,
             emulation,
             disagg,
             solver,
@@ -1060,7 +1092,17 @@ impl Checker<'_> {
                 Some(value) => Some(self.address(value, &format!("{key}.stages"))?),
                 None => None,
             };
-            hosts.push(HostSpec { name, bus, events, transfer, stages, chips });
+            let public_key = match &host.public_key {
+                Some(value) => Some(parse_key(value.get_ref()).ok_or_else(|| {
+                    self.err(
+                        value.span(),
+                        format!("{key}.public_key"),
+                        "must be a host's public key: 64 hex digits, as `tessera keys gen-host` prints",
+                    )
+                })?),
+                None => None,
+            };
+            hosts.push(HostSpec { name, bus, events, transfer, stages, public_key, chips });
         }
         Ok(hosts)
     }
@@ -1644,6 +1686,61 @@ impl Checker<'_> {
         })
     }
 
+    /// `[security]`: the mode defaults to `encrypt` as soon as one host address is not
+    /// loopback, and a secured cluster names where its keys are.
+    fn security(
+        &self,
+        raw: Option<&Spanned<RawSecurity>>,
+        raw_hosts: &[Spanned<RawHost>],
+        hosts: &[HostSpec],
+    ) -> Result<SecuritySpec, TopologyError> {
+        let all_loopback = hosts.iter().all(|h| {
+            [Some(h.bus), Some(h.events), Some(h.transfer), h.stages]
+                .into_iter()
+                .flatten()
+                .all(|a| a.ip().is_loopback())
+        });
+        let default_mode = if all_loopback { SecurityMode::Off } else { SecurityMode::Encrypt };
+        let Some(spanned) = raw else {
+            if default_mode == SecurityMode::Off {
+                return Ok(SecuritySpec::default());
+            }
+            let h = hosts.iter().position(|h| !h.bus.ip().is_loopback()).unwrap_or(0);
+            let host = &hosts[h];
+            return Err(self.err(
+                raw_hosts[h].get_ref().bus.span(),
+                format!("hosts[{h}].bus"),
+                format!(
+                    "host `{}` is reached beyond loopback ({}), so the bus and KV transfer are encrypted by default, \
+                     and that needs keys: on each host run `tessera keys gen-host --name HOST --out DIR`, copy every \
+                     HOST.pub into each host's DIR, and add [security] keys_dir = \"DIR\" (or mode = \"off\" to send \
+                     in clear on a network you trust)",
+                    host.name, host.bus
+                ),
+            ));
+        };
+        let raw_ref = spanned.get_ref();
+        let mode = self.named(&raw_ref.mode, "security.mode", default_mode)?;
+        let cipher = self.named(&raw_ref.cipher, "security.cipher", Cipher::default())?;
+        let keys_dir = match &raw_ref.keys_dir {
+            Some(dir) if dir.get_ref().trim().is_empty() => {
+                return Err(self.err(dir.span(), "security.keys_dir", "must not be empty"));
+            }
+            other => other.as_ref().map(|dir| self.resolve(dir.get_ref())),
+        };
+        if mode != SecurityMode::Off && keys_dir.is_none() {
+            return Err(self.err(
+                spanned.span(),
+                "security.keys_dir",
+                format!(
+                    "mode `{mode}` needs keys: on each host run `tessera keys gen-host --name HOST --out DIR`, copy \
+                     every HOST.pub into each host's DIR, and set keys_dir = \"DIR\""
+                ),
+            ));
+        }
+        Ok(SecuritySpec { mode, cipher, keys_dir })
+    }
+
     /// Two sockets bound to one address would fail at start-up, on some host, late.
     fn sockets_are_distinct(
         &self,
@@ -1863,6 +1960,7 @@ pub(crate) fn schema_tables() -> Vec<(&'static str, &'static [&'static str])> {
         ("solver", fields_of::<RawSolver>()),
         ("gateway", fields_of::<RawGateway>()),
         ("bus", fields_of::<RawBus>()),
+        ("security", fields_of::<RawSecurity>()),
         ("emulation", fields_of::<RawEmulation>()),
         ("disagg", fields_of::<RawDisagg>()),
         ("chip_kinds", fields_of::<RawChipKind>()),

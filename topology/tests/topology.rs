@@ -757,9 +757,13 @@ fn load_in(dir: &std::path::Path, text: &str) -> Result<(ClusterSpec, PathReport
 
 /// h1 of [`SECOND_HOST`] on an address no machine has (TEST-NET-1, RFC 5737): a host
 /// that runs elsewhere.
+/// [`SECOND_HOST`] on another machine, and the `[security]` a cluster beyond loopback
+/// needs (last in the file, so the lines before keep their numbers).
 fn remote_second_host(backend: &str) -> String {
-    SECOND_HOST.replace("127.0.0.1:7410", "192.0.2.1:7410").replace("backend = \"cpu\"", backend)
+    SECOND_HOST.replace("127.0.0.1:7410", "192.0.2.1:7410").replace("backend = \"cpu\"", backend) + KEYS
 }
+
+const KEYS: &str = "[security]\nkeys_dir = \"keys\"\n";
 
 #[test]
 fn load_resolves_relative_paths_against_the_file() {
@@ -878,7 +882,7 @@ fn load_refuses_missing_local_paths() {
         (model("lib/libk.so"), 2, 9, "cluster.model", "is neither a checkpoint directory nor a GGUF file".to_owned()),
         // The model directory is checked when any host runs here, not only the first.
         (
-            format!("{}{SECOND_HOST}", model("nope/ckpt").replace("127.0.0.1:7400", "192.0.2.1:7400")),
+            format!("{}{SECOND_HOST}{KEYS}", model("nope/ckpt").replace("127.0.0.1:7400", "192.0.2.1:7400")),
             2,
             9,
             "cluster.model",
@@ -1336,4 +1340,50 @@ fn tenants_are_read_and_bad_ones_refused() {
         assert_eq!(e.key, key, "{e}");
         assert!(e.message.contains(fragment), "`{fragment}` not in: {e}");
     }
+}
+
+#[test]
+fn security_defaults_to_off_on_loopback_and_to_encrypt_beyond_it() {
+    let spec = spec_of(ONE_CHIP);
+    assert_eq!(spec.security.mode, tessera_topology::SecurityMode::Off);
+    // One address beyond loopback and no [security]: refused, saying how to make keys.
+    assert_error(&with_line(5, "bus = \"10.0.0.2:7400\""), 5, 7, "hosts[0].bus", "tessera keys gen-host");
+    // With keys, it encrypts by default; the cipher and directory are read.
+    let text = format!(
+        "{}[security]\nkeys_dir = \"/etc/tessera/keys\"\ncipher = \"sm4-gcm\"\n",
+        with_line(5, "bus = \"10.0.0.2:7400\"")
+    );
+    let spec = spec_of(&text);
+    assert_eq!(spec.security.mode, tessera_topology::SecurityMode::Encrypt);
+    assert_eq!(spec.security.cipher, tessera_topology::Cipher::Sm4Gcm);
+    assert_eq!(spec.security.keys_dir, Some(PathBuf::from("/etc/tessera/keys")));
+    // Off beyond loopback is the operator's call.
+    let text = format!("{}[security]\nmode = \"off\"\n", with_line(5, "bus = \"10.0.0.2:7400\""));
+    assert_eq!(spec_of(&text).security.mode, tessera_topology::SecurityMode::Off);
+    // A secured mode without a keys directory, unknown names, and a malformed inline key.
+    assert_error(&format!("{ONE_CHIP}[security]\nmode = \"encrypt\"\n"), 10, 1, "security.keys_dir", "gen-host");
+    assert_error(
+        &format!("{ONE_CHIP}[security]\nmode = \"tls\"\n"),
+        11,
+        8,
+        "security.mode",
+        "off, authenticate or encrypt",
+    );
+    assert_error(
+        &format!("{ONE_CHIP}[security]\ncipher = \"aes\"\n"),
+        11,
+        10,
+        "security.cipher",
+        "chacha20-poly1305 or sm4-gcm",
+    );
+    assert_error(
+        &with_line(5, "bus = \"127.0.0.1:7400\"\npublic_key = \"abc\""),
+        6,
+        14,
+        "hosts[0].public_key",
+        "64 hex digits",
+    );
+    let key = "ab".repeat(32);
+    let spec = spec_of(&with_line(5, &format!("bus = \"127.0.0.1:7400\"\npublic_key = \"{key}\"")));
+    assert_eq!(spec.hosts[0].public_key, Some([0xab; 32]));
 }

@@ -32,8 +32,10 @@ use tessera_gateway::listener::HttpLimits;
 use tessera_gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
+use tessera_runtime::security::{HostKeypair, Keyring, Mode, PlaneSecurity};
 use tessera_runtime::transfer::{TransferConfig, TransferEngine};
 use tessera_runtime::{Addr, HostId};
+use tessera_topology::SecurityMode;
 use tessera_topology::perf::Link;
 use tessera_topology::{Backend, ChipSpec, ClusterSpec};
 
@@ -52,6 +54,9 @@ pub enum NodeError {
     Model(#[from] tessera_backends::error::BackendError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// `[security]` asks for keys this host cannot find or use.
+    #[error("host {host}: {detail}")]
+    Keys { host: String, detail: String },
     /// Something failed to start or serve; `context` says what.
     #[error("{context}")]
     Start {
@@ -59,6 +64,56 @@ pub enum NodeError {
         #[source]
         cause: BoxError,
     },
+}
+
+/// How this host secures its planes, from `[security]`: its own key from the keys
+/// directory and every host's public key; `None` when the mode is `off`.
+pub fn plane_security(spec: &ClusterSpec, host_index: usize) -> Result<Option<PlaneSecurity>, NodeError> {
+    let me = &spec.hosts[host_index];
+    let keys_err = |detail: String| NodeError::Keys { host: me.name.clone(), detail };
+    let mode = match spec.security.mode {
+        SecurityMode::Off => {
+            if let Some(h) = spec.hosts.iter().find(|h| !h.bus.ip().is_loopback()) {
+                tracing::warn!(host = %h.name, bus = %h.bus, "security is off: bus and KV transfer travel in clear beyond loopback");
+            }
+            return Ok(None);
+        }
+        SecurityMode::Authenticate => Mode::Authenticate,
+        SecurityMode::Encrypt => Mode::Encrypt,
+    };
+    let Some(dir) = &spec.security.keys_dir else {
+        return Err(keys_err(format!("security mode `{}` needs security.keys_dir", spec.security.mode)));
+    };
+    let identity = HostKeypair::load(dir, &me.name).map_err(|e| {
+        keys_err(format!(
+            "{e} (make this host's key with `tessera keys gen-host --name {} --out {}`)",
+            me.name,
+            dir.display()
+        ))
+    })?;
+    let hosts = spec.hosts.iter().enumerate().map(|(i, h)| (HostId(i as u16), h.name.clone())).collect();
+    let inline = spec.hosts.iter().enumerate().filter_map(|(i, h)| Some((HostId(i as u16), h.public_key?))).collect();
+    let keyring = Keyring::new(hosts, inline, Some(dir.clone()));
+    let missing = keyring.missing();
+    if !missing.is_empty() {
+        return Err(keys_err(format!(
+            "no public key for host(s) {}: copy each one's HOST.pub into {} or set its hosts.public_key",
+            missing.join(", "),
+            dir.display()
+        )));
+    }
+    if keyring.host_of(identity.public()) != Some(HostId(host_index as u16)) {
+        return Err(keys_err(format!(
+            "{} does not match the public key the cluster lists for this host; copy this host's new .pub to every host",
+            tessera_runtime::security::keys::private_key_path(dir, &me.name).display()
+        )));
+    }
+    Ok(Some(PlaneSecurity {
+        mode,
+        cipher: spec.security.cipher,
+        identity: Arc::new(identity),
+        keyring: Arc::new(keyring),
+    }))
 }
 
 /// Who may call the gateway: the keys file, or an admin token made for this start (so
@@ -278,8 +333,10 @@ pub fn run_node(
         .filter(|(i, _)| *i != index)
         .map(|(i, h)| PeerSpec { host: HostId(i as u16), name: h.name.clone(), direct: h.bus, events: h.events })
         .collect();
+    let security = plane_security(spec, index)?;
     let bus_config = BusConfig {
         peers,
+        security: security.clone(),
         max_frame_bytes: spec.bus.max_frame_bytes,
         handshake_timeout: Duration::from_millis(spec.bus.handshake_timeout_ms),
         ..BusConfig::new(HostId(index as u16), me.name.clone(), me.bus, me.events)

@@ -12,30 +12,7 @@ pub const KEY_BYTES: usize = 32;
 
 type Sm4Gcm = aes_gcm::AesGcm<sm4::Sm4, U12>;
 
-/// A cluster's frame cipher (`[security] cipher`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Cipher {
-    ChaCha20Poly1305,
-    Sm4Gcm,
-}
-
-impl Cipher {
-    /// The name in topology files and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Cipher::ChaCha20Poly1305 => "chacha20-poly1305",
-            Cipher::Sm4Gcm => "sm4-gcm",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<Cipher> {
-        match name {
-            "chacha20-poly1305" => Some(Cipher::ChaCha20Poly1305),
-            "sm4-gcm" => Some(Cipher::Sm4Gcm),
-            _ => None,
-        }
-    }
-}
+pub use tessera_vocab::Cipher;
 
 /// A tag did not verify: the bytes, the associated data or the key are not the sealer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -159,13 +136,5 @@ mod tests {
              3ff4def08e4b7a9de576d26586cec64b6116",
             "1ae10b594f09e26a7e902ecbd0600691",
         );
-    }
-
-    #[test]
-    fn cipher_names_round_trip() {
-        for c in [Cipher::ChaCha20Poly1305, Cipher::Sm4Gcm] {
-            assert_eq!(Cipher::from_name(c.name()), Some(c));
-        }
-        assert_eq!(Cipher::from_name("aes"), None);
     }
 }

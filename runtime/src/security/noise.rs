@@ -114,7 +114,7 @@ pub fn decode_grants(bytes: &[u8]) -> Result<Vec<Grant>, HandshakeError> {
 }
 
 fn prologue(mode: Mode, cipher: Cipher) -> Vec<u8> {
-    format!("tessera-bus/1 {} {}", mode.name(), cipher.name()).into_bytes()
+    format!("tessera-bus/1 {} {}", mode.name(), cipher.as_str()).into_bytes()
 }
 
 fn builder<'a>(me: &'a HostKeypair, prologue: &'a [u8]) -> Result<Builder<'a>, HandshakeError> {

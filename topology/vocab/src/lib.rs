@@ -176,6 +176,30 @@ vocabulary! {
 }
 
 vocabulary! {
+    /// What the planes between hosts (bus, KV transfer) guarantee: `[security] mode`.
+    pub enum SecurityMode ("security mode") {
+        /// Plain frames: for a cluster whose every address is loopback.
+        Off = "off",
+        /// Hosts prove their listed keys; every frame carries a tag; bodies in clear.
+        Authenticate = "authenticate",
+        /// As `authenticate`, and every body encrypted.
+        Encrypt = "encrypt",
+    }
+}
+
+vocabulary! {
+    /// The AEAD that seals frames between hosts: `[security] cipher`.
+    #[derive(Default)]
+    pub enum Cipher ("cipher") {
+        /// ChaCha20-Poly1305 (RFC 8439): fast in software on any CPU.
+        #[default]
+        ChaCha20Poly1305 = "chacha20-poly1305",
+        /// SM4-GCM (RFC 8998): China's national block cipher in GCM mode.
+        Sm4Gcm = "sm4-gcm",
+    }
+}
+
+vocabulary! {
     /// A block format a chip quantizes float weights to when it loads them (ggml's
     /// Q8_0: 8.5 bits per weight; Q4_0: 4.5). Weights already quantized in a GGUF file
     /// keep their own formats.
