@@ -19,6 +19,7 @@ mod model;
 mod parallel;
 mod quantize;
 mod readme;
+mod secure;
 mod serve;
 mod structured;
 mod tenancy;

@@ -218,9 +218,23 @@ fn fault_references() -> &'static [Generated] {
     REFS.get_or_init(|| fault_prompts().iter().map(|p| generate(p, FAULT_MAX_TOKENS, true)).collect())
 }
 
+/// Hosts `h0` and `h1`, one CPU chip each, as [`topology`] makes them, with
+/// `cluster_extra` TOML (e.g. a `[security]` table).
+fn two_hosts(cluster_extra: &str) -> Topology {
+    let chip = "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1\n".to_string();
+    let chips: Vec<ChipDef> =
+        ["h0", "h1"].iter().map(|h| ChipDef { host: h, id: format!("{h}-cpu0"), toml: chip.clone() }).collect();
+    topology_of(&chips, cluster_extra, "", HEARTBEAT_TIMEOUT_MS)
+}
+
 #[test]
 fn requests_survive_a_killed_host() {
-    let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
+    killed_host_drill("");
+}
+
+/// h1 is SIGKILLed mid-stream: every request still completes with `generate`'s text.
+pub(crate) fn killed_host_drill(cluster_extra: &str) {
+    let topo = two_hosts(cluster_extra);
     let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
     let gw = cluster.gateway;
     fault_references();
@@ -287,7 +301,12 @@ fn requests_on_an_instance_survive_its_second_stages_host_killed() {
 
 #[test]
 fn requests_survive_a_worker_panic_and_the_chip_restarts() {
-    let topo = topology(&["h0", "h1"], "", "", HEARTBEAT_TIMEOUT_MS);
+    worker_panic_drill("");
+}
+
+/// h1's chip worker panics mid-stream and restarts; then it is taken offline and back.
+pub(crate) fn worker_panic_drill(cluster_extra: &str) {
+    let topo = two_hosts(cluster_extra);
     let mut cluster = Cluster::up(&topo);
     let gw = cluster.gateway;
     fault_references();
