@@ -302,7 +302,14 @@ struct BenchBusArgs {
     /// Messages in flight during the throughput measurement.
     #[arg(long, default_value_t = 64)]
     window: usize,
-    /// Print one JSON object instead of a table.
+    /// The bus's security modes to measure, in turn in this run (fresh host keys for
+    /// each): e.g. `off,encrypt`; each after the first is also compared with the first.
+    #[arg(long, value_delimiter = ',', default_value = "off", value_name = "MODE,...")]
+    security: Vec<tessera_topology::SecurityMode>,
+    /// The cipher of the secured modes.
+    #[arg(long, default_value = "chacha20-poly1305")]
+    cipher: tessera_topology::Cipher,
+    /// Print JSON objects (one per mode) instead of tables.
     #[arg(long)]
     json: bool,
 }
@@ -320,6 +327,26 @@ struct BusPeerArgs {
     peer_events: std::net::SocketAddr,
     #[arg(long)]
     tcp_port: u16,
+    #[arg(long)]
+    mode: Option<tessera_topology::SecurityMode>,
+    #[arg(long, default_value = "chacha20-poly1305")]
+    cipher: tessera_topology::Cipher,
+    #[arg(long)]
+    keys_dir: Option<PathBuf>,
+}
+
+/// The bench's secured-bus settings for a topology security mode (`None`: off).
+fn bench_security(
+    mode: tessera_topology::SecurityMode,
+    cipher: tessera_topology::Cipher,
+) -> Option<tessera_netbench::bus::BenchSecurity> {
+    use tessera_runtime::security::Mode;
+    let mode = match mode {
+        tessera_topology::SecurityMode::Off => return None,
+        tessera_topology::SecurityMode::Authenticate => Mode::Authenticate,
+        tessera_topology::SecurityMode::Encrypt => Mode::Encrypt,
+    };
+    Some(tessera_netbench::bus::BenchSecurity { mode, cipher })
 }
 
 /// Where the kernels run.
@@ -1261,17 +1288,38 @@ fn bench_admission(args: BenchAdmissionArgs) -> Result<()> {
 fn bench_bus(args: BenchBusArgs) -> Result<()> {
     use tessera_netbench::bus as bench;
     let program = std::env::current_exe().context("locating the tessera binary to start the bus peer")?;
-    let opts = bench::BusBenchOptions {
-        messages: args.messages,
-        payload_bytes: args.payload_bytes,
-        window: args.window,
-        peer: bench::PeerLaunch::Process { program, args: vec!["bench".into(), "bus-peer".into()] },
-    };
-    let report = bench::run(&opts)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.table());
+    let mut reports: Vec<bench::BusBenchReport> = Vec::new();
+    for mode in &args.security {
+        let opts = bench::BusBenchOptions {
+            messages: args.messages,
+            payload_bytes: args.payload_bytes,
+            window: args.window,
+            peer: bench::PeerLaunch::Process {
+                program: program.clone(),
+                args: vec!["bench".into(), "bus-peer".into()],
+            },
+            security: bench_security(*mode, args.cipher),
+        };
+        let report = bench::run(&opts)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{}", report.table());
+        }
+        reports.push(report);
+    }
+    if let [first, rest @ ..] = reports.as_slice()
+        && !args.json
+    {
+        for r in rest {
+            println!(
+                "{} vs {}: RTT p50 x{:.2}, throughput x{:.2} (bus against bus, this run)",
+                r.security,
+                first.security,
+                r.bus.rtt_p50_us / first.bus.rtt_p50_us,
+                r.bus.round_trips_per_s / first.bus.round_trips_per_s
+            );
+        }
     }
     Ok(())
 }
@@ -1283,6 +1331,7 @@ fn bench_bus_peer(args: BusPeerArgs) -> Result<()> {
         peer_direct: args.peer_direct,
         peer_events: args.peer_events,
         tcp_port: args.tcp_port,
+        security: args.mode.and_then(|m| bench_security(m, args.cipher)).zip(args.keys_dir),
     };
     Ok(tessera_netbench::bus::serve_peer(&args)?)
 }

@@ -25,6 +25,7 @@ use tokio::sync::{Semaphore, mpsc};
 
 use tessera_runtime::bus::{Bus, BusConfig, BusError, BusStats, InboundFn, PeerSpec, SendError};
 use tessera_runtime::codec::{self, Envelope};
+use tessera_runtime::security::{Cipher, HostKeypair, Keyring, Mode, PlaneSecurity};
 use tessera_runtime::{Addr, HostId};
 
 const MAIN_HOST: HostId = HostId(0);
@@ -41,6 +42,36 @@ pub enum BusBenchError {
     Bench(String),
     #[error("bus benchmark I/O: {0}")]
     Io(#[from] std::io::Error),
+    #[error("bus benchmark keys: {0}")]
+    Keys(#[from] tessera_runtime::security::HostKeyError),
+}
+
+/// A secured bus to measure: both ends get fresh host keys for the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BenchSecurity {
+    pub mode: Mode,
+    pub cipher: Cipher,
+}
+
+impl BenchSecurity {
+    /// "off", or the mode and cipher, for tables.
+    pub fn label(security: Option<BenchSecurity>) -> String {
+        security.map_or("off".into(), |s| format!("{} {}", s.mode.name(), s.cipher))
+    }
+}
+
+const MAIN_NAME: &str = "bench-main";
+const PEER_NAME: &str = "bench-peer";
+
+/// The settings of the end named `me` for keys in `dir` (both ends' keys are there).
+fn plane_security(sec: BenchSecurity, dir: &std::path::Path, me: &str) -> Result<PlaneSecurity, BusBenchError> {
+    let hosts = vec![(MAIN_HOST, MAIN_NAME.to_string()), (PEER_HOST, PEER_NAME.to_string())];
+    Ok(PlaneSecurity {
+        mode: sec.mode,
+        cipher: sec.cipher,
+        identity: Arc::new(HostKeypair::load(dir, me)?),
+        keyring: Arc::new(Keyring::new(hosts, Default::default(), Some(dir.to_path_buf()))),
+    })
 }
 
 /// How the echo peer runs.
@@ -62,6 +93,8 @@ pub struct BusBenchOptions {
     /// Messages in flight during the throughput measurement.
     pub window: usize,
     pub peer: PeerLaunch,
+    /// `None`: a plain bus.
+    pub security: Option<BenchSecurity>,
 }
 
 /// Where the echo peer binds and whom it talks to.
@@ -72,6 +105,8 @@ pub struct BusPeerArgs {
     pub peer_direct: SocketAddr,
     pub peer_events: SocketAddr,
     pub tcp_port: u16,
+    /// A secured bus: its settings and the directory with both ends' keys.
+    pub security: Option<(BenchSecurity, PathBuf)>,
 }
 
 impl BusPeerArgs {
@@ -89,6 +124,18 @@ impl BusPeerArgs {
             "--tcp-port".into(),
             self.tcp_port.to_string(),
         ]
+        .into_iter()
+        .chain(self.security.iter().flat_map(|(sec, dir)| {
+            [
+                "--mode".into(),
+                sec.mode.name().into(),
+                "--cipher".into(),
+                sec.cipher.to_string(),
+                "--keys-dir".into(),
+                dir.display().to_string(),
+            ]
+        }))
+        .collect()
     }
 }
 
@@ -110,6 +157,8 @@ pub struct BusBenchReport {
     pub window: usize,
     /// "process" or "thread".
     pub peer: &'static str,
+    /// "off", or the secured bus's mode and cipher.
+    pub security: String,
     pub bus: PathReport,
     pub tcp: PathReport,
     /// Bus RTT p50 / TCP RTT p50.
@@ -123,8 +172,8 @@ pub struct BusBenchReport {
 impl BusBenchReport {
     pub fn table(&self) -> String {
         let mut s = format!(
-            "bus vs TCP, loopback, peer in a {}: {} round trips, payload {} B (frame {} B), window {}\n",
-            self.peer, self.messages, self.payload_bytes, self.frame_bytes, self.window
+            "bus ({}) vs TCP, loopback, peer in a {}: {} round trips, payload {} B (frame {} B), window {}\n",
+            self.security, self.peer, self.messages, self.payload_bytes, self.frame_bytes, self.window
         );
         s += &format!("{:<6} {:>12} {:>12} {:>16}\n", "path", "RTT p50 us", "RTT p99 us", "round trips/s");
         for (name, p) in [("bus", &self.bus), ("tcp", &self.tcp)] {
@@ -182,10 +231,13 @@ async fn serve(
             tracing::warn!("bench peer cannot echo: {e}");
         }
     });
-    let mut config = BusConfig::new(PEER_HOST, "bench-peer", args.direct, args.events);
+    let mut config = BusConfig::new(PEER_HOST, PEER_NAME, args.direct, args.events);
+    if let Some((sec, dir)) = &args.security {
+        config.security = Some(plane_security(*sec, dir, PEER_NAME)?);
+    }
     config.peers.push(PeerSpec {
         host: MAIN_HOST,
-        name: "bench-main".into(),
+        name: MAIN_NAME.into(),
         direct: args.peer_direct,
         events: args.peer_events,
     });
@@ -349,12 +401,15 @@ enum Attempt {
 
 fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusBenchReport, Attempt> {
     let ports = tessera_runtime::bus::free_loopback_ports(5).map_err(|e| Attempt::Setup(e.into()))?;
+    // Fresh keys for both ends, removed when the run ends.
+    let keys = opts.security.map(|_| KeysDir::new()).transpose().map_err(Attempt::Setup)?;
     let peer_args = BusPeerArgs {
         direct: loopback(ports[0]),
         events: loopback(ports[1]),
         peer_direct: loopback(ports[2]),
         peer_events: loopback(ports[3]),
         tcp_port: ports[4],
+        security: opts.security.zip(keys.as_ref().map(|k| k.0.clone())),
     };
     let _peer = launch_peer(&opts.peer, &peer_args).map_err(Attempt::Setup)?;
     rt.block_on(async {
@@ -362,10 +417,13 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
         let inbound: InboundFn = Arc::new(move |env: Envelope| {
             let _ = tx.send(env.corr);
         });
-        let mut config = BusConfig::new(MAIN_HOST, "bench-main", peer_args.peer_direct, peer_args.peer_events);
+        let mut config = BusConfig::new(MAIN_HOST, MAIN_NAME, peer_args.peer_direct, peer_args.peer_events);
+        if let Some((sec, dir)) = &peer_args.security {
+            config.security = Some(plane_security(*sec, dir, MAIN_NAME).map_err(Attempt::Setup)?);
+        }
         config.peers.push(PeerSpec {
             host: PEER_HOST,
-            name: "bench-peer".into(),
+            name: PEER_NAME.into(),
             direct: peer_args.direct,
             events: peer_args.events,
         });
@@ -383,6 +441,7 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
                 PeerLaunch::Process { .. } => "process",
                 PeerLaunch::Thread => "thread",
             },
+            security: BenchSecurity::label(opts.security),
             rtt_p50_ratio: bus_path.rtt_p50_us / tcp_path.rtt_p50_us,
             throughput_ratio: bus_path.round_trips_per_s / tcp_path.round_trips_per_s,
             bus: bus_path,
@@ -390,6 +449,27 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
             bus_stats: stats,
         })
     })
+}
+
+/// A private directory with both ends' keys, removed on drop.
+struct KeysDir(PathBuf);
+
+impl KeysDir {
+    fn new() -> Result<KeysDir, BusBenchError> {
+        let nonce: [u8; 8] = tessera_access::random_bytes().map_err(|e| bench_err(format!("no random source: {e}")))?;
+        let dir = std::env::temp_dir().join(format!("tessera-bench-bus-{}", u64::from_le_bytes(nonce)));
+        let keys = KeysDir(dir);
+        for name in [MAIN_NAME, PEER_NAME] {
+            HostKeypair::generate()?.write(&keys.0, name)?;
+        }
+        Ok(keys)
+    }
+}
+
+impl Drop for KeysDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 async fn recv(rx: &mut mpsc::UnboundedReceiver<u64>) -> Result<u64, BusBenchError> {
@@ -530,7 +610,8 @@ mod tests {
 
     #[test]
     fn bench_runs_against_a_thread_peer() {
-        let opts = BusBenchOptions { messages: 300, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread };
+        let opts =
+            BusBenchOptions { messages: 300, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread, security: None };
         let report = run(&opts).expect("bench");
         assert_eq!(report.peer, "thread");
         assert!(report.frame_bytes > 64);
@@ -540,5 +621,18 @@ mod tests {
         assert!(report.bus_stats.received >= 600, "{:?}", report.bus_stats);
         assert_eq!(report.bus_stats.dropped, 0);
         assert!(report.table().contains("bus/tcp"));
+    }
+
+    #[test]
+    fn bench_runs_a_secured_bus_with_either_cipher() {
+        for cipher in [Cipher::ChaCha20Poly1305, Cipher::Sm4Gcm] {
+            let security = Some(BenchSecurity { mode: Mode::Encrypt, cipher });
+            let opts =
+                BusBenchOptions { messages: 200, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread, security };
+            let report = run(&opts).expect("bench");
+            assert_eq!(report.security, format!("encrypt {cipher}"));
+            let st = report.bus_stats;
+            assert!(st.received >= 400 && st.dropped == 0 && st.handshakes >= 2 && st.refused == 0, "{st:?}");
+        }
     }
 }
