@@ -33,14 +33,15 @@ fn security(mode: &str, cipher: &str, keys: &Path) -> String {
 }
 
 /// A prefill chip on host `p` and a decode chip on host `d`, the gateway on `d`: every
-/// long prompt crosses the bus to `p`, and its KV comes back over the transfer engine.
+/// long prompt crosses the bus to `p`, and its KV comes back over the transfer engine's
+/// TCP path (sealed too when the cluster is).
 fn pd(cluster_extra: &str) -> Topology {
     let chip = |host: &'static str, role: &str| ChipDef {
         host,
         id: format!("{host}-chip"),
         toml: format!("kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"{role}\"\nthreads = 1\n"),
     };
-    let extra = format!("[disagg]\nmin_prompt_tokens = 8\n\n{cluster_extra}");
+    let extra = format!("[disagg]\nmin_prompt_tokens = 8\ntransport = \"tcp\"\n\n{cluster_extra}");
     topology_of(&[chip("d", "decode"), chip("p", "prefill")], &extra, "", HEARTBEAT_TIMEOUT_MS)
 }
 
@@ -73,6 +74,12 @@ fn encrypted_clusters_serve_generates_greedy_text_with_either_cipher() {
         assert_eq!(split, 1.0, "{cipher}: the long prompt went through the prefill host");
         let accepted = metric(gw, "tessera_bus_handshakes_total{side=\"accept\",outcome=\"ok\"} ");
         assert!(accepted >= 1.0, "{cipher}: p's link to d was authenticated ({accepted})");
+        let kv_tcp = metric(gw, "tessera_transfer_bytes_total{transport=\"tcp\"} ");
+        let sealed_links = metric(gw, "tessera_transfer_handshakes_total{outcome=\"ok\"} ");
+        assert!(
+            kv_tcp > 0.0 && sealed_links >= 1.0,
+            "{cipher}: KV came over sealed TCP ({kv_tcp} B, {sealed_links} links)"
+        );
         let dropped =
             get(gw, "/metrics").body.lines().filter(|l| l.starts_with("tessera_bus_frames_dropped_total")).count();
         assert_eq!(dropped, 0, "{cipher}: no frame dropped between listed hosts");

@@ -352,6 +352,7 @@ pub fn run_node(
         tcp_streams: d.tcp_streams,
         chunk_bytes: d.chunk_bytes(),
         transport: d.transport,
+        security: security.clone(),
         ..TransferConfig::new(me.transfer)
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;

@@ -366,7 +366,7 @@ async fn open_link(
     if let Some(g) = ctx.granted.as_mut() {
         grants.extend(g.borrow_and_update().iter().cloned());
     }
-    let done = initiator.finish(&reply, &sec.keyring, ctx.peer.host, &grants).map_err(LinkFailure::Handshake)?;
+    let done = initiator.finish(&reply, &sec.keyring, Some(ctx.peer.host), &grants).map_err(LinkFailure::Handshake)?;
     tokio::select! {
         biased;
         () = stopped(stop) => return Err(LinkFailure::Stopped),

@@ -240,7 +240,7 @@ mod tests {
             Grant::fresh(GrantKind::Direct, 5).expect("grant"),
             Grant::fresh(GrantKind::Broadcast, 40).expect("grant"),
         ];
-        let done = init.finish(&reply, &s0.keyring, HostId(1), &grants).expect("done");
+        let done = init.finish(&reply, &s0.keyring, Some(HostId(1)), &grants).expect("done");
         assert!(matches!(sessions.on_frame(responder, id, &done), Ok(Inbound::Done)));
         let sealer = Sealer::new(s0.mode, s0.cipher, 0, 5, &grants[0].key);
         (sessions, sealer, grants)
@@ -300,7 +300,7 @@ mod tests {
         let id = Bytes::from_static(b"stranger");
         let (init, hello) = Initiator::start(&stranger, Mode::Encrypt, Cipher::ChaCha20Poly1305).expect("hello");
         let Ok(Inbound::Reply(reply)) = sessions.on_frame(&responder, &id, &hello) else { panic!("no reply") };
-        let done = init.finish(&reply, &secs[0].keyring, HostId(1), &[]).expect("done");
+        let done = init.finish(&reply, &secs[0].keyring, Some(HostId(1)), &[]).expect("done");
         let Err(Refusal::Handshake { error, reply: Some(reply) }) = sessions.on_frame(&responder, &id, &done) else {
             panic!("not refused")
         };

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! 0      magic 'T'
-//! 1      kind       (handshake 1..=4, direct data 16, direct control 17, broadcast 32)
+//! 1      kind       (handshake 1..=5, direct data 16, direct control 17, broadcast 32)
 //! 2      mode       (1 authenticate, 2 encrypt)
 //! 3..5   sender host id, big-endian
 //! 5..9   key epoch, big-endian
@@ -36,6 +36,8 @@ pub enum Kind {
     HelloReply = 2,
     HelloDone = 3,
     Refused = 4,
+    /// A data-plane server's word that it accepted the reader's key.
+    Welcome = 5,
     Data = 16,
     Control = 17,
     Broadcast = 32,
@@ -48,6 +50,7 @@ impl Kind {
             2 => Kind::HelloReply,
             3 => Kind::HelloDone,
             4 => Kind::Refused,
+            5 => Kind::Welcome,
             16 => Kind::Data,
             17 => Kind::Control,
             32 => Kind::Broadcast,

@@ -151,21 +151,23 @@ impl Initiator {
         Ok((Initiator { hs, mode }, hello))
     }
 
-    /// Takes the peer's reply, checks it is `peer`'s listed key, and returns the
-    /// HelloDone frame carrying `grants`.
+    /// Takes the peer's reply, checks it is `peer`'s listed key (any listed host's when
+    /// `None`), and returns the HelloDone frame carrying `grants`.
     pub fn finish(
         mut self,
         reply: &[u8],
         ring: &Keyring,
-        peer: HostId,
+        peer: Option<HostId>,
         grants: &[Grant],
     ) -> Result<Vec<u8>, HandshakeError> {
         read(&mut self.hs, frame::handshake_body(reply, Kind::HelloReply, self.mode)?)?;
         let key = self.hs.get_remote_static().unwrap_or_default();
-        match ring.host_of(key) {
-            Some(host) if host == peer => {}
-            Some(got) => return Err(HandshakeError::WrongHost { expected: peer, got }),
-            None => return Err(HandshakeError::UnknownKey { key: tessera_access::hex(key) }),
+        match (ring.host_of(key), peer) {
+            (Some(host), Some(peer)) if host != peer => {
+                return Err(HandshakeError::WrongHost { expected: peer, got: host });
+            }
+            (Some(_), _) => {}
+            (None, _) => return Err(HandshakeError::UnknownKey { key: tessera_access::hex(key) }),
         }
         Ok(frame::handshake_frame(Kind::HelloDone, self.mode, &write(&mut self.hs, &encode_grants(grants))?))
     }
@@ -229,7 +231,7 @@ mod tests {
         for cipher in [Cipher::ChaCha20Poly1305, Cipher::Sm4Gcm] {
             let (init, hello) = Initiator::start(&a, Mode::Encrypt, cipher).expect("hello");
             let (resp, reply) = Responder::reply(&b, Mode::Encrypt, cipher, &hello).expect("reply");
-            let done = init.finish(&reply, &ring, HostId(1), &grants).expect("done");
+            let done = init.finish(&reply, &ring, Some(HostId(1)), &grants).expect("done");
             let (host, got) = resp.accept(&done, &ring).expect("accepted");
             assert_eq!(host, HostId(0));
             assert_eq!(got, grants);
@@ -250,16 +252,16 @@ mod tests {
         // A stranger connecting to b.
         let (init, hello) = Initiator::start(&stranger, Mode::Encrypt, cipher).expect("hello");
         let (resp, reply) = Responder::reply(&b, Mode::Encrypt, cipher, &hello).expect("reply");
-        let done = init.finish(&reply, &ring, HostId(1), &[]).expect("the stranger knows b's key");
+        let done = init.finish(&reply, &ring, Some(HostId(1)), &[]).expect("the stranger knows b's key");
         assert_eq!(resp.accept(&done, &ring).unwrap_err().outcome(), "refused_key");
         // a connecting to a stranger posing as b.
         let (init, hello) = Initiator::start(&a, Mode::Encrypt, cipher).expect("hello");
         let (_, reply) = Responder::reply(&stranger, Mode::Encrypt, cipher, &hello).expect("reply");
-        assert!(matches!(init.finish(&reply, &ring, HostId(1), &[]), Err(HandshakeError::UnknownKey { .. })));
+        assert!(matches!(init.finish(&reply, &ring, Some(HostId(1)), &[]), Err(HandshakeError::UnknownKey { .. })));
         // a connecting to b's address but reaching a (a listed host, not the one meant).
         let (init, hello) = Initiator::start(&a, Mode::Encrypt, cipher).expect("hello");
         let (_, reply) = Responder::reply(&a, Mode::Encrypt, cipher, &hello).expect("reply");
-        assert!(matches!(init.finish(&reply, &ring, HostId(1), &[]), Err(HandshakeError::WrongHost { .. })));
+        assert!(matches!(init.finish(&reply, &ring, Some(HostId(1)), &[]), Err(HandshakeError::WrongHost { .. })));
     }
 
     #[test]
@@ -268,7 +270,7 @@ mod tests {
         let ring = ring(&[(0, &a), (1, &b)]);
         let (init, hello) = Initiator::start(&a, Mode::Encrypt, Cipher::Sm4Gcm).expect("hello");
         let (_, reply) = Responder::reply(&b, Mode::Encrypt, Cipher::ChaCha20Poly1305, &hello).expect("reply");
-        assert_eq!(init.finish(&reply, &ring, HostId(1), &[]).unwrap_err().outcome(), "failed");
+        assert_eq!(init.finish(&reply, &ring, Some(HostId(1)), &[]).unwrap_err().outcome(), "failed");
         let (_, hello) = Initiator::start(&a, Mode::Authenticate, Cipher::Sm4Gcm).expect("hello");
         assert!(matches!(
             Responder::reply(&b, Mode::Encrypt, Cipher::Sm4Gcm, &hello),

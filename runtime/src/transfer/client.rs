@@ -20,10 +20,12 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::batch::Plan;
+use super::secure::{Link, SealedStream};
 use super::wire::{self, Request, Response, Status};
 use super::{Completion, Region, RegionDesc, TransferConfig, TransferError, Transport};
+use crate::security::PlaneSecurity;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct ClientConfig {
     streams: usize,
     depth: usize,
@@ -31,6 +33,8 @@ pub(crate) struct ClientConfig {
     io_timeout: Duration,
     /// Pooled connections idle longer than this are not reused.
     pool_idle: Duration,
+    /// A secured cluster: every connection proves our host key first.
+    security: Option<PlaneSecurity>,
 }
 
 impl From<&TransferConfig> for ClientConfig {
@@ -41,6 +45,7 @@ impl From<&TransferConfig> for ClientConfig {
             connect_timeout: c.connect_timeout,
             io_timeout: c.io_timeout,
             pool_idle: c.idle_timeout / 2,
+            security: c.security.clone(),
         }
     }
 }
@@ -117,7 +122,7 @@ impl TcpClient {
         let mut link = PeerLink { workers: Vec::new(), threads: Vec::new() };
         for i in 0..self.config.streams {
             let (tx, rx) = mpsc::channel::<Arc<Job>>();
-            let config = self.config;
+            let config = self.config.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("tessera-xfer-tcp{i}"))
                 .spawn(move || worker(rx, config))
@@ -143,7 +148,7 @@ impl TcpClient {
 }
 
 struct Conn {
-    stream: TcpStream,
+    stream: Link,
     last_used: Instant,
 }
 
@@ -191,6 +196,13 @@ fn connect(peer: SocketAddr, config: &ClientConfig) -> Result<Conn, TransferErro
         stream.set_write_timeout(Some(config.io_timeout))
     };
     setup().map_err(|source| TransferError::Io { peer, during: "configuring a new connection".into(), source })?;
+    let stream =
+        match &config.security {
+            None => Link::Plain(stream),
+            Some(sec) => Link::Sealed(Box::new(SealedStream::connect(stream, sec, config.connect_timeout).map_err(
+                |source| TransferError::Io { peer, during: "authenticating (the transfer handshake)".into(), source },
+            )?)),
+        };
     Ok(Conn { stream, last_used: Instant::now() })
 }
 
@@ -246,7 +258,7 @@ fn io_error(job: &Job, e: io::Error, during: String, config: &ClientConfig) -> T
 /// they are sent again first.
 fn pump(
     job: &Job,
-    stream: &mut TcpStream,
+    stream: &mut Link,
     in_flight: &mut VecDeque<usize>,
     received: &mut bool,
     config: &ClientConfig,
@@ -283,7 +295,7 @@ fn request(job: &Job, i: usize) -> Request {
     Request { region: job.region, offset: chunk.src_offset, len: chunk.len }
 }
 
-fn receive(job: &Job, stream: &mut TcpStream, i: usize, config: &ClientConfig) -> Result<(), TransferError> {
+fn receive(job: &Job, stream: &mut Link, i: usize, config: &ClientConfig) -> Result<(), TransferError> {
     let chunk = &job.plan.chunks[i];
     let during = || format!("while reading region {} at offset {} (+{})", job.region, chunk.src_offset, chunk.len);
     let mut header = [0u8; wire::RESPONSE_BYTES];

@@ -33,6 +33,7 @@
 mod batch;
 mod client;
 mod region;
+mod secure;
 mod server;
 mod wire;
 
@@ -109,6 +110,9 @@ pub struct TransferConfig {
     pub max_connections_per_peer: usize,
     /// The address peers dial, when it is not the bound one (e.g. listening on 0.0.0.0).
     pub advertise: Option<SocketAddr>,
+    /// `Some`: every TCP connection, both ways, opens with the hosts' Noise handshake
+    /// and carries sealed records (`secure.rs`). Shared memory stays on the host.
+    pub security: Option<crate::security::PlaneSecurity>,
 }
 
 impl TransferConfig {
@@ -126,6 +130,7 @@ impl TransferConfig {
             max_connections: 512,
             max_connections_per_peer: 64,
             advertise: None,
+            security: None,
         }
     }
 

@@ -34,8 +34,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
+use super::secure::{Link, SealedStream};
 use super::wire::{self, Request, Response, Status};
 use super::{Region, TransferConfig, TransferError};
+use crate::security::PlaneSecurity;
 
 type Regions = Arc<RwLock<HashMap<u64, Region>>>;
 
@@ -53,6 +55,8 @@ struct ConnContext {
     first_request_timeout: Duration,
     idle_timeout: Duration,
     local: SocketAddr,
+    /// A secured cluster: every connection proves a listed host key first.
+    security: Option<PlaneSecurity>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +174,7 @@ impl Server {
             first_request_timeout: config.first_request_timeout,
             idle_timeout: config.idle_timeout,
             local: addr,
+            security: config.security.clone(),
         };
         let limits = Limits { total: config.max_connections, per_peer: config.max_connections_per_peer };
         let accept = {
@@ -245,7 +250,7 @@ fn accept_loop(
                 continue;
             }
         };
-        let clone = match conn.stream.try_clone() {
+        let clone = match conn.stream.tcp().try_clone() {
             Ok(clone) => clone,
             Err(e) => {
                 tracing::debug!("transfer connection from {peer}: {e}");
@@ -266,13 +271,21 @@ fn accept_loop(
                     }
                 };
                 tracing::debug!("transfer connection from {peer} refused: {text}");
-                let _ = send_error(&mut conn.stream, Status::TooManyConnections, &text);
+                // A secured reader expects a handshake first: it sees the close.
+                if !conn.stream.is_sealed() && ctx.security.is_none() {
+                    let _ = send_error(&mut conn.stream, Status::TooManyConnections, &text);
+                }
                 continue;
             }
         };
         let (conn_ctx, conns_done) = (ctx.clone(), conns.clone());
         let spawned = std::thread::Builder::new().name("tessera-xfer-conn".into()).spawn(move || {
-            if let Err(e) = serve(&mut conn, &conn_ctx, &activity, &conns_done) {
+            let secured = match &conn_ctx.security {
+                None => Ok(conn),
+                Some(sec) => conn.seal(sec, conn_ctx.first_request_timeout),
+            };
+            let result = secured.and_then(|mut conn| serve(&mut conn, &conn_ctx, &activity, &conns_done));
+            if let Err(e) = result {
                 tracing::debug!("transfer connection from {peer} closed: {e}");
             }
             conns_done.open.lock().remove(&id);
@@ -319,7 +332,7 @@ fn admit(
 /// A served socket and the read timeout set on it (changed only when it must be:
 /// one system call less per request).
 struct Conn {
-    stream: TcpStream,
+    stream: Link,
     read_timeout: Duration,
 }
 
@@ -328,12 +341,18 @@ impl Conn {
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(ctx.io_timeout))?;
         // None yet: `read_header` sets one before every read.
-        Ok(Conn { stream, read_timeout: Duration::ZERO })
+        Ok(Conn { stream: Link::Plain(stream), read_timeout: Duration::ZERO })
+    }
+
+    /// The reader must prove a listed host key within `timeout`; then every byte is sealed.
+    fn seal(self, sec: &PlaneSecurity, timeout: Duration) -> io::Result<Conn> {
+        let Link::Plain(tcp) = self.stream else { return Ok(self) };
+        Ok(Conn { stream: Link::Sealed(Box::new(SealedStream::accept(tcp, sec, timeout)?)), read_timeout: timeout })
     }
 
     fn set_read_timeout(&mut self, timeout: Duration) -> io::Result<()> {
         if timeout != self.read_timeout {
-            self.stream.set_read_timeout(Some(timeout))?;
+            self.stream.tcp().set_read_timeout(Some(timeout))?;
             self.read_timeout = timeout;
         }
         Ok(())
@@ -387,7 +406,7 @@ fn read_header(conn: &mut Conn, wait: Duration, io_timeout: Duration) -> io::Res
     Ok(Some(header))
 }
 
-fn send_error(stream: &mut TcpStream, status: Status, text: &str) -> io::Result<()> {
+fn send_error(stream: &mut Link, status: Status, text: &str) -> io::Result<()> {
     metrics::counter!("tessera_transfer_errors_total", "reason" => served_reason(status)).increment(1);
     let mut frame = Response { status, len: text.len() as u64 }.encode().to_vec();
     frame.extend_from_slice(text.as_bytes());
@@ -431,7 +450,7 @@ fn serve(conn: &mut Conn, ctx: &ConnContext, activity: &Activity, conns: &Connec
 /// Answers one read: the bytes, or a refusal (returned as the status sent). Refusals
 /// name only what the request named, so a client learns nothing about regions it did
 /// not already know of.
-fn serve_read(stream: &mut TcpStream, ctx: &ConnContext, req: Request) -> io::Result<Status> {
+fn serve_read(stream: &mut Link, ctx: &ConnContext, req: Request) -> io::Result<Status> {
     let Request { region: id, offset, len } = req;
     let region = ctx.regions.read().get(&id).cloned();
     let Some(region) = region else {
@@ -465,11 +484,11 @@ fn serve_read(stream: &mut TcpStream, ctx: &ConnContext, req: Request) -> io::Re
     }
 }
 
-fn refuse(stream: &mut TcpStream, status: Status, text: String) -> io::Result<Status> {
+fn refuse(stream: &mut Link, status: Status, text: String) -> io::Result<Status> {
     send_error(stream, status, &text).map(|()| status)
 }
 
-fn write_all_vectored(stream: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+fn write_all_vectored(stream: &mut Link, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
     while !bufs.is_empty() {
         match stream.write_vectored(bufs) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the socket accepted no bytes")),

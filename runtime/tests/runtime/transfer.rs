@@ -610,3 +610,115 @@ fn tcp_requests_counts_coalesced_chunks() {
     let past_end = [Assignment { src_offset: REGION_BYTES as u64, dst_offset: 0, len: 1 }];
     assert!(matches!(reader.tcp_requests(&desc, &local, &past_end), Err(TransferError::OutOfBounds { .. })));
 }
+
+/// Secured engines (`TransferConfig::security`): both hold listed host keys.
+mod secured {
+    use super::*;
+    use std::collections::HashMap;
+    use tessera_runtime::HostId;
+    use tessera_runtime::security::{Cipher, HostKeypair, Keyring, Mode, PlaneSecurity};
+
+    fn securities(cipher: Cipher, mode: Mode) -> (PlaneSecurity, PlaneSecurity, PlaneSecurity) {
+        let (a, b, stranger) = (HostKeypair::generate(), HostKeypair::generate(), HostKeypair::generate());
+        let (a, b, stranger) = (Arc::new(a.expect("a")), Arc::new(b.expect("b")), Arc::new(stranger.expect("s")));
+        let hosts = vec![(HostId(0), "a".to_string()), (HostId(1), "b".to_string())];
+        let ring =
+            Arc::new(Keyring::new(hosts, HashMap::from([(HostId(0), *a.public()), (HostId(1), *b.public())]), None));
+        let sec = |identity: &Arc<HostKeypair>| PlaneSecurity {
+            mode,
+            cipher,
+            identity: identity.clone(),
+            keyring: ring.clone(),
+        };
+        (sec(&a), sec(&b), sec(&stranger))
+    }
+
+    fn secured_engine(sec: &PlaneSecurity) -> Arc<TransferEngine> {
+        let mut config = TransferConfig::new(loopback());
+        config.connect_timeout = Duration::from_secs(2);
+        config.first_request_timeout = Duration::from_millis(500);
+        config.security = Some(sec.clone());
+        TransferEngine::start(config).expect("start a secured engine")
+    }
+
+    #[test]
+    fn secured_tcp_copies_exact_bytes_with_either_cipher_and_mode() {
+        for (cipher, mode) in [
+            (Cipher::ChaCha20Poly1305, Mode::Encrypt),
+            (Cipher::Sm4Gcm, Mode::Encrypt),
+            (Cipher::ChaCha20Poly1305, Mode::Authenticate),
+        ] {
+            let (sa, sb, _) = securities(cipher, mode);
+            let (a, b) = (secured_engine(&sa), secured_engine(&sb));
+            let src = a.register(REGION_BYTES).expect("register");
+            let bytes = pattern(REGION_BYTES, 3);
+            src.write(0, &bytes).expect("fill");
+            let dst = b.register(REGION_BYTES).expect("register");
+            // Blocks crossing record boundaries, and the whole region in one go.
+            let batch =
+                vec![a_(0, 0, 300_000), a_(400_001, 300_000, 600_000), a_(REGION_BYTES as u64 - 5, 1_000_000, 5)];
+            let stats = b.read_via(Transport::Tcp, &a.describe(&src), &dst, &batch).expect("secured read");
+            assert_eq!(stats.bytes, 900_005, "{cipher:?} {mode:?}");
+            assert!(contents(&dst) == expected(&bytes, REGION_BYTES, &batch), "{cipher:?} {mode:?}: wrong bytes");
+            let whole = [a_(0, 0, REGION_BYTES as u64)];
+            b.read_via(Transport::Tcp, &a.describe(&src), &dst, &whole).expect("whole region");
+            assert!(contents(&dst) == bytes, "{cipher:?} {mode:?}");
+        }
+    }
+
+    fn a_(src: u64, dst: u64, len: u64) -> Assignment {
+        Assignment { src_offset: src, dst_offset: dst, len }
+    }
+
+    #[test]
+    fn an_unlisted_or_plain_reader_gets_nothing_and_a_listed_one_is_served_on() {
+        let (sa, sb, stranger) = securities(Cipher::ChaCha20Poly1305, Mode::Encrypt);
+        let a = secured_engine(&sa);
+        let src = a.register(REGION_BYTES).expect("register");
+        let bytes = pattern(REGION_BYTES, 9);
+        src.write(0, &bytes).expect("fill");
+        let remote = a.describe(&src);
+        let batch = [a_(0, 0, 4096)];
+
+        // A reader whose key is not listed: refused at the handshake, nothing read.
+        let intruder = secured_engine(&stranger);
+        let dst = intruder.register(4096).expect("register");
+        let err = intruder.read_via(Transport::Tcp, &remote, &dst, &batch).expect_err("an unlisted key reads nothing");
+        let chain = format!("{err} {:?}", err);
+        assert!(chain.contains("authenticating") && chain.contains("refused"), "{chain}");
+        assert!(contents(&dst).iter().all(|&b| b == 0), "no byte arrived");
+        // A plain engine: its request is not a handshake.
+        let plain = engine();
+        let dst = plain.register(4096).expect("register");
+        assert!(plain.read_via(Transport::Tcp, &remote, &dst, &batch).is_err());
+        assert!(contents(&dst).iter().all(|&b| b == 0), "no byte arrived in clear");
+        // A raw client sending a well-formed plaintext request gets no region bytes.
+        let mut raw = TcpStream::connect(remote.endpoint.tcp).expect("connect");
+        raw.set_read_timeout(Some(FAIL_FAST)).expect("timeout");
+        let mut request = Vec::new();
+        request.extend_from_slice(b"TSXF");
+        request.extend_from_slice(&1u16.to_le_bytes());
+        request.extend_from_slice(&1u16.to_le_bytes());
+        request.extend_from_slice(&remote.region.to_le_bytes());
+        request.extend_from_slice(&0u64.to_le_bytes());
+        request.extend_from_slice(&4096u64.to_le_bytes());
+        let _ = raw.write_all(&request);
+        let mut got = Vec::new();
+        let _ = raw.read_to_end(&mut got);
+        assert!(!got.windows(64).any(|w| w == &bytes[..64]), "region bytes reached a raw client");
+        // Random bytes and a ZMTP-like greeting: closed, nothing served.
+        for junk in [vec![0xffu8; 64], (0..200u32).map(|i| (i * 7) as u8).collect()] {
+            let mut s = TcpStream::connect(remote.endpoint.tcp).expect("connect");
+            s.set_read_timeout(Some(FAIL_FAST)).expect("timeout");
+            let _ = s.write_all(&junk);
+            let mut got = Vec::new();
+            let _ = s.read_to_end(&mut got);
+            assert!(got.len() < 200, "a junk client got {} bytes", got.len());
+        }
+        // The listed host is still served, exactly.
+        let b = secured_engine(&sb);
+        let dst = b.register(4096).expect("register");
+        b.read_via(Transport::Tcp, &remote, &dst, &batch).expect("a listed reader is served");
+        assert!(contents(&dst) == bytes[..4096]);
+    }
+}
