@@ -242,6 +242,13 @@ struct BenchTransferArgs {
     /// Model name for the hand-off requests (default: the first of GET /v1/models).
     #[arg(long)]
     handoff_model: Option<String>,
+    /// Also measure a secured engine pair (`encrypt` or `authenticate`, fresh host keys)
+    /// beside the plain engine's tcp, run by run.
+    #[arg(long, default_value = "off")]
+    security: tessera_topology::SecurityMode,
+    /// The secured pair's cipher.
+    #[arg(long, default_value = "chacha20-poly1305")]
+    cipher: tessera_topology::Cipher,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -252,6 +259,12 @@ struct BenchTransferArgs {
 struct TransferPeerArgs {
     #[arg(long)]
     bytes: usize,
+    #[arg(long)]
+    mode: Option<tessera_topology::SecurityMode>,
+    #[arg(long, default_value = "chacha20-poly1305")]
+    cipher: tessera_topology::Cipher,
+    #[arg(long)]
+    keys_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -1346,6 +1359,7 @@ fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
     opts.tcp_streams = args.streams.unwrap_or(opts.tcp_streams);
     opts.chunk_bytes = args.chunk.unwrap_or(opts.chunk_bytes);
     opts.stream_array_bytes = args.stream_bytes.unwrap_or(opts.stream_array_bytes);
+    opts.security = bench_security(args.security, args.cipher);
     let report = bench::run(&opts)?;
     let handoff = match &args.handoff_url {
         Some(url) => {
@@ -1391,7 +1405,10 @@ fn bench_handoff(
 }
 
 fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {
-    let args = tessera_netbench::transfer::TransferPeerArgs { bytes: args.bytes };
+    let args = tessera_netbench::transfer::TransferPeerArgs {
+        bytes: args.bytes,
+        security: args.mode.and_then(|m| bench_security(m, args.cipher)).zip(args.keys_dir),
+    };
     Ok(tessera_netbench::transfer::serve_peer(&args)?)
 }
 

@@ -23,9 +23,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 
+pub use crate::secured::BenchSecurity;
+use crate::secured::{KeysDir, MAIN_NAME, PEER_NAME, plane_security};
 use tessera_runtime::bus::{Bus, BusConfig, BusError, BusStats, InboundFn, PeerSpec, SendError};
 use tessera_runtime::codec::{self, Envelope};
-use tessera_runtime::security::{Cipher, HostKeypair, Keyring, Mode, PlaneSecurity};
 use tessera_runtime::{Addr, HostId};
 
 const MAIN_HOST: HostId = HostId(0);
@@ -42,36 +43,8 @@ pub enum BusBenchError {
     Bench(String),
     #[error("bus benchmark I/O: {0}")]
     Io(#[from] std::io::Error),
-    #[error("bus benchmark keys: {0}")]
-    Keys(#[from] tessera_runtime::security::HostKeyError),
-}
-
-/// A secured bus to measure: both ends get fresh host keys for the run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BenchSecurity {
-    pub mode: Mode,
-    pub cipher: Cipher,
-}
-
-impl BenchSecurity {
-    /// "off", or the mode and cipher, for tables.
-    pub fn label(security: Option<BenchSecurity>) -> String {
-        security.map_or("off".into(), |s| format!("{} {}", s.mode.name(), s.cipher))
-    }
-}
-
-const MAIN_NAME: &str = "bench-main";
-const PEER_NAME: &str = "bench-peer";
-
-/// The settings of the end named `me` for keys in `dir` (both ends' keys are there).
-fn plane_security(sec: BenchSecurity, dir: &std::path::Path, me: &str) -> Result<PlaneSecurity, BusBenchError> {
-    let hosts = vec![(MAIN_HOST, MAIN_NAME.to_string()), (PEER_HOST, PEER_NAME.to_string())];
-    Ok(PlaneSecurity {
-        mode: sec.mode,
-        cipher: sec.cipher,
-        identity: Arc::new(HostKeypair::load(dir, me)?),
-        keyring: Arc::new(Keyring::new(hosts, Default::default(), Some(dir.to_path_buf()))),
-    })
+    #[error(transparent)]
+    Secured(#[from] crate::secured::SecuredError),
 }
 
 /// How the echo peer runs.
@@ -125,16 +98,7 @@ impl BusPeerArgs {
             self.tcp_port.to_string(),
         ]
         .into_iter()
-        .chain(self.security.iter().flat_map(|(sec, dir)| {
-            [
-                "--mode".into(),
-                sec.mode.name().into(),
-                "--cipher".into(),
-                sec.cipher.to_string(),
-                "--keys-dir".into(),
-                dir.display().to_string(),
-            ]
-        }))
+        .chain(self.security.iter().flat_map(|(sec, dir)| sec.to_args(dir)))
         .collect()
     }
 }
@@ -233,7 +197,7 @@ async fn serve(
     });
     let mut config = BusConfig::new(PEER_HOST, PEER_NAME, args.direct, args.events);
     if let Some((sec, dir)) = &args.security {
-        config.security = Some(plane_security(*sec, dir, PEER_NAME)?);
+        config.security = Some(plane_security(*sec, dir, PEER_NAME, MAIN_HOST, PEER_HOST)?);
     }
     config.peers.push(PeerSpec {
         host: MAIN_HOST,
@@ -402,14 +366,14 @@ enum Attempt {
 fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusBenchReport, Attempt> {
     let ports = tessera_runtime::bus::free_loopback_ports(5).map_err(|e| Attempt::Setup(e.into()))?;
     // Fresh keys for both ends, removed when the run ends.
-    let keys = opts.security.map(|_| KeysDir::new()).transpose().map_err(Attempt::Setup)?;
+    let keys = opts.security.map(|_| KeysDir::new()).transpose().map_err(|e| Attempt::Setup(e.into()))?;
     let peer_args = BusPeerArgs {
         direct: loopback(ports[0]),
         events: loopback(ports[1]),
         peer_direct: loopback(ports[2]),
         peer_events: loopback(ports[3]),
         tcp_port: ports[4],
-        security: opts.security.zip(keys.as_ref().map(|k| k.0.clone())),
+        security: opts.security.zip(keys.as_ref().map(|k: &KeysDir| k.0.clone())),
     };
     let _peer = launch_peer(&opts.peer, &peer_args).map_err(Attempt::Setup)?;
     rt.block_on(async {
@@ -419,7 +383,8 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
         });
         let mut config = BusConfig::new(MAIN_HOST, MAIN_NAME, peer_args.peer_direct, peer_args.peer_events);
         if let Some((sec, dir)) = &peer_args.security {
-            config.security = Some(plane_security(*sec, dir, MAIN_NAME).map_err(Attempt::Setup)?);
+            config.security =
+                Some(plane_security(*sec, dir, MAIN_NAME, MAIN_HOST, PEER_HOST).map_err(|e| Attempt::Setup(e.into()))?);
         }
         config.peers.push(PeerSpec {
             host: PEER_HOST,
@@ -449,27 +414,6 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
             bus_stats: stats,
         })
     })
-}
-
-/// A private directory with both ends' keys, removed on drop.
-struct KeysDir(PathBuf);
-
-impl KeysDir {
-    fn new() -> Result<KeysDir, BusBenchError> {
-        let nonce: [u8; 8] = tessera_access::random_bytes().map_err(|e| bench_err(format!("no random source: {e}")))?;
-        let dir = std::env::temp_dir().join(format!("tessera-bench-bus-{}", u64::from_le_bytes(nonce)));
-        let keys = KeysDir(dir);
-        for name in [MAIN_NAME, PEER_NAME] {
-            HostKeypair::generate()?.write(&keys.0, name)?;
-        }
-        Ok(keys)
-    }
-}
-
-impl Drop for KeysDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 async fn recv(rx: &mut mpsc::UnboundedReceiver<u64>) -> Result<u64, BusBenchError> {
@@ -625,6 +569,7 @@ mod tests {
 
     #[test]
     fn bench_runs_a_secured_bus_with_either_cipher() {
+        use tessera_runtime::security::{Cipher, Mode};
         for cipher in [Cipher::ChaCha20Poly1305, Cipher::Sm4Gcm] {
             let security = Some(BenchSecurity { mode: Mode::Encrypt, cipher });
             let opts =

@@ -9,5 +9,6 @@
 
 pub mod bus;
 mod peer;
+mod secured;
 pub mod stream;
 pub mod transfer;

@@ -33,9 +33,16 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use tessera_runtime::HostId;
 use tessera_runtime::transfer::{
     Assignment, Region, RegionDesc, TransferConfig, TransferEngine, TransferError, Transport,
 };
+
+pub use crate::secured::BenchSecurity;
+use crate::secured::{KeysDir, MAIN_NAME, PEER_NAME, SecuredError, plane_security};
+
+const MAIN_HOST: HostId = HostId(0);
+const PEER_HOST: HostId = HostId(1);
 
 /// Longest wait for the peer to come up or to go away.
 const PEER_TIMEOUT: Duration = Duration::from_secs(20);
@@ -52,6 +59,8 @@ pub enum BenchError {
     Invalid(String),
     #[error("transfer bench: {path} delivered wrong bytes: {detail}")]
     Corrupt { path: &'static str, detail: String },
+    #[error(transparent)]
+    Secured(#[from] SecuredError),
 }
 
 /// How the peer runs.
@@ -79,6 +88,8 @@ pub struct TransferBenchOptions {
     /// Passes of the STREAM copy; the best is reported.
     pub stream_passes: usize,
     pub peer: PeerLaunch,
+    /// Also measure a secured engine pair (fresh host keys) beside the plain tcp path.
+    pub security: Option<BenchSecurity>,
 }
 
 impl TransferBenchOptions {
@@ -94,6 +105,7 @@ impl TransferBenchOptions {
             stream_array_bytes: crate::stream::default_array_bytes(),
             stream_passes: 5,
             peer,
+            security: None,
         }
     }
 }
@@ -102,11 +114,17 @@ impl TransferBenchOptions {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferPeerArgs {
     pub bytes: usize,
+    /// Serve the region from a secured engine too: its settings and both ends' keys.
+    pub security: Option<(BenchSecurity, std::path::PathBuf)>,
 }
 
 impl TransferPeerArgs {
     pub fn to_args(&self) -> Vec<String> {
-        vec!["--bytes".into(), self.bytes.to_string()]
+        let mut args = vec!["--bytes".into(), self.bytes.to_string()];
+        if let Some((sec, dir)) = &self.security {
+            args.extend(sec.to_args(dir));
+        }
+        args
     }
 }
 
@@ -118,6 +136,9 @@ pub struct PeerHello {
     /// many bytes of the region from that offset; as often as wanted, on any number of
     /// connections.
     pub raw_tcp: SocketAddr,
+    /// The same bytes from a secured engine, when asked for.
+    #[serde(default)]
+    pub sealed_region: Option<RegionDesc>,
 }
 
 /// One path's figures over the measured runs.
@@ -172,6 +193,13 @@ pub struct TransferBenchReport {
     /// Engine shm throughput / memcpy throughput (pre-faulted destination), paired the
     /// same way.
     pub shm_vs_memcpy: f64,
+    /// "off", or the secured engine pair's mode and cipher.
+    pub security: String,
+    /// The secured engine pair's tcp reads, when measured.
+    pub sealed_tcp: Option<PathStats>,
+    /// Secured tcp throughput / plain engine tcp throughput, each run's pair back to back,
+    /// the median.
+    pub sealed_vs_tcp: Option<f64>,
     /// Every measured transfer matched the pattern byte for byte.
     pub verified: bool,
 }
@@ -230,6 +258,17 @@ impl TransferBenchReport {
             of_stream(&self.shm),
             of_stream(&self.memcpy)
         );
+        if let (Some(p), Some(ratio)) = (&self.sealed_tcp, self.sealed_vs_tcp) {
+            s += &format!(
+                "{:<28} {:>12.2} {:>10.2} {:>10.2} {:>11.2}\n",
+                format!("engine tcp, {}", self.security),
+                p.median_gb_per_s,
+                p.min_gb_per_s,
+                p.max_gb_per_s,
+                p.median_ms
+            );
+            s += &format!("{} / plain engine tcp: x{ratio:.2}   (median of per-run ratios)\n", self.security);
+        }
         s
     }
 }
@@ -279,8 +318,24 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
     let engine = TransferEngine::start(TransferConfig::new(loopback_any()))?;
     let region = engine.register(args.bytes)?;
     region.write(0, &pattern(args.bytes))?;
+    // A second engine, secured, serving the same bytes.
+    let sealed = match &args.security {
+        Some((sec, dir)) => {
+            let mut config = TransferConfig::new(loopback_any());
+            config.security = Some(plane_security(*sec, dir, PEER_NAME, MAIN_HOST, PEER_HOST)?);
+            let sealed_engine = TransferEngine::start(config)?;
+            let sealed_region = sealed_engine.register(args.bytes)?;
+            sealed_region.write(0, &pattern(args.bytes))?;
+            Some((sealed_engine, sealed_region))
+        }
+        None => None,
+    };
     let raw = TcpListener::bind(loopback_any())?;
-    let hello = PeerHello { region: engine.describe(&region), raw_tcp: raw.local_addr()? };
+    let hello = PeerHello {
+        region: engine.describe(&region),
+        raw_tcp: raw.local_addr()?,
+        sealed_region: sealed.as_ref().map(|(e, r)| e.describe(r)),
+    };
     let stopping = Arc::new(AtomicBool::new(false));
     let stopped = stopping.clone();
     let blaster = std::thread::Builder::new().name("bench-raw-tcp".into()).spawn(move || {
@@ -300,6 +355,9 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
     ready(&hello);
     stop();
     engine.shutdown();
+    if let Some((sealed_engine, _)) = sealed {
+        sealed_engine.shutdown();
+    }
     // Wake the blaster's accept so it sees the flag (a connection of our own).
     stopping.store(true, Ordering::Release);
     if TcpStream::connect_timeout(&hello.raw_tcp, Duration::from_secs(1)).is_ok() && blaster.join().is_err() {
@@ -585,7 +643,10 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
     if opts.bytes == 0 || opts.block_bytes == 0 || opts.runs == 0 {
         return Err(BenchError::Invalid("bytes, block size and runs must be positive".into()));
     }
-    let (_peer, hello) = launch_peer(&opts.peer, &TransferPeerArgs { bytes: opts.bytes })?;
+    let keys = opts.security.map(|_| KeysDir::new()).transpose()?;
+    let peer_args =
+        TransferPeerArgs { bytes: opts.bytes, security: opts.security.zip(keys.as_ref().map(|k| k.0.clone())) };
+    let (_peer, hello) = launch_peer(&opts.peer, &peer_args)?;
     let remote = &hello.region;
     if remote.len != opts.bytes as u64 {
         return Err(BenchError::Peer(format!("peer registered {} bytes, asked for {}", remote.len, opts.bytes)));
@@ -595,9 +656,21 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
     config.tcp_streams = opts.tcp_streams;
     config.chunk_bytes = opts.chunk_bytes;
     config.pipeline_depth = opts.pipeline_depth;
-    let engine = TransferEngine::start(config)?;
+    let engine = TransferEngine::start(config.clone())?;
     let dst = engine.register(opts.bytes)?;
     let batch = scattered_batch(opts.bytes, opts.block_bytes);
+    // The secured pair: same streams, chunks and depth, its own destination.
+    let sealed = match (&peer_args.security, &hello.sealed_region) {
+        (Some((sec, dir)), Some(remote)) => {
+            let mut config = config;
+            config.security = Some(plane_security(*sec, dir, MAIN_NAME, MAIN_HOST, PEER_HOST)?);
+            let engine = TransferEngine::start(config)?;
+            let dst = engine.register(opts.bytes)?;
+            Some((engine, dst, remote.clone()))
+        }
+        (Some(_), None) => return Err(BenchError::Peer("the peer served no secured region".into())),
+        _ => None,
+    };
     let tcp_requests = engine.tcp_requests(remote, &dst, &batch)?;
 
     let want = pattern(opts.bytes);
@@ -654,7 +727,19 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
         Ok(elapsed)
     };
 
+    let engine_sealed = || -> Result<Option<Duration>, BenchError> {
+        let Some((engine, dst, remote)) = &sealed else { return Ok(None) };
+        clear(dst)?;
+        let t = Instant::now();
+        engine.read_via(Transport::Tcp, remote, dst, &batch)?;
+        let elapsed = t.elapsed();
+        check_region("secured engine tcp", dst, &batch, &want)?;
+        Ok(Some(elapsed))
+    };
+
     let mut times: [Vec<Duration>; 4] = Default::default();
+    let mut sealed_times: Vec<Duration> = Vec::new();
+    let mut plain_beside_sealed: Vec<Duration> = Vec::new();
     for run in 0..=opts.runs {
         // Alternate which of a pair goes first, so neither always inherits the other's
         // cache and socket state.
@@ -668,11 +753,25 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
             copy = memcpy()?;
             shm = engine_shm()?;
         }
+        // The secured read right beside a plain one, alternating which goes first.
+        let (sealed_time, plain_time) = if run % 2 == 0 {
+            (engine_sealed()?, engine_tcp()?)
+        } else {
+            let plain_time = engine_tcp()?;
+            (engine_sealed()?, plain_time)
+        };
         if run > 0 {
             for (list, t) in times.iter_mut().zip([tcp, raw_time, shm, copy]) {
                 list.push(t);
             }
+            if let Some(t) = sealed_time {
+                sealed_times.push(t);
+                plain_beside_sealed.push(plain_time);
+            }
         }
+    }
+    if let Some((sealed_engine, _, _)) = &sealed {
+        sealed_engine.shutdown();
     }
     let raw_tcp_streams = raw.streams();
     drop(raw);
@@ -686,6 +785,8 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
         r.get(r.len() / 2).copied().unwrap_or(0.0)
     };
     let tcp_vs_raw = paired(&times[0], &times[1]);
+    let sealed_vs_tcp = (!sealed_times.is_empty()).then(|| paired(&sealed_times, &plain_beside_sealed));
+    let sealed_stats = (!sealed_times.is_empty()).then(|| stats(opts.bytes, &sealed_times));
     let shm_vs_memcpy = paired(&times[2], &times[3]);
     let [tcp, raw_tcp, shm, memcpy] = times.map(|t| stats(opts.bytes, &t));
     Ok(TransferBenchReport {
@@ -703,6 +804,9 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
         },
         tcp_vs_raw,
         shm_vs_memcpy,
+        security: BenchSecurity::label(opts.security),
+        sealed_tcp: sealed_stats,
+        sealed_vs_tcp,
         tcp,
         raw_tcp,
         raw_tcp_streams,
@@ -745,6 +849,23 @@ mod tests {
     }
 
     #[test]
+    fn bench_measures_a_secured_engine_pair_beside_the_plain_one() {
+        use tessera_runtime::security::{Cipher, Mode};
+        let mut opts = TransferBenchOptions::new(2 << 20, PeerLaunch::Thread);
+        opts.block_bytes = 64 * 1024;
+        opts.runs = 1;
+        opts.stream_array_bytes = 1 << 20;
+        opts.stream_passes = 1;
+        opts.security = Some(BenchSecurity { mode: Mode::Encrypt, cipher: Cipher::Sm4Gcm });
+        let report = run(&opts).expect("bench");
+        assert!(report.verified);
+        assert_eq!(report.security, "encrypt sm4-gcm");
+        assert!(report.sealed_tcp.is_some_and(|p| p.median_gb_per_s > 0.0), "{report:?}");
+        assert!(report.sealed_vs_tcp.is_some_and(|r| r > 0.0));
+        assert!(report.table().contains("encrypt sm4-gcm / plain engine tcp"));
+    }
+
+    #[test]
     fn bench_runs_end_to_end_with_a_thread_peer() {
         let mut opts = TransferBenchOptions::new(2 << 20, PeerLaunch::Thread);
         opts.block_bytes = 64 * 1024;
@@ -758,6 +879,7 @@ mod tests {
         assert_eq!((report.tcp_streams, report.raw_tcp_streams), (4, 2));
         assert!(report.tcp.median_gb_per_s > 0.0 && report.shm.median_gb_per_s > 0.0);
         assert!(report.raw_tcp.median_gb_per_s > 0.0 && report.memcpy.median_gb_per_s > 0.0);
+        assert!(report.sealed_tcp.is_none() && report.sealed_vs_tcp.is_none());
         assert!(report.stream_copy_gbps > 0.0 && report.stream_copy_all_threads_gbps > 0.0);
         assert_eq!(report.stream_copy_array_bytes, 1 << 20);
         let table = report.table();

@@ -204,21 +204,29 @@ impl Sealer {
 
     /// `body` as a sealed frame of `kind`.
     pub fn seal(&mut self, kind: Kind, body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_BYTES + body.len() + TAG_BYTES);
+        self.seal_append(kind, &mut out, |out| out.extend_from_slice(body));
+        out
+    }
+
+    /// Appends a sealed frame of `kind` to `out`, its body whatever `body` appends: the
+    /// bytes are encrypted where they land, with no copy of their own.
+    pub fn seal_append(&mut self, kind: Kind, out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
         let header = Header { kind, mode: self.mode, host: self.host, epoch: self.epoch, counter: self.next };
         self.next += 1;
-        let mut out = Vec::with_capacity(HEADER_BYTES + body.len() + TAG_BYTES);
-        header.write(&mut out);
-        out.extend_from_slice(body);
+        let start = out.len();
+        header.write(out);
+        body(out);
+        let frame = &mut out[start..];
         let tag = match self.mode {
             Mode::Encrypt => {
-                let (aad, text) = out.split_at_mut(HEADER_BYTES);
+                let (aad, text) = frame.split_at_mut(HEADER_BYTES);
                 self.key.seal_in_place(&header.nonce(), aad, text)
             }
             // The whole frame is associated data; nothing is encrypted.
-            Mode::Authenticate => self.key.seal_in_place(&header.nonce(), &out, &mut []),
+            Mode::Authenticate => self.key.seal_in_place(&header.nonce(), frame, &mut []),
         };
         out.extend_from_slice(&tag);
-        out
     }
 }
 
@@ -306,6 +314,16 @@ impl Opener {
     /// The body of `frame` if it is a fresh frame of `mode` sealed by the holder of one
     /// of our keys; records its counter.
     pub fn open(&mut self, mode: Mode, frame: &[u8]) -> Result<(Header, Vec<u8>), Reject> {
+        let mut owned = frame.to_vec();
+        let (header, body) = self.open_in_place(mode, &mut owned)?;
+        owned.truncate(body.end);
+        owned.drain(..body.start);
+        Ok((header, owned))
+    }
+
+    /// [`Opener::open`] without a copy: decrypts `frame` where it is and says where in it
+    /// the body lies. On failure `frame` is left unspecified.
+    pub fn open_in_place(&mut self, mode: Mode, frame: &mut [u8]) -> Result<(Header, std::ops::Range<usize>), Reject> {
         let header = Header::parse(frame)?;
         if header.mode != mode {
             return Err(Reject::Mode);
@@ -314,22 +332,20 @@ impl Opener {
         if !window.fresh(header.counter) {
             return Err(Reject::Replayed);
         }
-        let (sealed, tag) = frame.split_at(frame.len() - TAG_BYTES);
-        let tag: &[u8; TAG_BYTES] = tag.try_into().map_err(|_| Reject::Unsealed)?;
-        let body = match mode {
+        let end = frame.len() - TAG_BYTES;
+        let (sealed, tag) = frame.split_at_mut(end);
+        let tag: &[u8; TAG_BYTES] = (&*tag).try_into().map_err(|_| Reject::Unsealed)?;
+        match mode {
             Mode::Encrypt => {
-                let mut body = sealed[HEADER_BYTES..].to_vec();
-                key.open_in_place(&header.nonce(), &sealed[..HEADER_BYTES], &mut body, tag)
-                    .map_err(|_| Reject::Tampered)?;
-                body
+                let (aad, body) = sealed.split_at_mut(HEADER_BYTES);
+                key.open_in_place(&header.nonce(), aad, body, tag).map_err(|_| Reject::Tampered)?;
             }
             Mode::Authenticate => {
                 key.open_in_place(&header.nonce(), sealed, &mut [], tag).map_err(|_| Reject::Tampered)?;
-                sealed[HEADER_BYTES..].to_vec()
             }
-        };
+        }
         window.record(header.counter);
-        Ok((header, body))
+        Ok((header, HEADER_BYTES..end))
     }
 }
 

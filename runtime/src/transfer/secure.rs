@@ -84,9 +84,10 @@ pub(crate) struct SealedStream {
     opener: Opener,
     /// The record being received: its bytes so far (length prefix first).
     partial: Vec<u8>,
-    /// Opened plaintext not yet read, from `plain[at..]`.
-    plain: Vec<u8>,
+    /// The last record opened, its unread plaintext at `partial[at..end]` (the record
+    /// is decrypted where it was received).
     at: usize,
+    end: usize,
 }
 
 fn invalid(what: impl Into<String>) -> io::Error {
@@ -129,8 +130,8 @@ impl SealedStream {
             sec: sec.clone(),
             opener,
             partial: Vec::new(),
-            plain: Vec::new(),
             at: 0,
+            end: 0,
         }
     }
 
@@ -183,36 +184,39 @@ impl SealedStream {
         Ok(SealedStream::new(tcp, sec, down, up))
     }
 
+    /// Seals `bufs` as records of up to [`MAX_RECORD_BYTES`], each written as soon as it
+    /// is sealed (the next one is sealed while the kernel sends it).
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let mut plain = Vec::with_capacity(total.min(MAX_RECORD_BYTES));
-        let mut out = Vec::with_capacity(total + (total / MAX_RECORD_BYTES + 1) * (4 + HEADER_BYTES + TAG_BYTES));
-        let seal = |plain: &mut Vec<u8>, out: &mut Vec<u8>, sealer: &mut Sealer| -> io::Result<()> {
-            if sealer.needs_rekey() {
+        let (mut buf_i, mut buf_at) = (0, 0);
+        let mut out = Vec::with_capacity(4 + HEADER_BYTES + total.min(MAX_RECORD_BYTES) + TAG_BYTES);
+        let mut left = total;
+        while left > 0 {
+            if self.sealer.needs_rekey() {
                 // A connection lives far shorter than a key's share; start a new one.
                 return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "transfer link key used up"));
             }
-            let record = sealer.seal(Kind::Data, plain);
-            out.extend_from_slice(&(record.len() as u32).to_be_bytes());
-            out.extend_from_slice(&record);
-            plain.clear();
-            Ok(())
-        };
-        for buf in bufs {
-            let mut rest: &[u8] = buf;
-            while !rest.is_empty() {
-                let take = (MAX_RECORD_BYTES - plain.len()).min(rest.len());
-                plain.extend_from_slice(&rest[..take]);
-                rest = &rest[take..];
-                if plain.len() == MAX_RECORD_BYTES {
-                    seal(&mut plain, &mut out, &mut self.sealer)?;
+            let record = left.min(MAX_RECORD_BYTES);
+            out.clear();
+            out.extend_from_slice(&[0; 4]);
+            self.sealer.seal_append(Kind::Data, &mut out, |out| {
+                let mut want = record;
+                while want > 0 {
+                    let buf = &bufs[buf_i][buf_at..];
+                    let take = buf.len().min(want);
+                    out.extend_from_slice(&buf[..take]);
+                    want -= take;
+                    buf_at += take;
+                    if buf_at == bufs[buf_i].len() {
+                        (buf_i, buf_at) = (buf_i + 1, 0);
+                    }
                 }
-            }
+            });
+            let len = (out.len() - 4) as u32;
+            out[..4].copy_from_slice(&len.to_be_bytes());
+            self.tcp.write_all(&out)?;
+            left -= record;
         }
-        if !plain.is_empty() {
-            seal(&mut plain, &mut out, &mut self.sealer)?;
-        }
-        self.tcp.write_all(&out)?;
         Ok(total)
     }
 
@@ -250,13 +254,11 @@ impl SealedStream {
                 }
             }
         }
-        let record = std::mem::take(&mut self.partial);
-        let (_, body) = self.opener.open(self.sec.mode, &record[4..]).map_err(|r| {
+        let (_, body) = self.opener.open_in_place(self.sec.mode, &mut self.partial[4..]).map_err(|r| {
             metrics::counter!("tessera_transfer_errors_total", "reason" => r.reason()).increment(1);
             invalid(format!("transfer record refused: {r}"))
         })?;
-        self.plain = body;
-        self.at = 0;
+        (self.at, self.end) = (4 + body.start, 4 + body.end);
         Ok(true)
     }
 
@@ -264,13 +266,18 @@ impl SealedStream {
         if buf.is_empty() {
             return Ok(0);
         }
-        while self.at == self.plain.len() {
+        while self.at == self.end {
+            if self.end > 0 {
+                // The last record is read out: receive the next one from the start.
+                self.partial.clear();
+                (self.at, self.end) = (0, 0);
+            }
             if !self.next_record()? {
                 return Ok(0);
             }
         }
-        let n = buf.len().min(self.plain.len() - self.at);
-        buf[..n].copy_from_slice(&self.plain[self.at..self.at + n]);
+        let n = buf.len().min(self.end - self.at);
+        buf[..n].copy_from_slice(&self.partial[self.at..self.at + n]);
         self.at += n;
         Ok(n)
     }
