@@ -735,6 +735,10 @@ pub struct KvRegionDesc {
     pub len: u64,
 }
 
+/// 16 random bytes that let a decode chip read the staged blocks of one hand-off from
+/// the prefill chip's region (the transfer engine's capability, as plain data).
+pub type KvCapability = [u8; 16];
+
 /// What a chip's worker knows once its model is loaded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChipInfo {
@@ -920,6 +924,10 @@ pub enum Msg {
         upto: usize,
         /// P's block table for the sequence (shared by every layer's message).
         blocks: std::sync::Arc<[u32]>,
+        /// What lets D read those blocks of P's staging region over tcp on a secured
+        /// cluster (P's worker grants it, for the hand-off's lease).
+        #[serde(default)]
+        capability: Option<KvCapability>,
     },
     /// D -> P: every layer is installed; P frees its blocks.
     KvDone {
@@ -940,6 +948,9 @@ pub enum Msg {
         step: u64,
         layers: std::ops::Range<usize>,
         staged: Vec<(u64, usize)>,
+        /// The capability to read each staged sequence's blocks (secured clusters).
+        #[serde(default)]
+        capabilities: Vec<(u64, KvCapability)>,
     },
     /// D's worker -> D: installed positions ..upto of `layers` (or failed).
     KvInstalled {

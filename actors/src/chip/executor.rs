@@ -56,6 +56,8 @@ pub struct KvInstall {
     /// This chip's cache slot for every position of the hand-off (shared by all its
     /// jobs); [`KvInstall::dst_slots`] is this job's part.
     pub slots: Arc<[i32]>,
+    /// P's grant to read those blocks over tcp (a secured cluster's).
+    pub capability: Option<crate::msg::KvCapability>,
 }
 
 impl KvInstall {

@@ -22,8 +22,8 @@ use super::Chip;
 use super::executor::{KvInstall, StepExecutor};
 use crate::batcher::Prefilled;
 use crate::kv::BlockRef;
-use crate::msg::KvRegionDesc;
 use crate::msg::{ChipState, ErrorKind, KvFormatDesc, KvOffer, Msg, Retry, SeqRequest, ServeError, StepOutcome};
+use crate::msg::{KvCapability, KvRegionDesc};
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
@@ -48,6 +48,8 @@ struct Outgoing {
     lease: u64,
     lease_until: Moment,
     lease_timer: bool,
+    /// What lets D read the staged blocks (from the worker, on a secured cluster).
+    capability: Option<KvCapability>,
 }
 
 /// KV this chip (as D) receives.
@@ -158,6 +160,7 @@ impl Chip {
             lease: self.handoffs.leases,
             lease_until: fx.now(),
             lease_timer: false,
+            capability: None,
         };
         self.handoffs.leases += 1;
         let request_id = seq.request_id;
@@ -213,7 +216,18 @@ impl Chip {
     }
 
     /// The worker staged `layers` of these sequences up to the given positions.
-    pub(super) fn staged(&mut self, layers: Range<usize>, staged: Vec<(u64, usize)>, fx: &mut dyn Effects<Msg>) {
+    pub(super) fn staged(
+        &mut self,
+        layers: Range<usize>,
+        staged: Vec<(u64, usize)>,
+        capabilities: Vec<(u64, KvCapability)>,
+        fx: &mut dyn Effects<Msg>,
+    ) {
+        for (request_id, capability) in capabilities {
+            if let Some(h) = self.handoffs.outgoing.get_mut(&request_id) {
+                h.capability = Some(capability);
+            }
+        }
         for (request_id, upto) in staged {
             let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { continue };
             for w in h.staged.get_mut(layers.clone()).unwrap_or_default() {
@@ -250,10 +264,11 @@ impl Chip {
             None => self.batcher.as_mut().and_then(|b| b.block_table(request_id)).unwrap_or_else(|| Arc::from([])),
         };
         let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
-        let decode = h.decode;
+        let (decode, capability) = (h.decode, h.capability);
         for (layers, upto) in news {
             h.told[layers.clone()].fill(upto);
-            if fx.send(decode, Msg::KvReady { request_id, layers, upto, blocks: blocks.clone() }).is_err() {
+            let ready = Msg::KvReady { request_id, layers, upto, blocks: blocks.clone(), capability };
+            if fx.send(decode, ready).is_err() {
                 self.lost_decode(request_id, format!("decode chip {decode} is unreachable"), fx);
                 return;
             }
@@ -489,6 +504,7 @@ impl Chip {
         layers: Range<usize>,
         upto: usize,
         blocks: Arc<[u32]>,
+        capability: Option<KvCapability>,
         fx: &mut dyn Effects<Msg>,
     ) {
         let Some(h) = self.handoffs.incoming.get_mut(&request_id) else { return };
@@ -535,6 +551,7 @@ impl Chip {
             src_range: first..last,
             first_pos: first * bs,
             slots: h.slots.clone(),
+            capability,
         };
         let Some(worker) = self.worker else { return };
         let run = Job {

@@ -627,14 +627,16 @@ impl Behavior<Msg> for Chip {
             Msg::KvOffer { offer } => self.offered(*offer, fx),
             Msg::KvClaim { request_id, decode } => self.claimed(request_id, decode, fx),
             Msg::KvDecline { request_id, decode, error, retry } => self.declined(request_id, decode, error, retry, fx),
-            Msg::KvReady { request_id, layers, upto, blocks } => self.kv_ready(request_id, layers, upto, blocks, fx),
+            Msg::KvReady { request_id, layers, upto, blocks, capability } => {
+                self.kv_ready(request_id, layers, upto, blocks, capability, fx)
+            }
             Msg::KvDone { request_id } => self.kv_done(request_id, fx),
             Msg::KvCancel { request_id, reason } => {
                 self.cancelled(request_id, &reason, fx);
                 self.settle(fx);
             }
             Msg::KvLeaseExpired { request_id, lease } => self.lease_expired(request_id, lease, fx),
-            Msg::KvStaged { layers, staged, .. } => self.staged(layers, staged, fx),
+            Msg::KvStaged { layers, staged, capabilities, .. } => self.staged(layers, staged, capabilities, fx),
             Msg::KvInstalled { request_id, layers, upto, error } => self.installed(request_id, layers, upto, error, fx),
             Msg::SetRole { role } => self.set_role(role, fx),
             Msg::Park => self.park(fx),

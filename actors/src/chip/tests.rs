@@ -35,7 +35,9 @@ impl StepExecutor for Recorder {
                 plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
             if !seqs.is_empty() {
                 let at = Duration::from_millis(layers.end as u64);
-                ctx.notify_at(at, Msg::KvStaged { step, layers, staged: seqs });
+                // A secured worker's grant, one per staged sequence: P forwards it to D.
+                let capabilities = seqs.iter().map(|&(request, _)| (request, [request as u8; 16])).collect();
+                ctx.notify_at(at, Msg::KvStaged { step, layers, staged: seqs, capabilities });
             }
         }
         ctx.elapse(Duration::from_millis(LAYERS as u64));
@@ -254,7 +256,11 @@ fn a_late_claim_is_told_every_staged_layer_at_once() {
         p.chip.handle(m, &mut p.fx);
     }
     let told = p.sent();
-    assert!(matches!(&told[..], [(D, Msg::KvReady { layers, upto: 13, .. })] if *layers == (0..LAYERS)), "{told:?}");
+    assert!(
+        matches!(&told[..], [(D, Msg::KvReady { layers, upto: 13, capability: Some(c), .. })]
+            if *layers == (0..LAYERS) && c[0] != 0),
+        "{told:?}"
+    );
     for (_, m) in told {
         d.chip.handle(m, &mut d.fx);
     }
@@ -353,12 +359,12 @@ fn a_renewed_lease_runs_from_its_last_renewal_on_one_timer() {
 #[test]
 fn malformed_kv_ready_is_refused_and_frees_both_sides() {
     for bad in [
-        Msg::KvReady { request_id: 9, layers: LAYERS..LAYERS + 1, upto: 4, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layers: 2..LAYERS + 1, upto: 4, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layers: 1..1, upto: 4, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layers: 0..1, upto: 99, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layers: 0..1, upto: 8, blocks: Arc::from([0]) },
-        Msg::KvReady { request_id: 9, layers: 0..LAYERS, upto: 4, blocks: Arc::from([1_000_000]) },
+        Msg::KvReady { request_id: 9, layers: LAYERS..LAYERS + 1, upto: 4, blocks: Arc::from([0]), capability: None },
+        Msg::KvReady { request_id: 9, layers: 2..LAYERS + 1, upto: 4, blocks: Arc::from([0]), capability: None },
+        Msg::KvReady { request_id: 9, layers: 1..1, upto: 4, blocks: Arc::from([0]), capability: None },
+        Msg::KvReady { request_id: 9, layers: 0..1, upto: 99, blocks: Arc::from([0]), capability: None },
+        Msg::KvReady { request_id: 9, layers: 0..1, upto: 8, blocks: Arc::from([0]), capability: None },
+        Msg::KvReady { request_id: 9, layers: 0..LAYERS, upto: 4, blocks: Arc::from([1_000_000]), capability: None },
     ] {
         let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));
         d.chip.handle(Msg::KvOffer { offer: Box::new(make_offer()) }, &mut d.fx);

@@ -22,7 +22,7 @@
 pub mod bench;
 pub mod local;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,20 +43,20 @@ use tessera_backends::model::{LoadOptions, LogitsWanted, Model, SeqChunk};
 use tessera_backends::sampling::{Penalties, Sampler, SamplingParams};
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_runtime::actor::JobCtx;
-use tessera_runtime::transfer::{Assignment, EndpointDesc, Region, RegionDesc, TransferEngine};
+use tessera_runtime::transfer::{Assignment, Capability, EndpointDesc, Region, RegionDesc, TransferEngine};
 use tessera_topology::perf::ModelShape;
 use tessera_topology::{ChipKind, EmulationSpec};
 
 /// The transfer engine's descriptor of a region as the behaviors carry it in messages.
 pub fn kv_region_desc(d: RegionDesc) -> KvRegionDesc {
-    let RegionDesc { endpoint: EndpointDesc { host_key, pid, tcp }, region, fd, len } = d;
+    let RegionDesc { endpoint: EndpointDesc { host_key, pid, tcp }, region, fd, len, capability: _ } = d;
     KvRegionDesc { endpoint: KvEndpointDesc { host_key, pid, tcp }, region, fd, len }
 }
 
 /// A region the behaviors carried, as the transfer engine reads it.
 pub fn region_desc(d: &KvRegionDesc) -> RegionDesc {
     let KvRegionDesc { endpoint: KvEndpointDesc { host_key, pid, tcp }, region, fd, len } = d.clone();
-    RegionDesc { endpoint: EndpointDesc { host_key, pid, tcp }, region, fd, len }
+    RegionDesc { endpoint: EndpointDesc { host_key, pid, tcp }, region, fd, len, capability: None }
 }
 
 /// Byte offset of block `block`'s K (`v = false`) or V of layer `layer` in a chip's
@@ -202,6 +202,17 @@ pub struct ModelExecutor {
     v_rows: Vec<f32>,
     /// The logits row of each sampled token since `take_logits`, when kept.
     kept_logits: Option<Vec<(u64, Vec<f32>)>>,
+    /// What decode chips were granted to read of `staging` (a secured cluster's).
+    grants: StagingGrants,
+}
+
+/// The capabilities this chip (as P) granted, by request: its token, the blocks it
+/// covers, when it was last granted. A block belongs to one request's capability at a
+/// time: staging it for another takes it out of the first one's.
+#[derive(Default)]
+struct StagingGrants {
+    by_request: HashMap<u64, (Option<Capability>, BTreeSet<u32>, Instant)>,
+    owner: HashMap<u32, u64>,
 }
 
 /// One sequence's sampling on the worker.
@@ -452,6 +463,7 @@ impl ModelExecutor {
             k_rows: Vec::new(),
             v_rows: Vec::new(),
             kept_logits: None,
+            grants: StagingGrants::default(),
         };
         Ok((exec, info))
     }
@@ -519,6 +531,70 @@ impl Drop for ModelExecutor {
         if let (Some(engine), Some(region)) = (&self.transfer, &self.inbox) {
             engine.unregister(region);
         }
+    }
+}
+
+impl ModelExecutor {
+    /// On a secured cluster, grants each staged sequence's decode chip the blocks of the
+    /// staging region its KV is in (every layer, K and V), and takes blocks staged for
+    /// one sequence out of any other's grant: the capabilities to send with `KvStaged`.
+    fn grant_staged(&mut self, plan: &StepPlan) -> Result<Vec<(u64, Capability)>, String> {
+        let (Some(engine), Some(staging)) = (&self.transfer, &self.staging) else { return Ok(Vec::new()) };
+        if !engine.config().require_capability() {
+            return Ok(Vec::new());
+        }
+        let (bb, bs, layers) = (kv_format(&self.format).block_bytes(), self.format.block_size, self.format.num_layers);
+        let format = &self.format;
+        let ranges = |blocks: &BTreeSet<u32>| -> Vec<std::ops::Range<u64>> {
+            let mut out = Vec::with_capacity(blocks.len() * layers * 2);
+            for &b in blocks {
+                for layer in 0..layers {
+                    for v in [false, true] {
+                        let at = staging_offset(format, bb, layer, v, b as usize) as u64;
+                        out.push(at..at + bb as u64);
+                    }
+                }
+            }
+            out
+        };
+        let grants = &mut self.grants;
+        let (now, ttl) = (Instant::now(), engine.config().capability_ttl);
+        // Grants not renewed within their lifetime are gone from the engine already.
+        let expired: Vec<u64> =
+            grants.by_request.iter().filter(|(_, (_, _, at))| now.duration_since(*at) > ttl).map(|(r, _)| *r).collect();
+        for request in expired {
+            grants.by_request.remove(&request);
+            grants.owner.retain(|_, owner| *owner != request);
+        }
+        let mut out = Vec::new();
+        let mut losers = BTreeSet::new();
+        for s in plan.seqs.iter().filter(|s| s.stage) {
+            let end = (s.start_pos + s.tokens.len()).div_ceil(bs).min(s.block_table.len());
+            for &b in &s.block_table[..end] {
+                if let Some(previous) = grants.owner.insert(b, s.request_id)
+                    && previous != s.request_id
+                    && let Some((_, blocks, _)) = grants.by_request.get_mut(&previous)
+                {
+                    blocks.remove(&b);
+                    losers.insert(previous);
+                }
+            }
+            let entry = grants.by_request.entry(s.request_id).or_insert_with(|| (None, BTreeSet::new(), now));
+            entry.1.extend(s.block_table[..end].iter().copied());
+            let token = engine.grant(entry.0, staging, ranges(&entry.1)).map_err(|e| e.to_string())?;
+            (entry.0, entry.2) = (Some(token), now);
+            out.push((s.request_id, token));
+        }
+        for request in losers.difference(&out.iter().map(|(r, _)| *r).collect()) {
+            let Some((Some(token), blocks, _)) = grants.by_request.get(request) else { continue };
+            if blocks.is_empty() {
+                engine.revoke(token);
+                grants.by_request.remove(request);
+            } else {
+                engine.grant(Some(*token), staging, ranges(blocks)).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -706,14 +782,25 @@ impl StepExecutor for ModelExecutor {
         let stage = plan.seqs.iter().any(|s| s.stage);
         // Told to the chip when a group's last layer is staged.
         let mut groups = stage_groups(layers).peekable();
-        let (staging, format) = (self.staging.as_ref(), &self.format);
-        if stage && staging.is_none() {
+        if stage && self.staging.is_none() {
             outcome.error =
                 Some("a sequence is prefilled for a decode chip but this chip has no staging region".into());
             return outcome;
         }
         let staged_seqs: Vec<(u64, usize)> =
             plan.seqs.iter().filter(|s| s.stage).map(|s| (s.request_id, s.start_pos + s.tokens.len())).collect();
+        let capabilities = if stage {
+            match self.grant_staged(plan) {
+                Ok(caps) => caps,
+                Err(e) => {
+                    outcome.error = Some(format!("cannot grant the staged KV to its decode chip: {e}"));
+                    return outcome;
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        let (staging, format) = (self.staging.as_ref(), &self.format);
         // Host time the job was held back to post a layer at its model time, not computing.
         let mut held = Duration::ZERO;
         // Once layer `layer` is staged: the chip hears of each group's last layer.
@@ -725,7 +812,9 @@ impl StepExecutor for ModelExecutor {
                 None => started.elapsed(),
             };
             let before = started.elapsed();
-            ctx.notify_at(due, Msg::KvStaged { step, layers: group, staged: staged_seqs.clone() });
+            let staged =
+                Msg::KvStaged { step, layers: group, staged: staged_seqs.clone(), capabilities: capabilities.clone() };
+            ctx.notify_at(due, staged);
             held += started.elapsed().saturating_sub(before);
             Ok(())
         };
@@ -890,7 +979,8 @@ impl StepExecutor for ModelExecutor {
             self.inbox = Some(region);
         }
         let Some(inbox) = self.inbox.as_ref() else { return Err("no inbox region".into()) };
-        let remote = region_desc(&job.region);
+        let mut remote = region_desc(&job.region);
+        remote.capability = job.capability;
         for layer in job.layers.clone() {
             // K blocks to inbox[0..n), V blocks to inbox[n..2n); runs of consecutive
             // source blocks become one assignment.
@@ -949,6 +1039,7 @@ mod tests {
             region: 3,
             fd: 9,
             len: 1 << 20,
+            capability: None,
         };
         let kv = kv_region_desc(engine.clone());
         assert_eq!(region_desc(&kv), engine);

@@ -353,6 +353,8 @@ pub fn run_node(
         chunk_bytes: d.chunk_bytes(),
         transport: d.transport,
         security: security.clone(),
+        // A hand-off's capability outlives its lease a little: D may be mid-read.
+        capability_ttl: Duration::from_millis(2 * d.lease_ms),
         ..TransferConfig::new(me.transfer)
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;

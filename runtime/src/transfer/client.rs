@@ -54,6 +54,8 @@ impl From<&TransferConfig> for ClientConfig {
 struct Job {
     peer: SocketAddr,
     region: u64,
+    /// Sent with every request when the owner offered one.
+    capability: Option<[u8; wire::CAPABILITY_BYTES]>,
     plan: Plan,
     dst: Region,
     next: AtomicUsize,
@@ -91,6 +93,7 @@ impl TcpClient {
         let job = Arc::new(Job {
             peer,
             region: remote.region,
+            capability: remote.capability,
             plan,
             dst: local.clone(),
             next: AtomicUsize::new(0),
@@ -265,11 +268,17 @@ fn pump(
 ) -> Result<(), TransferError> {
     let chunks = &job.plan.chunks;
     let mut resend: Vec<usize> = in_flight.iter().copied().collect();
-    let mut out = Vec::with_capacity(config.depth * wire::REQUEST_BYTES);
+    let mut out = Vec::with_capacity(config.depth * (wire::REQUEST_BYTES + wire::CAPABILITY_BYTES));
     loop {
         out.clear();
-        for &i in &resend {
+        let push = |out: &mut Vec<u8>, i: usize| {
             out.extend_from_slice(&request(job, i).encode());
+            if let Some(token) = &job.capability {
+                out.extend_from_slice(token);
+            }
+        };
+        for &i in &resend {
+            push(&mut out, i);
         }
         resend.clear();
         while in_flight.len() < config.depth && !job.completion.failed() {
@@ -277,7 +286,7 @@ fn pump(
             if i >= chunks.len() {
                 break;
             }
-            out.extend_from_slice(&request(job, i).encode());
+            push(&mut out, i);
             in_flight.push_back(i);
         }
         if !out.is_empty() {
@@ -292,7 +301,7 @@ fn pump(
 
 fn request(job: &Job, i: usize) -> Request {
     let chunk = &job.plan.chunks[i];
-    Request { region: job.region, offset: chunk.src_offset, len: chunk.len }
+    Request { region: job.region, offset: chunk.src_offset, len: chunk.len, capability: job.capability.is_some() }
 }
 
 fn receive(job: &Job, stream: &mut Link, i: usize, config: &ClientConfig) -> Result<(), TransferError> {

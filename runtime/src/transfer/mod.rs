@@ -31,6 +31,7 @@
 //!   refused as `reason="served_<status>"`).
 
 mod batch;
+mod capability;
 mod client;
 mod region;
 mod secure;
@@ -111,8 +112,12 @@ pub struct TransferConfig {
     /// The address peers dial, when it is not the bound one (e.g. listening on 0.0.0.0).
     pub advertise: Option<SocketAddr>,
     /// `Some`: every TCP connection, both ways, opens with the hosts' Noise handshake
-    /// and carries sealed records (`secure.rs`). Shared memory stays on the host.
+    /// and carries sealed records (`secure.rs`), and every read must carry a capability
+    /// the owner granted ([`TransferEngine::grant`]). Shared memory stays on the host.
     pub security: Option<crate::security::PlaneSecurity>,
+    /// How long a capability lasts after it was last granted (a hand-off's lease and a
+    /// margin; the owner regrants as it stages more).
+    pub capability_ttl: Duration,
 }
 
 impl TransferConfig {
@@ -131,7 +136,13 @@ impl TransferConfig {
             max_connections_per_peer: 64,
             advertise: None,
             security: None,
+            capability_ttl: Duration::from_secs(10),
         }
+    }
+
+    /// Whether the server refuses reads without a capability: on a secured cluster.
+    pub fn require_capability(&self) -> bool {
+        self.security.is_some()
     }
 
     fn validate(&self) -> Result<(), TransferError> {
@@ -177,7 +188,13 @@ pub struct RegionDesc {
     /// The memfd's descriptor number in the owner process (for `/proc/<pid>/fd/<fd>`).
     pub fd: i32,
     pub len: u64,
+    /// The owner's grant to read some ranges of it ([`TransferEngine::grant`]), sent
+    /// with every tcp read; the owner's description of a region carries none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capability: Option<Capability>,
 }
+
+pub use capability::Capability;
 
 /// Copy `len` bytes from `src_offset` of the remote region to `dst_offset` of the local one.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
@@ -383,6 +400,7 @@ pub struct TransferEngine {
     endpoint: EndpointDesc,
     regions: Arc<RwLock<HashMap<u64, Region>>>,
     server: Mutex<Option<server::Server>>,
+    capabilities: capability::Capabilities,
     client: client::TcpClient,
     peer_maps: Mutex<HashMap<(u32, u64), Arc<PeerMapping>>>,
     shut_down: AtomicBool,
@@ -399,7 +417,8 @@ impl TransferEngine {
     pub fn start(config: TransferConfig) -> Result<Arc<TransferEngine>, TransferError> {
         config.validate()?;
         let regions = Arc::new(RwLock::new(HashMap::new()));
-        let server = server::Server::start(&config, regions.clone())?;
+        let capabilities = capability::Capabilities::default();
+        let server = server::Server::start(&config, regions.clone(), capabilities.clone())?;
         let endpoint = EndpointDesc {
             host_key: host_key(),
             pid: std::process::id(),
@@ -411,6 +430,7 @@ impl TransferEngine {
             endpoint,
             regions,
             server: Mutex::new(Some(server)),
+            capabilities,
             client,
             peer_maps: Mutex::new(HashMap::new()),
             shut_down: AtomicBool::new(false),
@@ -442,7 +462,26 @@ impl TransferEngine {
             region: region.id(),
             fd: region.raw_fd(),
             len: region.len() as u64,
+            capability: None,
         }
+    }
+
+    /// Lets the holder of `token` (a new one when `None`) read exactly `ranges` of
+    /// `region` over tcp for [`TransferConfig::capability_ttl`], replacing what `token`
+    /// allowed before. The token travels in the offer (over the secured bus), never
+    /// anywhere else.
+    pub fn grant(
+        &self,
+        token: Option<Capability>,
+        region: &Region,
+        ranges: Vec<std::ops::Range<u64>>,
+    ) -> Result<Capability, TransferError> {
+        self.capabilities.grant(token, region.id(), ranges, self.config.capability_ttl)
+    }
+
+    /// Ends what `token` allowed.
+    pub fn revoke(&self, token: &Capability) {
+        self.capabilities.revoke(token);
     }
 
     /// Stops serving the region and drops the engine's reference. Peers' existing shm

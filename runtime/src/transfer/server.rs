@@ -40,6 +40,7 @@ use super::{Region, TransferConfig, TransferError};
 use crate::security::PlaneSecurity;
 
 type Regions = Arc<RwLock<HashMap<u64, Region>>>;
+use super::capability::Capabilities;
 
 pub(crate) struct Server {
     addr: SocketAddr,
@@ -57,6 +58,9 @@ struct ConnContext {
     local: SocketAddr,
     /// A secured cluster: every connection proves a listed host key first.
     security: Option<PlaneSecurity>,
+    /// What readers were offered; checked on every read when `require_capability`.
+    capabilities: Capabilities,
+    require_capability: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,7 +166,11 @@ fn admission(open: &[OpenConn], peer: IpAddr, limits: Limits) -> Admission {
 }
 
 impl Server {
-    pub(crate) fn start(config: &TransferConfig, regions: Regions) -> Result<Server, TransferError> {
+    pub(crate) fn start(
+        config: &TransferConfig,
+        regions: Regions,
+        capabilities: Capabilities,
+    ) -> Result<Server, TransferError> {
         let listen_err = |source| TransferError::Listen { listen: config.listen, source };
         let listener = TcpListener::bind(config.listen).map_err(listen_err)?;
         let addr = listener.local_addr().map_err(listen_err)?;
@@ -175,6 +183,8 @@ impl Server {
             idle_timeout: config.idle_timeout,
             local: addr,
             security: config.security.clone(),
+            capabilities,
+            require_capability: config.require_capability(),
         };
         let limits = Limits { total: config.max_connections, per_peer: config.max_connections_per_peer };
         let accept = {
@@ -422,6 +432,7 @@ fn served_reason(status: Status) -> &'static str {
         Status::BadRequest => "served_bad_request",
         Status::Busy => "served_range_busy",
         Status::TooManyConnections => "served_too_many_connections",
+        Status::Forbidden => "served_forbidden",
     }
 }
 
@@ -441,7 +452,14 @@ fn serve(conn: &mut Conn, ctx: &ConnContext, activity: &Activity, conns: &Connec
                 return Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()));
             }
         };
-        let status = serve_read(&mut conn.stream, ctx, request)?;
+        let capability = if request.capability {
+            let mut token = [0u8; wire::CAPABILITY_BYTES];
+            conn.stream.read_exact(&mut token)?;
+            Some(token)
+        } else {
+            None
+        };
+        let status = serve_read(&mut conn.stream, ctx, request, capability)?;
         activity.end_request((status == Status::Ok).then(|| conns.now_us()));
     }
     Ok(())
@@ -450,8 +468,25 @@ fn serve(conn: &mut Conn, ctx: &ConnContext, activity: &Activity, conns: &Connec
 /// Answers one read: the bytes, or a refusal (returned as the status sent). Refusals
 /// name only what the request named, so a client learns nothing about regions it did
 /// not already know of.
-fn serve_read(stream: &mut Link, ctx: &ConnContext, req: Request) -> io::Result<Status> {
-    let Request { region: id, offset, len } = req;
+fn serve_read(
+    stream: &mut Link,
+    ctx: &ConnContext,
+    req: Request,
+    capability: Option<[u8; wire::CAPABILITY_BYTES]>,
+) -> io::Result<Status> {
+    let Request { region: id, offset, len, .. } = req;
+    match capability {
+        Some(token) if !ctx.capabilities.allows(&token, id, offset, len) => {
+            // The same words whether the capability is unknown, expired or elsewhere.
+            let text = format!("no valid capability for region {id} at offset {offset} (+{len})");
+            return refuse(stream, Status::Forbidden, text);
+        }
+        None if ctx.require_capability => {
+            let text = format!("region {id}: reads need the capability offered with the KV (none was sent)");
+            return refuse(stream, Status::Forbidden, text);
+        }
+        _ => {}
+    }
     let region = ctx.regions.read().get(&id).cloned();
     let Some(region) = region else {
         return refuse(stream, Status::UnknownRegion, format!("unknown region {id}"));

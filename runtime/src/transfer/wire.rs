@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! request  (32 B): magic u32 | version u16 | op u16 | region u64 | offset u64 | len u64
+//!          op 2 (read with a capability) is followed by the 16-byte capability
 //! response (16 B): magic u32 | status u16  | 0 u16  | len u64
 //!                  then `len` bytes: the region's bytes (status OK) or UTF-8 error text
 //! ```
@@ -18,6 +19,9 @@ pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"TSXF");
 pub(crate) const RESPONSE_MAGIC: u32 = u32::from_le_bytes(*b"TSXR");
 pub(crate) const VERSION: u16 = 1;
 pub(crate) const OP_READ: u16 = 1;
+/// A read carrying a capability (the 16 bytes after the header).
+pub(crate) const OP_READ_CAP: u16 = 2;
+pub(crate) const CAPABILITY_BYTES: usize = 16;
 pub(crate) const REQUEST_BYTES: usize = 32;
 pub(crate) const RESPONSE_BYTES: usize = 16;
 /// Longest single request a server accepts; clients split into `chunk_bytes` anyway.
@@ -25,12 +29,14 @@ pub(crate) const MAX_REQUEST_LEN: u64 = 1 << 30;
 /// Longest error text a client accepts in a response.
 pub(crate) const MAX_ERROR_TEXT: u64 = 64 * 1024;
 
-/// A read of `len` bytes at `offset` of region `region`.
+/// A read of `len` bytes at `offset` of region `region`; `capability`: the 16 bytes
+/// that follow the header (op 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Request {
     pub region: u64,
     pub offset: u64,
     pub len: u64,
+    pub capability: bool,
 }
 
 /// Why a request header was not accepted.
@@ -40,7 +46,7 @@ pub(crate) enum HeaderError {
     Magic(u32),
     #[error("unsupported protocol version {0} (this server speaks {VERSION})")]
     Version(u16),
-    #[error("unknown op {0} (only {OP_READ} = read)")]
+    #[error("unknown op {0} (only {OP_READ} = read and {OP_READ_CAP} = read with a capability)")]
     Op(u16),
 }
 
@@ -65,7 +71,7 @@ impl Request {
         let mut b = [0u8; REQUEST_BYTES];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
-        b[6..8].copy_from_slice(&OP_READ.to_le_bytes());
+        b[6..8].copy_from_slice(&(if self.capability { OP_READ_CAP } else { OP_READ }).to_le_bytes());
         b[8..16].copy_from_slice(&self.region.to_le_bytes());
         b[16..24].copy_from_slice(&self.offset.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
@@ -82,10 +88,10 @@ impl Request {
             return Err(HeaderError::Version(version));
         }
         let op = u16_at(b, 6);
-        if op != OP_READ {
+        if op != OP_READ && op != OP_READ_CAP {
             return Err(HeaderError::Op(op));
         }
-        Ok(Request { region: u64_at(b, 8), offset: u64_at(b, 16), len: u64_at(b, 24) })
+        Ok(Request { region: u64_at(b, 8), offset: u64_at(b, 16), len: u64_at(b, 24), capability: op == OP_READ_CAP })
     }
 }
 
@@ -100,6 +106,8 @@ pub enum Status {
     /// The range is being written by the owner right now.
     Busy,
     TooManyConnections,
+    /// No valid capability for the range (a secured server reads only what it offered).
+    Forbidden,
 }
 
 impl Status {
@@ -112,6 +120,7 @@ impl Status {
             Status::BadRequest => 4,
             Status::Busy => 5,
             Status::TooManyConnections => 6,
+            Status::Forbidden => 7,
         }
     }
 
@@ -124,6 +133,7 @@ impl Status {
             4 => Status::BadRequest,
             5 => Status::Busy,
             6 => Status::TooManyConnections,
+            7 => Status::Forbidden,
             _ => return None,
         })
     }
@@ -138,6 +148,7 @@ impl Status {
             Status::BadRequest => "bad_request",
             Status::Busy => "range_busy",
             Status::TooManyConnections => "too_many_connections",
+            Status::Forbidden => "forbidden",
         }
     }
 }
@@ -175,13 +186,15 @@ mod tests {
 
     #[test]
     fn request_round_trips() {
-        let r = Request { region: 0xdead_beef_0000_0001, offset: 1 << 40, len: 12345 };
-        assert_eq!(Request::decode(&r.encode()), Ok(r));
+        for capability in [false, true] {
+            let r = Request { region: 0xdead_beef_0000_0001, offset: 1 << 40, len: 12345, capability };
+            assert_eq!(Request::decode(&r.encode()), Ok(r));
+        }
     }
 
     #[test]
     fn request_header_errors_name_the_field() {
-        let good = Request { region: 1, offset: 2, len: 3 }.encode();
+        let good = Request { region: 1, offset: 2, len: 3, capability: false }.encode();
         let mut b = good;
         b[0] = b'X';
         assert!(Request::decode(&b).unwrap_err().to_string().contains("bad magic"));
@@ -230,7 +243,7 @@ mod fuzz {
     }
 
     fn request_accepted(b: &[u8; REQUEST_BYTES]) -> bool {
-        u32_at(b, 0) == MAGIC && u16_at(b, 4) == VERSION && u16_at(b, 6) == OP_READ
+        u32_at(b, 0) == MAGIC && u16_at(b, 4) == VERSION && matches!(u16_at(b, 6), OP_READ | OP_READ_CAP)
     }
 
     /// Cases per property: `PROPTEST_CASES` when set (a longer local run), else what CI runs.
@@ -259,18 +272,21 @@ mod fuzz {
             len in extreme(),
             flip in proptest::option::of((0..REQUEST_BYTES, 1..=255u8)),
         ) {
-            let request = Request { region, offset, len };
+            let request = Request { region, offset, len, capability: false };
             let mut b = request.encode();
             if let Some((at, xor)) = flip {
                 b[at] ^= xor;
             }
             match Request::decode(&b) {
                 Ok(r) => {
-                    prop_assert!(flip.is_none_or(|(at, _)| at >= 8), "a flip in magic/version/op was accepted");
+                    // op 1 -> 3 is refused, 1 -> 2 (a read with a capability) is an op too.
+                    let op_flip_to_cap = flip.is_some_and(|(at, xor)| at == 6 && xor == 3);
+                    prop_assert!(flip.is_none_or(|(at, _)| at >= 8) || op_flip_to_cap, "a flip in magic/version/op was accepted");
                     prop_assert_eq!(r.encode(), b);
                     if flip.is_none() {
                         prop_assert_eq!(r, request);
                     }
+                    prop_assert_eq!(r.capability, op_flip_to_cap);
                 }
                 Err(e) => {
                     let (at, _) = flip.ok_or_else(|| TestCaseError::fail(format!("valid header refused: {e}")))?;

@@ -654,14 +654,17 @@ mod secured {
             let bytes = pattern(REGION_BYTES, 3);
             src.write(0, &bytes).expect("fill");
             let dst = b.register(REGION_BYTES).expect("register");
-            // Blocks crossing record boundaries, and the whole region in one go.
+            // Blocks crossing record boundaries, and the whole region in one go, under a
+            // capability for the whole region.
             let batch =
                 vec![a_(0, 0, 300_000), a_(400_001, 300_000, 600_000), a_(REGION_BYTES as u64 - 5, 1_000_000, 5)];
-            let stats = b.read_via(Transport::Tcp, &a.describe(&src), &dst, &batch).expect("secured read");
+            let mut remote = a.describe(&src);
+            remote.capability = Some(a.grant(None, &src, vec![0..REGION_BYTES as u64]).expect("grant"));
+            let stats = b.read_via(Transport::Tcp, &remote, &dst, &batch).expect("secured read");
             assert_eq!(stats.bytes, 900_005, "{cipher:?} {mode:?}");
             assert!(contents(&dst) == expected(&bytes, REGION_BYTES, &batch), "{cipher:?} {mode:?}: wrong bytes");
             let whole = [a_(0, 0, REGION_BYTES as u64)];
-            b.read_via(Transport::Tcp, &a.describe(&src), &dst, &whole).expect("whole region");
+            b.read_via(Transport::Tcp, &remote, &dst, &whole).expect("whole region");
             assert!(contents(&dst) == bytes, "{cipher:?} {mode:?}");
         }
     }
@@ -677,7 +680,8 @@ mod secured {
         let src = a.register(REGION_BYTES).expect("register");
         let bytes = pattern(REGION_BYTES, 9);
         src.write(0, &bytes).expect("fill");
-        let remote = a.describe(&src);
+        let mut remote = a.describe(&src);
+        remote.capability = Some(a.grant(None, &src, vec![0..4096]).expect("grant"));
         let batch = [a_(0, 0, 4096)];
 
         // A reader whose key is not listed: refused at the handshake, nothing read.
@@ -721,4 +725,62 @@ mod secured {
         b.read_via(Transport::Tcp, &remote, &dst, &batch).expect("a listed reader is served");
         assert!(contents(&dst) == bytes[..4096]);
     }
+}
+
+/// A secured engine serves a read only under a capability covering all of it.
+#[test]
+fn a_secured_read_without_a_valid_capability_gets_nothing() {
+    use std::collections::HashMap;
+    use tessera_runtime::HostId;
+    use tessera_runtime::security::{Cipher, HostKeypair, Keyring, Mode, PlaneSecurity};
+    let (ka, kb) = (Arc::new(HostKeypair::generate().expect("a")), Arc::new(HostKeypair::generate().expect("b")));
+    let hosts = vec![(HostId(0), "a".to_string()), (HostId(1), "b".to_string())];
+    let inline = HashMap::from([(HostId(0), *ka.public()), (HostId(1), *kb.public())]);
+    let ring = Arc::new(Keyring::new(hosts, inline, None));
+    let start = |identity: &Arc<HostKeypair>, ttl: Duration| {
+        let mut config = TransferConfig::new(loopback());
+        config.capability_ttl = ttl;
+        let (mode, cipher) = (Mode::Encrypt, Cipher::ChaCha20Poly1305);
+        config.security = Some(PlaneSecurity { mode, cipher, identity: identity.clone(), keyring: ring.clone() });
+        TransferEngine::start(config).expect("engine")
+    };
+    let (owner, b) = (start(&ka, Duration::from_secs(60)), start(&kb, Duration::from_secs(60)));
+    let src = owner.register(REGION_BYTES).expect("register");
+    let other = owner.register(4096).expect("register");
+    let bytes = pattern(REGION_BYTES, 5);
+    src.write(0, &bytes).expect("fill");
+    let dst = b.register(REGION_BYTES).expect("register");
+    let offered = owner.grant(None, &src, vec![8192..16384, 65536..69632]).expect("grant");
+    let read = |capability: Option<[u8; 16]>, region: &Region, batch: &[Assignment]| {
+        dst.write(0, &vec![0u8; REGION_BYTES]).expect("clear");
+        let mut remote = owner.describe(region);
+        remote.capability = capability;
+        let result = b.read_via(Transport::Tcp, &remote, &dst, batch);
+        (result, contents(&dst).iter().all(|&x| x == 0))
+    };
+    let forbidden = |(result, untouched): (Result<_, TransferError>, bool), what: &str| {
+        let err = result.expect_err(what);
+        assert!(matches!(err, TransferError::Refused { status: RemoteStatus::Forbidden, .. }), "{what}: {err}");
+        assert!(untouched, "{what}: bytes arrived");
+    };
+    forbidden(read(None, &src, &[a(8192, 0, 4096)]), "no capability");
+    forbidden(read(Some([9; 16]), &src, &[a(8192, 0, 4096)]), "a made-up capability");
+    forbidden(read(Some(offered), &src, &[a(0, 0, 4096)]), "a range not offered");
+    forbidden(read(Some(offered), &src, &[a(12288, 0, 8192)]), "a range running past the offer");
+    forbidden(read(Some(offered), &other, &[a(0, 0, 4096)]), "another region");
+    // What was offered reads exactly.
+    let (result, _) = read(Some(offered), &src, &[a(8192, 0, 8192), a(65536, 8192, 4096)]);
+    result.expect("the offered ranges");
+    assert!(contents(&dst)[..12288] == [&bytes[8192..16384], &bytes[65536..69632]].concat());
+    // Revoked; and expired with its lease.
+    owner.revoke(&offered);
+    forbidden(read(Some(offered), &src, &[a(8192, 0, 4096)]), "a revoked capability");
+    let short_lived = start(&ka, Duration::from_millis(1));
+    let src_short = short_lived.register(4096).expect("register");
+    let brief = short_lived.grant(None, &src_short, vec![0..4096]).expect("grant");
+    std::thread::sleep(Duration::from_millis(20));
+    let mut remote = short_lived.describe(&src_short);
+    remote.capability = Some(brief);
+    let err = b.read_via(Transport::Tcp, &remote, &dst, &[a(0, 0, 4096)]).expect_err("expired");
+    assert!(matches!(err, TransferError::Refused { status: RemoteStatus::Forbidden, .. }), "{err}");
 }

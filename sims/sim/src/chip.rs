@@ -225,7 +225,7 @@ impl StepExecutor for ModelledChip {
             let num_layers = self.shape.num_layers.max(1);
             for layers in stage_groups(num_layers) {
                 let at = time.mul_f64(layers.end as f64 / num_layers as f64);
-                ctx.notify_at(at, Msg::KvStaged { step, layers, staged: staged.clone() });
+                ctx.notify_at(at, Msg::KvStaged { step, layers, staged: staged.clone(), capabilities: Vec::new() });
             }
         }
         let mut sampled = Vec::with_capacity(plan.seqs.len());
