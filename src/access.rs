@@ -18,6 +18,16 @@ pub enum KeysCommand {
     /// Make a host's identity for a secured cluster (`[security]`): DIR/NAME.key, readable
     /// by its owner only, and DIR/NAME.pub, to copy into every host's keys directory.
     GenHost(GenHostArgs),
+    /// Make a key that seals the keys file and the audit log at rest: FILE, readable by
+    /// its owner only (`[security] at_rest_key_file`, or `TESSERA_AT_REST_KEY_FILE`).
+    GenAtRest(GenAtRestArgs),
+}
+
+#[derive(Args)]
+pub struct GenAtRestArgs {
+    /// The key file to write (never replaced).
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -96,6 +106,22 @@ fn audit_key_change(file: &FileArgs, event: &str, details: serde_json::Value) ->
 
 pub fn keys(command: KeysCommand) -> Result<()> {
     match command {
+        KeysCommand::GenAtRest(args) => {
+            if args.out.exists() {
+                bail!(
+                    "{} already exists; remove it first to replace the at-rest key (what it sealed then no longer opens)",
+                    args.out.display()
+                );
+            }
+            let hex = tessera_access::at_rest::AtRestKey::generate_hex()?;
+            tessera_access::files::write_private(&args.out, format!("{hex}\n").as_bytes())
+                .with_context(|| format!("writing {}", args.out.display()))?;
+            eprintln!(
+                "at-rest key written to {} (owner-only); point [security] at_rest_key_file or TESSERA_AT_REST_KEY_FILE at it",
+                args.out.display()
+            );
+            Ok(())
+        }
         KeysCommand::GenHost(args) => {
             tessera_topology::check_name(&args.name).map_err(|e| anyhow::anyhow!("--name: {e}"))?;
             let pair = tessera_runtime::security::HostKeypair::generate()?;

@@ -246,3 +246,76 @@ fn a_tap_on_loopback_sees_the_prompts_token_ids_in_a_plain_cluster_and_not_in_an
         assert_eq!(split, 1.0, "{mode}: the prompt went to the prefill host");
     }
 }
+
+/// `tessera` with the at-rest key file in its environment.
+fn sealed_cli(key: &Path) -> std::process::Command {
+    let mut cmd = tessera();
+    cmd.env("TESSERA_AT_REST_KEY_FILE", key);
+    cmd
+}
+
+#[test]
+fn the_keys_file_and_audit_log_are_sealed_at_rest_and_read_only_with_the_key() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, keys, audit) =
+        (dir.path().join("at-rest.key"), dir.path().join("keys.json"), dir.path().join("audit.log"));
+    let out = tessera().args(["keys", "gen-at-rest", "--out"]).arg(&key).output().expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::metadata(&key).expect("key").permissions().mode() & 0o777, 0o600);
+    let again = tessera().args(["keys", "gen-at-rest", "--out"]).arg(&key).output().expect("run");
+    assert!(!again.status.success(), "an at-rest key is never replaced");
+
+    let out = sealed_cli(&key)
+        .args(["keys", "add", "--tenant", "default", "--name", "pager-team", "--role", "admin", "--file"])
+        .arg(&keys)
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let api_key = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    // Nothing readable on disk: the file is sealed, each audit line too.
+    let raw = std::fs::read(&keys).expect("keys file");
+    assert!(raw.starts_with(b"TESSERA-SEALED-1\n"), "the keys file is sealed");
+    assert!(!raw.windows(10).any(|w| w == b"pager-team"), "a key's name in clear");
+    let log = std::fs::read_to_string(&audit).expect("audit log");
+    assert!(log.lines().all(|l| l.starts_with("sealed:")) && !log.contains("pager-team"), "{log}");
+    // With the key: listed and verified; without: refused, saying which variable to set.
+    let list = sealed_cli(&key).args(["keys", "list", "--file"]).arg(&keys).output().expect("run");
+    assert!(String::from_utf8_lossy(&list.stdout).contains("pager-team"));
+    let verify = sealed_cli(&key).args(["audit", "verify"]).arg(&audit).output().expect("run");
+    assert!(verify.status.success(), "{}", String::from_utf8_lossy(&verify.stderr));
+    for args in [vec!["keys", "list", "--file"], vec!["audit", "verify"]] {
+        let path = if args[0] == "keys" { &keys } else { &audit };
+        let out = tessera().args(&args).arg(path).output().expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains("TESSERA_AT_REST_KEY"), "{args:?}: {stderr}");
+    }
+    // An edited sealed line is named.
+    let mut lines: Vec<String> = log.lines().map(str::to_owned).collect();
+    let mid = lines[0].len() / 2;
+    let flipped = if &lines[0][mid..=mid] == "0" { "1" } else { "0" };
+    lines[0].replace_range(mid..=mid, flipped);
+    std::fs::write(&audit, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).expect("write");
+    let verify = sealed_cli(&key).args(["audit", "verify"]).arg(&audit).output().expect("run");
+    let stderr = String::from_utf8_lossy(&verify.stderr);
+    assert!(!verify.status.success() && stderr.contains(":1:") && stderr.contains("does not open"), "{stderr}");
+
+    // A gateway with the key in its topology reads the sealed keys file and seals its log.
+    let served_audit = dir.path().join("served-audit.log");
+    let gateway = format!("keys_file = \"{}\"\naudit_log = \"{}\"\n", keys.display(), served_audit.display());
+    let chip = ChipDef {
+        host: "h0",
+        id: "h0-cpu0".into(),
+        toml: "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1\n".into(),
+    };
+    let extra = format!("[security]\nat_rest_key_file = \"{}\"\n", key.display());
+    let topo = topology_of(&[chip], &extra, &gateway, HEARTBEAT_TIMEOUT_MS);
+    let mut cluster = Cluster::up(&topo);
+    let gw = cluster.gateway;
+    cluster.wait_ready(1);
+    let body = completion_body("Hi", 2, false, false).to_string();
+    assert_eq!(request_as(gw, "POST", "/v1/completions", Some(&body), Some(&api_key)).status, 200);
+    assert_eq!(request_as(gw, "POST", "/v1/completions", Some(&body), Some("tsk-wrong")).status, 401);
+    let served = std::fs::read_to_string(&served_audit).expect("the gateway's audit log");
+    assert!(!served.is_empty() && served.lines().all(|l| l.starts_with("sealed:")), "{served}");
+}

@@ -565,11 +565,14 @@ pub struct SecuritySpec {
     /// Where each host finds its own private key (`<host>.key`) and the hosts' public
     /// keys (`<host>.pub`, unless listed inline); required unless `mode` is `off`.
     pub keys_dir: Option<PathBuf>,
+    /// The key (64 hex digits, owner-only file) that seals the keys file and the audit
+    /// log at rest; `None`: `TESSERA_AT_REST_KEY(_FILE)` if set, else they are plain.
+    pub at_rest_key_file: Option<PathBuf>,
 }
 
 impl Default for SecuritySpec {
     fn default() -> Self {
-        SecuritySpec { mode: SecurityMode::Off, cipher: Cipher::default(), keys_dir: None }
+        SecuritySpec { mode: SecurityMode::Off, cipher: Cipher::default(), keys_dir: None, at_rest_key_file: None }
     }
 }
 

@@ -306,6 +306,12 @@ pub const TABLES: &[Table] = &[
                 "required unless `mode = \"off\"`",
                 "Holds this host's `HOST.key` (owner-only) and the hosts' `HOST.pub`, as `tessera keys gen-host --name HOST --out DIR` writes them. Re-read when an unknown key connects, so a host restarted with a new key rejoins once its `.pub` is copied here.",
             ),
+            key(
+                "at_rest_key_file",
+                "path",
+                "`$TESSERA_AT_REST_KEY(_FILE)`, else none",
+                "A key file (`tessera keys gen-at-rest --out FILE`, owner-only) that seals the gateway's keys file and audit log at rest (ChaCha20-Poly1305).",
+            ),
         ],
     },
     Table {

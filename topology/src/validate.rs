@@ -302,6 +302,8 @@ struct RawSecurity {
     cipher: Option<Spanned<String>>,
     #[serde(default)]
     keys_dir: Option<Spanned<String>>,
+    #[serde(default)]
+    at_rest_key_file: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -1722,12 +1724,12 @@ impl Checker<'_> {
         let raw_ref = spanned.get_ref();
         let mode = self.named(&raw_ref.mode, "security.mode", default_mode)?;
         let cipher = self.named(&raw_ref.cipher, "security.cipher", Cipher::default())?;
-        let keys_dir = match &raw_ref.keys_dir {
-            Some(dir) if dir.get_ref().trim().is_empty() => {
-                return Err(self.err(dir.span(), "security.keys_dir", "must not be empty"));
-            }
-            other => other.as_ref().map(|dir| self.resolve(dir.get_ref())),
+        let path = |value: &Option<Spanned<String>>, key: &str| match value {
+            Some(path) if path.get_ref().trim().is_empty() => Err(self.err(path.span(), key, "must not be empty")),
+            other => Ok(other.as_ref().map(|path| self.resolve(path.get_ref()))),
         };
+        let keys_dir = path(&raw_ref.keys_dir, "security.keys_dir")?;
+        let at_rest_key_file = path(&raw_ref.at_rest_key_file, "security.at_rest_key_file")?;
         if mode != SecurityMode::Off && keys_dir.is_none() {
             return Err(self.err(
                 spanned.span(),
@@ -1738,7 +1740,7 @@ impl Checker<'_> {
                 ),
             ));
         }
-        Ok(SecuritySpec { mode, cipher, keys_dir })
+        Ok(SecuritySpec { mode, cipher, keys_dir, at_rest_key_file })
     }
 
     /// Two sockets bound to one address would fail at start-up, on some host, late.

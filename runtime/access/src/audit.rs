@@ -29,6 +29,8 @@ pub enum AuditError {
     Io { path: String, source: std::io::Error },
     #[error("audit log {path}: its last entry cannot be chained onto ({why}); run `tessera audit verify {path}`")]
     Damaged { path: String, why: String },
+    #[error("audit log {path}: {source}")]
+    AtRest { path: String, source: crate::at_rest::AtRestError },
 }
 
 /// An append-only, hash-chained log file.
@@ -68,7 +70,7 @@ impl AuditLog {
             let previous = files::sidecar(&self.path, "1");
             let name = previous.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             let line = entry(seq + 1, &hash, ROTATED, "tessera", serde_json::json!({ "previous": name }));
-            self.write_line(&line.0).map_err(io)?;
+            self.write_line(&line.0)?;
             last = Some((seq + 1, line.1));
         }
         let (seq, prev) = match last {
@@ -76,14 +78,19 @@ impl AuditLog {
             None => (0, GENESIS.to_owned()),
         };
         let (line, _) = entry(seq, &prev, event, who, details);
-        self.write_line(&line).map_err(io)?;
+        self.write_line(&line)?;
         Ok(seq)
     }
 
-    fn write_line(&self, line: &str) -> std::io::Result<()> {
-        let mut file = files::append_private(&self.path)?;
-        file.write_all(format!("{line}\n").as_bytes())?;
-        file.sync_data()
+    /// Appends `line`, sealed when an at-rest key is set.
+    fn write_line(&self, line: &str) -> Result<(), AuditError> {
+        let path = || self.path.display().to_string();
+        let line =
+            crate::at_rest::seal_line(line.to_owned()).map_err(|source| AuditError::AtRest { path: path(), source })?;
+        let io = |source| AuditError::Io { path: path(), source };
+        let mut file = files::append_private(&self.path).map_err(io)?;
+        file.write_all(format!("{line}\n").as_bytes()).map_err(io)?;
+        file.sync_data().map_err(io)
     }
 
     /// Shifts `<path>.k` to `<path>.k+1` (dropping the one past `keep`) and `<path>` to
@@ -128,7 +135,9 @@ impl AuditLog {
             None if start == 0 => body,
             None => return Err(damaged("its last line is over 64 KiB".into())),
         };
-        let checked = check_line(line).map_err(damaged)?;
+        let line = crate::at_rest::open_line(line, &format!("the last entry of audit log {}", self.path.display()))
+            .map_err(|source| AuditError::AtRest { path: self.path.display().to_string(), source })?;
+        let checked = check_line(&line).map_err(damaged)?;
         Ok(Some((checked.seq, checked.hash)))
     }
 }
@@ -232,7 +241,8 @@ pub fn verify(files: &[PathBuf]) -> Result<VerifyReport, VerifyError> {
         };
         for (i, line) in body.split(|&b| b == b'\n').enumerate() {
             let bad = |why: String| VerifyError { file: file.clone(), line: i + 1, why };
-            let entry = check_line(line).map_err(bad)?;
+            let line = crate::at_rest::open_line(line, "the entry").map_err(|e| bad(e.to_string()))?;
+            let entry = check_line(&line).map_err(bad)?;
             match &last {
                 None if entry.seq == 0 => {
                     if entry.prev != GENESIS {

@@ -106,6 +106,8 @@ pub enum KeysError {
     Random(getrandom::Error),
     #[error("{0}")]
     Invalid(String),
+    #[error(transparent)]
+    AtRest(#[from] crate::at_rest::AtRestError),
 }
 
 /// Who a request's key says it comes from.
@@ -273,6 +275,7 @@ pub(crate) fn bearer(authorization: Option<&str>) -> Result<&str, AuthError> {
 
 fn read(path: &Path) -> Result<KeysFile, KeysError> {
     let text = std::fs::read(path).map_err(|source| KeysError::Io { path: path.display().to_string(), source })?;
+    let text = crate::at_rest::open_file(text, &format!("keys file {}", path.display()))?;
     let file: KeysFile = serde_json::from_slice(&text)
         .map_err(|source| KeysError::Parse { path: path.display().to_string(), source })?;
     if file.version != FILE_VERSION {
@@ -298,6 +301,7 @@ fn change<T>(path: &Path, change: impl FnOnce(&mut KeysFile) -> Result<T, KeysEr
     KeyStore::from_file(&file, path)?;
     let mut bytes = serde_json::to_vec_pretty(&file).map_err(|e| KeysError::Invalid(e.to_string()))?;
     bytes.push(b'\n');
+    let bytes = crate::at_rest::seal_file(bytes)?;
     files::write_private(path, &bytes).map_err(io)?;
     Ok(out)
 }

@@ -7,6 +7,7 @@
 //! and the CLI call it; admission (a behavior) sees only the tenant a key resolved to.
 #![forbid(unsafe_code)]
 
+pub mod at_rest;
 pub mod audit;
 pub mod files;
 pub mod keys;

@@ -317,6 +317,12 @@ pub fn run_node(
         });
     };
     let me = &spec.hosts[index];
+    if let Some(path) = &spec.security.at_rest_key_file {
+        let key = tessera_access::at_rest::AtRestKey::from_file(path)
+            .map_err(|e| NodeError::Keys { host: me.name.clone(), detail: e.to_string() })?;
+        // A second host of this process (`up --in-process`) shares the first one's key.
+        tessera_access::at_rest::install(key);
+    }
     let model_dir = resolve_model(&spec.model)?;
     let model_config = ModelConfig::from_dir(&model_dir)?;
 
