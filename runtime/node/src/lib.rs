@@ -366,6 +366,15 @@ pub fn run_node(
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
 
     // The stages this host holds for instances on other hosts.
+    if let Some(addr) = me.stages
+        && security.is_some()
+    {
+        tracing::warn!(
+            host = host_name,
+            %addr,
+            "this host serves pipeline stages: their links carry activations in clear even though [security] is on"
+        );
+    }
     if let Some(addr) = me.stages {
         let listener = std::net::TcpListener::bind(addr)
             .map_err(ctx(format!("host {host_name}: starting the stage server on {addr}")))?;
