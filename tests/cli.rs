@@ -380,8 +380,7 @@ fn topology_check_refuses_a_missing_local_plugin_and_says_whose_paths_it_checked
     let h0 = "[cluster]\nmodel = \"builtin:tiny\"\n[[hosts]]\nname = \"h0\"\nbus = \"127.0.0.1:7400\"\n\
               [[hosts.chips]]\nid = \"c0\"\nkind = \"cpu\"\nbackend = \"plugin:lib/libk.so\"\n";
     let h1 = "[[hosts]]\nname = \"h1\"\nbus = \"192.0.2.1:7410\"\n\
-              [[hosts.chips]]\nid = \"c1\"\nkind = \"cpu\"\nbackend = \"plugin:/nope/libk.so\"\n\
-              [security]\nkeys_dir = \"keys\"\n";
+              [[hosts.chips]]\nid = \"c1\"\nkind = \"cpu\"\nbackend = \"plugin:/nope/libk.so\"\n";
     std::fs::write(&file, format!("{h0}{h1}")).unwrap();
     let check = || run(&["topology", "check", file.to_str().unwrap()]);
 

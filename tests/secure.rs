@@ -104,12 +104,17 @@ fn the_chip_restart_drill_loses_nothing_with_encryption_on() {
 #[test]
 fn a_cluster_beyond_loopback_or_missing_its_keys_is_refused_saying_how_to_make_them() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("cluster.toml");
-    let remote = pd("").toml.replacen("bus = \"127.0.0.1:", "bus = \"10.9.8.7:", 1);
-    std::fs::write(&file, remote).expect("write");
-    let out = tessera().args(["topology", "check"]).arg(&file).output().expect("run");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("tessera keys gen-host"), "{stderr}");
+    // p on another machine and no [security]: encrypted by default, and d's node refuses
+    // to start without keys, saying how to make them.
+    let mut remote = pd("");
+    let p_bus = remote.toml.rfind("bus = \"127.0.0.1:").expect("p's bus");
+    remote.toml.replace_range(p_bus..p_bus + "bus = \"127.0.0.1:".len(), "bus = \"10.9.8.7:");
+    let mut cluster = Cluster::nodes(&remote, &["d"]);
+    let d = cluster.proc("d");
+    let status = d.wait_exit(std::time::Duration::from_secs(20)).expect("d refuses to start");
+    let log = d.log();
+    assert!(!status.success() && log.contains("tessera keys gen-host") && log.contains("10.9.8.7"), "{log}");
+    drop(cluster);
 
     // Keys for d only: p's node refuses to start and names what is missing.
     let keys = dir.path().join("keys");

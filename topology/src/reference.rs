@@ -292,7 +292,7 @@ pub const TABLES: &[Table] = &[
                 "mode",
                 "`\"off\"`, `\"authenticate\"` or `\"encrypt\"`",
                 "`\"off\"` when every host address is loopback, else `\"encrypt\"`",
-                "`authenticate`: hosts prove their listed keys (Noise XX handshake per connection) and every frame carries a tag; `encrypt`: and every frame is encrypted. A cluster reached beyond loopback without a `[security]` table is refused, with how to make keys.",
+                "`authenticate`: hosts prove their listed keys (Noise XX handshake per connection) and every frame carries a tag; `encrypt`: and every frame is encrypted. A host of a cluster reached beyond loopback refuses to start without keys, saying how to make them.",
             ),
             key(
                 "cipher",

@@ -555,7 +555,7 @@ impl Checker<'_> {
         emulation.perf_models = self.perf_models(raw.emulation.as_ref().map(Spanned::get_ref), &context, &hosts)?;
         let gateway = self.gateway(raw.gateway.as_ref().map(Spanned::get_ref), &hosts)?;
         let bus = self.bus(raw.bus.as_ref().map(Spanned::get_ref))?;
-        let security = self.security(raw.security.as_ref(), &raw.hosts, &hosts)?;
+        let security = self.security(raw.security.as_ref(), &hosts)?;
         self.sockets_are_distinct(&raw.hosts, &hosts, raw.gateway.as_ref().map(Spanned::get_ref), &gateway)?;
         self.some_chip_decodes(&raw.hosts, &hosts)?;
         self.kv_peers_quantize_alike(&raw.hosts, &hosts)?;
@@ -1689,13 +1689,9 @@ impl Checker<'_> {
     }
 
     /// `[security]`: the mode defaults to `encrypt` as soon as one host address is not
-    /// loopback, and a secured cluster names where its keys are.
-    fn security(
-        &self,
-        raw: Option<&Spanned<RawSecurity>>,
-        raw_hosts: &[Spanned<RawHost>],
-        hosts: &[HostSpec],
-    ) -> Result<SecuritySpec, TopologyError> {
+    /// loopback. Keys are checked where they are used: a node refuses to start a secured
+    /// mode without them (a simulated scenario's hosts need none).
+    fn security(&self, raw: Option<&Spanned<RawSecurity>>, hosts: &[HostSpec]) -> Result<SecuritySpec, TopologyError> {
         let all_loopback = hosts.iter().all(|h| {
             [Some(h.bus), Some(h.events), Some(h.transfer), h.stages]
                 .into_iter()
@@ -1704,22 +1700,7 @@ impl Checker<'_> {
         });
         let default_mode = if all_loopback { SecurityMode::Off } else { SecurityMode::Encrypt };
         let Some(spanned) = raw else {
-            if default_mode == SecurityMode::Off {
-                return Ok(SecuritySpec::default());
-            }
-            let h = hosts.iter().position(|h| !h.bus.ip().is_loopback()).unwrap_or(0);
-            let host = &hosts[h];
-            return Err(self.err(
-                raw_hosts[h].get_ref().bus.span(),
-                format!("hosts[{h}].bus"),
-                format!(
-                    "host `{}` is reached beyond loopback ({}), so the bus and KV transfer are encrypted by default, \
-                     and that needs keys: on each host run `tessera keys gen-host --name HOST --out DIR`, copy every \
-                     HOST.pub into each host's DIR, and add [security] keys_dir = \"DIR\" (or mode = \"off\" to send \
-                     in clear on a network you trust)",
-                    host.name, host.bus
-                ),
-            ));
+            return Ok(SecuritySpec { mode: default_mode, ..SecuritySpec::default() });
         };
         let raw_ref = spanned.get_ref();
         let mode = self.named(&raw_ref.mode, "security.mode", default_mode)?;
@@ -1730,16 +1711,6 @@ impl Checker<'_> {
         };
         let keys_dir = path(&raw_ref.keys_dir, "security.keys_dir")?;
         let at_rest_key_file = path(&raw_ref.at_rest_key_file, "security.at_rest_key_file")?;
-        if mode != SecurityMode::Off && keys_dir.is_none() {
-            return Err(self.err(
-                spanned.span(),
-                "security.keys_dir",
-                format!(
-                    "mode `{mode}` needs keys: on each host run `tessera keys gen-host --name HOST --out DIR`, copy \
-                     every HOST.pub into each host's DIR, and set keys_dir = \"DIR\""
-                ),
-            ));
-        }
         Ok(SecuritySpec { mode, cipher, keys_dir, at_rest_key_file })
     }
 

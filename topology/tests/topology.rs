@@ -757,13 +757,9 @@ fn load_in(dir: &std::path::Path, text: &str) -> Result<(ClusterSpec, PathReport
 
 /// h1 of [`SECOND_HOST`] on an address no machine has (TEST-NET-1, RFC 5737): a host
 /// that runs elsewhere.
-/// [`SECOND_HOST`] on another machine, and the `[security]` a cluster beyond loopback
-/// needs (last in the file, so the lines before keep their numbers).
 fn remote_second_host(backend: &str) -> String {
-    SECOND_HOST.replace("127.0.0.1:7410", "192.0.2.1:7410").replace("backend = \"cpu\"", backend) + KEYS
+    SECOND_HOST.replace("127.0.0.1:7410", "192.0.2.1:7410").replace("backend = \"cpu\"", backend)
 }
-
-const KEYS: &str = "[security]\nkeys_dir = \"keys\"\n";
 
 #[test]
 fn load_resolves_relative_paths_against_the_file() {
@@ -882,7 +878,7 @@ fn load_refuses_missing_local_paths() {
         (model("lib/libk.so"), 2, 9, "cluster.model", "is neither a checkpoint directory nor a GGUF file".to_owned()),
         // The model directory is checked when any host runs here, not only the first.
         (
-            format!("{}{SECOND_HOST}{KEYS}", model("nope/ckpt").replace("127.0.0.1:7400", "192.0.2.1:7400")),
+            format!("{}{SECOND_HOST}", model("nope/ckpt").replace("127.0.0.1:7400", "192.0.2.1:7400")),
             2,
             9,
             "cluster.model",
@@ -1346,8 +1342,9 @@ fn tenants_are_read_and_bad_ones_refused() {
 fn security_defaults_to_off_on_loopback_and_to_encrypt_beyond_it() {
     let spec = spec_of(ONE_CHIP);
     assert_eq!(spec.security.mode, tessera_topology::SecurityMode::Off);
-    // One address beyond loopback and no [security]: refused, saying how to make keys.
-    assert_error(&with_line(5, "bus = \"10.0.0.2:7400\""), 5, 7, "hosts[0].bus", "tessera keys gen-host");
+    // One address beyond loopback: encrypted by default (the node asks for the keys).
+    let spec = spec_of(&with_line(5, "bus = \"10.0.0.2:7400\""));
+    assert_eq!((spec.security.mode, &spec.security.keys_dir), (tessera_topology::SecurityMode::Encrypt, &None));
     // With keys, it encrypts by default; the cipher and directory are read.
     let text = format!(
         "{}[security]\nkeys_dir = \"/etc/tessera/keys\"\ncipher = \"sm4-gcm\"\n",
@@ -1360,8 +1357,14 @@ fn security_defaults_to_off_on_loopback_and_to_encrypt_beyond_it() {
     // Off beyond loopback is the operator's call.
     let text = format!("{}[security]\nmode = \"off\"\n", with_line(5, "bus = \"10.0.0.2:7400\""));
     assert_eq!(spec_of(&text).security.mode, tessera_topology::SecurityMode::Off);
-    // A secured mode without a keys directory, unknown names, and a malformed inline key.
-    assert_error(&format!("{ONE_CHIP}[security]\nmode = \"encrypt\"\n"), 10, 1, "security.keys_dir", "gen-host");
+    // Unknown names, an empty path, and a malformed inline key.
+    assert_error(
+        &format!("{ONE_CHIP}[security]\nkeys_dir = \" \"\n"),
+        11,
+        12,
+        "security.keys_dir",
+        "must not be empty",
+    );
     assert_error(
         &format!("{ONE_CHIP}[security]\nmode = \"tls\"\n"),
         11,

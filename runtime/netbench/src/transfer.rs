@@ -323,10 +323,15 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
         Some((sec, dir)) => {
             let mut config = TransferConfig::new(loopback_any());
             config.security = Some(plane_security(*sec, dir, PEER_NAME, MAIN_HOST, PEER_HOST)?);
+            // The whole region is offered for as long as the bench may take.
+            config.capability_ttl = Duration::from_secs(24 * 3600);
             let sealed_engine = TransferEngine::start(config)?;
             let sealed_region = sealed_engine.register(args.bytes)?;
             sealed_region.write(0, &pattern(args.bytes))?;
-            Some((sealed_engine, sealed_region))
+            let mut desc = sealed_engine.describe(&sealed_region);
+            desc.capability =
+                Some(sealed_engine.grant(None, &sealed_region, std::iter::once(0..args.bytes as u64).collect())?);
+            Some((sealed_engine, sealed_region, desc))
         }
         None => None,
     };
@@ -334,7 +339,7 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
     let hello = PeerHello {
         region: engine.describe(&region),
         raw_tcp: raw.local_addr()?,
-        sealed_region: sealed.as_ref().map(|(e, r)| e.describe(r)),
+        sealed_region: sealed.as_ref().map(|(_, _, desc)| desc.clone()),
     };
     let stopping = Arc::new(AtomicBool::new(false));
     let stopped = stopping.clone();
@@ -355,7 +360,7 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
     ready(&hello);
     stop();
     engine.shutdown();
-    if let Some((sealed_engine, _)) = sealed {
+    if let Some((sealed_engine, _, _)) = sealed {
         sealed_engine.shutdown();
     }
     // Wake the blaster's accept so it sees the flag (a connection of our own).

@@ -82,7 +82,16 @@ pub fn plane_security(spec: &ClusterSpec, host_index: usize) -> Result<Option<Pl
         SecurityMode::Encrypt => Mode::Encrypt,
     };
     let Some(dir) = &spec.security.keys_dir else {
-        return Err(keys_err(format!("security mode `{}` needs security.keys_dir", spec.security.mode)));
+        let beyond = spec.hosts.iter().find(|h| !h.bus.ip().is_loopback());
+        let why = beyond.map_or_else(String::new, |h| {
+            format!(" (the default once a host is reached beyond loopback: `{}` at {})", h.name, h.bus)
+        });
+        return Err(keys_err(format!(
+            "the bus and KV transfer are secured (security mode `{}`{why}) and that needs host keys: on each host run \
+             `tessera keys gen-host --name HOST --out DIR`, copy every HOST.pub into each host's DIR, and add \
+             [security] keys_dir = \"DIR\" (or mode = \"off\" to send in clear on a network you trust)",
+            spec.security.mode
+        )));
     };
     let identity = HostKeypair::load(dir, &me.name).map_err(|e| {
         keys_err(format!(
