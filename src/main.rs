@@ -259,12 +259,8 @@ struct BenchTransferArgs {
 struct TransferPeerArgs {
     #[arg(long)]
     bytes: usize,
-    #[arg(long)]
-    mode: Option<tessera_topology::SecurityMode>,
-    #[arg(long, default_value = "chacha20-poly1305")]
-    cipher: tessera_topology::Cipher,
-    #[arg(long)]
-    keys_dir: Option<PathBuf>,
+    #[command(flatten)]
+    security: PeerSecurityArgs,
 }
 
 #[derive(Args)]
@@ -340,12 +336,26 @@ struct BusPeerArgs {
     peer_events: std::net::SocketAddr,
     #[arg(long)]
     tcp_port: u16,
+    #[command(flatten)]
+    security: PeerSecurityArgs,
+}
+
+/// A bench peer's secured plane: the flags `tessera_netbench`'s `BenchSecurity::to_args`
+/// writes.
+#[derive(Args)]
+struct PeerSecurityArgs {
     #[arg(long)]
     mode: Option<tessera_topology::SecurityMode>,
     #[arg(long, default_value = "chacha20-poly1305")]
     cipher: tessera_topology::Cipher,
     #[arg(long)]
     keys_dir: Option<PathBuf>,
+}
+
+impl PeerSecurityArgs {
+    fn settings(self) -> Option<(tessera_netbench::bus::BenchSecurity, PathBuf)> {
+        self.mode.and_then(|m| bench_security(m, self.cipher)).zip(self.keys_dir)
+    }
 }
 
 /// The bench's secured-bus settings for a topology security mode (`None`: off).
@@ -1344,7 +1354,7 @@ fn bench_bus_peer(args: BusPeerArgs) -> Result<()> {
         peer_direct: args.peer_direct,
         peer_events: args.peer_events,
         tcp_port: args.tcp_port,
-        security: args.mode.and_then(|m| bench_security(m, args.cipher)).zip(args.keys_dir),
+        security: args.security.settings(),
     };
     Ok(tessera_netbench::bus::serve_peer(&args)?)
 }
@@ -1405,10 +1415,7 @@ fn bench_handoff(
 }
 
 fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {
-    let args = tessera_netbench::transfer::TransferPeerArgs {
-        bytes: args.bytes,
-        security: args.mode.and_then(|m| bench_security(m, args.cipher)).zip(args.keys_dir),
-    };
+    let args = tessera_netbench::transfer::TransferPeerArgs { bytes: args.bytes, security: args.security.settings() };
     Ok(tessera_netbench::transfer::serve_peer(&args)?)
 }
 

@@ -33,16 +33,6 @@ fn pd_topology(p_extra: &str, d_extra: &str, disagg: &str, gateway_on_decode: bo
     topology_of(&chips, &format!("[disagg]\nmin_prompt_tokens = 8\n{disagg}\n"), "", HEARTBEAT_TIMEOUT_MS)
 }
 
-/// The value of a Prometheus sample line starting with `prefix` (0 when absent).
-fn metric(gw: std::net::SocketAddr, prefix: &str) -> f64 {
-    get(gw, "/metrics")
-        .body
-        .lines()
-        .find_map(|l| l.strip_prefix(prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn prompt_of(words: usize, seed: usize) -> String {
     let vocab = ["the", "chip", "decodes", "a", "token", "while", "another", "prefills", "long", "prompts"];
     (0..words).map(|i| vocab[(i * 7 + seed * 3) % vocab.len()]).collect::<Vec<_>>().join(" ")

@@ -45,15 +45,6 @@ fn pd(cluster_extra: &str) -> Topology {
     topology_of(&[chip("d", "decode"), chip("p", "prefill")], &extra, "", HEARTBEAT_TIMEOUT_MS)
 }
 
-fn metric(gw: std::net::SocketAddr, prefix: &str) -> f64 {
-    get(gw, "/metrics")
-        .body
-        .lines()
-        .find_map(|l| l.strip_prefix(prefix))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[test]
 fn encrypted_clusters_serve_generates_greedy_text_with_either_cipher() {
     const MAX_TOKENS: usize = 16;

@@ -60,25 +60,4 @@ for r in $(seq 1 "$repeats"); do
     done
 done
 
-python3 - "$out" "$repeats" <<'PY'
-import json, statistics, sys
-out, repeats = sys.argv[1], int(sys.argv[2])
-def tok_s(mode, r):
-    try:
-        with open(f"{out}/{mode}-{r}.json") as f:
-            rep = json.load(f)
-        return rep["output_throughput_tok_s"] if rep["requests_failed"] == 0 else None
-    except (OSError, ValueError, KeyError):
-        return None
-ratios = []
-print(f"{'repeat':>6} {'off tok/s':>10} {'encrypt tok/s':>14} {'encrypt/off':>12}")
-for r in range(1, repeats + 1):
-    off, enc = tok_s("off", r), tok_s("encrypt", r)
-    if off and enc:
-        ratios.append(enc / off)
-        print(f"{r:>6} {off:>10.1f} {enc:>14.1f} {enc / off:>12.3f}")
-    else:
-        print(f"{r:>6} a run failed (see {out}/up-*-{r}.log)")
-if ratios:
-    print(f"median encrypt/off over {len(ratios)} repeats: {statistics.median(ratios):.3f}")
-PY
+python3 "$here/sims/scripts/lib/side_by_side.py" "$out" "$repeats" off encrypt

@@ -595,6 +595,17 @@ pub fn try_health(addr: SocketAddr) -> Option<Value> {
     serde_json::from_str(&r.body).ok()
 }
 
+/// The value of the gateway's Prometheus sample line starting with `prefix` (0 when
+/// absent).
+pub fn metric(gw: SocketAddr, prefix: &str) -> f64 {
+    get(gw, "/metrics")
+        .body
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// Polls `/health` until `pred` holds; panics after `timeout` with the last answer.
 #[track_caller]
 pub fn wait_health(addr: SocketAddr, what: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
