@@ -297,7 +297,10 @@ impl Receiver {
     fn drop_frame(&self, reason: &'static str, source: &str, detail: &dyn std::fmt::Display) {
         Counters::add(&self.counters.dropped, 1);
         metrics::counter!("tessera_bus_frames_dropped_total", "reason" => reason).increment(1);
-        if let Some(suppressed) = self.warn.allow() {
+        if reason == "awaiting_key" {
+            // Expected while a peer's links come up: its PUB may be ahead of its handshake.
+            tracing::debug!(reason, source, "dropped bus frame: {detail}");
+        } else if let Some(suppressed) = self.warn.allow() {
             tracing::warn!(reason, source, suppressed, "dropped bus frame: {detail}");
         }
     }

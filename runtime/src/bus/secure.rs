@@ -42,8 +42,11 @@ impl Secured {
         if header.kind != Kind::Broadcast || header.host != peer.0 {
             return Err(Reject::NoKey);
         }
-        let opener = self.groups.get(&peer).ok_or(Reject::NoKey)?;
-        opener.lock().open(self.sec.mode, sealed).map(|(_, body)| body)
+        let mut opener = self.groups.get(&peer).ok_or(Reject::NoKey)?.lock();
+        if opener.is_empty() {
+            return Err(Reject::AwaitingKey);
+        }
+        opener.open(self.sec.mode, sealed).map(|(_, body)| body)
     }
 
     fn install(&self, host: HostId, grants: &[Grant], direct: &mut Opener) {
@@ -270,6 +273,21 @@ mod tests {
         let event = publisher.seal(Kind::Broadcast, b"heartbeat");
         assert_eq!(responder.open_broadcast(HostId(0), &event).expect("opens"), b"heartbeat");
         assert!(responder.open_broadcast(HostId(2), &event).is_err(), "not host 2's broadcast");
+    }
+
+    #[test]
+    fn a_broadcast_ahead_of_its_publishers_key_is_awaited_not_taken_for_a_forgery() {
+        let (secs, _) = cluster(2);
+        let responder = Secured::new(secs[1].clone(), [HostId(0)].into_iter());
+        let mut publisher = Sealer::new(Mode::Encrypt, Cipher::ChaCha20Poly1305, 0, 40, &[5; 32]);
+        let early = publisher.seal(Kind::Broadcast, b"heartbeat");
+        assert_eq!(responder.open_broadcast(HostId(0), &early), Err(Reject::AwaitingKey));
+        let id = Bytes::from_static(b"conn");
+        let (_sessions, _, grants) = connect(&secs, &responder, &id);
+        // Keyed now: a frame under another key of the same epoch is a forgery, not early.
+        assert_eq!(responder.open_broadcast(HostId(0), &early), Err(Reject::Tampered));
+        let mut keyed = Sealer::new(Mode::Encrypt, Cipher::ChaCha20Poly1305, 0, 40, &grants[1].key);
+        assert!(responder.open_broadcast(HostId(0), &keyed.seal(Kind::Broadcast, b"heartbeat")).is_ok());
     }
 
     #[test]

@@ -71,6 +71,10 @@ pub enum Reject {
     /// No key for it: its sender has not completed a handshake, or the epoch is unknown.
     #[error("no key for this frame (sender not authenticated, or unknown key epoch)")]
     NoKey,
+    /// A broadcast from a publisher whose first key has not arrived yet: its PUB link
+    /// came up before its direct link finished the handshake (expected at start).
+    #[error("a broadcast before its publisher's key arrived")]
+    AwaitingKey,
     /// Its counter was accepted before or is older than the replay window.
     #[error("replayed or too old")]
     Replayed,
@@ -85,6 +89,7 @@ impl Reject {
             Reject::Unsealed => "unauthenticated",
             Reject::Mode => "mode",
             Reject::NoKey => "unknown_key",
+            Reject::AwaitingKey => "awaiting_key",
             Reject::Replayed => "replayed",
             Reject::Tampered => "tampered",
         }
