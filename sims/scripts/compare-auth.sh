@@ -36,20 +36,13 @@ key=$("$bin" keys add --file "$out/keys.json" --tenant bench)
     printf 'tokens_per_min = 1000000000\nmax_concurrent = 1024\nmax_tokens = 4096\n'
 } > "$out/on.toml"
 
+# shellcheck source=lib/serve-round.sh
+. "$here/sims/scripts/lib/serve-round.sh"
 run() { # mode repeat
-    local mode=$1 r=$2 pid
-    "$bin" up "$out/$mode.toml" --in-process > "$out/up-$mode-$r.log" 2>&1 &
-    pid=$!
-    for _ in $(seq 1 240); do
-        curl -s "$url/health" | grep -q '"chips_up":1' && break
-        sleep 0.5
-    done
     local auth=()
-    [ "$mode" = on ] && auth=(--api-key "$key")
-    "$bin" bench serve --url "$url" --concurrency "${CONCURRENCY:-8}" --requests "${REQUESTS:-200}" \
-        --isl "${ISL:-128}" --osl "${OSL:-64}" --seed "$r" --warmup 4 "${auth[@]}" --json > "$out/$mode-$r.json" || true
-    kill -INT "$pid"
-    wait "$pid" || true
+    [ "$1" = on ] && auth=(--api-key "$key")
+    serve_round "$1" "$2" 1 --in-process -- --concurrency "${CONCURRENCY:-8}" --requests "${REQUESTS:-200}" \
+        --isl "${ISL:-128}" --osl "${OSL:-64}" "${auth[@]}"
 }
 
 for r in $(seq 1 "$repeats"); do

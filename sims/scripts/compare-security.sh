@@ -39,18 +39,11 @@ topology() { # mode
 }
 for mode in off encrypt; do topology "$mode" > "$out/$mode.toml"; done
 
+# shellcheck source=lib/serve-round.sh
+. "$here/sims/scripts/lib/serve-round.sh"
 run() { # mode repeat
-    local mode=$1 r=$2 pid
-    "$bin" up "$out/$mode.toml" > "$out/up-$mode-$r.log" 2>&1 &
-    pid=$!
-    for _ in $(seq 1 240); do
-        curl -s "$url/health" | grep -q '"chips_up":2' && break
-        sleep 0.5
-    done
-    "$bin" bench serve --url "$url" --concurrency "${CONCURRENCY:-8}" --requests "${REQUESTS:-100}" \
-        --isl "${ISL:-256}" --osl "${OSL:-64}" --seed "$r" --warmup 4 --json > "$out/$mode-$r.json" || true
-    kill -INT "$pid"
-    wait "$pid" || true
+    serve_round "$1" "$2" 2 -- --concurrency "${CONCURRENCY:-8}" --requests "${REQUESTS:-100}" \
+        --isl "${ISL:-256}" --osl "${OSL:-64}"
 }
 
 for r in $(seq 1 "$repeats"); do
