@@ -667,12 +667,13 @@ struct ServeArgs {
     /// Multi-turn chats instead of --requests: this many conversations of --turns turns.
     /// Every user message has --isl words, every answer --osl tokens; a turn is sent once
     /// the last is answered, its prompt the last prompt, its answer and a new message.
-    /// --concurrency keeps that many conversations under way; --rate starts them.
+    /// --concurrency keeps that many conversations under way; --rate starts them. With
+    /// --prefix-groups, each conversation opens with its group's system prompt.
     #[arg(
         long,
         value_name = "CONVERSATIONS",
         requires = "turns",
-        conflicts_with_all = ["trace", "prefix_groups", "prefix_words", "requests"],
+        conflicts_with_all = ["trace", "requests"],
         value_parser = clap::value_parser!(u32).range(1..),
     )]
     multi_turn: Option<u32>,

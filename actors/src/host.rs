@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_actor_core::{Addr, Behavior, HostId};
+use tessera_topology::perf::{self, ModelShape};
 use tessera_topology::{ChipSpec, ClusterSpec, EmulationSpec, HostSpec, OPEN_TENANT};
 
 /// The address of chip `i` of host `host` (in topology order).
@@ -24,10 +25,12 @@ pub fn chip_addr(host: usize, i: usize) -> Addr {
     Addr::new(HostId(host as u16), well_known::CHIP_BASE + i as u64)
 }
 
-/// Each chip's pace as its kind's performance model predicts it: paced like its
+/// Each chip's pace as its kind's performance model predicts it for `served` (the
+/// served model's shape; the reference model's when not known): paced like its
 /// emulation for an emulated chip, at the emulation's efficiencies and real time for
 /// the others. A kind the catalog does not know is paced as [`Pace::UNKNOWN`].
-pub fn modelled_paces(spec: &ClusterSpec) -> BTreeMap<Addr, Pace> {
+pub fn modelled_paces(spec: &ClusterSpec, served: Option<&ModelShape>) -> BTreeMap<Addr, Pace> {
+    let model = served.unwrap_or(&perf::REFERENCE_MODEL);
     let chips =
         spec.hosts.iter().enumerate().flat_map(|(h, host)| host.chips.iter().enumerate().map(move |(i, c)| (h, i, c)));
     chips
@@ -36,9 +39,18 @@ pub fn modelled_paces(spec: &ClusterSpec) -> BTreeMap<Addr, Pace> {
                 Some(_) => spec.emulation.clone(),
                 None => EmulationSpec { time_scale: 1.0, ..spec.emulation.clone() },
             };
-            let pace = spec.chip_kind(&chip.kind).map_or(Pace::UNKNOWN, |kind| Pace::modelled(kind, &emu));
+            let pace = spec.chip_kind(&chip.kind).map_or(Pace::UNKNOWN, |kind| Pace::modelled(kind, &emu, model));
             (chip_addr(h, i), pace)
         })
+        .collect()
+}
+
+/// Each chip's KV block size, in tokens.
+pub fn chip_block_sizes(spec: &ClusterSpec) -> BTreeMap<Addr, usize> {
+    spec.hosts
+        .iter()
+        .enumerate()
+        .flat_map(|(h, host)| host.chips.iter().enumerate().map(move |(i, c)| (chip_addr(h, i), c.block_size)))
         .collect()
 }
 
@@ -74,12 +86,15 @@ pub struct HostActors {
 /// The behaviors of host `host_name` of `spec`. `id_base` seeds admission's request ids
 /// (the real gateway bases it on its start time; a simulation passes a constant);
 /// `solver` is the solver's fleet and space (it runs on the gateway's host when given
-/// and `[solver]` enables it); `executor` makes the executor of each of this host's chips.
+/// and `[solver]` enables it); `served` is the served model's shape, which the router's
+/// and the chips' modelled paces are of (the reference model's when `None`); `executor`
+/// makes the executor of each of this host's chips.
 pub fn build_host<E>(
     spec: &ClusterSpec,
     host_name: &str,
     id_base: u64,
     solver: Option<SolverConfig>,
+    served: Option<&ModelShape>,
     mut executor: impl FnMut(&HostSpec, &ChipSpec) -> Result<ExecutorFactory, E>,
 ) -> Result<HostActors, HostBuildError<E>> {
     let Some(index) = spec.host_index(host_name) else {
@@ -108,7 +123,7 @@ pub fn build_host<E>(
     }
 
     let mut actors: Vec<(u64, Box<dyn Behavior<Msg>>)> = Vec::new();
-    let paces = modelled_paces(spec);
+    let paces = modelled_paces(spec, served);
     // As admission numbers them: the open tenant alone when none are configured.
     let tenants: Arc<[String]> = match spec.tenants.is_empty() {
         true => Arc::from([OPEN_TENANT.to_owned()]),
@@ -147,6 +162,7 @@ pub fn build_host<E>(
         let routing = Router::new(reports, r.max_queued_requests)
             .with_disaggregation(spec.disagg.min_prompt_tokens)
             .with_block_size(spec.block_size)
+            .with_block_sizes(chip_block_sizes(spec))
             .with_policy(r.policy)
             .with_limits(limits)
             .with_paces(paces.clone());

@@ -249,7 +249,8 @@ fn run(seed: u64, recorder: Arc<dyn metrics::Recorder + Send + Sync>) -> Run {
     let mut vh: VirtualHost<Msg> = VirtualHost::new(Duration::from_micros(200)).with_recorder(recorder);
     // The very builder the real node uses, with modelled executors.
     for host in &spec.hosts {
-        let built = build_host(&spec, &host.name, 1, None, |_, _| Ok::<_, String>(modelled_chip())).expect("build");
+        let built =
+            build_host(&spec, &host.name, 1, None, None, |_, _| Ok::<_, String>(modelled_chip())).expect("build");
         for (actor, behavior) in built.actors {
             vh.spawn_at(Addr::new(built.host, actor), behavior);
         }
@@ -378,7 +379,8 @@ fn three_times_capacity_gives_429s_with_retry_after_and_full_recovery() {
     let spec = tessera_topology::parse(&topology, "overload.toml").expect("the test topology is valid");
     let mut vh: VirtualHost<Msg> = VirtualHost::new(Duration::from_micros(200));
     for host in &spec.hosts {
-        let built = build_host(&spec, &host.name, 1, None, |_, _| Ok::<_, String>(modelled_chip())).expect("build");
+        let built =
+            build_host(&spec, &host.name, 1, None, None, |_, _| Ok::<_, String>(modelled_chip())).expect("build");
         for (actor, behavior) in built.actors {
             vh.spawn_at(Addr::new(built.host, actor), behavior);
         }

@@ -4,11 +4,15 @@
 //!
 //! ```text
 //! compute leg (the chip that computes the prompt): when its first token comes
-//!   cost = (queued + uncached) × prefill_s_per_token
-//!        + running × decode_s_per_seq × ⌈(queued + uncached) / CHUNK_TOKENS⌉ + kv_pressure
+//!   cost = steps × decode_s(running + 1) + (queued + uncached) × prefill_s_per_token
+//!        + kv_pressure,   steps = ⌈(queued + uncached) / CHUNK_TOKENS⌉ (at least 1)
 //! decode leg (a decode chip taking a hand-off): how long its output takes there
-//!   cost = queued × prefill_s_per_token + running × decode_s_per_seq
-//!        + new_tokens × decode_step_s(running + 1) + kv_pressure
+//!   cost = queued × prefill_s_per_token + running × decode_s_per_seq + output
+//!        + kv_pressure
+//! both (a colocated request: one chip computes the prompt and decodes)
+//!   cost = compute leg + output
+//!
+//! output = new_tokens × (decode_step_s(running + 1) + running × decode_s_per_seq)
 //!
 //! kv_pressure = need_tokens × prefill_s_per_token × u² / (1 − u)
 //!               u = (blocks held + blocks the request needs) / blocks total, at most 0.99
@@ -17,23 +21,33 @@
 //! `queued` is the prompt tokens placed on the chip and not computed yet, `uncached` the
 //! request's prompt less the prefix the chip holds, `running` the sequences decoding
 //! there. Running sequences do not make a new prompt wait for their end: continuous
-//! batching carries them in the same steps, each adding `decode_s_per_seq` to every step
-//! the prompt's chunks take (`CHUNK_TOKENS` a step, the default batch budget). The KV
-//! term is nothing on an empty pool, a quarter of the request's own prefill time at half
-//! full, 3.2 times it at 80%: what recomputing preempted work risks as the pool fills.
+//! batching carries them in the same steps, so every step the prompt's chunks ride
+//! (`CHUNK_TOKENS` a step, the default batch budget) costs a whole step of that batch —
+//! its fixed part (reading the weights, launching) and each running sequence's part — on
+//! top of the prompt's own tokens. A cached prefix saves only the tokens, never the step:
+//! where a step's fixed part outweighs a prompt, a busy chip holding the prefix loses to
+//! an idle one that does not. The output is the request's own decode steps at the batch
+//! it joins, and what its place in each of those steps costs the sequences running
+//! there: the cost of a placement to every request it touches, so that a chip holding
+//! a shared prefix does not collect every sequence that shares it while another idles
+//! (a prefix saves prompt tokens once; a batch grown by one slows every step after).
+//! The KV term is nothing on an empty pool, a quarter of the
+//! request's own prefill time at half full, 3.2 times it at 80%: what recomputing
+//! preempted work risks as the pool fills.
 //!
-//! `prefill_s_per_token` and `decode_step_s(b) = decode_step_s + (b − 1) × decode_s_per_seq`
-//! come from the chip kind's performance model (the roofline of the reference model on
-//! the kind's figures, paced like its emulation), times a correction factor: observed
-//! over modelled for a chip that has run steps, and for one that has not, the geometric
-//! mean of the observed chips' factors (the model's scale, a 7B reference against the
-//! served model, is common to every chip, and so, mostly, is its error). A chip's own
-//! factor is kept within [`MAX_DEVIATION`] times of that mean either way: the model's
-//! ratios between kinds are trusted that far, so that a stalled step cannot make a chip
-//! look too slow to ever get the work that would show otherwise.
+//! `prefill_s_per_token` (the marginal cost of a prompt token) and `decode_step_s(b) =
+//! decode_step_s + (b − 1) × decode_s_per_seq` come from the chip kind's performance
+//! model of the served model (its roofline on the kind's figures, paced like its
+//! emulation; the reference model when the served one is not known), times a correction
+//! factor: observed over modelled for a chip that has run steps (each step compared with
+//! the model's time for a step of its shape), and for one that has not, the geometric
+//! mean of the observed chips' factors (the model's error is mostly common to every
+//! chip). A chip's own factor is kept within [`MAX_DEVIATION`] times of that mean either
+//! way: the model's ratios between kinds are trusted that far, so that a stalled step
+//! cannot make a chip look too slow to ever get the work that would show otherwise.
 
 use crate::msg::StepSpeed;
-use tessera_topology::perf::{self, StepShape};
+use tessera_topology::perf::{ModelShape, StepShape};
 use tessera_topology::{ChipKind, EmulationSpec};
 
 /// Context of the decode steps a modelled pace assumes.
@@ -59,15 +73,20 @@ impl Pace {
     /// The pace assumed for a chip of no known kind: a modest accelerator's.
     pub const UNKNOWN: Pace = Pace { prefill_s_per_token: 1e-4, decode_step_s: 1e-2, decode_s_per_seq: 1e-4 };
 
-    /// The roofline pace of the reference model on `kind`, derated and scaled by `emu`
-    /// (an emulated chip's pacing; a real chip passes a time scale of 1).
-    pub fn modelled(kind: &ChipKind, emu: &EmulationSpec) -> Pace {
-        let step = |shape: StepShape| emu.roofline(kind, &perf::REFERENCE_MODEL, &shape).time_s;
-        let prefill_tokens = 512;
+    /// The roofline pace of `model` on `kind`, derated and scaled by `emu` (an emulated
+    /// chip's pacing; a real chip passes a time scale of 1). A prompt token costs the
+    /// slope of prefill steps between a short and a full chunk, so that a step's fixed
+    /// part is counted once a step, not once a token.
+    pub fn modelled(kind: &ChipKind, emu: &EmulationSpec, model: &ModelShape) -> Pace {
+        let step = |shape: StepShape| emu.roofline(kind, model, &shape).time_s;
+        let (short, full) = (CHUNK_TOKENS / 8, CHUNK_TOKENS);
         let one = step(StepShape::decode(1, PACE_CONTEXT));
         let nine = step(StepShape::decode(9, PACE_CONTEXT));
+        let slope = (step(StepShape::prefill(full)) - step(StepShape::prefill(short))) / (full - short) as f64;
         Pace {
-            prefill_s_per_token: step(StepShape::prefill(prefill_tokens)) / prefill_tokens as f64,
+            // A roofline turning from memory to compute bound inside the range can make
+            // the slope vanish; a token is never free.
+            prefill_s_per_token: slope.max(step(StepShape::prefill(full)) / full as f64 / 16.0),
             decode_step_s: one,
             decode_s_per_seq: ((nine - one) / 8.0).max(0.0),
         }
@@ -87,15 +106,23 @@ impl Pace {
         }
     }
 
+    /// A step computing `prompt_tokens` prompt tokens beside `seqs` decoding sequences,
+    /// at this pace.
+    pub fn step_s(&self, prompt_tokens: f64, seqs: f64) -> f64 {
+        self.decode_s(seqs.max(1.0)) + prompt_tokens * self.prefill_s_per_token
+    }
+
     /// Correction factors (prefill, decode) that turn this modelled pace into what
-    /// `observed` measured; `None` for a phase not observed yet.
+    /// `observed` measured — each phase's average step over the model's time for a
+    /// step of that average shape; `None` for a phase not observed yet.
     pub fn factors(&self, observed: &StepSpeed) -> (Option<f64>, Option<f64>) {
         let ratio = |seen: f64, model: f64| {
             (seen > 0.0 && model > 0.0 && (seen / model).is_finite())
                 .then(|| (seen / model).clamp(FACTOR_RANGE.0, FACTOR_RANGE.1))
         };
+        // A step with prompt tokens: those and (as the model's step) one sequence.
         (
-            ratio(observed.prefill_s_per_token(), self.prefill_s_per_token),
+            ratio(observed.prefill_step_s, self.step_s(observed.prefill_step_tokens, 1.0)),
             ratio(observed.decode_step_s, self.decode_s(observed.decode_batch.max(1.0))),
         )
     }
@@ -202,15 +229,31 @@ pub struct Ask {
 pub fn compute_cost(pace: &Pace, work: &Work, used: usize, total: usize, ask: &Ask, cached: usize) -> f64 {
     let prompt = work.prompt_tokens + ask.prompt_tokens.saturating_sub(cached);
     let steps = prompt.div_ceil(CHUNK_TOKENS).max(1);
-    prompt as f64 * pace.prefill_s_per_token
-        + (work.seqs * steps) as f64 * pace.decode_s_per_seq
+    // The prompt's chunk takes a sequence's place in each step it rides.
+    steps as f64 * pace.decode_s((work.seqs + 1) as f64)
+        + prompt as f64 * pace.prefill_s_per_token
         + kv_pressure(pace, used, total, ask)
 }
 
 /// The cost of a decode chip of `pace` for `ask`'s decode leg.
 pub fn decode_cost(pace: &Pace, work: &Work, used: usize, total: usize, ask: &Ask) -> f64 {
-    let new_tokens = ask.total_tokens.saturating_sub(ask.prompt_tokens);
-    work.seconds(pace) + new_tokens as f64 * pace.decode_s((work.seqs + 1) as f64) + kv_pressure(pace, used, total, ask)
+    work.seconds(pace) + output_s(pace, work, ask) + kv_pressure(pace, used, total, ask)
+}
+
+/// The cost of a chip that both computes `ask`'s prompt and decodes its output: the
+/// compute leg, then the output.
+pub fn colocated_cost(pace: &Pace, work: &Work, used: usize, total: usize, ask: &Ask, cached: usize) -> f64 {
+    compute_cost(pace, work, used, total, ask, cached) + output_s(pace, work, ask)
+}
+
+/// What decoding `ask`'s output on a chip with `work` costs: its own steps at the
+/// batch it joins, and the part of a step that each running sequence loses to it on
+/// each of them (the decode's cost to everyone, not to it alone — which keeps a chip
+/// holding a prefix from collecting every sequence that shares it).
+pub fn output_s(pace: &Pace, work: &Work, ask: &Ask) -> f64 {
+    let new_tokens = ask.total_tokens.saturating_sub(ask.prompt_tokens) as f64;
+    let running = work.seqs as f64;
+    new_tokens * (pace.decode_s(running + 1.0) + running * pace.decode_s_per_seq)
 }
 
 fn kv_pressure(pace: &Pace, used: usize, total: usize, ask: &Ask) -> f64 {

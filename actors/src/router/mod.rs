@@ -143,14 +143,23 @@ fn best(
 }
 
 /// The kv-aware cost in predicted seconds (see [`cost`]), ranked in nanoseconds:
-/// `cached` is the prompt tokens each chip holds that count.
-pub fn kv_aware<'a>(cached: &'a BTreeMap<Addr, usize>, ask: Ask) -> impl Fn(Leg, &Addr, &ChipView) -> i64 + 'a {
+/// `cached` is the prompt tokens each chip holds that count, `block_size_of` the tokens
+/// in a chip's KV block (what its pool's figures count in).
+pub fn kv_aware<'a>(
+    cached: &'a BTreeMap<Addr, usize>,
+    ask: Ask,
+    block_size_of: &'a dyn Fn(&Addr) -> usize,
+) -> impl Fn(Leg, &Addr, &ChipView) -> i64 + 'a {
     move |leg, a, c| {
         let (used, total) = (c.report.kv_blocks_used, c.report.kv_blocks_total);
+        let ask = Ask { block_size: block_size_of(a), ..ask };
+        let cached = cached.get(a).copied().unwrap_or(0);
         cost::rank(match leg {
-            Leg::Compute => {
-                cost::compute_cost(&c.pace, &c.work, used, total, &ask, cached.get(a).copied().unwrap_or(0))
+            // Only a prefill chip hands its request off; any other decodes it too.
+            Leg::Compute if c.report.role == Role::Prefill => {
+                cost::compute_cost(&c.pace, &c.work, used, total, &ask, cached)
             }
+            Leg::Compute => cost::colocated_cost(&c.pace, &c.work, used, total, &ask, cached),
             Leg::Decode => cost::decode_cost(&c.pace, &c.work, used, total, &ask),
         })
     }
@@ -161,25 +170,24 @@ pub fn by_load(_: Leg, _: &Addr, c: &ChipView) -> i64 {
     c.load_tokens as i64
 }
 
-/// Cached prefix tokens per chip that count in placement (`mean_work_s`: the mean work
-/// ahead per chip, in seconds): none for a hot spot, a chip whose work ahead passes
-/// twice the mean plus this prompt's prefill there (it would get every request sharing
-/// its prefix while the others idle).
+/// Cached prefix tokens per chip that count in placement (`cached_tokens`: what each
+/// holds; `mean_work_s`: the mean work ahead per chip, in seconds): none for a hot spot,
+/// a chip whose work ahead passes twice the mean plus this prompt's prefill there (it
+/// would get every request sharing its prefix while the others idle).
 pub fn cache_credit(
     chips: &BTreeMap<Addr, ChipView>,
-    cached_blocks: &BTreeMap<Addr, usize>,
-    block_size: usize,
+    cached_tokens: &BTreeMap<Addr, usize>,
     prompt_tokens: usize,
     mean_work_s: f64,
 ) -> BTreeMap<Addr, usize> {
-    cached_blocks
+    cached_tokens
         .iter()
         .filter(|(a, _)| {
             chips
                 .get(a)
                 .is_some_and(|c| c.work_s() <= 2.0 * mean_work_s + prompt_tokens as f64 * c.pace.prefill_s_per_token)
         })
-        .map(|(a, &blocks)| (*a, (blocks * block_size).min(prompt_tokens)))
+        .map(|(a, &tokens)| (*a, tokens.min(prompt_tokens)))
         .collect()
 }
 
@@ -320,9 +328,10 @@ pub struct Router {
     /// Where KV lives, and the chips asked for a snapshot and not answered yet.
     index: index::ClusterIndex,
     snapshot_asked: BTreeSet<Addr>,
-    /// The block size prompts are hashed at (the cluster's; chips with another size
-    /// are found by no prompt).
+    /// The block size of chips not in `block_sizes` (the cluster's), and the chips of
+    /// another: a prompt is hashed at each size in use, and each chip looked up at its own.
     block_size: usize,
+    block_sizes: BTreeMap<Addr, usize>,
     policy: RouterPolicy,
     /// Routes so far (round-robin's turn).
     turns: u64,
@@ -367,6 +376,7 @@ impl Router {
             index: index::ClusterIndex::new(),
             snapshot_asked: BTreeSet::new(),
             block_size: 16,
+            block_sizes: BTreeMap::new(),
             policy: RouterPolicy::default(),
             turns: 0,
             by_work: BTreeMap::new(),
@@ -397,6 +407,32 @@ impl Router {
     pub fn with_block_size(mut self, block_size: usize) -> Router {
         self.block_size = block_size.max(1);
         self
+    }
+
+    /// Chips whose KV blocks hold another number of tokens than the cluster's: their
+    /// prefix caches are looked up with the prompt hashed at their size.
+    pub fn with_block_sizes(mut self, sizes: BTreeMap<Addr, usize>) -> Router {
+        self.block_sizes = sizes.into_iter().filter(|&(_, size)| size > 0).collect();
+        self
+    }
+
+    /// Tokens in a KV block of `chip`.
+    fn block_size_of(&self, chip: &Addr) -> usize {
+        self.block_sizes.get(chip).copied().unwrap_or(self.block_size)
+    }
+
+    /// The prompt tokens each chip holds cached: the longest prefix of whole blocks of
+    /// the chip's own size whose hashes (salted with `cache_salt`) it holds.
+    fn cached_tokens(&self, prompt: &[u32], cache_salt: Option<u64>) -> BTreeMap<Addr, usize> {
+        let mut sizes: BTreeSet<usize> = self.block_sizes.values().copied().collect();
+        sizes.insert(self.block_size);
+        let mut cached = BTreeMap::new();
+        for size in sizes {
+            let held = self.index.prefix_blocks(&salted_prefix_hashes(prompt, size, cache_salt));
+            // A chip of another size holds none of these hashes but by collision.
+            cached.extend(held.into_iter().filter(|(a, _)| self.block_size_of(a) == size).map(|(a, n)| (a, n * size)));
+        }
+        cached
     }
 
     /// Prompts of at least `min_prompt_tokens` tokens are prefilled on a prefill chip
@@ -585,8 +621,11 @@ impl Router {
         // Per role, its cheapest chips: the prefill leg and the colocated legs
         // (decoding chips first, then any chip) all draw from these. A chip's bound is
         // its cost holding none of the prompt, less the KV-pressure term (never negative).
-        let compute_bound = |pace: &Pace, work: &Work| cost::compute_cost(pace, work, 0, 0, ask, 0);
         for role in Role::ALL {
+            let compute_bound = |pace: &Pace, work: &Work| match role {
+                Role::Prefill => cost::compute_cost(pace, work, 0, 0, ask, 0),
+                _ => cost::colocated_cost(pace, work, 0, 0, ask, 0),
+            };
             self.scan(role, &[&any], exclude, Leg::Compute, score, compute_bound, &mut out);
         }
         // Compatibility classes by their hash (what a class is; the fields only explain
@@ -758,24 +797,21 @@ impl Router {
         exclude: &[Addr],
         turn: u64,
     ) -> Decision {
-        let bs = self.block_size;
         let held = match self.policy {
-            RouterPolicy::KvAware | RouterPolicy::Dynamo => {
-                self.index.prefix_blocks(&salted_prefix_hashes(prompt, bs, cache_salt))
-            }
+            RouterPolicy::KvAware | RouterPolicy::Dynamo => self.cached_tokens(prompt, cache_salt),
             RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random => BTreeMap::new(),
         };
         let mean_work_s = self.total_work_s / self.chips.len().max(1) as f64;
-        let cached = cache_credit(&self.chips, &held, bs, prompt_tokens, mean_work_s);
-        let ask = Ask { prompt_tokens, total_tokens: tokens.max(prompt_tokens), block_size: bs };
-        let prompt_blocks = prompt_tokens.div_ceil(bs) as i64;
+        let cached = cache_credit(&self.chips, &held, prompt_tokens, mean_work_s);
+        let ask = Ask { prompt_tokens, total_tokens: tokens.max(prompt_tokens), block_size: self.block_size };
+        let block_size_of = |a: &Addr| self.block_size_of(a);
         let n = self.chips.len().max(1) as i64;
         let ranks: BTreeMap<Addr, i64> = match self.policy {
             RouterPolicy::RoundRobin => self.chips.keys().enumerate().map(|(i, a)| (*a, i as i64)).collect(),
             _ => BTreeMap::new(),
         };
         let score: Box<Scorer> = match self.policy {
-            RouterPolicy::KvAware => Box::new(kv_aware(&cached, ask)),
+            RouterPolicy::KvAware => Box::new(kv_aware(&cached, ask, &block_size_of)),
             RouterPolicy::LeastLoaded => Box::new(by_load),
             RouterPolicy::RoundRobin => {
                 Box::new(move |_, a, _| (ranks.get(a).copied().unwrap_or(0) - turn as i64).rem_euclid(n))
@@ -786,13 +822,15 @@ impl Router {
                 bytes.extend_from_slice(&a.actor.to_le_bytes());
                 (xxhash_rust::xxh3::xxh3_64(&bytes) >> 1) as i64
             }),
-            // Dynamo: overlap_weight (1) x blocks to prefill + blocks in use.
+            // Dynamo: overlap_weight (1) x blocks to prefill + blocks in use (the chip's).
             RouterPolicy::Dynamo => Box::new(|leg, a, c| {
                 let new_blocks = match leg {
-                    Leg::Compute => prompt_blocks - held.get(a).copied().unwrap_or(0) as i64,
+                    Leg::Compute => {
+                        prompt_tokens.saturating_sub(held.get(a).copied().unwrap_or(0)).div_ceil(block_size_of(a))
+                    }
                     Leg::Decode => 0,
                 };
-                new_blocks.max(0) + c.report.kv_blocks_used as i64
+                new_blocks as i64 + c.report.kv_blocks_used as i64
             }),
         };
         let candidates: Vec<(&Addr, &ChipView)> = match self.policy {
@@ -889,6 +927,15 @@ impl Router {
         *self.placed_by_tenant.entry(ask.share.tenant).or_default() += 1;
         let tenant = Some(ask.share.tenant);
         self.placements.insert(ask.request_id, Placement { req: ask.req, chips: held, tenant });
+        tracing::debug!(
+            request = ask.request_id,
+            prompt = ask.prompt_tokens,
+            cached = decision.cached_tokens,
+            decode = %decode,
+            prefill = ?prefill,
+            work = ?self.chips.iter().map(|(a, c)| (a.actor, c.work.seqs, c.work.prompt_tokens)).collect::<Vec<_>>(),
+            "placed"
+        );
         let kind = if prefill.is_some() { "disaggregated" } else { "colocated" };
         let reason = if decision.cached_tokens > 0 { "prefix_hit" } else { "least_work" };
         metrics::counter!("tessera_router_decisions_total", "placement" => kind).increment(1);

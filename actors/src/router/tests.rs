@@ -242,17 +242,35 @@ fn kv_aware_cost_compares_unlike_chips_in_seconds() {
         (addr, ChipView { pace, work, ..view })
     };
     let one = |h| Some(Placed { decode: a(h), prefill: None });
-    // (chips, cached blocks per chip (16 tokens each), prompt tokens, want)
-    type Case = (Vec<(Addr, ChipView)>, Vec<(u16, usize)>, usize, Option<Placed>);
+    // (chips, cached tokens per chip, prompt tokens, new tokens, want). Fast: a step of
+    // 10 ms, 1 ms more a running sequence, 0.1 ms a prompt token; slow: four times that.
+    type Case = (Vec<(Addr, ChipView)>, Vec<(u16, usize)>, usize, usize, Option<Placed>);
     let table: Vec<Case> = vec![
-        // Idle: the fast chip computes the prompt in a quarter of the time.
-        (vec![c(0, Both, slow, Work::default(), 0), c(1, Both, fast, Work::default(), 0)], vec![], 1000, one(1)),
-        // The fast chip has 0.45 s of prompts ahead; the slow one takes 0.4 s.
-        (vec![c(0, Both, fast, prompt_work(4500), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, one(1)),
-        // With 0.25 s ahead the fast chip still finishes first: 0.35 s against 0.4 s.
-        (vec![c(0, Both, fast, prompt_work(2500), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, one(0)),
-        // The slow chip holds 896 of the 1,000 tokens: 104 at its pace beat 1,000 at the fast one's.
-        (vec![c(0, Both, fast, Work::default(), 0), c(1, Both, slow, Work::default(), 0)], vec![(1, 56)], 1000, one(1)),
+        // Idle: the fast chip computes the prompt (two chunks) in a quarter of the time
+        // (0.13 s with the answer's step, against 0.52 s).
+        (vec![c(0, Both, slow, Work::default(), 0), c(1, Both, fast, Work::default(), 0)], vec![], 1000, 1, one(1)),
+        // The fast chip has 0.45 s of prompts ahead: 11 steps and 5,500 tokens (0.67 s);
+        // the slow one takes 0.52 s.
+        (vec![c(0, Both, fast, prompt_work(4500), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, 1, one(1)),
+        // With 0.25 s ahead the fast chip still finishes first: 0.43 s against 0.52 s.
+        (vec![c(0, Both, fast, prompt_work(2500), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, 1, one(0)),
+        // The slow chip holds 960 of the 1,000 tokens: a step and 40 tokens at its pace
+        // (0.096 s) beat two chunks of 1,000 tokens at the fast one's (0.13 s) ...
+        (
+            vec![c(0, Both, fast, Work::default(), 0), c(1, Both, slow, Work::default(), 0)],
+            vec![(1, 960)],
+            1000,
+            1,
+            one(1),
+        ),
+        // ... but 800 do not (0.16 s): a step's fixed part is paid whatever the cache saves.
+        (
+            vec![c(0, Both, fast, Work::default(), 0), c(1, Both, slow, Work::default(), 0)],
+            vec![(1, 800)],
+            1000,
+            1,
+            one(0),
+        ),
         // The same, but the slow chip is a hot spot (4 s ahead, mean 1.33 s): its cache counts for nothing.
         (
             vec![
@@ -260,16 +278,29 @@ fn kv_aware_cost_compares_unlike_chips_in_seconds() {
                 c(1, Both, slow, prompt_work(10_000), 0),
                 c(2, Both, fast, Work::default(), 0),
             ],
-            vec![(1, 56)],
+            vec![(1, 960)],
             1000,
+            1,
             one(0),
         ),
-        // KV pressure: the fast chip's pool is 80% held; the empty slow one wins a short prompt.
-        (vec![c(0, Both, fast, Work::default(), 800), c(1, Both, slow, Work::default(), 0)], vec![], 100, one(1)),
+        // KV pressure: the fast chip's pool is 95% held; the empty slow one wins a short prompt.
+        (vec![c(0, Both, fast, Work::default(), 950), c(1, Both, slow, Work::default(), 0)], vec![], 100, 1, one(1)),
         // At 10% held the fast one wins it back.
-        (vec![c(0, Both, fast, Work::default(), 100), c(1, Both, slow, Work::default(), 0)], vec![], 100, one(0)),
+        (vec![c(0, Both, fast, Work::default(), 100), c(1, Both, slow, Work::default(), 0)], vec![], 100, 1, one(0)),
+        // A prefix holder running 4 sequences keeps a one-token answer (0.036 s against
+        // an idle equal chip's 0.13 s) ...
+        (vec![c(0, Both, fast, decoding(4), 0), c(1, Both, fast, Work::default(), 0)], vec![(0, 960)], 1000, 1, one(0)),
+        // ... but not 100 tokens of one: at a batch of 5, each step of it costs it 14 ms
+        // and the 4 others 1 ms each (1.82 s in all, against 1.13 s on the idle chip).
+        (
+            vec![c(0, Both, fast, decoding(4), 0), c(1, Both, fast, Work::default(), 0)],
+            vec![(0, 960)],
+            1000,
+            100,
+            one(1),
+        ),
         // The decode leg: 100 new tokens. A fast decode chip running 8 sequences decodes
-        // them in 1.8 s, an idle slow one in 4 s ...
+        // them in 1.8 s and slows the 8 by 0.8 s, an idle slow one takes 4 s ...
         (
             vec![
                 c(0, Prefill, fast, Work::default(), 0),
@@ -278,31 +309,34 @@ fn kv_aware_cost_compares_unlike_chips_in_seconds() {
             ],
             vec![],
             1000,
+            100,
             Some(Placed { decode: a(1), prefill: Some(a(0)) }),
         ),
-        // ... but running 40, in 5 s: the slow one gets it.
+        // ... but running 20, 3 s and 2 s: the slow one gets it.
         (
             vec![
                 c(0, Prefill, fast, Work::default(), 0),
-                c(1, Decode, fast, decoding(40), 0),
+                c(1, Decode, fast, decoding(20), 0),
                 c(2, Decode, slow, Work::default(), 0),
             ],
             vec![],
             1000,
+            100,
             Some(Placed { decode: a(2), prefill: Some(a(0)) }),
         ),
         // A chip decoding does not make a prompt wait for its end: 30 running sequences
-        // add 30 ms to each of the prompt's two steps on the fast chip (0.16 s in all),
-        // still ahead of the idle slow one (0.4 s).
-        (vec![c(0, Both, fast, decoding(30), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, one(0)),
+        // add 30 ms to each of the prompt's two steps on the fast chip (0.25 s in all,
+        // with the answer's step), still ahead of the idle slow one (0.52 s).
+        (vec![c(0, Both, fast, decoding(30), 0), c(1, Both, slow, Work::default(), 0)], vec![], 1000, 1, one(0)),
     ];
-    for (i, (chips, held, prompt, want)) in table.into_iter().enumerate() {
+    for (i, (chips, held, prompt, new_tokens, want)) in table.into_iter().enumerate() {
         let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
-        let held: BTreeMap<Addr, usize> = held.into_iter().map(|(h, b)| (a(h), b)).collect();
+        let held: BTreeMap<Addr, usize> = held.into_iter().map(|(h, tokens)| (a(h), tokens)).collect();
         let mean = chips.values().map(ChipView::work_s).sum::<f64>() / chips.len() as f64;
-        let cached = cache_credit(&chips, &held, 16, prompt, mean);
-        let ask = Ask { prompt_tokens: prompt, total_tokens: prompt + 100, block_size: 16 };
-        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &kv_aware(&cached, ask)), want, "case {i}");
+        let cached = cache_credit(&chips, &held, prompt, mean);
+        let ask = Ask { prompt_tokens: prompt, total_tokens: prompt + new_tokens, block_size: 16 };
+        let score = kv_aware(&cached, ask, &|_| 16);
+        assert_eq!(place(&chips, &BTreeSet::new(), &[], prompt, 32, &score), want, "case {i}");
     }
 }
 
@@ -317,11 +351,12 @@ fn observed_step_times_correct_the_model() {
     let paces = reports.iter().map(|r| (r.chip, model)).collect();
     let mut router = Router::new(reports.clone(), 64).with_paces(paces);
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
-    // Chip 0 prefills as modelled, chip 1 four times slower; chip 1 decodes 9 sequences in 0.1 s.
-    let seen = [(0, 1e-3, 0.0, 0.0), (1, 4e-3, 0.1, 9.0)];
-    for (h, prefill, decode, batch) in seen {
+    // Chip 0 prefills as modelled (a step of 100 prompt tokens: 0.02 + 100 x 0.001 s),
+    // chip 1 four times slower; chip 1 decodes 9 sequences in 0.1 s.
+    let seen = [(0, 1.0, 0.0, 0.0), (1, 4.0, 0.1, 9.0)];
+    for (h, slowdown, decode, batch) in seen {
         let speed = StepSpeed {
-            prefill_step_s: 100.0 * prefill,
+            prefill_step_s: 0.12 * slowdown,
             prefill_step_tokens: 100.0,
             decode_step_s: decode,
             decode_batch: batch,
@@ -360,7 +395,7 @@ fn a_chips_correction_stays_near_the_others() {
     let mut router = Router::new(reports.clone(), 64).with_paces(reports.iter().map(|r| (r.chip, model)).collect());
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     for (h, slowdown) in [(0usize, 1.0), (1, 1.0), (2, 100.0)] {
-        let speed = StepSpeed { prefill_step_s: 0.1 * slowdown, prefill_step_tokens: 100.0, ..StepSpeed::default() };
+        let speed = StepSpeed { prefill_step_s: 0.12 * slowdown, prefill_step_tokens: 100.0, ..StepSpeed::default() };
         let report = ChipReport { speed: Some(speed), ..reports[h].clone() };
         let beat = Heartbeat { host: HostId(h as u16), host_name: format!("h{h}"), seq: 1, chips: vec![report] };
         router.handle(Msg::Heartbeat { beat: std::sync::Arc::new(beat) }, &mut fx);
@@ -519,6 +554,42 @@ fn kv_events_and_snapshots_steer_placement() {
     assert_eq!(router.index.prefix_blocks(&prefix_hashes(&system, 4)), BTreeMap::from([(c1.0, 3)]));
 }
 
+/// A chip whose KV blocks hold another number of tokens than the cluster's is found by
+/// the prompts it holds: each chip is looked up with the prompt hashed at its own size
+/// (a 32-token chip beside 16-token ones, as the default topology has).
+#[test]
+fn a_chip_of_another_block_size_is_found_by_its_prefix() {
+    use crate::kv::{KvEvent, prefix_hashes};
+    use crate::test_fx::TestFx;
+    let (c0, c1) = (chip(0, 16, ChipState::Up, 0), chip(1, 16, ChipState::Up, 0));
+    for policy in [RouterPolicy::KvAware, RouterPolicy::Dynamo] {
+        let mut router = Router::new(vec![c0.1.report.clone(), c1.1.report.clone()], 8)
+            .with_block_size(4)
+            .with_block_sizes(BTreeMap::from([(c0.0, 4), (c1.0, 8)]))
+            .with_policy(policy);
+        let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+        for c in [&c0, &c1] {
+            router.index_mut().resync(c.0, 1, 0, &[]);
+        }
+        // Chip 1 holds 24 tokens of a system prompt in three blocks of 8.
+        let system: Vec<u32> = (1..=24).collect();
+        let events: Vec<KvEvent> = prefix_hashes(&system, 8)
+            .into_iter()
+            .enumerate()
+            .map(|(i, hash)| KvEvent::Stored { seq: i as u64 + 1, hash })
+            .collect();
+        router.handle(Msg::KvEvents { chip: c1.0, incarnation: 1, events }, &mut fx);
+        let prompt: Vec<u32> = system.iter().copied().chain([50, 51, 52]).collect();
+        let decision = router.decide(1, &prompt, None, prompt.len(), prompt.len() + 1, &[], 0);
+        assert_eq!(decision.placed.map(|p| p.decode), Some(c1.0), "{policy:?}");
+        if policy == RouterPolicy::KvAware {
+            assert_eq!(decision.cached_tokens, 24);
+        }
+        // Hashed at the cluster's 4 tokens, the prompt finds nothing there.
+        assert!(router.index.prefix_blocks(&prefix_hashes(&prompt, 4)).is_empty());
+    }
+}
+
 /// The baseline policies, through the router: round-robin takes turns, random is the
 /// same for the same request id, dynamo adds blocks to prefill to blocks in use, and
 /// least-loaded ignores caches.
@@ -642,12 +713,12 @@ mod candidates {
             let exclude: Vec<Addr> = exclude.into_iter().map(|i| Addr::new(HostId(i as u16), 16)).collect();
             let held: BTreeMap<Addr, usize> = specs.iter().enumerate()
                 .filter(|(_, s)| s.cached > 0)
-                .map(|(i, s)| (Addr::new(HostId(i as u16), 16), s.cached))
+                .map(|(i, s)| (Addr::new(HostId(i as u16), 16), s.cached * 16))
                 .collect();
             let mean = router.total_work_s / router.chips.len() as f64;
-            let cached = cache_credit(&router.chips, &held, 16, prompt, mean);
+            let cached = cache_credit(&router.chips, &held, prompt, mean);
             let ask = Ask { prompt_tokens: prompt, total_tokens: prompt + 50, block_size: 16 };
-            let score = kv_aware(&cached, ask);
+            let score = kv_aware(&cached, ask, &|_| 16);
             let want = place(&router.chips, &router.down_hosts, &exclude, prompt, 64, &score);
             let few = router.candidates(&held, &ask, &exclude, &score);
             let got = place_among(&few, &router.down_hosts, &exclude, prompt, 64, &score);

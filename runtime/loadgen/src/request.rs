@@ -35,6 +35,7 @@ pub(super) fn turn_body(conversation: &Conversation, req: &PlannedRequest, endpo
         Endpoint::Chat => {
             let messages = conversation.messages().into_iter().map(|(speaker, content)| {
                 let role = match speaker {
+                    Speaker::System => "system",
                     Speaker::User => "user",
                     Speaker::Assistant => "assistant",
                 };

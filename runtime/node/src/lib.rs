@@ -403,7 +403,15 @@ pub fn run_node(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64 & 0xffff_ffff_0000);
     let solver = if spec.gateway.host == me.name { solver_config(spec) } else { None };
-    let built = build_host(spec, host_name, id_base, solver, |_, chip| {
+    // The router and the chips pace work by the served model's roofline.
+    let served = match ServedModel::read(&spec.model, spec.dtype, Path::new(".")) {
+        Ok(served) => Some(served.shape(spec.kv_dtype)),
+        Err(e) => {
+            tracing::warn!(error = %e, "paces modelled on the reference model: the served model cannot be costed");
+            None
+        }
+    };
+    let built = build_host(spec, host_name, id_base, solver, served.as_ref(), |_, chip| {
         let config = executor_config(spec, chip, &model_dir, opts.kernel_lib.clone(), Some(transfer.clone()))?;
         let factory: ExecutorFactory = Arc::new(move || {
             ModelExecutor::load(&config).map(|(exec, info)| (Box::new(exec) as Box<dyn StepExecutor>, info))

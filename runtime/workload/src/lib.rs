@@ -180,9 +180,14 @@ impl Workload {
         let own = word_indices(isl, rng);
         let Some(shared) = self.shared else { return (own, isl, osl) };
         let group = rng.below(shared.groups.max(1) as u64);
-        let mut words = word_indices(shared.words, &mut SeededRng::new(self.seed ^ ((group + 1) * 0x9e37_79b9)));
+        let mut words = self.system_prompt(group, shared.words);
         words.extend(own);
         (words, isl + shared.words, osl)
+    }
+
+    /// The system prompt of `group`: `words` words drawn from the seed and the group alone.
+    fn system_prompt(&self, group: u64, words: u32) -> Vec<u16> {
+        word_indices(words, &mut SeededRng::new(self.seed ^ ((group + 1) * 0x9e37_79b9)))
     }
 }
 
@@ -235,7 +240,7 @@ fn word_indices(n: u32, rng: &mut SeededRng) -> Vec<u16> {
 }
 
 /// The words at `indices` of [`vocabulary`], space-separated.
-fn text_of(indices: &[u16]) -> String {
+pub(crate) fn text_of(indices: &[u16]) -> String {
     let mut text = String::with_capacity(indices.len() * 8);
     for (i, &w) in indices.iter().enumerate() {
         if i > 0 {

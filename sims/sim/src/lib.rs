@@ -105,9 +105,10 @@ pub fn run_with_progress(
         VirtualHost::new(scenario.network.bus_latency).with_trace(false).with_profile(options.profile);
     let (mut admission, mut router, mut chip_addrs) = (None, None, BTreeMap::new());
     let solver = solver_config(scenario, &model)?;
+    let served = model.shape(spec.kv_dtype);
     for host in &spec.hosts {
         // The very builder the real node uses, with modelled executors.
-        let built = build_host(spec, &host.name, 1, solver.clone(), |h, c| {
+        let built = build_host(spec, &host.name, 1, solver.clone(), Some(&served), |h, c| {
             let n = numbers.get(c.id.as_str()).copied().unwrap_or(0);
             let perf = scenario.perf_model(&c.kind);
             modelled_chip(spec, c, n, &h.name, &model, perf, links.clone()).map(|(factory, _)| factory)
