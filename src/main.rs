@@ -810,7 +810,13 @@ fn sim(args: SimArgs) -> Result<()> {
     }
     let mut reports = Vec::with_capacity(runs.len());
     for (i, scenario) in runs.iter().enumerate() {
-        eprintln!("run {}/{}: {} at {} req/s", i + 1, runs.len(), scenario.source, scenario.workload.rate_rps);
+        let load = match scenario.workload.requests {
+            tessera_sim::scenario::WorkloadRequests::Chats { concurrency: Some(c), .. } => {
+                format!("{c} chats at a time")
+            }
+            _ => format!("{} req/s", scenario.workload.rate_rps),
+        };
+        eprintln!("run {}/{}: {} at {load}", i + 1, runs.len(), scenario.source);
         let options = tessera_sim::RunOptions { seed: args.seed, profile: args.profile };
         let (report, speed) = tessera_sim::run_with_progress(scenario, &options, &mut |_, _| {})?;
         eprintln!(

@@ -108,6 +108,11 @@ impl Conversation {
         self.system.as_ref()
     }
 
+    /// The planned turns: user messages and answer lengths.
+    pub fn planned(&self) -> &[PlannedTurn] {
+        &self.turns
+    }
+
     /// Turns planned, answered or not.
     pub fn turns(&self) -> usize {
         self.turns.len()

@@ -22,7 +22,7 @@ pub mod report;
 pub mod scenario;
 pub mod solve;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,10 +34,11 @@ use tessera_actors::solver::SolverConfig;
 use tessera_backends::tokenizer::TextTokenizer;
 use tessera_topology::TopologyError;
 use tessera_topology::perf::Power;
+use tessera_workload::multiturn::Conversation;
 use tessera_workload::{Load, Workload, vocabulary};
 
 use chip::{ChipModelError, Links, modelled_chip};
-use clients::{Arrivals, Outcomes, Probe, SolverLog, SolverWatch, View};
+use clients::{Arrivals, ChatPlan, ChatStarts, Chats, Outcomes, Probe, SolverLog, SolverWatch, View};
 use model::{ModelError, SimModel};
 pub use report::{Report, Speed};
 pub use scenario::{Scenario, load};
@@ -68,6 +69,8 @@ pub enum SimError {
     NoGateway { topology: String },
     #[error("{topology}: [solver]: {error}")]
     Solver { topology: String, error: String },
+    #[error("{scenario}: [workload]: {error}")]
+    Workload { scenario: String, error: String },
 }
 
 /// How to run a scenario.
@@ -150,7 +153,9 @@ pub fn run_with_progress(
     let w = &scenario.workload;
     let vocab = model.config.vocab_size.max(1) as u64;
     let tokenizer = model::tokenizer(spec, &scenario.base_dir).map(Arc::new);
-    // Every request as (arrival in s, tenant, prompt ids, output length), in arrival order.
+    // Every request as (arrival in s, tenant, prompt ids, output length), in arrival order;
+    // or chats, whose turns are sent as the answers come.
+    let mut chats: Option<(VecDeque<ChatPlan>, ChatStarts)> = None;
     let (planned, requests, last_arrival_s): (Planned, usize, f64) = match &w.requests {
         scenario::WorkloadRequests::Synthetic { size, isl, osl, shared, cv, schedule } => {
             let load = Load::Poisson { rate_rps: w.rate_rps };
@@ -187,6 +192,28 @@ pub fn run_with_progress(
             }
             (Box::new(Merged { streams }), n, last)
         }
+        scenario::WorkloadRequests::Chats { shape, concurrency, isl, osl, shared } => {
+            let n = shape.conversations as usize;
+            let load = match concurrency {
+                Some(c) => Load::Closed { concurrency: *c as usize },
+                None => Load::Poisson { rate_rps: w.rate_rps / f64::from(shape.turns) },
+            };
+            let workload = Workload { isl: *isl, osl: *osl, load, seed, shared: *shared };
+            let conversations = workload
+                .conversations(*shape)
+                .map_err(|e| SimError::Workload { scenario: scenario.source.clone(), error: e.0 })?;
+            let plans = conversations.iter().map(|c| chat_plan(c, tokenizer.as_deref(), vocab)).collect();
+            let (starts, last) = match concurrency {
+                Some(c) => (ChatStarts::Closed { concurrency: *c as usize }, 0.0),
+                None => {
+                    let at_s = workload.arrivals_s(n);
+                    let last = at_s.last().copied().unwrap_or(0.0);
+                    (ChatStarts::At(at_s.iter().map(|s| (s * 1e9).round() as u64).collect()), last)
+                }
+            };
+            chats = Some((plans, starts));
+            (Box::new(std::iter::empty()), n * shape.turns as usize, last)
+        }
     };
     let last_arrival = (last_arrival_s * 1e9).round() as u64;
     let asks: Box<dyn Iterator<Item = (u64, AdmitAsk)> + Send> =
@@ -209,8 +236,17 @@ pub fn run_with_progress(
     if solver.is_some() {
         vh.spawn(admission.host, Box::new(SolverWatch { log: solver_log.clone() }));
     }
-    let arrivals = Arrivals { admission, asks: asks.peekable(), outcomes: outcomes.clone(), next: 0, started: t0 };
-    vh.spawn(admission.host, Box::new(arrivals));
+    match chats {
+        Some((plans, starts)) => {
+            let chats = Chats { admission, plans, starts, outcomes: outcomes.clone(), next_request: 0, started: t0 };
+            vh.spawn(admission.host, Box::new(chats));
+        }
+        None => {
+            let asks = asks.peekable();
+            let arrivals = Arrivals { admission, asks, outcomes: outcomes.clone(), next: 0, started: t0 };
+            vh.spawn(admission.host, Box::new(arrivals));
+        }
+    }
     let at = |s: f64| t0.after(Duration::from_secs_f64(s));
     let limit = t0.after(Duration::from_nanos(last_arrival)).after(DRAIN_LIMIT);
     let mut ended = 0;
@@ -441,6 +477,22 @@ fn prompt_ids(tokenizer: Option<&TextTokenizer>, prompt: &str, vocab: u64) -> Ve
     }
 }
 
+/// A chat's turns as ids: its opening prompt as a completion's (the tokenizer's, BOS
+/// included), each later message as it continues a prompt (no BOS; a leading space).
+fn chat_plan(chat: &Conversation, tokenizer: Option<&TextTokenizer>, vocab: u64) -> ChatPlan {
+    let opening = chat.next_request().map_or_else(Vec::new, |r| prompt_ids(tokenizer, &r.prompt, vocab));
+    let continued = |text: &str| match tokenizer {
+        Some(t) => t.encode(text, false).unwrap_or_default(),
+        None => text.split(' ').filter(|w| !w.is_empty()).map(|w| word_id(w.as_bytes(), vocab)).collect(),
+    };
+    let turns = chat.planned();
+    ChatPlan {
+        opening,
+        messages: turns.iter().skip(1).map(|t| continued(&format!(" {}", t.user))).collect(),
+        osl: turns.iter().map(|t| t.osl).collect(),
+    }
+}
+
 /// A word's token id without a tokenizer: its FNV-1a hash into the vocabulary.
 fn word_id(word: &[u8], vocab: u64) -> u32 {
     let h = word.iter().fold(FNV_OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME));
@@ -532,7 +584,11 @@ fn report(
         seed,
         cluster: scenario.topology.name.clone(),
         model: model.name.clone(),
-        rate_rps: scenario.workload.rate_rps,
+        // A closed loop (chats `concurrency` at a time) has no rate of its own: the one it reached.
+        rate_rps: match scenario.workload.requests {
+            scenario::WorkloadRequests::Chats { concurrency: Some(_), .. } => completed as f64 / span_s.max(1e-9),
+            _ => scenario.workload.rate_rps,
+        },
         requests,
         completed,
         failed,

@@ -290,7 +290,11 @@ impl Report {
         let _ = writeln!(
             t,
             "requests   {} at {} req/s: {} completed, {} failed, {} unfinished",
-            self.requests, self.rate_rps, self.completed, self.failed, self.unfinished
+            self.requests,
+            (self.rate_rps * 1e3).round() / 1e3,
+            self.completed,
+            self.failed,
+            self.unfinished
         );
         for (why, n) in &self.failures {
             let _ = writeln!(t, "  {n} x {why}");
@@ -438,7 +442,8 @@ pub fn comparison(reports: &[Report]) -> String {
             "| {name} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} |",
             r.chips.len(),
             or_dash(r.usd_per_hour.map(|h| format!("{h:.2}"))),
-            r.rate_rps,
+            // A closed loop's rate is what it reached: no need for every digit.
+            (r.rate_rps * 1e3).round() / 1e3,
             r.goodput_rps,
             or_dash(r.slo_met_per_usd.map(|x| format!("{x:.0}"))),
             pair(r.ttft),

@@ -41,6 +41,7 @@ use std::time::Duration;
 use serde::Deserialize;
 pub use tessera_topology::perf::PerfModel;
 use tessera_topology::{ClusterSpec, TopologyError};
+use tessera_workload::multiturn::MultiTurn;
 use tessera_workload::{LengthDist, SharedPrefix};
 use toml::Spanned;
 
@@ -101,6 +102,15 @@ impl Scenario {
             }
             WorkloadRequests::Tenants { .. } => {
                 Err(format!("{}: each of its tenants has a rate of its own; one rate cannot replace them", self.source))
+            }
+            WorkloadRequests::Chats { concurrency: Some(_), .. } => {
+                Err(format!("{}: its chats run a closed loop (`concurrency`); a rate cannot replace it", self.source))
+            }
+            WorkloadRequests::Chats { concurrency: None, shape, .. } => {
+                // The rate is of chats started; the workload's is of their turns.
+                let mut at = self.clone();
+                at.workload.rate_rps = rate_rps * f64::from(shape.turns);
+                Ok(at)
             }
         }
     }
@@ -194,6 +204,13 @@ pub enum WorkloadRequests {
     /// A trace in Mooncake's JSONL format (`[workload] trace = "FILE"`), replayed as
     /// `bench serve --trace` does: its arrival times, lengths and shared blocks.
     Trace(Vec<tessera_workload::trace::TraceRequest>),
+    /// Multi-turn chats, as `bench serve --multi-turn` sends them: each turn once the
+    /// last is answered, its prompt the last prompt, its answer and a user message of
+    /// `isl` words; every answer `osl` tokens; each chat opening with its group's system
+    /// prompt when `shared`. `concurrency` chats are under way at once (a new one starts
+    /// as one ends), or, without it, chats start as Poisson arrivals at the workload's
+    /// `rate_rps` (then chats a second).
+    Chats { shape: MultiTurn, concurrency: Option<u32>, isl: LengthDist, osl: LengthDist, shared: Option<SharedPrefix> },
 }
 
 /// One tenant's load in a multi-tenant workload.
@@ -304,6 +321,12 @@ struct RawWorkload {
     prefix_groups: Option<Spanned<i64>>,
     #[serde(default)]
     prefix_words: Option<Spanned<i64>>,
+    #[serde(default)]
+    conversations: Option<Spanned<i64>>,
+    #[serde(default)]
+    turns: Option<Spanned<i64>>,
+    #[serde(default)]
+    concurrency: Option<Spanned<i64>>,
     #[serde(default)]
     tenants: Vec<Spanned<RawTenantLoad>>,
 }
@@ -522,6 +545,9 @@ fn workload(
     if !w.tenants.is_empty() {
         return tenant_loads(w, span, at);
     }
+    if w.conversations.is_some() || w.turns.is_some() || w.concurrency.is_some() {
+        return chats(w, span, at);
+    }
     let missing = |key: &str| at(span.clone(), "workload", format!("missing `{key}` (or give a `trace` file)"));
     let isl = w.isl.as_ref().ok_or_else(|| missing("isl"))?;
     let osl = w.osl.as_ref().ok_or_else(|| missing("osl"))?;
@@ -606,25 +632,7 @@ fn workload(
     let dist = |s: &Spanned<String>, key: &str| {
         s.get_ref().parse::<LengthDist>().map_err(|e| at(s.span(), key, e.to_string()))
     };
-    let count = |v: &Spanned<i64>, key: &str| {
-        let n = *v.get_ref();
-        if (1..=MAX_PREFIX).contains(&n) {
-            Ok(n as u32)
-        } else {
-            Err(at(v.span(), key, format!("must be 1..={MAX_PREFIX}, got {n}")))
-        }
-    };
-    let shared = match (&w.prefix_groups, &w.prefix_words) {
-        (Some(groups), Some(words)) => Some(SharedPrefix {
-            groups: count(groups, "workload.prefix_groups")?,
-            words: count(words, "workload.prefix_words")?,
-        }),
-        (None, None) => None,
-        (Some(v), None) | (None, Some(v)) => {
-            let why = "give `prefix_groups` and `prefix_words` together".into();
-            return Err(at(v.span(), "workload", why));
-        }
-    };
+    let shared = shared_prefix(w, at)?;
     let rate_rps = match (&schedule, size) {
         (Some(steps), WorkloadSize::DurationS(d)) => mean_rate(steps, d),
         _ => rate_rps,
@@ -637,6 +645,102 @@ fn workload(
         cv,
         schedule,
     };
+    Ok(WorkloadSpec { rate_rps, requests })
+}
+
+/// `prefix_groups` system prompts of `prefix_words` words, if given (both or neither).
+fn shared_prefix(
+    w: &RawWorkload,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<Option<SharedPrefix>, TopologyError> {
+    let count = |v: &Spanned<i64>, key: &str| {
+        let n = *v.get_ref();
+        if (1..=MAX_PREFIX).contains(&n) {
+            Ok(n as u32)
+        } else {
+            Err(at(v.span(), key, format!("must be 1..={MAX_PREFIX}, got {n}")))
+        }
+    };
+    match (&w.prefix_groups, &w.prefix_words) {
+        (Some(groups), Some(words)) => Ok(Some(SharedPrefix {
+            groups: count(groups, "workload.prefix_groups")?,
+            words: count(words, "workload.prefix_words")?,
+        })),
+        (None, None) => Ok(None),
+        (Some(v), None) | (None, Some(v)) => {
+            Err(at(v.span(), "workload", "give `prefix_groups` and `prefix_words` together".into()))
+        }
+    }
+}
+
+/// Most turns of one chat.
+const MAX_TURNS: i64 = 1000;
+
+/// Multi-turn chats: `conversations` of `turns` turns, `concurrency` under way at once
+/// or started at `rate_rps` a second, user messages of `isl` words and answers of `osl`
+/// tokens, optionally opening with `prefix_groups` system prompts.
+fn chats(
+    w: &RawWorkload,
+    span: Range<usize>,
+    at: &impl Fn(Range<usize>, &str, String) -> TopologyError,
+) -> Result<WorkloadSpec, TopologyError> {
+    let others = [
+        ("arrivals", w.arrivals.as_ref().map(Spanned::span)),
+        ("cv", w.cv.as_ref().map(Spanned::span)),
+        ("rate_schedule", w.rate_schedule.as_ref().map(Spanned::span)),
+        ("requests", w.requests.as_ref().map(Spanned::span)),
+        ("duration_s", w.duration_s.as_ref().map(Spanned::span)),
+    ];
+    if let Some((key, Some(v))) = others.into_iter().find(|(_, v)| v.is_some()) {
+        let why = format!(
+            "multi-turn chats are `conversations` of `turns`, started `concurrency` at a time or at `rate_rps`; \
+             `{key}` describes another workload"
+        );
+        return Err(at(v, &format!("workload.{key}"), why));
+    }
+    let missing = |key: &str, why: &str| at(span.clone(), &format!("workload.{key}"), why.to_string());
+    let bounded = |v: &Spanned<i64>, key: &str, max: i64| {
+        let n = *v.get_ref();
+        if (1..=max).contains(&n) {
+            Ok(n as u32)
+        } else {
+            Err(at(v.span(), &format!("workload.{key}"), format!("must be 1..={max}, got {n}")))
+        }
+    };
+    let n = w.conversations.as_ref().ok_or_else(|| missing("conversations", "chats need `conversations`, how many"))?;
+    let t = w.turns.as_ref().ok_or_else(|| missing("turns", "chats need `turns`, how many each has"))?;
+    let shape = MultiTurn {
+        conversations: bounded(n, "conversations", MAX_REQUESTS as i64)?,
+        turns: bounded(t, "turns", MAX_TURNS)?,
+    };
+    if u64::from(shape.conversations) * u64::from(shape.turns) > MAX_REQUESTS {
+        let why =
+            format!("{} chats of {} turns are more than {MAX_REQUESTS} requests", shape.conversations, shape.turns);
+        return Err(at(t.span(), "workload.turns", why));
+    }
+    let (concurrency, rate_rps) = match (&w.concurrency, &w.rate_rps) {
+        (Some(c), None) => (Some(bounded(c, "concurrency", i64::from(shape.conversations))?), 0.0),
+        (None, Some(r)) => {
+            let rate =
+                number(r, "workload.rate_rps", |x| x > 0.0 && x <= MAX_RATE_RPS, "more than 0 and at most 1e6", at)?;
+            // A chat a second is `turns` requests a second, as the turns come.
+            (None, rate * f64::from(shape.turns))
+        }
+        (Some(c), Some(_)) => {
+            let why = "give `concurrency` (chats under way at once) or `rate_rps` (chats started a second), not both";
+            return Err(at(c.span(), "workload.concurrency", why.into()));
+        }
+        (None, None) => {
+            let why = "chats need `concurrency` (how many under way at once) or `rate_rps` (started a second)";
+            return Err(missing("concurrency", why));
+        }
+    };
+    let dist = |s: Option<&Spanned<String>>, key: &str| {
+        let s = s.ok_or_else(|| missing(key, &format!("missing `{key}`")))?;
+        s.get_ref().parse::<LengthDist>().map_err(|e| at(s.span(), &format!("workload.{key}"), e.to_string()))
+    };
+    let (isl, osl) = (dist(w.isl.as_ref(), "isl")?, dist(w.osl.as_ref(), "osl")?);
+    let requests = WorkloadRequests::Chats { shape, concurrency, isl, osl, shared: shared_prefix(w, at)? };
     Ok(WorkloadSpec { rate_rps, requests })
 }
 
@@ -661,6 +765,9 @@ fn tenant_loads(
         ("cv", w.cv.as_ref().map(Spanned::span)),
         ("rate_schedule", w.rate_schedule.as_ref().map(Spanned::span)),
         ("prefix_groups", w.prefix_groups.as_ref().map(Spanned::span)),
+        ("conversations", w.conversations.as_ref().map(Spanned::span)),
+        ("turns", w.turns.as_ref().map(Spanned::span)),
+        ("concurrency", w.concurrency.as_ref().map(Spanned::span)),
     ];
     if let Some((key, Some(v))) = spans.into_iter().find(|(_, v)| v.is_some()) {
         return Err(not_with(key, v));
@@ -792,6 +899,9 @@ fn traced(
         ("osl", w.osl.as_ref().map(Spanned::span)),
         ("prefix_groups", w.prefix_groups.as_ref().map(Spanned::span)),
         ("prefix_words", w.prefix_words.as_ref().map(Spanned::span)),
+        ("conversations", w.conversations.as_ref().map(Spanned::span)),
+        ("turns", w.turns.as_ref().map(Spanned::span)),
+        ("concurrency", w.concurrency.as_ref().map(Spanned::span)),
         ("tenants", w.tenants.first().map(Spanned::span)),
     ];
     if let Some((key, Some(span))) = others.into_iter().find(|(_, span)| span.is_some()) {

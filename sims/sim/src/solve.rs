@@ -120,6 +120,14 @@ pub fn workload(scenario: &Scenario) -> Workload {
             };
             Workload { rate_rps, isl: mean_of(&|l| mean(&l.isl)), osl: mean_of(&|l| mean(&l.osl)) }
         }
+        WorkloadRequests::Chats { shape, isl, osl, shared, .. } => {
+            // The mean turn's prompt: the system prompt, half the chat's user messages
+            // and answers so far (turn k holds k messages and k - 1 answers).
+            let turns = f64::from(shape.turns);
+            let system = shared.as_ref().map_or(0.0, |s| s.words as f64);
+            let isl = system + mean(isl) * (turns + 1.0) / 2.0 + mean(osl) * (turns - 1.0) / 2.0;
+            Workload { rate_rps, isl, osl: mean(osl) }
+        }
         WorkloadRequests::Trace(requests) => {
             let n = requests.len().max(1) as f64;
             Workload {
@@ -280,6 +288,12 @@ pub struct Solution {
 /// Solves `scenario` over `space`, then verifies in the simulator the `verify`
 /// strategies of the set with the best analytic goodput per $.
 pub fn solve(scenario: &Scenario, space: &tessera_planner::Space, verify_top: usize) -> Result<Solution, String> {
+    if let WorkloadRequests::Chats { concurrency: Some(_), .. } = scenario.workload.requests {
+        return Err(format!(
+            "{}: its chats run a closed loop (`concurrency`), which has no arrival rate to solve for: give `rate_rps`",
+            scenario.source
+        ));
+    }
     let fleet = fleet(scenario).map_err(|e| format!("{}: {e}", scenario.source))?;
     let (work, slo) = (workload(scenario), slo(scenario));
     let search = tessera_planner::search::mode(&fleet.fleet, &work, space).map_err(|e| e.to_string())?;

@@ -190,6 +190,35 @@ fn shared_prefixes_are_reused_in_the_simulation() {
     assert_eq!(r.to_json(), simulate(&shared, None).to_json());
 }
 
+/// Multi-turn chats, as `bench serve --multi-turn` sends them: every turn served, each
+/// sent once the last is answered (a closed loop of 2 chats at a time), each prompt
+/// longer than the last of its chat, the chats' histories and system prompts reused from
+/// the chips' caches; deterministic. Started at a rate instead, the same chats are served.
+#[test]
+fn multi_turn_chats_run_a_closed_loop_and_reuse_their_history() {
+    let chats = DISAGGREGATED.replace(
+        "rate_rps = 2.0\nrequests = 60\nisl = \"uniform:8-300\"\nosl = \"uniform:1-64\"",
+        "conversations = 6\nturns = 3\nconcurrency = 2\nisl = \"20\"\nosl = \"8\"\nprefix_groups = 2\nprefix_words = 60",
+    );
+    let s = parse(&chats);
+    let r = simulate(&s, None);
+    all_served_and_all_free(&r);
+    assert_eq!(r.requests, 18);
+    // A closed loop reports the rate it reached.
+    assert!(r.rate_rps > 0.0 && (r.rate_rps - 18.0 / r.simulated_s).abs() < 1e-6, "{}", r.rate_rps);
+    // Turn k+1 holds turn k's prompt and answer: most prompt tokens are cached.
+    let hit = r.prefix_hit_rate.unwrap_or(0.0);
+    assert!(hit > 0.5, "hit rate {hit}");
+    // 6 chats of 3 turns: 18 prompts of a 60-word system prompt, 20 words a message and
+    // 8 answer tokens a turn (60+20, 60+48, 60+76 tokens, BOS aside).
+    assert!((18 * 100..=18 * 110).contains(&(r.prompt_tokens as usize)), "{}", r.prompt_tokens);
+    assert_eq!(r.to_json(), simulate(&s, None).to_json());
+    let started = parse(&chats.replace("concurrency = 2", "rate_rps = 0.5"));
+    let r = simulate(&started, None);
+    all_served_and_all_free(&r);
+    assert_eq!(r.requests, 18);
+}
+
 /// A Mooncake-format trace file (relative to the scenario) replays with its own
 /// arrivals and lengths; requests sharing its blocks reuse each other's KV.
 #[test]
@@ -452,6 +481,30 @@ fn bad_scenarios_name_file_line_and_key() {
             DISAGGREGATED.replace("requests = 60", "requests = 60\nprefix_groups = 4\nprefix_words = 0"),
             9,
             "workload.prefix_words",
+        ),
+        (
+            "chats and a number of requests",
+            DISAGGREGATED.replace("requests = 60", "requests = 60\nconversations = 4\nturns = 2\nconcurrency = 2"),
+            7,
+            "workload.requests",
+        ),
+        (
+            "chats without turns",
+            DISAGGREGATED.replace("rate_rps = 2.0\nrequests = 60", "conversations = 4\nconcurrency = 2"),
+            5,
+            "workload.turns",
+        ),
+        (
+            "chats at a concurrency and a rate",
+            DISAGGREGATED.replace("requests = 60", "conversations = 4\nturns = 2\nconcurrency = 2"),
+            9,
+            "workload.concurrency",
+        ),
+        (
+            "more chats at once than chats",
+            DISAGGREGATED.replace("rate_rps = 2.0\nrequests = 60", "conversations = 4\nturns = 2\nconcurrency = 5"),
+            8,
+            "workload.concurrency",
         ),
         ("a price of an unknown kind", format!("{DISAGGREGATED}[prices]\nacme = 1.0\n"), 15, "prices.acme"),
         ("a price of 0", format!("{DISAGGREGATED}[prices]\ncpu = 0\n"), 15, "prices.cpu"),
