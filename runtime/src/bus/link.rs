@@ -2,6 +2,16 @@
 //! and the SUB that takes in its broadcasts. Each runs in its own task and rebuilds its
 //! socket after a disconnect.
 //!
+//! While the direct link is up and nothing waits in its queue, [`Bus::send`] hands each
+//! frame to ZeroMQ itself ([`LinkTx`], shared with the link's task under a lock), so a
+//! message crosses no task of ours on its way out. A frame ZeroMQ cannot take at once
+//! (its queue for the peer is full: a peer that stopped reading) goes to the link's
+//! queue, and so does every frame after it until the queue is empty: the link's task
+//! sends those, waiting at most `send_timeout` for each. Frames are sealed (on a secured
+//! link) under the same lock as they are handed over, so their counters go out in order.
+//!
+//! [`Bus::send`]: super::Bus::send
+//!
 //! We reconnect ourselves rather than lean on `zeromq` 0.7: its DEALER never
 //! reconnects (after the peer dies every send fails with "not connected"), and its SUB
 //! reconnects with a backoff that grows to 30 s. Every connection also gets a fresh
@@ -14,22 +24,97 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
+use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 use zeromq::util::PeerIdentity;
 use zeromq::{
-    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqError, ZmqMessage,
+    DealerSender, DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, TrySendError,
+    ZmqError, ZmqMessage,
 };
 
 use super::{Counters, Receiver, stopped, tcp_endpoint};
 use crate::addr::HostId;
 use crate::bus::PeerSpec;
-use crate::security::PlaneSecurity;
 use crate::security::frame::{self, Kind, Sealer};
 use crate::security::noise::{self, Grant, GrantKind, HandshakeError, Initiator};
+use crate::security::{Cipher, PlaneSecurity};
 
 /// One connection attempt (TCP connect, retried while refused, plus the handshake).
 const CONNECT_ATTEMPT: Duration = Duration::from_secs(1);
 const FIRST_BACKOFF: Duration = Duration::from_millis(20);
+
+/// A frame waiting in a link's queue: an envelope to send (and seal, on a secured
+/// link), or one already sealed that ZeroMQ could not take at once.
+pub(super) enum Outbound {
+    Envelope(Vec<u8>),
+    Wire(ZmqMessage),
+}
+
+/// A peer's direct link while it is up, as [`super::Bus::send`] and the link's task
+/// share it.
+pub(super) struct LinkTx {
+    sender: DealerSender,
+    /// A secured link's sealer, and its cipher for the next key.
+    sealer: Option<(Sealer, Cipher)>,
+    /// Frames wait in the link's queue: new ones go behind them, not to ZeroMQ.
+    pub(super) queued: bool,
+}
+
+/// `None` while the link is down.
+pub(super) type SharedLink = Arc<Mutex<Option<LinkTx>>>;
+
+/// The peer is gone (ZeroMQ dropped its connection), or no key could be made: the frame
+/// is lost with the link.
+pub(super) struct LinkBroken(pub &'static str);
+
+impl LinkTx {
+    /// `frame` as it goes on the wire (sealed on a secured link), then a fresh link key
+    /// when the current one has sealed its share.
+    fn wire(&mut self, frame: Vec<u8>) -> Result<Vec<ZmqMessage>, LinkBroken> {
+        let Some((sealer, cipher)) = self.sealer.as_mut() else { return Ok(vec![ZmqMessage::from(frame)]) };
+        let mut out = vec![ZmqMessage::from(sealer.seal(Kind::Data, &frame))];
+        if sealer.needs_rekey() {
+            let next = Grant::fresh(GrantKind::Direct, sealer.epoch().wrapping_add(1))
+                .map_err(|_| LinkBroken("no random source for a fresh link key"))?;
+            out.push(ZmqMessage::from(sealer.seal(Kind::Control, &noise::encode_grants(std::slice::from_ref(&next)))));
+            sealer.rekey(*cipher, next.epoch, &next.key);
+        }
+        Ok(out)
+    }
+
+    /// Seals `frame` into the link's counter order and hands what ZeroMQ takes at once;
+    /// returns the rest (the link is then `queued`) and how many were handed.
+    pub(super) fn hand(&mut self, frame: Vec<u8>) -> Result<(Vec<ZmqMessage>, u64), LinkBroken> {
+        let frames = self.wire(frame)?;
+        self.hand_all(frames)
+    }
+
+    /// A control frame (keys granted to the peer), sealed and handed as [`LinkTx::hand`].
+    fn hand_control(&mut self, body: &[u8]) -> Result<(Vec<ZmqMessage>, u64), LinkBroken> {
+        let Some((sealer, _)) = self.sealer.as_mut() else { return Ok((Vec::new(), 0)) };
+        let frame = ZmqMessage::from(sealer.seal(Kind::Control, body));
+        self.hand_all(vec![frame])
+    }
+
+    fn hand_all(&mut self, frames: Vec<ZmqMessage>) -> Result<(Vec<ZmqMessage>, u64), LinkBroken> {
+        let (mut left, mut handed) = (Vec::new(), 0);
+        for frame in frames {
+            if self.queued {
+                left.push(frame);
+                continue;
+            }
+            match self.sender.try_send(frame) {
+                Ok(()) => handed += 1,
+                Err(TrySendError::Full(frame)) => {
+                    self.queued = true;
+                    left.push(frame);
+                }
+                Err(TrySendError::Disconnected) => return Err(LinkBroken("the peer's connection closed")),
+            }
+        }
+        Ok((left, handed))
+    }
+}
 
 #[derive(Clone)]
 pub(super) struct LinkCtx {
@@ -48,6 +133,8 @@ pub(super) struct LinkCtx {
     pub granted: Option<watch::Receiver<Vec<Grant>>>,
     pub rekey_after: u64,
     pub receiver: Arc<Receiver>,
+    /// The link as `Bus::send` reaches it while it is up.
+    pub shared: SharedLink,
 }
 
 /// `name.host.nonce`: says who connected, and is unique per connection.
@@ -126,11 +213,7 @@ fn count_reconnect(ctx: &LinkCtx, channel: &'static str) {
 }
 
 fn count_discarded(ctx: &LinkCtx, reason: &'static str, n: u64) {
-    if n == 0 {
-        return;
-    }
-    Counters::add(&ctx.counters.discarded, n);
-    metrics::counter!("tessera_bus_frames_dropped_total", "reason" => reason).increment(n);
+    super::count_discarded(&ctx.counters, reason, n);
 }
 
 /// Is this monitor event the end of the link?
@@ -138,8 +221,10 @@ fn is_down(event: Option<SocketEvent>) -> bool {
     matches!(event, None | Some(SocketEvent::Disconnected(_)))
 }
 
-/// Drains `rx` into the peer's DEALER; reconnects when the peer goes away.
-pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>, mut stop: watch::Receiver<bool>) {
+/// Runs the peer's DEALER: connects (and authenticates, on a secured bus), opens the
+/// shared link to `Bus::send`, sends what waits in `rx`, and reconnects when the peer
+/// goes away.
+pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Outbound>, mut stop: watch::Receiver<bool>) {
     let endpoint = tcp_endpoint(ctx.peer.direct);
     let sent = metrics::counter!("tessera_bus_frames_sent_total", "peer" => ctx.peer.name.clone());
     let mut ever_connected = false;
@@ -151,12 +236,12 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
         // (it surfaces as a monitor event) and, on a secured bus, for the handshake's
         // reply or a refusal; the peer's ROUTER sends nothing else.
         let (mut tx_half, mut rx_half) = socket.split();
-        let mut sealer = match ctx.security.clone() {
+        let sealer = match ctx.security.clone() {
             None => None,
             Some(sec) => match open_link(&mut ctx, &sec, &mut tx_half, &mut rx_half, &mut stop).await {
                 Ok(sealer) => {
                     ctx.receiver.count_handshake_ok("connect");
-                    Some(sealer)
+                    Some((sealer, sec.cipher))
                 }
                 Err(LinkFailure::Stopped) => return,
                 Err(LinkFailure::Handshake(e)) => {
@@ -173,80 +258,89 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
         };
         // A reset asked for while we were connecting is already served.
         ctx.reset.borrow_and_update();
-        if ever_connected {
-            count_reconnect(&ctx, "direct");
-            // Whatever queued up while the peer was down was meant for its previous life.
-            let mut stale = 0;
-            while rx.try_recv().is_ok() {
-                stale += 1;
+        {
+            let mut shared = ctx.shared.lock();
+            if ever_connected {
+                count_reconnect(&ctx, "direct");
+                // Whatever queued up while the peer was down was meant for its previous life.
+                let mut stale = 0;
+                while rx.try_recv().is_ok() {
+                    stale += 1;
+                }
+                count_discarded(&ctx, "peer_down", stale);
+            } else {
+                tracing::debug!(peer = %ctx.peer.name, endpoint, "bus direct link up");
             }
-            count_discarded(&ctx, "peer_down", stale);
-        } else {
-            tracing::debug!(peer = %ctx.peer.name, endpoint, "bus direct link up");
+            // Frames queued before the first connection go first.
+            *shared = Some(LinkTx { sender: tx_half.sender(), sealer, queued: !rx.is_empty() });
         }
         ever_connected = true;
         let mut granted = ctx.granted.clone();
         if let Some(g) = granted.as_mut() {
             g.borrow_and_update();
         }
-        'link: loop {
+        let why = 'link: loop {
             // Frames to send this turn: an envelope, or keys (ours to grant, or a fresh
-            // key for this link once the current one has sealed its share).
-            let mut out: Vec<Vec<u8>> = Vec::new();
-            tokio::select! {
+            // key for this link once the current one has sealed its share), sealed and
+            // handed to ZeroMQ under the shared lock; what it could not take, waited for.
+            let handed = tokio::select! {
                 biased;
-                () = stopped(&mut stop) => return,
+                () = stopped(&mut stop) => break 'link None,
                 event = monitor.next() => if is_down(event) {
                     tracing::warn!(peer = %ctx.peer.name, "bus direct link down; reconnecting");
-                    break 'link;
+                    break 'link Some(());
+                } else {
+                    continue 'link;
                 },
                 Ok(()) = ctx.reset.changed() => {
                     tracing::info!(peer = %ctx.peer.name, "bus direct link reset");
-                    break 'link;
+                    break 'link Some(());
                 },
                 msg = rx_half.recv() => match msg {
                     Err(e) => {
                         tracing::debug!(peer = %ctx.peer.name, "bus DEALER receive: {e}");
-                        break 'link;
+                        break 'link Some(());
                     }
                     Ok(msg) if msg.iter().any(|f| frame::kind_of(f) == Some(Kind::Refused)) => {
                         let e = HandshakeError::UnknownKey { key: "ours (the peer refused it)".into() };
                         ctx.receiver.count_handshake("connect", &e, &ctx.peer.name);
                         pause(&ctx, &mut stop).await;
-                        break 'link;
+                        break 'link Some(());
                     }
-                    Ok(_) => {}
+                    Ok(_) => continue 'link,
                 },
                 Some(Ok(())) = async { match granted.as_mut() { Some(g) => Some(g.changed().await), None => None } } => {
-                    if let Some(sealer) = sealer.as_mut() {
-                        let grants = granted.as_mut().map(|g| g.borrow_and_update().clone()).unwrap_or_default();
-                        out.push(sealer.seal(Kind::Control, &noise::encode_grants(&grants)));
-                    }
+                    let grants = granted.as_mut().map(|g| g.borrow_and_update().clone()).unwrap_or_default();
+                    let mut shared = ctx.shared.lock();
+                    shared.as_mut().map(|tx| tx.hand_control(&noise::encode_grants(&grants)))
                 },
                 frame = rx.recv() => {
-                    let Some(frame) = frame else { return };
-                    match sealer.as_mut() {
-                        None => out.push(frame),
-                        Some(sealer) => {
-                            out.push(sealer.seal(Kind::Data, &frame));
-                            if sealer.needs_rekey() {
-                                let Some(sec) = &ctx.security else { return };
-                                let Ok(next) = Grant::fresh(GrantKind::Direct, sealer.epoch().wrapping_add(1)) else {
-                                    tracing::warn!(peer = %ctx.peer.name, "no random source for a fresh link key; reconnecting");
-                                    break 'link;
-                                };
-                                out.push(sealer.seal(Kind::Control, &noise::encode_grants(std::slice::from_ref(&next))));
-                                sealer.rekey(sec.cipher, next.epoch, &next.key);
-                            }
-                        }
+                    let Some(frame) = frame else { break 'link None };
+                    let mut shared = ctx.shared.lock();
+                    match frame {
+                        Outbound::Envelope(frame) => shared.as_mut().map(|tx| tx.hand(frame)),
+                        Outbound::Wire(frame) => Some(Ok((vec![frame], 0))),
                     }
                 }
-            }
-            for frame in out {
+            };
+            let left = match handed {
+                None => break 'link Some(()),
+                Some(Err(LinkBroken(why))) => {
+                    count_discarded(&ctx, "peer_down", 1);
+                    tracing::warn!(peer = %ctx.peer.name, "bus direct link: {why}; reconnecting");
+                    break 'link Some(());
+                }
+                Some(Ok((left, n))) => {
+                    Counters::add(&ctx.counters.sent, n);
+                    sent.increment(n);
+                    left
+                }
+            };
+            for frame in left {
                 let outcome = tokio::select! {
                     biased;
-                    () = stopped(&mut stop) => return,
-                    r = tokio::time::timeout(ctx.send_timeout, tx_half.send(ZmqMessage::from(frame))) => r,
+                    () = stopped(&mut stop) => break 'link None,
+                    r = tokio::time::timeout(ctx.send_timeout, tx_half.send(frame)) => r,
                 };
                 match outcome {
                     Ok(Ok(())) => {
@@ -256,12 +350,12 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
                     Ok(Err(ZmqError::ReturnToSender { .. })) => {
                         count_discarded(&ctx, "peer_down", 1);
                         tracing::warn!(peer = %ctx.peer.name, "bus direct link down; reconnecting");
-                        break 'link;
+                        break 'link Some(());
                     }
                     Ok(Err(e)) => {
                         count_discarded(&ctx, "peer_down", 1);
                         tracing::warn!(peer = %ctx.peer.name, "bus DEALER send failed: {e}; reconnecting");
-                        break 'link;
+                        break 'link Some(());
                     }
                     Err(_) => {
                         count_discarded(&ctx, "send_timeout", 1);
@@ -270,10 +364,22 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Vec<u8>>
                             timeout_ms = ctx.send_timeout.as_millis() as u64,
                             "bus peer accepts no frames; dropping the link and reconnecting"
                         );
-                        break 'link;
+                        break 'link Some(());
                     }
                 }
             }
+            // The queue is empty: `Bus::send` hands frames over itself again.
+            let mut shared = ctx.shared.lock();
+            if let Some(tx) = shared.as_mut()
+                && rx.is_empty()
+            {
+                tx.queued = false;
+            }
+        };
+        // Down (or stopping): `Bus::send` queues until the link is up again.
+        ctx.shared.lock().take();
+        if why.is_none() {
+            return;
         }
     }
 }

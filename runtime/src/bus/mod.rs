@@ -387,9 +387,22 @@ impl Receiver {
 
 struct PeerQueue {
     name: String,
-    tx: mpsc::Sender<Vec<u8>>,
+    /// The link while it is up: frames go straight to ZeroMQ through it.
+    link: link::SharedLink,
+    /// Frames waiting for the link's task: the link is down, or earlier frames wait.
+    tx: mpsc::Sender<link::Outbound>,
     /// Bumped to make both links to the peer reconnect.
     reset: watch::Sender<u64>,
+    sent: metrics::Counter,
+}
+
+/// Counts `n` outbound frames discarded for `reason`.
+fn count_discarded(counters: &Counters, reason: &'static str, n: u64) {
+    if n == 0 {
+        return;
+    }
+    Counters::add(&counters.discarded, n);
+    metrics::counter!("tessera_bus_frames_dropped_total", "reason" => reason).increment(n);
 }
 
 struct Inner {
@@ -490,6 +503,7 @@ impl Bus {
         for peer in &config.peers {
             let (tx, rx) = mpsc::channel(config.queue_capacity);
             let (reset, reset_rx) = watch::channel(0);
+            let shared = link::SharedLink::default();
             let ctx = link::LinkCtx {
                 own_name: config.name.clone(),
                 own_host: config.host,
@@ -504,10 +518,12 @@ impl Bus {
                 granted: granted.clone(),
                 rekey_after: config.rekey_after_frames,
                 receiver: receiver.clone(),
+                shared: shared.clone(),
             };
             tasks.push(tokio::spawn(link::run_dealer(ctx.clone(), rx, stop_rx.clone())));
             tasks.push(tokio::spawn(link::run_subscriber(ctx, stop_rx.clone())));
-            peers.insert(peer.host, PeerQueue { name: peer.name.clone(), tx, reset });
+            let sent = metrics::counter!("tessera_bus_frames_sent_total", "peer" => peer.name.clone());
+            peers.insert(peer.host, PeerQueue { name: peer.name.clone(), link: shared, tx, reset, sent });
         }
         tracing::info!(host = %config.host, name = %config.name, %direct, %events, peers = peers.len(), "bus started");
 
@@ -540,12 +556,40 @@ impl Bus {
         self.inner.events
     }
 
-    /// Queues `env` for `env.to.host`. Never blocks. Same-host delivery is not the
-    /// bus's business: this host's own id is an [`SendError::UnknownHost`].
+    /// Sends `env` to `env.to.host`: hands it to ZeroMQ at once while the link is up
+    /// and nothing waits before it, else queues it for the link. Never blocks.
+    /// Same-host delivery is not the bus's business: this host's own id is an
+    /// [`SendError::UnknownHost`].
     pub fn send(&self, env: Envelope) -> Result<(), SendError> {
         let to = env.to.ok_or(SendError::Missing("to"))?;
         let peer = self.inner.peers.get(&to.host).ok_or(SendError::UnknownHost(to.host))?;
         let frame = codec::encode(&env)?;
+        // Under the link's lock from sealing to queueing, so frames leave in order.
+        let mut link = peer.link.lock();
+        let queued = match link.as_mut() {
+            Some(tx) if !tx.queued => match tx.hand(frame) {
+                Ok((left, handed)) => {
+                    Counters::add(&self.inner.counters.sent, handed);
+                    peer.sent.increment(handed);
+                    left.into_iter().map(link::Outbound::Wire).collect()
+                }
+                Err(link::LinkBroken(_)) => {
+                    // The link's task sees the connection close and reconnects.
+                    count_discarded(&self.inner.counters, "peer_down", 1);
+                    *link = None;
+                    return Ok(());
+                }
+            },
+            _ => vec![link::Outbound::Envelope(frame)],
+        };
+        for frame in queued {
+            self.queue(peer, frame)?;
+        }
+        Ok(())
+    }
+
+    /// Puts `frame` in `peer`'s queue for its link's task.
+    fn queue(&self, peer: &PeerQueue, frame: link::Outbound) -> Result<(), SendError> {
         match peer.tx.try_send(frame) {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(_)) => {

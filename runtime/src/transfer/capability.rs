@@ -107,11 +107,11 @@ mod tests {
         }
         assert!(!caps.allows(&[0; 16], 7, 100, 10), "an unknown token");
         // Regranting replaces; revoking ends.
-        caps.grant(Some(token), 7, vec![0..10], Duration::from_secs(60)).expect("regrant");
+        caps.grant(Some(token), 7, std::iter::once(0..10).collect(), Duration::from_secs(60)).expect("regrant");
         assert!(!caps.allows(&token, 7, 100, 10) && caps.allows(&token, 7, 0, 10));
         caps.revoke(&token);
         assert!(!caps.allows(&token, 7, 0, 10));
-        let short = caps.grant(None, 7, vec![0..10], Duration::ZERO).expect("grant");
+        let short = caps.grant(None, 7, std::iter::once(0..10).collect(), Duration::ZERO).expect("grant");
         assert!(!caps.allows(&short, 7, 0, 10), "expired");
     }
 }

@@ -226,6 +226,37 @@ async fn garbage_frames_are_counted_and_dropped() {
     b.shutdown().await;
 }
 
+/// Frames queued before the peer is up go out first, and the frames `send` hands to
+/// ZeroMQ itself once the link is up follow them: every frame arrives, in send order,
+/// across the switch from the link's queue to the direct path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_keep_their_order_from_the_queue_to_the_direct_path() {
+    let (pa, pb) = (ports(), ports());
+    let (ia, _ra) = collector();
+    let (ib, mut rb) = collector();
+    let a = start(config(A, pa, B, pb, 512), ia).await;
+    for corr in 0..300 {
+        a.send(direct(A, B, corr)).expect("queued before the peer is up");
+    }
+    let b = start(config(B, pb, A, pa, 512), ib).await;
+    let total = 5_000u64;
+    let mut corr = 300;
+    while corr < total {
+        match a.send(direct(A, B, corr)) {
+            Ok(()) => corr += 1,
+            Err(SendError::Full { .. }) => tokio::time::sleep(Duration::from_millis(1)).await,
+            Err(e) => panic!("send: {e}"),
+        }
+    }
+    for want in 0..total {
+        let env = tokio::time::timeout(WAIT, rb.recv()).await.expect("every frame arrives").expect("open");
+        assert_eq!(env.corr, want, "out of order");
+    }
+    assert_eq!(a.stats().sent, total);
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_restart_gives_full_then_reconnects() {
     let (pa, pb) = (ports(), ports());

@@ -659,7 +659,8 @@ mod secured {
             let batch =
                 vec![a_(0, 0, 300_000), a_(400_001, 300_000, 600_000), a_(REGION_BYTES as u64 - 5, 1_000_000, 5)];
             let mut remote = a.describe(&src);
-            remote.capability = Some(a.grant(None, &src, vec![0..REGION_BYTES as u64]).expect("grant"));
+            remote.capability =
+                Some(a.grant(None, &src, std::iter::once(0..REGION_BYTES as u64).collect()).expect("grant"));
             let stats = b.read_via(Transport::Tcp, &remote, &dst, &batch).expect("secured read");
             assert_eq!(stats.bytes, 900_005, "{cipher:?} {mode:?}");
             assert!(contents(&dst) == expected(&bytes, REGION_BYTES, &batch), "{cipher:?} {mode:?}: wrong bytes");
@@ -681,7 +682,7 @@ mod secured {
         let bytes = pattern(REGION_BYTES, 9);
         src.write(0, &bytes).expect("fill");
         let mut remote = a.describe(&src);
-        remote.capability = Some(a.grant(None, &src, vec![0..4096]).expect("grant"));
+        remote.capability = Some(a.grant(None, &src, std::iter::once(0..4096).collect()).expect("grant"));
         let batch = [a_(0, 0, 4096)];
 
         // A reader whose key is not listed: refused at the handshake, nothing read.
@@ -777,7 +778,7 @@ fn a_secured_read_without_a_valid_capability_gets_nothing() {
     forbidden(read(Some(offered), &src, &[a(8192, 0, 4096)]), "a revoked capability");
     let short_lived = start(&ka, Duration::from_millis(1));
     let src_short = short_lived.register(4096).expect("register");
-    let brief = short_lived.grant(None, &src_short, vec![0..4096]).expect("grant");
+    let brief = short_lived.grant(None, &src_short, std::iter::once(0..4096).collect()).expect("grant");
     std::thread::sleep(Duration::from_millis(20));
     let mut remote = short_lived.describe(&src_short);
     remote.capability = Some(brief);

@@ -209,6 +209,21 @@ impl GenericSocketBackend {
         }
     }
 
+    /// Tessera patch: queues `message` for the socket's one connected peer without
+    /// waiting. `Err(Ok(message))` when the peer's queue is full or there is not exactly
+    /// one peer (the message comes back); `Err(Err(()))` when the peer is gone (the
+    /// message with it).
+    pub(crate) fn try_send_single_peer(&self, message: Message) -> Result<(), Result<Message, ()>> {
+        match self.try_send_cached_single_peer(message, None) {
+            CachedSend::Sent => Ok(()),
+            CachedSend::Full { message, .. } | CachedSend::Miss(message) => Err(Ok(message)),
+            CachedSend::Disconnected { peer_id, .. } => {
+                self.peer_disconnected(&peer_id);
+                Err(Err(()))
+            }
+        }
+    }
+
     async fn finish_cached_send(&self, cached_send: CachedSend) -> ZmqResult<SendResolution> {
         match cached_send {
             CachedSend::Sent => Ok(SendResolution::Sent),

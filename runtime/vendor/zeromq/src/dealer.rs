@@ -156,6 +156,45 @@ pub struct DealerSendHalf {
     inner: Arc<DealerSocketInner>,
 }
 
+// Tessera patch: a synchronous sender, so that a caller that must not wait can queue a
+// message for the peer straight away, without a task of its own in between.
+
+/// Why [`DealerSender::try_send`] did not queue a message.
+#[derive(Debug)]
+pub enum TrySendError {
+    /// The peer's queue is full, or the socket has not exactly one peer: the message
+    /// comes back.
+    Full(ZmqMessage),
+    /// The peer is gone; so is the message.
+    Disconnected,
+}
+
+/// Queues messages on a split [`DealerSocket`] without waiting; holding one keeps the
+/// socket open.
+#[derive(Clone)]
+pub struct DealerSender {
+    inner: Arc<DealerSocketInner>,
+}
+
+impl DealerSendHalf {
+    /// A sender that queues without waiting, beside this half.
+    pub fn sender(&self) -> DealerSender {
+        DealerSender { inner: self.inner.clone() }
+    }
+}
+
+impl DealerSender {
+    /// Queues `message` for the socket's one connected peer, in order with every other
+    /// message queued for it, or says why not at once.
+    pub fn try_send(&self, message: ZmqMessage) -> Result<(), TrySendError> {
+        match self.inner.backend.try_send_single_peer(Message::Message(message)) {
+            Ok(()) => Ok(()),
+            Err(Ok(Message::Message(message))) => Err(TrySendError::Full(message)),
+            Err(Ok(_)) | Err(Err(())) => Err(TrySendError::Disconnected),
+        }
+    }
+}
+
 /// The recv half of a [`DealerSocket`] produced by [`DealerSocket::split`].
 pub struct DealerRecvHalf {
     _inner: Arc<DealerSocketInner>,
