@@ -81,6 +81,12 @@ impl Behavior<Msg> for Client {
     }
 }
 
+/// A tick `at_ns` nanoseconds after `started` (at once, if that has passed).
+fn tick_at(fx: &mut dyn Effects<Msg>, started: Moment, at_ns: u64) {
+    let due = started.0 + at_ns;
+    fx.timer(Duration::from_nanos(due.saturating_sub(fx.now().0)), Msg::Tick);
+}
+
 /// Releases each planned request at its arrival time (offsets from its own start, in
 /// nanoseconds, ascending), one timer at a time; `next` numbers them.
 pub struct Arrivals {
@@ -96,8 +102,7 @@ pub struct Arrivals {
 impl Arrivals {
     fn arm(&mut self, fx: &mut dyn Effects<Msg>) {
         if let Some((at_ns, _)) = self.asks.peek() {
-            let due = self.started.0 + at_ns;
-            fx.timer(Duration::from_nanos(due.saturating_sub(fx.now().0)), Msg::Tick);
+            tick_at(fx, self.started, *at_ns);
         }
     }
 }
@@ -361,8 +366,7 @@ impl Chats {
         if let ChatStarts::At(times) = &self.starts
             && let Some(at_ns) = times.front()
         {
-            let due = self.started.0 + at_ns;
-            fx.timer(Duration::from_nanos(due.saturating_sub(fx.now().0)), Msg::Tick);
+            tick_at(fx, self.started, *at_ns);
         }
     }
 }
