@@ -12,9 +12,9 @@ use super::sse::SseParser;
 use tessera_workload::PlannedRequest;
 #[cfg(test)]
 use tessera_workload::SeededRng;
-#[cfg(test)]
-use tessera_workload::multiturn::PlannedTurn;
 use tessera_workload::multiturn::{Conversation, Speaker};
+#[cfg(test)]
+use tessera_workload::multiturn::{PlannedTurn, SystemPrompt};
 
 /// The OpenAI request for a planned one, streaming with usage, and `ignore_eos` (a vLLM
 /// extension) so that every output is exactly `max_tokens` long.
@@ -371,6 +371,17 @@ mod tests {
                    {"role": "user", "content": "more"}])
         );
         assert_eq!(chat["stream"], json!(true));
+        // A chat of a system prompt group opens with it, as text and as a system message.
+        let system = SystemPrompt { group: 0, text: "be brief".into(), words: 2 };
+        let mut c = Conversation::new(vec![turn("hi"), turn("more")]).with_system(Some(system));
+        c.answer(" there".into());
+        let Some(req) = c.next_request() else { panic!("a second turn is planned") };
+        assert_eq!(turn_body(&c, &req, Endpoint::Completions, "m")["prompt"], json!("be brief hi there more"));
+        assert_eq!(
+            turn_body(&c, &req, Endpoint::Chat, "m")["messages"],
+            json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": " there"}, {"role": "user", "content": "more"}])
+        );
     }
 
     #[test]

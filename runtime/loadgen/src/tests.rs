@@ -420,8 +420,7 @@ async fn invalid_options_are_refused_before_any_request() {
     }
     for opts in [
         ServeBenchOptions { multi_turn: Some(MultiTurn { conversations: 0, turns: 3 }), ..options(url.clone()) },
-        ServeBenchOptions { multi_turn: Some(MultiTurn { conversations: 2, turns: 0 }), ..options(url.clone()) },
-        ServeBenchOptions { multi_turn: chats, shared: Some(SharedPrefix { groups: 2, words: 8 }), ..options(url) },
+        ServeBenchOptions { multi_turn: Some(MultiTurn { conversations: 2, turns: 0 }), ..options(url) },
     ] {
         assert!(matches!(run(opts).await, Err(LoadgenError::Workload(_))));
     }
@@ -470,6 +469,33 @@ async fn multi_turn_completions_extend_the_last_prompt_and_its_answer() {
     let table = report.table();
     assert!(table.contains("2 conversations of 3 turns, 2 under way at once"), "{table}");
     assert!(table.contains("oracle hit rate 0.568"), "{table}");
+}
+
+/// Chats with system prompts: every turn of chat i opens with system prompt i mod 2,
+/// the same text each time, and the oracle misses each of them once.
+#[tokio::test]
+async fn multi_turn_chats_open_with_their_groups_system_prompt() {
+    let fake = FakeServer { usage: true, ..FakeServer::default() };
+    let inputs = Arc::clone(&fake.inputs);
+    let url = serve(fake).await;
+    let shape = MultiTurn { conversations: 4, turns: 2 };
+    let shared = Some(SharedPrefix { groups: 2, words: 10 });
+    let opts =
+        ServeBenchOptions { multi_turn: Some(shape), shared, load: Load::Closed { concurrency: 2 }, ..options(url) };
+    let workload = Workload { isl: opts.isl, osl: opts.osl, load: opts.load, seed: opts.seed, shared };
+    let plan = workload.conversations(shape).unwrap_or_default();
+    let report = run_ok(opts).await;
+    assert_eq!((report.requests_ok, report.requests_failed), (8, 0), "{:?}", report.errors);
+    // Prompts of 10 + 16 and 10 + 16 + 5 + 16 words.
+    assert_eq!(report.input_tokens, 4 * (26 + 47));
+    assert_eq!(report.oracle_hit_rate, Some(multiturn::oracle_hit_rate(&plan)));
+    let prompts: Vec<String> = match inputs.lock() {
+        Ok(inputs) => inputs.iter().map(|p| p.as_str().unwrap_or_default().to_string()).collect(),
+        Err(e) => panic!("the fake server panicked: {e}"),
+    };
+    let systems: std::collections::BTreeSet<String> =
+        prompts.iter().map(|p| p.split_whitespace().take(10).collect::<Vec<_>>().join(" ")).collect();
+    assert_eq!(systems.len(), 2, "two system prompts open every turn: {systems:?}");
 }
 
 #[tokio::test]
