@@ -212,9 +212,9 @@ fn plane_ports(toml: &str) -> HashSet<u16> {
     let spec = tessera_topology::parse(toml, "t.toml").expect("the test topology parses");
     spec.hosts
         .iter()
-        .flat_map(|h| [Some(h.bus), Some(h.events), Some(h.transfer), h.stages])
+        .flat_map(|h| [Some(&h.bus), Some(&h.events), Some(&h.transfer), h.stages.as_ref()])
         .flatten()
-        .map(|a| a.port())
+        .map(|a| a.port)
         .collect()
 }
 

@@ -319,7 +319,7 @@ fn check_spec(spec: &ClusterSpec) -> Result<(), TestCaseError> {
     let mut ids = HashSet::new();
     let mut sockets = HashSet::new();
     for host in &spec.hosts {
-        for socket in [host.bus, host.events, host.transfer] {
+        for socket in [&host.bus, &host.events, &host.transfer] {
             prop_assert!(sockets.insert(socket), "socket {} used twice", socket);
         }
     }

@@ -40,8 +40,8 @@ pub fn check_name(name: &str) -> Result<(), String> {
     }
 }
 pub use tessera_vocab::{
-    Cipher, DType, KvLayout, MatmulPrecision, PriorityClass, Quantize, Role, RouterPolicy, SecurityMode,
-    TransportChoice, UnknownName,
+    Cipher, DType, Endpoint, HostAddr, KvLayout, MatmulPrecision, PriorityClass, Quantize, ResolveError, Role,
+    RouterPolicy, SecurityMode, TransportChoice, UnknownName,
 };
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
@@ -126,15 +126,16 @@ pub struct TenantLimits {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostSpec {
     pub name: String,
-    /// The host's ZeroMQ ROUTER socket.
-    pub bus: SocketAddr,
+    /// The host's ZeroMQ ROUTER socket. Its host part (an IP address or a DNS name) is
+    /// the host's for every socket that defaults next to it.
+    pub bus: Endpoint,
     /// The host's ZeroMQ PUB socket (default: the bus port + 1).
-    pub events: SocketAddr,
+    pub events: Endpoint,
     /// The host's KV transfer listener (default: the bus port + 2).
-    pub transfer: SocketAddr,
+    pub transfer: Endpoint,
     /// The host's stage server (default: the bus port + 3): set where the host holds a
     /// pipeline stage of an instance that runs on another host, else `None`.
-    pub stages: Option<SocketAddr>,
+    pub stages: Option<Endpoint>,
     /// The host's public key (X25519, 32 bytes), when the topology lists it inline
     /// (`public_key`, hex) rather than in `security.keys_dir`.
     pub public_key: Option<[u8; 32]>,
@@ -553,6 +554,10 @@ pub struct BusSpec {
     /// How long a connecting host may take to complete its handshake (default 5000,
     /// 100..=600_000).
     pub handshake_timeout_ms: u64,
+    /// How long a starting host keeps retrying a host name that does not resolve (its
+    /// own or a peer's) before it gives up with an error (default 60000, 0..=3_600_000):
+    /// pods that start together publish their DNS names a few seconds apart.
+    pub resolve_timeout_ms: u64,
 }
 
 /// How the planes between hosts are secured; `[security]`. See
@@ -578,7 +583,7 @@ impl Default for SecuritySpec {
 
 impl Default for BusSpec {
     fn default() -> Self {
-        BusSpec { max_frame_bytes: 16 << 20, handshake_timeout_ms: 5000 }
+        BusSpec { max_frame_bytes: 16 << 20, handshake_timeout_ms: 5000, resolve_timeout_ms: 60_000 }
     }
 }
 
@@ -594,7 +599,7 @@ pub struct PathReport {
 pub struct HostPaths {
     pub host: String,
     /// The host's bus address, which tells whether it runs here.
-    pub bus: SocketAddr,
+    pub bus: Endpoint,
     /// The host runs on this machine (its bus address is one this machine can bind:
     /// loopback, unspecified or an address of one of its interfaces), so its paths were
     /// checked and exist; otherwise they could not be checked here.
@@ -649,7 +654,7 @@ pub fn load_with_report(path: &Path) -> Result<(ClusterSpec, PathReport), Topolo
     let dir = path.parent().unwrap_or(Path::new(""));
     // Absolute, so that the spec means the same thing to a process with another cwd.
     let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-    validate::parse(&text, &source, Some(&dir), Some(&local::is_local), None)
+    validate::parse(&text, &source, Some(&dir), Some(&local::endpoint_is_local), None)
 }
 
 /// Parses and validates topology `text`; `source` names it in error messages. Relative

@@ -2,9 +2,21 @@
 //! directory, kernel libraries) can be checked here. The rule: a host runs here when this
 //! machine can bind its bus address's IP — loopback and unspecified addresses always,
 //! otherwise an address of one of this machine's interfaces. A host on another machine
-//! cannot bind there, so its paths are left to that machine.
+//! cannot bind there, so its paths are left to that machine. A host written as a DNS
+//! name runs here when the name resolves to such an address now.
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
+
+use crate::Endpoint;
+
+/// Whether the host at `endpoint` runs on this machine; a name that does not resolve
+/// (yet) is taken as another machine's.
+pub(crate) fn endpoint_is_local(endpoint: &Endpoint) -> bool {
+    match endpoint.ip() {
+        Some(ip) => is_local(ip),
+        None => endpoint.is_loopback() || endpoint.resolve().is_ok_and(|addr| is_local(addr.ip())),
+    }
+}
 
 /// Whether `ip` belongs to this machine. Binding a UDP socket to an ephemeral port of
 /// `ip` asks the kernel without sending anything; the socket is closed at once.

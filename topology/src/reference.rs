@@ -281,6 +281,12 @@ pub const TABLES: &[Table] = &[
                 "5000",
                 "A connecting host must finish the ZMTP handshake within this time.",
             ),
+            key(
+                "resolve_timeout_ms",
+                "0..=3600000",
+                "60000",
+                "A starting host retries a host name that does not resolve (its own or a peer's) for this long, then stops with an error naming it; later, a peer's name is looked up again on every reconnect, and a failure is logged and retried.",
+            ),
         ],
     },
     Table {
@@ -395,7 +401,7 @@ pub const TABLES: &[Table] = &[
     Table {
         path: "hosts",
         header: "[[hosts]]",
-        about: "One host: one runtime process. Every socket of the cluster needs its own address; host names are not resolved.",
+        about: "One host: one runtime process. Every socket of the cluster needs its own address. A host may be an IP address or a DNS name (a Kubernetes pod's, say): the host binds what its name resolves to at start, and peers resolve it again on every reconnect.",
         keys: &[
             key(
                 "name",
@@ -403,18 +409,23 @@ pub const TABLES: &[Table] = &[
                 "required",
                 "The host's name (`tessera node --host NAME`).",
             ),
-            key("bus", "`IP:PORT` or `tcp://IP:PORT`", "required", "The host's ZeroMQ ROUTER socket."),
-            key("events", "`IP:PORT` or `tcp://IP:PORT`", "the bus port + 1", "The host's ZeroMQ PUB socket."),
+            key(
+                "bus",
+                "`HOST:PORT` or `tcp://HOST:PORT`, HOST an IP address or a DNS name",
+                "required",
+                "The host's ZeroMQ ROUTER socket; the other sockets default to its HOST.",
+            ),
+            key("events", "`HOST:PORT` or `tcp://HOST:PORT`", "the bus port + 1", "The host's ZeroMQ PUB socket."),
             key(
                 "public_key",
                 "64 hex digits",
                 "`security.keys_dir`/NAME.pub",
                 "The host's public key, as `tessera keys gen-host` prints it; listed here, it needs no `.pub` file (but changing it needs every host restarted).",
             ),
-            key("transfer", "`IP:PORT` or `tcp://IP:PORT`", "the bus port + 2", "The host's KV transfer listener."),
+            key("transfer", "`HOST:PORT` or `tcp://HOST:PORT`", "the bus port + 2", "The host's KV transfer listener."),
             key(
                 "stages",
-                "`IP:PORT` or `tcp://IP:PORT`",
+                "`HOST:PORT` or `tcp://HOST:PORT`",
                 "the bus port + 3",
                 "The host's stage server: where an instance on another host reaches the pipeline stages this host holds for it (one TCP link per stage). Bound only on a host that holds such a stage.",
             ),

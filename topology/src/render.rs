@@ -77,8 +77,8 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
     }
     writeln!(
         out,
-        "  bus: frames of at most {} bytes, handshakes within {} ms",
-        spec.bus.max_frame_bytes, spec.bus.handshake_timeout_ms
+        "  bus: frames of at most {} bytes, handshakes within {} ms, host names retried for {} ms at start",
+        spec.bus.max_frame_bytes, spec.bus.handshake_timeout_ms, spec.bus.resolve_timeout_ms
     )?;
     let security = &spec.security;
     match (&security.mode, &security.keys_dir) {

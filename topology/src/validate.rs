@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Display;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::ops::{Range, RangeInclusive};
 use std::path::{Path, PathBuf};
 
@@ -23,7 +23,7 @@ use crate::error::{self, TopologyError};
 use crate::perf::{self, Bound};
 use crate::{
     BUILTIN_MODELS, Backend, BusSpec, ChipKind, ChipSpec, Cipher, ClusterSpec, Confidence, DType, DisaggSpec,
-    EmulationSpec, GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, ParallelSpec, PathReport,
+    EmulationSpec, Endpoint, GatewaySpec, HostPaths, HostSpec, KvLayout, MatmulPrecision, ParallelSpec, PathReport,
     PriorityClass, Role, RouterSpec, SecurityMode, SecuritySpec, SolverSpec, SupervisorSpec, TenantLimits, TenantSpec,
     catalog,
 };
@@ -291,6 +291,8 @@ struct RawBus {
     max_frame_bytes: Option<Spanned<usize>>,
     #[serde(default)]
     handshake_timeout_ms: Option<Spanned<u64>>,
+    #[serde(default)]
+    resolve_timeout_ms: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -378,7 +380,7 @@ impl ChipContext<'_> {
 }
 
 /// Whether an IP address belongs to this machine (see `crate::local`).
-pub(crate) type IsLocal = dyn Fn(IpAddr) -> bool;
+pub(crate) type IsLocal = dyn Fn(&Endpoint) -> bool;
 
 /// The file being checked: builds errors that point into it.
 struct Checker<'a> {
@@ -428,8 +430,25 @@ impl Checker<'_> {
         }
     }
 
-    fn address(&self, value: &Spanned<String>, key: &str) -> Result<SocketAddr, TopologyError> {
-        parse_address(value.get_ref()).map_err(|message| self.err(value.span(), key, message))
+    /// An address this process binds: an IP address (0.0.0.0 for every interface).
+    fn bind_address(&self, value: &Spanned<String>, key: &str) -> Result<SocketAddr, TopologyError> {
+        let endpoint = self.address(value, key)?;
+        match endpoint.ip() {
+            Some(ip) => Ok(SocketAddr::new(ip, endpoint.port)),
+            None => Err(self.err(
+                value.span(),
+                key,
+                format!(
+                    "`{}` names a host; this socket is bound, so give an IP address (\"0.0.0.0:{}\" for every interface)",
+                    value.get_ref(),
+                    endpoint.port
+                ),
+            )),
+        }
+    }
+
+    fn address(&self, value: &Spanned<String>, key: &str) -> Result<Endpoint, TopologyError> {
+        Endpoint::parse(value.get_ref()).map_err(|message| self.err(value.span(), key, message))
     }
 
     /// `value` read with `FromStr` (the vocabulary enums name their choices), `default`
@@ -653,7 +672,7 @@ impl Checker<'_> {
         let mut report = PathReport { hosts: Vec::with_capacity(hosts.len()) };
         let mut model_checked = false;
         for (h, (raw_host, host)) in raw_hosts.iter().zip(hosts).enumerate() {
-            let local = self.is_local.is_some_and(|is_local| is_local(host.bus.ip()));
+            let local = self.is_local.is_some_and(|is_local| is_local(&host.bus));
             let mut paths: Vec<PathBuf> = model_dir.iter().cloned().collect();
             if let Some(dir) = &model_dir
                 && local
@@ -681,7 +700,7 @@ impl Checker<'_> {
                     ));
                 }
             }
-            report.hosts.push(HostPaths { host: host.name.clone(), bus: host.bus, local, paths });
+            report.hosts.push(HostPaths { host: host.name.clone(), bus: host.bus.clone(), local, paths });
         }
         Ok(report)
     }
@@ -726,7 +745,7 @@ impl Checker<'_> {
             }
             let needed = match self.is_local {
                 None => true,
-                Some(is_local) => hosts.iter().any(|h| is_local(h.bus.ip()) && h.chips.iter().any(|c| &c.kind == kind)),
+                Some(is_local) => hosts.iter().any(|h| is_local(&h.bus) && h.chips.iter().any(|c| &c.kind == kind)),
             };
             if !needed {
                 continue;
@@ -1065,8 +1084,8 @@ impl Checker<'_> {
             host_names.insert(host.name.get_ref(), (h, host.name.span()));
 
             let bus = self.address(&host.bus, &format!("{key}.bus"))?;
-            let events = self.next_to_bus(&host.events, &host.bus, bus, &key, "events", 1)?;
-            let transfer = self.next_to_bus(&host.transfer, &host.bus, bus, &key, "transfer", 2)?;
+            let events = self.next_to_bus(&host.events, &host.bus, &bus, &key, "events", 1)?;
+            let transfer = self.next_to_bus(&host.transfer, &host.bus, &bus, &key, "transfer", 2)?;
 
             if host.chips.is_empty() {
                 return Err(self.err(
@@ -1114,23 +1133,23 @@ impl Checker<'_> {
         &self,
         value: &Option<Spanned<String>>,
         raw_bus: &Spanned<String>,
-        bus: SocketAddr,
+        bus: &Endpoint,
         host_key: &str,
         field: &str,
         offset: u16,
-    ) -> Result<SocketAddr, TopologyError> {
+    ) -> Result<Endpoint, TopologyError> {
         if let Some(value) = value {
             return self.address(value, &format!("{host_key}.{field}"));
         }
-        match bus.port().checked_add(offset) {
-            Some(port) => Ok(SocketAddr::new(bus.ip(), port)),
+        match bus.port.checked_add(offset) {
+            Some(port) => Ok(bus.with_port(port)),
             None => Err(self.err(
                 raw_bus.span(),
                 format!("{host_key}.bus"),
                 format!(
                     "`{field}` defaults to the bus port + {offset}, which does not exist for port {}; \
                      set `{host_key}.{field}`",
-                    bus.port()
+                    bus.port
                 ),
             )),
         }
@@ -1333,19 +1352,18 @@ impl Checker<'_> {
             }
             let r = raw_host.get_ref();
             let key = format!("hosts[{i}]");
-            let bus = host.bus;
-            host.stages = Some(self.next_to_bus(&r.stages, &r.bus, bus, &key, "stages", 3)?);
+            host.stages = Some(self.next_to_bus(&r.stages, &r.bus, &host.bus, &key, "stages", 3)?);
         }
-        let mut others: Vec<(SocketAddr, String)> = vec![(gateway.listen, "gateway.listen".into())];
+        let mut others: Vec<(Endpoint, String)> = vec![(gateway.listen.into(), "gateway.listen".into())];
         for (i, h) in hosts.iter().enumerate() {
-            for (a, f) in [(h.bus, "bus"), (h.events, "events"), (h.transfer, "transfer")] {
-                others.push((a, format!("hosts[{i}].{f}")));
+            for (a, f) in [(&h.bus, "bus"), (&h.events, "events"), (&h.transfer, "transfer")] {
+                others.push((a.clone(), format!("hosts[{i}].{f}")));
             }
         }
         for (i, (raw_host, host)) in raw.iter().zip(&hosts).enumerate() {
-            let Some(addr) = host.stages else { continue };
-            let clash = others.iter().find(|(a, _)| *a == addr).map(|(_, k)| k.clone()).or_else(|| {
-                hosts[..i].iter().position(|o| o.stages == Some(addr)).map(|j| format!("hosts[{j}].stages"))
+            let Some(addr) = &host.stages else { continue };
+            let clash = others.iter().find(|(a, _)| a == addr).map(|(_, k)| k.clone()).or_else(|| {
+                hosts[..i].iter().position(|o| o.stages.as_ref() == Some(addr)).map(|j| format!("hosts[{j}].stages"))
             });
             if let Some(other) = clash {
                 let r = raw_host.get_ref();
@@ -1545,7 +1563,7 @@ impl Checker<'_> {
         };
         let listen = match &raw.listen {
             None => defaults.listen,
-            Some(listen) => self.address(listen, "gateway.listen")?,
+            Some(listen) => self.bind_address(listen, "gateway.listen")?,
         };
         let served_model_name = match &raw.served_model_name {
             Some(name) if name.get_ref().trim().is_empty() => {
@@ -1685,6 +1703,12 @@ impl Checker<'_> {
                 defaults.handshake_timeout_ms,
                 in_range(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS),
             )?,
+            resolve_timeout_ms: self.field(
+                &raw.resolve_timeout_ms,
+                "bus.resolve_timeout_ms",
+                defaults.resolve_timeout_ms,
+                in_range(0, 3_600_000),
+            )?,
         })
     }
 
@@ -1693,10 +1717,10 @@ impl Checker<'_> {
     /// mode without them (a simulated scenario's hosts need none).
     fn security(&self, raw: Option<&Spanned<RawSecurity>>, hosts: &[HostSpec]) -> Result<SecuritySpec, TopologyError> {
         let all_loopback = hosts.iter().all(|h| {
-            [Some(h.bus), Some(h.events), Some(h.transfer), h.stages]
+            [Some(&h.bus), Some(&h.events), Some(&h.transfer), h.stages.as_ref()]
                 .into_iter()
                 .flatten()
-                .all(|a| a.ip().is_loopback())
+                .all(Endpoint::is_loopback)
         });
         let default_mode = if all_loopback { SecurityMode::Off } else { SecurityMode::Encrypt };
         let Some(spanned) = raw else {
@@ -1723,13 +1747,13 @@ impl Checker<'_> {
         gateway: &GatewaySpec,
     ) -> Result<(), TopologyError> {
         // (address, key, span, note for a defaulted address)
-        let mut sockets: Vec<(SocketAddr, String, Range<usize>, &str)> = Vec::new();
+        let mut sockets: Vec<(Endpoint, String, Range<usize>, &str)> = Vec::new();
         for (h, (raw, host)) in raw_hosts.iter().zip(hosts).enumerate() {
             let raw = raw.get_ref();
-            sockets.push((host.bus, format!("hosts[{h}].bus"), raw.bus.span(), ""));
+            sockets.push((host.bus.clone(), format!("hosts[{h}].bus"), raw.bus.span(), ""));
             let defaults = [
-                (host.events, "events", &raw.events, " (by default: the bus port + 1)"),
-                (host.transfer, "transfer", &raw.transfer, " (by default: the bus port + 2)"),
+                (host.events.clone(), "events", &raw.events, " (by default: the bus port + 1)"),
+                (host.transfer.clone(), "transfer", &raw.transfer, " (by default: the bus port + 2)"),
             ];
             for (address, field, value, note) in defaults {
                 let key = format!("hosts[{h}].{field}");
@@ -1741,9 +1765,9 @@ impl Checker<'_> {
         }
         let gateway_span = raw_gateway.and_then(|raw| raw.listen.as_ref()).map_or(0..0, Spanned::span);
         let gateway_note = if raw_gateway.is_some_and(|raw| raw.listen.is_some()) { "" } else { " (by default)" };
-        sockets.push((gateway.listen, "gateway.listen".to_owned(), gateway_span, gateway_note));
+        sockets.push((gateway.listen.into(), "gateway.listen".to_owned(), gateway_span, gateway_note));
 
-        let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
+        let mut seen: HashMap<&Endpoint, usize> = HashMap::new();
         for (i, (address, key, span, note)) in sockets.iter().enumerate() {
             if let Some(&first) = seen.get(address) {
                 let (_, first_key, first_span, first_note) = &sockets[first];
@@ -1757,7 +1781,7 @@ impl Checker<'_> {
                     ),
                 ));
             }
-            seen.insert(*address, i);
+            seen.insert(address, i);
         }
         Ok(())
     }
@@ -1864,22 +1888,6 @@ fn has_gguf_magic(path: &Path) -> bool {
     std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == b"GGUF"
 }
 
-/// `host:port` or `tcp://host:port`, with an IP address and a port other than 0.
-fn parse_address(text: &str) -> Result<SocketAddr, String> {
-    let bare = match text.split_once("://") {
-        Some(("tcp", rest)) => rest,
-        Some((scheme, _)) => return Err(format!("`{text}`: only tcp:// addresses are supported, not {scheme}://")),
-        None => text,
-    };
-    let address: SocketAddr = bare.parse().map_err(|_| {
-        format!("`{text}` is not an IP:PORT address such as \"127.0.0.1:7400\" (host names are not resolved)")
-    })?;
-    if address.port() == 0 {
-        return Err(format!("`{text}`: port 0 is not allowed; other hosts need a fixed port to connect to"));
-    }
-    Ok(address)
-}
-
 /// `bytes` in the largest binary unit that divides it: `1 MiB`, `1 PiB`, `3 bytes`.
 fn binary_size(bytes: u64) -> String {
     const UNITS: [(&str, u64); 5] =
@@ -1972,17 +1980,6 @@ mod tests {
         ];
         for (text, expected) in table {
             assert_eq!(parse_memory_size(text).ok(), *expected, "{text:?}");
-        }
-    }
-
-    #[test]
-    fn addresses() {
-        let ok = |text: &str| parse_address(text).ok().map(|address| address.to_string());
-        assert_eq!(ok("127.0.0.1:7400"), Some("127.0.0.1:7400".to_owned()));
-        assert_eq!(ok("tcp://10.0.0.2:7400"), Some("10.0.0.2:7400".to_owned()));
-        assert_eq!(ok("[::1]:7400"), Some("[::1]:7400".to_owned()));
-        for bad in ["localhost:7400", "127.0.0.1", "127.0.0.1:0", "ipc://x:1", "127.0.0.1:70000"] {
-            assert_eq!(ok(bad), None, "{bad}");
         }
     }
 }

@@ -168,12 +168,48 @@ fn unknown_chip_kind_lists_the_catalog() {
 }
 
 #[test]
+fn hosts_may_be_named_by_dns_and_keep_their_names() {
+    let text = format!(
+        "{}{}",
+        with_line(5, "bus = \"tessera-h0-0.tessera-bus.default.svc.cluster.local:7400\""),
+        SECOND_HOST.replace("127.0.0.1:7410", "tcp://Node-B:7410")
+    );
+    let spec = parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"));
+    let h0 = &spec.hosts[0];
+    assert_eq!(h0.bus.to_string(), "tessera-h0-0.tessera-bus.default.svc.cluster.local:7400");
+    assert_eq!(h0.events.to_string(), "tessera-h0-0.tessera-bus.default.svc.cluster.local:7401", "bus port + 1");
+    assert_eq!(h0.transfer.to_string(), "tessera-h0-0.tessera-bus.default.svc.cluster.local:7402", "bus port + 2");
+    assert_eq!(spec.hosts[1].bus.to_string(), "node-b:7410", "names are case-insensitive");
+    // A named host may be anywhere, so the planes are secured by default.
+    assert_eq!(spec.security.mode, tessera_topology::SecurityMode::Encrypt);
+    // Two hosts on one name and port clash like two on one IP address.
+    let clash =
+        format!("{}{}", with_line(5, "bus = \"node-b:7410\""), SECOND_HOST.replace("127.0.0.1:7410", "node-b:7410"));
+    let err = parse(&clash, "t.toml").map(|_| ()).expect_err("one socket twice").to_string();
+    assert!(err.contains("address node-b:7410 is already taken by `hosts[0].bus`"), "{err}");
+}
+
+#[test]
 fn bad_addresses() {
-    assert_error(&with_line(5, "bus = \"localhost:7400\""), 5, 7, "hosts[0].bus", "not an IP:PORT");
+    assert_error(&with_line(5, "bus = \"localhost\""), 5, 7, "hosts[0].bus", "not a HOST:PORT");
+    assert_error(
+        &with_line(5, "bus = \"node_0.svc:7400\""),
+        5,
+        7,
+        "hosts[0].bus",
+        "neither an IP address nor a DNS name",
+    );
     assert_error(&with_line(5, "bus = \"127.0.0.1:0\""), 5, 7, "hosts[0].bus", "port 0");
     assert_error(&with_line(5, "bus = \"127.0.0.1:65535\""), 5, 7, "hosts[0].bus", "bus port + 1");
-    assert_error(&format!("{ONE_CHIP}[gateway]\nlisten = \"0.0.0.0\"\n"), 11, 10, "gateway.listen", "not an IP:PORT");
-    let tcp = parse(&with_line(5, "bus = \"tcp://127.0.0.1:7400\""), "t.toml").map(|spec| spec.hosts[0].events);
+    assert_error(&format!("{ONE_CHIP}[gateway]\nlisten = \"0.0.0.0\"\n"), 11, 10, "gateway.listen", "not a HOST:PORT");
+    assert_error(
+        &format!("{ONE_CHIP}[gateway]\nlisten = \"gw.example:8000\"\n"),
+        11,
+        10,
+        "gateway.listen",
+        "this socket is bound, so give an IP address (\"0.0.0.0:8000\" for every interface)",
+    );
+    let tcp = parse(&with_line(5, "bus = \"tcp://127.0.0.1:7400\""), "t.toml").map(|spec| spec.hosts[0].events.clone());
     assert_eq!(tcp.map(|events| events.to_string()), Ok("127.0.0.1:7401".to_owned()));
 }
 
@@ -613,11 +649,11 @@ fn transfer_addresses() {
         "already taken by `hosts[0].events` (by default: the bus port + 1) (line 5)",
     );
     assert_error(
-        &with_line(5, "bus = \"127.0.0.1:7400\"\ntransfer = \"localhost:7402\""),
+        &with_line(5, "bus = \"127.0.0.1:7400\"\ntransfer = \"localhost\""),
         6,
         12,
         "hosts[0].transfer",
-        "not an IP:PORT",
+        "not a HOST:PORT",
     );
     assert_error(
         &with_line(5, "bus = \"127.0.0.1:65534\""),
@@ -1072,18 +1108,18 @@ fn gateway_and_bus_limits() {
         (gateway.max_connections, gateway.header_read_timeout_ms, gateway.max_prompt_bytes),
         (1024, 10_000, None)
     );
-    assert_eq!(spec.bus, BusSpec { max_frame_bytes: 16 << 20, handshake_timeout_ms: 5000 });
+    assert_eq!(spec.bus, BusSpec { max_frame_bytes: 16 << 20, handshake_timeout_ms: 5000, resolve_timeout_ms: 60_000 });
     assert_eq!(spec.bus, BusSpec::default());
     let spec = spec_of(&format!(
         "{ONE_CHIP}[gateway]\nmax_connections = 65536\nheader_read_timeout_ms = 100\nmax_prompt_bytes = 1073741824\n\
-         [bus]\nmax_frame_bytes = 4096\nhandshake_timeout_ms = 600000\n"
+         [bus]\nmax_frame_bytes = 4096\nhandshake_timeout_ms = 600000\nresolve_timeout_ms = 0\n"
     ));
     let gateway = &spec.gateway;
     assert_eq!(
         (gateway.max_connections, gateway.header_read_timeout_ms, gateway.max_prompt_bytes),
         (65_536, 100, Some(1 << 30))
     );
-    assert_eq!(spec.bus, BusSpec { max_frame_bytes: 4096, handshake_timeout_ms: 600_000 });
+    assert_eq!(spec.bus, BusSpec { max_frame_bytes: 4096, handshake_timeout_ms: 600_000, resolve_timeout_ms: 0 });
     let rendered = spec.render();
     assert!(rendered.contains("over 65536 connections, headers within 100 ms, prompts of at most 1073741824 bytes"));
     assert!(rendered.contains("bus: frames of at most 4096 bytes, handshakes within 600000 ms"), "{rendered}");

@@ -202,8 +202,8 @@ async fn serve(
     config.peers.push(PeerSpec {
         host: MAIN_HOST,
         name: MAIN_NAME.into(),
-        direct: args.peer_direct,
-        events: args.peer_events,
+        direct: args.peer_direct.into(),
+        events: args.peer_events.into(),
     });
     let bus = Bus::start(config, inbound).await?;
     let _ = slot.set(bus.clone());
@@ -389,8 +389,8 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
         config.peers.push(PeerSpec {
             host: PEER_HOST,
             name: PEER_NAME.into(),
-            direct: peer_args.direct,
-            events: peer_args.events,
+            direct: peer_args.direct.into(),
+            events: peer_args.events.into(),
         });
         let bus = Bus::start(config, inbound).await.map_err(|e| Attempt::Setup(e.into()))?;
         let measured = measure(&bus, rx, opts, peer_args.tcp_port).await;

@@ -50,11 +50,22 @@ pub fn stages(
             .collect();
         let remote = match par.stage_hosts.get(s) {
             Some(host) if *host != par.stage_hosts[0] => {
-                let addr = spec.hosts.iter().find(|h| h.name == *host).and_then(|h| h.stages).ok_or_else(|| {
-                    NodeError::Config(format!(
-                        "instance `{}`: stage {s} is on host `{host}`, which has no stage server",
-                        chip.id
-                    ))
+                let server =
+                    spec.hosts.iter().find(|h| h.name == *host).and_then(|h| h.stages.as_ref()).ok_or_else(|| {
+                        NodeError::Config(format!(
+                            "instance `{}`: stage {s} is on host `{host}`, which has no stage server",
+                            chip.id
+                        ))
+                    })?;
+                // Looked up each time the instance is built (a restarted chip reconnects to
+                // where the name points now).
+                let within = std::time::Duration::from_millis(spec.bus.resolve_timeout_ms);
+                let addr = server.resolve_within(within, std::time::Duration::from_millis(250)).map_err(|source| {
+                    NodeError::Resolve {
+                        host: par.stage_hosts[0].clone(),
+                        what: format!("instance `{}`: the stage server of host `{host}`", chip.id),
+                        source,
+                    }
                 })?;
                 Some(RemoteStage { addr, instance: chip.id.clone() })
             }

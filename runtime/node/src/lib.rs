@@ -12,6 +12,7 @@ pub mod calibrate;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,6 +55,13 @@ pub enum NodeError {
     Model(#[from] tessera_backends::error::BackendError),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// A host name in the topology does not resolve, even after `bus.resolve_timeout_ms`
+    /// of retries.
+    #[error(
+        "host {host}: {what}: {source}; check the name (a hosts file entry, or the pod's DNS name under \
+         its headless Service) or raise bus.resolve_timeout_ms"
+    )]
+    Resolve { host: String, what: String, source: tessera_topology::ResolveError },
     /// `[security]` asks for keys this host cannot find or use.
     #[error("host {host}: {detail}")]
     Keys { host: String, detail: String },
@@ -73,7 +81,7 @@ pub fn plane_security(spec: &ClusterSpec, host_index: usize) -> Result<Option<Pl
     let keys_err = |detail: String| NodeError::Keys { host: me.name.clone(), detail };
     let mode = match spec.security.mode {
         SecurityMode::Off => {
-            if let Some(h) = spec.hosts.iter().find(|h| !h.bus.ip().is_loopback()) {
+            if let Some(h) = spec.hosts.iter().find(|h| !h.bus.is_loopback()) {
                 tracing::warn!(host = %h.name, bus = %h.bus, "security is off: bus and KV transfer travel in clear beyond loopback");
             }
             return Ok(None);
@@ -82,7 +90,7 @@ pub fn plane_security(spec: &ClusterSpec, host_index: usize) -> Result<Option<Pl
         SecurityMode::Encrypt => Mode::Encrypt,
     };
     let Some(dir) = &spec.security.keys_dir else {
-        let beyond = spec.hosts.iter().find(|h| !h.bus.ip().is_loopback());
+        let beyond = spec.hosts.iter().find(|h| !h.bus.is_loopback());
         let why = beyond.map_or_else(String::new, |h| {
             format!(" (the default once a host is reached beyond loopback: `{}` at {})", h.name, h.bus)
         });
@@ -310,6 +318,50 @@ pub fn solver_config(spec: &ClusterSpec) -> Option<tessera_actors::solver::Solve
     }
 }
 
+/// This host's sockets as it binds them: its own names resolved now. The topology keeps
+/// the names; peers look them up again whenever they reconnect.
+struct Addresses {
+    bus: SocketAddr,
+    events: SocketAddr,
+    transfer: SocketAddr,
+    stages: Option<SocketAddr>,
+}
+
+impl Addresses {
+    /// Resolves this host's own addresses and checks that every peer's bus name resolves
+    /// too, each retried for `bus.resolve_timeout_ms`: a name that never resolves is a
+    /// start-up error, not a link that silently never comes up.
+    fn resolve(spec: &ClusterSpec, index: usize) -> Result<Addresses, NodeError> {
+        let me = &spec.hosts[index];
+        let within = Duration::from_millis(spec.bus.resolve_timeout_ms);
+        let every = Duration::from_millis(250);
+        let own = |what: &str, endpoint: &tessera_topology::Endpoint| {
+            endpoint.resolve_within(within, every).map_err(|source| NodeError::Resolve {
+                host: me.name.clone(),
+                what: format!("its own {what} address"),
+                source,
+            })
+        };
+        let at = Addresses {
+            bus: own("bus", &me.bus)?,
+            events: own("events", &me.events)?,
+            transfer: own("transfer", &me.transfer)?,
+            stages: me.stages.as_ref().map(|e| own("stages", e)).transpose()?,
+        };
+        for peer in spec.hosts.iter().filter(|h| h.name != me.name) {
+            let addr = peer.bus.resolve_within(within, every).map_err(|source| NodeError::Resolve {
+                host: me.name.clone(),
+                what: format!("peer host `{}`", peer.name),
+                source,
+            })?;
+            if peer.bus.ip().is_none() {
+                tracing::info!(peer = %peer.name, name = %peer.bus, %addr, "peer host's name resolves");
+            }
+        }
+        Ok(at)
+    }
+}
+
 /// Runs host `host_name` of `spec` until `shutdown` resolves, then drains.
 pub fn run_node(
     spec: &ClusterSpec,
@@ -326,6 +378,7 @@ pub fn run_node(
         });
     };
     let me = &spec.hosts[index];
+    let at = Addresses::resolve(spec, index)?;
     if let Some(path) = &spec.security.at_rest_key_file {
         let key = tessera_access::at_rest::AtRestKey::from_file(path)
             .map_err(|e| NodeError::Keys { host: me.name.clone(), detail: e.to_string() })?;
@@ -346,7 +399,12 @@ pub fn run_node(
         .iter()
         .enumerate()
         .filter(|(i, _)| *i != index)
-        .map(|(i, h)| PeerSpec { host: HostId(i as u16), name: h.name.clone(), direct: h.bus, events: h.events })
+        .map(|(i, h)| PeerSpec {
+            host: HostId(i as u16),
+            name: h.name.clone(),
+            direct: h.bus.clone(),
+            events: h.events.clone(),
+        })
         .collect();
     let security = plane_security(spec, index)?;
     let bus_config = BusConfig {
@@ -354,7 +412,7 @@ pub fn run_node(
         security: security.clone(),
         max_frame_bytes: spec.bus.max_frame_bytes,
         handshake_timeout: Duration::from_millis(spec.bus.handshake_timeout_ms),
-        ..BusConfig::new(HostId(index as u16), me.name.clone(), me.bus, me.events)
+        ..BusConfig::new(HostId(index as u16), me.name.clone(), at.bus, at.events)
     };
     let bus: Bus = rt
         .block_on(Bus::start(bus_config, host.inbound()))
@@ -370,12 +428,12 @@ pub fn run_node(
         security: security.clone(),
         // A hand-off's capability outlives its lease a little: D may be mid-read.
         capability_ttl: Duration::from_millis(2 * d.lease_ms),
-        ..TransferConfig::new(me.transfer)
+        ..TransferConfig::new(at.transfer)
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
 
     // The stages this host holds for instances on other hosts.
-    if let Some(addr) = me.stages
+    if let Some(addr) = at.stages
         && security.is_some()
     {
         tracing::warn!(
@@ -384,7 +442,7 @@ pub fn run_node(
             "this host serves pipeline stages: their links carry activations in clear even though [security] is on"
         );
     }
-    if let Some(addr) = me.stages {
+    if let Some(addr) = at.stages {
         let listener = std::net::TcpListener::bind(addr)
             .map_err(ctx(format!("host {host_name}: starting the stage server on {addr}")))?;
         let (spec_c, me_c, dir_c, lib_c) = (spec.clone(), me.name.clone(), model_dir.clone(), opts.kernel_lib.clone());

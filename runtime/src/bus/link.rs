@@ -19,6 +19,7 @@
 //! connection's end-of-stream is noticed after the new one with the same identity was
 //! registered, it unregisters the new one too.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -32,7 +33,7 @@ use zeromq::{
     ZmqError, ZmqMessage,
 };
 
-use super::{Counters, Receiver, stopped, tcp_endpoint};
+use super::{Counters, Endpoint, Receiver, stopped, tcp_endpoint};
 use crate::addr::HostId;
 use crate::bus::PeerSpec;
 use crate::security::frame::{self, Kind, Sealer};
@@ -178,24 +179,63 @@ impl Backoff {
     }
 }
 
-/// Connects a fresh socket, retrying with backoff; `None` when told to stop.
+/// Where `endpoint` is now: a peer named by DNS is looked up on every attempt, since the
+/// machine behind its name may have changed since the last connection.
+async fn resolve(endpoint: &Endpoint) -> Result<Vec<SocketAddr>, String> {
+    match endpoint.ip() {
+        Some(ip) => Ok(vec![SocketAddr::new(ip, endpoint.port)]),
+        None => match tokio::net::lookup_host(endpoint.to_string()).await {
+            Ok(addrs) => {
+                Some(addrs.collect::<Vec<_>>()).filter(|a| !a.is_empty()).ok_or("the name has no address".into())
+            }
+            Err(e) => Err(e.to_string()),
+        },
+    }
+}
+
+/// Connects a fresh socket, retrying with backoff; `None` when told to stop. Every
+/// address a name resolves to is tried in turn (`localhost` may be `::1` first while the
+/// peer listens on 127.0.0.1); a name that does not resolve is retried like a refused
+/// connection, and logged once per streak.
 async fn connect<S: Socket>(
     ctx: &LinkCtx,
     what: &'static str,
-    endpoint: &str,
+    endpoint: &Endpoint,
     stop: &mut watch::Receiver<bool>,
 ) -> Option<(S, futures::channel::mpsc::Receiver<SocketEvent>)> {
     let mut backoff = Backoff::new(ctx.reconnect_max);
+    let mut unresolved = false;
     loop {
-        let mut socket = S::with_options(options(ctx));
-        let monitor = socket.monitor();
-        tokio::select! {
+        let addrs = tokio::select! {
             biased;
             () = stopped(stop) => return None,
-            result = socket.connect(endpoint) => match result {
-                Ok(()) => return Some((socket, monitor)),
-                Err(e) => tracing::debug!(peer = %ctx.peer.name, what, endpoint, "bus connect failed: {e}"),
-            },
+            addrs = resolve(endpoint) => addrs,
+        };
+        match addrs {
+            Ok(addrs) => {
+                if std::mem::take(&mut unresolved) {
+                    tracing::info!(peer = %ctx.peer.name, what, %endpoint, "the bus peer's name resolves again");
+                }
+                for addr in addrs {
+                    let mut socket = S::with_options(options(ctx));
+                    let monitor = socket.monitor();
+                    let zmq_endpoint = tcp_endpoint(addr);
+                    tokio::select! {
+                        biased;
+                        () = stopped(stop) => return None,
+                        result = socket.connect(&zmq_endpoint) => match result {
+                            Ok(()) => return Some((socket, monitor)),
+                            Err(e) => tracing::debug!(peer = %ctx.peer.name, what, %endpoint, %addr, "bus connect failed: {e}"),
+                        },
+                    }
+                }
+            }
+            Err(e) => {
+                if !std::mem::replace(&mut unresolved, true) {
+                    tracing::warn!(peer = %ctx.peer.name, what, %endpoint, "cannot resolve the bus peer's name: {e}; retrying");
+                }
+                metrics::counter!("tessera_bus_resolve_failures_total", "peer" => ctx.peer.name.clone()).increment(1);
+            }
         }
         tokio::select! {
             biased;
@@ -225,7 +265,7 @@ fn is_down(event: Option<SocketEvent>) -> bool {
 /// shared link to `Bus::send`, sends what waits in `rx`, and reconnects when the peer
 /// goes away.
 pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Outbound>, mut stop: watch::Receiver<bool>) {
-    let endpoint = tcp_endpoint(ctx.peer.direct);
+    let endpoint = ctx.peer.direct.clone();
     let sent = metrics::counter!("tessera_bus_frames_sent_total", "peer" => ctx.peer.name.clone());
     let mut ever_connected = false;
     loop {
@@ -269,7 +309,7 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Outbound
                 }
                 count_discarded(&ctx, "peer_down", stale);
             } else {
-                tracing::debug!(peer = %ctx.peer.name, endpoint, "bus direct link up");
+                tracing::debug!(peer = %ctx.peer.name, %endpoint, "bus direct link up");
             }
             // Frames queued before the first connection go first.
             *shared = Some(LinkTx { sender: tx_half.sender(), sealer, queued: !rx.is_empty() });
@@ -386,7 +426,7 @@ pub(super) async fn run_dealer(mut ctx: LinkCtx, mut rx: mpsc::Receiver<Outbound
 
 /// Takes in the peer's broadcasts; reconnects when the peer goes away.
 pub(super) async fn run_subscriber(mut ctx: LinkCtx, mut stop: watch::Receiver<bool>) {
-    let endpoint = tcp_endpoint(ctx.peer.events);
+    let endpoint = ctx.peer.events.clone();
     let mut ever_connected = false;
     loop {
         let Some((mut socket, mut monitor)) = connect::<SubSocket>(&ctx, "events", &endpoint, &mut stop).await else {

@@ -47,9 +47,11 @@ pub use ports::free_loopback_ports;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+pub use tessera_vocab::Endpoint;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -71,10 +73,10 @@ pub struct PeerSpec {
     pub host: HostId,
     /// The host's name (metrics label and logs).
     pub name: String,
-    /// Its ROUTER address.
-    pub direct: SocketAddr,
+    /// Its ROUTER address (a DNS name is resolved again on every reconnect).
+    pub direct: Endpoint,
     /// Its PUB address.
-    pub events: SocketAddr,
+    pub events: Endpoint,
 }
 
 #[derive(Debug, Clone)]

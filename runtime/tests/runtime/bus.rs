@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tessera_runtime::bus::{Bus, BusConfig, BusError, InboundFn, PeerSpec, SendError};
+use tessera_runtime::bus::{Bus, BusConfig, BusError, Endpoint, InboundFn, PeerSpec, SendError};
 use tessera_runtime::codec::Envelope;
 use tessera_runtime::{Addr, HostId};
 use tokio::sync::mpsc;
@@ -44,8 +44,8 @@ fn config(host: HostId, own: Ports, peer_host: HostId, peer: Ports, capacity: us
     c.peers.push(PeerSpec {
         host: peer_host,
         name: format!("test-{}", peer_host.0),
-        direct: peer.direct,
-        events: peer.events,
+        direct: peer.direct.into(),
+        events: peer.events.into(),
     });
     c.queue_capacity = capacity;
     c.reconnect_max = Duration::from_millis(200);
@@ -180,6 +180,25 @@ async fn direct_both_ways_and_broadcasts() {
     let b2 = b.clone();
     b.shutdown().await;
     assert!(matches!(b2.send(direct(B, A, 0)), Err(SendError::Closed)));
+}
+
+/// A peer written as a DNS name is looked up when connecting, and every address the name
+/// has is tried: `localhost` may give `::1` first while the peer listens on 127.0.0.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_named_by_dns_is_reached_through_its_name() {
+    let (pa, pb) = (ports(), ports());
+    let (ia, _ra) = collector();
+    let (ib, mut rb) = collector();
+    let mut ca = config(A, pa, B, pb, 64);
+    let named = |addr: SocketAddr| Endpoint::parse(&format!("localhost:{}", addr.port())).expect("an endpoint");
+    ca.peers[0].direct = named(pb.direct);
+    ca.peers[0].events = named(pb.events);
+    let a = start(ca, ia).await;
+    let b = start(config(B, pb, A, pa, 64), ib).await;
+    let got = send_until_received(&a, A, B, 0, &mut rb).await;
+    assert_eq!(got.from, Addr::new(A, 7));
+    a.shutdown().await;
+    b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -188,7 +188,7 @@ async fn captured_frames_replayed_plaintext_and_junk_are_dropped_and_counted() {
     let (ib, mut rb) = collector();
     // A reaches B's ROUTER through the tap.
     let mut ca = secured(config(A, pa, B, pb, 64), &secs[0]);
-    ca.peers[0].direct = relay;
+    ca.peers[0].direct = relay.into();
     let a = start(ca, ia).await;
     let b = start(secured(config(B, pb, A, pa, 64), &secs[1]), ib).await;
     send_until_received(&a, A, B, 0, &mut rb).await;

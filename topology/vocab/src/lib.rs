@@ -4,8 +4,12 @@
 //! compare enums, never strings. Each is written as the same lowercase name everywhere
 //! (topology TOML, bus payloads, HTTP and `--json` outputs): `as_str`, `Display`, serde
 //! and `FromStr` all use it, and `FromStr` refuses anything else with an [`UnknownName`]
-//! that lists the accepted names. This crate depends on no other tessera crate.
+//! that lists the accepted names. A host's socket address, an IP address or a DNS name
+//! ([`Endpoint`]), is shared the same way. This crate depends on no other tessera crate.
 #![forbid(unsafe_code)]
+
+pub mod endpoint;
+pub use endpoint::{Endpoint, HostAddr, ResolveError};
 
 use serde::{Deserialize, Serialize};
 
