@@ -11,6 +11,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod access;
 mod bench_admission;
 mod bench_router;
+mod deploy;
 mod plan;
 mod up;
 
@@ -71,6 +72,9 @@ enum Command {
     /// The audit log: verify its hash chain.
     #[command(subcommand)]
     Audit(access::AuditCommand),
+    /// Deployment manifests rendered from a topology (Kubernetes).
+    #[command(subcommand)]
+    Deploy(deploy::DeployCommand),
     /// Cluster topology files.
     Topology {
         #[command(subcommand)]
@@ -105,7 +109,7 @@ struct UpArgs {
 }
 
 #[derive(Args)]
-struct NodeArgs {
+pub(crate) struct NodeArgs {
     /// Topology TOML (default: the embedded two-host topology).
     #[arg(long)]
     topology: Option<PathBuf>,
@@ -121,6 +125,13 @@ struct NodeArgs {
     /// Kernel library for `backend = "cpu"` chips (default: the one built with tessera).
     #[arg(long, value_name = "PATH")]
     kernel_lib: Option<PathBuf>,
+    /// Serve this host's probe endpoint here: `/health` (200 while serving, 503 while
+    /// draining), `/health/live` and `/metrics`, for hosts without the gateway.
+    #[arg(long, value_name = "IP:PORT")]
+    probe_listen: Option<std::net::SocketAddr>,
+    /// How long a draining host waits for the requests it serves before it exits.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    drain_timeout_s: u64,
 }
 
 #[derive(Subcommand)]
@@ -745,7 +756,7 @@ fn main() {
         }
         Command::Node(args) => {
             init_logging();
-            up::node(args.topology.as_deref(), &args.host, args.exit_on_stdin_eof, args.colocated, args.kernel_lib)
+            up::node(&args)
         }
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::MakeTiny(args)) => make_tiny(args),
@@ -769,6 +780,7 @@ fn main() {
         Command::Solve(args) => solve(args),
         Command::Plan(command) => plan::plan(command),
         Command::Keys(command) => access::keys(command),
+        Command::Deploy(command) => deploy::deploy(command),
         Command::Audit(command) => access::audit(command),
         Command::Calibrate(args) => calibrate(args),
     };

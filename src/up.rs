@@ -75,16 +75,15 @@ fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     }
 }
 
-pub fn node(
-    topology: Option<&Path>,
-    host: &str,
-    exit_on_stdin_eof: bool,
-    colocated: bool,
-    kernel_lib: Option<PathBuf>,
-) -> Result<()> {
-    let spec = load_spec(topology, colocated)?;
-    let opts = NodeOptions { kernel_lib, metrics: install_metrics(), drain_timeout: Duration::from_secs(30) };
-    Ok(run_node(&spec, host, &opts, shutdown_signal(exit_on_stdin_eof))?)
+pub fn node(args: &crate::NodeArgs) -> Result<()> {
+    let spec = load_spec(args.topology.as_deref(), args.colocated)?;
+    let opts = NodeOptions {
+        kernel_lib: args.kernel_lib.clone(),
+        metrics: install_metrics(),
+        drain_timeout: Duration::from_secs(args.drain_timeout_s),
+        probe_listen: args.probe_listen,
+    };
+    Ok(run_node(&spec, &args.host, &opts, shutdown_signal(args.exit_on_stdin_eof))?)
 }
 
 pub fn up(topology: Option<&Path>, in_process: bool, colocated: bool, kernel_lib: Option<PathBuf>) -> Result<()> {
@@ -201,6 +200,7 @@ fn up_in_process(spec: ClusterSpec, kernel_lib: Option<PathBuf>) -> Result<()> {
             kernel_lib: kernel_lib.clone(),
             metrics: metrics.clone(),
             drain_timeout: Duration::from_secs(30),
+            probe_listen: None,
         };
         let mut stop = stop_tx.subscribe();
         let thread = std::thread::Builder::new().name(format!("host-{name}")).spawn(move || {

@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 const HEARTBEAT_TIMEOUT_MS: u64 = 1000;
 const MAX_TOKENS: usize = 400;
 const HOSTS: [&str; 3] = ["a", "b", "c"];
+/// Every host's probe endpoint (`--probe-listen`), as Kubernetes probes reach it.
+const PROBE_PORT: u16 = 9000;
 
 /// Runs `ip ARGS`; the error says what failed.
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -99,6 +101,8 @@ impl Net {
             .arg(format!("tessera-{h}"))
             .arg("--topology")
             .arg(topology)
+            .arg("--probe-listen")
+            .arg(format!("0.0.0.0:{PROBE_PORT}"))
             .env("TESSERA_HOME", tessera_home())
             .env_remove("TESSERA_KERNEL_LIB")
             .env_remove("RUST_LOG");
@@ -166,6 +170,12 @@ fn hosts_in_network_namespaces_serve_by_name_and_survive_a_partition_and_a_kille
     let procs = HOSTS.iter().map(|h| net.node(h, &path, dir.path())).collect();
     let mut cluster = Cluster { procs, gateway, topology: path, dir };
     cluster.wait_ready(3);
+    // A host without the gateway answers its own probes.
+    let probe = SocketAddr::from((net.addr(1), PROBE_PORT));
+    let ready = get(probe, "/health");
+    assert_eq!((ready.status, ready.json()["host"].as_str()), (200, Some("tessera-b")), "{}", ready.body);
+    assert_eq!(get(probe, "/health/live").status, 200);
+    assert!(get(probe, "/metrics").body.contains("tessera_"), "b's /metrics has no samples");
 
     // Served across namespaces: prefill on a, KV over tcp to b or c, tokens back to a.
     for (prompt, want) in prompts.iter().zip(&want).take(2) {

@@ -11,4 +11,5 @@
 pub mod access;
 pub mod listener;
 pub mod openai;
+pub mod probe;
 pub mod server;

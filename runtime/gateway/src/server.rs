@@ -107,6 +107,7 @@ pub fn routes(state: Arc<GatewayState>) -> HttpRouter {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/health/live", get(live))
         .route("/metrics", get(prometheus))
         .route("/admin/faults", post(inject_fault))
         .route("/admin/role", post(set_role))
@@ -1005,6 +1006,12 @@ async fn inflight(st: &GatewayState) -> Option<usize> {
         Ok(Some(Msg::AdmissionView { inflight, .. })) => Some(inflight),
         _ => None,
     }
+}
+
+/// Liveness: the process answers HTTP. Unlike `/health` it does not depend on the chips,
+/// so an orchestrator does not restart a gateway whose chips are down elsewhere.
+async fn live() -> Response {
+    axum::Json(json!({"status": "alive"})).into_response()
 }
 
 async fn health(State(st): State<Arc<GatewayState>>) -> Response {

@@ -30,6 +30,7 @@ use tessera_backends::tokenizer::TextTokenizer;
 use tessera_chip_executor::{Emulation, ModelExecutor, ModelExecutorConfig};
 use tessera_gateway::access::{Access, AccessConfig, TenantView};
 use tessera_gateway::listener::HttpLimits;
+use tessera_gateway::probe::HostProbe;
 use tessera_gateway::server::{self, GatewayConfig, GatewayState};
 use tessera_runtime::bus::{Bus, BusConfig, PeerSpec};
 use tessera_runtime::host::Host;
@@ -215,6 +216,10 @@ pub struct NodeOptions {
     pub metrics: Option<PrometheusHandle>,
     /// How long a draining gateway waits for in-flight requests.
     pub drain_timeout: Duration,
+    /// Where to serve this host's probe endpoint (`/health`, `/health/live`, `/metrics`;
+    /// see `tessera_gateway::probe`), if anywhere: how an orchestrator checks a host that
+    /// does not run the gateway.
+    pub probe_listen: Option<SocketAddr>,
 }
 
 pub use tessera_actors::host::chip_addr;
@@ -488,6 +493,36 @@ pub fn run_node(
     let chip_addrs: HashMap<String, Addr> = built.chips.into_iter().collect();
     for (actor, behavior) in built.actors {
         host.spawn_at(actor, behavior);
+    }
+
+    // The probe endpoint answers until the host stops; it turns not-ready when the drain
+    // starts, so that the host is taken out of rotation first.
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let shutdown = {
+        let tx = shutdown_tx;
+        async move {
+            shutdown.await;
+            let _ = tx.send(true);
+        }
+    };
+    if let Some(listen) = opts.probe_listen {
+        let probe = Arc::new(HostProbe::new(host_name.to_string(), me.chips.len(), opts.metrics.clone()));
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind(listen))
+            .map_err(ctx(format!("host {host_name}: cannot serve its probe endpoint on {listen}")))?;
+        let mut draining = shutdown_rx.clone();
+        let p = probe.clone();
+        rt.spawn(async move {
+            let _ = draining.wait_for(|d| *d).await;
+            p.set_draining();
+        });
+        // It answers (not ready) through the drain and ends with the runtime.
+        rt.spawn(async move {
+            if let Err(e) = tessera_gateway::probe::serve(listener, probe, std::future::pending()).await {
+                tracing::warn!("the probe endpoint stopped: {e}");
+            }
+        });
+        eprintln!("tessera: host {host_name} probe endpoint on http://{listen}/health");
     }
 
     let result = if let Some(admission) = built.admission {
