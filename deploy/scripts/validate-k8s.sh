@@ -42,9 +42,9 @@ trap 'rm -rf "$tmp"' EXIT
 kubectl kustomize "$tmp/base" > "$tmp/all.yaml"
 "$VENV/bin/kubernetes-validate" --strict --quiet -k "$K8S_VERSION" "$tmp/all.yaml"
 objects=$(grep -c '^kind:' "$tmp/all.yaml")
+workloads=$(grep -c '^kind: StatefulSet' "$tmp/all.yaml")
 for probe in readinessProbe livenessProbe; do
   have=$(grep -c "$probe:" "$tmp/all.yaml")
-  workloads=$(grep -c '^kind: StatefulSet' "$tmp/all.yaml")
   [ "$have" = "$workloads" ] || { echo "$probe: $have of $workloads workloads" >&2; exit 1; }
 done
 echo "k8s: $objects objects rendered from deploy/k8s/cluster.toml, valid against Kubernetes $K8S_VERSION (strict); every StatefulSet has both probes"
