@@ -165,7 +165,8 @@ enum BenchCommand {
     /// `bench serve --trace`); prints its oracle hit rate on stderr.
     TraceGen(TraceGenArgs),
     /// Round-trip latency and throughput of the ZeroMQ bus between two host processes
-    /// over loopback, against plain TCP ping-pong of the same frame size.
+    /// (over loopback, or across namespaces or hosts with --peer-via), against plain TCP
+    /// ping-pong of the same frame size over the same path.
     Bus(BenchBusArgs),
     /// The router's decision time on a large synthetic cluster (chips x indexed KV
     /// blocks) and its index's event apply rate.
@@ -183,6 +184,9 @@ enum BenchCommand {
     /// The region-owning peer of `bench transfer` (started by it).
     #[command(hide = true)]
     TransferPeer(TransferPeerArgs),
+    /// Forward TCP connections with every byte delayed (an added-latency link where the
+    /// kernel has no netem qdisc): LISTEN:PORT -> TO:PORT for each port, until stopped.
+    Relay(BenchRelayArgs),
     /// A model instance across several devices (pipeline stages x tensor-parallel
     /// ranks) beside the whole model on one device of as many threads, under one batched
     /// greedy workload: throughput ratio, the stages' idle share, the activation
@@ -260,6 +264,8 @@ struct BenchTransferArgs {
     /// The secured pair's cipher.
     #[arg(long, default_value = "chacha20-poly1305")]
     cipher: tessera_topology::Cipher,
+    #[command(flatten)]
+    peer: BenchPeerPlace,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -270,6 +276,8 @@ struct BenchTransferArgs {
 struct TransferPeerArgs {
     #[arg(long)]
     bytes: usize,
+    #[arg(long)]
+    bind: std::net::IpAddr,
     #[command(flatten)]
     security: PeerSecurityArgs,
 }
@@ -329,9 +337,59 @@ struct BenchBusArgs {
     /// The cipher of the secured modes.
     #[arg(long, default_value = "chacha20-poly1305")]
     cipher: tessera_topology::Cipher,
+    /// The address this side binds; the peer connects to it.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::IpAddr,
+    #[command(flatten)]
+    peer: BenchPeerPlace,
     /// Print JSON objects (one per mode) instead of tables.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct BenchRelayArgs {
+    /// The address to listen on.
+    #[arg(long)]
+    listen: std::net::IpAddr,
+    /// The address connections are forwarded to (same port).
+    #[arg(long)]
+    to: std::net::IpAddr,
+    /// Ports to relay, e.g. 7400,7401,7402 (a host's bus, events and transfer ports).
+    #[arg(long, value_delimiter = ',', required = true, value_name = "PORT,...")]
+    ports: Vec<u16>,
+    /// Milliseconds added to every byte in each direction (a round trip gains twice this).
+    #[arg(long, default_value_t = 5.0)]
+    delay_ms: f64,
+    /// Bytes in flight per direction of a connection (the emulated TCP window).
+    #[arg(long, default_value = "4MiB", value_parser = tessera_netbench::transfer::parse_bytes)]
+    window: usize,
+}
+
+/// Where a network benchmark's peer process runs (default: beside this one, on loopback).
+#[derive(Args)]
+struct BenchPeerPlace {
+    /// The address the peer binds; this side connects to it.
+    #[arg(long, default_value = "127.0.0.1")]
+    peer_bind: std::net::IpAddr,
+    /// A command that runs the peer elsewhere, words separated by spaces, the peer's own
+    /// command line appended: e.g. `ip netns exec ns-b` to measure across two network
+    /// namespaces (with --bind and --peer-bind set to their addresses).
+    #[arg(long, value_name = "COMMAND")]
+    peer_via: Option<String>,
+}
+
+impl BenchPeerPlace {
+    /// The program to start and its first arguments, for peer subcommand `sub`.
+    fn launch(&self, sub: &str) -> Result<(PathBuf, Vec<String>)> {
+        let me = std::env::current_exe().context("locating the tessera binary to start the benchmark's peer")?;
+        let tail = ["bench".to_string(), sub.to_string()];
+        let Some(via) = &self.peer_via else { return Ok((me, tail.to_vec())) };
+        let mut words = via.split_whitespace().map(str::to_string);
+        let program = words.next().context("--peer-via is empty; give a command, e.g. `ip netns exec NS`")?;
+        let args = words.chain(std::iter::once(me.display().to_string())).chain(tail).collect();
+        Ok((PathBuf::from(program), args))
+    }
 }
 
 /// Flags written by `tessera_netbench::bus::BusPeerArgs::to_args`.
@@ -346,7 +404,7 @@ struct BusPeerArgs {
     #[arg(long)]
     peer_events: std::net::SocketAddr,
     #[arg(long)]
-    tcp_port: u16,
+    tcp: std::net::SocketAddr,
     #[command(flatten)]
     security: PeerSecurityArgs,
 }
@@ -770,6 +828,7 @@ fn main() {
         Command::Bench(BenchCommand::BusPeer(args)) => bench_bus_peer(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Bench(BenchCommand::TransferPeer(args)) => bench_transfer_peer(args),
+        Command::Bench(BenchCommand::Relay(args)) => bench_relay(args),
         Command::Bench(BenchCommand::Instance(args)) => bench_instance(args),
         Command::Topology { command: TopologyCommand::Check { file } } => topology_check(&file),
         Command::Topology { command: TopologyCommand::Reference } => {
@@ -1329,18 +1388,17 @@ fn bench_admission(args: BenchAdmissionArgs) -> Result<()> {
 
 fn bench_bus(args: BenchBusArgs) -> Result<()> {
     use tessera_netbench::bus as bench;
-    let program = std::env::current_exe().context("locating the tessera binary to start the bus peer")?;
+    let (program, prefix) = args.peer.launch("bus-peer")?;
     let mut reports: Vec<bench::BusBenchReport> = Vec::new();
     for mode in &args.security {
         let opts = bench::BusBenchOptions {
             messages: args.messages,
             payload_bytes: args.payload_bytes,
             window: args.window,
-            peer: bench::PeerLaunch::Process {
-                program: program.clone(),
-                args: vec!["bench".into(), "bus-peer".into()],
-            },
+            peer: bench::PeerLaunch::Process { program: program.clone(), args: prefix.clone() },
             security: bench_security(*mode, args.cipher),
+            bind: args.bind,
+            peer_bind: args.peer.peer_bind,
         };
         let report = bench::run(&opts)?;
         if args.json {
@@ -1372,7 +1430,7 @@ fn bench_bus_peer(args: BusPeerArgs) -> Result<()> {
         events: args.events,
         peer_direct: args.peer_direct,
         peer_events: args.peer_events,
-        tcp_port: args.tcp_port,
+        tcp: args.tcp,
         security: args.security.settings(),
     };
     Ok(tessera_netbench::bus::serve_peer(&args)?)
@@ -1380,9 +1438,10 @@ fn bench_bus_peer(args: BusPeerArgs) -> Result<()> {
 
 fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
     use tessera_netbench::transfer as bench;
-    let program = std::env::current_exe().context("locating the tessera binary to start the transfer peer")?;
-    let peer = bench::PeerLaunch::Process { program, args: vec!["bench".into(), "transfer-peer".into()] };
+    let (program, prefix) = args.peer.launch("transfer-peer")?;
+    let peer = bench::PeerLaunch::Process { program, args: prefix };
     let mut opts = bench::TransferBenchOptions::new(args.bytes, peer);
+    opts.peer_bind = args.peer.peer_bind;
     opts.block_bytes = args.block;
     opts.runs = args.runs;
     opts.tcp_streams = args.streams.unwrap_or(opts.tcp_streams);
@@ -1433,8 +1492,36 @@ fn bench_handoff(
     Ok(runtime.block_on(tessera_loadgen::handoff::run(url, model, prompt_tokens, requests))?)
 }
 
+fn bench_relay(args: BenchRelayArgs) -> Result<()> {
+    use tessera_netbench::relay::{RelayOptions, Route, serve};
+    if !(args.delay_ms.is_finite() && (0.0..=60_000.0).contains(&args.delay_ms)) {
+        bail!("--delay-ms {} is not within 0..=60000", args.delay_ms);
+    }
+    let routes = args
+        .ports
+        .iter()
+        .map(|&port| Route {
+            listen: std::net::SocketAddr::new(args.listen, port),
+            target: std::net::SocketAddr::new(args.to, port),
+        })
+        .collect();
+    let opts = RelayOptions { routes, delay: Duration::from_secs_f64(args.delay_ms / 1e3), window_bytes: args.window };
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the tokio runtime")?;
+    runtime.block_on(serve(&opts, up::shutdown_signal(false), |bound| {
+        for r in bound {
+            println!("relaying {} -> {} (+{} ms each way)", r.listen, r.target, args.delay_ms);
+        }
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    }))?;
+    Ok(())
+}
+
 fn bench_transfer_peer(args: TransferPeerArgs) -> Result<()> {
-    let args = tessera_netbench::transfer::TransferPeerArgs { bytes: args.bytes, security: args.security.settings() };
+    let args = tessera_netbench::transfer::TransferPeerArgs {
+        bytes: args.bytes,
+        bind: args.bind,
+        security: args.security.settings(),
+    };
     Ok(tessera_netbench::transfer::serve_peer(&args)?)
 }
 

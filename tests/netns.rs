@@ -3,11 +3,14 @@
 //! DNS name that only its namespace's hosts file knows (`ip netns exec` mounts
 //! `/etc/netns/NS/hosts` over `/etc/hosts`). The KV cache crosses namespaces over the
 //! tcp transport. Drills: a host's link cut and restored mid-stream, a host SIGKILLed
-//! mid-stream, and (where the kernel has the netem qdisc) 5 ms added to every packet;
-//! no request is lost and every answer is `tessera generate`'s.
+//! mid-stream, and 5 ms added to every byte between hosts, each way (the netem qdisc
+//! on every host's link; where the kernel has none, `tessera bench relay` in front of
+//! every host, with nftables sending each host's traffic for a peer through the peer's
+//! relay); no request is lost and every answer is `tessera generate`'s.
 //!
 //! Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2; where
-//! either is missing the test says so and checks nothing else. Every wait has a deadline.
+//! either is missing the test says so and checks nothing else. The latency drill needs
+//! netem or nftables (`nft`), and says so where it has neither. Every wait has a deadline.
 
 use crate::serve_kit::*;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -20,6 +23,9 @@ const MAX_TOKENS: usize = 400;
 const HOSTS: [&str; 3] = ["a", "b", "c"];
 /// Every host's probe endpoint (`--probe-listen`), as Kubernetes probes reach it.
 const PROBE_PORT: u16 = 9000;
+/// Each host's bus, events and KV transfer ports (the defaults next to `bus`).
+const HOST_PORTS: [u16; 3] = [7400, 7401, 7402];
+const ADDED_DELAY_MS: u64 = 5;
 
 /// Runs `ip ARGS`; the error says what failed.
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -48,6 +54,11 @@ impl Net {
 
     fn addr(&self, i: usize) -> Ipv4Addr {
         Ipv4Addr::new(10, 213, self.subnet, i as u8 + 1)
+    }
+
+    /// Where host `i`'s relay listens (on the test's own link, in its namespace).
+    fn relay_addr(&self, i: usize) -> Ipv4Addr {
+        Ipv4Addr::new(10, 213, self.subnet, i as u8 + 11)
     }
 
     fn hosts_dir(&self, ns: &str) -> PathBuf {
@@ -109,6 +120,74 @@ impl Net {
         Proc::spawn(h, cmd, dir)
     }
 
+    /// Adds `ADDED_DELAY_MS` to every byte between two hosts, each way: netem on every
+    /// host's link (the running cluster keeps going), or else a relay per host and
+    /// nftables rules that send each host's traffic for a peer's address through the
+    /// peer's relay (for connections made from now on: the cluster must restart).
+    fn add_delay(&self, dir: &Path) -> Result<Delay, String> {
+        let netem = |ns: &str| {
+            let delay = format!("{ADDED_DELAY_MS}ms");
+            ip(&["netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "netem", "delay", &delay])
+        };
+        let first = self.ns(HOSTS[0]);
+        match netem(&first) {
+            Ok(()) => {
+                for h in &HOSTS[1..] {
+                    netem(&self.ns(h))?;
+                }
+                return Ok(Delay::Netem);
+            }
+            Err(why) => eprintln!("no netem qdisc here ({why}); relaying every host instead"),
+        }
+        let root = self.root_link.as_deref().ok_or("no link to the bridge")?;
+        let ports = HOST_PORTS.map(|p| p.to_string()).join(",");
+        let mut relays = Vec::new();
+        for (i, h) in HOSTS.iter().enumerate() {
+            let relay = self.relay_addr(i);
+            ip(&["addr", "add", &format!("{relay}/24"), "dev", root])?;
+            let mut cmd = Command::new(BIN);
+            cmd.args(["bench", "relay", "--listen", &relay.to_string(), "--to", &self.addr(i).to_string()]).args([
+                "--ports",
+                &ports,
+                "--delay-ms",
+                &ADDED_DELAY_MS.to_string(),
+            ]);
+            relays.push(Proc::spawn(&format!("relay-{h}"), cmd, dir));
+        }
+        for (i, h) in HOSTS.iter().enumerate() {
+            let ns = self.ns(h);
+            let mut rules =
+                String::from("table ip tessera_delay {\n chain out {\n  type nat hook output priority -100;\n");
+            for j in (0..HOSTS.len()).filter(|&j| j != i) {
+                rules += &format!("  ip daddr {} counter dnat to {}\n", self.addr(j), self.relay_addr(j));
+            }
+            rules += " }\n}\n";
+            nft(&ns, &rules)?;
+        }
+        // Every relay listens before any node dials it.
+        for (i, relay) in relays.iter_mut().enumerate() {
+            let at = SocketAddr::from((self.relay_addr(i), HOST_PORTS[0]));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while std::net::TcpStream::connect_timeout(&at, Duration::from_millis(200)).is_err() {
+                assert!(relay.try_status().is_none(), "relay {} exited:\n{}", relay.name, relay.log());
+                assert!(Instant::now() < deadline, "relay {} not listening in 10 s:\n{}", relay.name, relay.log());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(Delay::Relays(relays))
+    }
+
+    /// Connections host `h` made through its peers' relays (the nftables counters).
+    fn relayed_connections(&self, h: &str) -> u64 {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns(h), "nft", "list", "table", "ip", "tessera_delay"])
+            .output()
+            .expect("run nft");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let words: Vec<&str> = text.split_whitespace().collect();
+        words.windows(2).filter(|w| w[0] == "packets").filter_map(|w| w[1].parse::<u64>().ok()).sum()
+    }
+
     /// Cuts (`up == false`) or restores host `h`'s only link.
     fn link(&self, h: &str, up: bool) {
         let state = if up { "up" } else { "down" };
@@ -125,6 +204,32 @@ impl Drop for Net {
             let _ = ip(&["netns", "del", ns]);
             let _ = std::fs::remove_dir_all(self.hosts_dir(ns));
         }
+    }
+}
+
+/// How the added delay is made; relays are stopped on drop.
+enum Delay {
+    Netem,
+    Relays(Vec<Proc>),
+}
+
+/// Loads nftables `rules` into namespace `ns`.
+fn nft(ns: &str, rules: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run `nft` in {ns}: {e}"))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin.write_all(rules.as_bytes()).map_err(|e| format!("nft in {ns}: {e}"))?;
+    }
+    let out = child.wait_with_output().map_err(|e| format!("nft in {ns}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("nft in {ns} refused the rules: {}", String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
@@ -207,17 +312,42 @@ fn hosts_in_network_namespaces_serve_by_name_and_survive_a_partition_and_a_kille
     stream_through_fault_after(gateway, "c-chip", 1, &prompts, &want, MAX_TOKENS, || signal(c_pid, "KILL"));
     wait_health(gateway, "a's and b's KV freed", Duration::from_secs(10), |h| drained(h, &["a-chip", "b-chip"]));
 
-    // 5 ms on every packet b sends (netem), where the kernel has it.
-    match ip(&["netns", "exec", &net.ns("b"), "tc", "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "5ms"]) {
-        Err(why) => eprintln!("SKIPPED the added-latency drill: {why} (this kernel has no netem qdisc)"),
-        Ok(()) => {
-            let t = Instant::now();
-            for (prompt, want) in prompts.iter().zip(&want) {
-                let r = post_json(gateway, "/v1/completions", &completion_body(prompt, MAX_TOKENS, false, true));
-                assert_eq!(r.status, 200, "{}", r.body);
-                assert_eq!(r.json()["choices"][0]["text"], want.text, "with 5 ms added: {prompt:?}");
-            }
-            eprintln!("{} requests with 5 ms added on b's link took {:?}", prompts.len(), t.elapsed());
+    // 5 ms more on every byte between two hosts, each way.
+    let delay = match net.add_delay(cluster.dir.path()) {
+        Ok(delay) => delay,
+        Err(why) => {
+            eprintln!("SKIPPED the added-latency drill: {why}");
+            return;
+        }
+    };
+    let how = match &delay {
+        Delay::Netem => "netem".to_string(),
+        Delay::Relays(relays) => {
+            // New connections cross the relays: start every host again (c was killed).
+            cluster.procs.clear();
+            cluster.procs = HOSTS.iter().map(|h| net.node(h, &cluster.topology, cluster.dir.path())).collect();
+            cluster.wait_ready(3);
+            format!("{} relays", relays.len())
+        }
+    };
+    let before = metric(gateway, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
+    let t = Instant::now();
+    for (prompt, want) in prompts.iter().zip(&want) {
+        let r = post_json(gateway, "/v1/completions", &completion_body(prompt, MAX_TOKENS, false, true));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["choices"][0]["text"], want.text, "with {ADDED_DELAY_MS} ms added ({how}): {prompt:?}");
+    }
+    let split = metric(gateway, "tessera_router_decisions_total{placement=\"disaggregated\"} ") - before;
+    assert!(split >= 2.0, "with the delay, prompts were not split between namespaces: {split}");
+    eprintln!("{} requests with {ADDED_DELAY_MS} ms added each way ({how}) took {:?}", prompts.len(), t.elapsed());
+    if let Delay::Relays(_) = &delay {
+        for h in HOSTS {
+            // Each host dials both peers' buses at least: all through the relays.
+            let n = net.relayed_connections(h);
+            assert!(n >= 2, "host {h} made {n} connections through the relays");
         }
     }
+    // Stop the nodes before their relays.
+    cluster.procs.clear();
+    drop(delay);
 }

@@ -1,6 +1,7 @@
 //! `tessera bench bus`: round-trip latency and throughput of the bus between two host
-//! processes over loopback TCP, against a plain TCP ping-pong of the same frame size
-//! measured in the same run.
+//! processes (over loopback TCP by default, or between two addresses such as two network
+//! namespaces), against a plain TCP ping-pong of the same frame size and path measured in
+//! the same run.
 //!
 //! The baseline carries no handicap the bus does not: like the bus's ZeroMQ codec, both
 //! of its ends read through a buffer (one read returns every frame that has arrived) and
@@ -12,7 +13,7 @@
 //! The parent owns the peer and stops it on every exit path (the guard's `Drop`).
 
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::Child;
 use std::sync::{Arc, OnceLock};
@@ -51,7 +52,8 @@ pub enum BusBenchError {
 #[derive(Debug, Clone)]
 pub enum PeerLaunch {
     /// A child process: `program args... --direct A --events B --peer-direct C
-    /// --peer-events D --tcp-port P` (the arguments [`BusPeerArgs::to_args`] writes).
+    /// --peer-events D --tcp E` (the arguments [`BusPeerArgs::to_args`] writes). The program
+    /// may be a wrapper that runs the peer elsewhere, e.g. `ip netns exec NS tessera ...`.
     Process { program: PathBuf, args: Vec<String> },
     /// A thread of this process with its own tokio runtime (tests).
     Thread,
@@ -68,6 +70,10 @@ pub struct BusBenchOptions {
     pub peer: PeerLaunch,
     /// `None`: a plain bus.
     pub security: Option<BenchSecurity>,
+    /// The address this side binds (the peer connects to it).
+    pub bind: IpAddr,
+    /// The address the peer binds (this side connects to it).
+    pub peer_bind: IpAddr,
 }
 
 /// Where the echo peer binds and whom it talks to.
@@ -77,7 +83,8 @@ pub struct BusPeerArgs {
     pub events: SocketAddr,
     pub peer_direct: SocketAddr,
     pub peer_events: SocketAddr,
-    pub tcp_port: u16,
+    /// The plain TCP echo server's address.
+    pub tcp: SocketAddr,
     /// A secured bus: its settings and the directory with both ends' keys.
     pub security: Option<(BenchSecurity, PathBuf)>,
 }
@@ -94,8 +101,8 @@ impl BusPeerArgs {
             self.peer_direct.to_string(),
             "--peer-events".into(),
             self.peer_events.to_string(),
-            "--tcp-port".into(),
-            self.tcp_port.to_string(),
+            "--tcp".into(),
+            self.tcp.to_string(),
         ]
         .into_iter()
         .chain(self.security.iter().flat_map(|(sec, dir)| sec.to_args(dir)))
@@ -121,6 +128,8 @@ pub struct BusBenchReport {
     pub window: usize,
     /// "process" or "thread".
     pub peer: &'static str,
+    /// `BIND -> PEER_BIND`: the addresses of the two ends.
+    pub path: String,
     /// "off", or the secured bus's mode and cipher.
     pub security: String,
     pub bus: PathReport,
@@ -136,8 +145,8 @@ pub struct BusBenchReport {
 impl BusBenchReport {
     pub fn table(&self) -> String {
         let mut s = format!(
-            "bus ({}) vs TCP, loopback, peer in a {}: {} round trips, payload {} B (frame {} B), window {}\n",
-            self.security, self.peer, self.messages, self.payload_bytes, self.frame_bytes, self.window
+            "bus ({}) vs TCP, {}, peer in a {}: {} round trips, payload {} B (frame {} B), window {}\n",
+            self.security, self.path, self.peer, self.messages, self.payload_bytes, self.frame_bytes, self.window
         );
         s += &format!("{:<6} {:>12} {:>12} {:>16}\n", "path", "RTT p50 us", "RTT p99 us", "round trips/s");
         for (name, p) in [("bus", &self.bus), ("tcp", &self.tcp)] {
@@ -161,9 +170,8 @@ fn runtime() -> Result<tokio::runtime::Runtime, BusBenchError> {
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
 }
 
-fn loopback(port: u16) -> SocketAddr {
-    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
-}
+/// Where both ends bind unless told otherwise.
+pub const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 /// Runs the echo peer until its standard input closes (the parent exited or let go).
 pub fn serve_peer(args: &BusPeerArgs) -> Result<(), BusBenchError> {
@@ -185,7 +193,7 @@ async fn serve(
     stop: impl std::future::Future<Output = ()>,
     ready: impl FnOnce(),
 ) -> Result<(), BusBenchError> {
-    let tcp = TcpListener::bind(loopback(args.tcp_port)).await?;
+    let tcp = TcpListener::bind(args.tcp).await?;
     let slot: Arc<OnceLock<Bus>> = Arc::new(OnceLock::new());
     let echo = slot.clone();
     let inbound: InboundFn = Arc::new(move |env: Envelope| {
@@ -367,12 +375,13 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
     let ports = tessera_runtime::bus::free_loopback_ports(5).map_err(|e| Attempt::Setup(e.into()))?;
     // Fresh keys for both ends, removed when the run ends.
     let keys = opts.security.map(|_| KeysDir::new()).transpose().map_err(|e| Attempt::Setup(e.into()))?;
+    let (peer, me) = (opts.peer_bind, opts.bind);
     let peer_args = BusPeerArgs {
-        direct: loopback(ports[0]),
-        events: loopback(ports[1]),
-        peer_direct: loopback(ports[2]),
-        peer_events: loopback(ports[3]),
-        tcp_port: ports[4],
+        direct: SocketAddr::new(peer, ports[0]),
+        events: SocketAddr::new(peer, ports[1]),
+        peer_direct: SocketAddr::new(me, ports[2]),
+        peer_events: SocketAddr::new(me, ports[3]),
+        tcp: SocketAddr::new(peer, ports[4]),
         security: opts.security.zip(keys.as_ref().map(|k: &KeysDir| k.0.clone())),
     };
     let _peer = launch_peer(&opts.peer, &peer_args).map_err(Attempt::Setup)?;
@@ -393,7 +402,7 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
             events: peer_args.events.into(),
         });
         let bus = Bus::start(config, inbound).await.map_err(|e| Attempt::Setup(e.into()))?;
-        let measured = measure(&bus, rx, opts, peer_args.tcp_port).await;
+        let measured = measure(&bus, rx, opts, peer_args.tcp).await;
         let stats = bus.stats();
         bus.shutdown().await;
         let (frame_bytes, bus_path, tcp_path) = measured.map_err(Attempt::Measure)?;
@@ -406,6 +415,7 @@ fn run_once(rt: &tokio::runtime::Runtime, opts: &BusBenchOptions) -> Result<BusB
                 PeerLaunch::Process { .. } => "process",
                 PeerLaunch::Thread => "thread",
             },
+            path: format!("{me} -> {peer}"),
             security: BenchSecurity::label(opts.security),
             rtt_p50_ratio: bus_path.rtt_p50_us / tcp_path.rtt_p50_us,
             throughput_ratio: bus_path.round_trips_per_s / tcp_path.round_trips_per_s,
@@ -442,7 +452,7 @@ async fn measure(
     bus: &Bus,
     mut rx: mpsc::UnboundedReceiver<u64>,
     opts: &BusBenchOptions,
-    tcp_port: u16,
+    tcp: SocketAddr,
 ) -> Result<(usize, PathReport, PathReport), BusBenchError> {
     let payload = vec![0xa5u8; opts.payload_bytes];
     let ping = |corr: u64| {
@@ -500,17 +510,16 @@ async fn measure(
     }
     let bus_path = path_report(rtts, n, started.elapsed());
 
-    let tcp_path = measure_tcp(tcp_port, frame_bytes, n, opts.window).await?;
+    let tcp_path = measure_tcp(tcp, frame_bytes, n, opts.window).await?;
     Ok((frame_bytes, bus_path, tcp_path))
 }
 
-async fn measure_tcp(port: u16, frame_bytes: usize, n: usize, window: usize) -> Result<PathReport, BusBenchError> {
+async fn measure_tcp(to: SocketAddr, frame_bytes: usize, n: usize, window: usize) -> Result<PathReport, BusBenchError> {
     let mut frame = (frame_bytes as u32).to_le_bytes().to_vec();
     frame.resize(4 + frame_bytes, 0xa5);
     let timeout = |what: &'static str| move |_| bench_err(format!("TCP baseline: {what} timed out"));
 
-    let stream =
-        tokio::time::timeout(REPLY_TIMEOUT, TcpStream::connect(loopback(port))).await.map_err(timeout("connect"))??;
+    let stream = tokio::time::timeout(REPLY_TIMEOUT, TcpStream::connect(to)).await.map_err(timeout("connect"))??;
     stream.set_nodelay(true)?;
     // Buffered reads, like the bus's (see `tcp_echo`); one write per frame, like the bus's.
     let (read_half, mut write_half) = stream.into_split();
@@ -554,10 +563,19 @@ mod tests {
 
     #[test]
     fn bench_runs_against_a_thread_peer() {
-        let opts =
-            BusBenchOptions { messages: 300, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread, security: None };
+        // Two loopback addresses: each end binds the one it is given.
+        let peer_bind = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+        let opts = BusBenchOptions {
+            messages: 300,
+            payload_bytes: 64,
+            window: 16,
+            peer: PeerLaunch::Thread,
+            security: None,
+            bind: LOOPBACK,
+            peer_bind,
+        };
         let report = run(&opts).expect("bench");
-        assert_eq!(report.peer, "thread");
+        assert_eq!((report.peer, report.path.as_str()), ("thread", "127.0.0.1 -> 127.0.0.2"));
         assert!(report.frame_bytes > 64);
         assert!(report.bus.rtt_p50_us > 0.0 && report.bus.rtt_p99_us >= report.bus.rtt_p50_us);
         assert!(report.tcp.rtt_p50_us > 0.0 && report.tcp.round_trips_per_s > 0.0);
@@ -572,8 +590,15 @@ mod tests {
         use tessera_runtime::security::{Cipher, Mode};
         for cipher in [Cipher::ChaCha20Poly1305, Cipher::Sm4Gcm] {
             let security = Some(BenchSecurity { mode: Mode::Encrypt, cipher });
-            let opts =
-                BusBenchOptions { messages: 200, payload_bytes: 64, window: 16, peer: PeerLaunch::Thread, security };
+            let opts = BusBenchOptions {
+                messages: 200,
+                payload_bytes: 64,
+                window: 16,
+                peer: PeerLaunch::Thread,
+                security,
+                bind: LOOPBACK,
+                peer_bind: LOOPBACK,
+            };
             let report = run(&opts).expect("bench");
             assert_eq!(report.security, format!("encrypt {cipher}"));
             let st = report.bus_stats;

@@ -22,7 +22,7 @@
 #![forbid(unsafe_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::process::Child;
@@ -90,6 +90,8 @@ pub struct TransferBenchOptions {
     pub peer: PeerLaunch,
     /// Also measure a secured engine pair (fresh host keys) beside the plain tcp path.
     pub security: Option<BenchSecurity>,
+    /// The address the peer binds its engines and raw socket to (this side connects).
+    pub peer_bind: IpAddr,
 }
 
 impl TransferBenchOptions {
@@ -106,6 +108,7 @@ impl TransferBenchOptions {
             stream_passes: 5,
             peer,
             security: None,
+            peer_bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
         }
     }
 }
@@ -114,13 +117,15 @@ impl TransferBenchOptions {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferPeerArgs {
     pub bytes: usize,
+    /// Where the peer's engines and raw socket listen.
+    pub bind: IpAddr,
     /// Serve the region from a secured engine too: its settings and both ends' keys.
     pub security: Option<(BenchSecurity, std::path::PathBuf)>,
 }
 
 impl TransferPeerArgs {
     pub fn to_args(&self) -> Vec<String> {
-        let mut args = vec!["--bytes".into(), self.bytes.to_string()];
+        let mut args = vec!["--bytes".into(), self.bytes.to_string(), "--bind".into(), self.bind.to_string()];
         if let Some((sec, dir)) = &self.security {
             args.extend(sec.to_args(dir));
         }
@@ -165,6 +170,8 @@ pub struct TransferBenchReport {
     pub pipeline_depth: usize,
     /// "process" or "thread".
     pub peer: &'static str,
+    /// The peer's tcp address (its engine's listener).
+    pub peer_tcp: SocketAddr,
     pub tcp: PathStats,
     /// Plain sockets: `raw_tcp_streams` connections, each reading one contiguous slice
     /// of the bytes into a registered region. (Before `raw_tcp_streams` existed this was
@@ -208,8 +215,9 @@ impl TransferBenchReport {
     pub fn table(&self) -> String {
         let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
         let mut s = format!(
-            "transfer, peer in a {}: {:.0} MiB as {} blocks of {:.0} KiB (scattered destination), {} runs + 1 warm-up\n",
+            "transfer, peer in a {} at {}: {:.0} MiB as {} blocks of {:.0} KiB (scattered destination), {} runs + 1 warm-up\n",
             self.peer,
+            self.peer_tcp,
             mib(self.bytes),
             self.blocks,
             self.block_bytes as f64 / 1024.0,
@@ -315,13 +323,14 @@ fn loopback_any() -> SocketAddr {
 /// The peer side: region + raw blaster; `ready` gets the hello; returns when `stop`
 /// returns.
 fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl FnOnce()) -> Result<(), BenchError> {
-    let engine = TransferEngine::start(TransferConfig::new(loopback_any()))?;
+    let listen = SocketAddr::new(args.bind, 0);
+    let engine = TransferEngine::start(TransferConfig::new(listen))?;
     let region = engine.register(args.bytes)?;
     region.write(0, &pattern(args.bytes))?;
     // A second engine, secured, serving the same bytes.
     let sealed = match &args.security {
         Some((sec, dir)) => {
-            let mut config = TransferConfig::new(loopback_any());
+            let mut config = TransferConfig::new(listen);
             config.security = Some(plane_security(*sec, dir, PEER_NAME, MAIN_HOST, PEER_HOST)?);
             // The whole region is offered for as long as the bench may take.
             config.capability_ttl = Duration::from_secs(24 * 3600);
@@ -335,7 +344,7 @@ fn run_peer(args: &TransferPeerArgs, ready: impl FnOnce(&PeerHello), stop: impl 
         }
         None => None,
     };
-    let raw = TcpListener::bind(loopback_any())?;
+    let raw = TcpListener::bind(listen)?;
     let hello = PeerHello {
         region: engine.describe(&region),
         raw_tcp: raw.local_addr()?,
@@ -649,8 +658,11 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
         return Err(BenchError::Invalid("bytes, block size and runs must be positive".into()));
     }
     let keys = opts.security.map(|_| KeysDir::new()).transpose()?;
-    let peer_args =
-        TransferPeerArgs { bytes: opts.bytes, security: opts.security.zip(keys.as_ref().map(|k| k.0.clone())) };
+    let peer_args = TransferPeerArgs {
+        bytes: opts.bytes,
+        bind: opts.peer_bind,
+        security: opts.security.zip(keys.as_ref().map(|k| k.0.clone())),
+    };
     let (_peer, hello) = launch_peer(&opts.peer, &peer_args)?;
     let remote = &hello.region;
     if remote.len != opts.bytes as u64 {
@@ -807,6 +819,7 @@ pub fn run(opts: &TransferBenchOptions) -> Result<TransferBenchReport, BenchErro
             PeerLaunch::Process { .. } => "process",
             PeerLaunch::Thread => "thread",
         },
+        peer_tcp: remote.endpoint.tcp,
         tcp_vs_raw,
         shm_vs_memcpy,
         security: BenchSecurity::label(opts.security),
