@@ -48,9 +48,11 @@ extern "C" {
  *       tk_comm_destroy, tk_comm_abort, tk_all_reduce_sum_f32. A library whose chips
  *       can sum across each other natively (a collective library, a fabric) joins the
  *       tensor-parallel ranks of a stage itself; Tessera gives a library without them
- *       its own host all-reduce. A loader still accepts a 1.1 to 1.3 library. */
+ *       its own host all-reduce. A loader still accepts a 1.1 to 1.3 library.
+ *  1.5  TK_DTYPE_Q5_K (ggml's Q5_K blocks) for tk_embedding and tk_linear. A loader
+ *       refuses to load Q5_K weights onto an older library. */
 #define TK_ABI_MAJOR 1
-#define TK_ABI_MINOR 4
+#define TK_ABI_MINOR 5
 
 typedef int32_t tk_status;
 #define TK_OK 0
@@ -76,6 +78,7 @@ typedef int32_t tk_dtype;
 #define TK_DTYPE_Q8_0 20
 #define TK_DTYPE_Q4_K 21
 #define TK_DTYPE_Q6_K 22
+#define TK_DTYPE_Q5_K 23 /* since 1.5 */
 
 /* Rope scaling kinds (tk_rope.scaling). */
 #define TK_ROPE_NONE 0

@@ -9,7 +9,8 @@ difference in nats and where the largest is. Files of types Tessera does not loa
 reported as such.
 
 usage: backends/scripts/compare-llama-logprobs.py --llama-python DIR --llama-lib DIR
-           [--topology T.toml] [--prompt-file F] [--tessera BIN] [--json OUT] GGUF...
+           [--topology T.toml] [--prompt-file F] [--tessera BIN] [--json OUT] [--llama-spread]
+           GGUF...
   --llama-python: a directory holding the `llama_cpp` package (llama-cpp-python's
                   source tree) whose ctypes bindings match the build in --llama-lib.
   --llama-lib:    the directory holding libllama.so.
@@ -17,7 +18,10 @@ usage: backends/scripts/compare-llama-logprobs.py --llama-python DIR --llama-lib
                   `model` line is replaced by each file (default
                   topology/examples/smollm2-cpu.toml).
 Files made with llama.cpp's `llama-quantize` (e.g. `--allow-requantize IN OUT Q4_K_M`)
-show how far each quantization's arithmetic differs.
+show how far each quantization's arithmetic differs. `--llama-spread` also prints how far
+llama.cpp moves from its own default when only its arithmetic changes (KV cache in f32
+instead of f16; flash attention on): the floor under any other implementation's
+agreement with it.
 """
 import argparse
 import json
@@ -43,19 +47,22 @@ DEFAULT_PROMPT = (
 URL = "http://127.0.0.1:8100"
 
 
-def theirs(args, path, text):
-    """llama.cpp's log-probability of each prompt token after the first."""
+def theirs(args, path, text, **settings):
+    """llama.cpp's log-probability of each prompt token after the first (its default
+    context settings, or these)."""
     sys.path.insert(0, args.llama_python)
     os.environ["LLAMA_CPP_LIB_PATH"] = args.llama_lib
     import llama_cpp  # noqa: imported here so that --help needs no llama.cpp
 
-    llm = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=4096, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=4096, n_batch=512, verbose=False, **settings)
     tokens = llm.tokenize(text.encode(), add_bos=False, special=False)
     llm.reset()
     llm.eval(tokens)
     out = []
     for i in range(len(tokens) - 1):
-        row = llm.scores[i]
+        # In f64: the scores are numpy f32, which JSON cannot write and which would
+        # round log Z.
+        row = [float(x) for x in llm.scores[i]]
         top = max(row)
         log_z = top + math.log(sum(math.exp(x - top) for x in row))
         out.append(float(row[tokens[i + 1]]) - log_z)
@@ -111,6 +118,8 @@ def main():
     p.add_argument("--prompt-file")
     p.add_argument("--tessera", default=str(ROOT / "target/release/tessera"))
     p.add_argument("--json", help="write every file's log-probabilities, both sides, to this file")
+    p.add_argument("--llama-spread", action="store_true",
+                   help="also run llama.cpp with its KV cache in f32 and with flash attention, against its default")
     p.add_argument("gguf", nargs="+")
     args = p.parse_args()
     text = pathlib.Path(args.prompt_file).read_text() if args.prompt_file else DEFAULT_PROMPT
@@ -130,6 +139,13 @@ def main():
         print(f"{name}: {len(diffs)} prompt tokens, max |d logprob| {diffs[worst]:.3f} nats "
               f"(token {worst + 1}, {their_pieces[worst + 1]!r}), mean {sum(diffs) / len(diffs):.4f}")
         record[name] = {"pieces": their_pieces, "ours": our_lp, "llama_cpp": their_lp}
+        if args.llama_spread:
+            # GGML_TYPE_F32 = 0.
+            for label, settings in [("KV cache f32", {"type_k": 0, "type_v": 0}), ("flash attention", {"flash_attn": True})]:
+                _, lp = theirs(args, path, text, **settings)
+                d = [abs(a - b) for a, b in zip(lp, their_lp)]
+                print(f"  llama.cpp with {label} against its default: max {max(d):.3f} nats, mean {sum(d) / len(d):.4f}")
+                record[name][f"llama_cpp {label}"] = lp
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"prompt": text, "files": record}, indent=1))
 

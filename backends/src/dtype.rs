@@ -113,6 +113,7 @@ impl GgmlTypeExt for GgmlType {
             GgmlType::Q5_1 => abi::TK_DTYPE_Q5_1,
             GgmlType::Q8_0 => abi::TK_DTYPE_Q8_0,
             GgmlType::Q4K => abi::TK_DTYPE_Q4_K,
+            GgmlType::Q5K => abi::TK_DTYPE_Q5_K,
             GgmlType::Q6K => abi::TK_DTYPE_Q6_K,
         }
     }

@@ -257,15 +257,16 @@ impl WeightLoader<'_> {
 /// their dtype codes).
 fn quantized_weights_supported(version: (u32, u32), library: &Path, name: &str, ty: GgmlType) -> Result<()> {
     let (major, minor) = version;
-    if (major, minor) >= (abi::TK_ABI_MAJOR, abi::TK_ABI_MINOR_QUANT) {
+    // Q5_K came with 1.5, the other block formats with 1.2.
+    let needs = if ty == GgmlType::Q5K { abi::TK_ABI_MINOR_Q5_K } else { abi::TK_ABI_MINOR_QUANT };
+    if (major, minor) >= (abi::TK_ABI_MAJOR, needs) {
         return Ok(());
     }
     Err(BackendError::KernelLibrary {
         library: library.to_path_buf(),
         reason: format!(
-            "it speaks kernel ABI {major}.{minor}; quantized weights ({name} is {ty}) need {}.{} or newer",
+            "it speaks kernel ABI {major}.{minor}; {name} is {ty}, which needs {}.{needs} or newer",
             abi::TK_ABI_MAJOR,
-            abi::TK_ABI_MINOR_QUANT
         ),
     })
 }
@@ -883,9 +884,12 @@ mod tests {
             .to_string();
         assert_eq!(
             e,
-            "kernel library /opt/vendor/libold.so: it speaks kernel ABI 1.1; quantized weights \
-             (model.layers.0.mlp.up_proj.weight is Q4_1) need 1.2 or newer"
+            "kernel library /opt/vendor/libold.so: it speaks kernel ABI 1.1; \
+             model.layers.0.mlp.up_proj.weight is Q4_1, which needs 1.2 or newer"
         );
         assert!(quantized_weights_supported((1, 2), lib, "w", GgmlType::Q8_0).is_ok());
+        let e = quantized_weights_supported((1, 4), lib, "w", GgmlType::Q5K).unwrap_err().to_string();
+        assert!(e.ends_with("w is Q5_K, which needs 1.5 or newer"), "{e}");
+        assert!(quantized_weights_supported((1, 5), lib, "w", GgmlType::Q5K).is_ok());
     }
 }

@@ -11,8 +11,8 @@ use std::ffi::c_void;
 pub const TK_ABI_MAJOR: u32 = 1;
 /// 1.1 added `TkKvCache::layout` (token-major KV blocks); 1.2 quantized weight dtypes;
 /// 1.3 the optional `tk_device_set_matmul_precision`; 1.4 the optional collectives
-/// (`tk_comm_*`, `tk_all_reduce_sum_f32`).
-pub const TK_ABI_MINOR: u32 = 4;
+/// (`tk_comm_*`, `tk_all_reduce_sum_f32`); 1.5 `TK_DTYPE_Q5_K`.
+pub const TK_ABI_MINOR: u32 = 5;
 /// The oldest minor a loader accepts: 1.1 libraries still serve float weights.
 pub const TK_ABI_MINOR_OLDEST: u32 = 1;
 /// The minor that added the quantized weight dtypes (`TK_DTYPE_Q*`).
@@ -20,6 +20,9 @@ pub const TK_ABI_MINOR_QUANT: u32 = 2;
 
 /// The minor that added the optional collectives.
 pub const TK_ABI_MINOR_COLLECTIVES: u32 = 4;
+
+/// The minor that added `TK_DTYPE_Q5_K`.
+pub const TK_ABI_MINOR_Q5_K: u32 = 5;
 
 /// `(MAJOR << 16) | MINOR`, what `tk_abi_version` returns.
 pub const fn abi_version(major: u32, minor: u32) -> u32 {
@@ -46,6 +49,8 @@ pub const TK_DTYPE_Q5_1: TkDtype = 19;
 pub const TK_DTYPE_Q8_0: TkDtype = 20;
 pub const TK_DTYPE_Q4_K: TkDtype = 21;
 pub const TK_DTYPE_Q6_K: TkDtype = 22;
+/// Since 1.5.
+pub const TK_DTYPE_Q5_K: TkDtype = 23;
 
 /// `tk_device_set_matmul_precision`'s values (since 1.3).
 pub const TK_MATMUL_F32: u32 = 0;

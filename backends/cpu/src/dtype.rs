@@ -74,6 +74,7 @@ impl WType {
             TK_DTYPE_Q5_1 => GgmlType::Q5_1,
             TK_DTYPE_Q8_0 => GgmlType::Q8_0,
             TK_DTYPE_Q4_K => GgmlType::Q4K,
+            TK_DTYPE_Q5_K => GgmlType::Q5K,
             TK_DTYPE_Q6_K => GgmlType::Q6K,
             _ => return None,
         })

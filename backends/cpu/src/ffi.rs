@@ -953,7 +953,7 @@ mod tests {
         // SAFETY: (whole test) all pointers passed are valid or deliberately bad
         // handles that the library must refuse without dereferencing.
         unsafe {
-            assert_eq!(tk_abi_version(), (1 << 16) | 4);
+            assert_eq!(tk_abi_version(), (1 << 16) | 5);
             let cfg = TkDeviceConfig { threads: 5000, device_index: 0, memory_limit_bytes: 0 };
             let mut d = std::ptr::null_mut();
             assert_eq!(tk_device_create(&cfg, &mut d), TK_ERR_INVALID_ARGUMENT);

@@ -24,6 +24,7 @@ pub enum GgmlType {
     Q5_1,
     Q8_0,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -31,7 +32,7 @@ pub enum GgmlType {
 pub const QK_K: usize = 256;
 
 impl GgmlType {
-    pub const ALL: [GgmlType; 10] = [
+    pub const ALL: [GgmlType; 11] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Bf16,
@@ -41,6 +42,7 @@ impl GgmlType {
         GgmlType::Q5_1,
         GgmlType::Q8_0,
         GgmlType::Q4K,
+        GgmlType::Q5K,
         GgmlType::Q6K,
     ];
 
@@ -55,6 +57,7 @@ impl GgmlType {
             GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
             GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::Bf16 => 30,
         }
@@ -75,6 +78,7 @@ impl GgmlType {
             GgmlType::Q5_1 => "Q5_1",
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4K => "Q4_K",
+            GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
         }
     }
@@ -88,7 +92,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
-            GgmlType::Q4K | GgmlType::Q6K => QK_K as u64,
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K as u64,
         }
     }
 
@@ -103,6 +107,7 @@ impl GgmlType {
             GgmlType::Q5_1 => 2 + 2 + 4 + 16,
             GgmlType::Q8_0 => 2 + 32,
             GgmlType::Q4K => 2 + 2 + 12 + QK_K as u64 / 2,
+            GgmlType::Q5K => 2 + 2 + 12 + QK_K as u64 / 8 + QK_K as u64 / 2,
             GgmlType::Q6K => QK_K as u64 / 2 + QK_K as u64 / 4 + QK_K as u64 / 16 + 2,
         }
     }
@@ -144,6 +149,7 @@ impl GgmlType {
                 GgmlType::Q5_1 => dequantize_q5_1(block, y),
                 GgmlType::Q8_0 => dequantize_q8_0(block, y),
                 GgmlType::Q4K => dequantize_q4_k(block, y),
+                GgmlType::Q5K => dequantize_q5_k(block, y),
                 GgmlType::Q6K => dequantize_q6_k(block, y),
             }
         }
@@ -302,6 +308,29 @@ fn dequantize_q4_k(block: &[u8], y: &mut [f32]) {
     }
 }
 
+/// `block_q5_K { half d; half dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }`:
+/// Q4_K's layout plus a fifth bit per value (bit `2c` / `2c + 1` of `qh[l]` for the low /
+/// high nibbles of chunk `c`); x = d * scale * (nibble + 16 * bit) - dmin * min.
+fn dequantize_q5_k(block: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+    let scales = &block[4..16];
+    let qh = &block[16..48];
+    let qs = &block[48..176];
+    for (chunk, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
+        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
+        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
+        let (u1, u2) = (1u8 << (2 * chunk), 2u8 << (2 * chunk));
+        for l in 0..32 {
+            let lo = (q[l] & 0x0f) + if qh[l] & u1 != 0 { 16 } else { 0 };
+            let hi = (q[l] >> 4) + if qh[l] & u2 != 0 { 16 } else { 0 };
+            y[l] = d1 * lo as f32 - m1;
+            y[l + 32] = d2 * hi as f32 - m2;
+        }
+    }
+}
+
 /// `block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; half d; }`: 16
 /// sub-blocks of 16 with signed 8-bit scales; x = d * scale * (6-bit value - 32).
 fn dequantize_q6_k(block: &[u8], y: &mut [f32]) {
@@ -406,5 +435,45 @@ mod tests {
         assert_eq!(GgmlType::F16.row_bytes(3), Some(6));
         assert!(quantize(GgmlType::Q4K, &[0.0; 256], &mut [0u8; 144]).is_err());
         assert!(quantize(GgmlType::Q8_0, &[0.0; 31], &mut [0u8; 34]).is_err());
+        assert_eq!(GgmlType::Q5K.row_bytes(512), Some(352));
+        assert_eq!(GgmlType::from_id(13), Some(GgmlType::Q5K));
+    }
+
+    /// A Q5_K block built by hand from ggml-common.h's layout: value `i` of the block is
+    /// in sub-block `s = i / 32`, chunk `c = i / 64`; its low four bits are nibble
+    /// `i % 32` of `qs[32c ..]` (low nibble for even `s`, high for odd), its fifth is bit
+    /// `s` of `qh[i % 32]`.
+    #[test]
+    fn q5_k_blocks_follow_ggml_layout() {
+        let mut block = vec![0u8; 176];
+        let (d, dmin) = (0.5f32, 0.25f32);
+        block[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        block[2..4].copy_from_slice(&f16::from_f32(dmin).to_le_bytes());
+        // Scales 1..=8 and mins 8..=1 through the 6-bit packing of scale_min_k4.
+        let (scale, min) = (|s: usize| s as u8 + 1, |s: usize| 8 - s as u8);
+        for s in 0..4 {
+            block[4 + s] = scale(s);
+            block[8 + s] = min(s);
+        }
+        for s in 4..8 {
+            block[8 + s] = scale(s) | (min(s) << 4);
+        }
+        let value5 = |i: usize| ((i * 7 + 3) % 32) as u8;
+        for i in 0..QK_K {
+            let (s, c, l) = (i / 32, i / 64, i % 32);
+            let v = value5(i);
+            let q = &mut block[48 + 32 * c + l];
+            *q |= if s % 2 == 0 { v & 0x0f } else { (v & 0x0f) << 4 };
+            if v & 16 != 0 {
+                block[16 + l] |= 1 << s;
+            }
+        }
+        let mut y = vec![0.0f32; QK_K];
+        GgmlType::Q5K.dequantize(&block, &mut y);
+        for (i, got) in y.iter().enumerate() {
+            let s = i / 32;
+            let want = d * scale(s) as f32 * value5(i) as f32 - dmin * min(s) as f32;
+            assert_eq!(*got, want, "value {i}");
+        }
     }
 }

@@ -16,8 +16,8 @@
 //! tests hold every path to that bound against dequantize-then-f32.
 //!
 //! Paths: AVX-512 VNNI (`vpdpbusd` on 256-bit vectors), AVX2 (`vpmaddubsw` +
-//! `vpmaddwd`) and a scalar one; all three compute the same integer sums. Q6_K (16-value
-//! sub-blocks) is not served here: `linear` dequantizes it tile by tile instead.
+//! `vpmaddwd`) and a scalar one; all three compute the same integer sums. Q5_K and Q6_K
+//! (16-value sub-blocks) are not served here: `linear` dequantizes them tile by tile.
 
 use rayon::prelude::*;
 use tessera_quant::GgmlType;
@@ -88,7 +88,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
     ty.dequantize(bytes, out);
 }
 
-/// True when `ty` has an integer kernel here (every block format but Q6_K).
+/// True when `ty` has an integer kernel here (every block format but Q5_K and Q6_K).
 pub fn supports(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::Q4K)
 }
@@ -762,7 +762,7 @@ mod tests {
             let mut blk: Vec<u8> = (0..bb).map(|_| rng.next_u64() as u8).collect();
             let scale = |rng: &mut Rng| half::f16::from_f32(rng.f32() * 0.1).to_le_bytes();
             let at: &[usize] = match ty {
-                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K => &[0, 2],
+                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
                 GgmlType::Q6K => &[208],
                 _ => &[0],
             };
@@ -863,10 +863,10 @@ mod tests {
     fn the_linear_op_serves_every_format_in_every_regime() {
         // Integer kernels (m <= 16, one or two passes), then dequantized tiles through
         // the decode-batch kernel or the cache-blocked GEMM (or gemm, or AVX2's tiles);
-        // Q6_K always dequantizes.
+        // Q5_K and Q6_K always dequantize.
         // The prompt GEMM dequantizes in blocks of 256 columns: rows of 10 blocks of 32
         // span a second, short column block.
-        let all = FORMATS.into_iter().chain([GgmlType::Q6K]);
+        let all = FORMATS.into_iter().chain([GgmlType::Q5K, GgmlType::Q6K]);
         for ty in all {
             let kb = ty.block_elements() as usize;
             let cases = [1, 5, 8, 16, 17, 40, 70].map(|m| (m, 2 * kb)).into_iter().chain([(70, 10 * kb)]);
@@ -881,7 +881,7 @@ mod tests {
     #[test]
     fn embedding_rows_of_a_quantized_table() {
         let mut rng = Rng(9);
-        for ty in FORMATS.into_iter().chain([GgmlType::Q6K]) {
+        for ty in FORMATS.into_iter().chain([GgmlType::Q5K, GgmlType::Q6K]) {
             let (vocab, hidden) = (5, ty.block_elements() as usize * 2);
             let table: Vec<u8> = (0..vocab).flat_map(|_| random_row(ty, hidden, &mut rng)).collect();
             let mut all = vec![0.0f32; vocab * hidden];
@@ -898,7 +898,7 @@ mod tests {
     /// sides of each switch (integer kernels, dot tiles, GEMMs on dequantized weights).
     #[test]
     fn linear_dispatch_on_quantized_weights() {
-        for ty in FORMATS.into_iter().chain([GgmlType::Q6K]) {
+        for ty in FORMATS.into_iter().chain([GgmlType::Q5K, GgmlType::Q6K]) {
             let k = 2 * ty.block_elements() as usize;
             for (s, &m) in [1usize, 5, 6, 8, 16, 17, 40, 80].iter().enumerate() {
                 check_with(ty, m, 29, k, 7 + s as u64, &|out, x, w| {
