@@ -1130,7 +1130,7 @@ fn topology_check(file: &std::path::Path) -> Result<()> {
     }
     println!("instances:");
     for (chip, par) in instances {
-        let stages = tessera_node::instance::stages(&spec, chip, par, &dir, None)?;
+        let stages = tessera_node::instance::stages(&spec, chip, par, &dir, None, None)?;
         let layers: Vec<String> = stages
             .iter()
             .map(|s| {

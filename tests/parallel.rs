@@ -316,7 +316,7 @@ fn a_stage_on_another_host_runs_over_its_link_and_a_broken_link_downs_the_instan
                             Ok(one)
                         };
                         // Ends when the instance drops its link (or the test cuts it).
-                        let _ = serve_connection(stream, &resolve);
+                        let _ = serve_connection(stream, &resolve, None);
                     })
                 })
                 .collect();
@@ -329,7 +329,7 @@ fn a_stage_on_another_host_runs_over_its_link_and_a_broken_link_downs_the_instan
     let remote_spec = |counts: &[usize], tp: usize, addr| {
         let mut s = spec(&dir, counts, tp, 0);
         for stage in &mut s.stages[1..] {
-            stage.remote = Some(RemoteStage { addr, instance: "pp".into() });
+            stage.remote = Some(RemoteStage { addr, instance: "pp".into(), seal: None });
         }
         s
     };

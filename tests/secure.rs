@@ -1,8 +1,9 @@
 //! Secured planes end to end (`[security]`): host keys made with `tessera keys gen-host`;
 //! clusters with either cipher serve `tessera generate`'s greedy text; a tap on loopback
 //! finds the prompt's token ids on the bus of a plain cluster and not on an encrypted
-//! one; the host-kill and chip-restart drills lose nothing with encryption on; a cluster
-//! beyond loopback without keys is refused, saying how to make them.
+//! one, nor on a pipeline instance's stage link; the host-kill and chip-restart drills
+//! lose nothing with encryption on; a cluster beyond loopback without keys is refused,
+//! saying how to make them.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -318,4 +319,62 @@ fn the_keys_file_and_audit_log_are_sealed_at_rest_and_read_only_with_the_key() {
     assert_eq!(request_as(gw, "POST", "/v1/completions", Some(&body), Some("tsk-wrong")).status, 401);
     let served = std::fs::read_to_string(&served_audit).expect("the gateway's audit log");
     assert!(!served.is_empty() && served.lines().all(|l| l.starts_with("sealed:")), "{served}");
+}
+
+/// An instance of two pipeline stages, its second on h1's stage server: the link
+/// carries each chunk's token ids in its frame headers (JSON) and the activations. On a
+/// plain cluster a tap on the stage port finds the prompt's ids; with encryption on it
+/// does not, the instance serves the same text, and a stage client that skips the
+/// handshake is refused by the stage server.
+#[test]
+fn stage_links_are_sealed_on_an_encrypted_cluster() {
+    let ids: Vec<u32> = (0..24).map(|i| 300 + (i * 37) % 200).collect();
+    let needle = ids[4..12].iter().map(u32::to_string).collect::<Vec<_>>().join(",").into_bytes();
+    let keys = tempfile::tempdir().expect("tempdir");
+    make_keys(keys.path(), &["h0", "h1"]);
+    let cpu = "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".to_string();
+    let chips = [
+        ChipDef { host: "h0", id: "h0-a".into(), toml: cpu.clone() },
+        ChipDef { host: "h1", id: "h1-b".into(), toml: cpu },
+    ];
+    let instance = "[[instances]]\nid = \"h0-pp\"\nchips = [\"h0-a\", \"h1-b\"]\nsplit = [1, 3]\n";
+    let mut texts = Vec::new();
+    for (mode, expect_in_clear) in [("off", true), ("encrypt", false)] {
+        let extra = format!("{instance}\n{}", security(mode, "chacha20-poly1305", keys.path()));
+        let topo = topology_of(&chips, &extra, "", HEARTBEAT_TIMEOUT_MS);
+        let spec = tessera_topology::parse(&topo.toml, "t.toml").expect("the test topology parses");
+        let stages = spec.hosts[1].stages.clone().expect("h1 serves a stage");
+        let mut cluster = Cluster::nodes(&topo, &["h0", "h1"]);
+        let gw = cluster.gateway;
+        cluster.wait_ready(1);
+        let tap = LoopbackTap::start(HashSet::from([stages.port]));
+        let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
+        let r = post_json(gw, "/v1/completions", &body);
+        assert_eq!(r.status, 200, "{mode}: {}", r.body);
+        texts.push(r.json()["choices"][0]["text"].clone());
+        match tap {
+            None => eprintln!("SKIPPED the tap on the stage link: no packet socket here (needs CAP_NET_RAW)"),
+            Some(tap) => {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                let captured = tap.finish();
+                assert!(captured.len() > 1000, "{mode}: the tap saw the stage link ({} bytes)", captured.len());
+                let found = captured.windows(needle.len()).any(|w| w == needle.as_slice());
+                assert_eq!(found, expect_in_clear, "{mode}: the prompt's token ids in clear on the stage link");
+            }
+        }
+        if mode == "encrypt" {
+            // A client in clear: the server wants a handshake, so no stage is loaded.
+            let addr = stages.resolve().expect("loopback");
+            let plain = tessera_backends::stage_link::StageClient::connect(
+                addr,
+                "h0-pp",
+                1,
+                1..4,
+                std::time::Duration::from_secs(5),
+                None,
+            );
+            assert!(plain.is_err(), "a stage client in clear loaded a stage of an encrypted cluster");
+        }
+    }
+    assert_eq!(texts[0], texts[1], "the sealed link changed the text");
 }

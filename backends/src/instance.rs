@@ -61,12 +61,14 @@ pub struct StageSpec {
 }
 
 /// A stage whose devices are on another host: that host's stage server loads it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct RemoteStage {
     /// The stage server's address.
     pub addr: SocketAddr,
     /// The instance's id, by which the server finds the stage in its topology.
     pub instance: String,
+    /// Seals the link on a secured cluster (`None`: in clear).
+    pub seal: Option<std::sync::Arc<dyn crate::stage_link::LinkSeal>>,
 }
 
 /// How to bring up an instance.
@@ -710,8 +712,14 @@ struct RemoteJob {
 impl RemoteJob {
     fn run(self, rx: Receiver<Cmd>, ready: Sender<Result<Loaded>>) {
         let timeout = crate::shard::ALL_REDUCE_TIMEOUT * 2;
-        let connected =
-            StageClient::connect(self.remote.addr, &self.remote.instance, self.stage, self.layers.clone(), timeout);
+        let connected = StageClient::connect(
+            self.remote.addr,
+            &self.remote.instance,
+            self.stage,
+            self.layers.clone(),
+            timeout,
+            self.remote.seal.as_deref(),
+        );
         let mut link = match connected {
             Ok((link, l)) => {
                 let loaded = Loaded {

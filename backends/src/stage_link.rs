@@ -13,6 +13,9 @@
 //! A frame is a little-endian `u32` header length, a JSON header, a little-endian `u64`
 //! payload length and the payload: f32 values, little-endian. Headers are small and
 //! self-describing (old and new fields tolerated); bulk values never go through JSON.
+//!
+//! On a secured cluster the node hands both ends a [`LinkSeal`], which runs a handshake
+//! on the new connection and seals every byte after it; this crate knows no keys.
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -169,22 +172,43 @@ fn read_frame<T: DeserializeOwned>(r: &mut impl Read) -> std::result::Result<Opt
     Ok(Some((header, values)))
 }
 
+/// A connection's reading and writing ends.
+pub type LinkHalves = (Box<dyn Read + Send>, Box<dyn Write + Send>);
+
+/// Secures a stage link's connection: a handshake as soon as it is open, then every
+/// byte sealed. The client end proves its host to the server and the server to it.
+pub trait LinkSeal: Send + Sync + std::fmt::Debug {
+    fn client(&self, tcp: TcpStream) -> std::io::Result<LinkHalves>;
+    fn server(&self, tcp: TcpStream) -> std::io::Result<LinkHalves>;
+}
+
+/// The halves of a connection in clear, or sealed by `seal`.
+fn halves(tcp: TcpStream, seal: Option<&dyn LinkSeal>, server: bool) -> std::io::Result<LinkHalves> {
+    match seal {
+        Some(seal) if server => seal.server(tcp),
+        Some(seal) => seal.client(tcp),
+        None => Ok((Box::new(tcp.try_clone()?), Box::new(tcp))),
+    }
+}
+
 /// The instance's end of a link to one remote stage.
 pub struct StageClient {
     addr: SocketAddr,
-    reader: BufReader<TcpStream>,
-    writer: BufWriter<TcpStream>,
+    reader: BufReader<Box<dyn Read + Send>>,
+    writer: BufWriter<Box<dyn Write + Send>>,
 }
 
 impl StageClient {
-    /// Connects to the stage server at `addr` and loads stage `stage` (`layers`) of
-    /// `instance` there. `timeout` bounds every later wait for a reply.
+    /// Connects to the stage server at `addr` (sealing the link with `seal` where
+    /// given) and loads stage `stage` (`layers`) of `instance` there. `timeout` bounds
+    /// every later wait for a reply.
     pub fn connect(
         addr: SocketAddr,
         instance: &str,
         stage: usize,
         layers: Range<usize>,
         timeout: Duration,
+        seal: Option<&dyn LinkSeal>,
     ) -> Result<(StageClient, RemoteLoaded)> {
         let err = |reason: String| BackendError::StageLink { addr: addr.to_string(), reason };
         let deadline = std::time::Instant::now() + CONNECT_TIMEOUT;
@@ -200,8 +224,8 @@ impl StageClient {
         };
         let _ = stream.set_nodelay(true);
         stream.set_read_timeout(Some(timeout)).map_err(|e| err(e.to_string()))?;
-        let reader = BufReader::new(stream.try_clone().map_err(|e| err(e.to_string()))?);
-        let mut client = StageClient { addr, reader, writer: BufWriter::new(stream) };
+        let (reader, writer) = halves(stream, seal, false).map_err(|e| err(e.to_string()))?;
+        let mut client = StageClient { addr, reader: BufReader::new(reader), writer: BufWriter::new(writer) };
         let load = Request::Load { version: STAGE_LINK_VERSION, instance: instance.to_string(), stage, layers };
         match client.call(&load, &[])? {
             (Reply::Loaded { weight_bytes, max_blocks, compat, weight_format }, _) => {
@@ -275,12 +299,13 @@ pub type ResolveStage<'a> = dyn Fn(&str, usize) -> Result<InstanceSpec> + 'a;
 /// asked for, then runs its steps. The stage is dropped (its memory freed) when the
 /// connection ends. Errors of a request go back to the client; an error of the
 /// connection itself ends it and is returned.
-pub fn serve_connection(stream: TcpStream, resolve: &ResolveStage<'_>) -> Result<()> {
+pub fn serve_connection(stream: TcpStream, resolve: &ResolveStage<'_>, seal: Option<&dyn LinkSeal>) -> Result<()> {
     let peer = stream.peer_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
     let err = |reason: String| BackendError::StageLink { addr: peer.clone(), reason };
     let _ = stream.set_nodelay(true);
-    let mut reader = BufReader::new(stream.try_clone().map_err(|e| err(e.to_string()))?);
-    let mut writer = BufWriter::new(stream);
+    let (reader, writer) = halves(stream, seal, true).map_err(|e| err(e.to_string()))?;
+    let mut reader = BufReader::new(reader);
+    let mut writer = BufWriter::new(writer);
     let mut reply = |r: &Reply, payload: &[f32]| {
         write_frame(&mut writer, r, &[payload]).map_err(|e| err(format!("cannot answer: {e}")))
     };

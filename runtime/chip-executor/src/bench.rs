@@ -189,14 +189,14 @@ fn run_linked(spec: &InstanceSpec, prompts: &[Vec<u32>], max_tokens: usize) -> R
                         one.stages = vec![whole.stages[stage].clone()];
                         Ok(one)
                     };
-                    let _ = tessera_backends::stage_link::serve_connection(stream, &resolve);
+                    let _ = tessera_backends::stage_link::serve_connection(stream, &resolve, None);
                 });
             }
         })
     });
     let mut linked = spec.clone();
     for stage in &mut linked.stages[1..] {
-        stage.remote = Some(RemoteStage { addr, instance: "bench".into() });
+        stage.remote = Some(RemoteStage { addr, instance: "bench".into(), seal: None });
     }
     let ran = run_instance(&linked, prompts, max_tokens);
     // The instance is dropped, so every link has closed and the server threads end.

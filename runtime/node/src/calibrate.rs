@@ -214,7 +214,7 @@ fn load<'a>(
         .chip_kind(&chip.kind)
         .ok_or_else(|| NodeError::Config(format!("chip {}: unknown chip kind `{}`", chip.id, chip.kind)))?;
     let model_dir = resolve_model(&spec.model)?;
-    let config = executor_config(spec, chip, &model_dir, kernel_lib, None)?;
+    let config = executor_config(spec, chip, &model_dir, kernel_lib, None, None)?;
     let (exec, info) = ModelExecutor::load(&config).map_err(|e| NodeError::Config(format!("chip {}: {e}", chip.id)))?;
     let shape = exec.cost_shape();
     Ok(Loaded { chip, kind, exec, info, shape })

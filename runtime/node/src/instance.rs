@@ -5,23 +5,56 @@
 //! stage for the instance's host.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use tessera_backends::config::ModelConfig;
 use tessera_backends::device::DeviceConfig;
 use tessera_backends::instance::{InstanceSpec, RemoteStage, ShardDevice, StageSpec, weight_parts};
+use tessera_backends::stage_link::{LinkHalves, LinkSeal};
+use tessera_runtime::security::PlaneSecurity;
+use tessera_runtime::transfer::SealedStream;
 use tessera_topology::parallel::resolve_split;
 use tessera_topology::{Backend, ChipSpec, ClusterSpec, ParallelSpec};
 
 use crate::NodeError;
 
+/// A stage link's handshake must finish within this.
+const STAGE_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Seals stage links as the data plane's connections are sealed: the same handshake,
+/// host keys and cipher, every byte in sealed records after it.
+#[derive(Clone)]
+pub struct StageSeal(pub PlaneSecurity);
+
+impl std::fmt::Debug for StageSeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StageSeal({} {})", self.0.mode.name(), self.0.cipher)
+    }
+}
+
+impl LinkSeal for StageSeal {
+    fn client(&self, tcp: std::net::TcpStream) -> std::io::Result<LinkHalves> {
+        let (r, w) = SealedStream::connect(tcp, &self.0, STAGE_HANDSHAKE_TIMEOUT)?.split();
+        Ok((Box::new(r), Box::new(w)))
+    }
+
+    fn server(&self, tcp: std::net::TcpStream) -> std::io::Result<LinkHalves> {
+        let (r, w) = SealedStream::accept(tcp, &self.0, STAGE_HANDSHAKE_TIMEOUT)?.split();
+        Ok((Box::new(r), Box::new(w)))
+    }
+}
+
 /// The stages of instance `chip` (whose [`ParallelSpec`] is `par`) over the model in
-/// `model_dir`, each stage's layers resolved.
+/// `model_dir`, each stage's layers resolved; links to stages on other hosts are sealed
+/// with `seal` where given.
 pub fn stages(
     spec: &ClusterSpec,
     chip: &ChipSpec,
     par: &ParallelSpec,
     model_dir: &Path,
     kernel_lib: Option<PathBuf>,
+    seal: Option<Arc<dyn LinkSeal>>,
 ) -> Result<Vec<StageSpec>, NodeError> {
     let config = ModelConfig::from_dir(model_dir)?;
     let parts = weight_parts(model_dir)?;
@@ -67,7 +100,7 @@ pub fn stages(
                         source,
                     }
                 })?;
-                Some(RemoteStage { addr, instance: chip.id.clone() })
+                Some(RemoteStage { addr, instance: chip.id.clone(), seal: seal.clone() })
             }
             _ => None,
         };
@@ -105,7 +138,7 @@ pub fn resolve_stage(
             return Err(NodeError::Config(format!("instance `{instance}` has {} stages", par.stage_hosts.len())));
         }
     }
-    let config = crate::executor_config(spec, chip, model_dir, kernel_lib, None)?;
+    let config = crate::executor_config(spec, chip, model_dir, kernel_lib, None, None)?;
     let mut whole = config
         .instance_spec()
         .map_err(NodeError::Config)?
@@ -120,8 +153,9 @@ pub fn resolve_stage(
 pub type StageResolver = std::sync::Arc<dyn Fn(&str, usize) -> Result<InstanceSpec, NodeError> + Send + Sync>;
 
 /// Serves the stages this host holds for instances on other hosts, a thread per
-/// connection (one connection per stage), until the process ends.
-pub fn serve_stages(listener: std::net::TcpListener, resolve: StageResolver) {
+/// connection (one connection per stage), until the process ends; on a secured cluster
+/// each connection must pass `seal`'s handshake first.
+pub fn serve_stages(listener: std::net::TcpListener, resolve: StageResolver, seal: Option<Arc<dyn LinkSeal>>) {
     for conn in listener.incoming() {
         let stream = match conn {
             Ok(stream) => stream,
@@ -130,14 +164,14 @@ pub fn serve_stages(listener: std::net::TcpListener, resolve: StageResolver) {
                 continue;
             }
         };
-        let resolve = resolve.clone();
+        let (resolve, seal) = (resolve.clone(), seal.clone());
         let spawned = std::thread::Builder::new().name("stage-server".into()).spawn(move || {
             let peer = stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
             tracing::info!(%peer, "stage server: an instance connected");
             let resolve = |instance: &str, stage: usize| {
                 resolve(instance, stage).map_err(|e| tessera_backends::error::BackendError::Shard(e.to_string()))
             };
-            match tessera_backends::stage_link::serve_connection(stream, &resolve) {
+            match tessera_backends::stage_link::serve_connection(stream, &resolve, seal.as_deref()) {
                 Ok(()) => tracing::info!(%peer, "stage server: the instance closed its link; stage dropped"),
                 Err(e) => tracing::warn!(%peer, error = %e, "stage server: link ended; stage dropped"),
             }

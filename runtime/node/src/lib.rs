@@ -236,6 +236,7 @@ pub fn executor_config(
     model_dir: &Path,
     kernel_lib: Option<PathBuf>,
     transfer: Option<Arc<TransferEngine>>,
+    stage_seal: Option<Arc<dyn tessera_backends::stage_link::LinkSeal>>,
 ) -> Result<ModelExecutorConfig, NodeError> {
     let kind_of = |name: &str| {
         spec.chip_kind(name).cloned().ok_or_else(|| NodeError::Config(format!("unknown chip kind `{name}`")))
@@ -249,7 +250,7 @@ pub fn executor_config(
     let parallel = match &chip.parallel {
         None => None,
         Some(par) => {
-            let stages = instance::stages(spec, chip, par, model_dir, kernel_lib.clone())?;
+            let stages = instance::stages(spec, chip, par, model_dir, kernel_lib.clone(), stage_seal)?;
             let emulated = par.chips.iter().filter(|c| c.backend.emulated_kind().is_some()).count();
             if emulated != 0 && emulated != par.chips.len() {
                 return Err(NodeError::Config(format!(
@@ -437,16 +438,10 @@ pub fn run_node(
     })
     .map_err(ctx(format!("host {host_name}: starting the KV transfer engine on {}", me.transfer)))?;
 
+    // Stage links (to and from stage servers) are sealed like the data plane.
+    let stage_seal: Option<Arc<dyn tessera_backends::stage_link::LinkSeal>> =
+        security.clone().map(|sec| Arc::new(instance::StageSeal(sec)) as _);
     // The stages this host holds for instances on other hosts.
-    if let Some(addr) = at.stages
-        && security.is_some()
-    {
-        tracing::warn!(
-            host = host_name,
-            %addr,
-            "this host serves pipeline stages: their links carry activations in clear even though [security] is on"
-        );
-    }
     if let Some(addr) = at.stages {
         let listener = std::net::TcpListener::bind(addr)
             .map_err(ctx(format!("host {host_name}: starting the stage server on {addr}")))?;
@@ -456,7 +451,10 @@ pub fn run_node(
         });
         std::thread::Builder::new()
             .name(format!("stage-server-{host_name}"))
-            .spawn(move || instance::serve_stages(listener, resolve))
+            .spawn({
+                let seal = stage_seal.clone();
+                move || instance::serve_stages(listener, resolve, seal)
+            })
             .map_err(ctx(format!("host {host_name}: starting the stage server thread")))?;
     }
 
@@ -475,7 +473,14 @@ pub fn run_node(
         }
     };
     let built = build_host(spec, host_name, id_base, solver, served.as_ref(), |_, chip| {
-        let config = executor_config(spec, chip, &model_dir, opts.kernel_lib.clone(), Some(transfer.clone()))?;
+        let config = executor_config(
+            spec,
+            chip,
+            &model_dir,
+            opts.kernel_lib.clone(),
+            Some(transfer.clone()),
+            stage_seal.clone(),
+        )?;
         let factory: ExecutorFactory = Arc::new(move || {
             ModelExecutor::load(&config).map(|(exec, info)| (Box::new(exec) as Box<dyn StepExecutor>, info))
         });

@@ -48,6 +48,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 
 pub use region::Region;
+pub use secure::{SealedReader, SealedStream, SealedWriter};
 pub use wire::Status as RemoteStatus;
 
 use region::PeerMapping;

@@ -1,5 +1,6 @@
-//! The data plane's TCP connections on a secured cluster: the same Noise handshake and
-//! host keys as the bus (`security::noise`), then every byte in sealed records.
+//! The data plane's TCP connections on a secured cluster (KV transfers, and the stage
+//! links of pipeline instances across hosts): the same Noise handshake and host keys as
+//! the bus (`security::noise`), then every byte in sealed records.
 //!
 //! ```text
 //! handshake:  u16 length | handshake frame        (Hello ->, <- HelloReply, HelloDone ->)
@@ -39,7 +40,7 @@ impl Link {
     pub(crate) fn tcp(&self) -> &TcpStream {
         match self {
             Link::Plain(s) => s,
-            Link::Sealed(s) => &s.tcp,
+            Link::Sealed(s) => s.tcp(),
         }
     }
 
@@ -52,7 +53,7 @@ impl Read for Link {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Link::Plain(s) => s.read(buf),
-            Link::Sealed(s) => s.read(buf),
+            Link::Sealed(s) => s.rx.read_opened(buf),
         }
     }
 }
@@ -61,14 +62,14 @@ impl Write for Link {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
             Link::Plain(s) => s.write(buf),
-            Link::Sealed(s) => s.write_vectored(&[IoSlice::new(buf)]),
+            Link::Sealed(s) => s.tx.seal_and_write(&[IoSlice::new(buf)]),
         }
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Link::Plain(s) => s.write_vectored(bufs),
-            Link::Sealed(s) => s.write_vectored(bufs),
+            Link::Sealed(s) => s.tx.seal_and_write(bufs),
         }
     }
 
@@ -77,10 +78,15 @@ impl Write for Link {
     }
 }
 
-pub(crate) struct SealedStream {
+pub struct SealedStream {
+    rx: SealedReader,
+    tx: SealedWriter,
+}
+
+/// The receiving half of a sealed connection: opens records as they arrive.
+pub struct SealedReader {
     tcp: TcpStream,
     sec: PlaneSecurity,
-    sealer: Sealer,
     opener: Opener,
     /// The record being received: its bytes so far (length prefix first).
     partial: Vec<u8>,
@@ -88,6 +94,12 @@ pub(crate) struct SealedStream {
     /// is decrypted where it was received).
     at: usize,
     end: usize,
+}
+
+/// The sending half of a sealed connection: seals what it is given into records.
+pub struct SealedWriter {
+    tcp: TcpStream,
+    sealer: Sealer,
 }
 
 fn invalid(what: impl Into<String>) -> io::Error {
@@ -120,23 +132,30 @@ fn handshake_error(e: noise::HandshakeError) -> io::Error {
 }
 
 impl SealedStream {
-    fn new(tcp: TcpStream, sec: &PlaneSecurity, send: &Grant, receive: &Grant) -> SealedStream {
+    fn new(tcp: TcpStream, sec: &PlaneSecurity, send: &Grant, receive: &Grant) -> io::Result<SealedStream> {
         let mut opener = Opener::new();
         opener.install(sec.cipher, receive.epoch, &receive.key);
         metrics::counter!("tessera_transfer_handshakes_total", "outcome" => "ok").increment(1);
-        SealedStream {
-            sealer: Sealer::new(sec.mode, sec.cipher, 0, send.epoch, &send.key),
-            tcp,
-            sec: sec.clone(),
-            opener,
-            partial: Vec::new(),
-            at: 0,
-            end: 0,
-        }
+        Ok(SealedStream {
+            tx: SealedWriter {
+                sealer: Sealer::new(sec.mode, sec.cipher, 0, send.epoch, &send.key),
+                tcp: tcp.try_clone()?,
+            },
+            rx: SealedReader { tcp, sec: sec.clone(), opener, partial: Vec::new(), at: 0, end: 0 },
+        })
+    }
+
+    /// The connection's two halves, for a reader and a writer that run apart.
+    pub fn split(self) -> (SealedReader, SealedWriter) {
+        (self.rx, self.tx)
+    }
+
+    pub(crate) fn tcp(&self) -> &TcpStream {
+        &self.rx.tcp
     }
 
     /// The reader's side: proves both keys within `timeout`, grants the two keys.
-    pub(crate) fn connect(mut tcp: TcpStream, sec: &PlaneSecurity, timeout: Duration) -> io::Result<SealedStream> {
+    pub fn connect(mut tcp: TcpStream, sec: &PlaneSecurity, timeout: Duration) -> io::Result<SealedStream> {
         let restore = tcp.read_timeout()?;
         tcp.set_read_timeout(Some(timeout))?;
         let (initiator, hello) = Initiator::start(&sec.identity, sec.mode, sec.cipher).map_err(handshake_error)?;
@@ -159,11 +178,11 @@ impl SealedStream {
             _ => return Err(invalid("no answer to the transfer handshake")),
         }
         tcp.set_read_timeout(restore)?;
-        Ok(SealedStream::new(tcp, sec, &up, &down))
+        SealedStream::new(tcp, sec, &up, &down)
     }
 
     /// The server's side: the reader must prove a listed key within `timeout`.
-    pub(crate) fn accept(mut tcp: TcpStream, sec: &PlaneSecurity, timeout: Duration) -> io::Result<SealedStream> {
+    pub fn accept(mut tcp: TcpStream, sec: &PlaneSecurity, timeout: Duration) -> io::Result<SealedStream> {
         let restore = tcp.read_timeout()?;
         tcp.set_read_timeout(Some(timeout))?;
         let hello = read_handshake(&mut tcp)?;
@@ -181,12 +200,14 @@ impl SealedStream {
         let [up, down] = grants.as_slice() else { return Err(invalid("expected two key grants")) };
         write_handshake(&mut tcp, &frame::handshake_frame(Kind::Welcome, sec.mode, &[]))?;
         tcp.set_read_timeout(restore)?;
-        Ok(SealedStream::new(tcp, sec, down, up))
+        SealedStream::new(tcp, sec, down, up)
     }
+}
 
+impl SealedWriter {
     /// Seals `bufs` as records of up to [`MAX_RECORD_BYTES`], each written as soon as it
     /// is sealed (the next one is sealed while the kernel sends it).
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    fn seal_and_write(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         let (mut buf_i, mut buf_at) = (0, 0);
         let mut out = Vec::with_capacity(4 + HEADER_BYTES + total.min(MAX_RECORD_BYTES) + TAG_BYTES);
@@ -219,7 +240,9 @@ impl SealedStream {
         }
         Ok(total)
     }
+}
 
+impl SealedReader {
     /// Reads (the rest of) one record and opens it; keeps what arrived on a timeout.
     fn next_record(&mut self) -> io::Result<bool> {
         let max = 4 + HEADER_BYTES + MAX_RECORD_BYTES + TAG_BYTES;
@@ -262,7 +285,7 @@ impl SealedStream {
         Ok(true)
     }
 
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+    fn read_opened(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
@@ -280,5 +303,25 @@ impl SealedStream {
         buf[..n].copy_from_slice(&self.partial[self.at..self.at + n]);
         self.at += n;
         Ok(n)
+    }
+}
+
+impl Read for SealedReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_opened(buf)
+    }
+}
+
+impl Write for SealedWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.seal_and_write(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.tcp.flush()
     }
 }
