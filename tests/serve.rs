@@ -6,6 +6,7 @@
 
 use crate::serve_kit::*;
 use serde_json::{Value, json};
+use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -938,4 +939,50 @@ fn served_steps_calibrate_a_chip_kind() {
         !out.status.success() && stderr.contains("no steps") && stderr.contains("tessera::steps=trace"),
         "{stderr}"
     );
+}
+
+/// A host without the gateway is ready once it has joined the cluster: its probe answers
+/// 503 (`joining`, naming the gateway's host) while that host is not running, 200 once
+/// the bus link to it is up.
+#[test]
+fn a_hosts_probe_is_ready_once_its_bus_reaches_the_gateways_host() {
+    let topo = two_hosts("");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("topology.toml");
+    std::fs::write(&path, &topo.toml).expect("write the topology");
+    let probe = SocketAddr::from(([127, 0, 0, 1], free_ports(1)[0]));
+    let node = |h: &str, with_probe: bool| {
+        let mut cmd = tessera();
+        cmd.args(["node", "--host", h, "--exit-on-stdin-eof", "--topology"]).arg(&path);
+        if with_probe {
+            cmd.arg("--probe-listen").arg(probe.to_string());
+        }
+        Proc::spawn(h, cmd, dir.path())
+    };
+    let mut h1 = node("h1", true);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let joining = loop {
+        if let Ok(r) = try_request(probe, "GET", "/health", None) {
+            break r;
+        }
+        assert!(h1.try_status().is_none(), "h1 exited:\n{}", h1.log());
+        assert!(Instant::now() < deadline, "h1's probe did not answer in 30 s:\n{}", h1.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let body = joining.json();
+    assert_eq!((joining.status, body["status"].as_str()), (503, Some("joining")), "{}", joining.body);
+    assert!(body["reason"].as_str().is_some_and(|r| r.contains("`h0`")), "{}", joining.body);
+    assert_eq!(get(probe, "/health/live").status, 200, "h1 is alive meanwhile");
+
+    let _h0 = node("h0", false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = get(probe, "/health");
+        if r.status == 200 {
+            assert_eq!(r.json()["status"], "ok", "{}", r.body);
+            break;
+        }
+        assert!(Instant::now() < deadline, "h1 not ready 30 s after h0 started: {}\n{}", r.body, h1.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

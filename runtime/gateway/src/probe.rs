@@ -1,5 +1,6 @@
 //! The probe endpoint of a host without the gateway: `/health` (ready: 200 while the host
-//! serves, 503 once it drains), `/health/live` (200 while the process answers) and
+//! serves; 503 while it has not joined the cluster yet, or has lost it, and once it
+//! drains), `/health/live` (200 while the process answers) and
 //! `/metrics` (this process's Prometheus samples). Orchestrators (Kubernetes probes,
 //! Prometheus scrapes) reach every host through it, not only the gateway's.
 
@@ -16,17 +17,23 @@ use serde_json::json;
 
 use crate::listener::{self, HttpLimits};
 
+/// Why the host cannot serve now (`Err`), asked on every readiness probe.
+pub type JoinedCheck = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+
 /// What the probe endpoint reports about its host.
 pub struct HostProbe {
     pub host: String,
     pub chips: usize,
     pub metrics: Option<PrometheusHandle>,
+    joined: JoinedCheck,
     draining: AtomicBool,
 }
 
 impl HostProbe {
-    pub fn new(host: String, chips: usize, metrics: Option<PrometheusHandle>) -> HostProbe {
-        HostProbe { host, chips, metrics, draining: AtomicBool::new(false) }
+    /// `joined` says whether the host is part of the cluster now (e.g. its bus link to
+    /// the gateway's host is up).
+    pub fn new(host: String, chips: usize, metrics: Option<PrometheusHandle>, joined: JoinedCheck) -> HostProbe {
+        HostProbe { host, chips, metrics, joined, draining: AtomicBool::new(false) }
     }
 
     /// From now on `/health` answers 503, so the host is taken out of rotation while it
@@ -45,9 +52,18 @@ pub fn routes(probe: Arc<HostProbe>) -> Router {
 }
 
 async fn ready(State(p): State<Arc<HostProbe>>) -> Response {
-    let draining = p.draining.load(Ordering::Relaxed);
-    let status = if draining { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
-    let body = json!({"host": p.host, "status": if draining { "draining" } else { "ok" }, "chips": p.chips});
+    let (status, state, reason) = if p.draining.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining", None)
+    } else {
+        match (p.joined)() {
+            Ok(()) => (StatusCode::OK, "ok", None),
+            Err(why) => (StatusCode::SERVICE_UNAVAILABLE, "joining", Some(why)),
+        }
+    };
+    let mut body = json!({"host": p.host, "status": state, "chips": p.chips});
+    if let Some(why) = reason {
+        body["reason"] = why.into();
+    }
     (status, axum::Json(body)).into_response()
 }
 

@@ -511,7 +511,19 @@ pub fn run_node(
         }
     };
     if let Some(listen) = opts.probe_listen {
-        let probe = Arc::new(HostProbe::new(host_name.to_string(), me.chips.len(), opts.metrics.clone()));
+        // Joined: the bus link to the gateway's host is up (requests and heartbeats
+        // cross it); the gateway's own host has joined by definition.
+        let joined: tessera_gateway::probe::JoinedCheck = match spec.host_index(&spec.gateway.host) {
+            Some(gw) if gw != index => {
+                let (bus, gw_name) = (bus.clone(), spec.gateway.host.clone());
+                Box::new(move || match bus.link_up(HostId(gw as u16)) {
+                    Some(false) => Err(format!("no bus link to the gateway's host `{gw_name}` yet")),
+                    _ => Ok(()),
+                })
+            }
+            _ => Box::new(|| Ok(())),
+        };
+        let probe = Arc::new(HostProbe::new(host_name.to_string(), me.chips.len(), opts.metrics.clone(), joined));
         let listener = rt
             .block_on(tokio::net::TcpListener::bind(listen))
             .map_err(ctx(format!("host {host_name}: cannot serve its probe endpoint on {listen}")))?;

@@ -558,6 +558,12 @@ impl Bus {
         self.inner.events
     }
 
+    /// Whether the direct link to `host` is up now (connected and, on a secured bus,
+    /// past its handshake); `None` for a host that is not a peer.
+    pub fn link_up(&self, host: HostId) -> Option<bool> {
+        self.inner.peers.get(&host).map(|p| p.link.lock().is_some())
+    }
+
     /// Sends `env` to `env.to.host`: hands it to ZeroMQ at once while the link is up
     /// and nothing waits before it, else queues it for the link. Never blocks.
     /// Same-host delivery is not the bus's business: this host's own id is an
