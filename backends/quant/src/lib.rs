@@ -293,40 +293,38 @@ pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 /// `block_q4_K { half d; half dmin; uint8_t scales[12]; uint8_t qs[128]; }`: eight
 /// sub-blocks of 32 with 6-bit scales and mins; x = d * scale * nibble - dmin * min.
 fn dequantize_q4_k(block: &[u8], y: &mut [f32]) {
-    let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
-    let scales = &block[4..16];
-    let qs = &block[16..144];
-    for (chunk, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
-        let (sc1, m1) = scale_min_k4(2 * chunk, scales);
-        let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
-        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
-        for l in 0..32 {
-            y[l] = d1 * (q[l] & 0x0f) as f32 - m1;
-            y[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
-        }
-    }
+    dequantize_k_scale_min(block, &block[16..144], None, y);
 }
 
 /// `block_q5_K { half d; half dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }`:
 /// Q4_K's layout plus a fifth bit per value (bit `2c` / `2c + 1` of `qh[l]` for the low /
 /// high nibbles of chunk `c`); x = d * scale * (nibble + 16 * bit) - dmin * min.
 fn dequantize_q5_k(block: &[u8], y: &mut [f32]) {
+    dequantize_k_scale_min(block, &block[48..176], Some(&block[16..48]), y);
+}
+
+/// Q4_K and Q5_K: `d`, `dmin` and the 12 scale bytes first, then nibbles `qs` (chunks of
+/// 32 bytes, low nibbles one sub-block, high nibbles the next) and, for Q5_K, the fifth
+/// bits `qh`.
+fn dequantize_k_scale_min(block: &[u8], qs: &[u8], qh: Option<&[u8]>, y: &mut [f32]) {
     let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
     let scales = &block[4..16];
-    let qh = &block[16..48];
-    let qs = &block[48..176];
     for (chunk, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
         let (sc1, m1) = scale_min_k4(2 * chunk, scales);
         let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
         let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
         let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
-        let (u1, u2) = (1u8 << (2 * chunk), 2u8 << (2 * chunk));
+        // The fifth bits as 0 or 16 per value (all 0 for Q4_K), so one loop serves both.
+        let (mut lo5, mut hi5) = ([0u8; 32], [0u8; 32]);
+        if let Some(h) = qh {
+            for l in 0..32 {
+                lo5[l] = ((h[l] >> (2 * chunk)) & 1) << 4;
+                hi5[l] = ((h[l] >> (2 * chunk + 1)) & 1) << 4;
+            }
+        }
         for l in 0..32 {
-            let lo = (q[l] & 0x0f) + if qh[l] & u1 != 0 { 16 } else { 0 };
-            let hi = (q[l] >> 4) + if qh[l] & u2 != 0 { 16 } else { 0 };
-            y[l] = d1 * lo as f32 - m1;
-            y[l + 32] = d2 * hi as f32 - m2;
+            y[l] = d1 * ((q[l] & 0x0f) + lo5[l]) as f32 - m1;
+            y[l + 32] = d2 * ((q[l] >> 4) + hi5[l]) as f32 - m2;
         }
     }
 }
