@@ -170,3 +170,67 @@ fn llama_spm_gguf_describes_its_tokenizer_and_generates() {
     let (_, stderr) = generate(&model, "hi", 4);
     assert!(stderr.contains("[3 prompt + 4 generated tokens"), "{stderr}");
 }
+
+/// Prompt log-probabilities as an evaluation harness reads them (`echo` + `logprobs`) on
+/// the shared Q4_1 file (f16 KV cache, as llama.cpp's default), against llama.cpp's,
+/// recorded in `tests/fixtures/scoring/` by
+/// `backends/scripts/compare-llama-logprobs.py --llama-spread --json`, which also recorded
+/// llama.cpp's own log-probabilities with its KV cache in f32 and with flash attention.
+/// The tokens must be llama.cpp's, and no token may sit further from llama.cpp than 1.25
+/// times as far as llama.cpp's own settings move it (max and mean): on this model a
+/// rounding of 2^-11 moves a token by tenths of a nat (docs/how-to/real-model.md), while a
+/// wrong kernel moves it by nats.
+#[test]
+fn smollm2_prompt_logprobs_sit_within_llama_cpps_own_spread() {
+    use crate::serve_kit::{ChipDef, Cluster, post_json, topology_of};
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/scoring/smollm2-q4_1-llama-cpp.json"),
+        )
+        .expect("the scoring fixture"),
+    )
+    .expect("the scoring fixture parses");
+    let file = &fixture["files"]["SmolLM2-135M-Instruct.Q4_1.gguf"];
+    let floats = |key: &str| -> Vec<f64> {
+        file[key].as_array().unwrap_or_else(|| panic!("fixture key {key}")).iter().filter_map(|v| v.as_f64()).collect()
+    };
+    let theirs = floats("llama_cpp");
+    let distance = |a: &[f64], b: &[f64]| {
+        let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| (x - y).abs()).collect();
+        (d.iter().copied().fold(0.0, f64::max), d.iter().sum::<f64>() / d.len() as f64)
+    };
+    // llama.cpp against itself, the larger of its two variants on each measure.
+    let spreads = ["llama_cpp KV cache f32", "llama_cpp flash attention"].map(|k| distance(&floats(k), &theirs));
+    let spread = (spreads[0].0.max(spreads[1].0), spreads[0].1.max(spreads[1].1));
+
+    let chips = [ChipDef {
+        host: "h0",
+        id: "h0-cpu0".into(),
+        toml: "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".into(),
+    }];
+    let mut topo = topology_of(&chips, "kv_dtype = \"f16\"\nblock_size = 16", "served_model_name = \"smollm2\"", 2000);
+    topo.toml = topo.toml.replace("builtin:tiny", &smollm2().display().to_string());
+    let mut cluster = Cluster::up(&topo);
+    cluster.wait_ready(1);
+    let body = serde_json::json!({"model": "smollm2", "prompt": fixture["prompt"], "max_tokens": 1, "echo": true,
+        "logprobs": 1, "temperature": 0});
+    let r = post_json(cluster.gateway, "/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let lp = &r.json()["choices"][0]["logprobs"];
+    // The echo is the prompt and the one token generated after it.
+    let pieces: Vec<&str> = lp["tokens"].as_array().expect("tokens").iter().filter_map(|t| t.as_str()).collect();
+    let want: Vec<&str> = file["pieces"].as_array().expect("pieces").iter().filter_map(|t| t.as_str()).collect();
+    assert_eq!(&pieces[..pieces.len() - 1], want.as_slice(), "the prompt's tokens differ from llama.cpp's");
+    let ours: Vec<f64> = lp["token_logprobs"].as_array().expect("token_logprobs")[1..pieces.len() - 1]
+        .iter()
+        .map(|v| v.as_f64().expect("a log-probability"))
+        .collect();
+    assert_eq!(ours.len(), theirs.len());
+    let (max, mean) = distance(&ours, &theirs);
+    eprintln!(
+        "against llama.cpp: max {max:.3} mean {mean:.4} nats; llama.cpp against itself: max {:.3} mean {:.4}",
+        spread.0, spread.1
+    );
+    assert!(max <= 1.25 * spread.0, "a token {max:.3} nats from llama.cpp's (its own spread: {:.3})", spread.0);
+    assert!(mean <= 1.25 * spread.1, "{mean:.4} nats from llama.cpp's on average (its own spread: {:.4})", spread.1);
+}

@@ -147,7 +147,11 @@ def main():
                 print(f"  llama.cpp with {label} against its default: max {max(d):.3f} nats, mean {sum(d) / len(d):.4f}")
                 record[name][f"llama_cpp {label}"] = lp
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"prompt": text, "files": record}, indent=1))
+        import llama_cpp  # noqa: loaded by theirs() already
+        reference = (f"llama-cpp-python {llama_cpp.__version__} (its vendored llama.cpp, CPU), n_ctx 4096, "
+                     "n_batch 512, otherwise default context settings (KV cache f16, no flash attention)")
+        out = {"prompt": text, "reference": reference, "files": record}
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
