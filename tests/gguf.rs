@@ -86,13 +86,18 @@ pub(crate) fn smollm2_disaggregated() -> crate::serve_kit::Cluster {
 /// The shared SmolLM2 file served colocated: one `cpu` chip (host h0) prefills and
 /// decodes; served as `smollm2`. Returns once the chip is up.
 pub(crate) fn smollm2_colocated() -> crate::serve_kit::Cluster {
+    smollm2_colocated_with("")
+}
+
+/// [`smollm2_colocated`] with `cluster_extra` in the topology's `[cluster]`.
+fn smollm2_colocated_with(cluster_extra: &str) -> crate::serve_kit::Cluster {
     use crate::serve_kit::{ChipDef, Cluster, topology_of};
     let chips = [ChipDef {
         host: "h0",
         id: "h0-cpu0".into(),
         toml: "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".into(),
     }];
-    let mut topo = topology_of(&chips, "", "served_model_name = \"smollm2\"", 2000);
+    let mut topo = topology_of(&chips, cluster_extra, "served_model_name = \"smollm2\"", 2000);
     topo.toml = topo.toml.replace("builtin:tiny", &smollm2().display().to_string());
     let mut cluster = Cluster::up(&topo);
     cluster.wait_ready(1);
@@ -182,7 +187,7 @@ fn llama_spm_gguf_describes_its_tokenizer_and_generates() {
 /// wrong kernel moves it by nats.
 #[test]
 fn smollm2_prompt_logprobs_sit_within_llama_cpps_own_spread() {
-    use crate::serve_kit::{ChipDef, Cluster, post_json, topology_of};
+    use crate::serve_kit::post_json;
     let fixture: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/scoring/smollm2-q4_1-llama-cpp.json"),
@@ -203,15 +208,8 @@ fn smollm2_prompt_logprobs_sit_within_llama_cpps_own_spread() {
     let spreads = ["llama_cpp KV cache f32", "llama_cpp flash attention"].map(|k| distance(&floats(k), &theirs));
     let spread = (spreads[0].0.max(spreads[1].0), spreads[0].1.max(spreads[1].1));
 
-    let chips = [ChipDef {
-        host: "h0",
-        id: "h0-cpu0".into(),
-        toml: "kind = \"cpu\"\nbackend = \"cpu\"\nrole = \"both\"\nthreads = 1".into(),
-    }];
-    let mut topo = topology_of(&chips, "kv_dtype = \"f16\"\nblock_size = 16", "served_model_name = \"smollm2\"", 2000);
-    topo.toml = topo.toml.replace("builtin:tiny", &smollm2().display().to_string());
-    let mut cluster = Cluster::up(&topo);
-    cluster.wait_ready(1);
+    // llama.cpp's default KV cache is f16.
+    let cluster = smollm2_colocated_with("kv_dtype = \"f16\"\nblock_size = 16");
     let body = serde_json::json!({"model": "smollm2", "prompt": fixture["prompt"], "max_tokens": 1, "echo": true,
         "logprobs": 1, "temperature": 0});
     let r = post_json(cluster.gateway, "/v1/completions", &body);
