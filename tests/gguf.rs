@@ -232,3 +232,102 @@ fn smollm2_prompt_logprobs_sit_within_llama_cpps_own_spread() {
     assert!(max <= 1.25 * spread.0, "a token {max:.3} nats from llama.cpp's (its own spread: {:.3})", spread.0);
     assert!(mean <= 1.25 * spread.1, "{mean:.4} nats from llama.cpp's on average (its own spread: {:.4})", spread.1);
 }
+
+/// Logits on tiny files made by llama.cpp's own `llama-quantize` (Q4_0, Q4_K_M, Q5_K_M,
+/// Q6_K, Q8_0: its own mix of Q4_0, Q4_K, Q5_K, Q6_K and Q8_0 tensors), recorded by
+/// `tests/fixtures/scoring/make-quantized.py` with llama.cpp's logits, the exact ones
+/// (float64 over the dequantized weights), and how far llama.cpp's default is from those
+/// and from itself when only its arithmetic changes (KV cache f32; flash attention).
+/// Ours (f16 KV cache, as llama.cpp's default) must sit close to the exact logits, within
+/// 5% of llama.cpp's and within 1.25 times llama.cpp's own distance from them, on every
+/// position's whole row of logits and on the next token's log-probability. A wrong block
+/// layout or scale moves them by far more.
+#[test]
+fn quantized_files_score_within_llama_cpps_own_spread() {
+    use crate::common::{SeqKv, kv_cache, load, run_chunk};
+    use tessera_backends::dtype::DType;
+    use tessera_backends::model::LogitsWanted;
+
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/scoring/quant");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("llama-cpp.json")).expect("the quantized fixture"))
+            .expect("the quantized fixture parses");
+    let ids: Vec<u32> =
+        fixture["ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("an id") as u32).collect();
+    let vocab = fixture["vocab"].as_u64().expect("vocab") as usize;
+    let files = fixture["files"].as_object().expect("files");
+    assert_eq!(files.len(), 5, "one file per llama-quantize type");
+    let read_f32 = |name: &str| -> Vec<f32> {
+        let bytes = std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let v: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        assert_eq!(v.len(), ids.len() * vocab, "{name}");
+        v
+    };
+    let mut wrong = Vec::new();
+    for (name, entry) in files {
+        let theirs = read_f32(&name.replace(".gguf", ".logits.f32"));
+        let exact = read_f32(&name.replace(".gguf", ".exact.f32"));
+        let mut model = load(&dir.join(name), None);
+        assert_eq!(model.config().vocab_size, vocab, "{name}");
+        let mut kv = kv_cache(&model, 16, ids.len().div_ceil(16), DType::F16);
+        let ours = run_chunk(&mut model, &mut kv, &mut SeqKv::default(), &ids, LogitsWanted::All);
+
+        let from_exact = scoring_measures(&ours, &exact, vocab, &ids);
+        let from_theirs = scoring_measures(&ours, &theirs, vocab, &ids);
+        eprintln!(
+            "{name}: from the exact logits {:.2}% ({:.3} nats); from llama.cpp's {:.2}% ({:.3} nats), which are {:.2}% \
+             ({:.3} nats) from the exact ones",
+            100.0 * from_exact.0.0,
+            from_exact.1.0,
+            100.0 * from_theirs.0.0,
+            from_theirs.1.0,
+            100.0 * entry["spread"]["exact"]["relative_logits"][0].as_f64().unwrap_or(f64::NAN),
+            entry["spread"]["exact"]["logprob_nats"][0].as_f64().unwrap_or(f64::NAN),
+        );
+        // Ours computes in f32 with an f16 cache: a tenth of llama.cpp's distance.
+        if from_exact.0.0 > 0.005 {
+            wrong.push(format!("{name}: logits {:.2}% from the exact ones", 100.0 * from_exact.0.0));
+        }
+        if from_theirs.0.0 >= 0.05 {
+            wrong.push(format!("{name}: logits {:.1}% from llama.cpp's", 100.0 * from_theirs.0.0));
+        }
+        for (measure, (max, mean)) in [("relative_logits", from_theirs.0), ("logprob_nats", from_theirs.1)] {
+            // llama.cpp's own distance: the largest of its variants' and the exact logits'.
+            let spread = |at: usize| {
+                ["kv_f32", "flash_attn", "exact"]
+                    .iter()
+                    .map(|v| entry["spread"][v][measure][at].as_f64().expect("a spread figure"))
+                    .fold(0.0, f64::max)
+            };
+            if max > 1.25 * spread(0) || mean > 1.25 * spread(1) {
+                wrong.push(format!(
+                    "{name}: {measure} from llama.cpp's max {max:.4} mean {mean:.4} (its own spread: {:.4}, {:.4})",
+                    spread(0),
+                    spread(1)
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// As `make-quantized.py`'s `measures`: (max, mean) over positions of the largest
+/// |ours - theirs| over the largest |theirs| in the row, and of |ours - theirs| of the next
+/// prompt token's log-probability.
+fn scoring_measures(ours: &[f32], theirs: &[f32], vocab: usize, ids: &[u32]) -> ((f64, f64), (f64, f64)) {
+    let log_softmax_at = |row: &[f32], token: u32| {
+        let top = row.iter().copied().fold(f64::MIN, |m, x| m.max(x as f64));
+        let z = top + row.iter().map(|&x| (x as f64 - top).exp()).sum::<f64>().ln();
+        row[token as usize] as f64 - z
+    };
+    let (mut rel, mut lp) = (Vec::new(), Vec::new());
+    for (i, (o, t)) in ours.chunks_exact(vocab).zip(theirs.chunks_exact(vocab)).enumerate() {
+        let diff = o.iter().zip(t).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
+        rel.push(diff / t.iter().map(|b| b.abs() as f64).fold(0.0, f64::max));
+        if let Some(&next) = ids.get(i + 1) {
+            lp.push((log_softmax_at(o, next) - log_softmax_at(t, next)).abs());
+        }
+    }
+    let max_mean = |v: &[f64]| (v.iter().copied().fold(0.0, f64::max), v.iter().sum::<f64>() / v.len() as f64);
+    (max_mean(&rel), max_mean(&lp))
+}
