@@ -1,6 +1,7 @@
 //! A real model from a single GGUF file: the shared SmolLM2-135M-Instruct (Q4_1 linears,
 //! Q8_0 embedding) through `tessera generate`; a tiny llama file with a SentencePiece
-//! vocabulary.
+//! vocabulary; scoring against llama.cpp's recorded outputs, on the shared file and on
+//! tiny files of every type `llama-quantize` makes.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
