@@ -19,7 +19,7 @@ pub mod fair;
 
 pub use crate::kv::prefix_hashes;
 use crate::kv::{BlockRef, KvPool, chained_block_hash};
-use crate::msg::{Delivery, Finish, Fork, SamplingSpec, SeqRequest, TenantShare, TokenLogprob};
+use crate::msg::{Delivery, Finish, Fork, PriorityClass, SamplingSpec, SeqRequest, TenantShare, TokenLogprob};
 use crate::router::cost::Pace;
 use fair::FairQueue;
 use smallvec::SmallVec;
@@ -139,6 +139,20 @@ impl Seq {
     /// installed: that ends on its own, so waiting for it cannot deadlock.
     fn preemptible(&self) -> bool {
         self.mode != Mode::Receiving { ready: false }
+    }
+}
+
+/// A prompt's place in the order prompts are served (see [`Batcher::plan`]).
+#[derive(Debug, Clone, Copy)]
+struct PromptKey {
+    class: PriorityClass,
+    counter: f64,
+    arrival: u64,
+}
+
+impl PromptKey {
+    fn order(&self, other: &PromptKey) -> std::cmp::Ordering {
+        self.class.cmp(&other.class).then(self.counter.total_cmp(&other.counter)).then(self.arrival.cmp(&other.arrival))
     }
 }
 
@@ -409,11 +423,14 @@ impl Batcher {
     /// The waiting sequence to start next: the highest class, then the tenant least
     /// served (VTC), then the earliest arrival.
     fn next_waiting(&self) -> Option<usize> {
-        let key = |s: &Seq| (s.share.class, self.fair.counter(s.share.tenant), s.arrival);
-        (0..self.waiting.len()).min_by(|&a, &b| {
-            let (ka, kb) = (key(&self.waiting[a]), key(&self.waiting[b]));
-            ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1)).then(ka.2.cmp(&kb.2))
-        })
+        (0..self.waiting.len())
+            .min_by(|&a, &b| self.prompt_key(&self.waiting[a]).order(&self.prompt_key(&self.waiting[b])))
+    }
+
+    /// Where `s` stands in the order prompts are served: class, its tenant's counter,
+    /// arrival.
+    fn prompt_key(&self, s: &Seq) -> PromptKey {
+        PromptKey { class: s.share.class, counter: self.fair.counter(s.share.tenant), arrival: s.arrival }
     }
 
     /// Takes running sequence `j` back to waiting by recompute (a prefill for a decode
@@ -724,40 +741,43 @@ impl Batcher {
             budget = budget.min(cap);
         }
 
-        // 2. Prompts part-way through their prefill: by class, then the tenant least
-        // served, then arrival (a light tenant's prompt is not starved of the budget).
-        let mut partial: Vec<usize> = (0..self.running.len())
+        // 2. Prompts: those part-way through their prefill and new arrivals, in one
+        // order: by class, then the tenant least served, then arrival. So a light
+        // tenant's new prompt is not left for a later step behind the partial prompts of
+        // a tenant served more, while one tenant's prompts go oldest first (a partial
+        // prompt before a new one). New arrivals join unless this step had to preempt:
+        // the freed blocks go to the running sequences, not back and forth.
+        let mut partial: Vec<(PromptKey, usize)> = (0..self.running.len())
             .filter(|&j| {
                 let s = &self.running[j];
                 s.planned_in != this_plan && s.pending() > 1 && s.plannable()
             })
+            .map(|j| (self.prompt_key(&self.running[j]), j))
             .collect();
-        if partial.iter().any(|&j| self.running[j].share.tenant != self.running[partial[0]].share.tenant) {
-            let key = |s: &Seq| (s.share.class, self.fair.counter(s.share.tenant), s.arrival);
-            partial.sort_by(|&a, &b| {
-                let (ka, kb) = (key(&self.running[a]), key(&self.running[b]));
-                ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1)).then(ka.2.cmp(&kb.2))
-            });
-        }
-        for j in partial {
-            if seqs_left == 0 || budget == 0 {
-                break;
+        partial.sort_by(|a, b| a.0.order(&b.0));
+        let mut partial = partial.into_iter().peekable();
+        let mut arrivals = !preempted;
+        while seqs_left > 0 && budget > 0 {
+            let next = if arrivals { self.next_waiting() } else { None };
+            let arrival_first = match (partial.peek(), next) {
+                (_, None) => false,
+                (None, Some(_)) => true,
+                (Some((key, _)), Some(n)) => self.prompt_key(&self.waiting[n]).order(key).is_lt(),
+            };
+            if !arrival_first {
+                let Some((_, j)) = partial.next() else { break };
+                let seq = &mut self.running[j];
+                let chunk = fit_chunk(seq, seq.pending().min(budget), bs, pool.free());
+                if chunk > 0 {
+                    seq.planned_in = this_plan;
+                    planned.push(schedule(seq, chunk, bs, pool));
+                    self.fair.charge_prefill(seq.share, chunk);
+                    budget -= chunk;
+                    seqs_left -= 1;
+                }
+                continue;
             }
-            let seq = &mut self.running[j];
-            let chunk = fit_chunk(seq, seq.pending().min(budget), bs, pool.free());
-            if chunk > 0 {
-                seq.planned_in = this_plan;
-                planned.push(schedule(seq, chunk, bs, pool));
-                self.fair.charge_prefill(seq.share, chunk);
-                budget -= chunk;
-                seqs_left -= 1;
-            }
-        }
-
-        // 3. New arrivals join, by class then fair share — unless this step had to
-        // preempt: the freed blocks go to the running sequences, not back and forth.
-        while !preempted && seqs_left > 0 && budget > 0 {
-            let Some(next) = self.next_waiting() else { break };
+            let Some(next) = next else { break };
             let front = &mut self.waiting[next];
             let starting = front.cached == 0 && front.blocks.is_empty();
             if starting {
@@ -768,7 +788,8 @@ impl Batcher {
                 // It waits without holding blocks: the running sequences may need them.
                 release_blocks(front, pool);
                 front.cached = 0;
-                break;
+                arrivals = false;
+                continue;
             }
             let Some(mut seq) = self.waiting.remove(next) else { break };
             if starting {

@@ -701,3 +701,35 @@ fn a_tenant_under_its_share_preempts_one_over_it_to_start() {
     drain(&mut b, &mut p, 4);
     assert_eq!(b.take_preemptions().fair, 0);
 }
+
+/// Prompts part-way through their prefill and new arrivals share one fair order: a new
+/// prompt of a tenant served less goes before a partial prompt of one served more (in
+/// the same step, not a later one), while one tenant's partial prompt goes before its
+/// own new one.
+#[test]
+fn a_new_prompt_of_a_tenant_served_less_goes_before_partial_prompts() {
+    use PriorityClass::Standard;
+    let pace = Pace { prefill_s_per_token: 1e-3, decode_step_s: 1e-2, decode_s_per_seq: 1e-3 };
+    // (the new request's tenant, the second step's shape)
+    let cases: [(u32, Shape); 2] = [
+        // Tenant 1 arrives level with tenant 0 (VTC's lift); tenant 0's decode token in
+        // this step puts it ahead, so tenant 1's prompt goes first, whole, and request
+        // 2's prefill continues with what is left of the budget.
+        (1, vec![(1, 4, 1, true), (3, 0, 8, true), (2, 8, 3, false)]),
+        // The same arrival from tenant 0 waits behind its own partial prompt.
+        (0, vec![(1, 4, 1, true), (2, 8, 11, false)]),
+    ];
+    for (tenant, want) in cases {
+        let mut b = Batcher::new(limits(12, 8, 4), vec![]);
+        b.set_pace(pace);
+        let mut p = pool(64);
+        b.enqueue(of_class(seq(1, 4, 4), 0, 1, Standard));
+        b.enqueue(of_class(seq(2, 24, 4), 0, 1, Standard));
+        let (got, _) = run_step(&mut b, &mut p);
+        assert_eq!(got, vec![(1, 0, 4, true), (2, 0, 8, false)]);
+        b.enqueue(of_class(seq(3, 8, 4), tenant, 1, Standard));
+        let (got, _) = run_step(&mut b, &mut p);
+        assert_eq!(got, want, "a new request of tenant {tenant}");
+        drain(&mut b, &mut p, 3);
+    }
+}
