@@ -81,7 +81,8 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
             let split = metric(gw, "tessera_router_decisions_total{placement=\"disaggregated\"} ");
             assert_eq!(split, 4.0, "the request with logprobs was split too");
             // A scoring request of 40 prompt tokens, prefilled on P in chunks: P scores
-            // the prompt, D decodes the one token no one sees.
+            // the prompt and samples the one token no one sees, which ends the request
+            // and its hand-off there.
             let ids: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
             let body = json!({"model": MODEL, "prompt": ids, "echo": true, "logprobs": 2, "max_tokens": 0});
             let r = post_json(gw, "/v1/completions", &body);
@@ -115,8 +116,9 @@ fn disaggregated_output_equals_colocated_across_kv_formats_and_transports() {
             }
         });
         let done = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"done\"} ");
-        let scored = if transport == "shm" { 2.0 } else { 0.0 };
-        assert_eq!(done, 6.0 + scored, "{transport}: every hand-off acknowledged");
+        let ended = metric(gw, "tessera_kv_handoffs_total{chip=\"p-chip\",outcome=\"ended_at_first_token\"} ");
+        let (logprobs, scored) = if transport == "shm" { (1.0, 1.0) } else { (0.0, 0.0) };
+        assert_eq!((done, ended), (6.0 + logprobs, scored), "{transport}: every hand-off acknowledged");
         wait_health(gw, "both pools free", Duration::from_secs(5), |h| {
             drained(h, &[]) && chip(h, "d-chip")["steps"].as_u64() >= Some(MAX_TOKENS as u64)
         });

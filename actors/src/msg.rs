@@ -703,8 +703,11 @@ pub struct KvOffer {
     pub seq: SeqRequest,
     pub prefill: Addr,
     pub prefill_id: String,
-    /// Positions 0..kv_tokens are prefilled on the prefill chip; the decode chip runs
-    /// the last token itself and samples the first new token.
+    /// Positions 0..kv_tokens are prefilled on the prefill chip. Every position of
+    /// `seq.tokens`: the prefill chip samples the next token too and sends it
+    /// (`KvFirstToken`), and the decode chip continues from it. One fewer (a request
+    /// that forks siblings where its first token is sampled): the decode chip runs the
+    /// last token itself and samples.
     pub kv_tokens: usize,
     pub format: KvFormatDesc,
     pub compat: KvCompat,
@@ -929,6 +932,12 @@ pub enum Msg {
         #[serde(default)]
         capability: Option<KvCapability>,
     },
+    /// P -> D: the token P sampled from the prompt's last position (an offer of every
+    /// position), once D has claimed; D's sequence continues from it.
+    KvFirstToken {
+        request_id: u64,
+        token: u32,
+    },
     /// D -> P: every layer is installed; P frees its blocks.
     KvDone {
         request_id: u64,
@@ -1124,6 +1133,7 @@ impl Message for Msg {
             Msg::KvClaim { .. } => "kv_claim",
             Msg::KvDecline { .. } => "kv_decline",
             Msg::KvReady { .. } => "kv_ready",
+            Msg::KvFirstToken { .. } => "kv_first_token",
             Msg::KvDone { .. } => "kv_done",
             Msg::KvCancel { .. } => "kv_cancel",
             Msg::KvLeaseExpired { .. } => "kv_lease_expired",

@@ -341,6 +341,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         61 => Msg::Park,
         62 => Msg::SetLimits { max_batch_tokens: p.n as u32, max_batch_seqs: p.b as u32 },
         63 => Msg::ApplyRoles { roles: vec![(p.text.clone(), duty(p))], reply_to: addr(p.a) },
+        64 => Msg::KvFirstToken { request_id: p.a, token: p.b as u32 },
         _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
     }
 }
@@ -413,7 +414,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 65;
+const KINDS: usize = 66;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -483,6 +484,7 @@ fn kind_index(m: &Msg) -> usize {
         Msg::Park => 62,
         Msg::SetLimits { .. } => 63,
         Msg::ApplyRoles { .. } => 64,
+        Msg::KvFirstToken { .. } => 65,
     }
 }
 

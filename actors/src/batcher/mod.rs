@@ -43,7 +43,9 @@ pub struct BatcherLimits {
 enum Mode {
     /// Prefill and decode here.
     Local,
-    /// Prefill positions 0..kv_tokens only, for a decode chip; never samples here.
+    /// Prefill positions 0..kv_tokens only, for a decode chip. Every position: it
+    /// samples the first new token here and leaves (the decode chip continues from that
+    /// token). One fewer: the decode chip runs the last one and samples.
     PrefillFor { kv_tokens: usize },
     /// Positions 0..cached come from a prefill chip; plannable once `ready`.
     Receiving { ready: bool },
@@ -128,6 +130,14 @@ impl Seq {
         match self.mode {
             Mode::PrefillFor { kv_tokens } => kv_tokens - self.cached,
             Mode::Local | Mode::Receiving { .. } => self.tokens.len() - self.cached,
+        }
+    }
+
+    /// It samples here once its pending tokens are computed.
+    fn samples(&self) -> bool {
+        match self.mode {
+            Mode::PrefillFor { kv_tokens } => kv_tokens == self.tokens.len(),
+            Mode::Local | Mode::Receiving { .. } => true,
         }
     }
 
@@ -588,13 +598,14 @@ impl Batcher {
         self.waiting.push_back(Seq::new(seq, self.arrivals, Mode::PrefillFor { kv_tokens }));
     }
 
-    /// Admits `seq` whose positions 0..kv_tokens a prefill chip computed: reserves their
-    /// blocks now, all or nothing, and returns the slot of each position. The sequence
-    /// runs once `mark_received`, which seals the blocks: until their KV has arrived no
-    /// other sequence may find them by hash.
+    /// Admits `seq` whose positions 0..kv_tokens a prefill chip computed (all of them
+    /// when the prefill chip samples its next token): reserves their blocks now, all or
+    /// nothing, and returns the slot of each position. The sequence runs once
+    /// `mark_received`, which seals the blocks: until their KV has arrived no other
+    /// sequence may find them by hash.
     pub fn admit_received(&mut self, seq: SeqRequest, kv_tokens: usize, pool: &mut KvPool) -> Option<Vec<i32>> {
         let bs = self.limits.block_size;
-        if kv_tokens == 0 || kv_tokens >= seq.tokens.len() || kv_tokens.div_ceil(bs) > pool.free() {
+        if kv_tokens == 0 || kv_tokens > seq.tokens.len() || kv_tokens.div_ceil(bs) > pool.free() {
             return None;
         }
         self.arrive(seq.share);
@@ -610,13 +621,20 @@ impl Batcher {
         Some(slots)
     }
 
-    /// A received sequence's KV is all in place: its full blocks are sealed (now others
-    /// may reuse them) and it may run.
-    pub fn mark_received(&mut self, request_id: u64, pool: &mut KvPool) -> bool {
+    /// A received sequence's KV is all in place, and `first` is the token the prefill
+    /// chip sampled after it (when it did): its full blocks are sealed (now others may
+    /// reuse them) and it may run.
+    pub fn mark_received(&mut self, request_id: u64, first: Option<u32>, pool: &mut KvPool) -> bool {
         let bs = self.limits.block_size;
         match self.running.iter_mut().find(|s| s.request_id == request_id) {
             Some(s) if s.mode == (Mode::Receiving { ready: false }) => {
                 s.mode = Mode::Receiving { ready: true };
+                if let Some(token) = first {
+                    // Generated elsewhere, as a replay's tokens are.
+                    s.tokens.push(token);
+                    s.generated_before += 1;
+                    s.max_new = s.max_new.saturating_sub(1);
+                }
                 seal_full_blocks(s, bs, pool);
                 true
             }
@@ -637,7 +655,8 @@ impl Batcher {
     }
 
     /// Prefills for decode chips that the last step finished: they leave the batcher
-    /// with their blocks.
+    /// with their blocks (after `complete`, which took the first token of those that
+    /// sample it here).
     pub fn take_prefilled(&mut self) -> Vec<Prefilled> {
         let mut out = Vec::new();
         let mut i = 0;
@@ -645,6 +664,9 @@ impl Batcher {
             let s = &self.running[i];
             if matches!(s.mode, Mode::PrefillFor { kv_tokens } if s.cached == kv_tokens) {
                 let s = self.running.remove(i);
+                if s.sampler_live {
+                    self.drop_samplers.push(s.request_id);
+                }
                 out.push(Prefilled { request_id: s.request_id, req: s.req, blocks: s.blocks });
             } else {
                 i += 1;
@@ -1031,7 +1053,8 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
     seq.cached = end;
     seal_full_blocks(seq, bs, pool);
     let stage = matches!(seq.mode, Mode::PrefillFor { .. });
-    let new_sampler = (!seq.sampler_live && !stage).then(|| {
+    let samples = seq.samples();
+    let new_sampler = (!seq.sampler_live && samples).then(|| {
         let generated = seq.generated_before + seq.new_tokens;
         let (prompt, output) = if seq.sampling.needs_history() {
             let split = seq.tokens.len().saturating_sub(generated);
@@ -1055,7 +1078,7 @@ fn schedule(seq: &mut Seq, n: usize, bs: usize, pool: &mut KvPool) -> PlannedSeq
             })
         })
     });
-    seq.sampler_live |= !stage;
+    seq.sampler_live |= samples;
     PlannedSeq {
         request_id: seq.request_id,
         tokens: Tokens::from_slice(&seq.tokens[start..end]),

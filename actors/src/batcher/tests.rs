@@ -302,6 +302,46 @@ fn prefill_for_a_decode_chip_stages_all_but_the_last_token_and_never_samples() {
 }
 
 #[test]
+fn prefill_of_every_position_samples_the_first_token_then_leaves_with_its_blocks() {
+    let mut b = Batcher::new(limits(8, 4, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue_prefill(seq(1, 13, 5), 13);
+    // (start, len, sample, stage, new sampler) of each step, and what each emitted.
+    let mut steps = Vec::new();
+    let mut emitted = Vec::new();
+    let mut left = Vec::new();
+    while left.is_empty() {
+        let plan = b.plan(&mut p).expect("a step");
+        let s = &plan.seqs[0];
+        steps.push((s.start_pos, s.tokens.len(), s.sample, s.stage, s.new_sampler.is_some()));
+        let sampled: Vec<(u64, u32)> = plan.seqs.iter().filter(|s| s.sample).map(|s| (s.request_id, 7)).collect();
+        emitted.extend(b.complete(&sampled, &[], &mut p).into_iter().map(|e| (e.tokens, e.finish)));
+        left = b.take_prefilled();
+    }
+    assert_eq!(steps, vec![(0, 8, false, true, true), (8, 5, true, true, false)]);
+    assert_eq!(emitted, vec![(vec![7], None)], "the first token, to the request");
+    assert_eq!(left[0].blocks.len(), 4, "every position's blocks, held for the decode chip");
+    assert!(!b.has_work());
+    // The worker forgets its sampler at the next step.
+    b.enqueue(seq(2, 4, 1));
+    assert_eq!(b.plan(&mut p).expect("a step").drop_samplers, vec![1]);
+}
+
+#[test]
+fn prefill_whose_first_token_ends_it_frees_its_blocks() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(16);
+    b.enqueue_prefill(seq(1, 6, 1), 6);
+    let (_, out) = run_step(&mut b, &mut p);
+    assert_eq!(
+        out.iter().map(|e| (e.tokens.clone(), e.finish)).collect::<Vec<_>>(),
+        vec![(vec![7], Some(Finish::Length))]
+    );
+    assert!(b.take_prefilled().is_empty(), "nothing to hand over");
+    assert_eq!(p.used(), 0);
+}
+
+#[test]
 fn prefilled_blocks_are_handed_over_intact() {
     let mut b = Batcher::new(limits(64, 4, 4), vec![]);
     let mut p = pool(16);
@@ -327,12 +367,31 @@ fn received_sequence_waits_for_its_kv_then_samples_from_the_last_prompt_token() 
     assert_eq!(slots.len(), 9);
     assert_eq!(p.used(), 3, "ceil(9 / 4) blocks reserved at once");
     assert!(b.plan(&mut p).is_none(), "not runnable before its KV is in");
-    assert!(b.mark_received(1, &mut p));
+    assert!(b.mark_received(1, None, &mut p));
     let (got, out) = run_step(&mut b, &mut p);
     assert_eq!(got, vec![(1, 9, 1, true)], "only the last prompt token runs here");
     assert_eq!(out.len(), 1);
     let (got, _) = run_step(&mut b, &mut p);
     assert_eq!(got, vec![(1, 10, 1, true)]);
+}
+
+#[test]
+fn received_sequence_decodes_from_the_prefill_chips_first_token() {
+    let mut b = Batcher::new(limits(64, 4, 4), vec![]);
+    let mut p = pool(8);
+    b.admit_received(seq(1, 8, 3), 8, &mut p).expect("blocks fit");
+    assert_eq!(p.used(), 2);
+    assert!(b.plan(&mut p).is_none(), "not runnable before its KV and first token are in");
+    assert!(b.mark_received(1, Some(9), &mut p));
+    let plan = b.plan(&mut p).expect("a step");
+    let s = &plan.seqs[0];
+    assert_eq!((s.start_pos, s.tokens.to_vec(), s.sample), (8, vec![9], true), "the first token runs at position 8");
+    assert_eq!(s.new_sampler.as_ref().map(|n| n.skip), Some(1), "one draw was the prefill chip's");
+    let out = b.complete(&[(1, 7)], &[], &mut p);
+    assert_eq!(out[0].finish, None);
+    let (_, out) = run_step(&mut b, &mut p);
+    assert_eq!(out[0].finish, Some(Finish::Length), "3 tokens in all, the prefill chip's first included");
+    assert_eq!(p.used(), 0);
 }
 
 #[test]
@@ -342,7 +401,7 @@ fn received_sequence_refused_when_blocks_do_not_fit_and_freed_on_abort() {
     assert!(b.admit_received(seq(1, 10, 3), 9, &mut p).is_none(), "needs 3 blocks of 2");
     assert_eq!(p.used(), 0, "all or nothing");
     assert!(b.admit_received(seq(2, 5, 3), 0, &mut p).is_none(), "nothing prefilled");
-    assert!(b.admit_received(seq(3, 5, 3), 5, &mut p).is_none(), "the last token must run here");
+    assert!(b.admit_received(seq(3, 5, 3), 6, &mut p).is_none(), "more positions than tokens");
     b.admit_received(seq(4, 6, 3), 5, &mut p).expect("fits");
     assert_eq!(p.used(), 2);
     b.abort(4, &mut p);

@@ -1,19 +1,25 @@
 //! The chip's side of prefill/decode disaggregation.
 //!
-//! Prefill chip P: a `Prefill` request computes positions 0..n-1 of the prompt (all
-//! but the last token) and offers them to decode chip D at once (`KvOffer`, under a
+//! Prefill chip P: a `Prefill` request computes every position of the prompt, samples
+//! the first new token and sends it to the request at once, so a first token never
+//! waits for the hand-off nor for D's step in flight (as vLLM's and Dynamo's prefill
+//! workers do). It offers the positions to decode chip D at once (`KvOffer`, under a
 //! lease). After every layer of every step, P's worker stages that layer's blocks into
 //! a registered memory region; it tells P in groups of layers (`KvStaged`, one per
 //! group of `executor::stage_groups`). Once D has claimed the offer, P tells D what is
-//! staged (`KvReady`). When the prefill is done its blocks stay held
-//! until D acknowledges (`KvDone`), the lease runs out, or the request goes away.
+//! staged (`KvReady`), and the first token once sampled (`KvFirstToken`). When the
+//! prefill is done its blocks stay held until D acknowledges (`KvDone`), the lease runs
+//! out, or the request goes away. A request that forks siblings where its first token
+//! is sampled (`n` > 1) is the exception: P computes all but the last position, and D
+//! runs that one, samples and forks.
 //!
 //! Decode chip D: an offer is checked (same model and shapes, sane format), its blocks
 //! reserved (or it waits for free blocks; P's lease bounds the wait) and claimed. Each
 //! `KvReady` becomes an install job on D's worker: read the bytes from P's region (shm
 //! or tcp), convert them to D's block size, layout and dtype, write them into D's
-//! cache. When every layer is in, the sequence runs its last prompt token here and
-//! samples the first new token.
+//! cache. When every layer is in and P's first token has come, the sequence decodes
+//! from that token here (or, for a forking request, runs its last prompt token and
+//! samples).
 //!
 //! Invariant: every block held for a hand-off is freed exactly once — on `KvDone`,
 //! `KvCancel`, `Abort`, lease expiry or a crash — on both chips.
@@ -50,6 +56,10 @@ struct Outgoing {
     lease_timer: bool,
     /// What lets D read the staged blocks (from the worker, on a secured cluster).
     capability: Option<KvCapability>,
+    /// The first token, once sampled here (when this chip samples it), and whether D
+    /// was told it.
+    first_token: Option<u32>,
+    first_told: bool,
 }
 
 /// KV this chip (as D) receives.
@@ -67,6 +77,9 @@ struct Incoming {
     installed: Vec<usize>,
     /// When (on this chip's clock) P said its last layer was staged.
     last_ready_at: Option<Moment>,
+    /// P samples the first token (the offer holds every position), and it has come.
+    awaits_first: bool,
+    first_token: Option<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -91,6 +104,11 @@ impl Handoffs {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// This chip prefills `request_id` for a decode chip.
+    pub fn is_prefilling(&self, request_id: u64) -> bool {
+        self.outgoing.contains_key(&request_id)
     }
 }
 
@@ -124,7 +142,9 @@ impl Chip {
         if batcher.contains(seq.request_id) || self.handoffs.outgoing.contains_key(&seq.request_id) {
             return; // a duplicate
         }
-        let kv_tokens = seq.tokens.len().saturating_sub(1);
+        // A request forking its siblings samples where they fork from its sequence: on D.
+        let samples_here = seq.forks.is_empty();
+        let kv_tokens = if samples_here { seq.tokens.len() } else { seq.tokens.len().saturating_sub(1) };
         if let Some(error) = self.check_fits(&seq, info, batcher.blocks_for(kv_tokens)) {
             self.refuse(&seq, error, Retry::No, fx);
             return;
@@ -134,7 +154,7 @@ impl Chip {
             self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), Retry::Elsewhere, fx);
             return;
         };
-        if kv_tokens == 0 {
+        if seq.tokens.len() < 2 {
             let why = "a one-token prompt has nothing to prefill".to_string();
             self.refuse(&seq, ServeError::new(ErrorKind::Unavailable, why), Retry::Elsewhere, fx);
             return;
@@ -161,6 +181,8 @@ impl Chip {
             lease_until: fx.now(),
             lease_timer: false,
             capability: None,
+            first_token: None,
+            first_told: false,
         };
         self.handoffs.leases += 1;
         let request_id = seq.request_id;
@@ -193,6 +215,41 @@ impl Chip {
         self.renew_lease(request_id, fx);
         let layers = self.handoffs.outgoing.get(&request_id).map_or(0, |h| h.staged.len());
         self.tell(request_id, 0..layers, fx);
+        self.tell_first_token(request_id, fx);
+    }
+
+    /// This chip sampled a hand-off's first token (and sent it to the request). Ended
+    /// there (a stop token, or its only token), its hand-off is off; otherwise D is told
+    /// once it has claimed.
+    pub(super) fn first_token_sampled(
+        &mut self,
+        request_id: u64,
+        token: u32,
+        finished: bool,
+        fx: &mut dyn Effects<Msg>,
+    ) {
+        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
+        if finished {
+            let decode = h.decode;
+            metrics::counter!("tessera_kv_handoffs_total", "chip" => self.config.id.clone(), "outcome" => "ended_at_first_token")
+                .increment(1);
+            self.drop_outgoing(request_id, fx);
+            let reason = format!("the request ended at its first token, sampled on chip {}", self.config.id);
+            let _ = fx.send(decode, Msg::KvCancel { request_id, reason });
+            return;
+        }
+        h.first_token = Some(token);
+        self.tell_first_token(request_id, fx);
+    }
+
+    fn tell_first_token(&mut self, request_id: u64, fx: &mut dyn Effects<Msg>) {
+        let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
+        let (true, false, Some(token)) = (h.claimed, h.first_told, h.first_token) else { return };
+        h.first_told = true;
+        let decode = h.decode;
+        if fx.send(decode, Msg::KvFirstToken { request_id, token }).is_err() {
+            self.lost_decode(request_id, format!("decode chip {decode} is unreachable"), fx);
+        }
     }
 
     pub(super) fn declined(
@@ -419,7 +476,7 @@ impl Chip {
             ))
         } else if f.block_size == 0 || f.num_blocks == 0 {
             Some(format!("block size {} and block count {} must be positive", f.block_size, f.num_blocks))
-        } else if offer.kv_tokens == 0 || offer.kv_tokens >= offer.seq.tokens.len() {
+        } else if offer.kv_tokens == 0 || offer.kv_tokens > offer.seq.tokens.len() {
             Some(format!("{} prefilled positions for a {}-token sequence", offer.kv_tokens, offer.seq.tokens.len()))
         } else {
             None
@@ -490,6 +547,8 @@ impl Chip {
                     requested: vec![0; layers],
                     installed: vec![0; layers],
                     last_ready_at: None,
+                    awaits_first: offer.kv_tokens == offer.seq.tokens.len(),
+                    first_token: None,
                 },
             );
             if fx.send(offer.prefill, Msg::KvClaim { request_id, decode: fx.me() }).is_err() {
@@ -586,16 +645,35 @@ impl Chip {
         for w in h.installed.get_mut(layers).unwrap_or_default() {
             *w = (*w).max(upto);
         }
-        if h.installed.iter().any(|&w| w < h.kv_tokens) {
+        self.try_receive(request_id, fx);
+    }
+
+    /// P's first token for a hand-off.
+    pub(super) fn first_token_came(&mut self, request_id: u64, token: u32, fx: &mut dyn Effects<Msg>) {
+        let Some(h) = self.handoffs.incoming.get_mut(&request_id) else { return };
+        if !h.awaits_first {
+            let why = format!("P {} sent a first token for a sequence whose last position runs here", h.prefill);
+            self.lost_prefill(request_id, why, fx);
             return;
         }
-        let (prefill, ready) = (h.prefill, h.last_ready_at);
+        h.first_token = Some(token);
+        self.try_receive(request_id, fx);
+    }
+
+    /// The hand-off is complete once every layer is installed and P's first token (when
+    /// P samples it) has come: the sequence runs here, and P frees its side.
+    fn try_receive(&mut self, request_id: u64, fx: &mut dyn Effects<Msg>) {
+        let Some(h) = self.handoffs.incoming.get(&request_id) else { return };
+        if h.installed.iter().any(|&w| w < h.kv_tokens) || (h.awaits_first && h.first_token.is_none()) {
+            return;
+        }
+        let (prefill, ready, first) = (h.prefill, h.last_ready_at, h.first_token);
         self.handoffs.incoming.remove(&request_id);
         if let Some(ready) = ready {
             self.handoffs.first_step.insert(request_id, ready);
         }
         if let (Some(b), Some(pool)) = (self.batcher.as_mut(), self.pool.as_mut()) {
-            b.mark_received(request_id, pool);
+            b.mark_received(request_id, first, pool);
         }
         let _ = fx.send(prefill, Msg::KvDone { request_id });
         self.settle(fx);

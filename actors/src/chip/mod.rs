@@ -443,8 +443,16 @@ impl Chip {
         }
         let me = fx.me();
         let (Some(pool), Some(batcher)) = (self.pool.as_mut(), self.batcher.as_mut()) else { return };
+        let emitted = batcher.complete(&outcome.sampled, &outcome.logprobs, pool);
+        // After `complete`: a prefill for a decode chip that samples here has its token.
         let prefilled = batcher.take_prefilled();
-        for e in batcher.complete(&outcome.sampled, &outcome.logprobs, pool) {
+        let mut first_tokens = Vec::new();
+        for e in emitted {
+            if let Some(&token) = e.tokens.first()
+                && self.handoffs.is_prefilling(e.request_id)
+            {
+                first_tokens.push((e.request_id, token, e.finish.is_some()));
+            }
             let msg = Msg::Generated {
                 request_id: e.request_id,
                 chip: me,
@@ -467,6 +475,9 @@ impl Chip {
         }
         for p in prefilled {
             self.prefill_finished(p, fx);
+        }
+        for (request_id, token, finished) in first_tokens {
+            self.first_token_sampled(request_id, token, finished, fx);
         }
         self.settle(fx);
     }
@@ -630,6 +641,7 @@ impl Behavior<Msg> for Chip {
             Msg::KvReady { request_id, layers, upto, blocks, capability } => {
                 self.kv_ready(request_id, layers, upto, blocks, capability, fx)
             }
+            Msg::KvFirstToken { request_id, token } => self.first_token_came(request_id, token, fx),
             Msg::KvDone { request_id } => self.kv_done(request_id, fx),
             Msg::KvCancel { request_id, reason } => {
                 self.cancelled(request_id, &reason, fx);

@@ -5,7 +5,7 @@
 use super::executor::{ExecutorFactory, KvInstall, StepExecutor, stage_groups};
 use super::*;
 use crate::batcher::StepPlan;
-use crate::msg::{DType, Delivery, KvCompat, KvFormatDesc, KvLayout, SamplingSpec, StepOutcome};
+use crate::msg::{DType, Delivery, Finish, KvCompat, KvFormatDesc, KvLayout, SamplingSpec, StepOutcome};
 use crate::msg::{KvEndpointDesc, KvRegionDesc};
 use crate::test_fx::TestFx;
 use std::sync::Arc;
@@ -218,29 +218,69 @@ fn prefilling_for_d() -> (Side, Side) {
 }
 
 #[test]
-fn prefill_streams_layers_to_decode_which_samples_and_both_pools_drain() {
+fn prefill_streams_layers_and_its_first_token_to_decode_and_both_pools_drain() {
     let (mut p, mut d) = prefilling_for_d();
     // P offers at once and starts computing; D claims.
     assert!(deliver(&mut p, &mut d).is_empty());
-    assert_eq!(d.used(), 2, "D reserved ceil(13 / 8) blocks for the 13 prefilled positions");
+    assert_eq!(d.used(), 2, "D reserved ceil(14 / 8) blocks for the 14 prefilled positions");
     assert!(deliver(&mut d, &mut p).is_empty());
-    // 13 positions with a budget of 8: two steps, each group of layers told as it is
-    // staged.
+    // 14 positions with a budget of 8: two steps, each group of layers told as it is
+    // staged; the second samples the first token, which goes to the request at once.
     p.run_jobs();
     let rest = deliver(&mut p, &mut d);
-    assert!(rest.is_empty(), "{rest:?}");
+    assert!(
+        matches!(&rest[..], [(REQ, Msg::Generated { chip: P, tokens, finish: None, .. })] if tokens == &[7]),
+        "{rest:?}"
+    );
     let told = d.exec_installs();
     let groups = [0..2, 2..3, 3..4, 4..5];
-    let expected: Vec<_> = [8, 13].into_iter().flat_map(|upto| groups.iter().map(move |g| (g.clone(), upto))).collect();
+    let expected: Vec<_> = [8, 14].into_iter().flat_map(|upto| groups.iter().map(move |g| (g.clone(), upto))).collect();
     assert_eq!(told, expected);
-    // D installed everything: acknowledges P, runs the last prompt token, samples.
+    // D installed everything and has the first token: acknowledges P, decodes from it.
     assert!(deliver(&mut d, &mut p).is_empty());
     assert_eq!(p.used(), 0, "P freed its blocks on D's acknowledgement");
     d.run_jobs();
     let tokens = d.generated();
-    assert_eq!(tokens, vec![7, 7, 7], "D sampled every token, the first one included");
+    assert_eq!(tokens, vec![7, 7], "D sampled the other two tokens");
     assert_eq!(d.used(), 0, "D finished the request and freed its blocks");
     assert!(p.chip.handoffs.is_empty() && d.chip.handoffs.is_empty());
+}
+
+/// A request that forks its siblings (`n` > 1) samples on D, where they fork: P
+/// computes all but the last position.
+#[test]
+fn a_forking_request_samples_on_decode() {
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
+    let mut s = seq(14, 3);
+    s.forks = vec![crate::msg::Fork { request_id: 10, req: Addr::new(HostId(0), 1010), seed: Some(5) }];
+    p.chip.handle(Msg::Prefill { seq: Box::new(s), decode: D }, &mut p.fx);
+    assert!(deliver(&mut p, &mut d).is_empty());
+    assert!(deliver(&mut d, &mut p).is_empty());
+    p.run_jobs();
+    assert!(deliver(&mut p, &mut d).is_empty(), "P samples nothing");
+    assert_eq!(d.exec_installs().last().map(|(_, upto)| *upto), Some(13));
+    assert!(deliver(&mut d, &mut p).is_empty());
+    d.run_jobs();
+    assert_eq!(d.generated(), vec![7, 7, 7], "D sampled every token, the first one included");
+}
+
+/// A first token that ends the request (a stop token, or its only one) ends the
+/// hand-off: D frees what it reserved, and P its blocks.
+#[test]
+fn a_request_ended_by_its_first_token_frees_both_sides() {
+    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
+    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
+    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 1)), decode: D }, &mut p.fx);
+    assert!(deliver(&mut p, &mut d).is_empty());
+    assert!(deliver(&mut d, &mut p).is_empty());
+    p.run_jobs();
+    let rest = deliver(&mut p, &mut d);
+    assert!(matches!(&rest[..], [(REQ, Msg::Generated { chip: P, finish: Some(Finish::Length), .. })]), "{rest:?}");
+    d.exec_installs();
+    assert_eq!((p.used(), d.used()), (0, 0));
+    assert!(p.chip.handoffs.is_empty() && d.chip.handoffs.is_empty());
+    assert!(d.fx.jobs.is_empty(), "D runs nothing");
 }
 
 /// A claim that comes after P staged everything is answered with one `KvReady` for all
@@ -251,24 +291,24 @@ fn a_late_claim_is_told_every_staged_layer_at_once() {
     assert!(deliver(&mut p, &mut d).is_empty());
     let claim = d.sent();
     p.run_jobs();
-    assert!(p.sent().is_empty(), "nothing is told before the claim");
+    assert!(p.sent().iter().all(|(to, _)| *to == REQ), "nothing is told to D before the claim");
     for (_, m) in claim {
         p.chip.handle(m, &mut p.fx);
     }
     let told = p.sent();
     assert!(
-        matches!(&told[..], [(D, Msg::KvReady { layers, upto: 13, capability: Some(c), .. })]
+        matches!(&told[..], [(D, Msg::KvReady { layers, upto: 14, capability: Some(c), .. }), (D, Msg::KvFirstToken { token: 7, .. })]
             if *layers == (0..LAYERS) && c[0] != 0),
         "{told:?}"
     );
     for (_, m) in told {
         d.chip.handle(m, &mut d.fx);
     }
-    assert_eq!(d.exec_installs(), vec![(0..LAYERS, 13)]);
+    assert_eq!(d.exec_installs(), vec![(0..LAYERS, 14)]);
     assert!(deliver(&mut d, &mut p).is_empty());
     assert_eq!(p.used(), 0, "D acknowledged: P freed its blocks");
     d.run_jobs();
-    assert_eq!(d.generated(), vec![7, 7, 7]);
+    assert_eq!(d.generated(), vec![7, 7]);
     assert_eq!(d.used(), 0);
 }
 
@@ -387,7 +427,7 @@ fn offers_with_a_bad_format_are_declined_not_installed() {
     let cases: Vec<(&str, Breaks)> = vec![
         ("KV shape", Box::new(|o| o.format.num_kv_heads = 4)),
         ("block size", Box::new(|o| o.format.block_size = 0)),
-        ("prefilled positions", Box::new(|o| o.kv_tokens = 10)),
+        ("prefilled positions", Box::new(|o| o.kv_tokens = 11)),
     ];
     for (what, break_it) in cases {
         let mut d = Side::new(D, Role::Decode, info(4, KvLayout::HeadMajor, 1));

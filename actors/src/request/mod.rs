@@ -84,7 +84,8 @@ pub struct Request {
     finished: Option<(ClientEvent, Moment)>,
     /// The chip that samples this request's tokens.
     chip: Option<Addr>,
-    /// The chip prefilling it for `chip`, until `chip` sends the first token.
+    /// The chip prefilling it for `chip`, until `chip` sends a token (the prefill chip
+    /// sends the first one, and holds the KV until `chip` has it).
     prefill: Option<Addr>,
     /// Whether `chip` sent a token since it was placed (the router was told).
     prefilled: bool,
@@ -301,6 +302,7 @@ impl Request {
 
     fn generated(
         &mut self,
+        from: Addr,
         tokens: Vec<u32>,
         logprobs: Vec<TokenLogprob>,
         finish: Option<Finish>,
@@ -309,12 +311,17 @@ impl Request {
         self.last_progress = fx.now();
         self.declines = 0;
         self.unavailable_since = None;
-        // The decode chip has the KV: the prefill chip's part is over.
-        if let Some(p) = self.prefill.take() {
+        // A token from the decode chip: it has the KV, and the prefill chip's part is
+        // over. (The prefill chip's own first token leaves it held: if it fails before
+        // the decode chip has the KV, the request must hear of it.)
+        if self.chip == Some(from)
+            && let Some(p) = self.prefill.take()
+        {
             let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip: p });
         }
         // The prompt (and any replay) is computed: only decoding is left there.
         if !self.prefilled
+            && self.chip == Some(from)
             && let Some(chip) = self.chip
         {
             self.prefilled = true;
@@ -470,7 +477,7 @@ impl Behavior<Msg> for Request {
             match msg {
                 Msg::Generated { chip, tokens, finish, logprobs, .. } => {
                     self.adopt(chip, fx);
-                    self.generated(tokens, logprobs, finish, fx);
+                    self.generated(chip, tokens, logprobs, finish, fx);
                 }
                 // Its sibling's prompt scores (`echo`), which are its own.
                 Msg::PromptLogprobs { start, logprobs, .. } => self.prompt_logprobs(start, logprobs, fx),
@@ -493,8 +500,8 @@ impl Behavior<Msg> for Request {
             Msg::RouteFailed { error, .. } => self.route_failed(error, fx),
             // Only while waiting to be placed again.
             Msg::Reroute if self.chip.is_none() => self.ask_router(fx),
-            Msg::Generated { chip, tokens, finish, logprobs, .. } if self.chip == Some(chip) => {
-                self.generated(tokens, logprobs, finish, fx)
+            Msg::Generated { chip, tokens, finish, logprobs, .. } if self.holds(chip) => {
+                self.generated(chip, tokens, logprobs, finish, fx)
             }
             Msg::PromptLogprobs { start, logprobs, .. } => self.prompt_logprobs(start, logprobs, fx),
             Msg::Refused { chip, error, retry, .. } if self.holds(chip) => match retry {

@@ -169,6 +169,41 @@ fn disaggregated_request_prefills_on_one_chip_and_decodes_on_the_other() {
     assert!(fx.stopped);
 }
 
+/// P samples the first token: the client has it at once, and P stays held until D's
+/// first token (it still holds the KV D reads). Losing P then replays the first token.
+#[test]
+fn a_first_token_from_the_prefill_chip_streams_at_once_and_keeps_it_held() {
+    let (pc, dc) = (a(0, 16), a(1, 16));
+    let mut fx = TestFx::new(ME);
+    let mut r = request(3);
+    r.on_start(&mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip: dc, prefill: Some(pc) }, &mut fx);
+    fx.take_sent();
+    r.handle(generated(pc, vec![10], None), &mut fx);
+    let sent = fx.take_sent();
+    assert!(
+        matches!(&sent[..], [(CLIENT, Msg::Client { event: ClientEvent::Tokens { tokens, .. } })] if tokens == &[10]),
+        "{sent:?}"
+    );
+    // D loses the KV when P goes: the request aborts D and replays prompt + [10].
+    r.handle(Msg::ChipLost { chip: pc }, &mut fx);
+    let sent = fx.take_sent();
+    assert!(sent.iter().any(|(to, m)| *to == dc && matches!(m, Msg::Abort { .. })), "{sent:?}");
+    assert!(
+        sent.iter().any(|(to, m)| *to == ROUTER
+            && matches!(m, Msg::Route { prompt, prompt_tokens, .. } if prompt.last() == Some(&10) && *prompt_tokens == prompt.len())),
+        "{sent:?}"
+    );
+    r.handle(Msg::Routed { request_id: 9, chip: dc, prefill: None }, &mut fx);
+    let sent = fx.take_sent();
+    assert!(
+        matches!(&sent[..], [(to, Msg::Enqueue { seq })] if *to == dc && seq.generated == 1 && seq.max_new_tokens == 2),
+        "{sent:?}"
+    );
+    r.handle(generated(dc, vec![11, 12], Some(Finish::Length)), &mut fx);
+    assert!(fx.stopped);
+}
+
 #[test]
 fn losing_either_chip_of_a_disaggregated_request_aborts_the_other_and_replays() {
     for lost_prefill in [true, false] {
