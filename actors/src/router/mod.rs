@@ -268,8 +268,9 @@ struct Placement {
 
 /// Whether the prompts placed on a chip and not yet computed would take it `limit` or
 /// more at its pace. A chip with no prompt queued always takes one, however long. A
-/// prefill chip's prompt counts until its decode chip samples the first token, so the
-/// bound also holds back a pipeline whose decode chips are the bottleneck.
+/// prefill chip's prompt counts until its decode chip samples a token (the prefill chip
+/// samples the first), so the bound also holds back a pipeline whose decode chips are
+/// the bottleneck: first tokens do not run ahead of the decode chips' room.
 fn load_full(v: &ChipView, limit: Duration) -> bool {
     v.work.prompt_tokens > 0 && v.work.prompt_tokens as f64 * v.pace.prefill_s_per_token >= limit.as_secs_f64()
 }
