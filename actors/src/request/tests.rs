@@ -27,10 +27,16 @@ fn request(max_tokens: usize) -> Request {
 
 /// A request of `max_tokens` already placed on `chip`, with the sends so far cleared.
 fn routed_to(chip: Addr, max_tokens: usize) -> (TestFx, Request) {
+    routed_split(chip, None, max_tokens)
+}
+
+/// A request of `max_tokens` already placed on `chip`, prefilled by `prefill` when
+/// given, with the sends so far cleared.
+fn routed_split(chip: Addr, prefill: Option<Addr>, max_tokens: usize) -> (TestFx, Request) {
     let mut fx = TestFx::new(ME);
     let mut r = request(max_tokens);
     r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip, prefill: None }, &mut fx);
+    r.handle(Msg::Routed { request_id: 9, chip, prefill }, &mut fx);
     fx.take_sent();
     (fx, r)
 }
@@ -174,11 +180,7 @@ fn disaggregated_request_prefills_on_one_chip_and_decodes_on_the_other() {
 #[test]
 fn a_first_token_from_the_prefill_chip_streams_at_once_and_keeps_it_held() {
     let (pc, dc) = (a(0, 16), a(1, 16));
-    let mut fx = TestFx::new(ME);
-    let mut r = request(3);
-    r.on_start(&mut fx);
-    r.handle(Msg::Routed { request_id: 9, chip: dc, prefill: Some(pc) }, &mut fx);
-    fx.take_sent();
+    let (mut fx, mut r) = routed_split(dc, Some(pc), 3);
     r.handle(generated(pc, vec![10], None), &mut fx);
     let sent = fx.take_sent();
     assert!(
@@ -208,11 +210,7 @@ fn a_first_token_from_the_prefill_chip_streams_at_once_and_keeps_it_held() {
 fn losing_either_chip_of_a_disaggregated_request_aborts_the_other_and_replays() {
     for lost_prefill in [true, false] {
         let (pc, dc) = (a(0, 16), a(1, 16));
-        let mut fx = TestFx::new(ME);
-        let mut r = request(3);
-        r.on_start(&mut fx);
-        r.handle(Msg::Routed { request_id: 9, chip: dc, prefill: Some(pc) }, &mut fx);
-        fx.take_sent();
+        let (mut fx, mut r) = routed_split(dc, Some(pc), 3);
         let (lost, other) = if lost_prefill { (pc, dc) } else { (dc, pc) };
         r.handle(Msg::ChipLost { chip: lost }, &mut fx);
         let sent = fx.take_sent();
