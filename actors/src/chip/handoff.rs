@@ -56,10 +56,9 @@ struct Outgoing {
     lease_timer: bool,
     /// What lets D read the staged blocks (from the worker, on a secured cluster).
     capability: Option<KvCapability>,
-    /// The first token, once sampled here (when this chip samples it), and whether D
-    /// was told it.
+    /// The first token, once sampled here (when this chip samples it), until D is
+    /// told it.
     first_token: Option<u32>,
-    first_told: bool,
 }
 
 /// KV this chip (as D) receives.
@@ -182,7 +181,6 @@ impl Chip {
             lease_timer: false,
             capability: None,
             first_token: None,
-            first_told: false,
         };
         self.handoffs.leases += 1;
         let request_id = seq.request_id;
@@ -244,8 +242,10 @@ impl Chip {
 
     fn tell_first_token(&mut self, request_id: u64, fx: &mut dyn Effects<Msg>) {
         let Some(h) = self.handoffs.outgoing.get_mut(&request_id) else { return };
-        let (true, false, Some(token)) = (h.claimed, h.first_told, h.first_token) else { return };
-        h.first_told = true;
+        if !h.claimed {
+            return;
+        }
+        let Some(token) = h.first_token.take() else { return };
         let decode = h.decode;
         if fx.send(decode, Msg::KvFirstToken { request_id, token }).is_err() {
             self.lost_decode(request_id, format!("decode chip {decode} is unreachable"), fx);

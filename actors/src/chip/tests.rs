@@ -211,9 +211,14 @@ fn a_busy_chip_reports_at_most_every_10_ms_and_at_once_when_idle() {
 /// P (blocks of 4, head-major) asked to prefill a 14-token prompt for D (blocks of 8,
 /// token-major), three tokens to generate.
 fn prefilling_for_d() -> (Side, Side) {
+    prefilling(seq(14, 3))
+}
+
+/// P (blocks of 4, head-major) asked to prefill `s` for D (blocks of 8, token-major).
+fn prefilling(s: SeqRequest) -> (Side, Side) {
     let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
     let d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
-    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 3)), decode: D }, &mut p.fx);
+    p.chip.handle(Msg::Prefill { seq: Box::new(s), decode: D }, &mut p.fx);
     (p, d)
 }
 
@@ -250,11 +255,9 @@ fn prefill_streams_layers_and_its_first_token_to_decode_and_both_pools_drain() {
 /// computes all but the last position.
 #[test]
 fn a_forking_request_samples_on_decode() {
-    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
-    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
     let mut s = seq(14, 3);
     s.forks = vec![crate::msg::Fork { request_id: 10, req: Addr::new(HostId(0), 1010), seed: Some(5) }];
-    p.chip.handle(Msg::Prefill { seq: Box::new(s), decode: D }, &mut p.fx);
+    let (mut p, mut d) = prefilling(s);
     assert!(deliver(&mut p, &mut d).is_empty());
     assert!(deliver(&mut d, &mut p).is_empty());
     p.run_jobs();
@@ -269,9 +272,7 @@ fn a_forking_request_samples_on_decode() {
 /// hand-off: D frees what it reserved, and P its blocks.
 #[test]
 fn a_request_ended_by_its_first_token_frees_both_sides() {
-    let mut p = Side::new(P, Role::Prefill, info(4, KvLayout::HeadMajor, 1));
-    let mut d = Side::new(D, Role::Decode, info(8, KvLayout::TokenMajor, 1));
-    p.chip.handle(Msg::Prefill { seq: Box::new(seq(14, 1)), decode: D }, &mut p.fx);
+    let (mut p, mut d) = prefilling(seq(14, 1));
     assert!(deliver(&mut p, &mut d).is_empty());
     assert!(deliver(&mut d, &mut p).is_empty());
     p.run_jobs();
