@@ -311,21 +311,19 @@ impl Request {
         self.last_progress = fx.now();
         self.declines = 0;
         self.unavailable_since = None;
-        // A token from the decode chip: it has the KV, and the prefill chip's part is
-        // over. (The prefill chip's own first token leaves it held: if it fails before
-        // the decode chip has the KV, the request must hear of it.)
-        if self.chip == Some(from)
-            && let Some(p) = self.prefill.take()
-        {
-            let _ = fx.send(self.router, Msg::Release { request_id: self.spec.request_id, chip: p });
-        }
-        // The prompt (and any replay) is computed: only decoding is left there.
-        if !self.prefilled
-            && self.chip == Some(from)
-            && let Some(chip) = self.chip
-        {
-            self.prefilled = true;
-            let _ = fx.send(self.router, Msg::Prefilled { request_id: self.spec.request_id, chip });
+        // A token from the decode chip: it has the KV, so the prefill chip's part is
+        // over, and only decoding is left there. (The prefill chip's own first token
+        // leaves it held: if it fails before the decode chip has the KV, the request
+        // must hear of it.)
+        if self.chip == Some(from) {
+            let request_id = self.spec.request_id;
+            if let Some(p) = self.prefill.take() {
+                let _ = fx.send(self.router, Msg::Release { request_id, chip: p });
+            }
+            if !self.prefilled {
+                self.prefilled = true;
+                let _ = fx.send(self.router, Msg::Prefilled { request_id, chip: from });
+            }
         }
         let first = self.generated.is_empty();
         self.generated.extend_from_slice(&tokens);
