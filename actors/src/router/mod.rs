@@ -11,12 +11,14 @@
 //! mean plus this prompt's prefill) gets no credit for its cache. Ties go to the lowest
 //! address. Chips whose [`breaker`] is open, or whose queued prompts would take them
 //! `Limits::max_queued_prompt` or more, take nothing new (so a backlog waits here, not
-//! in one chip's queue); when no chip can take a request, it waits in a bounded queue — higher priority classes ahead, tenants of a
-//! class in weighted fair order (VTC, each charged what its requests cost at the paces
-//! of the chips they were placed on), first come first served within a tenant — until
-//! one can or its deadline passes (then a 429 with `Retry-After`). When a chip goes
-//! down the router tells every request placed
-//! there, so they re-route and replay.
+//! in one chip's queue); when no chip can take a request, it waits in a bounded queue —
+//! higher priority classes ahead, tenants of a class in weighted fair order (VTC, each
+//! charged what its requests cost at the paces of the chips they were placed on), first
+//! come first served within a tenant — until one can or its deadline passes (then a 429
+//! with `Retry-After`). The least-served tenant may place one request at a time past the
+//! prompt bound (see `Router::may_pass_prompt_bound`), so a light tenant beside a flood
+//! does not wait in the router for the flood's work to free room. When a chip goes down
+//! the router tells every request placed there, so they re-route and replay.
 
 pub mod breaker;
 pub mod cost;
@@ -264,6 +266,16 @@ struct Placement {
     chips: Vec<(Addr, usize, Work)>,
     /// Its tenant (a fork's is not known here; it counts as its parent).
     tenant: Option<u32>,
+    /// Placed past the chips' prompt bound (see `Router::may_pass_prompt_bound`).
+    past_bound: bool,
+}
+
+impl Placement {
+    /// Whether a chip still has its prompt to compute (or, a prefill chip, holds it
+    /// until the decode chip samples).
+    fn holds_prompt(&self) -> bool {
+        self.chips.iter().any(|(_, _, work)| work.prompt_tokens > 0)
+    }
 }
 
 /// Whether the prompts placed on a chip and not yet computed would take it `limit` or
@@ -798,12 +810,37 @@ impl Router {
         exclude: &[Addr],
         turn: u64,
     ) -> Decision {
+        self.decide_among(None, request_id, prompt, cache_salt, prompt_tokens, tokens, exclude, turn)
+    }
+
+    /// The chips as a request that passes the prompt bound sees them (see
+    /// `may_pass_prompt_bound`): none past it.
+    fn past_prompt_bound(&self) -> BTreeMap<Addr, ChipView> {
+        self.chips.iter().map(|(a, c)| (*a, ChipView { load_full: false, ..c.clone() })).collect()
+    }
+
+    /// [`Router::decide`] among `chips` (every one a candidate) when given, else among
+    /// the router's own view (the kv-aware policy's candidates).
+    #[allow(clippy::too_many_arguments)]
+    fn decide_among(
+        &self,
+        chips: Option<&BTreeMap<Addr, ChipView>>,
+        request_id: u64,
+        prompt: &[u32],
+        cache_salt: Option<u64>,
+        prompt_tokens: usize,
+        tokens: usize,
+        exclude: &[Addr],
+        turn: u64,
+    ) -> Decision {
+        let given = chips;
+        let chips = given.unwrap_or(&self.chips);
         let held = match self.policy {
             RouterPolicy::KvAware | RouterPolicy::Dynamo => self.cached_tokens(prompt, cache_salt),
             RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random => BTreeMap::new(),
         };
         let mean_work_s = self.total_work_s / self.chips.len().max(1) as f64;
-        let cached = cache_credit(&self.chips, &held, prompt_tokens, mean_work_s);
+        let cached = cache_credit(chips, &held, prompt_tokens, mean_work_s);
         let ask = Ask { prompt_tokens, total_tokens: tokens.max(prompt_tokens), block_size: self.block_size };
         let block_size_of = |a: &Addr| self.block_size_of(a);
         let n = self.chips.len().max(1) as i64;
@@ -834,11 +871,9 @@ impl Router {
                 new_blocks as i64 + c.report.kv_blocks_used as i64
             }),
         };
-        let candidates: Vec<(&Addr, &ChipView)> = match self.policy {
-            RouterPolicy::KvAware => self.candidates(&held, &ask, exclude, &*score),
-            RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random | RouterPolicy::Dynamo => {
-                self.chips.iter().collect()
-            }
+        let candidates: Vec<(&Addr, &ChipView)> = match (given, self.policy) {
+            (None, RouterPolicy::KvAware) => self.candidates(&held, &ask, exclude, &*score),
+            _ => chips.iter().collect(),
         };
         let placed =
             place_among(&candidates, &self.down_hosts, exclude, prompt_tokens, self.min_prompt_tokens, &*score);
@@ -868,12 +903,13 @@ impl Router {
         if new {
             self.arrive(ask.share.tenant);
         }
+        let past_bound = new && self.may_pass_prompt_bound(ask.share);
         let queued_ahead = self.waiting.iter().any(|w| w.ask.share.class <= ask.share.class);
-        if new && (queued_ahead || self.placements.len() >= self.limits.max_queued_requests) {
+        if new && ((queued_ahead && !past_bound) || self.placements.len() >= self.limits.max_queued_requests) {
             self.wait(ask, fx);
             return;
         }
-        if let Some(ask) = self.place_now(ask, fx) {
+        if let Some(ask) = self.place_now(ask, past_bound, fx) {
             if self.a_chip_may_take_it() {
                 self.wait(ask, fx); // starting, breakers or load: a chip will take it soon
             } else {
@@ -900,12 +936,18 @@ impl Router {
         })
     }
 
-    /// Places `ask` if a chip can take it now; gives it back otherwise.
-    fn place_now(&mut self, ask: RouteAsk, fx: &mut dyn Effects<Msg>) -> Option<RouteAsk> {
+    /// Places `ask` if a chip can take it now (`past_bound`: whatever the chips' prompt
+    /// bound); gives it back otherwise.
+    fn place_now(&mut self, ask: RouteAsk, past_bound: bool, fx: &mut dyn Effects<Msg>) -> Option<RouteAsk> {
         let turn = self.turns;
-        let decision =
-            self.decide(ask.request_id, &ask.prompt, ask.cache_salt, ask.prompt_tokens, ask.tokens, &ask.exclude, turn);
+        let lifted = past_bound.then(|| self.past_prompt_bound());
+        let (id, salt, exclude) = (ask.request_id, ask.cache_salt, &ask.exclude);
+        let (prompt, prompt_tokens, tokens) = (&ask.prompt, ask.prompt_tokens, ask.tokens);
+        let decision = self.decide_among(lifted.as_ref(), id, prompt, salt, prompt_tokens, tokens, exclude, turn);
         let Some(Placed { decode, prefill }) = decision.placed else { return Some(ask) };
+        // Past the bound only where a chip it chose had reached it.
+        let past_bound =
+            [Some(decode), prefill].iter().flatten().any(|c| self.chips.get(c).is_some_and(|v| v.load_full));
         self.turns += 1;
         // A re-route replaces whatever the request held.
         self.unplace(ask.request_id, None);
@@ -927,7 +969,7 @@ impl Router {
         }
         *self.placed_by_tenant.entry(ask.share.tenant).or_default() += 1;
         let tenant = Some(ask.share.tenant);
-        self.placements.insert(ask.request_id, Placement { req: ask.req, chips: held, tenant });
+        self.placements.insert(ask.request_id, Placement { req: ask.req, chips: held, tenant, past_bound });
         tracing::debug!(
             request = ask.request_id,
             prompt = ask.prompt_tokens,
@@ -996,6 +1038,20 @@ impl Router {
         self.fair.arrive(tenant, present);
     }
 
+    /// Whether a new request of `share`'s tenant may be placed past the chips' prompt
+    /// bound (their KV and error breakers still hold): while another tenant has work
+    /// here, `share`'s tenant is the least served (VTC: its request is the one to place
+    /// next) and none of its requests placed past the bound still holds a prompt. So a
+    /// light tenant beside a flood starts its prompt at once, rather than waiting for
+    /// the flood's work to free room, while the prompts past the bound stay one per
+    /// tenant: two backlogged tenants cannot take turns at lifting the bound for good.
+    fn may_pass_prompt_bound(&self, share: TenantShare) -> bool {
+        let others = self.waiting.iter().map(|w| w.ask.share.tenant).chain(self.placed_by_tenant.keys().copied());
+        let least = others.filter(|&t| t != share.tenant).map(|t| self.fair.counter(t)).min_by(f64::total_cmp);
+        least.is_some_and(|least| self.fair.counter(share.tenant) <= least)
+            && !self.placements.values().any(|p| p.past_bound && p.tenant == Some(share.tenant) && p.holds_prompt())
+    }
+
     /// Refuses `ask` as overloaded, telling its client when to retry.
     fn refuse(&mut self, ask: RouteAsk, reason: &'static str, why: String, fx: &mut dyn Effects<Msg>) {
         metrics::counter!("tessera_router_refused_total", "reason" => reason).increment(1);
@@ -1042,7 +1098,8 @@ impl Router {
                 self.waiting.insert(next, w);
                 break;
             }
-            if let Some(ask) = self.place_now(w.ask, fx) {
+            let past_bound = new && self.may_pass_prompt_bound(w.ask.share);
+            if let Some(ask) = self.place_now(w.ask, past_bound, fx) {
                 self.waiting.insert(next, Waiting { ask, deadline: w.deadline });
                 break;
             }
@@ -1087,7 +1144,8 @@ impl Router {
         }
         let work = Work { prompt_tokens: 0, seqs: 1 };
         self.charge(chip, tokens, work, true);
-        self.placements.insert(request_id, Placement { req, chips: vec![(chip, tokens, work)], tenant: None });
+        let chips = vec![(chip, tokens, work)];
+        self.placements.insert(request_id, Placement { req, chips, tenant: None, past_bound: false });
     }
 
     /// The request left `chip` without failing there.

@@ -26,6 +26,14 @@ fn ask_of(id: u64, tokens: usize, share: crate::msg::TenantShare) -> Msg {
     }
 }
 
+/// The requests routed since the last call.
+fn routed(fx: &mut crate::test_fx::TestFx) -> Vec<u64> {
+    fx.take_sent()
+        .into_iter()
+        .filter_map(|(_, m)| if let Msg::Routed { request_id, .. } = m { Some(request_id) } else { None })
+        .collect()
+}
+
 fn share(tenant: u32, weight: u32) -> crate::msg::TenantShare {
     crate::msg::TenantShare { tenant, weight, class: crate::msg::PriorityClass::Standard }
 }
@@ -729,8 +737,10 @@ mod candidates {
 
 /// A chip takes new requests only while the prompts queued there are short (here 10 ms
 /// at 0.1 ms a token: two prompts of 60 tokens); the backlog waits in the router's
-/// queue, and each prompt computed lets one more go — by weighted fair order, so two
-/// backlogged tenants weighted 2:1 are placed 2:1.
+/// queue, and each prompt computed lets more go — by weighted fair order, so two
+/// backlogged tenants weighted 2:1 are placed 2:1. The least-served tenant may place
+/// one request past the bound, so the queue never holds more than the bound's two
+/// prompts and one per tenant.
 #[test]
 fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order() {
     use crate::test_fx::TestFx;
@@ -740,12 +750,6 @@ fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order
     let mut fx = TestFx::new(Addr::new(HostId(0), 2));
     let (gold, silver) = (share(0, 2), share(1, 1));
     let route = |id: u64, share| ask_of(id, 60, share);
-    let routed = |fx: &mut TestFx| -> Vec<u64> {
-        fx.take_sent()
-            .into_iter()
-            .filter_map(|(_, m)| if let Msg::Routed { request_id, .. } = m { Some(request_id) } else { None })
-            .collect()
-    };
     router.handle(route(1, gold), &mut fx);
     router.handle(route(2, gold), &mut fx);
     assert_eq!(routed(&mut fx), vec![1, 2]);
@@ -753,23 +757,53 @@ fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order
     for id in 3..=8 {
         router.handle(route(id, gold), &mut fx);
     }
+    assert_eq!(routed(&mut fx), Vec::<u64>::new(), "alone, the backlog waits in the router");
     for id in 9..=14 {
         router.handle(route(id, silver), &mut fx);
     }
-    assert_eq!(routed(&mut fx), Vec::<u64>::new(), "the backlog waits in the router");
-    // Each prompt computed lets exactly one waiting request go.
+    assert_eq!(routed(&mut fx), vec![9], "silver, least served on arrival, passes the bound once");
     let mut placed = Vec::new();
-    let mut computing = std::collections::VecDeque::from([1, 2]);
-    for _ in 0..9 {
+    let mut computing = std::collections::VecDeque::from([1, 2, 9]);
+    while placed.len() < 9 {
         let done = computing.pop_front().expect("a request on the chip");
         router.handle(Msg::Prefilled { request_id: done, chip: c0 }, &mut fx);
         let next = routed(&mut fx);
-        assert_eq!(next.len(), 1, "one prompt's room, one request: {next:?}");
         computing.extend(&next);
         placed.extend(next);
+        let queued = router.chips[&c0].work.prompt_tokens;
+        assert!(queued <= 4 * 60, "{queued} prompt tokens queued: more than the bound and one per tenant");
     }
     let golds = placed.iter().filter(|&&id| id <= 8).count();
     assert_eq!((golds, placed.len() - golds), (6, 3), "placed 2:1 by weight: {placed:?}");
+}
+
+/// A light tenant arriving beside a backlogged flood places its request at once, past
+/// the prompt bound the flood waits behind; its next waits in fair order while the
+/// first still holds a prompt. Alone, a tenant never passes the bound.
+#[test]
+fn the_least_served_tenant_passes_the_prompt_bound_one_request_at_a_time() {
+    use crate::test_fx::TestFx;
+    let (c0, view) = chip(0, 16, ChipState::Up, 0);
+    let limits = Limits { max_queued_prompt: Duration::from_millis(10), ..Limits::new(64) };
+    let mut router = Router::new(vec![view.report], 64).with_limits(limits);
+    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    let (flood, light) = (share(0, 1), share(1, 1));
+    for id in 1..=6 {
+        router.handle(ask_of(id, 60, flood), &mut fx);
+    }
+    assert_eq!(routed(&mut fx), vec![1, 2], "alone, the flood waits behind the bound");
+    router.handle(ask_of(10, 60, light), &mut fx);
+    router.handle(ask_of(11, 60, light), &mut fx);
+    assert_eq!(routed(&mut fx), vec![10], "the light tenant's first passes the bound; its second waits");
+    assert_eq!(router.chips[&c0].work.prompt_tokens, 180);
+    // Its prompt computed, the light tenant has been served more than the flood: the
+    // flood's next is the one to place, and it may pass the bound in turn, once.
+    router.handle(Msg::Prefilled { request_id: 10, chip: c0 }, &mut fx);
+    assert_eq!(routed(&mut fx), vec![3]);
+    router.handle(Msg::Prefilled { request_id: 1, chip: c0 }, &mut fx);
+    // The flood's next is first in fair order (a tie goes to the earliest), and the flood
+    // holds a prompt past the bound already: nothing goes.
+    assert_eq!(routed(&mut fx), Vec::<u64>::new(), "the bound holds");
 }
 
 /// VTC's lift at the router: a tenant whose request arrives while none of its requests
