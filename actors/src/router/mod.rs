@@ -798,7 +798,8 @@ impl Router {
 
     /// Where the policy places a request of `prompt_tokens` prompt tokens (`prompt`,
     /// hashed with `cache_salt` for the cache lookup) and `tokens` tokens in all (`turn`:
-    /// round-robin's). Changes nothing.
+    /// round-robin's), as one that may pass the chips' prompt bound when `past_bound`
+    /// (see `may_pass_prompt_bound`; every chip is then a candidate). Changes nothing.
     #[allow(clippy::too_many_arguments)]
     pub fn decide(
         &self,
@@ -809,32 +810,10 @@ impl Router {
         tokens: usize,
         exclude: &[Addr],
         turn: u64,
+        past_bound: bool,
     ) -> Decision {
-        self.decide_among(None, request_id, prompt, cache_salt, prompt_tokens, tokens, exclude, turn)
-    }
-
-    /// The chips as a request that passes the prompt bound sees them (see
-    /// `may_pass_prompt_bound`): none past it.
-    fn past_prompt_bound(&self) -> BTreeMap<Addr, ChipView> {
-        self.chips.iter().map(|(a, c)| (*a, ChipView { load_full: false, ..c.clone() })).collect()
-    }
-
-    /// [`Router::decide`] among `chips` (every one a candidate) when given, else among
-    /// the router's own view (the kv-aware policy's candidates).
-    #[allow(clippy::too_many_arguments)]
-    fn decide_among(
-        &self,
-        chips: Option<&BTreeMap<Addr, ChipView>>,
-        request_id: u64,
-        prompt: &[u32],
-        cache_salt: Option<u64>,
-        prompt_tokens: usize,
-        tokens: usize,
-        exclude: &[Addr],
-        turn: u64,
-    ) -> Decision {
-        let given = chips;
-        let chips = given.unwrap_or(&self.chips);
+        let lifted = past_bound.then(|| self.past_prompt_bound());
+        let chips = lifted.as_ref().unwrap_or(&self.chips);
         let held = match self.policy {
             RouterPolicy::KvAware | RouterPolicy::Dynamo => self.cached_tokens(prompt, cache_salt),
             RouterPolicy::LeastLoaded | RouterPolicy::RoundRobin | RouterPolicy::Random => BTreeMap::new(),
@@ -871,14 +850,20 @@ impl Router {
                 new_blocks as i64 + c.report.kv_blocks_used as i64
             }),
         };
-        let candidates: Vec<(&Addr, &ChipView)> = match (given, self.policy) {
-            (None, RouterPolicy::KvAware) => self.candidates(&held, &ask, exclude, &*score),
+        let candidates: Vec<(&Addr, &ChipView)> = match (past_bound, self.policy) {
+            (false, RouterPolicy::KvAware) => self.candidates(&held, &ask, exclude, &*score),
             _ => chips.iter().collect(),
         };
         let placed =
             place_among(&candidates, &self.down_hosts, exclude, prompt_tokens, self.min_prompt_tokens, &*score);
         let cached_tokens = placed.map_or(0, |p| cached.get(&p.prefill.unwrap_or(p.decode)).copied().unwrap_or(0));
         Decision { placed, cached_tokens }
+    }
+
+    /// The chips as a request that passes the prompt bound sees them (see
+    /// `may_pass_prompt_bound`): none past it.
+    fn past_prompt_bound(&self) -> BTreeMap<Addr, ChipView> {
+        self.chips.iter().map(|(a, c)| (*a, ChipView { load_full: false, ..c.clone() })).collect()
     }
 
     /// The cluster index (for tools that load it directly, e.g. `bench router`).
@@ -940,10 +925,9 @@ impl Router {
     /// bound); gives it back otherwise.
     fn place_now(&mut self, ask: RouteAsk, past_bound: bool, fx: &mut dyn Effects<Msg>) -> Option<RouteAsk> {
         let turn = self.turns;
-        let lifted = past_bound.then(|| self.past_prompt_bound());
         let (id, salt, exclude) = (ask.request_id, ask.cache_salt, &ask.exclude);
         let (prompt, prompt_tokens, tokens) = (&ask.prompt, ask.prompt_tokens, ask.tokens);
-        let decision = self.decide_among(lifted.as_ref(), id, prompt, salt, prompt_tokens, tokens, exclude, turn);
+        let decision = self.decide(id, prompt, salt, prompt_tokens, tokens, exclude, turn, past_bound);
         let Some(Placed { decode, prefill }) = decision.placed else { return Some(ask) };
         // Past the bound only where a chip it chose had reached it.
         let past_bound =

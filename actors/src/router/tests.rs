@@ -588,7 +588,7 @@ fn a_chip_of_another_block_size_is_found_by_its_prefix() {
             .collect();
         router.handle(Msg::KvEvents { chip: c1.0, incarnation: 1, events }, &mut fx);
         let prompt: Vec<u32> = system.iter().copied().chain([50, 51, 52]).collect();
-        let decision = router.decide(1, &prompt, None, prompt.len(), prompt.len() + 1, &[], 0);
+        let decision = router.decide(1, &prompt, None, prompt.len(), prompt.len() + 1, &[], 0, false);
         assert_eq!(decision.placed.map(|p| p.decode), Some(c1.0), "{policy:?}");
         if policy == RouterPolicy::KvAware {
             assert_eq!(decision.cached_tokens, 24);
