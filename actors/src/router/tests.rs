@@ -735,6 +735,15 @@ mod candidates {
     }
 }
 
+/// One chip that takes new requests while its queued prompts would take it under 10 ms,
+/// its router, and the router's effects.
+fn one_chip_bounded_at_10_ms() -> (Addr, Router, crate::test_fx::TestFx) {
+    let (c0, view) = chip(0, 16, ChipState::Up, 0);
+    let limits = Limits { max_queued_prompt: Duration::from_millis(10), ..Limits::new(64) };
+    let router = Router::new(vec![view.report], 64).with_limits(limits);
+    (c0, router, crate::test_fx::TestFx::new(Addr::new(HostId(0), 2)))
+}
+
 /// A chip takes new requests only while the prompts queued there are short (here 10 ms
 /// at 0.1 ms a token: two prompts of 60 tokens); the backlog waits in the router's
 /// queue, and each prompt computed lets more go — by weighted fair order, so two
@@ -743,11 +752,7 @@ mod candidates {
 /// prompts and one per tenant.
 #[test]
 fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order() {
-    use crate::test_fx::TestFx;
-    let (c0, view) = chip(0, 16, ChipState::Up, 0);
-    let limits = Limits { max_queued_prompt: Duration::from_millis(10), ..Limits::new(64) };
-    let mut router = Router::new(vec![view.report], 64).with_limits(limits);
-    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    let (c0, mut router, mut fx) = one_chip_bounded_at_10_ms();
     let (gold, silver) = (share(0, 2), share(1, 1));
     let route = |id: u64, share| ask_of(id, 60, share);
     router.handle(route(1, gold), &mut fx);
@@ -782,11 +787,7 @@ fn a_chips_prompt_queue_is_bounded_and_the_backlog_leaves_in_weighted_fair_order
 /// first still holds a prompt. Alone, a tenant never passes the bound.
 #[test]
 fn the_least_served_tenant_passes_the_prompt_bound_one_request_at_a_time() {
-    use crate::test_fx::TestFx;
-    let (c0, view) = chip(0, 16, ChipState::Up, 0);
-    let limits = Limits { max_queued_prompt: Duration::from_millis(10), ..Limits::new(64) };
-    let mut router = Router::new(vec![view.report], 64).with_limits(limits);
-    let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+    let (c0, mut router, mut fx) = one_chip_bounded_at_10_ms();
     let (flood, light) = (share(0, 1), share(1, 1));
     for id in 1..=6 {
         router.handle(ask_of(id, 60, flood), &mut fx);
