@@ -158,6 +158,7 @@ pub fn build_host<E>(
             max_queued_prompt: Duration::from_millis(r.max_queued_prompt_ms),
             max_waiting_requests: r.max_waiting_requests,
             queue_timeout: Duration::from_millis(r.queue_timeout_ms),
+            decode_overflow: r.decode_overflow,
         };
         let routing = Router::new(reports, r.max_queued_requests)
             .with_disaggregation(spec.disagg.min_prompt_tokens)

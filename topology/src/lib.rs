@@ -40,8 +40,8 @@ pub fn check_name(name: &str) -> Result<(), String> {
     }
 }
 pub use tessera_vocab::{
-    Cipher, DType, Endpoint, HostAddr, KvLayout, MatmulPrecision, PriorityClass, Quantize, ResolveError, Role,
-    RouterPolicy, SecurityMode, TransportChoice, UnknownName,
+    Cipher, DType, DecodeOverflow, Endpoint, HostAddr, KvLayout, MatmulPrecision, PriorityClass, Quantize,
+    ResolveError, Role, RouterPolicy, SecurityMode, TransportChoice, UnknownName,
 };
 
 /// The embedded default topology: on localhost, host `h0` with an emulated Ascend 910B
@@ -404,6 +404,9 @@ pub struct RouterSpec {
     /// How long a request waits for a chip before a 429 with `Retry-After` (default
     /// 5000, 1..=86_400_000).
     pub queue_timeout_ms: u64,
+    /// Where a request goes when every decoding chip is full (default
+    /// `prefill-chips`; see [`DecodeOverflow`]).
+    pub decode_overflow: DecodeOverflow,
 }
 
 impl Default for RouterSpec {
@@ -415,6 +418,7 @@ impl Default for RouterSpec {
             max_queued_prompt_ms: 500,
             max_waiting_requests: 256,
             queue_timeout_ms: 5000,
+            decode_overflow: DecodeOverflow::default(),
         }
     }
 }

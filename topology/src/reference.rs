@@ -137,6 +137,12 @@ pub const TABLES: &[Table] = &[
                 "5000",
                 "How long a request waits for a chip before a 429 with `Retry-After`.",
             ),
+            key(
+                "decode_overflow",
+                "`prefill-chips`, `wait`",
+                "`prefill-chips`",
+                "Where a request goes when every decoding chip is full: run whole on a prefill chip (more throughput, but prompts there wait for its decodes), or `wait` in the router's queue (prefill chips only prefill, so TTFT stays apart from the decode load). Either way prefill chips run requests whole while no decoding chip is up.",
+            ),
         ],
     },
     Table {

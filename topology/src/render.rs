@@ -26,13 +26,17 @@ fn write_summary(out: &mut String, spec: &ClusterSpec) -> std::fmt::Result {
     let r = &spec.router;
     writeln!(
         out,
-        "  router: {}, {} requests placed before more wait; up to {} wait {} ms; a chip past {}% KV or {} ms of queued prompts takes none",
+        "  router: {}, {} requests placed before more wait; up to {} wait {} ms; a chip past {}% KV or {} ms of queued prompts takes none; with every decoding chip full, {}",
         r.policy,
         r.max_queued_requests,
         r.max_waiting_requests,
         r.queue_timeout_ms,
         r.kv_breaker_percent,
-        r.max_queued_prompt_ms
+        r.max_queued_prompt_ms,
+        match r.decode_overflow {
+            crate::DecodeOverflow::PrefillChips => "prefill chips decode",
+            crate::DecodeOverflow::Wait => "requests wait",
+        }
     )?;
     let sol = &spec.solver;
     if sol.enabled {

@@ -219,6 +219,8 @@ struct RawRouter {
     max_waiting_requests: Option<Spanned<usize>>,
     #[serde(default)]
     queue_timeout_ms: Option<Spanned<u64>>,
+    #[serde(default)]
+    decode_overflow: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -968,6 +970,7 @@ impl Checker<'_> {
                 d.queue_timeout_ms,
                 millis(1),
             )?,
+            decode_overflow: self.named(&raw.decode_overflow, "router.decode_overflow", d.decode_overflow)?,
         })
     }
 

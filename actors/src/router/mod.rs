@@ -16,8 +16,10 @@
 //! charged what its requests cost at the paces of the chips they were placed on), first
 //! come first served within a tenant — until one can or its deadline passes (then a 429
 //! with `Retry-After`). The least-served tenant may place one request at a time past the
-//! prompt bound (see `Router::may_pass_prompt_bound`), so a light tenant beside a flood
-//! does not wait in the router for the flood's work to free room. When a chip goes down
+//! prompt bound and the KV breaker (see `Router::may_pass_prompt_bound`), so a light
+//! tenant beside a flood does not wait in the router for the flood's work to free room.
+//! When every decoding chip is full, a request runs whole on a prefill chip or waits
+//! here, as `Limits::decode_overflow` says. When a chip goes down
 //! the router tells every request placed there, so they re-route and replay.
 
 pub mod breaker;
@@ -33,7 +35,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tessera_actor_core::{Addr, HostId, Moment};
 use tessera_actor_core::{Behavior, Effects};
-pub use tessera_vocab::RouterPolicy;
+pub use tessera_vocab::{DecodeOverflow, RouterPolicy};
 
 /// A chip as the router knows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -211,7 +213,8 @@ pub struct Placed {
 /// Disaggregates when the prompt has at least `min_prompt_tokens` tokens and both a
 /// `prefill` and a compatible `decode` chip are available; otherwise runs the request
 /// on one chip: a `decode` or `both` chip, or — rather than refusing it — a `prefill`
-/// chip when no other is up. Any placement that avoids every chip in `exclude` (chips
+/// chip when none of those is available (`place_among` may forbid that while one is up:
+/// see [`DecodeOverflow`]). Any placement that avoids every chip in `exclude` (chips
 /// that lost or declined this request) wins over one that uses them: a request whose
 /// only decode chip is restarting runs on the prefill chip instead of waiting. Only
 /// when no chip outside `exclude` is available may an excluded one be chosen again.
@@ -226,12 +229,13 @@ pub fn place(
     score: &Scorer,
 ) -> Option<Placed> {
     let all: Vec<(&Addr, &ChipView)> = chips.iter().collect();
-    place_among(&all, down_hosts, exclude, prompt_tokens, min_prompt_tokens, score)
+    place_among(&all, down_hosts, exclude, prompt_tokens, min_prompt_tokens, score, true)
 }
 
 /// [`place`] among `chips` only: the same choice as among all chips whenever every chip
 /// left out scores no better than one kept that fits the same leg (see
-/// `Router::candidates`).
+/// `Router::candidates`). A prefill chip runs a request whole only if
+/// `prefill_may_decode` (see [`prefill_may_decode`]).
 pub fn place_among(
     chips: &[(&Addr, &ChipView)],
     down_hosts: &BTreeSet<HostId>,
@@ -239,6 +243,7 @@ pub fn place_among(
     prompt_tokens: usize,
     min_prompt_tokens: usize,
     score: &Scorer,
+    prefill_may_decode: bool,
 ) -> Option<Placed> {
     let place_avoiding = |avoid: &[Addr]| {
         if prompt_tokens >= min_prompt_tokens
@@ -254,10 +259,31 @@ pub fn place_among(
             }
         }
         best(chips, down_hosts, avoid, Leg::Compute, score, |c| c.report.role.decodes())
-            .or_else(|| best(chips, down_hosts, avoid, Leg::Compute, score, |_| true))
+            .or_else(|| best(chips, down_hosts, avoid, Leg::Compute, score, |_| prefill_may_decode))
             .map(|decode| Placed { decode, prefill: None })
     };
     place_avoiding(exclude).or_else(|| place_avoiding(&[]))
+}
+
+/// Whether a prefill chip may run a request whole (`place_among`): always under
+/// [`DecodeOverflow::PrefillChips`]; under [`DecodeOverflow::Wait`] only while no
+/// decoding chip is up, its host alive and outside `exclude` (whatever its breakers and
+/// load: one that is merely full makes the request wait). So a request whose only
+/// decode chip is restarting, or declined it, still runs on a prefill chip.
+pub fn prefill_may_decode(
+    overflow: DecodeOverflow,
+    chips: &BTreeMap<Addr, ChipView>,
+    down_hosts: &BTreeSet<HostId>,
+    exclude: &[Addr],
+) -> bool {
+    overflow == DecodeOverflow::PrefillChips
+        || !chips.iter().any(|(a, c)| {
+            c.report.role.decodes()
+                && c.report.state == ChipState::Up
+                && !c.report.draining
+                && !down_hosts.contains(&a.host)
+                && !exclude.contains(a)
+        })
 }
 
 struct Placement {
@@ -302,10 +328,13 @@ pub struct Limits {
     pub max_waiting_requests: usize,
     /// How long a request waits before it is refused (429 with `Retry-After`).
     pub queue_timeout: Duration,
+    /// Where a request goes when every decoding chip is full.
+    pub decode_overflow: DecodeOverflow,
 }
 
 impl Limits {
-    /// `max_queued_requests` with the defaults of the rest: 90%, 256 waiting, 5 s.
+    /// `max_queued_requests` with the defaults of the rest: 90%, 256 waiting, 5 s,
+    /// overflow onto prefill chips.
     pub fn new(max_queued_requests: usize) -> Limits {
         Limits {
             max_queued_requests,
@@ -313,6 +342,7 @@ impl Limits {
             max_queued_prompt: Duration::from_millis(500),
             max_waiting_requests: 256,
             queue_timeout: Duration::from_secs(5),
+            decode_overflow: DecodeOverflow::PrefillChips,
         }
     }
 }
@@ -812,7 +842,7 @@ impl Router {
         turn: u64,
         past_bound: bool,
     ) -> Decision {
-        let lifted = past_bound.then(|| self.past_prompt_bound());
+        let lifted = past_bound.then(|| self.past_prompt_bound(tokens.max(prompt_tokens)));
         let chips = lifted.as_ref().unwrap_or(&self.chips);
         let held = match self.policy {
             RouterPolicy::KvAware | RouterPolicy::Dynamo => self.cached_tokens(prompt, cache_salt),
@@ -854,16 +884,26 @@ impl Router {
             (false, RouterPolicy::KvAware) => self.candidates(&held, &ask, exclude, &*score),
             _ => chips.iter().collect(),
         };
+        let may_decode = prefill_may_decode(self.limits.decode_overflow, &self.chips, &self.down_hosts, exclude);
+        let min_prompt = self.min_prompt_tokens;
         let placed =
-            place_among(&candidates, &self.down_hosts, exclude, prompt_tokens, self.min_prompt_tokens, &*score);
+            place_among(&candidates, &self.down_hosts, exclude, prompt_tokens, min_prompt, &*score, may_decode);
         let cached_tokens = placed.map_or(0, |p| cached.get(&p.prefill.unwrap_or(p.decode)).copied().unwrap_or(0));
         Decision { placed, cached_tokens }
     }
 
-    /// The chips as a request that passes the prompt bound sees them (see
-    /// `may_pass_prompt_bound`): none past it.
-    fn past_prompt_bound(&self) -> BTreeMap<Addr, ChipView> {
-        self.chips.iter().map(|(a, c)| (*a, ChipView { load_full: false, ..c.clone() })).collect()
+    /// The chips as a request of `tokens` tokens that passes the prompt bound sees them
+    /// (see `may_pass_prompt_bound`): none past it, nor past the KV breaker where the
+    /// pool's free blocks (as last reported) hold the request whole — the breaker's
+    /// headroom, used by one request per tenant at a time.
+    fn past_prompt_bound(&self, tokens: usize) -> BTreeMap<Addr, ChipView> {
+        let fits = |a: &Addr, c: &ChipView| {
+            c.report.kv_blocks_total.saturating_sub(c.report.kv_blocks_used) >= tokens.div_ceil(self.block_size_of(a))
+        };
+        self.chips
+            .iter()
+            .map(|(a, c)| (*a, ChipView { load_full: false, kv_full: c.kv_full && !fits(a, c), ..c.clone() }))
+            .collect()
     }
 
     /// The cluster index (for tools that load it directly, e.g. `bench router`).
@@ -930,8 +970,10 @@ impl Router {
         let decision = self.decide(id, prompt, salt, prompt_tokens, tokens, exclude, turn, past_bound);
         let Some(Placed { decode, prefill }) = decision.placed else { return Some(ask) };
         // Past the bound only where a chip it chose had reached it.
-        let past_bound =
-            [Some(decode), prefill].iter().flatten().any(|c| self.chips.get(c).is_some_and(|v| v.load_full));
+        let past_bound = [Some(decode), prefill]
+            .iter()
+            .flatten()
+            .any(|c| self.chips.get(c).is_some_and(|v| v.load_full || v.kv_full));
         self.turns += 1;
         // A re-route replaces whatever the request held.
         self.unplace(ask.request_id, None);
@@ -956,6 +998,8 @@ impl Router {
         self.placements.insert(ask.request_id, Placement { req: ask.req, chips: held, tenant, past_bound });
         tracing::debug!(
             request = ask.request_id,
+            tenant = ask.share.tenant,
+            past_bound,
             prompt = ask.prompt_tokens,
             cached = decision.cached_tokens,
             decode = %decode,
@@ -1003,6 +1047,13 @@ impl Router {
             self.refuse(ask, "full", why, fx);
             return;
         }
+        tracing::debug!(
+            request = ask.request_id,
+            tenant = ask.share.tenant,
+            counter = self.fair.counter(ask.share.tenant),
+            waiting = self.waiting.len(),
+            "waits"
+        );
         fx.timer(self.limits.queue_timeout, Msg::Tick);
         // After every request of its class or a higher one.
         let class = ask.share.class;
@@ -1023,7 +1074,7 @@ impl Router {
     }
 
     /// Whether a new request of `share`'s tenant may be placed past the chips' prompt
-    /// bound (their KV and error breakers still hold): while another tenant has work
+    /// bound and the KV breaker (error breakers still hold): while another tenant has work
     /// here, `share`'s tenant is the least served (VTC: its request is the one to place
     /// next) and none of its requests placed past the bound still holds a prompt. So a
     /// light tenant beside a flood starts its prompt at once, rather than waiting for

@@ -729,7 +729,7 @@ mod candidates {
             let score = kv_aware(&cached, ask, &|_| 16);
             let want = place(&router.chips, &router.down_hosts, &exclude, prompt, 64, &score);
             let few = router.candidates(&held, &ask, &exclude, &score);
-            let got = place_among(&few, &router.down_hosts, &exclude, prompt, 64, &score);
+            let got = place_among(&few, &router.down_hosts, &exclude, prompt, 64, &score, true);
             prop_assert_eq!(got, want);
         }
     }
@@ -832,4 +832,97 @@ fn a_tenant_arriving_is_lifted_even_when_its_request_is_placed_at_once() {
     // A light request now arriving beside the flood's is lifted to the flood's counter.
     router.handle(ask_of(11, 60, light), &mut fx);
     assert!(router.fair.counter(1) >= router.fair.counter(0) - 1e-12);
+}
+
+/// Whether a prefill chip may run a request whole: under `prefill-chips` always; under
+/// `wait` only while no decoding chip is up, its host alive and not excluded, however
+/// full the decoding chips are.
+#[test]
+fn prefill_chips_decode_only_as_the_overflow_setting_says() {
+    use ChipState::*;
+    use DecodeOverflow::{PrefillChips, Wait};
+    let a = |h| Addr::new(HostId(h), 16);
+    let full = |h, role| {
+        let (addr, mut view) = role_chip(h, role, Up, 0);
+        view.kv_full = true;
+        (addr, view)
+    };
+    // (setting, chips, hosts down, excluded hosts, may a prefill chip run a request whole)
+    type Case = (DecodeOverflow, Vec<(Addr, ChipView)>, Vec<u16>, Vec<u16>, bool);
+    let table: Vec<Case> = vec![
+        (PrefillChips, vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0)], vec![], vec![], true),
+        (Wait, vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0)], vec![], vec![], false),
+        (Wait, vec![role_chip(0, Prefill, Up, 0), full(1, Decode)], vec![], vec![], false), // full: wait
+        (Wait, vec![role_chip(0, Prefill, Up, 0), full(1, Both)], vec![], vec![], false),
+        (Wait, vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Down, 0)], vec![], vec![], true),
+        (Wait, vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Starting, 0)], vec![], vec![], true),
+        (Wait, vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0)], vec![1], vec![], true), // host down
+        (Wait, vec![role_chip(0, Prefill, Up, 0), role_chip(1, Decode, Up, 0)], vec![], vec![1], true), // declined
+        (Wait, vec![role_chip(0, Prefill, Up, 0), role_chip(1, Prefill, Up, 0)], vec![], vec![], true), // none decodes
+    ];
+    for (i, (overflow, chips, down, exclude, want)) in table.into_iter().enumerate() {
+        let chips: BTreeMap<Addr, ChipView> = chips.into_iter().collect();
+        let down: BTreeSet<HostId> = down.into_iter().map(HostId).collect();
+        let exclude: Vec<Addr> = exclude.into_iter().map(a).collect();
+        assert_eq!(prefill_may_decode(overflow, &chips, &down, &exclude), want, "case {i}");
+    }
+}
+
+/// A prefill chip and a decode chip whose pool is past the KV breaker (92 of 100
+/// blocks of 16 tokens held): under `prefill-chips` a request runs whole on the prefill
+/// chip; under `wait` it waits until the decode chip has room, and then is
+/// disaggregated — except a least-served tenant's one request, which passes the KV
+/// breaker at once if the 8 free blocks hold it.
+#[test]
+fn with_decode_overflow_wait_a_request_waits_for_a_full_decode_chip() {
+    use crate::msg::Heartbeat;
+    use crate::test_fx::TestFx;
+    let (p, pv) = role_chip(0, Prefill, ChipState::Up, 0);
+    let (d, dv) = role_chip(1, Decode, ChipState::Up, 0);
+    let beat = |report: &ChipReport, used: usize| Msg::Heartbeat {
+        beat: std::sync::Arc::new(Heartbeat {
+            host: report.chip.host,
+            host_name: report.host_name.to_string(),
+            seq: 2,
+            chips: vec![ChipReport { kv_blocks_used: used, kv_blocks_total: 100, ..report.clone() }],
+        }),
+    };
+    let placed = |fx: &mut TestFx| -> Vec<(u64, Addr, Option<Addr>)> {
+        fx.take_sent()
+            .into_iter()
+            .filter_map(|(_, m)| match m {
+                Msg::Routed { request_id, chip, prefill } => Some((request_id, chip, prefill)),
+                _ => None,
+            })
+            .collect()
+    };
+    for overflow in [DecodeOverflow::PrefillChips, DecodeOverflow::Wait] {
+        let limits = Limits { decode_overflow: overflow, ..Limits::new(64) };
+        let mut router =
+            Router::new(vec![pv.report.clone(), dv.report.clone()], 64).with_disaggregation(32).with_limits(limits);
+        let mut fx = TestFx::new(Addr::new(HostId(0), 2));
+        router.handle(beat(&pv.report, 0), &mut fx);
+        router.handle(beat(&dv.report, 92), &mut fx);
+        router.handle(ask_of(1, 100, share(0, 1)), &mut fx);
+        match overflow {
+            DecodeOverflow::PrefillChips => {
+                assert_eq!(placed(&mut fx), vec![(1, p, None)], "whole on the prefill chip")
+            }
+            DecodeOverflow::Wait => {
+                assert_eq!(placed(&mut fx), vec![], "waits for the decode chip");
+                // Another tenant, least served, passes the KV breaker with one request.
+                router.handle(ask_of(2, 100, share(1, 1)), &mut fx);
+                router.handle(ask_of(3, 100, share(1, 1)), &mut fx);
+                assert_eq!(placed(&mut fx), vec![(2, d, Some(p))]);
+                router.handle(ask_of(4, 200, share(2, 1)), &mut fx);
+                assert_eq!(placed(&mut fx), vec![], "13 blocks do not fit in the 8 free");
+                router.handle(beat(&dv.report, 50), &mut fx);
+                let got = placed(&mut fx);
+                assert!(got.iter().all(|&(_, chip, prefill)| (chip, prefill) == (d, Some(p))), "{got:?}");
+                let mut ids: Vec<u64> = got.iter().map(|(id, ..)| *id).collect();
+                ids.sort();
+                assert_eq!(ids, vec![1, 3, 4], "room again: the waiting go, disaggregated");
+            }
+        }
+    }
 }

@@ -165,6 +165,24 @@ vocabulary! {
 }
 
 vocabulary! {
+    /// Where the router places a request that finds every decoding chip (`decode` or
+    /// `both`) full (`[router] decode_overflow`). Either way a prefill chip runs requests
+    /// whole while no decoding chip is up, so a cluster keeps serving through a failure.
+    #[derive(Default)]
+    pub enum DecodeOverflow ("decode overflow") {
+        /// Runs it whole on a prefill chip: more throughput, but the prefill chip's steps
+        /// then carry decodes, and every prompt there waits for them.
+        #[default]
+        PrefillChips = "prefill-chips",
+        /// Holds it in the router's queue until a decoding chip has room: prefill chips
+        /// only prefill, so time to first token stays apart from the decode load (a
+        /// light tenant beside a flood, say), at the cost of the prefill chips' spare
+        /// decode capacity.
+        Wait = "wait",
+    }
+}
+
+vocabulary! {
     /// A tenant's priority class (`[[tenants]] priority`): admission, the router and the
     /// batchers serve higher classes first, and under KV pressure preempt lower ones
     /// first. Ordered from the highest.
