@@ -38,6 +38,11 @@ impl FairQueue {
         self.pace = pace;
     }
 
+    /// The pace service is costed at.
+    pub fn pace(&self) -> Pace {
+        self.pace
+    }
+
     /// `tenant`'s counter: its weighted service so far.
     pub fn counter(&self, tenant: u32) -> f64 {
         self.counters.get(&tenant).copied().unwrap_or(0.0)

@@ -4,7 +4,8 @@
 //! so new requests join running batches. Sequences are served by their tenant's
 //! priority class first (interactive, standard, batch); new arrivals of one class start
 //! in fair-queuing order between tenants ([`fair`]: weighted VTC), first come first
-//! served within a tenant. When KV blocks run out a decoding sequence preempts by
+//! served within a tenant; past the chip's roofline knee, a step that carries the least
+//! served tenant's prompt takes no prompt of a tenant served more. When KV blocks run out a decoding sequence preempts by
 //! recompute the lowest class's latest arrival, and a waiting sequence of a higher class
 //! preempts running ones of lower classes to start: a preempted sequence waits and
 //! resumes, it is never lost. A sequence that starts
@@ -779,6 +780,12 @@ impl Batcher {
         partial.sort_by(|a, b| a.0.order(&b.0));
         let mut partial = partial.into_iter().peekable();
         let mut arrivals = !preempted;
+        // The step's first prompt is of the tenant least served (`lead`: its counter before
+        // that prompt's charge). Past the chip's roofline knee, a prompt of a tenant served
+        // more only lengthens the step, and the first prompt's first token with it: it goes
+        // in the next step (a light tenant's prompt is not held up by a flood's in its step).
+        let knee = self.fair.pace().knee_tokens();
+        let mut lead: Option<(u32, f64)> = None;
         while seqs_left > 0 && budget > 0 {
             let next = if arrivals { self.next_waiting() } else { None };
             let arrival_first = match (partial.peek(), next) {
@@ -786,6 +793,18 @@ impl Batcher {
                 (None, Some(_)) => true,
                 (Some((key, _)), Some(n)) => self.prompt_key(&self.waiting[n]).order(key).is_lt(),
             };
+            let tenant = match (arrival_first, next, partial.peek()) {
+                (true, Some(n), _) => Some(self.waiting[n].share.tenant),
+                (false, _, Some((_, j))) => Some(self.running[*j].share.tenant),
+                _ => None,
+            };
+            if let (Some(t), Some((lead_tenant, lead_counter))) = (tenant, lead)
+                && t != lead_tenant
+                && self.fair.counter(t) > lead_counter
+                && self.limits.max_batch_tokens - budget >= knee
+            {
+                break;
+            }
             if !arrival_first {
                 let Some((_, j)) = partial.next() else { break };
                 let seq = &mut self.running[j];
@@ -793,6 +812,7 @@ impl Batcher {
                 if chunk > 0 {
                     seq.planned_in = this_plan;
                     planned.push(schedule(seq, chunk, bs, pool));
+                    lead.get_or_insert((seq.share.tenant, self.fair.counter(seq.share.tenant)));
                     self.fair.charge_prefill(seq.share, chunk);
                     budget -= chunk;
                     seqs_left -= 1;
@@ -819,6 +839,7 @@ impl Batcher {
                 self.prefix_stats.1 += seq.reused as u64;
             }
             planned.push(schedule(&mut seq, chunk, bs, pool));
+            lead.get_or_insert((seq.share.tenant, self.fair.counter(seq.share.tenant)));
             self.fair.charge_prefill(seq.share, chunk);
             self.running.push(seq);
             budget -= chunk;

@@ -792,3 +792,32 @@ fn a_new_prompt_of_a_tenant_served_less_goes_before_partial_prompts() {
         drain(&mut b, &mut p, 3);
     }
 }
+
+/// Past the chip's roofline knee (the tokens where a step's compute passes its fixed
+/// part), a step that carries the prompt of the tenant least served takes no prompt of
+/// a tenant served more: the light tenant's first token does not wait for a flood's
+/// prompt computed in the same step. Below the knee they share it; one tenant alone
+/// batches as before.
+#[test]
+fn past_the_knee_a_light_tenants_prompt_does_not_share_its_step_with_a_floods() {
+    use PriorityClass::Standard;
+    // (prefill seconds a token: the knee is 10 tokens, or 1000; the second step's shape)
+    let cases: [(f64, Shape); 2] = [
+        (1e-3, vec![(1, 24, 1, true), (2, 24, 1, true), (4, 0, 24, true)]),
+        (1e-5, vec![(1, 24, 1, true), (2, 24, 1, true), (4, 0, 24, true), (3, 0, 24, true)]),
+    ];
+    for (prefill_s_per_token, want) in cases {
+        let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+        b.set_pace(Pace { prefill_s_per_token, decode_step_s: 1e-2, decode_s_per_seq: 1e-3 });
+        let mut p = pool(64);
+        b.enqueue(of_class(seq(1, 24, 4), 0, 1, Standard));
+        b.enqueue(of_class(seq(2, 24, 4), 0, 1, Standard));
+        let (got, _) = run_step(&mut b, &mut p);
+        assert_eq!(got, vec![(1, 0, 24, true), (2, 0, 24, true)], "one tenant: one step");
+        b.enqueue(of_class(seq(3, 24, 4), 0, 1, Standard));
+        b.enqueue(of_class(seq(4, 24, 4), 1, 1, Standard));
+        let (got, _) = run_step(&mut b, &mut p);
+        assert_eq!(got, want, "knee {}", b.fair.pace().knee_tokens());
+        drain(&mut b, &mut p, 4);
+    }
+}

@@ -92,6 +92,14 @@ impl Pace {
         }
     }
 
+    /// Tokens a step carries before its compute outweighs its fixed part (the weights'
+    /// read, a one-sequence decode step): the roofline's knee. Below it a token more
+    /// rides the step almost free; past it each lengthens the step by its own compute.
+    pub fn knee_tokens(&self) -> usize {
+        let knee = self.decode_step_s / self.prefill_s_per_token;
+        if knee.is_finite() && knee > 0.0 { knee.ceil().min(usize::MAX as f64) as usize } else { usize::MAX }
+    }
+
     /// A decode step of `batch` sequences.
     pub fn decode_s(&self, batch: f64) -> f64 {
         self.decode_step_s + (batch - 1.0).max(0.0) * self.decode_s_per_seq
