@@ -11,7 +11,9 @@
 #   env: TESSERA (the binary; default target/release/tessera), PORT (gateway port,
 #        default 8300; bus ports PORT-800 and up), LIGHT_RATE (default 2),
 #        LIGHT_REQUESTS (default 40), FLOOD_CONCURRENCY (default 64),
-#        FLOOD_REQUESTS (default 300), ISL (default 256), OSL (default 64).
+#        FLOOD_REQUESTS (default 300), ISL (default 256), OSL (default 64),
+#        DECODE_OVERFLOW (the topology's `[router] decode_overflow`: prefill-chips, the
+#        default, or wait).
 case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)

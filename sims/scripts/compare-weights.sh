@@ -12,7 +12,8 @@
 #   env: TESSERA (the binary; default target/release/tessera), PORT (gateway port,
 #        default 8300; bus ports PORT-800 and up), CONCURRENCY (each tenant's, default
 #        32), WARMUP_S (default 15), MEASURE_S (default 60), ISL (default 256),
-#        OSL (default 64).
+#        OSL (default 64), DECODE_OVERFLOW (`[router] decode_overflow`, as in
+#        compare-tenants.sh).
 case "${1:-}" in -h | --help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)

@@ -21,8 +21,9 @@ tenant_setup() {
 }
 
 # tenant_topology HERE PORT OUT: writes OUT/topology.toml, the embedded default topology
-# with its gateway on PORT, its buses on PORT-800 and up, and a keys file (keys.json
-# beside it); the caller appends its [[tenants]].
+# with its gateway on PORT, its buses on PORT-800 and up, a keys file (keys.json
+# beside it) and, when $DECODE_OVERFLOW is set, that `[router] decode_overflow`; the
+# caller appends its [[tenants]].
 tenant_topology() {
     local here=$1 port=$2 out=$3
     local bus=$((port - 800))
@@ -31,6 +32,7 @@ tenant_topology() {
         -e "s/127.0.0.1:7402/127.0.0.1:$((bus + 2))/" -e "s/127.0.0.1:7411/127.0.0.1:$((bus + 11))/" \
         -e "s/127.0.0.1:7412/127.0.0.1:$((bus + 12))/" \
         -e 's/^max_inflight_requests = \(.*\)$/max_inflight_requests = \1\nkeys_file = "keys.json"/' \
+        -e "s/^decode_overflow = .*/decode_overflow = \"${DECODE_OVERFLOW:-prefill-chips}\"/" \
         "$here/topology/default.toml" > "$out/topology.toml"
 }
 
