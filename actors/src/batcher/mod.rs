@@ -5,10 +5,10 @@
 //! priority class first (interactive, standard, batch); new arrivals of one class start
 //! in fair-queuing order between tenants ([`fair`]: weighted VTC), first come first
 //! served within a tenant; past the chip's roofline knee, a step that carries the least
-//! served tenant's prompt takes no prompt of a tenant served more. When KV blocks run out a decoding sequence preempts by
-//! recompute the lowest class's latest arrival, and a waiting sequence of a higher class
-//! preempts running ones of lower classes to start: a preempted sequence waits and
-//! resumes, it is never lost. A sequence that starts
+//! served tenant's prompt takes no prompt of a tenant served more. When KV blocks run
+//! out a decoding sequence preempts by recompute the lowest class's latest arrival, and
+//! a waiting sequence of a higher class preempts running ones of lower classes to start:
+//! a preempted sequence waits and resumes, it is never lost. A sequence that starts
 //! (or restarts) takes the leading blocks of its prompt that the pool still holds —
 //! sealed by a running sequence or cached after an ended one — and computes only the
 //! rest (prefix reuse; at least its last prompt token is always computed, so it has
