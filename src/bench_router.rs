@@ -131,7 +131,7 @@ pub fn run(opts: &RouterBenchOptions) -> RouterBenchReport {
             (0..(prompt_blocks + 1) * bs).map(|_| below(50_000) as u32).collect()
         };
         let t = Instant::now();
-        let decision = router.decide(d as u64, &prompt, None, prompt.len(), prompt.len() + 64, &[], d as u64, false);
+        let decision = router.decide(d as u64, &prompt, None, prompt.len(), prompt.len() + 64, &[], d as u64, None);
         times.push(t.elapsed().as_secs_f64() * 1e6);
         prefix_hits += usize::from(decision.cached_tokens > 0);
         std::hint::black_box(decision);

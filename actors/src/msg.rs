@@ -845,6 +845,12 @@ pub enum Msg {
         request_id: u64,
         chip: Addr,
     },
+    /// Request -> router: the prefill chip of a disaggregated request sampled its first
+    /// token, so its prompt is computed (its KV may still be on the way to the decode
+    /// chip, which `Prefilled` tells).
+    PromptComputed {
+        request_id: u64,
+    },
     /// Forked request -> router: it runs on `chip`, forked from its parent there, and
     /// holds `tokens` of KV (the router counts it as a placement of its own).
     Forked {
@@ -1120,6 +1126,7 @@ impl Message for Msg {
             Msg::RouteFailed { .. } => "route_failed",
             Msg::Release { .. } => "release",
             Msg::Prefilled { .. } => "prefilled",
+            Msg::PromptComputed { .. } => "prompt_computed",
             Msg::Enqueue { .. } => "enqueue",
             Msg::Prefill { .. } => "prefill",
             Msg::Abort { .. } => "abort",

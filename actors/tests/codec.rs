@@ -342,6 +342,7 @@ fn build(kind: usize, p: &Parts) -> Msg {
         62 => Msg::SetLimits { max_batch_tokens: p.n as u32, max_batch_seqs: p.b as u32 },
         63 => Msg::ApplyRoles { roles: vec![(p.text.clone(), duty(p))], reply_to: addr(p.a) },
         64 => Msg::KvFirstToken { request_id: p.a, token: p.b as u32 },
+        65 => Msg::PromptComputed { request_id: p.a },
         _ => Msg::KvSnapshot { chip: addr(p.a), incarnation: p.n as u64, last_event: p.b, hashes: vec![p.a, p.b] },
     }
 }
@@ -414,7 +415,7 @@ fn retry(p: &Parts) -> Retry {
     [Retry::No, Retry::Elsewhere, Retry::Unavailable][p.n % 3]
 }
 
-const KINDS: usize = 66;
+const KINDS: usize = 67;
 
 /// Fails to compile when a variant is added without a case in `build`.
 fn kind_index(m: &Msg) -> usize {
@@ -485,6 +486,7 @@ fn kind_index(m: &Msg) -> usize {
         Msg::SetLimits { .. } => 63,
         Msg::ApplyRoles { .. } => 64,
         Msg::KvFirstToken { .. } => 65,
+        Msg::PromptComputed { .. } => 66,
     }
 }
 

@@ -4,8 +4,10 @@
 //! so new requests join running batches. Sequences are served by their tenant's
 //! priority class first (interactive, standard, batch); new arrivals of one class start
 //! in fair-queuing order between tenants ([`fair`]: weighted VTC), first come first
-//! served within a tenant; past the chip's roofline knee, a step that carries the least
-//! served tenant's prompt takes no prompt of a tenant served more. When KV blocks run
+//! served within a tenant. On a chip shared by tenants a step computes prompt tokens up
+//! to the chip's roofline knee, and a lone prompt (a tenant's only sequence here, as a
+//! light tenant's beside a flood) goes first and whole, the other tenants' decodes held
+//! back one step, so its first token comes about as fast as alone. When KV blocks run
 //! out a decoding sequence preempts by recompute the lowest class's latest arrival, and
 //! a waiting sequence of a higher class preempts running ones of lower classes to start:
 //! a preempted sequence waits and resumes, it is never lost. A sequence that starts
@@ -24,8 +26,8 @@ use crate::msg::{Delivery, Finish, Fork, PriorityClass, SamplingSpec, SeqRequest
 use crate::router::cost::Pace;
 use fair::FairQueue;
 use smallvec::SmallVec;
-use std::collections::BTreeMap;
 use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_actor_core::Addr;
 use tessera_topology::perf::{SeqStep, StepShape};
@@ -157,13 +159,23 @@ impl Seq {
 #[derive(Debug, Clone, Copy)]
 struct PromptKey {
     class: PriorityClass,
+    /// The step's lone prompt (see `Batcher::lone_lead`) goes first in its class.
+    leads: bool,
     counter: f64,
+    /// Its tenant has other sequences here: of two tenants served alike, the one with no
+    /// backlog here goes first (a returning tenant is lifted level with the others).
+    backlog: bool,
     arrival: u64,
 }
 
 impl PromptKey {
     fn order(&self, other: &PromptKey) -> std::cmp::Ordering {
-        self.class.cmp(&other.class).then(self.counter.total_cmp(&other.counter)).then(self.arrival.cmp(&other.arrival))
+        self.class
+            .cmp(&other.class)
+            .then(other.leads.cmp(&self.leads))
+            .then(self.counter.total_cmp(&other.counter))
+            .then(self.backlog.cmp(&other.backlog))
+            .then(self.arrival.cmp(&other.arrival))
     }
 }
 
@@ -359,6 +371,12 @@ pub struct Batcher {
     mixed_prefill_cap: Option<usize>,
     /// Tenants' virtual counters: which waiting sequence of a class starts next.
     fair: FairQueue,
+    /// The cluster serves several tenants: steps keep to the knee (see `plan`).
+    shared: bool,
+    /// Tenants with one sequence here, as the current plan began.
+    lone: BTreeSet<u32>,
+    /// The current plan's lone lead (see `lone_lead`).
+    leading: Option<u32>,
     /// Preemptions since `take_preemptions`.
     preemptions: Preemptions,
 }
@@ -395,8 +413,16 @@ impl Batcher {
             plans: 0,
             mixed_prefill_cap: None,
             fair: FairQueue::default(),
+            shared: false,
+            lone: BTreeSet::new(),
+            leading: None,
             preemptions: Preemptions::default(),
         }
+    }
+
+    /// Whether the chip serves several tenants (from the next step on): see `plan`.
+    pub fn set_shared(&mut self, shared: bool) {
+        self.shared = shared;
     }
 
     /// Preemptions since the last call.
@@ -439,9 +465,25 @@ impl Batcher {
     }
 
     /// Where `s` stands in the order prompts are served: class, its tenant's counter,
-    /// arrival.
+    /// whether the tenant has a backlog here, arrival.
     fn prompt_key(&self, s: &Seq) -> PromptKey {
-        PromptKey { class: s.share.class, counter: self.fair.counter(s.share.tenant), arrival: s.arrival }
+        let (class, tenant) = (s.share.class, s.share.tenant);
+        PromptKey {
+            class,
+            leads: self.leading == Some(tenant),
+            counter: self.fair.counter(tenant),
+            backlog: !self.lone.contains(&tenant),
+            arrival: s.arrival,
+        }
+    }
+
+    /// Tenants with exactly one sequence here.
+    fn lone_tenants(&self) -> BTreeSet<u32> {
+        let mut count: BTreeMap<u32, usize> = BTreeMap::new();
+        for s in self.running.iter().chain(&self.waiting) {
+            *count.entry(s.share.tenant).or_default() += 1;
+        }
+        count.into_iter().filter(|&(_, n)| n == 1).map(|(t, _)| t).collect()
     }
 
     /// Takes running sequence `j` back to waiting by recompute (a prefill for a decode
@@ -709,6 +751,38 @@ impl Batcher {
         seq.req
     }
 
+    /// On a chip shared by tenants, the tenant whose prompt is first in the order prompts
+    /// are served (see `plan`) when that prompt is its only sequence here: a tenant with
+    /// no backlog here, as a light one beside a flood; or one whose lone prompt is part
+    /// way (longer than a step's budget), which keeps the lead until it is computed. Its
+    /// prompt goes first, whole as far as the budget goes, in a step free of the other
+    /// tenants' decodes (held back one step), so its first token comes as it would alone;
+    /// a backlogged tenant always has several sequences here.
+    fn lone_lead(&self) -> Option<u32> {
+        if !self.shared {
+            return None;
+        }
+        let started = self
+            .running
+            .iter()
+            .filter(|s| s.pending() > 1 && s.plannable() && self.lone.contains(&s.share.tenant))
+            .min_by(|a, b| self.prompt_key(a).order(&self.prompt_key(b)));
+        if let Some(s) = started {
+            return Some(s.share.tenant);
+        }
+        let waiting = self.next_waiting().map(|n| &self.waiting[n]);
+        let partial = self
+            .running
+            .iter()
+            .filter(|s| s.pending() > 1 && s.plannable())
+            .min_by(|a, b| self.prompt_key(a).order(&self.prompt_key(b)));
+        let first = match (waiting, partial) {
+            (Some(w), Some(p)) => Some(if self.prompt_key(w).order(&self.prompt_key(p)).is_lt() { w } else { p }),
+            (w, p) => w.or(p),
+        }?;
+        Some(first.share.tenant).filter(|t| self.lone.contains(t))
+    }
+
     /// The next step, or None when there is nothing to run.
     pub fn plan(&mut self, pool: &mut KvPool) -> Option<StepPlan> {
         let bs = self.limits.block_size;
@@ -721,11 +795,19 @@ impl Batcher {
         let mut preempted = false;
         self.preempt_for_next(pool);
         self.running.sort_by_key(|s| (s.share.class, s.arrival));
+        self.lone = if self.shared { self.lone_tenants() } else { BTreeSet::new() };
+        self.leading = None;
+        let lone = self.lone_lead();
+        self.leading = lone;
 
         // 1. Decode tokens (one pending token), highest class first, then earliest arrival.
+        // A lone prompt leading the step holds back one step the other tenants' decodes
+        // that ran in the last one (never two steps running).
         let mut i = 0;
         while i < self.running.len() && seqs_left > 0 && budget > 0 {
-            if self.running[i].pending() != 1 || !self.running[i].plannable() {
+            let s = &self.running[i];
+            let held_back = lone.is_some_and(|t| s.share.tenant != t && s.planned_in + 1 == this_plan);
+            if s.pending() != 1 || !s.plannable() || held_back {
                 i += 1;
                 continue;
             }
@@ -780,41 +862,36 @@ impl Batcher {
         partial.sort_by(|a, b| a.0.order(&b.0));
         let mut partial = partial.into_iter().peekable();
         let mut arrivals = !preempted;
-        // The step's first prompt is of the tenant least served (`lead`: its counter before
-        // that prompt's charge). Past the chip's roofline knee, a prompt of a tenant served
-        // more only lengthens the step, and the first prompt's first token with it: it goes
-        // in the next step (a light tenant's prompt is not held up by a flood's in its step).
-        let knee = self.fair.pace().knee_tokens();
-        let mut lead: Option<(u32, f64)> = None;
-        while seqs_left > 0 && budget > 0 {
+        // On a chip shared by tenants a step computes prompt tokens up to the chip's
+        // roofline knee (past it a step is compute bound: chunks no larger lose nothing
+        // but its fixed part), so the step in flight when a light tenant's prompt comes
+        // is short; a lone prompt leading the step goes whole (see `lone_lead`).
+        let knee = if self.shared { self.fair.pace().knee_tokens() } else { usize::MAX };
+        let mut prompt_left = knee;
+        while seqs_left > 0 && budget > 0 && prompt_left > 0 {
             let next = if arrivals { self.next_waiting() } else { None };
             let arrival_first = match (partial.peek(), next) {
                 (_, None) => false,
                 (None, Some(_)) => true,
                 (Some((key, _)), Some(n)) => self.prompt_key(&self.waiting[n]).order(key).is_lt(),
             };
+            // The first prompt of the step whole if it is the lone prompt of its tenant.
             let tenant = match (arrival_first, next, partial.peek()) {
                 (true, Some(n), _) => Some(self.waiting[n].share.tenant),
                 (false, _, Some((_, j))) => Some(self.running[*j].share.tenant),
                 _ => None,
             };
-            if let (Some(t), Some((lead_tenant, lead_counter))) = (tenant, lead)
-                && t != lead_tenant
-                && self.fair.counter(t) > lead_counter
-                && self.limits.max_batch_tokens - budget >= knee
-            {
-                break;
-            }
+            let most = if prompt_left == knee && tenant.is_some() && tenant == lone { budget } else { prompt_left };
             if !arrival_first {
                 let Some((_, j)) = partial.next() else { break };
                 let seq = &mut self.running[j];
-                let chunk = fit_chunk(seq, seq.pending().min(budget), bs, pool.free());
+                let chunk = fit_chunk(seq, seq.pending().min(budget).min(most), bs, pool.free());
                 if chunk > 0 {
                     seq.planned_in = this_plan;
                     planned.push(schedule(seq, chunk, bs, pool));
-                    lead.get_or_insert((seq.share.tenant, self.fair.counter(seq.share.tenant)));
                     self.fair.charge_prefill(seq.share, chunk);
                     budget -= chunk;
+                    prompt_left = prompt_left.saturating_sub(chunk);
                     seqs_left -= 1;
                 }
                 continue;
@@ -825,7 +902,7 @@ impl Batcher {
             if starting {
                 reuse_prefix(front, bs, pool);
             }
-            let chunk = fit_chunk(front, front.pending().min(budget), bs, pool.free());
+            let chunk = fit_chunk(front, front.pending().min(budget).min(most), bs, pool.free());
             if chunk == 0 {
                 // It waits without holding blocks: the running sequences may need them.
                 release_blocks(front, pool);
@@ -838,11 +915,12 @@ impl Batcher {
                 self.prefix_stats.0 += seq.pending() as u64 + seq.cached as u64;
                 self.prefix_stats.1 += seq.reused as u64;
             }
+            seq.planned_in = this_plan;
             planned.push(schedule(&mut seq, chunk, bs, pool));
-            lead.get_or_insert((seq.share.tenant, self.fair.counter(seq.share.tenant)));
             self.fair.charge_prefill(seq.share, chunk);
             self.running.push(seq);
             budget -= chunk;
+            prompt_left = prompt_left.saturating_sub(chunk);
             seqs_left -= 1;
         }
 

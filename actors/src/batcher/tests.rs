@@ -793,31 +793,64 @@ fn a_new_prompt_of_a_tenant_served_less_goes_before_partial_prompts() {
     }
 }
 
-/// Past the chip's roofline knee (the tokens where a step's compute passes its fixed
-/// part), a step that carries the prompt of the tenant least served takes no prompt of
-/// a tenant served more: the light tenant's first token does not wait for a flood's
-/// prompt computed in the same step. Below the knee they share it; one tenant alone
+/// On a chip shared by tenants a step computes prompt tokens up to the chip's roofline
+/// knee (10 tokens here: the tokens computed in the time of one weights' read), so the
+/// step in flight when another tenant's prompt comes is short; a chip of one tenant
 /// batches as before.
 #[test]
-fn past_the_knee_a_light_tenants_prompt_does_not_share_its_step_with_a_floods() {
+fn on_a_shared_chip_a_step_computes_prompt_tokens_up_to_the_knee() {
     use PriorityClass::Standard;
-    // (prefill seconds a token: the knee is 10 tokens, or 1000; the second step's shape)
-    let cases: [(f64, Shape); 2] = [
-        (1e-3, vec![(1, 24, 1, true), (2, 24, 1, true), (4, 0, 24, true)]),
-        (1e-5, vec![(1, 24, 1, true), (2, 24, 1, true), (4, 0, 24, true), (3, 0, 24, true)]),
+    let pace = Pace { prefill_s_per_token: 1e-3, decode_step_s: 1e-2, decode_s_per_seq: 1e-3 };
+    // (shared, the first two steps)
+    let cases: [(bool, [Shape; 2]); 2] = [
+        (false, [vec![(1, 0, 24, true), (2, 0, 24, true)], vec![(1, 24, 1, true), (2, 24, 1, true)]]),
+        (true, [vec![(1, 0, 10, false)], vec![(1, 10, 10, false)]]),
     ];
-    for (prefill_s_per_token, want) in cases {
+    for (shared, want) in cases {
         let mut b = Batcher::new(limits(64, 8, 4), vec![]);
-        b.set_pace(Pace { prefill_s_per_token, decode_step_s: 1e-2, decode_s_per_seq: 1e-3 });
+        b.set_pace(pace);
+        b.set_shared(shared);
         let mut p = pool(64);
         b.enqueue(of_class(seq(1, 24, 4), 0, 1, Standard));
         b.enqueue(of_class(seq(2, 24, 4), 0, 1, Standard));
-        let (got, _) = run_step(&mut b, &mut p);
-        assert_eq!(got, vec![(1, 0, 24, true), (2, 0, 24, true)], "one tenant: one step");
-        b.enqueue(of_class(seq(3, 24, 4), 0, 1, Standard));
-        b.enqueue(of_class(seq(4, 24, 4), 1, 1, Standard));
-        let (got, _) = run_step(&mut b, &mut p);
-        assert_eq!(got, want, "knee {}", b.fair.pace().knee_tokens());
-        drain(&mut b, &mut p, 4);
+        for (n, want) in want.iter().enumerate() {
+            assert_eq!(&run_step(&mut b, &mut p).0, want, "shared {shared}, step {n}");
+        }
+        drain(&mut b, &mut p, 2);
+        assert_eq!(p.free(), 64);
     }
+}
+
+/// A lone prompt (its tenant's only sequence on the chip, as a light tenant's beside a
+/// flood) that comes first goes whole, past the knee, and the decodes of other tenants
+/// that ran in the step before wait that one step: its first token comes as it would
+/// alone. No decode waits two steps running: a second lone prompt right after takes the
+/// flood's decodes along, and holds back the first light request's.
+#[test]
+fn a_lone_prompt_goes_whole_in_a_step_of_its_own_and_no_decode_waits_twice() {
+    use PriorityClass::Standard;
+    let mut b = Batcher::new(limits(64, 8, 4), vec![]);
+    b.set_pace(Pace { prefill_s_per_token: 1e-3, decode_step_s: 1e-2, decode_s_per_seq: 1e-3 });
+    b.set_shared(true);
+    let mut p = pool(64);
+    // The flood (tenant 0): two requests, decoding once their prompts are in.
+    b.enqueue(of_class(seq(1, 8, 20), 0, 1, Standard));
+    b.enqueue(of_class(seq(2, 8, 20), 0, 1, Standard));
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 0, 8, true), (2, 0, 2, false)]);
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 8, 1, true), (2, 2, 6, true)]);
+    assert_eq!(run_step(&mut b, &mut p).0, vec![(1, 9, 1, true), (2, 8, 1, true)]);
+    // Two light tenants' prompts of 24 tokens (past the knee) come at once.
+    b.enqueue(of_class(seq(3, 24, 20), 1, 1, Standard));
+    b.enqueue(of_class(seq(4, 24, 20), 2, 1, Standard));
+    let steps: Vec<Shape> = (0..3).map(|_| run_step(&mut b, &mut p).0).collect();
+    assert_eq!(
+        steps,
+        vec![
+            vec![(3, 0, 24, true)],
+            vec![(1, 10, 1, true), (2, 9, 1, true), (4, 0, 24, true)],
+            vec![(1, 11, 1, true), (2, 10, 1, true), (3, 24, 1, true), (4, 24, 1, true)],
+        ]
+    );
+    drain(&mut b, &mut p, 4);
+    assert_eq!(p.free(), 64);
 }

@@ -611,8 +611,18 @@ impl Behavior<Msg> for Chip {
                 self.pool_runs += 1;
                 let mut batcher = Batcher::new(limits, info.eos_token_ids.clone());
                 batcher.set_pace(self.config.pace);
+                let shared = self.config.tenants.len() > 1;
+                batcher.set_shared(shared);
                 self.batcher = Some(batcher);
                 tracing::info!(chip = %self.config.id, kv_blocks = info.num_blocks, block_size = info.block_size, "chip up");
+                tracing::debug!(
+                    chip = %self.config.id,
+                    shared,
+                    knee_tokens = self.config.pace.knee_tokens(),
+                    prefill_s_per_token = self.config.pace.prefill_s_per_token,
+                    decode_step_s = self.config.pace.decode_step_s,
+                    "chip pace"
+                );
                 self.shown.emulated = info.emulated.as_deref().map(Arc::from);
                 self.shown.compat = Some(Arc::new(info.compat.clone()));
                 self.info = Some(*info);

@@ -324,6 +324,10 @@ impl Request {
                 self.prefilled = true;
                 let _ = fx.send(self.router, Msg::Prefilled { request_id, chip: from });
             }
+        } else if self.prefill == Some(from) && self.generated.is_empty() {
+            // The prefill chip's first token: the prompt is computed (the router lets
+            // the tenant's next request pass the prompt bound).
+            let _ = fx.send(self.router, Msg::PromptComputed { request_id: self.spec.request_id });
         }
         let first = self.generated.is_empty();
         self.generated.extend_from_slice(&tokens);

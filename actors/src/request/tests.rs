@@ -183,8 +183,12 @@ fn a_first_token_from_the_prefill_chip_streams_at_once_and_keeps_it_held() {
     let (mut fx, mut r) = routed_split(dc, Some(pc), 3);
     r.handle(generated(pc, vec![10], None), &mut fx);
     let sent = fx.take_sent();
+    // The router hears that the prompt is computed, and the client has the token.
     assert!(
-        matches!(&sent[..], [(CLIENT, Msg::Client { event: ClientEvent::Tokens { tokens, .. } })] if tokens == &[10]),
+        matches!(&sent[..], [
+            (ROUTER, Msg::PromptComputed { request_id: 9 }),
+            (CLIENT, Msg::Client { event: ClientEvent::Tokens { tokens, .. } }),
+        ] if tokens == &[10]),
         "{sent:?}"
     );
     // D loses the KV when P goes: the request aborts D and replays prompt + [10].

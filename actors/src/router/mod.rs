@@ -292,7 +292,8 @@ struct Placement {
     chips: Vec<(Addr, usize, Work)>,
     /// Its tenant (a fork's is not known here; it counts as its parent).
     tenant: Option<u32>,
-    /// Placed past the chips' prompt bound (see `Router::may_pass_prompt_bound`).
+    /// Placed past the chips' prompt bound (see `Router::may_pass_prompt_bound`) and its
+    /// prompt not yet computed (`PromptComputed` clears it).
     past_bound: bool,
 }
 
@@ -828,8 +829,9 @@ impl Router {
 
     /// Where the policy places a request of `prompt_tokens` prompt tokens (`prompt`,
     /// hashed with `cache_salt` for the cache lookup) and `tokens` tokens in all (`turn`:
-    /// round-robin's), as one that may pass the chips' prompt bound when `past_bound`
-    /// (see `may_pass_prompt_bound`; every chip is then a candidate). Changes nothing.
+    /// round-robin's), as a request of tenant `past_bound` that may pass the chips'
+    /// prompt bound (see `may_pass_prompt_bound`; every chip is then a candidate), if
+    /// set. Changes nothing.
     #[allow(clippy::too_many_arguments)]
     pub fn decide(
         &self,
@@ -840,9 +842,9 @@ impl Router {
         tokens: usize,
         exclude: &[Addr],
         turn: u64,
-        past_bound: bool,
+        past_bound: Option<u32>,
     ) -> Decision {
-        let lifted = past_bound.then(|| self.past_prompt_bound(tokens.max(prompt_tokens)));
+        let lifted = past_bound.map(|tenant| self.past_prompt_bound(tenant, tokens.max(prompt_tokens)));
         let chips = lifted.as_ref().unwrap_or(&self.chips);
         let held = match self.policy {
             RouterPolicy::KvAware | RouterPolicy::Dynamo => self.cached_tokens(prompt, cache_salt),
@@ -881,7 +883,7 @@ impl Router {
             }),
         };
         let candidates: Vec<(&Addr, &ChipView)> = match (past_bound, self.policy) {
-            (false, RouterPolicy::KvAware) => self.candidates(&held, &ask, exclude, &*score),
+            (None, RouterPolicy::KvAware) => self.candidates(&held, &ask, exclude, &*score),
             _ => chips.iter().collect(),
         };
         let may_decode = prefill_may_decode(self.limits.decode_overflow, &self.chips, &self.down_hosts, exclude);
@@ -892,17 +894,30 @@ impl Router {
         Decision { placed, cached_tokens }
     }
 
-    /// The chips as a request of `tokens` tokens that passes the prompt bound sees them
-    /// (see `may_pass_prompt_bound`): none past it, nor past the KV breaker where the
-    /// pool's free blocks (as last reported) hold the request whole — the breaker's
-    /// headroom, used by one request per tenant at a time.
-    fn past_prompt_bound(&self, tokens: usize) -> BTreeMap<Addr, ChipView> {
+    /// The chips as a request of `tenant` with `tokens` tokens that passes the prompt
+    /// bound sees them (see `may_pass_prompt_bound`): none past it, nor past the KV
+    /// breaker where the pool's free blocks (as last reported) hold the request whole —
+    /// the breaker's headroom, used by one request per tenant at a time. And the prompts
+    /// queued on a chip are only `tenant`'s own: the least served tenant's prompt goes
+    /// before the others' in every chip's fair order, so only the step in flight and its
+    /// own prompts are ahead of it (a chip that would prefill it fastest is not passed
+    /// over for the flood queued there).
+    fn past_prompt_bound(&self, tenant: u32, tokens: usize) -> BTreeMap<Addr, ChipView> {
         let fits = |a: &Addr, c: &ChipView| {
             c.report.kv_blocks_total.saturating_sub(c.report.kv_blocks_used) >= tokens.div_ceil(self.block_size_of(a))
         };
+        let mut own: BTreeMap<Addr, usize> = BTreeMap::new();
+        for p in self.placements.values().filter(|p| p.tenant == Some(tenant)) {
+            for (chip, _, work) in &p.chips {
+                *own.entry(*chip).or_default() += work.prompt_tokens;
+            }
+        }
         self.chips
             .iter()
-            .map(|(a, c)| (*a, ChipView { load_full: false, kv_full: c.kv_full && !fits(a, c), ..c.clone() }))
+            .map(|(a, c)| {
+                let work = Work { prompt_tokens: own.get(a).copied().unwrap_or(0), ..c.work };
+                (*a, ChipView { load_full: false, kv_full: c.kv_full && !fits(a, c), work, ..c.clone() })
+            })
             .collect()
     }
 
@@ -967,7 +982,8 @@ impl Router {
         let turn = self.turns;
         let (id, salt, exclude) = (ask.request_id, ask.cache_salt, &ask.exclude);
         let (prompt, prompt_tokens, tokens) = (&ask.prompt, ask.prompt_tokens, ask.tokens);
-        let decision = self.decide(id, prompt, salt, prompt_tokens, tokens, exclude, turn, past_bound);
+        let past = past_bound.then_some(ask.share.tenant);
+        let decision = self.decide(id, prompt, salt, prompt_tokens, tokens, exclude, turn, past);
         let Some(Placed { decode, prefill }) = decision.placed else { return Some(ask) };
         // Past the bound only where a chip it chose had reached it.
         let past_bound = [Some(decode), prefill]
@@ -1076,7 +1092,8 @@ impl Router {
     /// Whether a new request of `share`'s tenant may be placed past the chips' prompt
     /// bound and the KV breaker (error breakers still hold): while another tenant has work
     /// here, `share`'s tenant is the least served (VTC: its request is the one to place
-    /// next) and none of its requests placed past the bound still holds a prompt. So a
+    /// next) and none of its requests placed past the bound still has its prompt to
+    /// compute (the prefill chip's first token ends that, not the decode chip's). So a
     /// light tenant beside a flood starts its prompt at once, rather than waiting for
     /// the flood's work to free room, while the prompts past the bound stay one per
     /// tenant: two backlogged tenants cannot take turns at lifting the bound for good.
@@ -1246,6 +1263,13 @@ impl Behavior<Msg> for Router {
             Msg::Prefilled { request_id, chip } => {
                 // Its prompt no longer counts against the chip's queue: one may wait for that.
                 self.prefilled(request_id, chip);
+                self.drain(fx);
+            }
+            Msg::PromptComputed { request_id } => {
+                // Its tenant's next request may pass the prompt bound.
+                if let Some(p) = self.placements.get_mut(&request_id) {
+                    p.past_bound = false;
+                }
                 self.drain(fx);
             }
             Msg::Forked { request_id, req, chip, tokens } => self.forked(request_id, req, chip, tokens),

@@ -588,7 +588,7 @@ fn a_chip_of_another_block_size_is_found_by_its_prefix() {
             .collect();
         router.handle(Msg::KvEvents { chip: c1.0, incarnation: 1, events }, &mut fx);
         let prompt: Vec<u32> = system.iter().copied().chain([50, 51, 52]).collect();
-        let decision = router.decide(1, &prompt, None, prompt.len(), prompt.len() + 1, &[], 0, false);
+        let decision = router.decide(1, &prompt, None, prompt.len(), prompt.len() + 1, &[], 0, None);
         assert_eq!(decision.placed.map(|p| p.decode), Some(c1.0), "{policy:?}");
         if policy == RouterPolicy::KvAware {
             assert_eq!(decision.cached_tokens, 24);
@@ -805,6 +805,45 @@ fn the_least_served_tenant_passes_the_prompt_bound_one_request_at_a_time() {
     // The flood's next is first in fair order (a tie goes to the earliest), and the flood
     // holds a prompt past the bound already: nothing goes.
     assert_eq!(routed(&mut fx), Vec::<u64>::new(), "the bound holds");
+}
+
+/// A light tenant's request past the bound lets its next one pass once the prefill chip
+/// sampled the first token (`PromptComputed`), not only when the decode chip has the KV.
+#[test]
+fn a_prompt_computed_lets_the_tenants_next_request_pass_the_bound() {
+    let (c0, mut router, mut fx) = one_chip_bounded_at_10_ms();
+    // Weighted 10: one request leaves the light tenant still the least served.
+    let (flood, light) = (share(0, 1), share(1, 10));
+    for id in 1..=4 {
+        router.handle(ask_of(id, 60, flood), &mut fx);
+    }
+    assert_eq!(routed(&mut fx), vec![1, 2]);
+    router.handle(ask_of(10, 60, light), &mut fx);
+    router.handle(ask_of(11, 60, light), &mut fx);
+    assert_eq!(routed(&mut fx), vec![10], "its second waits while the first's prompt is computed");
+    router.handle(Msg::PromptComputed { request_id: 10 }, &mut fx);
+    // The queue moves: the flood's next, least served once the light's first was
+    // charged, passes the bound once; then the light's second, its first prompt computed.
+    assert_eq!(routed(&mut fx), vec![3, 11]);
+    assert_eq!(router.chips[&c0].work.prompt_tokens, 300, "the first still counts until the decode chip has it");
+}
+
+/// A request past the prompt bound (the least served tenant's) goes before the other
+/// tenants' prompts in every chip's fair order, so it counts only its own tenant's
+/// prompts queued there: a fast chip with a flood queued computes it sooner than a
+/// slower idle one.
+#[test]
+fn past_the_bound_a_request_counts_only_its_own_tenants_queued_prompts() {
+    let (c0, v0) = chip(0, 16, ChipState::Up, 0);
+    let (c1, v1) = chip(1, 16, ChipState::Up, 0);
+    let pace = |prefill_s_per_token| Pace { prefill_s_per_token, decode_step_s: 1e-3, decode_s_per_seq: 0.0 };
+    let paces = BTreeMap::from([(c0, pace(1e-4)), (c1, pace(2e-4))]);
+    let mut router = Router::new(vec![v0.report, v1.report], 64).with_paces(paces);
+    // The flood's prompts queued on the fast chip: 120 tokens, 12 ms there.
+    router.chips.get_mut(&c0).expect("c0").work.prompt_tokens = 120;
+    let decide = |past| router.decide(1, &[], None, 60, 61, &[], 0, past).placed.map(|p| p.decode);
+    assert_eq!(decide(None), Some(c1), "behind the flood (18 ms) the slower idle chip (12 ms) is first");
+    assert_eq!(decide(Some(1)), Some(c0), "before the flood: the fast chip (6 ms)");
 }
 
 /// VTC's lift at the router: a tenant whose request arrives while none of its requests

@@ -858,7 +858,8 @@ fn only_overload_failures(r: &Report) {
 /// 32 mixed chips in virtual time: a tenant flooding the cluster with several times
 /// what it serves does not hold up a light tenant's first tokens (fair queuing in the
 /// router's queue, the prefill chips' batchers and the decode chips' claims, and fair
-/// preemption). Every request of the light tenant is served; the flood's excess gets
+/// preemption; the light tenant's request past the prompt bound takes the chip that
+/// computes it first, and its lone prompt a step of its own). Every request of the light tenant is served; the flood's excess gets
 /// 429s from the router's queue; no block leaks.
 #[test]
 fn a_flooding_tenant_does_not_hold_up_a_light_one_on_32_chips() {
@@ -873,7 +874,8 @@ fn a_flooding_tenant_does_not_hold_up_a_light_one_on_32_chips() {
     let p50 = |t: &tessera_sim::report::TenantEnd| t.ttft.map_or(f64::INFINITY, |l| l.p50_ms);
     // Served first come first served, the light tenant would wait behind the flood.
     assert!(p50(light) * 10.0 < p50(flood), "light {} ms, flood {} ms", p50(light), p50(flood));
-    assert!(p50(light) < 3.0 * p50(light_alone), "light {} ms, alone {} ms", p50(light), p50(light_alone));
+    // The bound: within 1.5x of alone (1.33x at this writing).
+    assert!(p50(light) < 1.5 * p50(light_alone), "light {} ms, alone {} ms", p50(light), p50(light_alone));
 }
 
 /// Two tenants both offering far more than 32 chips serve, weighted 2:1: while the
